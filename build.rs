@@ -1,0 +1,307 @@
+//! Build script of mesa-kernels-sys: one kernel source, two builds.
+//!
+//! 1. Host emulation (always): every `kernels/*.cu` is compiled by the system C++20 compiler
+//!    with `kernels/emu/cuda_emu.h` force-included, plus the emulator runtime, into the
+//!    static library `mesa_kernels_emu` (entry points `mesa_emu_*`).
+//! 2. CUDA (when nvcc is found): the same files through the `cc` crate's CUDA mode into
+//!    `mesa_kernels_cuda_*` (entry points `mesa_*`), SASS for every listed architecture plus
+//!    PTX for the highest, linked with the static CUDA runtime. Without nvcc, a generated
+//!    stub makes every `mesa_*` entry point return `MESA_STATUS_CUDA_NOT_BUILT`, and the
+//!    build prints a cargo warning.
+//!
+//! Environment:
+//! * `NVCC`, then `CUDA_HOME`/`CUDA_PATH` (`bin/nvcc`), then `PATH`: which nvcc.
+//! * `MESA_CUDA_ARCHS`: comma-separated compute capabilities, default `80,90`; accepted
+//!   spellings `90`, `9.0`, `sm_90`, `compute_90`, `90a` (arch-specific, SASS only).
+//!   PTX is embedded for the highest non-`a` entry.
+//! * `MESA_CUDA_DISABLE=1`: build the emulation only, even if nvcc is present.
+//! * feature `regenerate-bindings`: run bindgen on `kernels/include/mesa_kernels.h` and
+//!   fail if `src/bindings.rs` differs (`MESA_WRITE_BINDINGS=1` rewrites it instead).
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+const DEFAULT_ARCHS: &str = "80,90";
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let kernels = manifest.join("kernels");
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=kernels");
+    for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "MESA_CUDA_ARCHS", "MESA_CUDA_DISABLE", "MESA_WRITE_BINDINGS"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+
+    let sources = kernel_sources(&kernels);
+    build_emulation(&kernels, &sources);
+
+    let cuda = if env::var("MESA_CUDA_DISABLE").is_ok_and(|v| v == "1") {
+        None
+    } else {
+        find_nvcc()
+    };
+    let (cuda_built, archs_text) = match cuda {
+        Some(nvcc) => {
+            let archs = match parse_archs(&env::var("MESA_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.into())) {
+                Ok(a) => a,
+                Err(msg) => fail(&format!("MESA_CUDA_ARCHS: {msg}")),
+            };
+            build_cuda(&nvcc, &kernels, &sources, &archs);
+            (true, archs.iter().map(|a| a.label()).collect::<Vec<_>>().join(","))
+        }
+        None => {
+            println!(
+                "cargo:warning=mesa-kernels-sys: nvcc not found (NVCC, CUDA_HOME, CUDA_PATH, PATH); \
+                 building the host emulation only. CUDA entry points will return MESA_STATUS_CUDA_NOT_BUILT."
+            );
+            build_cuda_stub(&kernels, &out);
+            (false, String::new())
+        }
+    };
+    fs::write(
+        out.join("build_info.rs"),
+        format!(
+            "/// True when the CUDA kernels were compiled (nvcc was found at build time).\n\
+             pub const CUDA_BUILT: bool = {cuda_built};\n\
+             /// The architectures compiled into the CUDA library (`sm_XX` = SASS, `compute_XX` = PTX).\n\
+             pub const CUDA_ARCHS: &str = \"{archs_text}\";\n"
+        ),
+    )
+    .unwrap_or_else(|e| fail(&format!("cannot write build_info.rs: {e}")));
+
+    #[cfg(feature = "regenerate-bindings")]
+    regenerate_bindings(&manifest, &out);
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("error: mesa-kernels-sys build: {msg}");
+    std::process::exit(1);
+}
+
+fn kernel_sources(kernels: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(kernels)
+        .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", kernels.display())))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .collect();
+    v.sort();
+    v
+}
+
+fn build_emulation(kernels: &Path, sources: &[PathBuf]) {
+    let mut b = cc::Build::new();
+    b.cpp(true)
+        .std("c++20")
+        .include(kernels.join("include"))
+        .include(kernels)
+        .include(kernels.join("emu"))
+        // Kernel semantics must not depend on the profile: always optimised, no contraction of
+        // a*b+c into FMA (kernels write fmaf where they want one, as on the GPU), no
+        // type-based aliasing (16-byte vector access reinterprets element arrays).
+        .debug(false)
+        .opt_level(2)
+        .flag("-ffp-contract=off")
+        .flag("-fno-strict-aliasing")
+        .flag("-pthread")
+        .warnings(false);
+    b.file(kernels.join("emu").join("emu_runtime.cpp"));
+    // The .cu files are C++ to the host compiler; the emulation header is force-included.
+    let emu_header = kernels.join("emu").join("cuda_emu.h");
+    b.flag("-include").flag(emu_header.to_str().unwrap_or_else(|| fail("non-UTF-8 path")));
+    b.flag("-x").flag("c++");
+    for s in sources {
+        b.file(s);
+    }
+    b.compile("mesa_kernels_emu");
+    println!("cargo:rustc-link-lib=pthread");
+}
+
+fn find_nvcc() -> Option<PathBuf> {
+    if let Ok(p) = env::var("NVCC") {
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Some(p);
+        }
+        println!("cargo:warning=mesa-kernels-sys: NVCC={} is not a file; looking elsewhere", p.display());
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(root) = env::var(var) {
+            let p = Path::new(&root).join("bin").join("nvcc");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    println!("cargo:rerun-if-env-changed=PATH");
+    let path = env::var_os("PATH")?;
+    env::split_paths(&path).map(|d| d.join("nvcc")).find(|p| p.is_file())
+}
+
+/// One compute capability from MESA_CUDA_ARCHS.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Arch {
+    cc: u32,
+    /// `a` suffix: architecture-specific features, SASS only, no forward compatibility.
+    specific: bool,
+}
+
+impl Arch {
+    fn label(&self) -> String {
+        format!("sm_{}{}", self.cc, if self.specific { "a" } else { "" })
+    }
+}
+
+fn parse_archs(s: &str) -> Result<Vec<Arch>, String> {
+    let mut v = Vec::new();
+    for raw in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        let t = raw.trim_start_matches("sm_").trim_start_matches("compute_");
+        let (t, specific) = match t.strip_suffix('a') {
+            Some(rest) => (rest, true),
+            None => (t, false),
+        };
+        let digits: String = if let Some((maj, min)) = t.split_once('.') {
+            format!("{maj}{min}")
+        } else {
+            t.to_string()
+        };
+        let cc: u32 = digits
+            .parse()
+            .map_err(|_| format!("`{raw}` is not a compute capability (expected e.g. 80, 8.0, sm_90, 90a)"))?;
+        if !(75..=130).contains(&cc) {
+            return Err(format!("`{raw}`: compute capability {cc} is outside what CUDA 13 supports (75..=121)"));
+        }
+        if cc < 80 {
+            return Err(format!("`{raw}`: the kernels need bf16 arithmetic, i.e. sm_80 or newer"));
+        }
+        v.push(Arch { cc, specific });
+    }
+    if v.is_empty() {
+        return Err("empty architecture list".into());
+    }
+    v.sort();
+    v.dedup();
+    Ok(v)
+}
+
+fn build_cuda(nvcc: &Path, kernels: &Path, sources: &[PathBuf], archs: &[Arch]) {
+    let mut gencode = Vec::new();
+    for a in archs {
+        let name = if a.specific { format!("{}a", a.cc) } else { a.cc.to_string() };
+        gencode.push(format!("-gencode=arch=compute_{name},code=sm_{name}"));
+    }
+    if let Some(ptx) = archs.iter().filter(|a| !a.specific).max() {
+        gencode.push(format!("-gencode=arch=compute_{0},code=compute_{0}", ptx.cc));
+    }
+    // The wheel layout (nvidia/cu13/{bin,lib}) and the toolkit layout (bin, lib64).
+    let root = nvcc.parent().and_then(Path::parent).map(Path::to_path_buf).unwrap_or_default();
+    for lib in [root.join("lib"), root.join("lib64")] {
+        if lib.join("libcudart_static.a").is_file() {
+            println!("cargo:rustc-link-search=native={}", lib.display());
+        }
+    }
+    // cc picks nvcc from NVCC (and then wraps host flags in -Xcompiler); set it to what we
+    // found before any thread starts.
+    env::set_var("NVCC", nvcc);
+    // One cc::Build per file: with a single .cu per build, cc does not compile with
+    // relocatable device code, so each kernel is optimised whole. Built in parallel.
+    std::thread::scope(|scope| {
+        for src in sources {
+            let gencode = gencode.clone();
+            scope.spawn(move || {
+                let stem = src.file_stem().and_then(|s| s.to_str()).unwrap_or("kernel").to_string();
+                let mut b = cc::Build::new();
+                b.cuda(true)
+                    .cudart("static")
+                    .include(kernels.join("include"))
+                    .include(kernels)
+                    // cc passes -G (unoptimised device code) in debug profiles: never for kernels.
+                    .debug(false)
+                    .opt_level(3)
+                    .flag("-std=c++17")
+                    .flag("-Xptxas=-warn-spills")
+                    .warnings(false)
+                    .file(src);
+                for g in &gencode {
+                    b.flag(g);
+                }
+                b.compile(&format!("mesa_kernels_cuda_{stem}"));
+            });
+        }
+    });
+    for lib in ["dl", "rt", "pthread"] {
+        println!("cargo:rustc-link-lib={lib}");
+    }
+}
+
+/// Without nvcc: every `mesa_*` entry point declared in the headers returns
+/// MESA_STATUS_CUDA_NOT_BUILT. The list comes from the MESA_DECLARE_ENTRY lines, so it
+/// cannot miss one.
+fn build_cuda_stub(kernels: &Path, out: &Path) {
+    let mut body = String::from("#include \"mesa_kernels.h\"\n#include <stddef.h>\n");
+    let include = kernels.join("include");
+    let mut headers: Vec<PathBuf> = fs::read_dir(&include)
+        .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", include.display())))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "h"))
+        .collect();
+    headers.sort();
+    for h in headers {
+        let text = fs::read_to_string(&h).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", h.display())));
+        for line in text.lines() {
+            let line = line.trim();
+            if let Some(rest) = line.strip_prefix("MESA_DECLARE_ENTRY(") {
+                let inner = rest.trim_end_matches(')');
+                if let Some((name, args)) = inner.split_once(',') {
+                    let (name, args) = (name.trim(), args.trim());
+                    body.push_str(&format!(
+                        "MesaStatus mesa_{name}(const {args}* args, void* stream) {{\n  (void)args; (void)stream;\n  return MESA_STATUS_CUDA_NOT_BUILT;\n}}\n"
+                    ));
+                }
+            }
+        }
+    }
+    let stub = out.join("mesa_cuda_stub.c");
+    fs::write(&stub, body).unwrap_or_else(|e| fail(&format!("cannot write stub: {e}")));
+    cc::Build::new().include(&include).file(&stub).warnings(false).compile("mesa_kernels_cuda_stub");
+}
+
+#[cfg(feature = "regenerate-bindings")]
+fn regenerate_bindings(manifest: &Path, out: &Path) {
+    let header = manifest.join("kernels").join("include").join("mesa_kernels.h");
+    let generated = bindgen::Builder::default()
+        .header(header.to_string_lossy())
+        .clang_arg(format!("-I{}", manifest.join("kernels").join("include").display()))
+        .allowlist_type("Mesa.*")
+        .allowlist_function("mesa_.*")
+        .allowlist_var("MESA_.*")
+        .use_core()
+        .prepend_enum_name(false)
+        .derive_default(true)
+        .derive_copy(true)
+        .derive_debug(true)
+        .layout_tests(true)
+        .generate_comments(true)
+        .generate()
+        .unwrap_or_else(|e| fail(&format!("bindgen: {e}")))
+        .to_string();
+    let text = format!(
+        "// Generated by bindgen from kernels/include/mesa_kernels.h — do not edit.\n\
+         // Regenerate: MESA_WRITE_BINDINGS=1 cargo build -p mesa-kernels-sys --features regenerate-bindings\n{generated}"
+    );
+    let _ = fs::write(out.join("bindings.rs"), &text);
+    let committed = manifest.join("src").join("bindings.rs");
+    let current = fs::read_to_string(&committed).unwrap_or_default();
+    if current != text {
+        if env::var("MESA_WRITE_BINDINGS").is_ok_and(|v| v == "1") {
+            fs::write(&committed, text).unwrap_or_else(|e| fail(&format!("cannot write bindings: {e}")));
+            println!("cargo:warning=mesa-kernels-sys: rewrote src/bindings.rs");
+        } else {
+            fail(
+                "src/bindings.rs is stale: it differs from what bindgen generates from \
+                 kernels/include/mesa_kernels.h. Run: MESA_WRITE_BINDINGS=1 cargo build -p \
+                 mesa-kernels-sys --features regenerate-bindings",
+            );
+        }
+    }
+}

@@ -1,0 +1,496 @@
+//! Backends and memory: a CUDA stream (through cudarc) or the host emulation.
+//!
+//! Every op takes a [`Device`] and buffers of that device. On CUDA, ops are stream-ordered:
+//! they enqueue work on the device's stream and return without synchronising (except the
+//! few methods documented as "synchronises", which read results back to the host). The
+//! emulation runs the same kernel source on host threads, synchronously, on host memory.
+//!
+//! Stream contract (CUDA): buffers passed to an op must stay alive until the op's work has
+//! completed on the stream. cudarc's `CudaSlice` records events on use and waits for them
+//! before freeing, so passing `CudaSlice`/`CudaView` is safe across streams; raw device
+//! pointers ([`RawDeviceSlice`]) carry no such tracking and are the caller's responsibility.
+use std::ffi::c_void;
+use std::panic::catch_unwind;
+use std::sync::Arc;
+
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
+
+use crate::error::{Error, Result};
+
+/// Plain data a [`Buffer`] can hold (element types, codes, per-group parameters).
+pub trait Storage: Copy + Default + Send + Sync + DeviceRepr + ValidAsZeroBits + 'static {}
+impl<T: Copy + Default + Send + Sync + DeviceRepr + ValidAsZeroBits + 'static> Storage for T {}
+
+/// Where kernels run.
+#[derive(Clone)]
+pub struct Device {
+    kind: Kind,
+}
+
+#[derive(Clone)]
+pub(crate) enum Kind {
+    Cuda(Arc<CudaStream>),
+    Emulator,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.description())
+    }
+}
+
+impl Device {
+    /// The host emulation: the same kernel source compiled for the CPU. Always available.
+    /// Not a performance backend; it exists so that every test runs on every machine.
+    #[must_use]
+    pub fn emulator() -> Self {
+        Device { kind: Kind::Emulator }
+    }
+
+    /// CUDA device `ordinal`, on a new non-blocking stream of its primary context.
+    ///
+    /// # Errors
+    /// [`Error::CudaNotBuilt`] when the library has no CUDA kernels; [`Error::NoCudaDevice`]
+    /// when the driver library is missing, no device is visible (`CUDA_VISIBLE_DEVICES=""`)
+    /// or the context cannot be created. Never panics.
+    pub fn cuda(ordinal: usize) -> Result<Self> {
+        if !mesa_kernels_sys::CUDA_BUILT {
+            return Err(Error::CudaNotBuilt);
+        }
+        // SAFETY: only probes whether the driver library can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::NoCudaDevice("the CUDA driver library (libcuda) is not installed".into()));
+        }
+        let ctx = catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| Error::NoCudaDevice("the CUDA driver could not be initialised".into()))?
+            .map_err(|e| Error::NoCudaDevice(format!("device {ordinal}: {e:?}")))?;
+        let stream = ctx.new_stream()?;
+        Ok(Device { kind: Kind::Cuda(stream) })
+    }
+
+    /// Uses an existing cudarc stream (e.g. a candle device's stream).
+    ///
+    /// # Errors
+    /// [`Error::CudaNotBuilt`] when the library has no CUDA kernels.
+    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        if !mesa_kernels_sys::CUDA_BUILT {
+            return Err(Error::CudaNotBuilt);
+        }
+        Ok(Device { kind: Kind::Cuda(stream) })
+    }
+
+    /// CUDA device 0 if it can be used, otherwise the emulation.
+    #[must_use]
+    pub fn best_available() -> Self {
+        Device::cuda(0).unwrap_or_else(|_| Device::emulator())
+    }
+
+    /// True for a CUDA device.
+    #[must_use]
+    pub fn is_cuda(&self) -> bool {
+        matches!(self.kind, Kind::Cuda(_))
+    }
+
+    /// The cudarc stream of a CUDA device.
+    #[must_use]
+    pub fn stream(&self) -> Option<&Arc<CudaStream>> {
+        match &self.kind {
+            Kind::Cuda(s) => Some(s),
+            Kind::Emulator => None,
+        }
+    }
+
+    /// A short human-readable name: the GPU's name and compute capability, or the emulation.
+    #[must_use]
+    pub fn description(&self) -> String {
+        match &self.kind {
+            Kind::Cuda(s) => {
+                let ctx = s.context();
+                let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+                match ctx.compute_capability() {
+                    Ok((a, b)) => format!("cuda:{} ({name}, sm_{a}{b})", ctx.ordinal()),
+                    Err(_) => format!("cuda:{} ({name})", ctx.ordinal()),
+                }
+            }
+            Kind::Emulator => "host emulation (not a performance backend)".into(),
+        }
+    }
+
+    /// Short backend name: `"cuda"` or `"emulator"`.
+    #[must_use]
+    pub fn backend_name(&self) -> &'static str {
+        match self.kind {
+            Kind::Cuda(_) => "cuda",
+            Kind::Emulator => "emulator",
+        }
+    }
+
+    /// Waits for all work enqueued on this device's stream (no-op for the emulation).
+    ///
+    /// # Errors
+    /// A CUDA error reported by the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.kind {
+            Kind::Cuda(s) => Ok(s.synchronize()?),
+            Kind::Emulator => Ok(()),
+        }
+    }
+
+    /// Allocates `len` zeroed elements.
+    ///
+    /// # Errors
+    /// A CUDA allocation error.
+    pub fn alloc_zeros<T: Storage>(&self, len: usize) -> Result<Buffer<T>> {
+        match &self.kind {
+            Kind::Cuda(s) => Ok(Buffer::Cuda(s.alloc_zeros::<T>(len)?)),
+            Kind::Emulator => Ok(Buffer::Host(vec![T::default(); len])),
+        }
+    }
+
+    /// Allocates `len` elements whose contents are unspecified until a kernel writes them
+    /// (stream-ordered `cuMemAllocAsync` on CUDA; zeroed host memory for the emulation).
+    pub(crate) fn alloc_for_kernel<T: Storage>(&self, len: usize) -> Result<Buffer<T>> {
+        match &self.kind {
+            // SAFETY: every caller hands the buffer to a kernel that writes all `len`
+            // elements before anything reads them.
+            Kind::Cuda(s) => Ok(Buffer::Cuda(unsafe { s.alloc::<T>(len) }?)),
+            Kind::Emulator => Ok(Buffer::Host(vec![T::default(); len])),
+        }
+    }
+
+    /// Copies host data to a new buffer of this device.
+    ///
+    /// # Errors
+    /// A CUDA allocation or copy error.
+    pub fn upload<T: Storage>(&self, data: &[T]) -> Result<Buffer<T>> {
+        match &self.kind {
+            Kind::Cuda(s) => Ok(Buffer::Cuda(s.clone_htod(data)?)),
+            Kind::Emulator => Ok(Buffer::Host(data.to_vec())),
+        }
+    }
+
+    /// Copies host data into an existing buffer of this device (same length).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] on a length mismatch, [`Error::WrongBackend`], or a CUDA error.
+    pub fn copy_into<T: Storage>(&self, data: &[T], dst: &mut Buffer<T>) -> Result<()> {
+        if data.len() != dst.len() {
+            return Err(Error::Shape(format!("copy of {} elements into a buffer of {}", data.len(), dst.len())));
+        }
+        match (&self.kind, dst) {
+            (Kind::Cuda(s), Buffer::Cuda(d)) => Ok(s.memcpy_htod(data, d)?),
+            (Kind::Emulator, Buffer::Host(d)) => {
+                d.copy_from_slice(data);
+                Ok(())
+            }
+            _ => Err(Error::WrongBackend("buffer and device belong to different backends".into())),
+        }
+    }
+
+    pub(crate) fn kind(&self) -> &Kind {
+        &self.kind
+    }
+
+    /// The device's compute capability (CUDA only), for error messages.
+    pub(crate) fn compute_capability(&self) -> Option<(i32, i32)> {
+        match &self.kind {
+            Kind::Cuda(s) => s.context().compute_capability().ok(),
+            Kind::Emulator => None,
+        }
+    }
+}
+
+/// An owned buffer of one backend: device memory (a cudarc `CudaSlice`) or host memory
+/// for the emulation.
+pub enum Buffer<T> {
+    /// CUDA device memory.
+    Cuda(CudaSlice<T>),
+    /// Host memory (emulation backend).
+    Host(Vec<T>),
+}
+
+impl<T: Storage> Buffer<T> {
+    /// Number of elements.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::Cuda(s) => s.len(),
+            Buffer::Host(v) => v.len(),
+        }
+    }
+
+    /// True when empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Size in bytes.
+    #[must_use]
+    pub fn size_in_bytes(&self) -> usize {
+        self.len() * std::mem::size_of::<T>()
+    }
+
+    /// Copies the contents to the host. Synchronises the buffer's stream on CUDA.
+    ///
+    /// # Errors
+    /// A CUDA copy error.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        match self {
+            Buffer::Cuda(s) => Ok(s.stream().clone_dtoh(s)?),
+            Buffer::Host(v) => Ok(v.clone()),
+        }
+    }
+}
+
+/// A device allocation that cudarc does not own (a framework's own allocator), given as a
+/// raw device pointer and a length in elements. No event tracking: see the module docs.
+#[derive(Debug)]
+pub struct RawDeviceSlice<T> {
+    ptr: u64,
+    len: usize,
+    _t: std::marker::PhantomData<*const T>,
+}
+
+impl<T> Clone for RawDeviceSlice<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for RawDeviceSlice<T> {}
+
+impl<T> RawDeviceSlice<T> {
+    /// Wraps `len` elements of device memory at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must be a device allocation of the device the op runs on, valid for `len`
+    /// elements of `T` for as long as work using it is pending on the stream, and not be
+    /// written by other work concurrently with an op that reads it (or read/written
+    /// concurrently with an op that writes it).
+    #[must_use]
+    pub unsafe fn new(ptr: u64, len: usize) -> Self {
+        RawDeviceSlice { ptr, len, _t: std::marker::PhantomData }
+    }
+}
+
+/// Read access to memory an op can use: implemented for [`Buffer`], cudarc's `CudaSlice` /
+/// `CudaView`, [`RawDeviceSlice`] (CUDA) and host slices / `Vec` (emulation).
+pub trait DeviceMemory<T> {
+    /// A borrowed view of the memory.
+    fn mem_ref(&self) -> MemRef<'_, T>;
+}
+
+/// Write access to memory an op can use (see [`DeviceMemory`]).
+pub trait DeviceMemoryMut<T> {
+    /// A mutably borrowed view of the memory.
+    fn mem_mut(&mut self) -> MemMut<'_, T>;
+}
+
+/// Borrowed memory of some backend.
+pub enum MemRef<'a, T> {
+    /// cudarc device memory.
+    Cuda(CudaView<'a, T>),
+    /// Foreign device memory.
+    Raw(RawDeviceSlice<T>),
+    /// Host memory.
+    Host(&'a [T]),
+}
+
+/// Mutably borrowed memory of some backend.
+pub enum MemMut<'a, T> {
+    /// cudarc device memory.
+    Cuda(CudaViewMut<'a, T>),
+    /// Foreign device memory.
+    Raw(RawDeviceSlice<T>),
+    /// Host memory.
+    Host(&'a mut [T]),
+}
+
+impl<T> MemRef<'_, T> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            MemRef::Cuda(v) => cudarc::driver::DeviceSlice::len(v),
+            MemRef::Raw(r) => r.len,
+            MemRef::Host(s) => s.len(),
+        }
+    }
+}
+
+impl<T> MemMut<'_, T> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            MemMut::Cuda(v) => cudarc::driver::DeviceSlice::len(v),
+            MemMut::Raw(r) => r.len,
+            MemMut::Host(s) => s.len(),
+        }
+    }
+}
+
+impl<T> DeviceMemory<T> for Buffer<T> {
+    fn mem_ref(&self) -> MemRef<'_, T> {
+        match self {
+            Buffer::Cuda(s) => MemRef::Cuda(s.as_view()),
+            Buffer::Host(v) => MemRef::Host(v),
+        }
+    }
+}
+impl<T> DeviceMemoryMut<T> for Buffer<T> {
+    fn mem_mut(&mut self) -> MemMut<'_, T> {
+        match self {
+            Buffer::Cuda(s) => MemMut::Cuda(s.as_view_mut()),
+            Buffer::Host(v) => MemMut::Host(v),
+        }
+    }
+}
+impl<T> DeviceMemory<T> for CudaSlice<T> {
+    fn mem_ref(&self) -> MemRef<'_, T> {
+        MemRef::Cuda(self.as_view())
+    }
+}
+impl<T> DeviceMemoryMut<T> for CudaSlice<T> {
+    fn mem_mut(&mut self) -> MemMut<'_, T> {
+        MemMut::Cuda(self.as_view_mut())
+    }
+}
+impl<T> DeviceMemory<T> for CudaView<'_, T> {
+    fn mem_ref(&self) -> MemRef<'_, T> {
+        MemRef::Cuda(self.slice(..))
+    }
+}
+impl<T> DeviceMemoryMut<T> for CudaViewMut<'_, T> {
+    fn mem_mut(&mut self) -> MemMut<'_, T> {
+        MemMut::Cuda(self.slice_mut(..))
+    }
+}
+impl<T> DeviceMemory<T> for RawDeviceSlice<T> {
+    fn mem_ref(&self) -> MemRef<'_, T> {
+        MemRef::Raw(*self)
+    }
+}
+impl<T> DeviceMemoryMut<T> for RawDeviceSlice<T> {
+    fn mem_mut(&mut self) -> MemMut<'_, T> {
+        MemMut::Raw(*self)
+    }
+}
+impl<T> DeviceMemory<T> for [T] {
+    fn mem_ref(&self) -> MemRef<'_, T> {
+        MemRef::Host(self)
+    }
+}
+impl<T> DeviceMemoryMut<T> for [T] {
+    fn mem_mut(&mut self) -> MemMut<'_, T> {
+        MemMut::Host(self)
+    }
+}
+impl<T> DeviceMemory<T> for Vec<T> {
+    fn mem_ref(&self) -> MemRef<'_, T> {
+        MemRef::Host(self)
+    }
+}
+impl<T> DeviceMemoryMut<T> for Vec<T> {
+    fn mem_mut(&mut self) -> MemMut<'_, T> {
+        MemMut::Host(self)
+    }
+}
+
+/// A pointer ready for a kernel argument struct, with the cudarc guard that records the
+/// access on the stream when dropped (after the launch).
+pub(crate) struct Ptr<'a> {
+    pub addr: *mut c_void,
+    _guard: Option<SyncOnDrop<'a>>,
+}
+
+fn check_align<T>(addr: u64, what: &'static str) -> Result<()> {
+    let align = std::mem::align_of::<T>();
+    if addr % align as u64 != 0 {
+        return Err(Error::Misaligned { what, align });
+    }
+    Ok(())
+}
+
+fn same_context(view_stream: &CudaStream, stream: &CudaStream) -> Result<()> {
+    if view_stream.context().cu_ctx() != stream.context().cu_ctx() {
+        return Err(Error::WrongBackend("buffer belongs to a different CUDA context (device) than the stream".into()));
+    }
+    Ok(())
+}
+
+impl Device {
+    /// The address of `m` for a kernel that reads it (element `offset` onward).
+    pub(crate) fn read_ptr<'a, T>(&'a self, m: &'a MemRef<'a, T>, offset: usize, what: &'static str) -> Result<Ptr<'a>> {
+        let elem = std::mem::size_of::<T>() as u64;
+        match (&self.kind, m) {
+            (Kind::Cuda(s), MemRef::Cuda(v)) => {
+                same_context(cudarc::driver::DeviceSlice::stream(v), s)?;
+                let (p, g) = v.device_ptr(s);
+                Ok(Ptr { addr: (p + offset as u64 * elem) as *mut c_void, _guard: Some(g) })
+            }
+            (Kind::Cuda(_), MemRef::Raw(r)) => {
+                check_align::<T>(r.ptr, what)?;
+                Ok(Ptr { addr: (r.ptr + offset as u64 * elem) as *mut c_void, _guard: None })
+            }
+            (Kind::Emulator, MemRef::Host(h)) => {
+                // offset <= len is checked by the caller's layout validation
+                Ok(Ptr { addr: h.as_ptr().wrapping_add(offset) as *mut c_void, _guard: None })
+            }
+            (Kind::Emulator, _) => Err(Error::WrongBackend(format!("{what}: device memory given to the emulator"))),
+            (Kind::Cuda(_), MemRef::Host(_)) => {
+                Err(Error::WrongBackend(format!("{what}: host memory given to the CUDA backend")))
+            }
+        }
+    }
+
+    /// The address of `m` for a kernel that writes it (element `offset` onward).
+    pub(crate) fn write_ptr<'a, T>(
+        &'a self,
+        m: &'a mut MemMut<'a, T>,
+        offset: usize,
+        what: &'static str,
+    ) -> Result<Ptr<'a>> {
+        let elem = std::mem::size_of::<T>() as u64;
+        match (&self.kind, m) {
+            (Kind::Cuda(s), MemMut::Cuda(v)) => {
+                same_context(cudarc::driver::DeviceSlice::stream(v), s)?;
+                let (p, g) = v.device_ptr_mut(s);
+                Ok(Ptr { addr: (p + offset as u64 * elem) as *mut c_void, _guard: Some(g) })
+            }
+            (Kind::Cuda(_), MemMut::Raw(r)) => {
+                check_align::<T>(r.ptr, what)?;
+                Ok(Ptr { addr: (r.ptr + offset as u64 * elem) as *mut c_void, _guard: None })
+            }
+            (Kind::Emulator, MemMut::Host(h)) => {
+                Ok(Ptr { addr: h.as_mut_ptr().wrapping_add(offset) as *mut c_void, _guard: None })
+            }
+            (Kind::Emulator, _) => Err(Error::WrongBackend(format!("{what}: device memory given to the emulator"))),
+            (Kind::Cuda(_), MemMut::Host(_)) => {
+                Err(Error::WrongBackend(format!("{what}: host memory given to the CUDA backend")))
+            }
+        }
+    }
+
+    /// Calls a kernel entry point of the right build: `cuda` on a CUDA device (with the
+    /// stream's context bound to this thread), `emu` for the emulation.
+    ///
+    /// # Safety
+    /// `args` must describe memory that the kernel may access as documented by its header.
+    pub(crate) unsafe fn launch<A>(
+        &self,
+        op: &'static str,
+        args: &A,
+        cuda: unsafe extern "C" fn(*const A, *mut c_void) -> mesa_kernels_sys::MesaStatus,
+        emu: unsafe extern "C" fn(*const A, *mut c_void) -> mesa_kernels_sys::MesaStatus,
+    ) -> Result<()> {
+        let status = match &self.kind {
+            Kind::Cuda(s) => {
+                // a launch from a thread whose current context is another device's would go
+                // to the wrong device: bind the stream's context first
+                s.context().bind_to_thread()?;
+                // SAFETY: forwarded from the caller's contract.
+                unsafe { cuda(args, s.cu_stream() as *mut c_void) }
+            }
+            // SAFETY: forwarded from the caller's contract.
+            Kind::Emulator => unsafe { emu(args, std::ptr::null_mut()) },
+        };
+        crate::error::check_status(op, status, if status == 0 { None } else { self.compute_capability() })
+    }
+}

@@ -1,0 +1,61 @@
+//! # mesa-kernels
+//!
+//! Hand-written CUDA kernels with safe Rust bindings that make transformer training fit in
+//! less GPU memory:
+//!
+//! * [`quant`]: activation compression (Mesa, Pan et al. 2021): exact forward, the copy
+//!   saved for backward kept as 8/4/2-bit codes with per-head offset and scale learned by
+//!   running estimates.
+//!
+//! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
+//! streams pass straight in) or the host emulation, which compiles the same kernel source
+//! for the CPU so that every test runs without a GPU. Errors are values ([`Error`]), checked
+//! before launch; nothing panics on bad input. [`reference`] holds an independent f64
+//! implementation of every op.
+//!
+//! ```
+//! use mesa_kernels::{Device, Layout, Quantizer, QuantConfig};
+//!
+//! # fn main() -> mesa_kernels::Result<()> {
+//! let device = Device::best_available();
+//! // an activation [B, N, H, D] = [2, 4, 3, 8]: one group per head (axis 2)
+//! let shape = [2, 4, 3, 8];
+//! let host: Vec<f32> = (0..2 * 4 * 3 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let x = device.upload(&host)?;
+//! let layout = Layout::contiguous(&shape);
+//!
+//! let mut quantizer = Quantizer::new(&device, QuantConfig::per_head(2))?;
+//! let saved = quantizer.quantize(&x, &layout)?;          // forward: keep 1 byte/element
+//! assert!(saved.size_in_bytes() < host.len() * 4 / 3);
+//!
+//! let mut restored = device.alloc_zeros::<f32>(host.len())?; // backward: decode
+//! saved.dequantize(&device, &mut restored, &layout)?;
+//! let restored = restored.to_vec()?;
+//! let step = saved.params()?.iter().map(|p| p.scale).fold(0.0f32, f32::max);
+//! assert!(host.iter().zip(&restored).all(|(a, b)| (a - b).abs() <= 0.5 * step * 1.0001));
+//! # Ok(())
+//! # }
+//! ```
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+mod device;
+mod dtype;
+mod error;
+mod layout;
+pub mod quant;
+pub mod reference;
+
+pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use layout::{Grouping, Layout, MAX_DIMS};
+pub use quant::{GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
+
+/// Build facts of the linked kernel library.
+pub mod build {
+    /// True when the CUDA kernels were compiled into this build.
+    pub const CUDA_BUILT: bool = mesa_kernels_sys::CUDA_BUILT;
+    /// Architectures of the CUDA build (`MESA_CUDA_ARCHS`), empty without CUDA.
+    pub const CUDA_ARCHS: &str = mesa_kernels_sys::CUDA_ARCHS;
+}

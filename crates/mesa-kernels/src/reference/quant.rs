@@ -1,0 +1,142 @@
+//! Reference for activation compression (Mesa §3): group statistics, affine codes, the
+//! running estimate, stochastic rounding, packing. f64 throughout, except where a value is
+//! defined as an f32 quantity (the stored parameters), which is said per function.
+use crate::error::Result;
+use crate::layout::Grouping;
+
+/// Group index of every element of a tensor of `shape`, in logical order.
+///
+/// # Errors
+/// As [`Grouping::num_groups`].
+pub fn group_index(shape: &[usize], grouping: &Grouping) -> Result<Vec<usize>> {
+    let n: usize = shape.iter().product();
+    let count = grouping.num_groups(shape)?;
+    let (axis, size) = match *grouping {
+        Grouping::Tensor => return Ok(vec![0; n]),
+        Grouping::Heads { axis } | Grouping::Channels { axis, .. } => (axis, shape[axis]),
+    };
+    let span = size / count;
+    let inner: usize = shape[axis + 1..].iter().product();
+    Ok((0..n).map(|i| ((i / inner) % size) / span).collect())
+}
+
+/// Per-group statistics of one batch: min and max over finite values, count of others.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Stats {
+    /// Minimum finite value (`+inf` if none).
+    pub min: f64,
+    /// Maximum finite value (`-inf` if none).
+    pub max: f64,
+    /// Number of NaN/±Inf values.
+    pub nonfinite: usize,
+}
+
+/// Statistics per group.
+#[must_use]
+pub fn group_stats(x: &[f64], groups: &[usize], count: usize) -> Vec<Stats> {
+    let mut s = vec![Stats { min: f64::INFINITY, max: f64::NEG_INFINITY, nonfinite: 0 }; count];
+    for (&v, &g) in x.iter().zip(groups) {
+        if v.is_finite() {
+            s[g].min = s[g].min.min(v);
+            s[g].max = s[g].max.max(v);
+        } else {
+            s[g].nonfinite += 1;
+        }
+    }
+    s
+}
+
+/// Largest code at `bits` bits: `2^bits − 1`.
+#[must_use]
+pub fn levels(bits: u32) -> f64 {
+    f64::from((1u32 << bits) - 1)
+}
+
+/// (offset, scale) from a group's statistics: `(min, (max − min) / levels)`; a group
+/// without finite values gets (0, 0).
+#[must_use]
+pub fn params_from_stats(s: &Stats, bits: u32) -> (f64, f64) {
+    if s.min > s.max {
+        return (0.0, 0.0);
+    }
+    (s.min, (s.max - s.min) / levels(bits))
+}
+
+/// One step of Mesa's running estimate (§3.3): `m · running + (1 − m) · batch`, per field.
+#[must_use]
+pub fn ema(running: (f64, f64), batch: (f64, f64), momentum: f64) -> (f64, f64) {
+    (
+        momentum * running.0 + (1.0 - momentum) * batch.0,
+        momentum * running.1 + (1.0 - momentum) * batch.1,
+    )
+}
+
+/// The real-valued code position `t = (x − offset) / scale` (0 for a zero scale).
+#[must_use]
+pub fn position(x: f64, offset: f64, scale: f64) -> f64 {
+    if scale > 0.0 {
+        (x - offset) / scale
+    } else {
+        0.0
+    }
+}
+
+/// Round-to-nearest code: `clamp(round_half_even(t), 0, levels)`.
+#[must_use]
+pub fn encode_nearest(x: f64, offset: f64, scale: f64, bits: u32) -> u32 {
+    let t = position(x, offset, scale);
+    t.round_ties_even().clamp(0.0, levels(bits)) as u32
+}
+
+/// Stochastic code for uniform `u ∈ [0, 1)`: `clamp(floor(t + u), 0, levels)`.
+#[must_use]
+pub fn encode_stochastic(x: f64, offset: f64, scale: f64, bits: u32, u: f64) -> u32 {
+    let t = position(x, offset, scale);
+    (t + u).floor().clamp(0.0, levels(bits)) as u32
+}
+
+/// Decoded value `code · scale + offset`.
+#[must_use]
+pub fn decode(code: u32, offset: f64, scale: f64) -> f64 {
+    f64::from(code) * scale + offset
+}
+
+/// Philox4x32-10 (Salmon et al., SC'11, "Parallel random numbers: as easy as 1, 2, 3"):
+/// counter `(lo, hi, 0, 0)`, key `(lo, hi)`.
+#[must_use]
+pub fn philox4x32_10(counter: u64, key: u64) -> [u32; 4] {
+    const M0: u64 = 0xD251_1F53;
+    const M1: u64 = 0xCD9E_8D57;
+    const W0: u32 = 0x9E37_79B9;
+    const W1: u32 = 0xBB67_AE85;
+    let mut c = [counter as u32, (counter >> 32) as u32, 0, 0];
+    let mut k = [key as u32, (key >> 32) as u32];
+    for _ in 0..10 {
+        let p0 = M0 * u64::from(c[0]);
+        let p1 = M1 * u64::from(c[2]);
+        c = [
+            ((p1 >> 32) as u32) ^ c[1] ^ k[0],
+            p1 as u32,
+            ((p0 >> 32) as u32) ^ c[3] ^ k[1],
+            p0 as u32,
+        ];
+        k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
+    }
+    c
+}
+
+/// The uniform number used for element `index` under Philox key `seed`:
+/// word `index % 4` of block `index / 4`, top 24 bits, scaled to `[0, 1)`.
+#[must_use]
+pub fn uniform(seed: u64, index: u64) -> f64 {
+    let w = philox4x32_10(index / 4, seed)[(index % 4) as usize];
+    f64::from(w >> 8) / 16_777_216.0
+}
+
+/// Unpacks `numel` codes of `bits` bits (first element in the least significant bits).
+#[must_use]
+pub fn unpack_codes(bytes: &[u8], numel: usize, bits: u32) -> Vec<u32> {
+    let per = 8 / bits as usize;
+    let mask = (1u32 << bits) - 1;
+    (0..numel).map(|i| (u32::from(bytes[i / per]) >> ((i % per) as u32 * bits)) & mask).collect()
+}

@@ -1,0 +1,211 @@
+// common.cuh — the small shared vocabulary of every kernel file: build switches, launch
+// macro, dtype conversion, 16-byte vector access, strided index arithmetic, warp/block
+// reductions and the Philox counter-based generator. Defined once, used everywhere.
+//
+// Two builds include this file:
+//   * nvcc (CUDA build):      __CUDACC__ defined, entry points named mesa_<op>;
+//   * host C++ (emulation):   cuda_emu.h force-included, MESA_EMU defined, mesa_emu_<op>.
+// Everything non-extern-"C" lives in namespace MESA_NS, distinct per build, so both static
+// libraries link into one binary without their template instances colliding.
+#pragma once
+
+#include "mesa_kernels.h"
+
+#ifdef MESA_EMU
+#define MESA_NS mesa_emu_kernels
+#define MESA_ENTRY(name) mesa_emu_##name
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#define MESA_NS mesa_cuda_kernels
+#define MESA_ENTRY(name) mesa_##name
+#endif
+
+namespace MESA_NS {
+
+constexpr int kWarpSize = 32;
+
+__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------------------
+// Launching. Launchers are host code in the same .cu file as their kernels; they return a
+// MesaStatus and never synchronise.
+#ifdef MESA_EMU
+#define MESA_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  ::mesa_emu::launch((grid), (block), (smem), false, [&]() { kernel(__VA_ARGS__); })
+#define MESA_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream, ...) \
+  ::mesa_emu::launch((grid), (block), (smem), true, [&]() { kernel(__VA_ARGS__); })
+#else
+#define MESA_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  (kernel<<<(grid), (block), (smem), (cudaStream_t)(stream)>>>(__VA_ARGS__), cudaGetLastError())
+#endif
+
+inline MesaStatus status_from(cudaError_t e) {
+  return e == cudaSuccess ? MESA_STATUS_OK : MesaStatus(MESA_STATUS_CUDA_ERROR_BASE + int(e));
+}
+
+// Number of multiprocessors of the current device (the emulation: its worker threads).
+// Launch policies size grid-stride grids from it.
+inline int sm_count() {
+#ifdef MESA_EMU
+  return ::mesa_emu::worker_count();
+#else
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  static int cached[64] = {0};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 1;
+  if (device >= 0 && device < 64) cached[device] = n;
+  return n;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// dtype conversion: all arithmetic is f32.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// 16 bytes of T: the unit of vectorised global memory access (LDG.128 / STG.128).
+template <typename T>
+struct alignas(16) Vec16 {
+  static constexpr int N = 16 / int(sizeof(T));
+  T v[N];
+};
+
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16(const T* p) {
+  Vec16<T> r;
+  *reinterpret_cast<int4*>(&r) = *reinterpret_cast<const int4*>(p);
+  return r;
+}
+template <typename T>
+__device__ __forceinline__ void store16(T* p, const Vec16<T>& r) {
+  *reinterpret_cast<int4*>(p) = *reinterpret_cast<const int4*>(&r);
+}
+
+// ---------------------------------------------------------------------------------------
+// Strided index arithmetic. Logical index i (row-major over shape) -> element offset.
+struct Strided {
+  int64_t shape[MESA_MAX_DIMS];
+  int64_t strides[MESA_MAX_DIMS];
+  int32_t ndim;
+
+  __device__ __forceinline__ int64_t offset(int64_t i) const {
+    int64_t off = 0;
+    // fully unrolled over the fixed maximum rank: shape/strides stay in registers
+#pragma unroll
+    for (int d = MESA_MAX_DIMS - 1; d >= 0; --d) {
+      if (d >= ndim) continue;
+      const int64_t n = shape[d];
+      const int64_t q = i / n;
+      off += (i - q * n) * strides[d];
+      i = q;
+    }
+    return off;
+  }
+};
+
+inline Strided strided_from(const MesaTensorDesc& d) {
+  Strided s{};
+  s.ndim = d.ndim;
+  for (int k = 0; k < MESA_MAX_DIMS; ++k) {
+    s.shape[k] = k < d.ndim ? d.shape[k] : 1;
+    s.strides[k] = k < d.ndim ? d.strides[k] : 0;
+  }
+  return s;
+}
+
+inline int64_t numel(const MesaTensorDesc& d) {
+  int64_t n = 1;
+  for (int k = 0; k < d.ndim; ++k) n *= d.shape[k];
+  return n;
+}
+
+// True when logical index i lives at element offset i (dense row-major).
+inline bool is_dense(const MesaTensorDesc& d) {
+  int64_t expect = 1;
+  for (int k = d.ndim - 1; k >= 0; --k) {
+    if (d.shape[k] != 1 && d.strides[k] != expect) return false;
+    expect *= d.shape[k];
+  }
+  return true;
+}
+
+inline bool desc_valid(const MesaTensorDesc& d) {
+  if (d.ndim < 0 || d.ndim > MESA_MAX_DIMS) return false;
+  if (d.dtype != MESA_DTYPE_F32 && d.dtype != MESA_DTYPE_F16 && d.dtype != MESA_DTYPE_BF16) return false;
+  for (int k = 0; k < d.ndim; ++k)
+    if (d.shape[k] < 0) return false;
+  return true;
+}
+
+inline int dtype_size(MesaDType t) { return t == MESA_DTYPE_F32 ? 4 : 2; }
+
+// ---------------------------------------------------------------------------------------
+// Reductions.
+__device__ __forceinline__ float warp_reduce_sum(float v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_reduce_max(float v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ unsigned warp_reduce_min_u32(unsigned v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) {
+    const unsigned w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w < v ? w : v;
+  }
+  return v;
+}
+__device__ __forceinline__ unsigned warp_reduce_max_u32(unsigned v) {
+  for (int o = kWarpSize / 2; o > 0; o /= 2) {
+    const unsigned w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// Order-preserving f32 <-> u32 key: a < b  <=>  key(a) < key(b) for finite a, b.
+__device__ __forceinline__ unsigned float_key(float f) {
+  const unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// ---------------------------------------------------------------------------------------
+// Philox4x32-10 (Salmon et al., SC'11): counter-based, so element i's random number depends
+// only on (seed, i) — the same on the GPU and the emulation, whatever the launch shape.
+struct Philox4 { unsigned x, y, z, w; };
+
+__device__ __forceinline__ Philox4 philox4x32_10(uint64_t counter, uint64_t key) {
+  unsigned c0 = unsigned(counter), c1 = unsigned(counter >> 32), c2 = 0u, c3 = 0u;
+  unsigned k0 = unsigned(key), k1 = unsigned(key >> 32);
+  for (int r = 0; r < 10; ++r) {
+    const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    const unsigned n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
+    c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return Philox4{c0, c1, c2, c3};
+}
+
+// u in [0, 1) with 24 random bits: exactly representable, never 1.0.
+__device__ __forceinline__ float uniform01(unsigned bits) { return float(bits >> 8) * (1.0f / 16777216.0f); }
+
+}  // namespace MESA_NS

@@ -1,0 +1,296 @@
+// cuda_emu.h — the CUDA built-ins our kernels use, for a plain C++20 host compiler.
+//
+// The kernels under kernels/*.cu are compiled twice: by nvcc for the GPU, and by the
+// system C++ compiler with this header force-included (`-include cuda_emu.h`) for the
+// host emulation that CI and machines without a GPU run. No CUDA header is needed.
+//
+// Execution model (see emu_runtime.cpp):
+//   * a launch hands blocks to a pool of OS worker threads (one block per worker at a time);
+//   * inside a block every CUDA thread is a fiber on that worker, so `__syncthreads`,
+//     warp shuffles and `__shared__` arrays behave as on the GPU;
+//   * a cooperative launch (MESA_LAUNCH_COOPERATIVE) runs every block at once, each on its own
+//     OS thread, so blocks that wait on each other through global memory make progress;
+//   * launches are synchronous: the stream argument is ignored and the entry point returns
+//     after the grid finished.
+// Only what the kernels use is provided; anything else fails to compile, which is the point.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <type_traits>
+
+#define MESA_EMU 1
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __launch_bounds__(...)
+#define __grid_constant__
+// One block runs on one OS thread at a time, so thread-local static storage is exactly
+// "one copy per resident block". Kernels must not rely on its contents at block start
+// (the GPU does not clear shared memory either).
+#define __shared__ static thread_local
+#define __align__(n) alignas(n)
+
+// ---------------------------------------------------------------------------------------
+// Index types
+struct uint3 { unsigned int x, y, z; };
+struct dim3 {
+  unsigned int x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace mesa_emu {
+struct ThreadState;
+// Per OS-thread (= per running block) state, set by the runtime.
+extern thread_local uint3 tl_block_idx;
+extern thread_local dim3 tl_block_dim;
+extern thread_local dim3 tl_grid_dim;
+extern thread_local ThreadState* tl_current;  // the fiber (CUDA thread) now running
+const uint3& thread_idx();
+void syncthreads();
+void syncwarp();
+void warp_exchange(const void* value, void* out, unsigned size, unsigned src_lane);
+unsigned warp_ballot(bool pred);
+void yield_thread();
+unsigned char* dynamic_smem();
+int worker_count();
+
+// A kernel launch: `body` runs once per CUDA thread. Returns a cudaError_t-like code
+// (0 = success, 9 = invalid configuration).
+int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
+           const std::function<void()>& body);
+}  // namespace mesa_emu
+
+#define threadIdx (::mesa_emu::thread_idx())
+#define blockIdx (::mesa_emu::tl_block_idx)
+#define blockDim (::mesa_emu::tl_block_dim)
+#define gridDim (::mesa_emu::tl_grid_dim)
+#define warpSize 32
+
+inline void __syncthreads() { ::mesa_emu::syncthreads(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { ::mesa_emu::syncwarp(); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __nanosleep(unsigned) { ::mesa_emu::yield_thread(); }
+
+// ---------------------------------------------------------------------------------------
+// Warp shuffles. Every lane of the warp must take part (our kernels only use full masks
+// on fully populated warps); the lane exchange is a warp-wide rendezvous.
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
+  const unsigned lane = threadIdx.x % 32u;
+  const unsigned base = lane - lane % unsigned(width);
+  T out;
+  ::mesa_emu::warp_exchange(&v, &out, sizeof(T), base + unsigned(src_lane) % unsigned(width));
+  return out;
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+  const unsigned lane = threadIdx.x % 32u;
+  const unsigned base = lane - lane % unsigned(width);
+  const unsigned src = (lane ^ unsigned(lane_mask));
+  T out;
+  ::mesa_emu::warp_exchange(&v, &out, sizeof(T), src < base + unsigned(width) ? src : lane);
+  return out;
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+  const unsigned lane = threadIdx.x % 32u;
+  const unsigned base = lane - lane % unsigned(width);
+  const unsigned src = lane + delta;
+  T out;
+  ::mesa_emu::warp_exchange(&v, &out, sizeof(T), src < base + unsigned(width) ? src : lane);
+  return out;
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+  const unsigned lane = threadIdx.x % 32u;
+  const unsigned base = lane - lane % unsigned(width);
+  const unsigned src = (lane >= base + delta) ? lane - delta : lane;
+  T out;
+  ::mesa_emu::warp_exchange(&v, &out, sizeof(T), src);
+  return out;
+}
+inline unsigned __ballot_sync(unsigned, int pred) { return ::mesa_emu::warp_ballot(pred != 0); }
+inline bool __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0u; }
+inline bool __all_sync(unsigned m, int pred) { return __ballot_sync(m, pred) == 0xffffffffu; }
+
+// ---------------------------------------------------------------------------------------
+// Atomics (device scope; blocks really run concurrently on the worker pool).
+template <typename T>
+inline T __mesa_atomic_rmw(T* p, T v, int op) {
+  std::atomic_ref<T> a(*p);
+  if constexpr (std::is_integral_v<T>) {
+    switch (op) {
+      case 0: return a.fetch_add(v);
+      case 1: return a.fetch_or(v);
+      case 2: return a.fetch_and(v);
+      case 3: return a.exchange(v);
+      default: break;
+    }
+  }
+  T old = a.load();
+  for (;;) {
+    T next = old;
+    switch (op) {
+      case 0: next = old + v; break;
+      case 3: next = v; break;
+      case 4: next = std::min(old, v); break;
+      case 5: next = std::max(old, v); break;
+      default: break;
+    }
+    if (a.compare_exchange_weak(old, next)) return old;
+  }
+}
+template <typename T> inline T atomicAdd(T* p, T v) { return __mesa_atomic_rmw(p, v, 0); }
+template <typename T> inline T atomicOr(T* p, T v) { return __mesa_atomic_rmw(p, v, 1); }
+template <typename T> inline T atomicAnd(T* p, T v) { return __mesa_atomic_rmw(p, v, 2); }
+template <typename T> inline T atomicExch(T* p, T v) { return __mesa_atomic_rmw(p, v, 3); }
+template <typename T> inline T atomicMin(T* p, T v) { return __mesa_atomic_rmw(p, v, 4); }
+template <typename T> inline T atomicMax(T* p, T v) { return __mesa_atomic_rmw(p, v, 5); }
+template <typename T> inline T atomicCAS(T* p, T expected, T desired) {
+  std::atomic_ref<T> a(*p);
+  a.compare_exchange_strong(expected, desired);
+  return expected;
+}
+
+// ---------------------------------------------------------------------------------------
+// Math and bit intrinsics (IEEE round-to-nearest; the host build uses -ffp-contract=off, so
+// kernels that need an FMA write fmaf explicitly and get the same rounding on both builds).
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : (x == x ? x : 0.0f)); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline int __float2int_rn(float f) { return int(std::nearbyint(f)); }
+inline unsigned __float2uint_rn(float f) { return unsigned(std::nearbyint(f)); }
+inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((uint64_t(a) * b) >> 32); }
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+  return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __clz(unsigned x) { return x == 0 ? 32 : __builtin_clz(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs(int(x)); }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+
+// ---------------------------------------------------------------------------------------
+// Vector types (16-byte loads/stores compile to plain copies here).
+#define MESA_EMU_VEC2(T, N) struct alignas(2 * sizeof(T)) N { T x, y; };
+#define MESA_EMU_VEC4(T, N) struct alignas(4 * sizeof(T)) N { T x, y, z, w; };
+MESA_EMU_VEC2(int, int2)
+MESA_EMU_VEC2(unsigned int, uint2)
+MESA_EMU_VEC2(float, float2)
+MESA_EMU_VEC4(int, int4)
+MESA_EMU_VEC4(unsigned int, uint4)
+MESA_EMU_VEC4(float, float4)
+MESA_EMU_VEC4(unsigned char, uchar4)
+MESA_EMU_VEC4(unsigned short, ushort4)
+#undef MESA_EMU_VEC2
+#undef MESA_EMU_VEC4
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+// ---------------------------------------------------------------------------------------
+// 16-bit floating point storage types, bit-compatible with cuda_fp16.h / cuda_bf16.h.
+// Conversions round to nearest even, keep NaN a (quiet) NaN and handle subnormals, exactly
+// as the device conversions do.
+struct __half { unsigned short __x; };
+struct __nv_bfloat16 { unsigned short __x; };
+
+inline float __half2float(__half h) {
+  const uint32_t sign = uint32_t(h.__x & 0x8000u) << 16;
+  const uint32_t exp = (h.__x >> 10) & 0x1fu;
+  const uint32_t man = h.__x & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalise
+    int e = -1;
+    uint32_t m = man;
+    do { m <<= 1; ++e; } while ((m & 0x400u) == 0);
+    bits = sign | (uint32_t(112 - e) << 23) | ((m & 0x3ffu) << 13);
+  }
+  return __uint_as_float(bits);
+}
+inline __half __float2half_rn(float f) {
+  const uint32_t x = __float_as_uint(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  __half h;
+  if (ax >= 0x7f800000u) {  // inf or NaN
+    h.__x = (unsigned short)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    return h;
+  }
+  if (ax >= 0x477ff000u) {  // rounds to >= 65520 -> inf
+    h.__x = (unsigned short)(sign | 0x7c00u);
+    return h;
+  }
+  if (ax < 0x38800000u) {  // below the smallest normal half (2^-14): subnormal or zero
+    if (ax < 0x33000000u) {  // < 2^-25 rounds to zero (2^-25 itself is a tie -> even = 0)
+      h.__x = (unsigned short)sign;
+      return h;
+    }
+    const uint32_t e = ax >> 23;                 // 102..112
+    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - e;             // 14..24 : value = m * 2^(e-150), half unit 2^-24
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1u);
+    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+    h.__x = (unsigned short)(sign | q);
+    return h;
+  }
+  uint32_t r = ax - 0x38000000u;  // rebias exponent 127 -> 15
+  const uint32_t rem = r & 0x1fffu;
+  r >>= 13;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  h.__x = (unsigned short)(sign | r);
+  return h;
+}
+inline __half __float2half(float f) { return __float2half_rn(f); }
+
+inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float(uint32_t(b.__x) << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t x = __float_as_uint(f);
+  __nv_bfloat16 b;
+  if ((x & 0x7fffffffu) > 0x7f800000u) {
+    b.__x = (unsigned short)((x >> 16) | 0x40u);
+    return b;
+  }
+  const uint32_t lsb = (x >> 16) & 1u;
+  x += 0x7fffu + lsb;
+  b.__x = (unsigned short)(x >> 16);
+  return b;
+}
+inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
+
+// ---------------------------------------------------------------------------------------
+// Runtime API subset used by the launchers.
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+enum : int { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9 };

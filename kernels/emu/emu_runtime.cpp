@@ -1,0 +1,307 @@
+// emu_runtime.cpp — the scheduler behind cuda_emu.h.
+//
+// A launch runs its blocks on `worker_count()` OS threads (the calling thread plus helpers
+// spawned for the launch); each OS thread runs one block at a time. The CUDA threads of a
+// block are fibers (ucontext) on that OS thread, scheduled round-robin: a fiber runs until
+// it finishes or waits (barrier, warp exchange, spin-wait), then the next one runs.
+// Fiber stacks are cached between launches, so a launch costs a few microseconds plus
+// the kernel's own work.
+//
+// A cooperative launch gives every block its own OS thread at once, so that blocks that
+// wait for each other through global memory (the collectives) all make progress.
+#include "cuda_emu.h"
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mesa_emu {
+
+thread_local uint3 tl_block_idx{0, 0, 0};
+thread_local dim3 tl_block_dim{1, 1, 1};
+thread_local dim3 tl_grid_dim{1, 1, 1};
+thread_local ThreadState* tl_current = nullptr;
+
+namespace {
+
+constexpr size_t kStackBytes = 128 * 1024;
+constexpr unsigned kMaxThreadsPerBlock = 1024;
+constexpr unsigned kMaxGridYZ = 65535;
+constexpr unsigned long long kMaxGridX = 2147483647ull;
+constexpr unsigned long long kMaxCooperativeBlocks = 512;
+
+struct Block;
+
+}  // namespace
+
+struct ThreadState {
+  uint3 idx{0, 0, 0};
+  ucontext_t ctx;
+  bool done = false;
+  Block* block = nullptr;
+};
+
+namespace {
+
+struct Warp {
+  unsigned live = 0;
+  unsigned arrived = 0;
+  uint64_t generation = 0;
+  alignas(16) unsigned char slot[32][16];
+};
+
+// One mmap'd stack per fiber, with a guard page below it; cached across launches.
+struct StackSet {
+  std::vector<unsigned char*> stacks;
+  ~StackSet() {
+    for (unsigned char* s : stacks) munmap(s - page(), kStackBytes + page());
+  }
+  static size_t page() { return size_t(sysconf(_SC_PAGESIZE)); }
+  bool reserve(size_t n) {
+    while (stacks.size() < n) {
+      void* p = mmap(nullptr, kStackBytes + page(), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) return false;
+      mprotect(p, page(), PROT_NONE);  // guard: a stack overflow faults instead of corrupting
+      stacks.push_back(static_cast<unsigned char*>(p) + page());
+    }
+    return true;
+  }
+};
+
+std::mutex g_stack_mutex;
+std::vector<std::unique_ptr<StackSet>> g_stack_cache;
+
+std::unique_ptr<StackSet> take_stacks() {
+  std::lock_guard<std::mutex> lock(g_stack_mutex);
+  if (g_stack_cache.empty()) return std::make_unique<StackSet>();
+  std::unique_ptr<StackSet> s = std::move(g_stack_cache.back());
+  g_stack_cache.pop_back();
+  return s;
+}
+void give_stacks(std::unique_ptr<StackSet> s) {
+  std::lock_guard<std::mutex> lock(g_stack_mutex);
+  g_stack_cache.push_back(std::move(s));
+}
+
+struct Block {
+  ucontext_t scheduler;
+  std::vector<ThreadState> threads;
+  std::vector<Warp> warps;
+  std::vector<unsigned char> dynamic_smem;
+  unsigned live = 0;
+  unsigned barrier_arrived = 0;
+  uint64_t barrier_generation = 0;
+  const std::function<void()>* body = nullptr;
+};
+
+thread_local Block* tl_block = nullptr;
+
+void fiber_entry() {
+  ThreadState* self = tl_current;
+  (*self->block->body)();
+  Block* b = self->block;
+  self->done = true;
+  b->live -= 1;
+  // returning resumes the scheduler through uc_link
+}
+
+unsigned linear_tid(const ThreadState* t) {
+  return t->idx.x + t->idx.y * tl_block_dim.x + t->idx.z * tl_block_dim.x * tl_block_dim.y;
+}
+
+// Runs one block to completion on the calling OS thread.
+bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
+  tl_block_idx = block_idx;
+  tl_block = &b;
+  const unsigned n = unsigned(b.threads.size());
+  b.live = n;
+  b.barrier_arrived = 0;
+  for (unsigned w = 0; w < b.warps.size(); ++w) {
+    b.warps[w].live = std::min(32u, n - w * 32u);
+    b.warps[w].arrived = 0;
+  }
+  for (unsigned i = 0; i < n; ++i) {
+    ThreadState& t = b.threads[i];
+    t.done = false;
+    t.block = &b;
+    t.idx = uint3{i % tl_block_dim.x, (i / tl_block_dim.x) % tl_block_dim.y,
+                  i / (tl_block_dim.x * tl_block_dim.y)};
+    getcontext(&t.ctx);
+    t.ctx.uc_stack.ss_sp = stacks.stacks[i];
+    t.ctx.uc_stack.ss_size = kStackBytes;
+    t.ctx.uc_link = &b.scheduler;
+    makecontext(&t.ctx, fiber_entry, 0);
+  }
+  while (b.live > 0) {
+    for (unsigned i = 0; i < n; ++i) {
+      ThreadState& t = b.threads[i];
+      if (t.done) continue;
+      tl_current = &t;
+      swapcontext(&b.scheduler, &t.ctx);
+      if (t.done) {
+        // a finished thread no longer counts towards its warp's exchanges
+        b.warps[i / 32].live -= 1;
+      }
+    }
+    if (cooperative) std::this_thread::yield();
+  }
+  tl_current = nullptr;
+  tl_block = nullptr;
+  return true;
+}
+
+void yield_to_scheduler() {
+  ThreadState* self = tl_current;
+  swapcontext(&self->ctx, &self->block->scheduler);
+}
+
+int env_threads() {
+  const char* s = std::getenv("MESA_EMU_THREADS");
+  if (s != nullptr) {
+    const int v = std::atoi(s);
+    if (v > 0) return v;
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : int(hw);
+}
+
+}  // namespace
+
+int worker_count() {
+  static const int n = env_threads();
+  return n;
+}
+
+const uint3& thread_idx() { return tl_current->idx; }
+
+void yield_thread() {
+  if (tl_current != nullptr) yield_to_scheduler();
+}
+
+void syncthreads() {
+  Block& b = *tl_block;
+  const uint64_t gen = b.barrier_generation;
+  b.barrier_arrived += 1;
+  for (;;) {
+    if (b.barrier_generation != gen) return;
+    if (b.barrier_arrived >= b.live) {  // everyone still running has arrived
+      b.barrier_arrived = 0;
+      b.barrier_generation += 1;
+      return;
+    }
+    yield_to_scheduler();
+  }
+}
+
+namespace {
+void warp_barrier(Warp& w) {
+  const uint64_t gen = w.generation;
+  w.arrived += 1;
+  for (;;) {
+    if (w.generation != gen) return;
+    if (w.arrived >= w.live) {
+      w.arrived = 0;
+      w.generation += 1;
+      return;
+    }
+    yield_to_scheduler();
+  }
+}
+}  // namespace
+
+void syncwarp() {
+  Block& b = *tl_block;
+  warp_barrier(b.warps[linear_tid(tl_current) / 32]);
+}
+
+void warp_exchange(const void* value, void* out, unsigned size, unsigned src_lane) {
+  Block& b = *tl_block;
+  const unsigned tid = linear_tid(tl_current);
+  Warp& w = b.warps[tid / 32];
+  std::memcpy(w.slot[tid % 32], value, size);
+  warp_barrier(w);
+  std::memcpy(out, w.slot[src_lane % 32], size);
+  warp_barrier(w);
+}
+
+unsigned warp_ballot(bool pred) {
+  Block& b = *tl_block;
+  const unsigned tid = linear_tid(tl_current);
+  Warp& w = b.warps[tid / 32];
+  w.slot[tid % 32][0] = pred ? 1 : 0;
+  warp_barrier(w);
+  unsigned mask = 0;
+  const unsigned lanes = std::min(32u, unsigned(b.threads.size()) - (tid / 32) * 32);
+  for (unsigned l = 0; l < lanes; ++l) mask |= unsigned(w.slot[l][0]) << l;
+  warp_barrier(w);
+  return mask;
+}
+
+unsigned char* dynamic_smem() { return tl_block->dynamic_smem.data(); }
+
+int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
+           const std::function<void()>& body) {
+  const unsigned long long threads = 1ull * block.x * block.y * block.z;
+  if (threads == 0 || threads > kMaxThreadsPerBlock || block.z > 64) return cudaErrorInvalidConfiguration;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaErrorInvalidConfiguration;
+  if (grid.x > kMaxGridX || grid.y > kMaxGridYZ || grid.z > kMaxGridYZ) return cudaErrorInvalidConfiguration;
+  if (dynamic_smem_bytes > 227u * 1024u) return cudaErrorInvalidConfiguration;
+  const unsigned long long blocks = 1ull * grid.x * grid.y * grid.z;
+  if (cooperative && blocks > kMaxCooperativeBlocks) return cudaErrorInvalidConfiguration;
+
+  auto decode = [&](unsigned long long linear) {
+    return uint3{unsigned(linear % grid.x), unsigned((linear / grid.x) % grid.y),
+                 unsigned(linear / (1ull * grid.x * grid.y))};
+  };
+  std::atomic<unsigned long long> next{0};
+  auto worker = [&](bool coop_single, unsigned long long only) {
+    tl_grid_dim = grid;
+    tl_block_dim = block;
+    std::unique_ptr<StackSet> stacks = take_stacks();
+    if (!stacks->reserve(threads)) {
+      std::fprintf(stderr, "mesa emulator: cannot map fiber stacks\n");
+      std::abort();
+    }
+    Block b;
+    b.threads.resize(threads);
+    b.warps.resize((threads + 31) / 32);
+    b.dynamic_smem.assign(dynamic_smem_bytes + 16, 0);
+    b.body = &body;
+    if (coop_single) {
+      run_block(b, *stacks, decode(only), true);
+    } else {
+      for (;;) {
+        const unsigned long long i = next.fetch_add(1);
+        if (i >= blocks) break;
+        run_block(b, *stacks, decode(i), false);
+      }
+    }
+    give_stacks(std::move(stacks));
+  };
+
+  if (cooperative) {
+    std::vector<std::thread> pool;
+    pool.reserve(blocks);
+    for (unsigned long long i = 0; i < blocks; ++i) pool.emplace_back(worker, true, i);
+    for (auto& t : pool) t.join();
+    return cudaSuccess;
+  }
+  const unsigned long long helpers =
+      std::min<unsigned long long>(blocks, (unsigned long long)worker_count()) - 1;
+  std::vector<std::thread> pool;
+  pool.reserve(helpers);
+  for (unsigned long long i = 0; i < helpers; ++i) pool.emplace_back(worker, false, 0ull);
+  worker(false, 0ull);
+  for (auto& t : pool) t.join();
+  return cudaSuccess;
+}
+
+}  // namespace mesa_emu
