@@ -78,10 +78,11 @@ impl Layout {
     pub fn offset(&self) -> usize {
         self.offset
     }
-    /// Number of elements (0 for an empty tensor; 1 for rank 0).
+    /// Number of elements (0 for an empty tensor; 1 for rank 0). Saturates at `usize::MAX`
+    /// (such a view is rejected by every op).
     #[must_use]
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).unwrap_or(usize::MAX)
     }
     /// True when the view is dense row-major (offset aside).
     #[must_use]

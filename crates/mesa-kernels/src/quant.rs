@@ -209,7 +209,7 @@ impl Quantizer {
     /// [`Error::BufferTooShort`], [`Error::TooLarge`], [`Error::WrongBackend`],
     /// [`Error::Misaligned`], CUDA errors.
     pub fn quantize<T: Element>(&mut self, x: &(impl DeviceMemory<T> + ?Sized), layout: &Layout) -> Result<SavedActivation> {
-        let numel = layout.numel();
+        let numel = layout.check_fits(x.mem_ref().len(), "input")?;
         let groups = self.config.grouping.num_groups(layout.shape())?;
         let mut saved = SavedActivation {
             codes: self.device.alloc_for_kernel::<u8>(code_bytes(numel, self.config.bits))?,
@@ -226,10 +226,11 @@ impl Quantizer {
     }
 
     /// Like [`Quantizer::quantize`], reusing the allocations of `saved` (which must come
-    /// from this quantizer's device, hold enough bytes, and is overwritten entirely).
+    /// from this quantizer's device and be sized for a tensor of the same element count and
+    /// group count; it is overwritten entirely). Avoids allocation in a training loop.
     ///
     /// # Errors
-    /// As [`Quantizer::quantize`], plus [`Error::BufferTooShort`] when `saved` is too small.
+    /// As [`Quantizer::quantize`], plus [`Error::Shape`] when `saved` is sized differently.
     pub fn quantize_into<T: Element>(
         &mut self,
         x: &(impl DeviceMemory<T> + ?Sized),
@@ -241,15 +242,21 @@ impl Quantizer {
         let view = kernel_view(layout, &self.config.grouping, T::DTYPE)?;
         let groups = view.grouping.count as usize;
         let code_len = code_bytes(numel, self.config.bits);
-        if saved.codes.len() < code_len {
-            return Err(Error::BufferTooShort { what: "codes", needed: code_len, len: saved.codes.len() });
+        if saved.codes.len() != code_len || saved.params.len() != groups || saved.nonfinite.len() != 1 {
+            return Err(Error::Shape(format!(
+                "saved activation holds {} code bytes and {} groups; this tensor needs {code_len} and {groups}",
+                saved.codes.len(),
+                saved.params.len()
+            )));
         }
-        if saved.params.len() < groups {
-            return Err(Error::BufferTooShort { what: "params", needed: groups, len: saved.params.len() });
+        if numel == 0 {
+            // nothing to encode; the batch does not count towards the running estimate
+            self.device.copy_into(&vec![GroupParams::default(); saved.params.len()], &mut saved.params)?;
+            self.device.copy_into(&[0u32], &mut saved.nonfinite)?;
+            saved.set_meta(layout, T::DTYPE, &self.config);
+            return Ok(());
         }
-        if saved.nonfinite.is_empty() {
-            return Err(Error::BufferTooShort { what: "nonfinite counter", needed: 1, len: 0 });
-        }
+        self.state_for(groups)?;
         let first = self.batches == 0;
         let exact = first || self.config.stats == StatsMode::Exact;
         let seed = match self.config.rounding {
@@ -260,8 +267,6 @@ impl Quantizer {
             Rounding::Nearest => sys::MESA_ROUND_NEAREST,
             Rounding::Stochastic { .. } => sys::MESA_ROUND_STOCHASTIC,
         } as sys::MesaRounding;
-
-        self.state_for(groups)?;
         let Quantizer { device, config, state, .. } = self;
         let state = state.as_mut().ok_or_else(|| Error::Shape("quantizer state missing".into()))?;
         let xp = device.read_ptr(&mem, layout.offset(), "input")?;
@@ -336,11 +341,7 @@ impl Quantizer {
         }
         drop((xp, stats_p, running_p, params_p, codes_p, nf_p));
         self.batches += 1;
-        saved.shape = layout.shape().to_vec();
-        saved.strides = layout.strides().to_vec();
-        saved.dtype = T::DTYPE;
-        saved.bits = self.config.bits;
-        saved.grouping = self.config.grouping;
+        saved.set_meta(layout, T::DTYPE, &self.config);
         Ok(())
     }
 
@@ -496,6 +497,14 @@ impl SavedActivation {
         // SAFETY: the output view fits its buffer and does not overlap itself; codes and
         // params were sized for this shape and grouping when quantized.
         unsafe { device.launch("dequantize", &args, sys::mesa_dequantize, sys::mesa_emu_dequantize) }
+    }
+
+    fn set_meta(&mut self, layout: &Layout, dtype: DType, config: &QuantConfig) {
+        self.shape = layout.shape().to_vec();
+        self.strides = layout.strides().to_vec();
+        self.dtype = dtype;
+        self.bits = config.bits;
+        self.grouping = config.grouping;
     }
 
     fn check_device(&self, device: &Device) -> Result<()> {

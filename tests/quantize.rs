@@ -1,0 +1,781 @@
+//! Parity of quantize-on-save, the running estimate and dequantize with the f64 reference
+//! (`mesa_kernels::reference::quant`), on every backend (emulator always, CUDA when present),
+//! for every dtype, bit width, grouping and the bug classes of published activation-
+//! compression code.
+//!
+//! Tolerances (derived, not tuned):
+//! * codes: identical to the reference's round-half-even of t = (x − offset)/scale computed
+//!   in f64 from the *stored* f32 parameters, except where t lies within
+//!   `TIE_WINDOW · max(1, |t|)` of a rounding boundary: the kernel's t is
+//!   fl(fl(x − offset) · fl(1/scale)), three f32 roundings, relative error ≤ 3·2⁻²⁴, so only
+//!   there may it pick the neighbouring code (and then only it).
+//! * decode: x̂ = fmaf(code, scale, offset) rounded to the output type: within one rounding
+//!   of the output type (relative 2⁻ᵖ) plus one f32 rounding of the reference value.
+//! * reconstruction (round to nearest, exact statistics): |x̂ − x| ≤ scale/2 plus the f32
+//!   rounding slack of the two steps above.
+mod common;
+
+use half::{bf16, f16};
+use mesa_kernels::reference::{self, quant as rq};
+use mesa_kernels::{
+    DType, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer, Rounding,
+    SavedActivation, StatsMode,
+};
+use rand::rngs::StdRng;
+use rand::RngExt;
+
+/// Relative width of the band around a rounding boundary where f32 evaluation of t may
+/// legitimately round the other way (3 roundings of 2⁻²⁴, with margin).
+const TIE_WINDOW: f64 = 8.0 / 16_777_216.0;
+
+fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 2f64.powi(-24),
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+    }
+}
+
+/// Smallest positive subnormal-ish absolute slack of a type (for values near zero).
+fn abs_floor(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-44,
+        DType::F16 => 2f64.powi(-24),
+        DType::BF16 => 1e-38,
+    }
+}
+
+fn random_data<T: Element>(rng: &mut StdRng, n: usize, center: f64, spread: f64) -> Vec<T> {
+    (0..n).map(|_| T::from_f64(center + spread * (rng.random::<f64>() * 2.0 - 1.0))).collect()
+}
+
+/// What a check expects of the parameters.
+#[derive(Clone, Copy)]
+enum ParamsFrom<'a> {
+    /// Exact statistics of this batch.
+    Batch,
+    /// The running estimate before this batch (one-pass mode).
+    Running(&'a [GroupParams]),
+}
+
+struct Verified {
+    codes: Vec<u32>,
+    params: Vec<GroupParams>,
+}
+
+/// Checks one saved activation against the reference: parameters, every code, every
+/// decoded element (decoded into a poisoned output of type `O`), and the reconstruction
+/// bound. `x` is the input in logical order.
+fn verify<O: Element>(
+    device: &Device,
+    saved: &SavedActivation,
+    x: &[f64],
+    grouping: Grouping,
+    bits: u32,
+    rounding: Rounding,
+    batch_seed: u64,
+    from: ParamsFrom<'_>,
+) -> Verified {
+    let shape = saved.shape().to_vec();
+    let n = x.len();
+    assert_eq!(saved.numel(), n);
+    let groups = rq::group_index(&shape, &grouping).expect("grouping");
+    let count = grouping.num_groups(&shape).expect("groups");
+    let stats = rq::group_stats(x, &groups, count);
+    let params = saved.params().expect("params");
+    assert_eq!(params.len(), count);
+    let levels = rq::levels(bits);
+
+    // parameters
+    for g in 0..count {
+        let p = params[g];
+        if stats[g].nonfinite > 0 {
+            assert!(p.scale.is_nan(), "group {g} saw non-finite input: its scale must be NaN");
+            continue;
+        }
+        match from {
+            ParamsFrom::Batch => {
+                let (off, scale) = rq::params_from_stats(&stats[g], bits);
+                assert_eq!(f64::from(p.offset), off, "group {g}: offset must be the exact minimum");
+                let tol = 3.0 * 2f64.powi(-24) * scale + 1e-45;
+                assert!(
+                    (f64::from(p.scale) - scale).abs() <= tol,
+                    "group {g}: scale {} vs reference {scale}",
+                    p.scale
+                );
+            }
+            ParamsFrom::Running(before) => {
+                assert_eq!(p, before[g], "group {g}: saved params must be the running estimate that was used");
+            }
+        }
+    }
+
+    // codes
+    let bytes = saved.codes().to_vec().expect("codes");
+    assert_eq!(bytes.len(), n.div_ceil(8 / bits as usize), "packed code length");
+    let codes = rq::unpack_codes(&bytes, n, bits);
+    // padding bits of the last byte are zero
+    if n % (8 / bits as usize) != 0 {
+        let used = (n % (8 / bits as usize)) as u32 * bits;
+        assert_eq!(u32::from(*bytes.last().unwrap_or(&0)) >> used, 0, "padding bits must be zero");
+    }
+    let mut near_tie = 0usize;
+    for i in 0..n {
+        let g = groups[i];
+        if stats[g].nonfinite > 0 {
+            continue;
+        }
+        let (off, scale) = (f64::from(params[g].offset), f64::from(params[g].scale));
+        let t = rq::position(x[i], off, scale);
+        let (expect, boundary_dist) = match rounding {
+            Rounding::Nearest => {
+                let e = rq::encode_nearest(x[i], off, scale, bits);
+                (e, ((t - t.floor()) - 0.5).abs())
+            }
+            Rounding::Stochastic { .. } => {
+                let u = rq::uniform(batch_seed, i as u64);
+                let e = rq::encode_stochastic(x[i], off, scale, bits, u);
+                let s = t + u;
+                (e, (s - s.round()).abs())
+            }
+        };
+        if codes[i] != expect {
+            let window = TIE_WINDOW * t.abs().max(1.0);
+            let clamped_both = (t <= 0.0 || t >= levels) && boundary_dist > window;
+            assert!(
+                !clamped_both && boundary_dist <= window && codes[i].abs_diff(expect) == 1,
+                "element {i}: code {} vs reference {expect} (t = {t}, x = {}, offset = {off}, scale = {scale})",
+                codes[i],
+                x[i]
+            );
+            near_tie += 1;
+        }
+    }
+    let _ = near_tie;
+
+    // decode, into a poisoned output of type O (every element must be written)
+    let poison = O::from_f64(f64::NAN);
+    let mut out = device.upload(&vec![poison; n]).expect("upload");
+    saved.dequantize(device, &mut out, &Layout::contiguous(&shape)).expect("dequantize");
+    let out = out.to_vec().expect("download");
+    let u = unit_roundoff(O::DTYPE);
+    for i in 0..n {
+        let g = groups[i];
+        let y = out[i].to_f64();
+        if stats[g].nonfinite > 0 {
+            assert!(y.is_nan(), "element {i} of a group with non-finite input must decode to NaN");
+            continue;
+        }
+        let (off, scale) = (f64::from(params[g].offset), f64::from(params[g].scale));
+        let r = rq::decode(codes[i], off, scale);
+        let tol = (u + 2f64.powi(-24)) * r.abs().max(off.abs()) + abs_floor(O::DTYPE);
+        assert!((y - r).abs() <= tol, "element {i}: decoded {y} vs reference {r} (tol {tol})");
+        if let (ParamsFrom::Batch, Rounding::Nearest) = (from, rounding) {
+            // reconstruction: within half a step (+ rounding of t, of fmaf and of O)
+            let slack = 4.0 * 2f64.powi(-24) * (x[i].abs() + off.abs() + scale * levels) + tol;
+            assert!(
+                (y - x[i]).abs() <= 0.5 * scale + slack,
+                "element {i}: |x^ - x| = {} > scale/2 = {} (+{slack})",
+                (y - x[i]).abs(),
+                0.5 * scale
+            );
+        }
+    }
+    Verified { codes, params }
+}
+
+fn for_each_dtype(mut f: impl FnMut(DType)) {
+    for d in [DType::F32, DType::F16, DType::BF16] {
+        f(d);
+    }
+}
+
+/// Runs `batches` batches of random data through a quantizer and verifies each one,
+/// including the running estimate against the reference EMA.
+#[allow(clippy::too_many_arguments)]
+fn run_batches<T: Element>(
+    device: &Device,
+    rng: &mut StdRng,
+    shape: &[usize],
+    storage: Option<(&[usize], &[usize])>, // (storage shape, permutation giving the view)
+    config: QuantConfig,
+    batches: usize,
+) {
+    let mut q = Quantizer::new(device, config).expect("quantizer");
+    let count = config.grouping.num_groups(shape).expect("groups");
+    let levels = rq::levels(config.bits);
+    let mut ref_running: Option<Vec<(f64, f64)>> = None;
+    for b in 0..batches {
+        let numel: usize = shape.iter().product();
+        // batches drift so that the running estimate lags and clamps
+        let data: Vec<T> = random_data(rng, numel, 0.3 * b as f64, 1.0 + 0.5 * b as f64);
+        let layout = match storage {
+            None => Layout::contiguous(shape),
+            Some((sshape, perm)) => {
+                let base = Layout::contiguous(sshape);
+                let strides: Vec<usize> = perm.iter().map(|&p| base.strides()[p]).collect();
+                Layout::strided(shape, &strides, 0).expect("layout")
+            }
+        };
+        let x = reference::gather(&data, &layout);
+        let before = q.running_params().expect("running");
+        let buf = device.upload(&data).expect("upload");
+        let saved = q.quantize(&buf, &layout).expect("quantize");
+        let exact = b == 0 || config.stats == StatsMode::Exact;
+        let seed = match config.rounding {
+            Rounding::Nearest => 0,
+            Rounding::Stochastic { seed } => seed.wrapping_add((b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        };
+        let from = if exact { ParamsFrom::Batch } else { ParamsFrom::Running(before.as_deref().unwrap_or(&[])) };
+        verify::<T>(device, &saved, &x, config.grouping, config.bits, config.rounding, seed, from);
+        verify::<f32>(device, &saved, &x, config.grouping, config.bits, config.rounding, seed, from);
+
+        // running estimate: initialised from batch 0's statistics, then EMA per batch
+        let groups = rq::group_index(shape, &config.grouping).expect("groups");
+        let stats = rq::group_stats(&x, &groups, count);
+        let batch: Vec<(f64, f64)> = stats.iter().map(|s| rq::params_from_stats(s, config.bits)).collect();
+        ref_running = Some(match ref_running {
+            None => batch,
+            Some(prev) => {
+                prev.iter().zip(&batch).map(|(&p, &bt)| rq::ema(p, bt, f64::from(config.momentum))).collect()
+            }
+        });
+        let got = q.running_params().expect("running").expect("initialised");
+        for (g, (p, r)) in got.iter().zip(ref_running.as_ref().expect("set")).enumerate() {
+            // each EMA step adds a few f32 roundings relative to the magnitudes involved
+            let mag = r.0.abs() + r.1 * levels + 1e-30;
+            let tol = 8.0 * (b as f64 + 1.0) * 2f64.powi(-24) * mag;
+            assert!((f64::from(p.offset) - r.0).abs() <= tol, "batch {b} group {g}: running offset {} vs {}", p.offset, r.0);
+            assert!(
+                (f64::from(p.scale) - r.1).abs() * levels <= tol,
+                "batch {b} group {g}: running scale {} vs {}",
+                p.scale,
+                r.1
+            );
+        }
+    }
+}
+
+fn run_dtype(device: &Device, rng: &mut StdRng, dtype: DType, shape: &[usize], config: QuantConfig, batches: usize) {
+    match dtype {
+        DType::F32 => run_batches::<f32>(device, rng, shape, None, config, batches),
+        DType::F16 => run_batches::<f16>(device, rng, shape, None, config, batches),
+        DType::BF16 => run_batches::<bf16>(device, rng, shape, None, config, batches),
+    }
+}
+
+#[test]
+fn parity_round_to_nearest_every_dtype_grouping_and_width() {
+    let mut rng = common::rng("parity_round_to_nearest");
+    for device in common::backends() {
+        for_each_dtype(|dtype| {
+            for bits in [8, 4, 2] {
+                for (shape, grouping) in [
+                    (vec![2, 3, 17, 8], Grouping::Heads { axis: 1 }),     // [B,H,N,D]
+                    (vec![2, 17, 3, 8], Grouping::Heads { axis: 2 }),     // [B,N,H,D], head not innermost
+                    (vec![3, 5, 48], Grouping::Channels { axis: 2, groups: 6 }),
+                    (vec![3, 5, 48], Grouping::Channels { axis: 2, groups: 16 }), // group run of 3: not a multiple of 8
+                    (vec![4, 33], Grouping::Tensor),
+                ] {
+                    for stats in [StatsMode::Exact, StatsMode::Running] {
+                        let config =
+                            QuantConfig { bits, grouping, rounding: Rounding::Nearest, momentum: 0.9, stats };
+                        run_dtype(&device, &mut rng, dtype, &shape, config, 3);
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn stochastic_rounding_reproducible_and_matches_reference_generator() {
+    let mut rng = common::rng("stochastic_reproducible");
+    for device in common::backends() {
+        for bits in [8, 4, 2] {
+            let config = QuantConfig {
+                bits,
+                grouping: Grouping::Heads { axis: 1 },
+                rounding: Rounding::Stochastic { seed: 0x1234_5678_9abc_def0 },
+                momentum: 0.9,
+                stats: StatsMode::Running,
+            };
+            // verify() checks every code against the reference Philox stream
+            run_batches::<bf16>(&device, &mut rng, &[2, 4, 9, 7], None, config, 3);
+            // same seed, same input -> bitwise the same codes
+            let data: Vec<f32> = random_data(&mut rng, 2 * 4 * 9 * 7, 0.0, 1.0);
+            let layout = Layout::contiguous(&[2, 4, 9, 7]);
+            let codes = |seed| {
+                let mut q = Quantizer::new(&device, QuantConfig { rounding: Rounding::Stochastic { seed }, ..config })
+                    .expect("quantizer");
+                let buf = device.upload(&data).expect("upload");
+                q.quantize(&buf, &layout).expect("quantize").codes().to_vec().expect("codes")
+            };
+            assert_eq!(codes(7), codes(7), "same seed must give the same codes");
+            assert_ne!(codes(7), codes(8), "different seeds should give different codes");
+        }
+    }
+}
+
+#[test]
+fn stochastic_rounding_is_unbiased() {
+    // For fixed x and parameters, E[x^] = x inside the range. Over K seeds the mean error of
+    // one element has standard deviation <= scale / (2 sqrt K) (a Bernoulli between two
+    // neighbouring codes has variance <= scale^2 / 4). We check every element at 6 sigma
+    // (false-alarm probability ~2e-9 per element) and the mean over all elements at 6 sigma.
+    let mut rng = common::rng("stochastic_unbiased");
+    const K: usize = 256;
+    for device in common::backends() {
+        let shape = [4, 250];
+        let n = 1000;
+        let data: Vec<f32> = random_data(&mut rng, n, 0.0, 3.0);
+        let layout = Layout::contiguous(&shape);
+        let buf = device.upload(&data).expect("upload");
+        let mut sum = vec![0f64; n];
+        let mut scale_max = 0f64;
+        for k in 0..K {
+            let config = QuantConfig {
+                bits: 4,
+                grouping: Grouping::Heads { axis: 0 },
+                rounding: Rounding::Stochastic { seed: 1000 + k as u64 },
+                momentum: 0.9,
+                stats: StatsMode::Exact,
+            };
+            let mut q = Quantizer::new(&device, config).expect("quantizer");
+            let saved = q.quantize(&buf, &layout).expect("quantize");
+            let mut out = device.alloc_zeros::<f32>(n).expect("alloc");
+            saved.dequantize(&device, &mut out, &layout).expect("dequantize");
+            for (s, y) in sum.iter_mut().zip(out.to_vec().expect("download")) {
+                *s += f64::from(y);
+            }
+            for p in saved.params().expect("params") {
+                scale_max = scale_max.max(f64::from(p.scale));
+            }
+        }
+        let sigma_elem = scale_max / (2.0 * (K as f64).sqrt());
+        let mut total = 0.0;
+        for i in 0..n {
+            let err = sum[i] / K as f64 - f64::from(data[i]);
+            total += err;
+            assert!(err.abs() <= 6.0 * sigma_elem, "element {i}: mean error {err} > 6 sigma ({sigma_elem})");
+        }
+        let mean = total / n as f64;
+        let sigma_mean = sigma_elem / (n as f64).sqrt();
+        assert!(mean.abs() <= 6.0 * sigma_mean + 1e-6, "mean error {mean} > 6 sigma ({sigma_mean}): biased");
+    }
+}
+
+#[test]
+fn values_outside_the_running_range_clamp_never_wrap() {
+    for device in common::backends() {
+        let config = QuantConfig::per_tensor();
+        let mut q = Quantizer::new(&device, config).expect("quantizer");
+        let layout = Layout::contiguous(&[64]);
+        let first: Vec<f32> = (0..64).map(|i| i as f32 / 63.0).collect(); // range [0, 1]
+        q.quantize(&device.upload(&first).expect("up"), &layout).expect("q");
+        // batch 2: far outside the running range [0, 1] on both sides
+        let second: Vec<f32> = (0..64).map(|i| if i % 2 == 0 { 1000.0 } else { -1000.0 }).collect();
+        let saved = q.quantize(&device.upload(&second).expect("up"), &layout).expect("q");
+        let codes = saved.codes().to_vec().expect("codes");
+        for (i, &c) in codes.iter().enumerate() {
+            assert_eq!(c, if i % 2 == 0 { 255 } else { 0 }, "element {i} must clamp");
+        }
+        let mut out = device.alloc_zeros::<f32>(64).expect("alloc");
+        saved.dequantize(&device, &mut out, &layout).expect("dq");
+        let p = saved.params().expect("params")[0];
+        for (i, y) in out.to_vec().expect("down").into_iter().enumerate() {
+            let bound = if i % 2 == 0 { p.offset + 255.0 * p.scale } else { p.offset };
+            assert_eq!(y, bound, "element {i} decodes to the range boundary");
+        }
+    }
+}
+
+#[test]
+fn tiny_ranges_in_half_precision_stay_finite() {
+    // f16/bf16 groups whose range is far below 255 * the smallest normal: Mesa casts the
+    // scale to the input type and gets inf/NaN; here the scale is computed in f32.
+    let mut rng = common::rng("tiny_ranges");
+    for device in common::backends() {
+        for config in [QuantConfig::per_tensor(), QuantConfig { bits: 2, ..QuantConfig::per_tensor() }] {
+            let f: Vec<f16> = (0..40).map(|i| f16::from_f64(1.0 + f64::from(i % 3) * 2f64.powi(-10))).collect();
+            let layout = Layout::contiguous(&[40]);
+            let mut q = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..config }).expect("q");
+            let saved = q.quantize(&device.upload(&f).expect("up"), &layout).expect("q");
+            let x = reference::gather(&f, &layout);
+            verify::<f16>(&device, &saved, &x, Grouping::Tensor, config.bits, Rounding::Nearest, 0, ParamsFrom::Batch);
+            // subnormal range in f16: values 0 and 2^-24
+            let s: Vec<f16> = (0..40).map(|i| f16::from_bits((i % 2) as u16)).collect();
+            let saved = q.quantize(&device.upload(&s).expect("up"), &layout).expect("q");
+            let x = reference::gather(&s, &layout);
+            verify::<f16>(&device, &saved, &x, Grouping::Tensor, config.bits, Rounding::Nearest, 0, ParamsFrom::Batch);
+            // bf16 with a tiny relative range at a large magnitude
+            let b: Vec<bf16> = random_data(&mut rng, 40, 3.0e38, 1.0e36);
+            let saved = q.quantize(&device.upload(&b).expect("up"), &layout).expect("q");
+            let x = reference::gather(&b, &layout);
+            verify::<bf16>(&device, &saved, &x, Grouping::Tensor, config.bits, Rounding::Nearest, 0, ParamsFrom::Batch);
+            assert!(saved.params().expect("p").iter().all(|p| p.scale.is_finite() && p.offset.is_finite()));
+        }
+    }
+}
+
+#[test]
+fn constant_groups_and_single_element_groups_decode_exactly() {
+    for device in common::backends() {
+        // [2, 5, 3]: group per index of axis 1; group 2 constant; axis-2 groups of 1 element
+        let mut data = vec![0f32; 30];
+        for (i, v) in data.iter_mut().enumerate() {
+            *v = if (i / 3) % 5 == 2 { -7.25 } else { (i as f32 * 0.731).sin() * 40.0 };
+        }
+        for grouping in [Grouping::Heads { axis: 1 }, Grouping::Channels { axis: 2, groups: 3 }] {
+            let layout = Layout::contiguous(&[2, 5, 3]);
+            let config = QuantConfig { grouping, stats: StatsMode::Exact, ..QuantConfig::per_tensor() };
+            let mut q = Quantizer::new(&device, config).expect("q");
+            let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+            let x = reference::gather(&data, &layout);
+            verify::<f32>(&device, &saved, &x, grouping, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
+        }
+        // group size 1: every element its own group -> range 0 -> exact
+        let layout = Layout::contiguous(&[1, 30]);
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
+        let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+        let mut out = device.alloc_zeros::<f32>(30).expect("alloc");
+        saved.dequantize(&device, &mut out, &layout).expect("dq");
+        assert_eq!(out.to_vec().expect("down"), data, "groups of one element decode exactly");
+        // a constant group in running mode stays exact while the data stays constant
+        let constant = vec![3.5f32; 30];
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        for _ in 0..3 {
+            let saved = q.quantize(&device.upload(&constant).expect("up"), &layout).expect("q");
+            let mut out = device.alloc_zeros::<f32>(30).expect("alloc");
+            saved.dequantize(&device, &mut out, &layout).expect("dq");
+            assert_eq!(out.to_vec().expect("down"), constant);
+        }
+    }
+}
+
+#[test]
+fn odd_and_small_sizes() {
+    let mut rng = common::rng("odd_sizes");
+    for device in common::backends() {
+        for shape in [vec![1], vec![3], vec![7], vec![197], vec![1, 3, 197, 5], vec![2, 3, 13, 197]] {
+            let grouping = if shape.len() == 4 { Grouping::Heads { axis: 1 } } else { Grouping::Tensor };
+            for bits in [8, 4, 2] {
+                let config = QuantConfig { bits, grouping, ..QuantConfig::per_tensor() };
+                run_batches::<f16>(&device, &mut rng, &shape, None, config, 2);
+            }
+        }
+        // the ViT attention map (batch, heads, 197, 197)
+        let config = QuantConfig::per_head(1);
+        run_batches::<bf16>(&device, &mut rng, &[2, 3, 197, 197], None, config, 2);
+    }
+}
+
+#[test]
+fn non_contiguous_views_transposed_offset_and_broadcast() {
+    let mut rng = common::rng("non_contiguous");
+    for device in common::backends() {
+        // storage [B,N,H,D], viewed as [B,H,N,D] (transposed, head axis 1)
+        let config = QuantConfig { stats: StatsMode::Running, ..QuantConfig::per_head(1) };
+        run_batches::<f32>(&device, &mut rng, &[2, 3, 11, 8], Some((&[2, 11, 3, 8], &[0, 2, 1, 3])), config, 3);
+        run_batches::<bf16>(&device, &mut rng, &[2, 3, 11, 8], Some((&[2, 11, 3, 8], &[0, 2, 1, 3])), config, 3);
+        // innermost dimension strided ([N, D] storage viewed as [D, N])
+        run_batches::<f16>(
+            &device,
+            &mut rng,
+            &[8, 13],
+            Some((&[13, 8], &[1, 0])),
+            QuantConfig::per_head(0),
+            2,
+        );
+
+        // a view offset by one element (not 16-byte aligned) with a padded row stride
+        let data: Vec<bf16> = random_data(&mut rng, 1 + 4 * 40, 0.0, 2.0);
+        let layout = Layout::strided(&[4, 37], &[40, 1], 1).expect("layout");
+        let mut q = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) })
+            .expect("q");
+        let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+        let x = reference::gather(&data, &layout);
+        verify::<bf16>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
+        // ... and decoded into a strided, offset destination; the gaps stay untouched
+        let sentinel = bf16::from_f32(-12345.0);
+        let mut out = device.upload(&vec![sentinel; 1 + 4 * 40]).expect("up");
+        saved.dequantize(&device, &mut out, &layout).expect("dq");
+        let out = out.to_vec().expect("down");
+        let written: std::collections::HashSet<usize> = reference::offsets(&layout).into_iter().collect();
+        let mut plain = device.alloc_zeros::<bf16>(4 * 37).expect("alloc");
+        saved.dequantize(&device, &mut plain, &Layout::contiguous(&[4, 37])).expect("dq");
+        let plain = plain.to_vec().expect("down");
+        for (i, v) in out.iter().enumerate() {
+            if !written.contains(&i) {
+                assert_eq!(*v, sentinel, "element {i} outside the view was written");
+            }
+        }
+        for (k, off) in reference::offsets(&layout).into_iter().enumerate() {
+            assert_eq!(out[off], plain[k], "strided decode of logical element {k}");
+        }
+
+        // a broadcast input (stride 0): every row the same
+        let row: Vec<f32> = random_data(&mut rng, 24, 1.0, 1.0);
+        let layout = Layout::strided(&[5, 24], &[0, 1], 0).expect("layout");
+        let mut q = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) })
+            .expect("q");
+        let saved = q.quantize(&device.upload(&row).expect("up"), &layout).expect("q");
+        let x = reference::gather(&row, &layout);
+        verify::<f32>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
+    }
+}
+
+#[test]
+fn zero_size_tensors() {
+    for device in common::backends() {
+        let layout = Layout::contiguous(&[0, 12, 5]);
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
+        let saved = q.quantize(&device.upload(&[0f32]).expect("up"), &layout).expect("quantize empty");
+        assert_eq!(saved.numel(), 0);
+        assert_eq!(saved.codes().len(), 0);
+        let mut out = device.upload(&[1.5f32]).expect("up");
+        saved.dequantize(&device, &mut out, &layout).expect("dequantize empty");
+        assert_eq!(out.to_vec().expect("down"), vec![1.5], "nothing written for an empty tensor");
+        // an empty batch does not count: the next batch still initialises from exact statistics
+        assert_eq!(q.batches(), 0);
+        let x: Vec<f32> = (0..120).map(|i| i as f32).collect();
+        let l2 = Layout::contiguous(&[2, 12, 5]);
+        let saved = q.quantize(&device.upload(&x).expect("up"), &l2).expect("q");
+        let g = reference::gather(&x, &l2);
+        verify::<f32>(&device, &saved, &g, Grouping::Heads { axis: 1 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
+    }
+}
+
+#[test]
+fn non_finite_inputs_are_counted_and_never_decode_finite() {
+    for device in common::backends() {
+        let layout = Layout::contiguous(&[2, 4, 16]);
+        let mut data: Vec<f32> = (0..128).map(|i| (i as f32 * 0.37).cos()).collect();
+        data[5] = f32::NAN; // group (axis 1) 0
+        data[16 * 2 + 3] = f32::INFINITY; // group 2
+        data[64 + 16 * 2 + 9] = f32::NEG_INFINITY; // group 2 again
+        for stats in [StatsMode::Exact, StatsMode::Running] {
+            let mut q = Quantizer::new(&device, QuantConfig { stats, ..QuantConfig::per_head(1) }).expect("q");
+            for batch in 0..2 {
+                let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+                assert_eq!(saved.nonfinite_count().expect("count"), 3, "batch {batch}");
+                let x = reference::gather(&data, &layout);
+                let from_batch = batch == 0 || stats == StatsMode::Exact;
+                if from_batch {
+                    verify::<f32>(&device, &saved, &x, Grouping::Heads { axis: 1 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
+                }
+                let mut out = device.alloc_zeros::<f32>(128).expect("alloc");
+                saved.dequantize(&device, &mut out, &layout).expect("dq");
+                let out = out.to_vec().expect("down");
+                for (i, y) in out.iter().enumerate() {
+                    let g = (i / 16) % 4;
+                    assert_eq!(y.is_nan(), g == 0 || g == 2, "element {i} (group {g}) decoded to {y}");
+                }
+            }
+            // the running estimate ignores non-finite values and stays finite
+            let r = q.running_params().expect("r").expect("init");
+            assert!(r.iter().all(|p| p.offset.is_finite() && p.scale.is_finite()), "{r:?}");
+        }
+    }
+}
+
+#[test]
+fn every_output_byte_is_written_over_poison() {
+    let mut rng = common::rng("poison");
+    for device in common::backends() {
+        for bits in [8, 4, 2] {
+            for n in [1usize, 5, 8, 61, 1000] {
+                let data: Vec<f16> = random_data(&mut rng, n, 0.0, 1.0);
+                let layout = Layout::contiguous(&[n]);
+                let config = QuantConfig { bits, stats: StatsMode::Exact, ..QuantConfig::per_tensor() };
+                let mut q = Quantizer::new(&device, config).expect("q");
+                let buf = device.upload(&data).expect("up");
+                let mut saved = q.quantize(&buf, &layout).expect("q");
+                for poison in [0x00u8, 0xFF, 0xA5] {
+                    saved.fill_for_testing(&device, poison).expect("poison");
+                    q.quantize_into(&buf, &layout, &mut saved).expect("quantize_into");
+                    let x = reference::gather(&data, &layout);
+                    verify::<f16>(&device, &saved, &x, Grouping::Tensor, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
+                    assert_eq!(saved.nonfinite_count().expect("count"), 0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn offsets_past_2_pow_31_use_64_bit_indexing() {
+    // A view whose second row starts 2^31 + 3 elements into the buffer. Zeroed host vectors
+    // of f32 are allocated lazily by the OS, so only the touched pages cost memory.
+    let device = Device::emulator();
+    let row = (1usize << 31) + 3;
+    let len = row + 8;
+    let mut input = vec![0f32; len];
+    // two values per row 255 apart: scale 1, every value decodes exactly
+    let value = |r: usize, j: usize| 100.0 * r as f32 + 255.0 * (j % 2) as f32;
+    for j in 0..8 {
+        input[j] = value(0, j);
+        input[row + j] = value(1, j);
+    }
+    let layout = Layout::strided(&[2, 8], &[row, 1], 0).expect("layout");
+    let mut q = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) }).expect("q");
+    let saved = q.quantize(&input, &layout).expect("quantize");
+    let x = reference::gather(&input, &layout);
+    verify::<f32>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
+    drop(input);
+    let mut output = vec![0f32; len];
+    saved.dequantize(&device, &mut output, &layout).expect("dequantize");
+    for j in 0..8 {
+        assert_eq!(output[j], value(0, j));
+        assert_eq!(output[row + j], value(1, j));
+    }
+}
+
+#[test]
+fn real_activations_from_the_fixture() {
+    let path = common::fixture_dir().join("minilm_activations.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("fixture {}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    for device in common::backends() {
+        for (kind, shape, grouping) in [
+            ("q", vec![1, 28, 12, 32], Grouping::Heads { axis: 2 }),
+            ("v", vec![1, 28, 12, 32], Grouping::Heads { axis: 2 }),
+            ("attn_probs", vec![1, 12, 28, 28], Grouping::Heads { axis: 1 }),
+            ("gelu_input", vec![1, 28, 1536], Grouping::Channels { axis: 2, groups: 12 }),
+            ("ln_ffn_input", vec![1, 28, 384], Grouping::Channels { axis: 2, groups: 12 }),
+        ] {
+            for layer in [0, 5] {
+                for stats in [StatsMode::Exact, StatsMode::Running] {
+                    let config = QuantConfig { grouping, stats, ..QuantConfig::per_tensor() };
+                    let mut q = Quantizer::new(&device, config).expect("q");
+                    for b in 0..3 {
+                        let t = st.tensor(&format!("layer{layer}.batch{b}.{kind}")).expect("tensor");
+                        let data: Vec<f16> = t.data().chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect();
+                        let layout = Layout::contiguous(&shape);
+                        let before = q.running_params().expect("r");
+                        let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+                        let x = reference::gather(&data, &layout);
+                        let from = if b == 0 || stats == StatsMode::Exact {
+                            ParamsFrom::Batch
+                        } else {
+                            ParamsFrom::Running(before.as_deref().unwrap_or(&[]))
+                        };
+                        verify::<bf16>(&device, &saved, &x, grouping, 8, Rounding::Nearest, 0, from);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn emulator_and_gpu_give_identical_codes() {
+    let Some(gpu) = common::cuda_only("emulator_and_gpu_give_identical_codes") else { return };
+    let emu = Device::emulator();
+    let mut rng = common::rng("emu_vs_gpu");
+    for rounding in [Rounding::Nearest, Rounding::Stochastic { seed: 42 }] {
+        for bits in [8, 4, 2] {
+            let data: Vec<bf16> = random_data(&mut rng, 3 * 7 * 5 * 33, 0.5, 4.0);
+            let layout = Layout::contiguous(&[3, 7, 5, 33]);
+            let config = QuantConfig { bits, rounding, ..QuantConfig::per_head(2) };
+            let run = |d: &Device| {
+                let mut q = Quantizer::new(d, config).expect("q");
+                let mut out = Vec::new();
+                for _ in 0..3 {
+                    let s = q.quantize(&d.upload(&data).expect("up"), &layout).expect("q");
+                    out.push((s.codes().to_vec().expect("c"), s.params().expect("p")));
+                }
+                out
+            };
+            assert_eq!(run(&emu), run(&gpu), "bits {bits} {rounding:?}");
+        }
+    }
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    for device in common::backends() {
+        let x = device.upload(&[0f32; 24]).expect("up");
+        let l = Layout::contiguous(&[2, 3, 4]);
+        // invalid configurations
+        assert!(matches!(
+            Quantizer::new(&device, QuantConfig { bits: 3, ..QuantConfig::per_tensor() }),
+            Err(Error::Unsupported(_))
+        ));
+        assert!(matches!(
+            Quantizer::new(&device, QuantConfig { momentum: 1.5, ..QuantConfig::per_tensor() }),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            Quantizer::new(&device, QuantConfig { momentum: f32::NAN, ..QuantConfig::per_tensor() }),
+            Err(Error::Shape(_))
+        ));
+        // groups that do not divide the axis, axis out of range
+        let mut q = Quantizer::new(&device, QuantConfig { grouping: Grouping::Channels { axis: 2, groups: 3 }, ..QuantConfig::per_tensor() }).expect("q");
+        assert!(matches!(q.quantize(&x, &l), Err(Error::Shape(_))));
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(3)).expect("q");
+        assert!(matches!(q.quantize(&x, &l), Err(Error::Shape(_))));
+        // buffer too short for the view (shape, offset, strides)
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
+        assert!(matches!(q.quantize(&x, &Layout::contiguous(&[2, 3, 5])), Err(Error::BufferTooShort { .. })));
+        assert!(matches!(
+            q.quantize(&x, &Layout::strided(&[2, 3, 4], &[12, 4, 1], 1).expect("l")),
+            Err(Error::BufferTooShort { .. })
+        ));
+        assert!(matches!(
+            q.quantize(&x, &Layout::strided(&[2, 3, 4], &[13, 4, 1], 0).expect("l")),
+            Err(Error::BufferTooShort { .. })
+        ));
+        // shape/stride rank mismatch; overflowing views
+        assert!(matches!(Layout::strided(&[2, 3], &[1], 0), Err(Error::Shape(_))));
+        assert!(matches!(
+            q.quantize(&x, &Layout::strided(&[usize::MAX / 2, 3, 4], &[1, 1, 1], 0).expect("l")),
+            Err(Error::TooLarge(_) | Error::BufferTooShort { .. })
+        ));
+        // a saved activation decoded into the wrong shape, a too-short or overlapping output
+        let saved = q.quantize(&x, &l).expect("q");
+        let mut out = device.alloc_zeros::<f32>(24).expect("alloc");
+        assert!(matches!(saved.dequantize(&device, &mut out, &Layout::contiguous(&[2, 4, 3])), Err(Error::Shape(_))));
+        let mut short = device.alloc_zeros::<f32>(23).expect("alloc");
+        assert!(matches!(saved.dequantize(&device, &mut short, &l), Err(Error::BufferTooShort { .. })));
+        assert!(matches!(
+            saved.dequantize(&device, &mut out, &Layout::strided(&[2, 3, 4], &[0, 4, 1], 0).expect("l")),
+            Err(Error::Shape(_))
+        ));
+        // the group count of a quantizer is fixed by its first batch
+        let y = device.upload(&[0f32; 40]).expect("up");
+        assert!(matches!(q.quantize(&y, &Layout::contiguous(&[2, 5, 4])), Err(Error::Shape(_))));
+        // more than MAX_DIMS dimensions that cannot merge
+        let big = device.upload(&vec![0f32; 4096]).expect("up");
+        let l7 = Layout::strided(&[2; 7], &[2048, 512, 128, 32, 8, 2, 1].map(|s| s * 1), 0).expect("l");
+        let l7 = l7.transpose(0, 6).expect("t");
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        assert!(matches!(q.quantize(&big, &l7), Err(Error::Unsupported(_))));
+    }
+}
+
+#[test]
+fn memory_of_the_wrong_backend_is_rejected() {
+    let Some(gpu) = common::cuda_only("memory_of_the_wrong_backend_is_rejected") else { return };
+    let emu = Device::emulator();
+    let host = vec![1f32; 16];
+    let l = Layout::contiguous(&[16]);
+    let mut q = Quantizer::new(&gpu, QuantConfig::per_tensor()).expect("q");
+    assert!(matches!(q.quantize(&host, &l), Err(Error::WrongBackend(_))));
+    let dev_buf = gpu.upload(&host).expect("up");
+    let mut qe = Quantizer::new(&emu, QuantConfig::per_tensor()).expect("q");
+    assert!(matches!(qe.quantize(&dev_buf, &l), Err(Error::WrongBackend(_))));
+    // a misaligned raw device pointer
+    let ptr = match &dev_buf {
+        mesa_kernels::Buffer::Cuda(s) => {
+            use cudarc::driver::DevicePtr;
+            let stream = gpu.stream().expect("stream");
+            let (p, _g) = s.device_ptr(stream);
+            p
+        }
+        mesa_kernels::Buffer::Host(_) => unreachable!(),
+    };
+    // SAFETY: the allocation holds 16 f32; the view below is rejected before any access.
+    let raw = unsafe { mesa_kernels::RawDeviceSlice::<f32>::new(ptr + 2, 8) };
+    assert!(matches!(q.quantize(&raw, &Layout::contiguous(&[8])), Err(Error::Misaligned { .. })));
+}
