@@ -33,16 +33,15 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use mesa_kernels::reference::{self, quant::group_index};
-use mesa_kernels::{Device, Grouping, Layout, QuantConfig, Quantizer, Rounding, StatsMode};
+use mesa_kernels::{Device, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
-const FIXTURE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/fixtures/minilm_activations.safetensors"
-);
+/// The default input, and how the report names it.
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/minilm_activations.safetensors");
+const FIXTURE_NAME: &str = "fixtures/minilm_activations.safetensors";
 /// Heads of MiniLM; also Mesa's number of channel groups for the GELU and LayerNorm inputs.
 const HEADS: usize = 12;
 /// The compression targets of the issue (8-bit codes).
@@ -69,7 +68,9 @@ WHAT IS MEASURED (per tensor):
     finite inputs); the largest error in quantization steps of the element's group (above
     0.5 with round to nearest, or 1 with stochastic rounding, means the element was clamped
     by the running range); and the relative L2 error of the same tensor quantized per-tensor
-    (one group) and with exact per-batch statistics.
+    (one group) and with exact per-batch statistics. A group whose input holds NaN or Inf
+    decodes to NaN (Mesa keeps no finite range for it): its errors show as NaN (null in
+    JSON) and the summary counts the non-finite inputs.
 
 BATCHES:
     Tensors named like `<prefix>.batch<b>.<suffix>` form one series `<prefix>.<suffix>`,
@@ -122,12 +123,7 @@ struct Options {
 
 /// The options, or `None` for `--help`.
 fn parse_args(args: impl Iterator<Item = String>) -> Result<Option<Options>> {
-    let mut options = Options {
-        input: None,
-        json: false,
-        bits: 8,
-        rounding: Rounding::Nearest,
-    };
+    let mut options = Options { input: None, json: false, bits: 8, rounding: Rounding::Nearest };
     let mut args = args;
     while let Some(arg) = args.next() {
         // `--flag=value` and `--flag value` both work.
@@ -135,12 +131,8 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Option<Options>> {
             Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
             _ => (arg, None),
         };
-        let mut value = |what: &str| {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .ok_or_else(|| format!("{flag} needs {what}"))
-        };
+        let mut value =
+            |what: &str| inline.clone().or_else(|| args.next()).ok_or_else(|| format!("{flag} needs {what}"));
         match flag.as_str() {
             "-h" | "--help" => return Ok(None),
             "--json" => options.json = true,
@@ -148,9 +140,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Option<Options>> {
             "--bits" => options.bits = parse_bits(&value("a bit width (8, 4 or 2)")?)?,
             "--stochastic" => {
                 let text = value("a seed")?;
-                let seed = text
-                    .parse()
-                    .map_err(|_| format!("--stochastic: bad seed `{text}`"))?;
+                let seed = text.parse().map_err(|_| format!("--stochastic: bad seed `{text}`"))?;
                 options.rounding = Rounding::Stochastic { seed };
             }
             other => return Err(format!("unknown argument `{other}`").into()),
@@ -180,11 +170,15 @@ fn run(options: &Options) -> Result<()> {
         rows.extend(quantize_series(&device, s, options)?);
     }
     let report = Report {
-        input: path.display().to_string(),
+        input: match &options.input {
+            Some(path) => path.display().to_string(),
+            None => FIXTURE_NAME.to_string(),
+        },
         model: model_name(&bytes),
         backend: device.description(),
         bits: options.bits,
         rounding: options.rounding,
+        momentum: QuantConfig::per_head(0).momentum,
         summary: Summary::of(&rows),
         rows,
         seconds: start.elapsed().as_secs_f64(),
@@ -220,40 +214,25 @@ struct Series {
 }
 
 fn load_series(file: &SafeTensors, fixture: bool) -> Result<Vec<Series>> {
-    let mut by_name: BTreeMap<String, Vec<Activation>> = BTreeMap::new();
+    // natural sort key of the series name -> (series name, its batches)
+    let mut by_name: BTreeMap<String, (String, Vec<Activation>)> = BTreeMap::new();
     for (name, view) in file.tensors() {
-        let data = widen(view.dtype(), view.data()).ok_or_else(|| {
-            format!(
-                "tensor `{name}` has dtype {}; supported: F32, F16, BF16",
-                view.dtype()
-            )
-        })?;
+        let data = widen(view.dtype(), view.data())
+            .ok_or_else(|| format!("tensor `{name}` has dtype {}; supported: F32, F16, BF16", view.dtype()))?;
         let (series, batch) = split_batch(&name).unwrap_or_else(|| (name.clone(), 0));
         let shape = view.shape().to_vec();
-        let act = Activation {
-            view: shape.clone(),
-            name,
-            batch,
-            shape,
-            dtype: view.dtype(),
-            data,
-        };
-        by_name.entry(natural_key(&series)).or_default().push(act);
+        let act = Activation { view: shape.clone(), name, batch, shape, dtype: view.dtype(), data };
+        by_name.entry(natural_key(&series)).or_insert_with(|| (series, Vec::new())).1.push(act);
     }
     if by_name.is_empty() {
         return Err("the file holds no tensors".into());
     }
     let mut all = Vec::new();
-    for mut batches in by_name.into_values() {
+    for (series_name, mut batches) in by_name.into_values() {
         batches.sort_by_key(|a| a.batch);
-        let series_name = split_batch(&batches[0].name).map_or(batches[0].name.clone(), |s| s.0);
         let kind = kind_of(&series_name);
         let grouping = plan_grouping(&kind, &mut batches, fixture)?;
-        all.push(Series {
-            kind,
-            grouping,
-            batches,
-        });
+        all.push(Series { kind, grouping, batches });
     }
     Ok(all)
 }
@@ -261,18 +240,9 @@ fn load_series(file: &SafeTensors, fixture: bool) -> Result<Vec<Series>> {
 /// Exact widening of F32/F16/BF16 little-endian bytes; `None` for other dtypes.
 fn widen(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     let values = match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
+        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
         _ => return None,
     };
     Some(values)
@@ -280,28 +250,25 @@ fn widen(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 
 /// `a.batch2.b` -> (`a.b`, 2): a dot-separated part `batch<digits>` with parts on both sides.
 fn split_batch(name: &str) -> Option<(String, usize)> {
-    let parts: Vec<&str> = name.split('.').collect();
+    let mut parts: Vec<&str> = name.split('.').collect();
     let inner = 1..parts.len().saturating_sub(1);
-    let (pos, batch) = inner.clone().find_map(|i| {
-        let digits = parts[i].strip_prefix("batch")?;
-        let all_digits = !digits.is_empty() && digits.bytes().all(|c| c.is_ascii_digit());
-        Some((i, digits.parse().ok().filter(|_| all_digits)?))
-    })?;
-    let rest: Vec<&str> = parts
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != pos)
-        .map(|(_, p)| *p)
-        .collect();
-    Some((rest.join("."), batch))
+    let (pos, batch) = inner.into_iter().find_map(|i| Some((i, batch_number(parts[i])?)))?;
+    parts.remove(pos);
+    Some((parts.join("."), batch))
+}
+
+/// `batch12` -> 12.
+fn batch_number(part: &str) -> Option<usize> {
+    let digits = part.strip_prefix("batch")?;
+    if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 /// The series name without its numbered parts: `layer3.q` -> `q`.
 fn kind_of(series: &str) -> String {
-    let parts: Vec<&str> = series
-        .split('.')
-        .filter(|p| !p.ends_with(|c: char| c.is_ascii_digit()))
-        .collect();
+    let parts: Vec<&str> = series.split('.').filter(|p| !p.ends_with(|c: char| c.is_ascii_digit())).collect();
     if parts.is_empty() {
         series.to_string()
     } else {
@@ -319,7 +286,8 @@ fn natural_key(name: &str) -> String {
             continue;
         }
         if !digits.is_empty() {
-            key.push_str(&format!("{digits:0>20}"));
+            key.extend(std::iter::repeat_n('0', 20usize.saturating_sub(digits.len())));
+            key.push_str(&digits);
             digits.clear();
         }
         if c != '\0' {
@@ -341,10 +309,7 @@ fn plan_grouping(kind: &str, batches: &mut [Activation], fixture: bool) -> Resul
     let shape = &batches[0].shape;
     Ok(match shape.len() {
         4 => Grouping::Heads { axis: 1 },
-        3 if shape[2] % HEADS == 0 => Grouping::Channels {
-            axis: 2,
-            groups: HEADS,
-        },
+        3 if shape[2] % HEADS == 0 => Grouping::Channels { axis: 2, groups: HEADS },
         3 => Grouping::Channels { axis: 2, groups: 1 },
         _ => Grouping::Tensor,
     })
@@ -406,20 +371,10 @@ struct Quantizers {
 
 impl Quantizers {
     fn new(device: &Device, grouping: Grouping, options: &Options) -> Result<Self> {
-        let config = QuantConfig {
-            bits: options.bits,
-            grouping,
-            rounding: options.rounding,
-            ..QuantConfig::per_head(0)
-        };
-        let per_tensor = QuantConfig {
-            grouping: Grouping::Tensor,
-            ..config
-        };
-        let exact = QuantConfig {
-            stats: StatsMode::Exact,
-            ..config
-        };
+        let config =
+            QuantConfig { bits: options.bits, grouping, rounding: options.rounding, ..QuantConfig::per_head(0) };
+        let per_tensor = QuantConfig { grouping: Grouping::Tensor, ..config };
+        let exact = QuantConfig { stats: StatsMode::Exact, ..config };
         Ok(Quantizers {
             headwise: Quantizer::new(device, config)?,
             per_tensor: Quantizer::new(device, per_tensor)?,
@@ -438,31 +393,24 @@ fn quantize_series(device: &Device, series: &Series, options: &Options) -> Resul
         .batches
         .iter()
         .map(|act| {
-            measure(device, &mut quantizers, series, act, bound)
-                .map_err(|e| format!("`{}`: {e}", act.name).into())
+            measure(device, &mut quantizers, series, act, bound).map_err(|e| format!("`{}`: {e}", act.name).into())
         })
         .collect()
 }
 
-fn measure(
-    device: &Device,
-    q: &mut Quantizers,
-    series: &Series,
-    act: &Activation,
-    bound: f64,
-) -> Result<Row> {
+fn measure(device: &Device, q: &mut Quantizers, series: &Series, act: &Activation, bound: f64) -> Result<Row> {
     let layout = Layout::contiguous(&act.view);
     let x = device.upload(&act.data)?;
-    let exact_x = reference::gather(&act.data, &layout);
+    let input = reference::gather(&act.data, &layout); // f64, logical order
 
     let saved = q.headwise.quantize(&x, &layout)?;
     let decoded = reference::gather(&decode(device, &saved, &layout)?, &layout);
     let scales: Vec<f64> = saved.params()?.iter().map(|p| f64::from(p.scale)).collect();
     let groups = group_index(&act.view, &series.grouping)?;
-    let error = ErrorStats::measure(&exact_x, &decoded, &groups, &scales, bound);
+    let error = ErrorStats::measure(&input, &decoded, &groups, &scales, bound);
 
-    let per_tensor = decode(device, &q.per_tensor.quantize(&x, &layout)?, &layout)?;
-    let exact = decode(device, &q.exact.quantize(&x, &layout)?, &layout)?;
+    let per_tensor = reference::gather(&decode(device, &q.per_tensor.quantize(&x, &layout)?, &layout)?, &layout);
+    let exact_stats = reference::gather(&decode(device, &q.exact.quantize(&x, &layout)?, &layout)?, &layout);
     Ok(Row {
         name: act.name.clone(),
         kind: series.kind.clone(),
@@ -476,17 +424,13 @@ fn measure(
         bytes_saved: saved.size_in_bytes(),
         nonfinite: saved.nonfinite_count()?,
         error,
-        rel_l2_per_tensor: rel_l2(&exact_x, &reference::gather(&per_tensor, &layout)),
-        rel_l2_exact: rel_l2(&exact_x, &reference::gather(&exact, &layout)),
+        rel_l2_per_tensor: rel_l2(&input, &per_tensor),
+        rel_l2_exact: rel_l2(&input, &exact_stats),
     })
 }
 
 /// Decodes a saved activation to f32 on the host.
-fn decode(
-    device: &Device,
-    saved: &mesa_kernels::SavedActivation,
-    layout: &Layout,
-) -> Result<Vec<f32>> {
+fn decode(device: &Device, saved: &SavedActivation, layout: &Layout) -> Result<Vec<f32>> {
     let mut out = device.alloc_zeros::<f32>(layout.numel())?;
     saved.dequantize(device, &mut out, layout)?;
     Ok(out.to_vec()?)
@@ -511,16 +455,12 @@ impl ErrorStats {
             }
             let steps = steps(v, d, scales[g]);
             // f32 decoding (code · scale + offset) adds a rounding far below 1e-3 steps.
-            if steps > bound + 1e-3 || steps.is_nan() {
+            if steps > bound + 1e-3 {
                 clamped += 1;
             }
             max_steps = nan_max(max_steps, steps);
         }
-        ErrorStats {
-            rel_l2: rel_l2(x, decoded),
-            max_steps,
-            clamped,
-        }
+        ErrorStats { rel_l2: rel_l2(x, decoded), max_steps, clamped }
     }
 }
 
@@ -612,10 +552,7 @@ impl Summary {
             let pos = match kinds.iter().position(|k| k.kind == row.kind) {
                 Some(pos) => pos,
                 None => {
-                    kinds.push(KindSummary {
-                        kind: row.kind.clone(),
-                        ..KindSummary::default()
-                    });
+                    kinds.push(KindSummary { kind: row.kind.clone(), ..KindSummary::default() });
                     kinds.len() - 1
                 }
             };
@@ -678,6 +615,7 @@ struct Report {
     backend: String,
     bits: u32,
     rounding: Rounding,
+    momentum: f32,
     rows: Vec<Row>,
     summary: Summary,
     seconds: f64,
@@ -692,38 +630,27 @@ impl Report {
 
     fn print_header(&self) {
         println!("mesa-kernels activation compression report");
-        let model = self
-            .model
-            .as_ref()
-            .map(|m| format!(" ({m})"))
-            .unwrap_or_default();
-        println!(
-            "input    : {}{model}, {} tensors",
-            self.input,
-            self.rows.len()
-        );
+        let model = self.model.as_ref().map(|m| format!(" ({m})")).unwrap_or_default();
+        println!("input    : {}{model}, {} tensors", self.input, self.rows.len());
         println!("backend  : {}", self.backend);
         println!(
-            "codes    : {}-bit, round {}, running estimate (momentum 0.9; batch 0 exact)",
+            "codes    : {}-bit, rounding {}, running estimate (momentum {}; batch 0: exact statistics)",
             self.bits,
-            rounding_name(self.rounding)
+            rounding_name(self.rounding),
+            self.momentum
         );
         println!(
-            "errors   : rel-L2 = |x^-x|/|x|; steps = max |x^-x| / group scale; clamped = \
-             elements beyond the rounding bound\n"
+            "columns  : shape as quantized; rel-L2 = |x^-x|/|x|; steps = max |x^-x| / scale of \
+             the group;\n           clamped = elements beyond the rounding bound (outside the \
+             running range);\n           per-tensor = one group, running; exact = head-wise, \
+             exact statistics\n"
         );
     }
 
     fn print_tensors(&self) {
-        let w = self
-            .rows
-            .iter()
-            .map(|r| r.name.len())
-            .max()
-            .unwrap_or(6)
-            .max(6);
+        let w = self.rows.iter().map(|r| r.name.len()).max().unwrap_or(6).max(6);
         println!(
-            "{:<w$}  {:<14} {:>9} {:>8} {:>6} {:>6}  {:>9} {:>6} {:>7}  {:>10} {:>10}",
+            "{:<w$}  {:<14} {:>9} {:>8} {:>6} {:>6}  {:>9} {:>7} {:>7}  {:>10} {:>10}",
             "tensor",
             "shape",
             "f32 B",
@@ -738,7 +665,7 @@ impl Report {
         );
         for r in &self.rows {
             println!(
-                "{:<w$}  {:<14} {:>9} {:>8} {:>6.3} {:>6.3}  {:>9.3e} {:>6.3} {:>7}  {:>10.3e} {:>10.3e}",
+                "{:<w$}  {:<14} {:>9} {:>8} {:>6.3} {:>6.3}  {:>9.3e} {:>7.2} {:>7}  {:>10.3e} {:>10.3e}",
                 r.name,
                 shape_text(&r.view),
                 r.bytes_f32(),
@@ -757,10 +684,7 @@ impl Report {
     fn print_summary(&self) {
         let s = &self.summary;
         println!("\nsummary: {} tensors, {} elements", s.tensors, s.numel);
-        println!(
-            "  original bytes : {} (f32), {} (bf16)",
-            s.bytes_f32, s.bytes_bf16
-        );
+        println!("  original bytes : {} (f32), {} (bf16)", s.bytes_f32, s.bytes_bf16);
         println!("  saved bytes    : {}", s.bytes_saved);
         println!(
             "  ratio vs f32   : {:.3}x (target >= {TARGET_VS_F32}x: {})",
@@ -786,7 +710,7 @@ impl Report {
             "backend": self.backend,
             "bits": self.bits,
             "rounding": rounding_name(self.rounding),
-            "momentum": QuantConfig::per_head(0).momentum,
+            "momentum": self.momentum,
             "tensors": self.rows.iter().map(row_json).collect::<Vec<_>>(),
             "summary": {
                 "tensors": s.tensors,
@@ -811,26 +735,15 @@ impl Report {
 
 fn print_kind_table(kinds: &[KindSummary]) {
     let w = kinds.iter().map(|k| k.kind.len()).max().unwrap_or(4).max(4);
-    let g = kinds
-        .iter()
-        .map(|k| k.groupings.join(" / ").len())
-        .max()
-        .unwrap_or(8)
-        .max(8);
+    let g = kinds.iter().map(|k| k.groupings.join(" / ").len()).max().unwrap_or(8).max(8);
     println!("  rel-L2 error per kind (mean / max over its tensors):");
     println!(
-        "  {:<w$}  {:<g$}  {:>21}  {:>21}  {:>21}  {:>6} {:>7}",
-        "kind",
-        "grouping",
-        "head-wise (running)",
-        "per-tensor (running)",
-        "head-wise (exact)",
-        "steps",
-        "clamped"
+        "  {:<w$}  {:<g$}  {:>21}  {:>21}  {:>21}  {:>9} {:>7}",
+        "kind", "grouping", "head-wise (running)", "per-tensor (running)", "head-wise (exact)", "max steps", "clamped"
     );
     for k in kinds {
         println!(
-            "  {:<w$}  {:<g$}  {}  {}  {}  {:>6.3} {:>7}",
+            "  {:<w$}  {:<g$}  {}  {}  {}  {:>9.2} {:>7}",
             k.kind,
             k.groupings.join(" / "),
             mean_max_text(&k.headwise),

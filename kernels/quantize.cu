@@ -50,7 +50,9 @@ __device__ __forceinline__ CodeParams code_params(MesaGroupParams p) {
 }
 
 __device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
-  const float t = (x - p.offset) * p.inv_scale;
+  // __fmul_rn: never contracted into an FMA with the `+ u` below, so the GPU rounds t
+  // exactly as the emulation does
+  const float t = __fmul_rn(x - p.offset, p.inv_scale);
   const float r = stochastic ? floorf(t + u) : rintf(t);
   return unsigned(fminf(fmaxf(r, 0.0f), levels));  // fmaxf(NaN, 0) = 0
 }

@@ -2,8 +2,10 @@
 //
 // A launch runs its blocks on `worker_count()` OS threads (the calling thread plus helpers
 // spawned for the launch); each OS thread runs one block at a time. The CUDA threads of a
-// block are fibers (ucontext) on that OS thread, scheduled round-robin: a fiber runs until
-// it finishes or waits (barrier, warp exchange, spin-wait), then the next one runs.
+// block are fibers on that OS thread, scheduled round-robin: a fiber runs until it finishes
+// or waits (barrier, warp exchange, spin-wait), then the next one runs. A switch saves the
+// callee-saved registers and the stack pointer (x86-64, AArch64: a few instructions, no
+// system call; ucontext elsewhere), which is what makes barrier-heavy kernels affordable.
 // Fiber stacks are cached between launches, so a launch costs a few microseconds plus
 // the kernel's own work.
 //
@@ -12,8 +14,11 @@
 #include "cuda_emu.h"
 
 #include <sys/mman.h>
-#include <ucontext.h>
 #include <unistd.h>
+#if !defined(__x86_64__) && !defined(__aarch64__)
+#include <ucontext.h>
+#define MESA_EMU_UCONTEXT 1
+#endif
 
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +26,91 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+
+// ---------------------------------------------------------------------------------------
+// Fiber context switch: `mesa_emu_switch(&save_sp, next_sp)` pushes the callee-saved
+// registers on the current stack, stores the stack pointer in *save_sp, loads next_sp and
+// pops the next fiber's registers, returning into it. A fresh stack is prepared so that the
+// first switch "returns" into fiber_start.
+#if defined(__x86_64__)
+extern "C" void mesa_emu_switch(void** save_sp, void* next_sp);
+asm(R"(
+.text
+.p2align 4
+.globl mesa_emu_switch
+.hidden mesa_emu_switch
+.type mesa_emu_switch,@function
+mesa_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size mesa_emu_switch,.-mesa_emu_switch
+.section .note.GNU-stack,"",@progbits
+.text
+)");
+#elif defined(__aarch64__)
+extern "C" void mesa_emu_switch(void** save_sp, void* next_sp);
+asm(R"(
+.text
+.p2align 4
+.globl mesa_emu_switch
+.hidden mesa_emu_switch
+.type mesa_emu_switch,%function
+mesa_emu_switch:
+  sub sp, sp, #0xb0
+  stp x19, x20, [sp, #0x00]
+  stp x21, x22, [sp, #0x10]
+  stp x23, x24, [sp, #0x20]
+  stp x25, x26, [sp, #0x30]
+  stp x27, x28, [sp, #0x40]
+  stp x29, x30, [sp, #0x50]
+  stp d8, d9, [sp, #0x60]
+  stp d10, d11, [sp, #0x70]
+  stp d12, d13, [sp, #0x80]
+  stp d14, d15, [sp, #0x90]
+  mrs x9, fpcr
+  str x9, [sp, #0xa0]
+  mov x9, sp
+  str x9, [x0]
+  mov sp, x1
+  ldr x9, [sp, #0xa0]
+  msr fpcr, x9
+  ldp x19, x20, [sp, #0x00]
+  ldp x21, x22, [sp, #0x10]
+  ldp x23, x24, [sp, #0x20]
+  ldp x25, x26, [sp, #0x30]
+  ldp x27, x28, [sp, #0x40]
+  ldp x29, x30, [sp, #0x50]
+  ldp d8, d9, [sp, #0x60]
+  ldp d10, d11, [sp, #0x70]
+  ldp d12, d13, [sp, #0x80]
+  ldp d14, d15, [sp, #0x90]
+  add sp, sp, #0xb0
+  ret
+.size mesa_emu_switch,.-mesa_emu_switch
+.section .note.GNU-stack,"",%progbits
+.text
+)");
+#endif
 
 namespace mesa_emu {
 
@@ -43,7 +133,11 @@ struct Block;
 
 struct ThreadState {
   uint3 idx{0, 0, 0};
+#ifdef MESA_EMU_UCONTEXT
   ucontext_t ctx;
+#else
+  void* sp = nullptr;  // saved stack pointer while switched out
+#endif
   bool done = false;
   Block* block = nullptr;
 };
@@ -92,7 +186,11 @@ void give_stacks(std::unique_ptr<StackSet> s) {
 }
 
 struct Block {
+#ifdef MESA_EMU_UCONTEXT
   ucontext_t scheduler;
+#else
+  void* scheduler_sp = nullptr;
+#endif
   std::vector<ThreadState> threads;
   std::vector<Warp> warps;
   std::vector<unsigned char> dynamic_smem;
@@ -104,14 +202,45 @@ struct Block {
 
 thread_local Block* tl_block = nullptr;
 
-void fiber_entry() {
+void fiber_body() {
   ThreadState* self = tl_current;
   (*self->block->body)();
-  Block* b = self->block;
   self->done = true;
-  b->live -= 1;
-  // returning resumes the scheduler through uc_link
+  self->block->live -= 1;
 }
+
+#ifdef MESA_EMU_UCONTEXT
+void fiber_entry() { fiber_body(); }  // returning resumes the scheduler through uc_link
+#else
+[[noreturn]] void fiber_start() {
+  fiber_body();
+  ThreadState* self = tl_current;
+  void* dead_sp = nullptr;
+  mesa_emu_switch(&dead_sp, self->block->scheduler_sp);
+  std::abort();  // a finished fiber is never resumed
+}
+
+// Lays out a fresh stack so that switching to it enters fiber_start.
+void* prepare_stack(unsigned char* base, size_t bytes) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(base) + bytes) & ~uintptr_t(15);
+  void** sp = reinterpret_cast<void**>(top);
+#if defined(__x86_64__)
+  *--sp = nullptr;  // keeps rsp % 16 == 8 at fiber_start's entry, as after a call
+  *--sp = reinterpret_cast<void*>(&fiber_start);  // return address
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;    // rbp rbx r12 r13 r14 r15
+  --sp;                                            // mxcsr + x87 control word
+  const uint32_t mxcsr = 0x1f80;                   // default: all exceptions masked, nearest
+  const uint16_t fcw = 0x037f;
+  std::memcpy(reinterpret_cast<unsigned char*>(sp), &mxcsr, 4);
+  std::memcpy(reinterpret_cast<unsigned char*>(sp) + 4, &fcw, 2);
+#elif defined(__aarch64__)
+  sp -= 0xb0 / sizeof(void*);
+  std::memset(sp, 0, 0xb0);
+  sp[11] = reinterpret_cast<void*>(&fiber_start);  // x30 (link register) at offset 0x58
+#endif
+  return sp;
+}
+#endif
 
 unsigned linear_tid(const ThreadState* t) {
   return t->idx.x + t->idx.y * tl_block_dim.x + t->idx.z * tl_block_dim.x * tl_block_dim.y;
@@ -134,18 +263,26 @@ bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
     t.block = &b;
     t.idx = uint3{i % tl_block_dim.x, (i / tl_block_dim.x) % tl_block_dim.y,
                   i / (tl_block_dim.x * tl_block_dim.y)};
+#ifdef MESA_EMU_UCONTEXT
     getcontext(&t.ctx);
     t.ctx.uc_stack.ss_sp = stacks.stacks[i];
     t.ctx.uc_stack.ss_size = kStackBytes;
     t.ctx.uc_link = &b.scheduler;
     makecontext(&t.ctx, fiber_entry, 0);
+#else
+    t.sp = prepare_stack(stacks.stacks[i], kStackBytes);
+#endif
   }
   while (b.live > 0) {
     for (unsigned i = 0; i < n; ++i) {
       ThreadState& t = b.threads[i];
       if (t.done) continue;
       tl_current = &t;
+#ifdef MESA_EMU_UCONTEXT
       swapcontext(&b.scheduler, &t.ctx);
+#else
+      mesa_emu_switch(&b.scheduler_sp, t.sp);
+#endif
       if (t.done) {
         // a finished thread no longer counts towards its warp's exchanges
         b.warps[i / 32].live -= 1;
@@ -160,7 +297,11 @@ bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
 
 void yield_to_scheduler() {
   ThreadState* self = tl_current;
+#ifdef MESA_EMU_UCONTEXT
   swapcontext(&self->ctx, &self->block->scheduler);
+#else
+  mesa_emu_switch(&self->sp, self->block->scheduler_sp);
+#endif
 }
 
 int env_threads() {

@@ -59,3 +59,8 @@ pub mod build {
     /// Architectures of the CUDA build (`MESA_CUDA_ARCHS`), empty without CUDA.
     pub const CUDA_ARCHS: &str = mesa_kernels_sys::CUDA_ARCHS;
 }
+
+/// The README's examples, compiled and run as doc-tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
