@@ -20,6 +20,7 @@
 #define MESA_EMU_UCONTEXT 1
 #endif
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -316,6 +317,11 @@ int env_threads() {
 
 }  // namespace
 
+long long steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 int worker_count() {
   static const int n = env_threads();
   return n;
@@ -396,7 +402,7 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
   if (grid.x > kMaxGridX || grid.y > kMaxGridYZ || grid.z > kMaxGridYZ) return cudaErrorInvalidConfiguration;
   if (dynamic_smem_bytes > 227u * 1024u) return cudaErrorInvalidConfiguration;
   const unsigned long long blocks = 1ull * grid.x * grid.y * grid.z;
-  if (cooperative && blocks > kMaxCooperativeBlocks) return cudaErrorInvalidConfiguration;
+  if (cooperative && blocks > kMaxCooperativeBlocks) return cudaErrorCooperativeLaunchTooLarge;
 
   auto decode = [&](unsigned long long linear) {
     return uint3{unsigned(linear % grid.x), unsigned((linear / grid.x) % grid.y),
