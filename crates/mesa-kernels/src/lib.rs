@@ -6,6 +6,8 @@
 //! * [`quant`]: activation compression (Mesa, Pan et al. 2021): exact forward, the copy
 //!   saved for backward kept as 8/4/2-bit codes with per-head offset and scale learned by
 //!   running estimates.
+//! * [`collectives`]: sequence parallelism (Megatron, Korthikanti et al. 2022): reduce-scatter
+//!   and all-gather of `[S, B, H]` along the sequence, intra-node kernel and NCCL backend.
 //!
 //! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
 //! streams pass straight in) or the host emulation, which compiles the same kernel source
@@ -39,6 +41,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod collectives;
 mod device;
 mod dtype;
 mod error;
@@ -46,6 +49,7 @@ mod layout;
 pub mod quant;
 pub mod reference;
 
+pub use collectives::{Epilogue, RankView, RankViewMut, SeqParallelGroup, SeqSplits};
 pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
