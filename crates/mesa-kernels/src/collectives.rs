@@ -49,7 +49,6 @@ pub const MAX_BLOCKS_PER_RANK: usize = sys::MESA_SEQPAR_MAX_BLOCKS as usize;
 const FLAG_WORDS: usize = sys::MESA_SEQPAR_FLAG_WORDS as usize;
 const FLAG_STATUS: usize = sys::MESA_SEQPAR_FLAG_STATUS as usize;
 const FLAG_EPOCH: usize = sys::MESA_SEQPAR_FLAG_EPOCH as usize;
-const FLAG_START: usize = sys::MESA_SEQPAR_FLAG_START as usize;
 
 /// How the sequence axis `S` is split between ranks: rank `r` owns rows
 /// `[offset(r), offset(r) + rows(r))`.
@@ -212,10 +211,10 @@ fn strides3(layout: &Layout) -> [i64; 3] {
 fn common_strides(layouts: &[&Layout], what: &str) -> Result<[i64; 3]> {
     let mut common: [Option<usize>; 3] = [None; 3];
     for l in layouts {
-        for d in 0..3 {
+        for (d, slot) in common.iter_mut().enumerate() {
             if l.shape()[d] > 1 {
-                match common[d] {
-                    None => common[d] = Some(l.strides()[d]),
+                match *slot {
+                    None => *slot = Some(l.strides()[d]),
                     Some(s) if s == l.strides()[d] => {}
                     Some(s) => {
                         return Err(Error::Unsupported(format!(
@@ -361,7 +360,6 @@ impl SeqParallelGroup {
             words[base + FLAG_EPOCH..base + FLAG_WORDS].fill(epoch);
             words[base + FLAG_STATUS] = 0;
         }
-        debug_assert!(FLAG_START > FLAG_EPOCH);
         self.device.copy_into(&words, &mut self.flags)?;
         self.poisoned = false;
         Ok(())
