@@ -575,3 +575,60 @@ fn bad_shapes_and_mismatched_splits_are_errors() {
     assert!(matches!(group.all_gather_seq(&ins(&full), &mut o, &splits), Err(Error::Shape(_))));
     assert_eq!(group.all_gather_seq(&ins(&half), &mut o, &splits), Ok(()));
 }
+
+/// The NCCL backend on a one-rank communicator (GPU only; needs libnccl on the library path).
+/// With one rank the reduce-scatter is the identity plus the epilogue, so the f32-accumulation
+/// result is bitwise the fixed-order f32 evaluation, and the all-gather a bit copy.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_backend_one_rank_communicator() {
+    use mesa_kernels::collectives::nccl::{Accumulation, NcclSeqParallel, NcclUniqueId};
+    let Some(device) = common::cuda_only("nccl_backend_one_rank_communicator") else { return };
+    let id = match NcclUniqueId::new() {
+        Ok(id) => id,
+        Err(e) => {
+            assert!(!common::require_gpu() || std::env::var_os("MESA_ALLOW_NO_NCCL").is_some(), "NCCL unavailable: {e}");
+            eprintln!("SKIPPED nccl_backend_one_rank_communicator: {e}");
+            return;
+        }
+    };
+    let mut rng = common::rng("nccl");
+    let mut comm = NcclSeqParallel::new(&device, 0, 1, &id).expect("communicator");
+    let shape = Shape::new(&[5], 3, 24);
+    let n = shape.s() * shape.bh();
+    for acc in [Accumulation::F32, Accumulation::InputDtype] {
+        comm.set_accumulation(acc);
+        let x: Vec<bf16> = random(&mut rng, n, 4.0);
+        let bias: Vec<bf16> = random(&mut rng, shape.h, 1.0);
+        let res: Vec<bf16> = random(&mut rng, n, 2.0);
+        let (xb, bb, rb) = (device.upload(&x).expect("up"), device.upload(&bias).expect("up"), device.upload(&res).expect("up"));
+        let mut out = device.upload(&vec![bf16::NAN; n]).expect("up");
+        {
+            let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
+            let mut o = RankViewMut::new(&mut out, layout.clone());
+            comm.reduce_scatter_seq(
+                &RankView::new(&xb, layout.clone()),
+                &mut o,
+                &shape.splits,
+                Some(&RankView::contiguous(&bb, &[shape.h])),
+                Some(&RankView::new(&rb, layout)),
+            )
+            .expect("reduce-scatter");
+        }
+        let got = out.to_vec().expect("down");
+        // one rank: Σ = x exactly; f32: rnd((x + bias) + res) once; input dtype: the same
+        // (NCCL's one-rank sum is x itself, already bf16)
+        let want = fixed_order(&[x.clone()], &shape.splits, shape.bh(), shape.h, Some(&[bias.clone()]), Some(&[res.clone()]));
+        assert!(got.iter().zip(&want[0]).all(|(a, b)| same_bits(*a, *b)), "{acc:?}: NCCL reduce-scatter differs");
+        let mut gathered = device.upload(&vec![bf16::NAN; n]).expect("up");
+        {
+            let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
+            let mut o = RankViewMut::new(&mut gathered, layout.clone());
+            comm.all_gather_seq(&RankView::new(&out, layout), &mut o, &shape.splits).expect("all-gather");
+        }
+        assert!(gathered.to_vec().expect("down").iter().zip(&got).all(|(a, b)| same_bits(*a, *b)));
+    }
+    let mut grads = device.upload(&[1.5f32, -2.0, 3.25]).expect("up");
+    comm.all_reduce_sum(&mut grads).expect("all-reduce");
+    assert_eq!(grads.to_vec().expect("down"), vec![1.5, -2.0, 3.25]);
+}
