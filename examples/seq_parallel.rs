@@ -61,14 +61,21 @@ fn step_data(world: usize, splits: &SeqSplits) -> Step {
 }
 
 /// The layer step through the intra-node kernel; returns (shards z_r, gathered x_r).
-fn intra_node(device: &Device, world: usize, splits: &SeqSplits, step: &Step) -> mesa_kernels::Result<(Vec<Vec<bf16>>, Vec<Vec<bf16>>)> {
+fn intra_node(
+    device: &Device,
+    world: usize,
+    splits: &SeqSplits,
+    step: &Step,
+) -> mesa_kernels::Result<(Vec<Vec<bf16>>, Vec<Vec<bf16>>)> {
     let mut group = SeqParallelGroup::new(device, world)?;
     let inputs = step.partial.iter().map(|x| device.upload(x)).collect::<mesa_kernels::Result<Vec<_>>>()?;
     let biases = (0..world).map(|_| device.upload(&step.bias)).collect::<mesa_kernels::Result<Vec<_>>>()?;
     let residuals = step.residual.iter().map(|x| device.upload(x)).collect::<mesa_kernels::Result<Vec<_>>>()?;
-    let mut shards =
-        (0..world).map(|r| device.alloc_zeros::<bf16>(splits.rows(r) * B * H)).collect::<mesa_kernels::Result<Vec<_>>>()?;
-    let mut gathered = (0..world).map(|_| device.alloc_zeros::<bf16>(S * B * H)).collect::<mesa_kernels::Result<Vec<_>>>()?;
+    let mut shards = (0..world)
+        .map(|r| device.alloc_zeros::<bf16>(splits.rows(r) * B * H))
+        .collect::<mesa_kernels::Result<Vec<_>>>()?;
+    let mut gathered =
+        (0..world).map(|_| device.alloc_zeros::<bf16>(S * B * H)).collect::<mesa_kernels::Result<Vec<_>>>()?;
     {
         let ins: Vec<RankView<'_, bf16>> = inputs.iter().map(|x| RankView::contiguous(x, &[S, B, H])).collect();
         let bias: Vec<RankView<'_, bf16>> = biases.iter().map(|x| RankView::contiguous(x, &[H])).collect();
@@ -170,7 +177,9 @@ fn run() -> mesa_kernels::Result<()> {
 
 #[cfg(not(feature = "nccl"))]
 fn nccl_part() -> mesa_kernels::Result<()> {
-    println!("   built without the `nccl` feature; rerun with `--features nccl` (needs >= 2 GPUs and libnccl). Skipped.");
+    println!(
+        "   built without the `nccl` feature; rerun with `--features nccl` (needs >= 2 GPUs and libnccl). Skipped."
+    );
     Ok(())
 }
 
@@ -247,7 +256,8 @@ fn nccl_part() -> mesa_kernels::Result<()> {
     let mut worst = 0.0f64;
     let mut bitwise = true;
     for r in 0..world {
-        let bytes = std::fs::read(dir.join(format!("rank{r}.bin"))).map_err(|e| mesa_kernels::Error::Cuda(format!("{e}")))?;
+        let bytes =
+            std::fs::read(dir.join(format!("rank{r}.bin"))).map_err(|e| mesa_kernels::Error::Cuda(format!("{e}")))?;
         let got: Vec<bf16> = bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect();
         let (shard, gathered) = got.split_at(splits.rows(r) * B * H);
         bitwise &= shard.iter().zip(&z[r]).all(|(a, b)| a.to_bits() == b.to_bits());

@@ -150,10 +150,8 @@ fn run_rs<T: Element>(
         inputs.iter().map(|x| device.upload(&place(x, &in_layout, in_len)).expect("upload")).collect();
     let out_layouts: Vec<(Layout, usize)> =
         (0..w).map(|r| layout_of(out_view, [shape.splits.rows(r), shape.b, shape.h])).collect();
-    let mut out_bufs: Vec<_> = out_layouts
-        .iter()
-        .map(|(_, len)| device.upload(&vec![T::from_f64(f64::NAN); *len]).expect("upload"))
-        .collect();
+    let mut out_bufs: Vec<_> =
+        out_layouts.iter().map(|(_, len)| device.upload(&vec![T::from_f64(f64::NAN); *len]).expect("upload")).collect();
     let res_bufs: Vec<_> = residual
         .map(|res| {
             (0..w)
@@ -164,20 +162,16 @@ fn run_rs<T: Element>(
                 .collect()
         })
         .unwrap_or_default();
-    let bias_bufs: Vec<_> = bias
-        .map(|bias| bias.iter().map(|v| device.upload(v).expect("upload")).collect())
-        .unwrap_or_default();
+    let bias_bufs: Vec<_> =
+        bias.map(|bias| bias.iter().map(|v| device.upload(v).expect("upload")).collect()).unwrap_or_default();
     {
         let ins: Vec<RankView<'_, T>> = in_bufs.iter().map(|b| RankView::new(b, in_layout.clone())).collect();
         let mut outs: Vec<RankViewMut<'_, T>> =
             out_bufs.iter_mut().zip(&out_layouts).map(|(b, (l, _))| RankViewMut::new(b, l.clone())).collect();
         let res_views: Vec<RankView<'_, T>> = res_bufs.iter().map(|(b, l)| RankView::new(b, l.clone())).collect();
-        let bias_views: Vec<RankView<'_, T>> =
-            bias_bufs.iter().map(|b| RankView::contiguous(b, &[shape.h])).collect();
-        let epilogue = Epilogue {
-            bias: bias.map(|_| bias_views.as_slice()),
-            residual: residual.map(|_| res_views.as_slice()),
-        };
+        let bias_views: Vec<RankView<'_, T>> = bias_bufs.iter().map(|b| RankView::contiguous(b, &[shape.h])).collect();
+        let epilogue =
+            Epilogue { bias: bias.map(|_| bias_views.as_slice()), residual: residual.map(|_| res_views.as_slice()) };
         group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &epilogue)?;
     }
     group.check()?;
@@ -345,10 +339,11 @@ fn all_gather_of_reduce_scatter_is_an_all_reduce_identical_on_every_rank() {
             let inputs: Vec<Vec<bf16>> = (0..w).map(|_| random(&mut rng, shape.s() * shape.bh(), 8.0)).collect();
             let shards = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense)
                 .expect("reduce-scatter");
-            let gathered =
-                run_ag(&device, &mut group, &shape, &shards, View::Dense, View::Dense).expect("all-gather");
+            let gathered = run_ag(&device, &mut group, &shape, &shards, View::Dense, View::Dense).expect("all-gather");
             let want = rc::all_reduce(&inputs.iter().map(|x| widen(x)).collect::<Vec<_>>());
-            let mags = rc::all_reduce(&inputs.iter().map(|x| x.iter().map(|v| v.to_f64().abs()).collect()).collect::<Vec<_>>());
+            let mags = rc::all_reduce(
+                &inputs.iter().map(|x| x.iter().map(|v| v.to_f64().abs()).collect()).collect::<Vec<_>>(),
+            );
             for r in 0..w {
                 assert!(
                     gathered[r].iter().zip(&gathered[0]).all(|(a, b)| same_bits(*a, *b)),
@@ -383,8 +378,8 @@ fn strided_transposed_and_misaligned_views_give_the_same_bits() {
             (View::Offset1, View::Offset1),
         ] {
             let label = format!("RS in {in_view:?} out {out_view:?}");
-            let got = run_rs(&device, &mut group, &shape, &inputs, Some(&bias), Some(&res), in_view, out_view)
-                .expect(&label);
+            let got =
+                run_rs(&device, &mut group, &shape, &inputs, Some(&bias), Some(&res), in_view, out_view).expect(&label);
             check_rs(&got, &inputs, &shape, Some(&bias), Some(&res), &label);
             let got = run_ag(&device, &mut group, &shape, &res, in_view, out_view).expect("all-gather");
             let want: Vec<f16> = res.iter().flatten().copied().collect();
@@ -458,7 +453,11 @@ fn epoch_counters_wrap_around_u32() {
         group.set_launch_ranks_for_testing(Some(0..2));
         let inputs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
         let result = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense);
-        assert!(matches!(result, Err(Error::Timeout(_))), "a stale u32::MAX slot passed for epoch 0: {:?}", result.err());
+        assert!(
+            matches!(result, Err(Error::Timeout(_))),
+            "a stale u32::MAX slot passed for epoch 0: {:?}",
+            result.err()
+        );
     }
 }
 
@@ -493,7 +492,8 @@ fn a_rank_that_never_arrives_times_out_with_nan_outputs_and_no_hang() {
         let again = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense);
         assert!(matches!(again, Err(Error::Timeout(_))), "a poisoned group must refuse: {:?}", again.err());
         group.reset().expect("reset");
-        let got = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense).expect("after reset");
+        let got =
+            run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense).expect("after reset");
         check_rs(&got, &inputs, &shape, None, None, "after reset");
     }
 }
@@ -554,7 +554,10 @@ fn bad_shapes_and_mismatched_splits_are_errors() {
     let wrong = Layout::contiguous(&[3, b, h + 1]);
     assert!(matches!(call(&ins(&full), [half.clone(), wrong], &[3, 3]), Err(Error::Shape(_))));
     // rank-2 input
-    assert!(matches!(call(&ins(&Layout::contiguous(&[6, b * h])), [half.clone(), half.clone()], &[3, 3]), Err(Error::Shape(_))));
+    assert!(matches!(
+        call(&ins(&Layout::contiguous(&[6, b * h])), [half.clone(), half.clone()], &[3, 3]),
+        Err(Error::Shape(_))
+    ));
     // a view past the end of its buffer
     let past = Layout::strided(&[3, b, h], &[b * h, h, 1], 1).expect("layout");
     assert!(matches!(call(&ins(&full), [half.clone(), past], &[3, 3]), Err(Error::BufferTooShort { .. })));
@@ -587,7 +590,10 @@ fn nccl_backend_one_rank_communicator() {
     let id = match NcclUniqueId::new() {
         Ok(id) => id,
         Err(e) => {
-            assert!(!common::require_gpu() || std::env::var_os("MESA_ALLOW_NO_NCCL").is_some(), "NCCL unavailable: {e}");
+            assert!(
+                !common::require_gpu() || std::env::var_os("MESA_ALLOW_NO_NCCL").is_some(),
+                "NCCL unavailable: {e}"
+            );
             eprintln!("SKIPPED nccl_backend_one_rank_communicator: {e}");
             return;
         }
@@ -601,7 +607,8 @@ fn nccl_backend_one_rank_communicator() {
         let x: Vec<bf16> = random(&mut rng, n, 4.0);
         let bias: Vec<bf16> = random(&mut rng, shape.h, 1.0);
         let res: Vec<bf16> = random(&mut rng, n, 2.0);
-        let (xb, bb, rb) = (device.upload(&x).expect("up"), device.upload(&bias).expect("up"), device.upload(&res).expect("up"));
+        let (xb, bb, rb) =
+            (device.upload(&x).expect("up"), device.upload(&bias).expect("up"), device.upload(&res).expect("up"));
         let mut out = device.upload(&vec![bf16::NAN; n]).expect("up");
         {
             let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
@@ -618,7 +625,8 @@ fn nccl_backend_one_rank_communicator() {
         let got = out.to_vec().expect("down");
         // one rank: Σ = x exactly; f32: rnd((x + bias) + res) once; input dtype: the same
         // (NCCL's one-rank sum is x itself, already bf16)
-        let want = fixed_order(&[x.clone()], &shape.splits, shape.bh(), shape.h, Some(&[bias.clone()]), Some(&[res.clone()]));
+        let want =
+            fixed_order(&[x.clone()], &shape.splits, shape.bh(), shape.h, Some(&[bias.clone()]), Some(&[res.clone()]));
         assert!(got.iter().zip(&want[0]).all(|(a, b)| same_bits(*a, *b)), "{acc:?}: NCCL reduce-scatter differs");
         let mut gathered = device.upload(&vec![bf16::NAN; n]).expect("up");
         {

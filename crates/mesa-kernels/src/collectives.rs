@@ -501,8 +501,11 @@ impl SeqParallelGroup {
             epilogue.residual.map(|v| v.iter().map(|x| x.mem.mem_ref()).collect()).unwrap_or_default();
         let bias_mems: Vec<MemRef<'_, T>> =
             epilogue.bias.map(|v| v.iter().map(|x| x.mem.mem_ref()).collect()).unwrap_or_default();
-        let in_ptrs =
-            in_mems.iter().zip(inputs).map(|(m, v)| device.read_ptr(m, v.layout.offset(), "input")).collect::<Result<Vec<_>>>()?;
+        let in_ptrs = in_mems
+            .iter()
+            .zip(inputs)
+            .map(|(m, v)| device.read_ptr(m, v.layout.offset(), "input"))
+            .collect::<Result<Vec<_>>>()?;
         let out_ptrs = out_mems
             .iter_mut()
             .zip(&out_offsets)

@@ -320,7 +320,9 @@ impl NcclSeqParallel {
                 };
                 // SAFETY: input holds seq·bh elements (check_fits), the staging buffer at least
                 // as many f32 (allocated above).
-                unsafe { device.launch("seqpar_epilogue", &args, sys::mesa_seqpar_epilogue, sys::mesa_emu_seqpar_epilogue)? };
+                unsafe {
+                    device.launch("seqpar_epilogue", &args, sys::mesa_seqpar_epilogue, sys::mesa_emu_seqpar_epilogue)?
+                };
                 (si.addr as *const c_void, so.addr, DType::F32)
             }
             _ => (in_p.addr as *const c_void, out_p.addr, T::DTYPE),
@@ -333,8 +335,16 @@ impl NcclSeqParallel {
         // communicator's device; the calls are enqueued on its stream.
         unsafe {
             if even {
-                nccl::reduce_scatter(send, recv, rows * bh, nccl_dtype(dtype), nsys::ncclRedOp_t::ncclSum, self.comm, stream)
-                    .map_err(|e| nccl_err("reduce-scatter", e))?;
+                nccl::reduce_scatter(
+                    send,
+                    recv,
+                    rows * bh,
+                    nccl_dtype(dtype),
+                    nsys::ncclRedOp_t::ncclSum,
+                    self.comm,
+                    stream,
+                )
+                .map_err(|e| nccl_err("reduce-scatter", e))?;
             } else {
                 nccl::group_start().map_err(|e| nccl_err("group start", e))?;
                 let mut status = Ok(());
@@ -344,7 +354,16 @@ impl NcclSeqParallel {
                         continue;
                     }
                     let src = (send as *const u8).add(splits.offset(p) * bh * elem) as *const c_void;
-                    let r = nccl::reduce(src, recv, count, nccl_dtype(dtype), nsys::ncclRedOp_t::ncclSum, p as i32, self.comm, stream);
+                    let r = nccl::reduce(
+                        src,
+                        recv,
+                        count,
+                        nccl_dtype(dtype),
+                        nsys::ncclRedOp_t::ncclSum,
+                        p as i32,
+                        self.comm,
+                        stream,
+                    );
                     if let Err(e) = r {
                         status = Err(nccl_err("reduce", e));
                         break;
@@ -369,7 +388,9 @@ impl NcclSeqParallel {
             };
             // SAFETY: src (staging or the output itself, read then written by the same thread)
             // and dst hold rows·bh elements, residual rows·bh, bias h (checked above).
-            unsafe { device.launch("seqpar_epilogue", &args, sys::mesa_seqpar_epilogue, sys::mesa_emu_seqpar_epilogue)? };
+            unsafe {
+                device.launch("seqpar_epilogue", &args, sys::mesa_seqpar_epilogue, sys::mesa_emu_seqpar_epilogue)?
+            };
         }
         Ok(())
     }
@@ -409,8 +430,15 @@ impl NcclSeqParallel {
         // SAFETY: input holds rows·bh elements, output seq·bh; shard p's range lies inside it.
         unsafe {
             if even {
-                nccl::all_gather(in_p.addr as *const c_void, out_p.addr, rows * bh, nccl_dtype(T::DTYPE), self.comm, stream)
-                    .map_err(|e| nccl_err("all-gather", e))?;
+                nccl::all_gather(
+                    in_p.addr as *const c_void,
+                    out_p.addr,
+                    rows * bh,
+                    nccl_dtype(T::DTYPE),
+                    self.comm,
+                    stream,
+                )
+                .map_err(|e| nccl_err("all-gather", e))?;
             } else {
                 nccl::group_start().map_err(|e| nccl_err("group start", e))?;
                 let mut status = Ok(());
@@ -420,7 +448,15 @@ impl NcclSeqParallel {
                         continue;
                     }
                     let dst = (out_p.addr as *mut u8).add(splits.offset(p) * bh * elem) as *mut c_void;
-                    let r = nccl::broadcast(in_p.addr as *const c_void, dst, count, nccl_dtype(T::DTYPE), p as i32, self.comm, stream);
+                    let r = nccl::broadcast(
+                        in_p.addr as *const c_void,
+                        dst,
+                        count,
+                        nccl_dtype(T::DTYPE),
+                        p as i32,
+                        self.comm,
+                        stream,
+                    );
                     if let Err(e) = r {
                         status = Err(nccl_err("broadcast", e));
                         break;
@@ -450,8 +486,16 @@ impl NcclSeqParallel {
         let p = self.device.write_ptr(&mut mem, 0, "data")?;
         // SAFETY: `p` addresses n elements of T on this communicator's device.
         unsafe {
-            nccl::all_reduce(p.addr as *const c_void, p.addr, n, nccl_dtype(T::DTYPE), nsys::ncclRedOp_t::ncclSum, self.comm, stream)
-                .map_err(|e| nccl_err("all-reduce", e))?;
+            nccl::all_reduce(
+                p.addr as *const c_void,
+                p.addr,
+                n,
+                nccl_dtype(T::DTYPE),
+                nsys::ncclRedOp_t::ncclSum,
+                self.comm,
+                stream,
+            )
+            .map_err(|e| nccl_err("all-reduce", e))?;
         }
         Ok(())
     }
