@@ -46,6 +46,9 @@ fn data(tag: u64, rank: usize, n: usize, scale: f32) -> Vec<bf16> {
         .collect()
 }
 
+/// One vector per rank.
+type PerRank = Vec<Vec<bf16>>;
+
 struct Step {
     partial: Vec<Vec<bf16>>,
     bias: Vec<bf16>,
@@ -66,7 +69,7 @@ fn intra_node(
     world: usize,
     splits: &SeqSplits,
     step: &Step,
-) -> mesa_kernels::Result<(Vec<Vec<bf16>>, Vec<Vec<bf16>>)> {
+) -> mesa_kernels::Result<(PerRank, PerRank)> {
     let mut group = SeqParallelGroup::new(device, world)?;
     let inputs = step.partial.iter().map(|x| device.upload(x)).collect::<mesa_kernels::Result<Vec<_>>>()?;
     let biases = (0..world).map(|_| device.upload(&step.bias)).collect::<mesa_kernels::Result<Vec<_>>>()?;

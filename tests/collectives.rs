@@ -625,8 +625,14 @@ fn nccl_backend_one_rank_communicator() {
         let got = out.to_vec().expect("down");
         // one rank: Σ = x exactly; f32: rnd((x + bias) + res) once; input dtype: the same
         // (NCCL's one-rank sum is x itself, already bf16)
-        let want =
-            fixed_order(&[x.clone()], &shape.splits, shape.bh(), shape.h, Some(&[bias.clone()]), Some(&[res.clone()]));
+        let want = fixed_order(
+            std::slice::from_ref(&x),
+            &shape.splits,
+            shape.bh(),
+            shape.h,
+            Some(std::slice::from_ref(&bias)),
+            Some(std::slice::from_ref(&res)),
+        );
         assert!(got.iter().zip(&want[0]).all(|(a, b)| same_bits(*a, *b)), "{acc:?}: NCCL reduce-scatter differs");
         let mut gathered = device.upload(&vec![bf16::NAN; n]).expect("up");
         {
