@@ -577,6 +577,81 @@ fn bad_shapes_and_mismatched_splits_are_errors() {
     let splits = SeqSplits::new(&[3, 3]).expect("splits");
     assert!(matches!(group.all_gather_seq(&ins(&full), &mut o, &splits), Err(Error::Shape(_))));
     assert_eq!(group.all_gather_seq(&ins(&half), &mut o, &splits), Ok(()));
+
+    // a grid that cannot be co-resident (the emulator, like a GPU, caps cooperative launches)
+    let mut wide = SeqParallelGroup::new(&device, 16).expect("group");
+    assert!(matches!(wide.set_blocks_per_rank(129), Err(Error::TooLarge(_))));
+    wide.set_blocks_per_rank(64).expect("64 blocks per rank");
+    let data: Vec<Vec<f32>> = (0..16).map(|_| vec![1.0f32; 16 * 4]).collect();
+    let mut shards: Vec<Vec<f32>> = (0..16).map(|_| vec![0.0f32; 4]).collect();
+    let ins16: Vec<RankView<'_, f32>> = data.iter().map(|x| RankView::contiguous(x, &[16, 1, 4])).collect();
+    let mut outs16: Vec<RankViewMut<'_, f32>> =
+        shards.iter_mut().map(|x| RankViewMut::contiguous(x, &[1, 1, 4])).collect();
+    let even = SeqSplits::even(16, 16).expect("splits");
+    let r = wide.reduce_scatter_seq(&ins16, &mut outs16, &even, &Epilogue::none());
+    assert!(matches!(r, Err(Error::TooLarge(_))), "16 x 64 blocks must not launch: {r:?}");
+    wide.set_blocks_per_rank(0).expect("auto");
+    assert_eq!(wide.reduce_scatter_seq(&ins16, &mut outs16, &even, &Epilogue::none()), Ok(()));
+    drop(outs16);
+    assert!(shards.iter().all(|s| s.iter().all(|&v| v == 16.0)), "W = 16: every shard sums 16 ones");
+}
+
+/// The C entry point re-checks what would make the kernel touch memory it should not.
+#[test]
+fn collective_entry_point_rejects_bad_arguments() {
+    use mesa_kernels_sys as sys;
+    let mut flags = vec![0u32; 2 * sys::MESA_SEQPAR_FLAG_WORDS as usize];
+    let input = [1.0f32; 8];
+    let mut out = [[0.0f32; 4]; 2];
+    let mut good = sys::MesaSeqParArgs {
+        batch: 1,
+        hidden: 4,
+        in_strides: [4, 4, 1],
+        out_strides: [4, 4, 1],
+        timeout_ns: 1_000_000_000,
+        world_size: 2,
+        rank_count: 2,
+        dtype: sys::MESA_DTYPE_F32 as i32,
+        ..Default::default()
+    };
+    good.split_offsets[1] = 1;
+    good.split_offsets[2] = 2;
+    let fp = flags.as_mut_ptr();
+    for r in 0..2 {
+        good.ranks[r] = sys::MesaSeqParRank {
+            input: input.as_ptr().cast(),
+            output: out[r].as_mut_ptr().cast(),
+            residual: std::ptr::null(),
+            bias: std::ptr::null(),
+            flags: fp.wrapping_add(r * sys::MESA_SEQPAR_FLAG_WORDS as usize),
+        };
+    }
+    let call = |a: &sys::MesaSeqParArgs| {
+        // SAFETY: the pointers address the host arrays above, large enough for the good case;
+        // the bad cases are rejected before any access.
+        unsafe { sys::mesa_emu_seqpar_reduce_scatter(a, std::ptr::null_mut()) }
+    };
+    assert_eq!(call(&good), 0);
+    assert_eq!(out, [[2.0; 4]; 2]);
+    let invalid = sys::MESA_STATUS_INVALID_ARGUMENT as i32;
+    let mut bad = good;
+    bad.world_size = 17;
+    assert_eq!(call(&bad), invalid, "world size past the maximum");
+    let mut bad = good;
+    bad.rank_begin = 1;
+    assert_eq!(call(&bad), invalid, "launch past the last rank");
+    let mut bad = good;
+    bad.split_offsets[1] = 3;
+    assert_eq!(call(&bad), invalid, "decreasing split offsets");
+    let mut bad = good;
+    bad.blocks_per_rank = 129;
+    assert_eq!(call(&bad), invalid, "blocks per rank past the flag capacity");
+    let mut bad = good;
+    bad.ranks[1].flags = std::ptr::null_mut();
+    assert_eq!(call(&bad), invalid, "a peer without flags");
+    let mut bad = good;
+    bad.dtype = 9;
+    assert_eq!(call(&bad), invalid, "unknown dtype");
 }
 
 /// The NCCL backend on a one-rank communicator (GPU only; needs libnccl on the library path).
@@ -645,4 +720,78 @@ fn nccl_backend_one_rank_communicator() {
     let mut grads = device.upload(&[1.5f32, -2.0, 3.25]).expect("up");
     comm.all_reduce_sum(&mut grads).expect("all-reduce");
     assert_eq!(grads.to_vec().expect("down"), vec![1.5, -2.0, 3.25]);
+}
+
+/// The elementwise epilogue/conversion kernel of the NCCL path (run here through the
+/// emulator's C entry point, since the NCCL backend itself needs GPUs): upcast to f32, then
+/// `rnd((sum + bias[h]) + residual)` in f32 with one rounding, in place or not.
+#[test]
+fn nccl_path_epilogue_kernel_widens_adds_and_rounds_once() {
+    use mesa_kernels_sys as sys;
+    let mut rng = common::rng("epilogue");
+    let (n, h) = (3 * 37, 37usize);
+    let x: Vec<bf16> = random(&mut rng, n, 4.0);
+    let bias: Vec<bf16> = random(&mut rng, h, 1.0);
+    let res: Vec<bf16> = random(&mut rng, n, 2.0);
+    let launch = |args: &sys::MesaSeqParEpilogueArgs| {
+        // SAFETY: every pointer addresses n (bias: h) host elements of the dtype it is tagged with.
+        let status = unsafe { sys::mesa_emu_seqpar_epilogue(args, std::ptr::null_mut()) };
+        assert_eq!(status, 0, "epilogue status");
+    };
+    // widen bf16 -> f32 (exact)
+    let mut wide = vec![f32::NAN; n];
+    launch(&sys::MesaSeqParEpilogueArgs {
+        src: x.as_ptr().cast(),
+        dst: wide.as_mut_ptr().cast(),
+        bias: std::ptr::null(),
+        residual: std::ptr::null(),
+        n: n as i64,
+        hidden: h as i64,
+        src_dtype: sys::MESA_DTYPE_BF16 as i32,
+        dst_dtype: sys::MESA_DTYPE_F32 as i32,
+    });
+    assert!(wide.iter().zip(&x).all(|(w, v)| f64::from(*w) == v.to_f64()));
+    // f32 -> bf16 with bias and residual: the fixed-order contract with one "rank"
+    let mut out = vec![bf16::NAN; n];
+    launch(&sys::MesaSeqParEpilogueArgs {
+        src: wide.as_ptr().cast(),
+        dst: out.as_mut_ptr().cast(),
+        bias: bias.as_ptr().cast(),
+        residual: res.as_ptr().cast(),
+        n: n as i64,
+        hidden: h as i64,
+        src_dtype: sys::MESA_DTYPE_F32 as i32,
+        dst_dtype: sys::MESA_DTYPE_BF16 as i32,
+    });
+    let splits = SeqSplits::new(&[3]).expect("splits");
+    let want = fixed_order(
+        std::slice::from_ref(&x),
+        &splits,
+        h,
+        h,
+        Some(std::slice::from_ref(&bias)),
+        Some(std::slice::from_ref(&res)),
+    );
+    assert!(out.iter().zip(&want[0]).all(|(a, b)| same_bits(*a, *b)), "f32 -> bf16 epilogue");
+    // in place, bf16 -> bf16
+    let mut inplace = x.clone();
+    let p = inplace.as_mut_ptr();
+    launch(&sys::MesaSeqParEpilogueArgs {
+        src: p.cast_const().cast(),
+        dst: p.cast(),
+        bias: bias.as_ptr().cast(),
+        residual: res.as_ptr().cast(),
+        n: n as i64,
+        hidden: h as i64,
+        src_dtype: sys::MESA_DTYPE_BF16 as i32,
+        dst_dtype: sys::MESA_DTYPE_BF16 as i32,
+    });
+    assert!(inplace.iter().zip(&want[0]).all(|(a, b)| same_bits(*a, *b)), "in-place epilogue");
+    // bad arguments are rejected by the entry point
+    let bad = sys::MesaSeqParEpilogueArgs { n: 4, src_dtype: 7, ..Default::default() };
+    // SAFETY: rejected before any pointer is used.
+    assert_eq!(
+        unsafe { sys::mesa_emu_seqpar_epilogue(&bad, std::ptr::null_mut()) },
+        sys::MESA_STATUS_INVALID_ARGUMENT as i32
+    );
 }
