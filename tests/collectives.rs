@@ -617,10 +617,10 @@ fn collective_entry_point_rejects_bad_arguments() {
     good.split_offsets[1] = 1;
     good.split_offsets[2] = 2;
     let fp = flags.as_mut_ptr();
-    for r in 0..2 {
+    for (r, o) in out.iter_mut().enumerate() {
         good.ranks[r] = sys::MesaSeqParRank {
             input: input.as_ptr().cast(),
-            output: out[r].as_mut_ptr().cast(),
+            output: o.as_mut_ptr().cast(),
             residual: std::ptr::null(),
             bias: std::ptr::null(),
             flags: fp.wrapping_add(r * sys::MESA_SEQPAR_FLAG_WORDS as usize),
