@@ -417,6 +417,9 @@ fn two_sizes_alternating_and_many_back_to_back_calls_with_fresh_data() {
         let b = Shape::new(&[3, 2, 2, 0], 1, 40);
         for call in 0..70 {
             let shape = if call % 2 == 0 { &a } else { &b };
+            // the block count changes too: blocks past it skip calls, so the per-block epochs
+            // drift apart (consistently on every rank) and must still meet correctly
+            group.set_blocks_per_rank([0, 1, 3, 7, 2][call % 5]).expect("blocks per rank");
             let inputs: Vec<Vec<bf16>> = (0..4).map(|_| random(&mut rng, shape.s() * shape.bh(), 2.0)).collect();
             if call % 3 == 2 {
                 let shards: Vec<Vec<bf16>> =
@@ -429,6 +432,28 @@ fn two_sizes_alternating_and_many_back_to_back_calls_with_fresh_data() {
                     run_rs(&device, &mut group, shape, &inputs, None, None, View::Dense, View::Dense).expect("rs");
                 check_rs(&got, &inputs, shape, None, None, &format!("call {call}"));
             }
+        }
+    }
+}
+
+#[test]
+fn many_blocks_per_rank_with_grid_stride_loops() {
+    let mut rng = common::rng("blocks");
+    for device in common::backends() {
+        // 4 ranks x 12 blocks of 256 threads over shards of up to 10·3·40 = 1200 elements:
+        // every block, vector and tail loop and per-block flag slot is used
+        let shape = Shape::new(&[10, 9, 9, 9], 3, 40);
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        for bpr in [12usize, 5] {
+            group.set_blocks_per_rank(bpr).expect("blocks");
+            let inputs: Vec<Vec<f16>> = (0..4).map(|_| random(&mut rng, shape.s() * shape.bh(), 4.0)).collect();
+            let res: Vec<Vec<f16>> = (0..4).map(|r| random(&mut rng, shape.splits.rows(r) * shape.bh(), 1.0)).collect();
+            let got = run_rs(&device, &mut group, &shape, &inputs, None, Some(&res), View::Dense, View::Dense)
+                .expect("reduce-scatter");
+            check_rs(&got, &inputs, &shape, None, Some(&res), &format!("{bpr} blocks per rank"));
+            let got = run_ag(&device, &mut group, &shape, &res, View::Padded, View::Transposed).expect("all-gather");
+            let want: Vec<f16> = res.iter().flatten().copied().collect();
+            assert!(got.iter().all(|g| g.iter().zip(&want).all(|(x, y)| same_bits(*x, *y))), "{bpr} blocks per rank");
         }
     }
 }
