@@ -258,6 +258,8 @@ fn nccl_part() -> mesa_kernels::Result<()> {
     let (want, mags) = reference(world, &splits, &step);
     let mut worst = 0.0f64;
     let mut bitwise = true;
+    let mut nccl_shards: Vec<Vec<bf16>> = Vec::new();
+    let mut nccl_gathered: Vec<Vec<bf16>> = Vec::new();
     for r in 0..world {
         let bytes =
             std::fs::read(dir.join(format!("rank{r}.bin"))).map_err(|e| mesa_kernels::Error::Cuda(format!("{e}")))?;
@@ -265,16 +267,24 @@ fn nccl_part() -> mesa_kernels::Result<()> {
         let (shard, gathered) = got.split_at(splits.rows(r) * B * H);
         bitwise &= shard.iter().zip(&z[r]).all(|(a, b)| a.to_bits() == b.to_bits());
         worst = worst.max(max_error_vs_bound(shard, &want[r], &mags[r], world + 2));
-        if !gathered.iter().zip(&x[r]).all(|(a, b)| a.to_bits() == b.to_bits()) && bitwise {
-            println!("   rank {r}: NCCL all-gather differs from its own shards' concatenation");
-        }
+        nccl_shards.push(shard.to_vec());
+        nccl_gathered.push(gathered.to_vec());
     }
+    // the NCCL all-gather must be the bit copy of the NCCL shards on every rank, as the
+    // intra-node one is of its own (x holds the intra-node gathers)
+    let concat: Vec<bf16> = nccl_shards.iter().flatten().copied().collect();
+    let gather_ok = nccl_gathered.iter().all(|g| g.iter().zip(&concat).all(|(a, b)| a.to_bits() == b.to_bits()))
+        && x.iter().all(|g| g.len() == concat.len());
+    println!(
+        "   NCCL all-gather on every rank {} the concatenated NCCL shards",
+        if gather_ok { "bitwise equals" } else { "DIFFERS from" }
+    );
     let _ = std::fs::remove_dir_all(&dir);
     println!(
         "   W = {world}: NCCL (f32 accumulation) vs the intra-node kernel: {}, NCCL error vs f64 reference = {worst:.3} of its bound",
         if bitwise { "bitwise identical" } else { "not bitwise identical (NCCL sums in its own order)" }
     );
-    if worst > 1.0 {
+    if worst > 1.0 || !gather_ok {
         return Err(mesa_kernels::Error::Shape("NCCL result outside its bound".into()));
     }
     Ok(())
