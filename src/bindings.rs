@@ -28,14 +28,10 @@ pub struct MesaTensorDesc {
 const _: () = {
     ["Size of MesaTensorDesc"][::core::mem::size_of::<MesaTensorDesc>() - 104usize];
     ["Alignment of MesaTensorDesc"][::core::mem::align_of::<MesaTensorDesc>() - 8usize];
-    ["Offset of field: MesaTensorDesc::shape"]
-        [::core::mem::offset_of!(MesaTensorDesc, shape) - 0usize];
-    ["Offset of field: MesaTensorDesc::strides"]
-        [::core::mem::offset_of!(MesaTensorDesc, strides) - 48usize];
-    ["Offset of field: MesaTensorDesc::ndim"]
-        [::core::mem::offset_of!(MesaTensorDesc, ndim) - 96usize];
-    ["Offset of field: MesaTensorDesc::dtype"]
-        [::core::mem::offset_of!(MesaTensorDesc, dtype) - 100usize];
+    ["Offset of field: MesaTensorDesc::shape"][::core::mem::offset_of!(MesaTensorDesc, shape) - 0usize];
+    ["Offset of field: MesaTensorDesc::strides"][::core::mem::offset_of!(MesaTensorDesc, strides) - 48usize];
+    ["Offset of field: MesaTensorDesc::ndim"][::core::mem::offset_of!(MesaTensorDesc, ndim) - 96usize];
+    ["Offset of field: MesaTensorDesc::dtype"][::core::mem::offset_of!(MesaTensorDesc, dtype) - 100usize];
 };
 pub type MesaRounding = i32;
 pub const MESA_ROUND_NEAREST: MesaRoundingCode = 0;
@@ -56,8 +52,7 @@ const _: () = {
     ["Offset of field: MesaGrouping::dim"][::core::mem::offset_of!(MesaGrouping, dim) - 0usize];
     ["Offset of field: MesaGrouping::_pad"][::core::mem::offset_of!(MesaGrouping, _pad) - 4usize];
     ["Offset of field: MesaGrouping::span"][::core::mem::offset_of!(MesaGrouping, span) - 8usize];
-    ["Offset of field: MesaGrouping::count"]
-        [::core::mem::offset_of!(MesaGrouping, count) - 16usize];
+    ["Offset of field: MesaGrouping::count"][::core::mem::offset_of!(MesaGrouping, count) - 16usize];
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -69,10 +64,8 @@ pub struct MesaGroupParams {
 const _: () = {
     ["Size of MesaGroupParams"][::core::mem::size_of::<MesaGroupParams>() - 8usize];
     ["Alignment of MesaGroupParams"][::core::mem::align_of::<MesaGroupParams>() - 4usize];
-    ["Offset of field: MesaGroupParams::offset"]
-        [::core::mem::offset_of!(MesaGroupParams, offset) - 0usize];
-    ["Offset of field: MesaGroupParams::scale"]
-        [::core::mem::offset_of!(MesaGroupParams, scale) - 4usize];
+    ["Offset of field: MesaGroupParams::offset"][::core::mem::offset_of!(MesaGroupParams, offset) - 0usize];
+    ["Offset of field: MesaGroupParams::scale"][::core::mem::offset_of!(MesaGroupParams, scale) - 4usize];
 };
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -86,14 +79,10 @@ pub struct MesaGroupStats {
 const _: () = {
     ["Size of MesaGroupStats"][::core::mem::size_of::<MesaGroupStats>() - 16usize];
     ["Alignment of MesaGroupStats"][::core::mem::align_of::<MesaGroupStats>() - 4usize];
-    ["Offset of field: MesaGroupStats::min_key"]
-        [::core::mem::offset_of!(MesaGroupStats, min_key) - 0usize];
-    ["Offset of field: MesaGroupStats::max_key"]
-        [::core::mem::offset_of!(MesaGroupStats, max_key) - 4usize];
-    ["Offset of field: MesaGroupStats::nonfinite"]
-        [::core::mem::offset_of!(MesaGroupStats, nonfinite) - 8usize];
-    ["Offset of field: MesaGroupStats::_pad"]
-        [::core::mem::offset_of!(MesaGroupStats, _pad) - 12usize];
+    ["Offset of field: MesaGroupStats::min_key"][::core::mem::offset_of!(MesaGroupStats, min_key) - 0usize];
+    ["Offset of field: MesaGroupStats::max_key"][::core::mem::offset_of!(MesaGroupStats, max_key) - 4usize];
+    ["Offset of field: MesaGroupStats::nonfinite"][::core::mem::offset_of!(MesaGroupStats, nonfinite) - 8usize];
+    ["Offset of field: MesaGroupStats::_pad"][::core::mem::offset_of!(MesaGroupStats, _pad) - 12usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -107,14 +96,10 @@ pub struct MesaQuantStatsArgs {
 const _: () = {
     ["Size of MesaQuantStatsArgs"][::core::mem::size_of::<MesaQuantStatsArgs>() - 144usize];
     ["Alignment of MesaQuantStatsArgs"][::core::mem::align_of::<MesaQuantStatsArgs>() - 8usize];
-    ["Offset of field: MesaQuantStatsArgs::x"]
-        [::core::mem::offset_of!(MesaQuantStatsArgs, x) - 0usize];
-    ["Offset of field: MesaQuantStatsArgs::x_desc"]
-        [::core::mem::offset_of!(MesaQuantStatsArgs, x_desc) - 8usize];
-    ["Offset of field: MesaQuantStatsArgs::grouping"]
-        [::core::mem::offset_of!(MesaQuantStatsArgs, grouping) - 112usize];
-    ["Offset of field: MesaQuantStatsArgs::stats"]
-        [::core::mem::offset_of!(MesaQuantStatsArgs, stats) - 136usize];
+    ["Offset of field: MesaQuantStatsArgs::x"][::core::mem::offset_of!(MesaQuantStatsArgs, x) - 0usize];
+    ["Offset of field: MesaQuantStatsArgs::x_desc"][::core::mem::offset_of!(MesaQuantStatsArgs, x_desc) - 8usize];
+    ["Offset of field: MesaQuantStatsArgs::grouping"][::core::mem::offset_of!(MesaQuantStatsArgs, grouping) - 112usize];
+    ["Offset of field: MesaQuantStatsArgs::stats"][::core::mem::offset_of!(MesaQuantStatsArgs, stats) - 136usize];
 };
 impl Default for MesaQuantStatsArgs {
     fn default() -> Self {
@@ -143,22 +128,14 @@ const _: () = {
     ["Size of MesaQuantizeArgs"][::core::mem::size_of::<MesaQuantizeArgs>() - 176usize];
     ["Alignment of MesaQuantizeArgs"][::core::mem::align_of::<MesaQuantizeArgs>() - 8usize];
     ["Offset of field: MesaQuantizeArgs::x"][::core::mem::offset_of!(MesaQuantizeArgs, x) - 0usize];
-    ["Offset of field: MesaQuantizeArgs::x_desc"]
-        [::core::mem::offset_of!(MesaQuantizeArgs, x_desc) - 8usize];
-    ["Offset of field: MesaQuantizeArgs::grouping"]
-        [::core::mem::offset_of!(MesaQuantizeArgs, grouping) - 112usize];
-    ["Offset of field: MesaQuantizeArgs::params"]
-        [::core::mem::offset_of!(MesaQuantizeArgs, params) - 136usize];
-    ["Offset of field: MesaQuantizeArgs::codes"]
-        [::core::mem::offset_of!(MesaQuantizeArgs, codes) - 144usize];
-    ["Offset of field: MesaQuantizeArgs::stats"]
-        [::core::mem::offset_of!(MesaQuantizeArgs, stats) - 152usize];
-    ["Offset of field: MesaQuantizeArgs::seed"]
-        [::core::mem::offset_of!(MesaQuantizeArgs, seed) - 160usize];
-    ["Offset of field: MesaQuantizeArgs::bits"]
-        [::core::mem::offset_of!(MesaQuantizeArgs, bits) - 168usize];
-    ["Offset of field: MesaQuantizeArgs::rounding"]
-        [::core::mem::offset_of!(MesaQuantizeArgs, rounding) - 172usize];
+    ["Offset of field: MesaQuantizeArgs::x_desc"][::core::mem::offset_of!(MesaQuantizeArgs, x_desc) - 8usize];
+    ["Offset of field: MesaQuantizeArgs::grouping"][::core::mem::offset_of!(MesaQuantizeArgs, grouping) - 112usize];
+    ["Offset of field: MesaQuantizeArgs::params"][::core::mem::offset_of!(MesaQuantizeArgs, params) - 136usize];
+    ["Offset of field: MesaQuantizeArgs::codes"][::core::mem::offset_of!(MesaQuantizeArgs, codes) - 144usize];
+    ["Offset of field: MesaQuantizeArgs::stats"][::core::mem::offset_of!(MesaQuantizeArgs, stats) - 152usize];
+    ["Offset of field: MesaQuantizeArgs::seed"][::core::mem::offset_of!(MesaQuantizeArgs, seed) - 160usize];
+    ["Offset of field: MesaQuantizeArgs::bits"][::core::mem::offset_of!(MesaQuantizeArgs, bits) - 168usize];
+    ["Offset of field: MesaQuantizeArgs::rounding"][::core::mem::offset_of!(MesaQuantizeArgs, rounding) - 172usize];
 };
 impl Default for MesaQuantizeArgs {
     fn default() -> Self {
@@ -189,24 +166,19 @@ pub struct MesaQuantFinalizeArgs {
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
     ["Size of MesaQuantFinalizeArgs"][::core::mem::size_of::<MesaQuantFinalizeArgs>() - 56usize];
-    ["Alignment of MesaQuantFinalizeArgs"]
-        [::core::mem::align_of::<MesaQuantFinalizeArgs>() - 8usize];
-    ["Offset of field: MesaQuantFinalizeArgs::stats"]
-        [::core::mem::offset_of!(MesaQuantFinalizeArgs, stats) - 0usize];
+    ["Alignment of MesaQuantFinalizeArgs"][::core::mem::align_of::<MesaQuantFinalizeArgs>() - 8usize];
+    ["Offset of field: MesaQuantFinalizeArgs::stats"][::core::mem::offset_of!(MesaQuantFinalizeArgs, stats) - 0usize];
     ["Offset of field: MesaQuantFinalizeArgs::running"]
         [::core::mem::offset_of!(MesaQuantFinalizeArgs, running) - 8usize];
     ["Offset of field: MesaQuantFinalizeArgs::params"]
         [::core::mem::offset_of!(MesaQuantFinalizeArgs, params) - 16usize];
     ["Offset of field: MesaQuantFinalizeArgs::nonfinite_total"]
         [::core::mem::offset_of!(MesaQuantFinalizeArgs, nonfinite_total) - 24usize];
-    ["Offset of field: MesaQuantFinalizeArgs::count"]
-        [::core::mem::offset_of!(MesaQuantFinalizeArgs, count) - 32usize];
+    ["Offset of field: MesaQuantFinalizeArgs::count"][::core::mem::offset_of!(MesaQuantFinalizeArgs, count) - 32usize];
     ["Offset of field: MesaQuantFinalizeArgs::momentum"]
         [::core::mem::offset_of!(MesaQuantFinalizeArgs, momentum) - 40usize];
-    ["Offset of field: MesaQuantFinalizeArgs::bits"]
-        [::core::mem::offset_of!(MesaQuantFinalizeArgs, bits) - 44usize];
-    ["Offset of field: MesaQuantFinalizeArgs::mode"]
-        [::core::mem::offset_of!(MesaQuantFinalizeArgs, mode) - 48usize];
+    ["Offset of field: MesaQuantFinalizeArgs::bits"][::core::mem::offset_of!(MesaQuantFinalizeArgs, bits) - 44usize];
+    ["Offset of field: MesaQuantFinalizeArgs::mode"][::core::mem::offset_of!(MesaQuantFinalizeArgs, mode) - 48usize];
     ["Offset of field: MesaQuantFinalizeArgs::running_initialized"]
         [::core::mem::offset_of!(MesaQuantFinalizeArgs, running_initialized) - 52usize];
 };
@@ -234,20 +206,13 @@ pub struct MesaDequantizeArgs {
 const _: () = {
     ["Size of MesaDequantizeArgs"][::core::mem::size_of::<MesaDequantizeArgs>() - 160usize];
     ["Alignment of MesaDequantizeArgs"][::core::mem::align_of::<MesaDequantizeArgs>() - 8usize];
-    ["Offset of field: MesaDequantizeArgs::codes"]
-        [::core::mem::offset_of!(MesaDequantizeArgs, codes) - 0usize];
-    ["Offset of field: MesaDequantizeArgs::params"]
-        [::core::mem::offset_of!(MesaDequantizeArgs, params) - 8usize];
-    ["Offset of field: MesaDequantizeArgs::grouping"]
-        [::core::mem::offset_of!(MesaDequantizeArgs, grouping) - 16usize];
-    ["Offset of field: MesaDequantizeArgs::y"]
-        [::core::mem::offset_of!(MesaDequantizeArgs, y) - 40usize];
-    ["Offset of field: MesaDequantizeArgs::y_desc"]
-        [::core::mem::offset_of!(MesaDequantizeArgs, y_desc) - 48usize];
-    ["Offset of field: MesaDequantizeArgs::bits"]
-        [::core::mem::offset_of!(MesaDequantizeArgs, bits) - 152usize];
-    ["Offset of field: MesaDequantizeArgs::_pad"]
-        [::core::mem::offset_of!(MesaDequantizeArgs, _pad) - 156usize];
+    ["Offset of field: MesaDequantizeArgs::codes"][::core::mem::offset_of!(MesaDequantizeArgs, codes) - 0usize];
+    ["Offset of field: MesaDequantizeArgs::params"][::core::mem::offset_of!(MesaDequantizeArgs, params) - 8usize];
+    ["Offset of field: MesaDequantizeArgs::grouping"][::core::mem::offset_of!(MesaDequantizeArgs, grouping) - 16usize];
+    ["Offset of field: MesaDequantizeArgs::y"][::core::mem::offset_of!(MesaDequantizeArgs, y) - 40usize];
+    ["Offset of field: MesaDequantizeArgs::y_desc"][::core::mem::offset_of!(MesaDequantizeArgs, y_desc) - 48usize];
+    ["Offset of field: MesaDequantizeArgs::bits"][::core::mem::offset_of!(MesaDequantizeArgs, bits) - 152usize];
+    ["Offset of field: MesaDequantizeArgs::_pad"][::core::mem::offset_of!(MesaDequantizeArgs, _pad) - 156usize];
 };
 impl Default for MesaDequantizeArgs {
     fn default() -> Self {
@@ -259,50 +224,26 @@ impl Default for MesaDequantizeArgs {
     }
 }
 unsafe extern "C" {
-    pub fn mesa_quant_stats(
-        args: *const MesaQuantStatsArgs,
-        stream: *mut ::core::ffi::c_void,
-    ) -> MesaStatus;
+    pub fn mesa_quant_stats(args: *const MesaQuantStatsArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 unsafe extern "C" {
-    pub fn mesa_emu_quant_stats(
-        args: *const MesaQuantStatsArgs,
-        stream: *mut ::core::ffi::c_void,
-    ) -> MesaStatus;
+    pub fn mesa_emu_quant_stats(args: *const MesaQuantStatsArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 unsafe extern "C" {
-    pub fn mesa_quantize(
-        args: *const MesaQuantizeArgs,
-        stream: *mut ::core::ffi::c_void,
-    ) -> MesaStatus;
+    pub fn mesa_quantize(args: *const MesaQuantizeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 unsafe extern "C" {
-    pub fn mesa_emu_quantize(
-        args: *const MesaQuantizeArgs,
-        stream: *mut ::core::ffi::c_void,
-    ) -> MesaStatus;
+    pub fn mesa_emu_quantize(args: *const MesaQuantizeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 unsafe extern "C" {
-    pub fn mesa_quant_finalize(
-        args: *const MesaQuantFinalizeArgs,
-        stream: *mut ::core::ffi::c_void,
-    ) -> MesaStatus;
+    pub fn mesa_quant_finalize(args: *const MesaQuantFinalizeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 unsafe extern "C" {
-    pub fn mesa_emu_quant_finalize(
-        args: *const MesaQuantFinalizeArgs,
-        stream: *mut ::core::ffi::c_void,
-    ) -> MesaStatus;
+    pub fn mesa_emu_quant_finalize(args: *const MesaQuantFinalizeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 unsafe extern "C" {
-    pub fn mesa_dequantize(
-        args: *const MesaDequantizeArgs,
-        stream: *mut ::core::ffi::c_void,
-    ) -> MesaStatus;
+    pub fn mesa_dequantize(args: *const MesaDequantizeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 unsafe extern "C" {
-    pub fn mesa_emu_dequantize(
-        args: *const MesaDequantizeArgs,
-        stream: *mut ::core::ffi::c_void,
-    ) -> MesaStatus;
+    pub fn mesa_emu_dequantize(args: *const MesaDequantizeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
