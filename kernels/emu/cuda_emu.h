@@ -312,4 +312,9 @@ inline void __mesa_store_release(T* p, T v) {
 // Runtime API subset used by the launchers.
 typedef int cudaError_t;
 typedef void* cudaStream_t;
-enum : int { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9, cudaErrorCooperativeLaunchTooLarge = 720 };
+enum : int {
+  cudaSuccess = 0,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorCooperativeLaunchTooLarge = 720
+};

@@ -309,7 +309,7 @@ int env_threads() {
   const char* s = std::getenv("MESA_EMU_THREADS");
   if (s != nullptr) {
     const int v = std::atoi(s);
-    if (v > 0) return v;
+    if (v > 0) return v < 256 ? v : 256;  // more workers than this only costs fiber stacks
   }
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : int(hw);
@@ -409,13 +409,16 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
                  unsigned(linear / (1ull * grid.x * grid.y))};
   };
   std::atomic<unsigned long long> next{0};
+  std::atomic<bool> out_of_memory{false};
   auto worker = [&](bool coop_single, unsigned long long only) {
     tl_grid_dim = grid;
     tl_block_dim = block;
     std::unique_ptr<StackSet> stacks = take_stacks();
     if (!stacks->reserve(threads)) {
-      std::fprintf(stderr, "mesa emulator: cannot map fiber stacks\n");
-      std::abort();
+      // no fiber stacks: this worker runs nothing; the launch reports the failure
+      out_of_memory = true;
+      give_stacks(std::move(stacks));
+      return;
     }
     Block b;
     b.threads.resize(threads);
@@ -439,7 +442,7 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
     pool.reserve(blocks);
     for (unsigned long long i = 0; i < blocks; ++i) pool.emplace_back(worker, true, i);
     for (auto& t : pool) t.join();
-    return cudaSuccess;
+    return out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
   }
   const unsigned long long helpers =
       std::min<unsigned long long>(blocks, (unsigned long long)worker_count()) - 1;
@@ -448,7 +451,9 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
   for (unsigned long long i = 0; i < helpers; ++i) pool.emplace_back(worker, false, 0ull);
   worker(false, 0ull);
   for (auto& t : pool) t.join();
-  return cudaSuccess;
+  // a worker without stacks ran nothing; the others may have covered its blocks, but the
+  // launch is reported as failed either way
+  return out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
 }
 
 }  // namespace mesa_emu

@@ -92,6 +92,8 @@ impl From<cudarc::driver::DriverError> for Error {
 
 /// cudaErrorNoKernelImageForDevice (CUDA runtime).
 const CUDA_ERROR_NO_KERNEL_IMAGE: i32 = 209;
+/// cudaErrorMemoryAllocation.
+const CUDA_ERROR_MEMORY_ALLOCATION: i32 = 2;
 /// cudaErrorInsufficientDriver.
 const CUDA_ERROR_INSUFFICIENT_DRIVER: i32 = 35;
 /// cudaErrorNoDevice.
@@ -126,6 +128,7 @@ pub(crate) fn check_status(op: &'static str, status: sys::MesaStatus, cc: Option
                     "{op}: the cooperative grid cannot be co-resident on this device (or it lacks cooperative \
                      launch); use fewer ranks per device or fewer blocks per rank"
                 ))),
+                CUDA_ERROR_MEMORY_ALLOCATION => Err(Error::TooLarge(format!("{op}: out of memory (cudaError {cuda})"))),
                 _ => Err(Error::Cuda(format!("{op}: cudaError {cuda}"))),
             }
         }
