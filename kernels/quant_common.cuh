@@ -261,8 +261,10 @@ __device__ __forceinline__ void source_unit(const CodeSource& s, int64_t i0, int
     const uint2 w = *reinterpret_cast<const uint2*>(src);
     packed = uint64_t(w.x) | (uint64_t(w.y) << 32);
   } else {
-    const int nbytes = int(ceil_div(shift + int64_t(live) * s.bits, 8));
-    for (int b = 0; b < nbytes; ++b) packed |= uint64_t(src[b]) << (8 * b);
+    const int nbytes = int(ceil_div(shift + int64_t(live) * s.bits, 8));  // <= 8
+#pragma unroll
+    for (int b = 0; b < 8; ++b)
+      if (b < nbytes) packed |= uint64_t(src[b]) << (8 * b);
     packed >>= shift;
   }
   const unsigned mask = (1u << s.bits) - 1u;
