@@ -413,9 +413,16 @@ extern "C" MesaStatus MESA_ENTRY(layernorm_backward)(const MesaLayerNormBackward
   if (a->source.codes == nullptr && (!desc_valid(a->xhat_desc) || !same_rows(a->dy_desc, a->xhat_desc)))
     return MESA_STATUS_INVALID_ARGUMENT;
   if ((a->dweight == nullptr) != (a->dbias == nullptr)) return MESA_STATUS_INVALID_ARGUMENT;
+  const int64_t cols = row_length(a->dy_desc);
+  if (numel(a->dy_desc) == 0) {
+    // no rows: dweight = dbias = 0 (the final kernel over zero partial ranges)
+    if (a->dweight == nullptr || cols == 0) return MESA_STATUS_OK;
+    const int64_t blocks = ceil_div(cols, kColBlock), cap = int64_t(sm_count()) * 4;
+    return status_from(MESA_LAUNCH(layernorm_backward_final_kernel, dim3(unsigned(blocks < cap ? blocks : cap)),
+                                   dim3(kColBlock), 0, stream, a->partials, int64_t(0), cols, a->dweight, a->dbias));
+  }
   if (a->dweight != nullptr && (a->partials == nullptr || a->partial_blocks < 1 || a->partial_blocks > 65535))
     return MESA_STATUS_INVALID_ARGUMENT;
-  if (numel(a->dy_desc) == 0) return MESA_STATUS_OK;  // (dweight/dbias of C > 0 columns: caller zeroes)
   if (a->dy == nullptr || a->rstd == nullptr || (a->source.codes == nullptr && a->xhat == nullptr))
     return MESA_STATUS_INVALID_ARGUMENT;
   if (ceil_div(row_length(a->dy_desc), kColBlock) > 2147483647LL) return MESA_STATUS_INVALID_ARGUMENT;

@@ -137,7 +137,7 @@ typedef struct MesaLayerNormForwardArgs {
  * dweight[c] = sum_rows dy * xhat,  dbias[c] = sum_rows dy  (f32, deterministic: per-block
  * partials over fixed row ranges, then one ordered sum per column; no float atomics).
  * xhat decoded from `source` (or read from `xhat`). partials: [2 * partial_blocks * C] f32
- * scratch, partial_blocks in [1, 65535]. dx, dweight/dbias may be NULL (skipped; dweight and
+ * scratch, partial_blocks in [1, 65535] (no rows: ignored, dweight = dbias = 0). dx, dweight/dbias may be NULL (skipped; dweight and
  * dbias are both NULL or both set). */
 typedef struct MesaLayerNormBackwardArgs {
   const void* dy;

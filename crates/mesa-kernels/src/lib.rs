@@ -42,6 +42,7 @@
 mod device;
 mod dtype;
 mod error;
+pub mod fused;
 mod layout;
 pub mod quant;
 pub mod reference;
@@ -50,6 +51,7 @@ pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use layout::{Grouping, Layout, MAX_DIMS};
+pub use fused::{GeluForm, SavedLayerNorm, SoftmaxSave};
 pub use quant::{GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
 
 /// Build facts of the linked kernel library.
