@@ -124,23 +124,21 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
     // tail of fewer than 8 elements: one thread, one (partial) code unit
     const int64_t i0 = nunits * N;
     unsigned codes[N];
+#pragma unroll
     for (int j = 0; j < N; ++j) {
       const int64_t i = i0 + j;
       codes[j] = 0u;
       if (i >= n) continue;
       const float xv = to_float(x[i]);
-      float u = 0.0f;
-      if (cfg.stochastic) {
-        const Philox4 r = philox4x32_10(uint64_t(i) / 4, cfg.seed);
-        const unsigned w[4] = {r.x, r.y, r.z, r.w};
-        u = uniform01(w[i % 4]);
-      }
+      // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
+      const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
       const int64_t g = cfg.groups.group(i);
       codes[j] = encode(xv, code_params(cfg.params[g]), levels, cfg.stochastic, u);
       if (with_stats) accumulate(run, g, xv, sink.target());
     }
     const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
     uint64_t packed = 0;
+#pragma unroll
     for (int j = 0; j < N; ++j) packed |= uint64_t(codes[j]) << (j * cfg.bits);
     for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
   }
