@@ -67,7 +67,8 @@ fn upload(device: &Device, v: &[bf16]) -> Buffer<bf16> {
 fn bench(c: &mut Criterion) {
     let device = device();
     let cuda = device.is_cuda();
-    let group_name = if cuda { "fused (bf16, 8-bit codes)".to_string() } else { "fused: emulator (not performance)".to_string() };
+    let group_name =
+        if cuda { "fused (bf16, 8-bit codes)".to_string() } else { "fused: emulator (not performance)".to_string() };
     // elementwise / rows: [rows, cols]
     let (rows, cols) = if cuda { (32 * 512, 3072) } else { (64, 768) };
     let (srows, scols) = if cuda { (32 * 12 * 512, 512) } else { (12 * 64, 64) };
@@ -87,7 +88,9 @@ fn bench(c: &mut Criterion) {
     let saved = fused::gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l).expect("warm-up batch");
     g.throughput(Throughput::BytesDecimal(4 * n as u64));
     g.bench_function("gelu_forward_plain", |b| {
-        b.iter_custom(|it| timed(&device, it, || fused::gelu(&device, GeluForm::Erf, &x, &l, &mut y, &l).expect("gelu")))
+        b.iter_custom(|it| {
+            timed(&device, it, || fused::gelu(&device, GeluForm::Erf, &x, &l, &mut y, &l).expect("gelu"))
+        })
     });
     g.throughput(Throughput::BytesDecimal(5 * n as u64));
     g.bench_function("gelu_forward_saving", |b| {
@@ -108,7 +111,9 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(5 * n as u64));
     g.bench_function("gelu_backward_codes", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || fused::gelu_backward(&device, GeluForm::Erf, &saved, &dy, &l, &mut dx, &l).expect("bwd"))
+            timed(&device, it, || {
+                fused::gelu_backward(&device, GeluForm::Erf, &saved, &dy, &l, &mut dx, &l).expect("bwd")
+            })
         })
     });
 
@@ -137,8 +142,16 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|it| {
             timed(&device, it, || {
                 black_box(
-                    fused::softmax_forward(&device, &save, &s, &ls, Some(Mask { data: &mask, layout: &ml }), &mut p, &ls)
-                        .expect("sm"),
+                    fused::softmax_forward(
+                        &device,
+                        &save,
+                        &s,
+                        &ls,
+                        Some(Mask { data: &mask, layout: &ml }),
+                        &mut p,
+                        &ls,
+                    )
+                    .expect("sm"),
                 );
             })
         })
@@ -151,7 +164,9 @@ fn bench(c: &mut Criterion) {
     });
     g.throughput(Throughput::BytesDecimal(5 * sn as u64));
     g.bench_function("softmax_backward_codes", |b| {
-        b.iter_custom(|it| timed(&device, it, || fused::softmax_backward(&device, &psaved, &sdy, &ls, &mut sdx, &ls).expect("b")))
+        b.iter_custom(|it| {
+            timed(&device, it, || fused::softmax_backward(&device, &psaved, &sdy, &ls, &mut sdx, &ls).expect("b"))
+        })
     });
 
     // ---- LayerNorm
@@ -165,12 +180,14 @@ fn bench(c: &mut Criterion) {
     let mut dw = device.alloc_zeros::<f32>(lcols).expect("alloc");
     let mut db = device.alloc_zeros::<f32>(lcols).expect("alloc");
     let mut lq = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-    let lsaved = fused::layer_norm_forward(&device, &mut lq, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll)
-        .expect("ln");
+    let lsaved =
+        fused::layer_norm_forward(&device, &mut lq, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll).expect("ln");
     g.throughput(Throughput::BytesDecimal(4 * ln as u64));
     g.bench_function("layernorm_forward_plain", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || fused::layer_norm(&device, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll).expect("ln"))
+            timed(&device, it, || {
+                fused::layer_norm(&device, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll).expect("ln")
+            })
         })
     });
     g.throughput(Throughput::BytesDecimal(5 * ln as u64 + 8 * lrows as u64));
@@ -191,7 +208,17 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|it| {
             timed(&device, it, || {
                 fused::layer_norm_backward_plain(
-                    &device, &xhat, &ll, lsaved.rstd(), Some(&w), &ldy, &ll, &mut ldx, &ll, &mut dw, &mut db,
+                    &device,
+                    &xhat,
+                    &ll,
+                    lsaved.rstd(),
+                    Some(&w),
+                    &ldy,
+                    &ll,
+                    &mut ldx,
+                    &ll,
+                    &mut dw,
+                    &mut db,
                 )
                 .expect("b")
             })

@@ -33,7 +33,12 @@ fn block_on_compressed_activations() {
         }
         // codes: bits/8 bytes per element plus the per-group parameters and LayerNorm stats
         let codes = if shared { numel - 512 * 384 - 512 * 1536 } else { numel } * bits as usize / 8;
-        assert!(r.saved_bytes >= codes && r.saved_bytes <= codes + 16 * 1024, "{}: {} bytes", r.mode.name(), r.saved_bytes);
+        assert!(
+            r.saved_bytes >= codes && r.saved_bytes <= codes + 16 * 1024,
+            "{}: {} bytes",
+            r.mode.name(),
+            r.saved_bytes
+        );
         if bits == 8 {
             // Issue target: weight-gradient cosine >= 0.999. Met by Wv, Wo, W1, W2; NOT by Wq and
             // Wk (measured 0.9960 / 0.9965): their gradients flow through dS = P ⊙ (dP − Σ dP·P),

@@ -22,8 +22,8 @@ mod common;
 use half::{bf16, f16};
 use mesa_kernels::fused::{
     self, gelu, gelu_backward, gelu_backward_plain, gelu_forward, layer_norm, layer_norm_backward,
-    layer_norm_backward_plain, layer_norm_forward, softmax, softmax_backward, softmax_backward_plain,
-    softmax_forward, Mask,
+    layer_norm_backward_plain, layer_norm_forward, softmax, softmax_backward, softmax_backward_plain, softmax_forward,
+    Mask,
 };
 use mesa_kernels::reference::{self, fused as rf, quant as rq};
 use mesa_kernels::{
@@ -184,8 +184,8 @@ fn gelu_parity_every_dtype_form_and_width() {
                                 check_gelu(&device, &mut q, form, &x, &Layout::contiguous(&shape), &dy, exact);
                             }
                             // odd total size and a tensor of 1 group
-                            let mut q1 = Quantizer::new(&device, QuantConfig { bits, ..QuantConfig::per_tensor() })
-                                .expect("q");
+                            let mut q1 =
+                                Quantizer::new(&device, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
                             let x: Vec<T> = random(&mut rng, 77, -1.0, 4.0);
                             let dy: Vec<T> = random(&mut rng, 77, 0.0, 2.0);
                             check_gelu(&device, &mut q1, form, &x, &Layout::contiguous(&[7, 11]), &dy, true);
@@ -287,7 +287,8 @@ fn check_softmax<T: Element>(
     let r = rf::softmax_rows(&xs, ms.as_deref(), cols);
     let yh = host(&y);
     for row in 0..n / cols.max(1) {
-        let v: Vec<f64> = (0..cols).map(|c| xs[row * cols + c] + ms.as_ref().map_or(0.0, |m| m[row * cols + c])).collect();
+        let v: Vec<f64> =
+            (0..cols).map(|c| xs[row * cols + c] + ms.as_ref().map_or(0.0, |m| m[row * cols + c])).collect();
         let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         for c in 0..cols {
             let i = row * cols + c;
@@ -309,7 +310,9 @@ fn check_softmax<T: Element>(
         let t = yh[i] / scale;
         let expect = match save.rounding {
             Rounding::Nearest => rq::encode_nearest(yh[i], 0.0, scale, save.bits),
-            Rounding::Stochastic { seed } => rq::encode_stochastic(yh[i], 0.0, scale, save.bits, rq::uniform(seed, i as u64)),
+            Rounding::Stochastic { seed } => {
+                rq::encode_stochastic(yh[i], 0.0, scale, save.bits, rq::uniform(seed, i as u64))
+            }
         };
         if codes[i] != expect {
             let frac = match save.rounding {
@@ -348,9 +351,15 @@ fn check_softmax<T: Element>(
             assert!((dxh[i] - rdx[i]).abs() <= tol, "softmax dx[{i}] = {}, reference {} (tol {tol})", dxh[i], rdx[i]);
             // vs the backward on exact probabilities: δy ≤ step/2 (+ the stored y's rounding)
             let dy_q = 0.5 * scale * 1.01 + u * r[i];
-            let qtol = dy_q * ((dys[i] - dot).abs() + r[i].abs().max(dec[i].abs()) * dy_abs + dy_abs) + tol
+            let qtol = dy_q * ((dys[i] - dot).abs() + r[i].abs().max(dec[i].abs()) * dy_abs + dy_abs)
+                + tol
                 + u * exact[i].abs();
-            assert!((dxh[i] - exact[i]).abs() <= qtol, "softmax dx[{i}] = {} vs exact-y {} (tol {qtol})", dxh[i], exact[i]);
+            assert!(
+                (dxh[i] - exact[i]).abs() <= qtol,
+                "softmax dx[{i}] = {} vs exact-y {} (tol {qtol})",
+                dxh[i],
+                exact[i]
+            );
         }
     }
     saved
@@ -616,7 +625,12 @@ fn check_layer_norm<T: Element>(
             xhat_tol[i] = dxh;
             let wc = wf.as_ref().map_or(1.0, |w| w[c].abs());
             let tol = u * r.y[i].abs() + dxh * wc + 4.0 * EPS * r.y[i].abs() + tiny(T::DTYPE);
-            assert!(yh[i].is_finite() && (yh[i] - r.y[i]).abs() <= tol, "ln y[{i}] = {}, reference {} (tol {tol})", yh[i], r.y[i]);
+            assert!(
+                yh[i].is_finite() && (yh[i] - r.y[i]).abs() <= tol,
+                "ln y[{i}] = {}, reference {} (tol {tol})",
+                yh[i],
+                r.y[i]
+            );
         }
     }
     let dec = decode_host(saved.xhat());
@@ -653,14 +667,16 @@ fn check_layer_norm<T: Element>(
     for row in 0..rows {
         let range = row * cols..(row + 1) * cols;
         let g_abs: f64 = range.clone().map(|i| (dys[i] * wf.as_ref().map_or(1.0, |w| w[i - row * cols])).abs()).sum();
-        let gx_abs: f64 = range
-            .clone()
-            .map(|i| (dys[i] * wf.as_ref().map_or(1.0, |w| w[i - row * cols]) * dec[i]).abs())
-            .sum();
+        let gx_abs: f64 =
+            range.clone().map(|i| (dys[i] * wf.as_ref().map_or(1.0, |w| w[i - row * cols]) * dec[i]).abs()).sum();
         for i in range {
             let tol = u * rdx[i].abs()
                 + big_e * rs[row] * (g_abs / cols as f64 + dec[i].abs() * gx_abs / cols as f64 + dys[i].abs() * 4.0)
-                + 4.0 * EPS * rs[row] * (dys[i].abs() + dec[i].abs()) * wf.as_ref().map_or(1.0, |w| w[i - row * cols].abs())
+                + 4.0
+                    * EPS
+                    * rs[row]
+                    * (dys[i].abs() + dec[i].abs())
+                    * wf.as_ref().map_or(1.0, |w| w[i - row * cols].abs())
                 + tiny(T::DTYPE);
             assert!((dxh[i] - rdx[i]).abs() <= tol, "ln dx[{i}] = {}, reference {} (tol {tol})", dxh[i], rdx[i]);
         }
@@ -714,7 +730,16 @@ fn layer_norm_parity_every_dtype_width_and_row_length_class() {
                         let dy: Vec<T> = random(&mut rng, n, 0.0, 1.0);
                         let config = QuantConfig { bits, ..QuantConfig::per_tensor() };
                         let mut q = Quantizer::new(&device, config).expect("q");
-                        check_layer_norm(&device, &mut q, &x, &Layout::contiguous(&[rows, cols]), Some(&w), Some(&b), &dy, true);
+                        check_layer_norm(
+                            &device,
+                            &mut q,
+                            &x,
+                            &Layout::contiguous(&[rows, cols]),
+                            Some(&w),
+                            Some(&b),
+                            &dy,
+                            true,
+                        );
                     }
                 }
             });
@@ -765,8 +790,9 @@ fn layer_norm_constant_rows_long_rows_strided_and_running_mode() {
             }
         }
         // exact mode, C·bits not a multiple of 8 (codes from the elementwise pass)
-        let mut q = Quantizer::new(&device, QuantConfig { bits: 2, stats: StatsMode::Exact, ..QuantConfig::per_tensor() })
-            .expect("q");
+        let mut q =
+            Quantizer::new(&device, QuantConfig { bits: 2, stats: StatsMode::Exact, ..QuantConfig::per_tensor() })
+                .expect("q");
         for _ in 0..2 {
             let x: Vec<f32> = random(&mut rng, 5 * 31, 0.0, 2.0);
             let dy: Vec<f32> = random(&mut rng, 5 * 31, 0.0, 1.0);
@@ -792,7 +818,13 @@ fn layer_norm_plain_paths_match() {
         let saved = layer_norm_forward(&device, &mut q, &xb, &l, Some(&wb), None, 1e-5, &mut y2, &l).expect("fused");
         assert_eq!(y1.to_vec().expect("y"), y2.to_vec().expect("y"), "saving must not change the output");
         // plain backward from an f32 x̂ equals the reference
-        let r = rf::layer_norm_rows(&reference::gather(&x, &l), Some(&w.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()), None, 1e-5, cols);
+        let r = rf::layer_norm_rows(
+            &reference::gather(&x, &l),
+            Some(&w.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()),
+            None,
+            1e-5,
+            cols,
+        );
         let xhat: Vec<f32> = r.xhat.iter().map(|&v| v as f32).collect();
         let xhb = device.upload(&xhat).expect("up");
         let dy: Vec<f32> = random(&mut rng, rows * cols, 0.0, 1.0);
@@ -839,7 +871,16 @@ fn layer_norm_real_activations_from_the_fixture() {
                 if name.contains("gelu") {
                     check_gelu(&device, &mut q, GeluForm::Erf, &x, &Layout::contiguous(&[rows, cols]), &dy, true);
                 } else {
-                    check_layer_norm(&device, &mut q, &x, &Layout::contiguous(&[rows, cols]), Some(&w), None, &dy, true);
+                    check_layer_norm(
+                        &device,
+                        &mut q,
+                        &x,
+                        &Layout::contiguous(&[rows, cols]),
+                        Some(&w),
+                        None,
+                        &dy,
+                        true,
+                    );
                 }
             }
         }
@@ -870,7 +911,8 @@ fn a_tensor_consumed_by_two_ops_is_saved_once() {
         for hh in 0..h {
             for j in 0..n {
                 for e in 0..d {
-                    dv[(hh * n + j) * d + e] = (0..n).map(|i| p_hat[(hh * n + i) * n + j] * d_o[(hh * n + i) * d + e]).sum();
+                    dv[(hh * n + j) * d + e] =
+                        (0..n).map(|i| p_hat[(hh * n + i) * n + j] * d_o[(hh * n + i) * d + e]).sum();
                 }
             }
         }

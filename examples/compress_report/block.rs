@@ -35,8 +35,7 @@ use mesa_kernels::fused::{
     layer_norm_forward, softmax, softmax_backward, softmax_backward_plain, softmax_forward, Mask,
 };
 use mesa_kernels::{
-    Buffer, Device, GeluForm, Layout, QuantConfig, Quantizer, SavedActivation, SavedLayerNorm,
-    SoftmaxSave,
+    Buffer, Device, GeluForm, Layout, QuantConfig, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave,
 };
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
@@ -193,7 +192,8 @@ fn linear(x: &[f32], w: &[f32], b: &[f32], rows: usize, inp: usize, out: usize) 
 fn linear_backward(dy: &[f32], x: &[f32], w: &[f32], rows: usize, inp: usize, out: usize) -> [Vec<f32>; 3] {
     let dyt = transpose(dy, rows, out);
     let dw = matmul_nt(&dyt, &transpose(x, rows, inp), out, rows, inp);
-    let db: Vec<f32> = (0..out).map(|o| dyt[o * rows..(o + 1) * rows].iter().map(|&v| f64::from(v)).sum::<f64>() as f32).collect();
+    let db: Vec<f32> =
+        (0..out).map(|o| dyt[o * rows..(o + 1) * rows].iter().map(|&v| f64::from(v)).sum::<f64>() as f32).collect();
     let dx = matmul_nt(dy, &transpose(w, out, inp), rows, out, inp);
     [dw, db, dx]
 }
@@ -352,7 +352,11 @@ enum Kept {
 
 enum KeptLn {
     /// The LayerNorm input and its f32 mean and rstd (what a framework keeps).
-    Full { input: Vec<f32>, mean: Vec<f32>, rstd: Vec<f32> },
+    Full {
+        input: Vec<f32>,
+        mean: Vec<f32>,
+        rstd: Vec<f32>,
+    },
     Codes(SavedLayerNorm),
 }
 
@@ -519,8 +523,23 @@ impl Saved {
 
 /// Names of the gradients, in the order of [`backward`]'s result.
 pub const GRAD_NAMES: [&str; 17] = [
-    "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo", "ln1_weight", "ln1_bias", "w1", "b1", "w2", "b2",
-    "ln2_weight", "ln2_bias", "input",
+    "wq",
+    "bq",
+    "wk",
+    "bk",
+    "wv",
+    "bv",
+    "wo",
+    "bo",
+    "ln1_weight",
+    "ln1_bias",
+    "w1",
+    "b1",
+    "w2",
+    "b2",
+    "ln2_weight",
+    "ln2_bias",
+    "input",
 ];
 
 /// The upstream gradient: `r` of the loss `Σ r ⊙ Out`, uniform in [−1, 1] from a fixed
@@ -644,9 +663,7 @@ pub fn backward(device: &Device, fix: &BlockFixture, fwd: &Forward, mode: Mode) 
     let [dwk, dbk, dxk] = linear_backward(&dk, &x_hat, &pr.wk, T, C, C);
     let [dwv, dbv, dxv] = linear_backward(&dv, &x_hat, &pr.wv, T, C, C);
     let dx: Vec<f32> = (0..T * C).map(|i| dxq[i] + dxk[i] + dxv[i] + dr1[i]).collect();
-    let grads = vec![
-        dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dln1w, dln1b, dw1, db1, dw2, db2, dln2w, dln2b, dx,
-    ];
+    let grads = vec![dwq, dbq, dwk, dbk, dwv, dbv, dwo, dbo, dln1w, dln1b, dw1, db1, dw2, db2, dln2w, dln2b, dx];
     Ok((grads, saved))
 }
 

@@ -109,11 +109,7 @@ fn row_desc(layout: &Layout, dtype: DType) -> Result<sys::MesaTensorDesc> {
 fn code_source(saved: &SavedActivation, device: &Device, expect: &[usize]) -> Result<(usize, usize)> {
     saved.check_backend(device)?;
     if saved.shape() != expect {
-        return Err(Error::Shape(format!(
-            "saved activation has shape {:?}, the gradient {:?}",
-            saved.shape(),
-            expect
-        )));
+        return Err(Error::Shape(format!("saved activation has shape {:?}, the gradient {:?}", saved.shape(), expect)));
     }
     saved.group_map()
 }
@@ -726,7 +722,9 @@ fn layer_norm_produce<T: Element>(
         // SAFETY: x/y fit their buffers (check_fits), y does not overlap itself, weight and
         // bias hold >= C elements, mean/rstd `rows` entries; the sink was sized by the
         // quantizer for x's shape and grouping.
-        unsafe { device.launch("layernorm_forward", args, sys::mesa_layernorm_forward, sys::mesa_emu_layernorm_forward) }
+        unsafe {
+            device.launch("layernorm_forward", args, sys::mesa_layernorm_forward, sys::mesa_emu_layernorm_forward)
+        }
     };
     let xhat = quantizer.produce::<T>(x_layout.shape(), x_layout.strides(), |step, sink| {
         let stats_only = sys::MesaCodeSink { codes: std::ptr::null_mut(), params: std::ptr::null(), ..sink };

@@ -50,8 +50,8 @@ pub mod reference;
 pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use layout::{Grouping, Layout, MAX_DIMS};
 pub use fused::{GeluForm, SavedLayerNorm, SoftmaxSave};
+pub use layout::{Grouping, Layout, MAX_DIMS};
 pub use quant::{GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
 
 /// Build facts of the linked kernel library.

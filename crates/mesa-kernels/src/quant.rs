@@ -362,8 +362,10 @@ impl Quantizer {
         strides: &[usize],
         mut launch: impl FnMut(ProducerStep, sys::MesaCodeSink) -> Result<()>,
     ) -> Result<SavedActivation> {
-        let numel =
-            shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| Error::TooLarge("element count".into()))?;
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::TooLarge("element count".into()))?;
         let (axis, span, groups) = self.config.grouping.resolve(shape)?;
         let group_run = match axis {
             Some(a) => span * shape[a + 1..].iter().product::<usize>(),
