@@ -290,9 +290,9 @@ fn check_softmax<T: Element>(
         let v: Vec<f64> =
             (0..cols).map(|c| xs[row * cols + c] + ms.as_ref().map_or(0.0, |m| m[row * cols + c])).collect();
         let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        for c in 0..cols {
+        for (c, vc) in v.iter().enumerate() {
             let i = row * cols + c;
-            let spread = if v[c].is_finite() { (v[c] - m).abs() } else { 0.0 };
+            let spread = if vc.is_finite() { (vc - m).abs() } else { 0.0 };
             let tol = (u + (cols as f64 / 32.0 + 16.0 + 2.0 * spread) * EPS) * r[i] + tiny(T::DTYPE);
             assert!(yh[i].is_finite(), "softmax y[{i}] not finite: {}", yh[i]);
             assert!((yh[i] - r[i]).abs() <= tol, "softmax y[{i}] = {}, reference {} (tol {tol})", yh[i], r[i]);

@@ -6,11 +6,13 @@
 //! * [`quant`]: activation compression (Mesa, Pan et al. 2021): exact forward, the copy
 //!   saved for backward kept as 8/4/2-bit codes with per-head offset and scale learned by
 //!   running estimates.
+//! * [`fused`]: GELU, softmax and LayerNorm whose forward writes the output and the codes of
+//!   what backward needs in one pass, and whose backward reads the codes directly.
 //!
 //! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
 //! streams pass straight in) or the host emulation, which compiles the same kernel source
 //! for the CPU so that every test runs without a GPU. Errors are values ([`Error`]), checked
-//! before launch; nothing panics on bad input. [`reference`] holds an independent f64
+//! before launch; nothing panics on bad input. [`reference`](mod@reference) holds an independent f64
 //! implementation of every op.
 //!
 //! ```

@@ -127,7 +127,7 @@ pub fn layer_norm_rows(
     eps: f64,
     cols: usize,
 ) -> LayerNormForward {
-    let rows = if cols == 0 { 0 } else { x.len() / cols };
+    let rows = x.len().checked_div(cols).unwrap_or(0);
     let mut f = LayerNormForward { y: vec![0.0; x.len()], xhat: vec![0.0; x.len()], mean: vec![], rstd: vec![] };
     for r in 0..rows {
         let row = &x[r * cols..(r + 1) * cols];
@@ -154,17 +154,17 @@ pub fn layer_norm_backward_rows(
     dy: &[f64],
     cols: usize,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let rows = if cols == 0 { 0 } else { xhat.len() / cols };
+    let rows = xhat.len().checked_div(cols).unwrap_or(0);
     let mut dx = vec![0.0; xhat.len()];
     let mut dw = vec![0.0; cols];
     let mut db = vec![0.0; cols];
-    for r in 0..rows {
+    for (r, &rs) in rstd.iter().enumerate().take(rows) {
         let i0 = r * cols;
         let g: Vec<f64> = (0..cols).map(|c| dy[i0 + c] * weight.map_or(1.0, |w| w[c])).collect();
         let a = g.iter().sum::<f64>() / cols as f64;
         let b = (0..cols).map(|c| g[c] * xhat[i0 + c]).sum::<f64>() / cols as f64;
         for c in 0..cols {
-            dx[i0 + c] = rstd[r] * (g[c] - a - xhat[i0 + c] * b);
+            dx[i0 + c] = rs * (g[c] - a - xhat[i0 + c] * b);
             dw[c] += dy[i0 + c] * xhat[i0 + c];
             db[c] += dy[i0 + c];
         }
