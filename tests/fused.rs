@@ -1037,3 +1037,64 @@ fn bad_input_is_an_error_not_a_panic() {
         ));
     }
 }
+
+#[test]
+fn emulator_and_gpu_agree() {
+    let Some(gpu) = common::cuda_only("fused emulator_and_gpu_agree") else { return };
+    let emu = Device::emulator();
+    let mut rng = common::rng("fused_emu_vs_gpu");
+    let shape = [6, 200];
+    let l = Layout::contiguous(&shape);
+    let x: Vec<bf16> = random(&mut rng, 1200, 0.0, 4.0);
+    let dy: Vec<bf16> = random(&mut rng, 1200, 0.0, 1.0);
+    // GELU: the codes of x are bitwise those of the quantizer (same encode, same parameters);
+    // outputs agree to a few ulps (erff differs between libdevice and glibc)
+    let run_gelu = |d: &Device| {
+        let mut q = Quantizer::new(d, QuantConfig { bits: 4, ..QuantConfig::per_tensor() }).expect("q");
+        let xb = d.upload(&x).expect("up");
+        let mut y = poisoned::<bf16>(d, 1200);
+        let s = gelu_forward(d, &mut q, GeluForm::Erf, &xb, &l, &mut y, &l).expect("gelu");
+        (s.codes().to_vec().expect("c"), s.params().expect("p"), host(&y))
+    };
+    let (ce, pe, ye) = run_gelu(&emu);
+    let (cg, pg, yg) = run_gelu(&gpu);
+    assert_eq!((ce, pe), (cg, pg), "GELU codes and parameters must be bitwise equal");
+    for (a, b) in ye.iter().zip(&yg) {
+        assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(1e-3), "GELU output {a} vs {b}");
+    }
+    // softmax and LayerNorm: outputs within a few ulps, codes within one of each other
+    for bits in [8, 2] {
+        let run = |d: &Device| {
+            let xb = d.upload(&x).expect("up");
+            let mut y = poisoned::<bf16>(d, 1200);
+            let s = softmax_forward(d, &SoftmaxSave { bits, ..SoftmaxSave::per_head(0) }, &xb, &l, None, &mut y, &l)
+                .expect("softmax");
+            let mut q = Quantizer::new(d, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
+            let mut z = poisoned::<bf16>(d, 1200);
+            let ln = layer_norm_forward(d, &mut q, &xb, &l, None, None, 1e-5, &mut z, &l).expect("ln");
+            let dyb = d.upload(&dy).expect("up");
+            let mut dx = poisoned::<bf16>(d, 1200);
+            let mut dw = d.upload(&[0f32; 200]).expect("up");
+            let mut db = d.upload(&[0f32; 200]).expect("up");
+            layer_norm_backward(d, &ln, None, &dyb, &l, &mut dx, &l, &mut dw, &mut db).expect("ln bwd");
+            (decode_host(&s), host(&y), decode_host(ln.xhat()), host(&z), dw.to_vec().expect("dw"))
+        };
+        let (e, g) = (run(&emu), run(&gpu));
+        let step = 1.0 / rq::levels(bits);
+        for (a, b) in e.0.iter().zip(&g.0) {
+            assert!((a - b).abs() <= step * 1.0001, "softmax codes differ by more than one");
+        }
+        for (a, b) in e.1.iter().zip(&g.1).chain(e.3.iter().zip(&g.3)) {
+            assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(1e-3), "output {a} vs {b}");
+        }
+        for (a, b) in e.4.iter().zip(&g.4) {
+            assert!((a - b).abs() <= 1e-3 * (1.0 + a.abs()), "dweight {a} vs {b}");
+        }
+        // x̂ codes: parameters from f32 statistics that may differ by ulps, codes by one
+        let (lo, hi) = e.2.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &v| (l.min(v), h.max(v)));
+        let xstep = (hi - lo) / rq::levels(bits);
+        for (a, b) in e.2.iter().zip(&g.2) {
+            assert!((a - b).abs() <= 1.01 * xstep + 1e-5, "x^ codes differ by more than one step: {a} vs {b}");
+        }
+    }
+}
