@@ -10,14 +10,12 @@ mod common;
 #[path = "../examples/compress_report/block.rs"]
 mod block;
 
-use std::path::Path;
-
 use block::{Mode, GRAD_NAMES};
 
 #[test]
 fn block_on_compressed_activations() {
     let device = mesa_kernels::Device::emulator();
-    let report = block::run(&device, Path::new(block::BLOCK_FIXTURE)).expect("block");
+    let report = block::run(&device, &common::fixture_dir().join("minilm_block.safetensors")).expect("block");
     report.print();
     // the harness's forward reproduces the numpy forward of the fixture (float16-stored:
     // half an f16 ulp at |y| <= 16 is 2^-7)

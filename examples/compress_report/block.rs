@@ -42,8 +42,17 @@ use serde_json::{json, Value};
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
-/// The block fixture.
+/// The block fixture in the source tree.
 pub const BLOCK_FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/minilm_block.safetensors");
+
+/// The block fixture: `$MESA_FIXTURE_DIR/minilm_block.safetensors` when that variable is set
+/// (the GPU bundle sets it), else [`BLOCK_FIXTURE`].
+#[must_use]
+pub fn block_fixture() -> std::path::PathBuf {
+    std::env::var_os("MESA_FIXTURE_DIR")
+        .map(|d| std::path::PathBuf::from(d).join("minilm_block.safetensors"))
+        .unwrap_or_else(|| std::path::PathBuf::from(BLOCK_FIXTURE))
+}
 
 const B: usize = 4;
 const N: usize = 128;

@@ -190,7 +190,7 @@ fn run(options: &Options) -> Result<()> {
     };
     // the transformer-block section (block.rs): on the default fixture only
     let block = match options.input.is_none() && !options.no_block {
-        true => Some(block::run(&device, Path::new(block::BLOCK_FIXTURE))?),
+        true => Some(block::run(&device, &block::block_fixture())?),
         false => None,
     };
     if options.json {
