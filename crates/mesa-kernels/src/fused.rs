@@ -28,6 +28,37 @@
 //! Likewise the input of the Q, K and V projections is quantized once and its handle
 //! decoded by the three weight-gradient matmuls.
 //!
+//! ```
+//! use mesa_kernels::fused::{gelu_backward, gelu_forward, softmax_backward, softmax_forward, channel_groups};
+//! use mesa_kernels::{Device, GeluForm, Layout, Quantizer, SoftmaxSave};
+//!
+//! # fn main() -> mesa_kernels::Result<()> {
+//! let device = Device::best_available();
+//! // FFN activation [tokens, 4C] with 12 channel groups (Mesa's head-wise grouping)
+//! let l = Layout::contiguous(&[8, 96]);
+//! let x = device.upload(&(0..768).map(|i| (i as f32 * 0.01).sin() * 3.0).collect::<Vec<_>>())?;
+//! let mut y = device.alloc_zeros::<f32>(768)?;
+//! let mut quantizer = Quantizer::new(&device, channel_groups(1, 12))?;
+//! let saved = gelu_forward(&device, &mut quantizer, GeluForm::Erf, &x, &l, &mut y, &l)?;
+//! assert_eq!(saved.size_in_bytes(), 768 + 12 * 8 + 4); // 1 byte per element + parameters
+//! let dy = device.upload(&[1.0f32; 768])?;
+//! let mut dx = device.alloc_zeros::<f32>(768)?;
+//! gelu_backward(&device, GeluForm::Erf, &saved, &dy, &l, &mut dx, &l)?; // decodes in the kernel
+//!
+//! // attention probabilities [B, H, N, N]: codes of the output only, fixed range [0, 1]
+//! let s = Layout::contiguous(&[1, 2, 4, 4]);
+//! let scores = device.upload(&[0.5f32; 32])?;
+//! let mut p = device.alloc_zeros::<f32>(32)?;
+//! let saved_p = softmax_forward(&device, &SoftmaxSave::per_head(1), &scores, &s, None, &mut p, &s)?;
+//! let dp = device.upload(&[1.0f32; 32])?;
+//! let mut ds = device.alloc_zeros::<f32>(32)?;
+//! softmax_backward(&device, &saved_p, &dp, &s, &mut ds, &s)?;
+//! // constant dy: the exact gradient is 0; from 8-bit codes of p = 1/4 it is within a step
+//! assert!(ds.to_vec()?.iter().all(|v| v.abs() < 1.0 / 255.0));
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Shapes: GELU is elementwise over any shape and strides; softmax and LayerNorm work along
 //! the **last** axis (any strides; the other axes index rows). dtypes: f32, f16, bf16 in and
 //! out (same dtype), f32 arithmetic; LayerNorm's `mean`, `rstd`, `dweight`, `dbias` are f32.
