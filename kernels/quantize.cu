@@ -19,125 +19,11 @@
 // Each has a dense path (16-byte vector loads/stores, grid-stride) and a strided path (any
 // strides, 8 logical elements per step so that packed code bytes have one writer).
 // Reference: crates/mesa-kernels/src/reference/quant.rs.  Floor on an H200: docs/kernels.md.
-#include "common.cuh"
+#include "quant_common.cuh"
 
 namespace MESA_NS {
 
 constexpr int kBlock = 256;
-// Groups accumulated in shared memory before one global atomic per group and block;
-// beyond this, threads flush straight to global memory.
-constexpr int kSharedGroups = 1024;
-constexpr int kUnit = 8;  // strided path: logical elements per step (one byte at 1 bit)
-
-__device__ __forceinline__ bool is_finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
-
-// What the kernels need to know about groups: g(i) = (i / run) % count for logical index i,
-// with run = span * prod(shape[dim+1:]).
-struct GroupMap {
-  int64_t run;
-  int64_t count;
-  __device__ __forceinline__ int64_t group(int64_t i) const { return (i / run) % count; }
-};
-
-struct CodeParams {
-  float offset;
-  float scale;
-  float inv_scale;  // 1/scale, or 0 when t is computed by division (tiny scale) or scale is 0/NaN
-};
-// Below this scale 1/scale would overflow (or lose its accuracy near FLT_MAX): those groups
-// divide instead of multiplying. Only ranges under ~1e-28 take the division.
-constexpr float kMinScaleForReciprocal = 1.0e-30f;
-
-__device__ __forceinline__ CodeParams code_params(MesaGroupParams p) {
-  const float inv = p.scale >= kMinScaleForReciprocal ? 1.0f / p.scale : 0.0f;  // NaN, 0: 0
-  return CodeParams{p.offset, p.scale, inv};
-}
-
-// t = (x - offset) / scale, evaluated so that it neither overflows nor loses the tiny scales:
-//   * normal case: one subtraction and one multiplication by 1/scale;
-//   * x - offset overflows f32 (range wider than FLT_MAX): halve both terms first (exact);
-//   * scale below kMinScaleForReciprocal (but > 0): IEEE division.
-// __fmul_rn / __fdiv_rn are never contracted into an FMA with the `+ u` of stochastic
-// rounding, so the GPU rounds t exactly as the emulation does.
-__device__ __forceinline__ float code_position(float x, CodeParams p) {
-  float d = x - p.offset;
-  float twice = 1.0f;
-  if (!is_finite(d) && is_finite(x)) {
-    d = 0.5f * x - 0.5f * p.offset;
-    twice = 2.0f;
-  }
-  if (p.inv_scale == 0.0f && p.scale > 0.0f) return twice * __fdiv_rn(d, p.scale);
-  return twice * __fmul_rn(d, p.inv_scale);
-}
-
-__device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
-  const float t = code_position(x, p);
-  const float r = stochastic ? floorf(t + u) : rintf(t);
-  return unsigned(fminf(fmaxf(r, 0.0f), levels));  // fmaxf(NaN, 0) = 0
-}
-
-// ---------------------------------------------------------------------------------------
-// Per-group statistics: a thread keeps a run (group, min, max, nonfinite) while consecutive
-// elements stay in one group and flushes it with atomics when the group changes.
-struct RunStats {
-  int64_t group = -1;
-  unsigned min_key = 0xffffffffu;
-  unsigned max_key = 0u;
-  unsigned nonfinite = 0u;
-};
-
-__device__ __forceinline__ void flush(RunStats& r, MesaGroupStats* sink) {
-  if (r.group < 0) return;
-  MesaGroupStats* s = sink + r.group;
-  if (r.min_key != 0xffffffffu) {
-    atomicMin(&s->min_key, r.min_key);
-    atomicMax(&s->max_key, r.max_key);
-  }
-  if (r.nonfinite != 0u) atomicAdd(&s->nonfinite, r.nonfinite);
-  r = RunStats{};
-}
-
-__device__ __forceinline__ void accumulate(RunStats& r, int64_t g, float v, MesaGroupStats* sink) {
-  if (g != r.group) {
-    flush(r, sink);
-    r.group = g;
-  }
-  if (is_finite(v)) {
-    const unsigned k = float_key(v);
-    r.min_key = k < r.min_key ? k : r.min_key;
-    r.max_key = k > r.max_key ? k : r.max_key;
-  } else {
-    r.nonfinite += 1u;
-  }
-}
-
-// Block-level staging of the per-group reduction (shared memory when the groups fit).
-struct StatsSink {
-  MesaGroupStats* global;
-  MesaGroupStats* shared;  // null: flush straight to global
-  int64_t count;
-
-  __device__ __forceinline__ MesaGroupStats* target() const { return shared != nullptr ? shared : global; }
-
-  __device__ void begin() {
-    if (shared == nullptr) return;
-    for (int64_t g = threadIdx.x; g < count; g += blockDim.x) shared[g] = MesaGroupStats{0xffffffffu, 0u, 0u, 0u};
-    __syncthreads();
-  }
-  __device__ void end() {
-    if (shared == nullptr) return;
-    __syncthreads();
-    for (int64_t g = threadIdx.x; g < count; g += blockDim.x) {
-      const MesaGroupStats s = shared[g];
-      if (s.min_key != 0xffffffffu) {
-        atomicMin(&global[g].min_key, s.min_key);
-        atomicMax(&global[g].max_key, s.max_key);
-      }
-      if (s.nonfinite != 0u) atomicAdd(&global[g].nonfinite, s.nonfinite);
-    }
-  }
-};
-
 // ---------------------------------------------------------------------------------------
 // Statistics pass (exact mode).
 template <typename T, bool kDense>
@@ -172,24 +58,6 @@ __global__ void __launch_bounds__(kBlock) quant_stats_kernel(const T* __restrict
 
 // ---------------------------------------------------------------------------------------
 // Quantize pass, optionally reducing the batch statistics in the same read of x.
-template <int kCodesPerCall>
-__device__ __forceinline__ void store_codes(uint8_t* dst, const unsigned* codes, int bits) {
-  // Packs kCodesPerCall codes (first in the low bits) and stores the bytes they fill.
-  uint64_t packed = 0;
-#pragma unroll
-  for (int j = 0; j < kCodesPerCall; ++j) packed |= uint64_t(codes[j]) << (j * bits);
-  const int nbytes = kCodesPerCall * bits / 8;
-  if (nbytes == 8) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(unsigned(packed), unsigned(packed >> 32));
-  } else if (nbytes == 4) {
-    *reinterpret_cast<unsigned*>(dst) = unsigned(packed);
-  } else if (nbytes == 2) {
-    *reinterpret_cast<unsigned short*>(dst) = (unsigned short)packed;
-  } else {
-    for (int b = 0; b < nbytes; ++b) dst[b] = uint8_t(packed >> (8 * b));
-  }
-}
-
 struct QuantizeConfig {
   GroupMap groups;
   const MesaGroupParams* params;
@@ -256,24 +124,21 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
     // tail of fewer than 8 elements: one thread, one (partial) code unit
     const int64_t i0 = nunits * N;
     unsigned codes[N];
+#pragma unroll
     for (int j = 0; j < N; ++j) {
       const int64_t i = i0 + j;
       codes[j] = 0u;
       if (i >= n) continue;
       const float xv = to_float(x[i]);
-      float u = 0.0f;
-      if (cfg.stochastic) {
-        const Philox4 r = philox4x32_10(uint64_t(i) / 4, cfg.seed);
-        // select the word without a runtime-indexed local array (which would live on the stack)
-        const unsigned k = unsigned(i % 4);
-        u = uniform01(k == 0 ? r.x : k == 1 ? r.y : k == 2 ? r.z : r.w);
-      }
+      // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
+      const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
       const int64_t g = cfg.groups.group(i);
       codes[j] = encode(xv, code_params(cfg.params[g]), levels, cfg.stochastic, u);
       if (with_stats) accumulate(run, g, xv, sink.target());
     }
     const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
     uint64_t packed = 0;
+#pragma unroll
     for (int j = 0; j < N; ++j) packed |= uint64_t(codes[j]) << (j * cfg.bits);
     for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
   }
@@ -392,23 +257,6 @@ __global__ void __launch_bounds__(kBlock) dequantize_kernel(const uint8_t* __res
 
 // ---------------------------------------------------------------------------------------
 // Launch policy (host).
-inline bool grouping_valid(const MesaGrouping& g, const MesaTensorDesc& d) {
-  if (g.count < 1 || g.span < 1) return false;
-  if (g.dim == -1) return g.count == 1;
-  if (g.dim < 0 || g.dim >= d.ndim) return false;
-  return g.span * g.count == d.shape[g.dim];
-}
-
-inline GroupMap group_map(const MesaGrouping& g, const MesaTensorDesc& d) {
-  if (g.dim < 0) return GroupMap{1, 1};
-  int64_t inner = 1;
-  for (int k = g.dim + 1; k < d.ndim; ++k) inner *= d.shape[k];
-  const int64_t run = g.span * inner;
-  return GroupMap{run > 0 ? run : 1, g.count};
-}
-
-inline bool bits_valid(int b) { return b == 8 || b == 4 || b == 2; }
-
 // Grid-stride grid: enough blocks to fill the machine, no more. 8 blocks of 256 threads per
 // SM is the most an SM can hold (2048 threads); with one 16-byte load in flight per thread
 // that is ~32 KB per SM, above the ~20 KB Little's law asks for at 4.3 TB/s and ~600 ns.
@@ -416,11 +264,6 @@ inline unsigned grid_for(int64_t work_items) {
   const int64_t want = ceil_div(work_items, kBlock);
   const int64_t cap = int64_t(sm_count()) * 8;
   return unsigned(want < 1 ? 1 : (want < cap ? want : cap));
-}
-
-// Dense and 16-byte aligned -> vector path.
-inline bool vector_ok(const void* p, const MesaTensorDesc& d) {
-  return is_dense(d) && (reinterpret_cast<uintptr_t>(p) % 16 == 0);
 }
 
 template <typename T>
@@ -465,15 +308,6 @@ MesaStatus launch_dequantize(const MesaDequantizeArgs& a, void* stream) {
                                  a.params, gm, a.bits, y, view, n));
 }
 
-template <template <typename> class F, typename Args>
-MesaStatus dispatch_dtype(MesaDType t, const Args& a, void* stream) {
-  switch (t) {
-    case MESA_DTYPE_F32: return F<float>::run(a, stream);
-    case MESA_DTYPE_F16: return F<__half>::run(a, stream);
-    case MESA_DTYPE_BF16: return F<__nv_bfloat16>::run(a, stream);
-    default: return MESA_STATUS_UNSUPPORTED;
-  }
-}
 template <typename T> struct StatsOp { static MesaStatus run(const MesaQuantStatsArgs& a, void* s) { return launch_stats<T>(a, s); } };
 template <typename T> struct QuantizeOp { static MesaStatus run(const MesaQuantizeArgs& a, void* s) { return launch_quantize<T>(a, s); } };
 template <typename T> struct DequantizeOp { static MesaStatus run(const MesaDequantizeArgs& a, void* s) { return launch_dequantize<T>(a, s); } };

@@ -11,6 +11,7 @@
 #   benches/<name>    every criterion bench executable (cargo bench --no-run)
 #   examples/compress_report   when the example exists and builds
 #   fixtures/minilm_activations.safetensors   (tests find it through MESA_FIXTURE_DIR)
+#   fixtures/minilm_block.safetensors         (tests/block.rs, the example's block section)
 #   wheels/nvidia_cuda_sanitizer_api-*.whl    compute-sanitizer, unpacked by run.sh when the
 #                                             GPU machine has no CUDA toolkit
 #   run.sh, MANIFEST.txt
@@ -150,6 +151,7 @@ done <"$WORK/artifacts.tsv"
 rmdir "$BUNDLE/examples" 2>/dev/null || true
 
 cp fixtures/minilm_activations.safetensors "$BUNDLE/fixtures/"
+cp fixtures/minilm_block.safetensors "$BUNDLE/fixtures/"
 
 if [[ "${MESA_BUNDLE_SANITIZER:-1}" == 1 ]]; then
     mkdir -p "$WHEEL_CACHE"

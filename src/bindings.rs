@@ -392,3 +392,379 @@ unsafe extern "C" {
         stream: *mut ::core::ffi::c_void,
     ) -> MesaStatus;
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaCodeSink {
+    pub codes: *mut u8,
+    pub params: *const MesaGroupParams,
+    pub stats: *mut MesaGroupStats,
+    pub group_run: i64,
+    pub group_count: i64,
+    pub seed: u64,
+    pub bits: i32,
+    pub rounding: MesaRounding,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaCodeSink"][::core::mem::size_of::<MesaCodeSink>() - 56usize];
+    ["Alignment of MesaCodeSink"][::core::mem::align_of::<MesaCodeSink>() - 8usize];
+    ["Offset of field: MesaCodeSink::codes"][::core::mem::offset_of!(MesaCodeSink, codes) - 0usize];
+    ["Offset of field: MesaCodeSink::params"][::core::mem::offset_of!(MesaCodeSink, params) - 8usize];
+    ["Offset of field: MesaCodeSink::stats"][::core::mem::offset_of!(MesaCodeSink, stats) - 16usize];
+    ["Offset of field: MesaCodeSink::group_run"][::core::mem::offset_of!(MesaCodeSink, group_run) - 24usize];
+    ["Offset of field: MesaCodeSink::group_count"][::core::mem::offset_of!(MesaCodeSink, group_count) - 32usize];
+    ["Offset of field: MesaCodeSink::seed"][::core::mem::offset_of!(MesaCodeSink, seed) - 40usize];
+    ["Offset of field: MesaCodeSink::bits"][::core::mem::offset_of!(MesaCodeSink, bits) - 48usize];
+    ["Offset of field: MesaCodeSink::rounding"][::core::mem::offset_of!(MesaCodeSink, rounding) - 52usize];
+};
+impl Default for MesaCodeSink {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaCodeSource {
+    pub codes: *const u8,
+    pub params: *const MesaGroupParams,
+    pub group_run: i64,
+    pub group_count: i64,
+    pub bits: i32,
+    pub _pad: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaCodeSource"][::core::mem::size_of::<MesaCodeSource>() - 40usize];
+    ["Alignment of MesaCodeSource"][::core::mem::align_of::<MesaCodeSource>() - 8usize];
+    ["Offset of field: MesaCodeSource::codes"][::core::mem::offset_of!(MesaCodeSource, codes) - 0usize];
+    ["Offset of field: MesaCodeSource::params"][::core::mem::offset_of!(MesaCodeSource, params) - 8usize];
+    ["Offset of field: MesaCodeSource::group_run"][::core::mem::offset_of!(MesaCodeSource, group_run) - 16usize];
+    ["Offset of field: MesaCodeSource::group_count"][::core::mem::offset_of!(MesaCodeSource, group_count) - 24usize];
+    ["Offset of field: MesaCodeSource::bits"][::core::mem::offset_of!(MesaCodeSource, bits) - 32usize];
+    ["Offset of field: MesaCodeSource::_pad"][::core::mem::offset_of!(MesaCodeSource, _pad) - 36usize];
+};
+impl Default for MesaCodeSource {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type MesaGeluForm = i32;
+pub const MESA_GELU_ERF: MesaGeluFormCode = 0;
+pub const MESA_GELU_TANH: MesaGeluFormCode = 1;
+pub type MesaGeluFormCode = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaGeluForwardArgs {
+    pub x: *const ::core::ffi::c_void,
+    pub x_desc: MesaTensorDesc,
+    pub y: *mut ::core::ffi::c_void,
+    pub y_desc: MesaTensorDesc,
+    pub sink: MesaCodeSink,
+    pub form: MesaGeluForm,
+    pub _pad: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaGeluForwardArgs"][::core::mem::size_of::<MesaGeluForwardArgs>() - 288usize];
+    ["Alignment of MesaGeluForwardArgs"][::core::mem::align_of::<MesaGeluForwardArgs>() - 8usize];
+    ["Offset of field: MesaGeluForwardArgs::x"][::core::mem::offset_of!(MesaGeluForwardArgs, x) - 0usize];
+    ["Offset of field: MesaGeluForwardArgs::x_desc"][::core::mem::offset_of!(MesaGeluForwardArgs, x_desc) - 8usize];
+    ["Offset of field: MesaGeluForwardArgs::y"][::core::mem::offset_of!(MesaGeluForwardArgs, y) - 112usize];
+    ["Offset of field: MesaGeluForwardArgs::y_desc"][::core::mem::offset_of!(MesaGeluForwardArgs, y_desc) - 120usize];
+    ["Offset of field: MesaGeluForwardArgs::sink"][::core::mem::offset_of!(MesaGeluForwardArgs, sink) - 224usize];
+    ["Offset of field: MesaGeluForwardArgs::form"][::core::mem::offset_of!(MesaGeluForwardArgs, form) - 280usize];
+    ["Offset of field: MesaGeluForwardArgs::_pad"][::core::mem::offset_of!(MesaGeluForwardArgs, _pad) - 284usize];
+};
+impl Default for MesaGeluForwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaGeluBackwardArgs {
+    pub dy: *const ::core::ffi::c_void,
+    pub dy_desc: MesaTensorDesc,
+    pub x: *const ::core::ffi::c_void,
+    pub x_desc: MesaTensorDesc,
+    pub source: MesaCodeSource,
+    pub dx: *mut ::core::ffi::c_void,
+    pub dx_desc: MesaTensorDesc,
+    pub form: MesaGeluForm,
+    pub _pad: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaGeluBackwardArgs"][::core::mem::size_of::<MesaGeluBackwardArgs>() - 384usize];
+    ["Alignment of MesaGeluBackwardArgs"][::core::mem::align_of::<MesaGeluBackwardArgs>() - 8usize];
+    ["Offset of field: MesaGeluBackwardArgs::dy"][::core::mem::offset_of!(MesaGeluBackwardArgs, dy) - 0usize];
+    ["Offset of field: MesaGeluBackwardArgs::dy_desc"][::core::mem::offset_of!(MesaGeluBackwardArgs, dy_desc) - 8usize];
+    ["Offset of field: MesaGeluBackwardArgs::x"][::core::mem::offset_of!(MesaGeluBackwardArgs, x) - 112usize];
+    ["Offset of field: MesaGeluBackwardArgs::x_desc"][::core::mem::offset_of!(MesaGeluBackwardArgs, x_desc) - 120usize];
+    ["Offset of field: MesaGeluBackwardArgs::source"][::core::mem::offset_of!(MesaGeluBackwardArgs, source) - 224usize];
+    ["Offset of field: MesaGeluBackwardArgs::dx"][::core::mem::offset_of!(MesaGeluBackwardArgs, dx) - 264usize];
+    ["Offset of field: MesaGeluBackwardArgs::dx_desc"]
+        [::core::mem::offset_of!(MesaGeluBackwardArgs, dx_desc) - 272usize];
+    ["Offset of field: MesaGeluBackwardArgs::form"][::core::mem::offset_of!(MesaGeluBackwardArgs, form) - 376usize];
+    ["Offset of field: MesaGeluBackwardArgs::_pad"][::core::mem::offset_of!(MesaGeluBackwardArgs, _pad) - 380usize];
+};
+impl Default for MesaGeluBackwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaSoftmaxForwardArgs {
+    pub x: *const ::core::ffi::c_void,
+    pub x_desc: MesaTensorDesc,
+    pub mask: *const ::core::ffi::c_void,
+    pub mask_desc: MesaTensorDesc,
+    pub y: *mut ::core::ffi::c_void,
+    pub y_desc: MesaTensorDesc,
+    pub sink: MesaCodeSink,
+    pub params_out: *mut MesaGroupParams,
+    pub params_count: i64,
+    pub nonfinite: *mut u32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaSoftmaxForwardArgs"][::core::mem::size_of::<MesaSoftmaxForwardArgs>() - 416usize];
+    ["Alignment of MesaSoftmaxForwardArgs"][::core::mem::align_of::<MesaSoftmaxForwardArgs>() - 8usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::x"][::core::mem::offset_of!(MesaSoftmaxForwardArgs, x) - 0usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::x_desc"]
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, x_desc) - 8usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::mask"][::core::mem::offset_of!(MesaSoftmaxForwardArgs, mask) - 112usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::mask_desc"]
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, mask_desc) - 120usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::y"][::core::mem::offset_of!(MesaSoftmaxForwardArgs, y) - 224usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::y_desc"]
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, y_desc) - 232usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::sink"][::core::mem::offset_of!(MesaSoftmaxForwardArgs, sink) - 336usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::params_out"]
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, params_out) - 392usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::params_count"]
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, params_count) - 400usize];
+    ["Offset of field: MesaSoftmaxForwardArgs::nonfinite"]
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, nonfinite) - 408usize];
+};
+impl Default for MesaSoftmaxForwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaSoftmaxBackwardArgs {
+    pub dy: *const ::core::ffi::c_void,
+    pub dy_desc: MesaTensorDesc,
+    pub y: *const ::core::ffi::c_void,
+    pub y_desc: MesaTensorDesc,
+    pub source: MesaCodeSource,
+    pub dx: *mut ::core::ffi::c_void,
+    pub dx_desc: MesaTensorDesc,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaSoftmaxBackwardArgs"][::core::mem::size_of::<MesaSoftmaxBackwardArgs>() - 376usize];
+    ["Alignment of MesaSoftmaxBackwardArgs"][::core::mem::align_of::<MesaSoftmaxBackwardArgs>() - 8usize];
+    ["Offset of field: MesaSoftmaxBackwardArgs::dy"][::core::mem::offset_of!(MesaSoftmaxBackwardArgs, dy) - 0usize];
+    ["Offset of field: MesaSoftmaxBackwardArgs::dy_desc"]
+        [::core::mem::offset_of!(MesaSoftmaxBackwardArgs, dy_desc) - 8usize];
+    ["Offset of field: MesaSoftmaxBackwardArgs::y"][::core::mem::offset_of!(MesaSoftmaxBackwardArgs, y) - 112usize];
+    ["Offset of field: MesaSoftmaxBackwardArgs::y_desc"]
+        [::core::mem::offset_of!(MesaSoftmaxBackwardArgs, y_desc) - 120usize];
+    ["Offset of field: MesaSoftmaxBackwardArgs::source"]
+        [::core::mem::offset_of!(MesaSoftmaxBackwardArgs, source) - 224usize];
+    ["Offset of field: MesaSoftmaxBackwardArgs::dx"][::core::mem::offset_of!(MesaSoftmaxBackwardArgs, dx) - 264usize];
+    ["Offset of field: MesaSoftmaxBackwardArgs::dx_desc"]
+        [::core::mem::offset_of!(MesaSoftmaxBackwardArgs, dx_desc) - 272usize];
+};
+impl Default for MesaSoftmaxBackwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaLayerNormForwardArgs {
+    pub x: *const ::core::ffi::c_void,
+    pub x_desc: MesaTensorDesc,
+    pub weight: *const ::core::ffi::c_void,
+    pub bias: *const ::core::ffi::c_void,
+    pub y: *mut ::core::ffi::c_void,
+    pub y_desc: MesaTensorDesc,
+    pub mean: *mut f32,
+    pub rstd: *mut f32,
+    pub sink: MesaCodeSink,
+    pub eps: f32,
+    pub codes_only: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaLayerNormForwardArgs"][::core::mem::size_of::<MesaLayerNormForwardArgs>() - 320usize];
+    ["Alignment of MesaLayerNormForwardArgs"][::core::mem::align_of::<MesaLayerNormForwardArgs>() - 8usize];
+    ["Offset of field: MesaLayerNormForwardArgs::x"][::core::mem::offset_of!(MesaLayerNormForwardArgs, x) - 0usize];
+    ["Offset of field: MesaLayerNormForwardArgs::x_desc"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, x_desc) - 8usize];
+    ["Offset of field: MesaLayerNormForwardArgs::weight"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, weight) - 112usize];
+    ["Offset of field: MesaLayerNormForwardArgs::bias"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, bias) - 120usize];
+    ["Offset of field: MesaLayerNormForwardArgs::y"][::core::mem::offset_of!(MesaLayerNormForwardArgs, y) - 128usize];
+    ["Offset of field: MesaLayerNormForwardArgs::y_desc"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, y_desc) - 136usize];
+    ["Offset of field: MesaLayerNormForwardArgs::mean"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, mean) - 240usize];
+    ["Offset of field: MesaLayerNormForwardArgs::rstd"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, rstd) - 248usize];
+    ["Offset of field: MesaLayerNormForwardArgs::sink"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, sink) - 256usize];
+    ["Offset of field: MesaLayerNormForwardArgs::eps"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, eps) - 312usize];
+    ["Offset of field: MesaLayerNormForwardArgs::codes_only"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, codes_only) - 316usize];
+};
+impl Default for MesaLayerNormForwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaLayerNormBackwardArgs {
+    pub dy: *const ::core::ffi::c_void,
+    pub dy_desc: MesaTensorDesc,
+    pub xhat: *const ::core::ffi::c_void,
+    pub xhat_desc: MesaTensorDesc,
+    pub source: MesaCodeSource,
+    pub rstd: *const f32,
+    pub weight: *const ::core::ffi::c_void,
+    pub dx: *mut ::core::ffi::c_void,
+    pub dx_desc: MesaTensorDesc,
+    pub partials: *mut f32,
+    pub partial_blocks: i64,
+    pub dweight: *mut f32,
+    pub dbias: *mut f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaLayerNormBackwardArgs"][::core::mem::size_of::<MesaLayerNormBackwardArgs>() - 424usize];
+    ["Alignment of MesaLayerNormBackwardArgs"][::core::mem::align_of::<MesaLayerNormBackwardArgs>() - 8usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::dy"][::core::mem::offset_of!(MesaLayerNormBackwardArgs, dy) - 0usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::dy_desc"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, dy_desc) - 8usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::xhat"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, xhat) - 112usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::xhat_desc"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, xhat_desc) - 120usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::source"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, source) - 224usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::rstd"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, rstd) - 264usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::weight"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, weight) - 272usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::dx"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, dx) - 280usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::dx_desc"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, dx_desc) - 288usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::partials"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, partials) - 392usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::partial_blocks"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, partial_blocks) - 400usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::dweight"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, dweight) - 408usize];
+    ["Offset of field: MesaLayerNormBackwardArgs::dbias"]
+        [::core::mem::offset_of!(MesaLayerNormBackwardArgs, dbias) - 416usize];
+};
+impl Default for MesaLayerNormBackwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+unsafe extern "C" {
+    pub fn mesa_gelu_forward(args: *const MesaGeluForwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_gelu_forward(args: *const MesaGeluForwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_gelu_backward(args: *const MesaGeluBackwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_gelu_backward(args: *const MesaGeluBackwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_softmax_forward(args: *const MesaSoftmaxForwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_softmax_forward(
+        args: *const MesaSoftmaxForwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_softmax_backward(args: *const MesaSoftmaxBackwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_softmax_backward(
+        args: *const MesaSoftmaxBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_layernorm_forward(
+        args: *const MesaLayerNormForwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_layernorm_forward(
+        args: *const MesaLayerNormForwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_layernorm_backward(
+        args: *const MesaLayerNormBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_layernorm_backward(
+        args: *const MesaLayerNormBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}

@@ -26,6 +26,8 @@
 //! It runs on the GPU when one is usable, else on the host emulation (`MESA_REQUIRE_GPU=1`
 //! makes a missing GPU an error).
 //! Errors are measured in f64 against the f32 input, using [`mesa_kernels::reference`].
+mod block;
+
 use std::collections::BTreeMap;
 use std::error::Error;
 use std::path::{Path, PathBuf};
@@ -61,6 +63,7 @@ OPTIONS:
     --json             print the report as one JSON object instead of tables
     --bits N           bits per code: 8 (default), 4 or 2
     --stochastic SEED  stochastic rounding with this Philox seed (default: round to nearest)
+    --no-block         skip the transformer-block section (run by default on the fixture)
     -h, --help         this text
 
 WHAT IS MEASURED (per tensor):
@@ -120,11 +123,12 @@ struct Options {
     json: bool,
     bits: u32,
     rounding: Rounding,
+    no_block: bool,
 }
 
 /// The options, or `None` for `--help`.
 fn parse_args(args: impl Iterator<Item = String>) -> Result<Option<Options>> {
-    let mut options = Options { input: None, json: false, bits: 8, rounding: Rounding::Nearest };
+    let mut options = Options { input: None, json: false, bits: 8, rounding: Rounding::Nearest, no_block: false };
     let mut args = args;
     while let Some(arg) = args.next() {
         // `--flag=value` and `--flag value` both work.
@@ -137,6 +141,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Option<Options>> {
         match flag.as_str() {
             "-h" | "--help" => return Ok(None),
             "--json" => options.json = true,
+            "--no-block" => options.no_block = true,
             "--input" => options.input = Some(PathBuf::from(value("a file name")?)),
             "--bits" => options.bits = parse_bits(&value("a bit width (8, 4 or 2)")?)?,
             "--stochastic" => {
@@ -199,10 +204,22 @@ fn run(options: &Options) -> Result<()> {
         rows,
         seconds: start.elapsed().as_secs_f64(),
     };
+    // the transformer-block section (block.rs): on the default fixture only
+    let block = match options.input.is_none() && !options.no_block {
+        true => Some(block::run(&device, &block::block_fixture())?),
+        false => None,
+    };
     if options.json {
-        println!("{}", serde_json::to_string_pretty(&report.to_json())?);
+        let mut value = report.to_json();
+        if let Some(b) = &block {
+            value["block"] = b.to_json();
+        }
+        println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         report.print();
+        if let Some(b) = &block {
+            b.print();
+        }
     }
     Ok(())
 }

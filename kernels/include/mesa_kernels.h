@@ -70,5 +70,6 @@ typedef struct MesaTensorDesc {
 
 #include "mesa_quant.h"
 #include "mesa_collectives.h"
+#include "mesa_fused.h"
 
 #endif /* MESA_KERNELS_H */

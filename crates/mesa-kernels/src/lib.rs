@@ -8,6 +8,8 @@
 //!   running estimates.
 //! * [`collectives`]: sequence parallelism (Megatron, Korthikanti et al. 2022): reduce-scatter
 //!   and all-gather of `[S, B, H]` along the sequence, intra-node kernel and NCCL backend.
+//! * [`fused`]: GELU, softmax and LayerNorm whose forward writes the output and the codes of
+//!   what backward needs in one pass, and whose backward reads the codes directly.
 //!
 //! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
 //! streams pass straight in) or the host emulation, which compiles the same kernel source
@@ -45,6 +47,7 @@ pub mod collectives;
 mod device;
 mod dtype;
 mod error;
+pub mod fused;
 mod layout;
 pub mod quant;
 pub mod reference;
@@ -53,6 +56,7 @@ pub use collectives::{Epilogue, RankView, RankViewMut, SeqParallelGroup, SeqSpli
 pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+pub use fused::{GeluForm, SavedLayerNorm, SoftmaxSave};
 pub use layout::{Grouping, Layout, MAX_DIMS};
 pub use quant::{GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
 

@@ -184,6 +184,12 @@ impl Quantizer {
         &self.config
     }
 
+    /// The device the quantizer's state lives on.
+    #[must_use]
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// Batches quantized so far.
     #[must_use]
     pub fn batches(&self) -> u64 {
@@ -354,6 +360,119 @@ impl Quantizer {
         Ok(())
     }
 
+    /// Runs a fused producer (GELU, LayerNorm, … in [`crate::fused`]) that writes the codes of
+    /// a saved tensor of `shape` in the same pass as its output, with exactly the steps of
+    /// [`Quantizer::quantize_into`]: exact statistics (first batch, [`StatsMode::Exact`]) =
+    /// `launch(Stats)`, finalize, `launch(Codes)`; running estimate = `launch(CodesAndStats)`
+    /// with the running parameters, finalize. `strides` are recorded in the saved handle.
+    pub(crate) fn produce<T: Element>(
+        &mut self,
+        shape: &[usize],
+        strides: &[usize],
+        mut launch: impl FnMut(ProducerStep, sys::MesaCodeSink) -> Result<()>,
+    ) -> Result<SavedActivation> {
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::TooLarge("element count".into()))?;
+        let (axis, span, groups) = self.config.grouping.resolve(shape)?;
+        let group_run = match axis {
+            Some(a) => span * shape[a + 1..].iter().product::<usize>(),
+            None => 1,
+        }
+        .max(1);
+        let layout = Layout::strided(shape, strides, 0)?;
+        let mut saved = SavedActivation {
+            codes: self.device.alloc_for_kernel::<u8>(code_bytes(numel, self.config.bits)?)?,
+            params: self.device.alloc_for_kernel::<GroupParams>(groups)?,
+            nonfinite: self.device.alloc_for_kernel::<u32>(1)?,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            dtype: T::DTYPE,
+            bits: self.config.bits,
+            grouping: self.config.grouping,
+        };
+        if numel == 0 {
+            self.device.copy_into(&vec![GroupParams::default(); groups], &mut saved.params)?;
+            self.device.copy_into(&[0u32], &mut saved.nonfinite)?;
+            saved.set_meta(&layout, T::DTYPE, &self.config);
+            return Ok(saved);
+        }
+        self.state_for(groups)?;
+        let first = self.batches == 0;
+        let exact = first || self.config.stats == StatsMode::Exact;
+        let seed = match self.config.rounding {
+            Rounding::Nearest => 0,
+            Rounding::Stochastic { seed } => seed.wrapping_add(self.batches.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        };
+        let rounding = match self.config.rounding {
+            Rounding::Nearest => sys::MESA_ROUND_NEAREST,
+            Rounding::Stochastic { .. } => sys::MESA_ROUND_STOCHASTIC,
+        } as sys::MesaRounding;
+        let Quantizer { device, config, state, .. } = self;
+        let state = state.as_mut().ok_or_else(|| Error::Shape("quantizer state missing".into()))?;
+        let mut stats_mem = state.stats.mem_mut();
+        let stats_p = device.write_ptr(&mut stats_mem, 0, "stats")?;
+        let mut running_mem = state.running.mem_mut();
+        let running_p = device.write_ptr(&mut running_mem, 0, "running")?;
+        let mut params_mem = saved.params.mem_mut();
+        let params_p = device.write_ptr(&mut params_mem, 0, "params")?;
+        let mut codes_mem = saved.codes.mem_mut();
+        let codes_p = device.write_ptr(&mut codes_mem, 0, "codes")?;
+        let mut nf_mem = saved.nonfinite.mem_mut();
+        let nf_p = device.write_ptr(&mut nf_mem, 0, "nonfinite")?;
+        let sink = |codes: bool, params: *const sys::MesaGroupParams, stats: bool| sys::MesaCodeSink {
+            codes: if codes { codes_p.addr.cast() } else { std::ptr::null_mut() },
+            params: if codes { params } else { std::ptr::null() },
+            stats: if stats { stats_p.addr.cast() } else { std::ptr::null_mut() },
+            group_run: group_run as i64,
+            group_count: groups as i64,
+            seed,
+            bits: config.bits as i32,
+            rounding,
+        };
+        let finalize = |mode: u32| sys::MesaQuantFinalizeArgs {
+            stats: stats_p.addr.cast(),
+            running: running_p.addr.cast(),
+            params: params_p.addr.cast(),
+            nonfinite_total: nf_p.addr.cast(),
+            count: groups as i64,
+            momentum: config.momentum,
+            bits: config.bits as i32,
+            mode: mode as sys::MesaFinalizeMode,
+            running_initialized: i32::from(!first),
+        };
+        if exact {
+            launch(ProducerStep::Stats, sink(false, std::ptr::null(), true))?;
+            // SAFETY: stats/running/params hold `groups` entries, nonfinite one (allocated above
+            // or by state_for for this group count).
+            unsafe {
+                device.launch(
+                    "quant_finalize",
+                    &finalize(sys::MESA_FINALIZE_EXACT),
+                    sys::mesa_quant_finalize,
+                    sys::mesa_emu_quant_finalize,
+                )?;
+            }
+            launch(ProducerStep::Codes, sink(true, params_p.addr as *const sys::MesaGroupParams, false))?;
+        } else {
+            launch(ProducerStep::CodesAndStats, sink(true, running_p.addr as *const sys::MesaGroupParams, true))?;
+            // SAFETY: as above.
+            unsafe {
+                device.launch(
+                    "quant_finalize",
+                    &finalize(sys::MESA_FINALIZE_RUNNING),
+                    sys::mesa_quant_finalize,
+                    sys::mesa_emu_quant_finalize,
+                )?;
+            }
+        }
+        drop((stats_p, running_p, params_p, codes_p, nf_p));
+        self.batches += 1;
+        saved.set_meta(&layout, T::DTYPE, &self.config);
+        Ok(saved)
+    }
+
     fn state_for(&mut self, groups: usize) -> Result<()> {
         if let Some(s) = &self.state {
             if s.groups != groups {
@@ -369,6 +488,17 @@ impl Quantizer {
         }
         Ok(())
     }
+}
+
+/// Which launch of a fused producer [`Quantizer::produce`] asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ProducerStep {
+    /// Statistics of the saved tensor only (exact mode, before finalize); codes NULL.
+    Stats,
+    /// Output and codes with the exact parameters just finalized; stats NULL.
+    Codes,
+    /// Output and codes with the running estimate, statistics reduced in the same pass.
+    CodesAndStats,
 }
 
 /// A saved activation: packed codes, the per-group parameters that produced them, and the
@@ -509,6 +639,54 @@ impl SavedActivation {
         // SAFETY: the output view fits its buffer and does not overlap itself; codes and
         // params were sized for this shape and grouping when quantized.
         unsafe { device.launch("dequantize", &args, sys::mesa_dequantize, sys::mesa_emu_dequantize) }
+    }
+
+    /// An uninitialised handle for a producer with fixed parameters (softmax).
+    pub(crate) fn allocate(
+        device: &Device,
+        shape: &[usize],
+        strides: &[usize],
+        dtype: DType,
+        bits: u32,
+        grouping: Grouping,
+    ) -> Result<SavedActivation> {
+        let numel = shape.iter().product::<usize>();
+        let groups = grouping.num_groups(shape)?;
+        Ok(SavedActivation {
+            codes: device.alloc_for_kernel::<u8>(code_bytes(numel, bits)?)?,
+            params: device.alloc_for_kernel::<GroupParams>(groups)?,
+            nonfinite: device.upload(&[0u32])?,
+            shape: shape.to_vec(),
+            strides: strides.to_vec(),
+            dtype,
+            bits,
+            grouping,
+        })
+    }
+
+    /// Mutable access to (codes, params, nonfinite) for a producer kernel.
+    pub(crate) fn parts_mut(&mut self) -> (&mut Buffer<u8>, &mut Buffer<GroupParams>, &mut Buffer<u32>) {
+        (&mut self.codes, &mut self.params, &mut self.nonfinite)
+    }
+
+    /// Read access to (codes, params) for a consumer kernel.
+    pub(crate) fn parts(&self) -> (&Buffer<u8>, &Buffer<GroupParams>) {
+        (&self.codes, &self.params)
+    }
+
+    /// `(i / run) % count` map of the groups over the logical shape: (run, count).
+    pub(crate) fn group_map(&self) -> Result<(usize, usize)> {
+        let (axis, span, count) = self.grouping.resolve(&self.shape)?;
+        let run = match axis {
+            Some(a) => span * self.shape[a + 1..].iter().product::<usize>(),
+            None => 1,
+        };
+        Ok((run.max(1), count))
+    }
+
+    /// Checks that the handle lives on `device`'s backend.
+    pub(crate) fn check_backend(&self, device: &Device) -> Result<()> {
+        self.check_device(device)
     }
 
     fn set_meta(&mut self, layout: &Layout, dtype: DType, config: &QuantConfig) {

@@ -4,6 +4,7 @@
 //! They share no code with the kernels: plain loops over logical indices, written from the
 //! papers' equations, slow on purpose.
 pub mod collectives;
+pub mod fused;
 pub mod quant;
 
 use crate::dtype::Element;

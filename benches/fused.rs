@@ -1,0 +1,240 @@
+//! Fused producers/consumers of saved activations (GELU, softmax, LayerNorm), bf16, 8-bit codes.
+//!
+//! Pairs (each reports bytes read + written as `Throughput::BytesDecimal`; GB/s divided by the
+//! ~4300 GB/s H200 copy bandwidth is the fraction of the bytes-moved floor, docs/fused.md):
+//! * `gelu_forward_plain` vs `gelu_forward_saving`: `y = gelu(x)`, 4n bytes, vs the same plus
+//!   the codes of x (running estimate, after a first batch), 5n bytes.
+//! * `softmax_forward_plain` vs `softmax_forward_saving` (rows of 512 with a key-padding
+//!   mask): 4n (+ mask) vs 5n bytes.
+//! * `layernorm_forward_plain` vs `layernorm_forward_saving` (C = 1024): 4n vs 5n bytes
+//!   (+ 8 bytes per row).
+//! * `gelu_backward_bf16` vs `gelu_backward_codes`: dx from a bf16 saved input (6n bytes) vs
+//!   from its codes (5n bytes); the same for softmax (`softmax_backward_*`) and LayerNorm
+//!   (`layernorm_backward_*`: dx plus the deterministic dweight/dbias; the dx and column
+//!   kernels each read dy and the saved x̂, 2·(2+2)n + 2n vs 2·(2+1)n + 2n bytes).
+//!
+//! Backend: `Device::best_available()`; `MESA_REQUIRE_GPU=1` refuses the emulation. The
+//! emulation runs small shapes under the group name "emulator (not performance)".
+//! Timing: `iter_custom` with the stream synchronised before and after.
+//! Run: `cargo bench --bench fused` (add `-- --quick` for a short run).
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use half::bf16;
+use mesa_kernels::fused::{self, Mask};
+use mesa_kernels::{Buffer, Device, GeluForm, Layout, QuantConfig, Quantizer, SoftmaxSave};
+
+fn device() -> Device {
+    let require_gpu = std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) if require_gpu => panic!("MESA_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e}"),
+        Err(e) => {
+            eprintln!("fused bench: CUDA not usable ({e}); falling back to the host emulation");
+            Device::best_available()
+        }
+    }
+}
+
+fn data(n: usize, seed: u64) -> Vec<bf16> {
+    let mut state = seed | 1;
+    (0..n)
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let u = (state >> 40) as f32 / (1u64 << 24) as f32;
+            bf16::from_f32((i % 97) as f32 * 0.02 - 1.0 + 3.0 * (2.0 * u - 1.0))
+        })
+        .collect()
+}
+
+fn timed(device: &Device, iters: u64, mut f: impl FnMut()) -> Duration {
+    device.synchronize().expect("sync");
+    let start = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    device.synchronize().expect("sync");
+    start.elapsed()
+}
+
+fn upload(device: &Device, v: &[bf16]) -> Buffer<bf16> {
+    device.upload(v).expect("upload")
+}
+
+fn bench(c: &mut Criterion) {
+    let device = device();
+    let cuda = device.is_cuda();
+    let group_name =
+        if cuda { "fused (bf16, 8-bit codes)".to_string() } else { "fused: emulator (not performance)".to_string() };
+    // elementwise / rows: [rows, cols]
+    let (rows, cols) = if cuda { (32 * 512, 3072) } else { (64, 768) };
+    let (srows, scols) = if cuda { (32 * 12 * 512, 512) } else { (12 * 64, 64) };
+    let (lrows, lcols) = if cuda { (32 * 512, 1024) } else { (128, 256) };
+    let n = rows * cols;
+    let sn = srows * scols;
+    let ln = lrows * lcols;
+    let mut g = c.benchmark_group(group_name);
+
+    // ---- GELU
+    let l = Layout::contiguous(&[rows, cols]);
+    let x = upload(&device, &data(n, 1));
+    let dy = upload(&device, &data(n, 2));
+    let mut y = device.alloc_zeros::<bf16>(n).expect("alloc");
+    let mut dx = device.alloc_zeros::<bf16>(n).expect("alloc");
+    let mut q = Quantizer::new(&device, fused::channel_groups(1, 12)).expect("q");
+    let saved = fused::gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l).expect("warm-up batch");
+    g.throughput(Throughput::BytesDecimal(4 * n as u64));
+    g.bench_function("gelu_forward_plain", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || fused::gelu(&device, GeluForm::Erf, &x, &l, &mut y, &l).expect("gelu"))
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(5 * n as u64));
+    g.bench_function("gelu_forward_saving", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                black_box(fused::gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l).expect("gelu"));
+            })
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(6 * n as u64));
+    g.bench_function("gelu_backward_bf16", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                fused::gelu_backward_plain(&device, GeluForm::Erf, &x, &l, &dy, &l, &mut dx, &l).expect("bwd")
+            })
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(5 * n as u64));
+    g.bench_function("gelu_backward_codes", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                fused::gelu_backward(&device, GeluForm::Erf, &saved, &dy, &l, &mut dx, &l).expect("bwd")
+            })
+        })
+    });
+
+    // ---- softmax with a key-padding mask broadcast over rows
+    let heads_rows = srows / scols;
+    let ls = Layout::contiguous(&[heads_rows, scols, scols]);
+    let s = upload(&device, &data(sn, 3));
+    let sdy = upload(&device, &data(sn, 4));
+    let mask = upload(&device, &vec![bf16::from_f32(0.0); scols]);
+    let ml = Layout::strided(&[heads_rows, scols, scols], &[0, 0, 1], 0).expect("mask");
+    let mut p = device.alloc_zeros::<bf16>(sn).expect("alloc");
+    let mut sdx = device.alloc_zeros::<bf16>(sn).expect("alloc");
+    let save = SoftmaxSave::per_head(0);
+    let psaved = fused::softmax_forward(&device, &save, &s, &ls, Some(Mask { data: &mask, layout: &ml }), &mut p, &ls)
+        .expect("softmax");
+    g.throughput(Throughput::BytesDecimal(4 * sn as u64));
+    g.bench_function("softmax_forward_plain", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                fused::softmax(&device, &s, &ls, Some(Mask { data: &mask, layout: &ml }), &mut p, &ls).expect("sm")
+            })
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(5 * sn as u64));
+    g.bench_function("softmax_forward_saving", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                black_box(
+                    fused::softmax_forward(
+                        &device,
+                        &save,
+                        &s,
+                        &ls,
+                        Some(Mask { data: &mask, layout: &ml }),
+                        &mut p,
+                        &ls,
+                    )
+                    .expect("sm"),
+                );
+            })
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(6 * sn as u64));
+    g.bench_function("softmax_backward_bf16", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || fused::softmax_backward_plain(&device, &p, &ls, &sdy, &ls, &mut sdx, &ls).expect("b"))
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(5 * sn as u64));
+    g.bench_function("softmax_backward_codes", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || fused::softmax_backward(&device, &psaved, &sdy, &ls, &mut sdx, &ls).expect("b"))
+        })
+    });
+
+    // ---- LayerNorm
+    let ll = Layout::contiguous(&[lrows, lcols]);
+    let lx = upload(&device, &data(ln, 5));
+    let ldy = upload(&device, &data(ln, 6));
+    let w = upload(&device, &data(lcols, 7));
+    let bias = upload(&device, &data(lcols, 8));
+    let mut ly = device.alloc_zeros::<bf16>(ln).expect("alloc");
+    let mut ldx = device.alloc_zeros::<bf16>(ln).expect("alloc");
+    let mut dw = device.alloc_zeros::<f32>(lcols).expect("alloc");
+    let mut db = device.alloc_zeros::<f32>(lcols).expect("alloc");
+    let mut lq = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let lsaved =
+        fused::layer_norm_forward(&device, &mut lq, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll).expect("ln");
+    g.throughput(Throughput::BytesDecimal(4 * ln as u64));
+    g.bench_function("layernorm_forward_plain", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                fused::layer_norm(&device, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll).expect("ln")
+            })
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(5 * ln as u64 + 8 * lrows as u64));
+    g.bench_function("layernorm_forward_saving", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                black_box(
+                    fused::layer_norm_forward(&device, &mut lq, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll)
+                        .expect("ln"),
+                );
+            })
+        })
+    });
+    // a bf16 x̂ for the plain backward (the values do not matter for timing)
+    let xhat = upload(&device, &data(ln, 9));
+    g.throughput(Throughput::BytesDecimal(10 * ln as u64));
+    g.bench_function("layernorm_backward_bf16", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                fused::layer_norm_backward_plain(
+                    &device,
+                    &xhat,
+                    &ll,
+                    lsaved.rstd(),
+                    Some(&w),
+                    &ldy,
+                    &ll,
+                    &mut ldx,
+                    &ll,
+                    &mut dw,
+                    &mut db,
+                )
+                .expect("b")
+            })
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(8 * ln as u64));
+    g.bench_function("layernorm_backward_codes", |b| {
+        b.iter_custom(|it| {
+            timed(&device, it, || {
+                fused::layer_norm_backward(&device, &lsaved, Some(&w), &ldy, &ll, &mut ldx, &ll, &mut dw, &mut db)
+                    .expect("b")
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

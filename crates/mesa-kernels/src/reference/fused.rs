@@ -1,0 +1,173 @@
+//! Reference for the fused ops ([`crate::fused`]): GELU, softmax over the last axis,
+//! LayerNorm over the last axis, forward and backward, in f64 with plain loops over rows of
+//! logical (row-major) data. Shares no code with the kernels.
+use crate::fused::GeluForm;
+
+/// `erf(x)` in f64: Maclaurin series below |x| = 3, continued fraction of `erfc` above
+/// (both accurate to ~1e-14 absolute).
+#[must_use]
+pub fn erf(x: f64) -> f64 {
+    if x.is_nan() {
+        return f64::NAN;
+    }
+    let a = x.abs();
+    let r = if a < 3.0 {
+        // erf(a) = 2/√π Σ (−1)^n a^(2n+1) / (n! (2n+1))
+        let mut term = a; // a^(2n+1)/n!
+        let mut sum = a;
+        for n in 1..200 {
+            term *= -a * a / f64::from(n);
+            let t = term / f64::from(2 * n + 1);
+            sum += t;
+            if t.abs() < 1e-17 * sum.abs() {
+                break;
+            }
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    } else {
+        // erfc(a) = exp(−a²)/√π · 1/(a + (1/2)/(a + 1/(a + (3/2)/(a + …))))
+        let mut t = a;
+        for k in (1..=80).rev() {
+            t = a + (f64::from(k) / 2.0) / t;
+        }
+        1.0 - (-a * a).exp() / (std::f64::consts::PI.sqrt() * t)
+    };
+    if x < 0.0 {
+        -r
+    } else {
+        r
+    }
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const TANH_COEF: f64 = 0.044_715;
+
+/// `gelu(x)` (erf or tanh form).
+#[must_use]
+pub fn gelu(x: f64, form: GeluForm) -> f64 {
+    match form {
+        GeluForm::Erf => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
+        GeluForm::Tanh => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + TANH_COEF * x * x * x)).tanh()),
+    }
+}
+
+/// `gelu'(x)`.
+#[must_use]
+pub fn gelu_derivative(x: f64, form: GeluForm) -> f64 {
+    match form {
+        GeluForm::Erf => {
+            0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2))
+                + x * (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
+        }
+        GeluForm::Tanh => {
+            let t = (SQRT_2_OVER_PI * (x + TANH_COEF * x * x * x)).tanh();
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_COEF * x * x)
+        }
+    }
+}
+
+/// Softmax of every row of `cols` values of `x + mask`; a row with every entry `−inf` gives 0.
+#[must_use]
+pub fn softmax_rows(x: &[f64], mask: Option<&[f64]>, cols: usize) -> Vec<f64> {
+    let mut y = vec![0.0; x.len()];
+    if cols == 0 {
+        return y;
+    }
+    for (r, out) in y.chunks_mut(cols).enumerate() {
+        let v: Vec<f64> = (0..cols).map(|c| x[r * cols + c] + mask.map_or(0.0, |m| m[r * cols + c])).collect();
+        let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        if m == f64::NEG_INFINITY {
+            continue; // fully masked: zeros
+        }
+        let e: Vec<f64> = v.iter().map(|&vi| if vi == f64::NEG_INFINITY { 0.0 } else { (vi - m).exp() }).collect();
+        let s: f64 = e.iter().sum();
+        for (o, ei) in out.iter_mut().zip(&e) {
+            *o = ei / s;
+        }
+    }
+    y
+}
+
+/// Softmax backward per row: `dx = y · (dy − Σ dy·y)`.
+#[must_use]
+pub fn softmax_backward_rows(y: &[f64], dy: &[f64], cols: usize) -> Vec<f64> {
+    let mut dx = vec![0.0; y.len()];
+    if cols == 0 {
+        return dx;
+    }
+    for r in 0..y.len() / cols {
+        let row = r * cols..(r + 1) * cols;
+        let dot: f64 = y[row.clone()].iter().zip(&dy[row.clone()]).map(|(a, b)| a * b).sum();
+        for i in row {
+            dx[i] = y[i] * (dy[i] - dot);
+        }
+    }
+    dx
+}
+
+/// LayerNorm forward of every row of `cols` values.
+#[derive(Debug, Clone)]
+pub struct LayerNormForward {
+    /// `x̂ · w + b`.
+    pub y: Vec<f64>,
+    /// `(x − mean) · rstd`.
+    pub xhat: Vec<f64>,
+    /// Per-row mean.
+    pub mean: Vec<f64>,
+    /// Per-row `1/sqrt(var + eps)` (biased variance).
+    pub rstd: Vec<f64>,
+}
+
+/// LayerNorm over rows of `cols` (`weight`/`bias` `None`: 1 and 0).
+#[must_use]
+pub fn layer_norm_rows(
+    x: &[f64],
+    weight: Option<&[f64]>,
+    bias: Option<&[f64]>,
+    eps: f64,
+    cols: usize,
+) -> LayerNormForward {
+    let rows = x.len().checked_div(cols).unwrap_or(0);
+    let mut f = LayerNormForward { y: vec![0.0; x.len()], xhat: vec![0.0; x.len()], mean: vec![], rstd: vec![] };
+    for r in 0..rows {
+        let row = &x[r * cols..(r + 1) * cols];
+        let mean = row.iter().sum::<f64>() / cols as f64;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for c in 0..cols {
+            let xh = (row[c] - mean) * rstd;
+            f.xhat[r * cols + c] = xh;
+            f.y[r * cols + c] = xh * weight.map_or(1.0, |w| w[c]) + bias.map_or(0.0, |b| b[c]);
+        }
+        f.mean.push(mean);
+        f.rstd.push(rstd);
+    }
+    f
+}
+
+/// LayerNorm backward from `x̂` and `rstd`: `(dx, dweight, dbias)`.
+#[must_use]
+pub fn layer_norm_backward_rows(
+    xhat: &[f64],
+    rstd: &[f64],
+    weight: Option<&[f64]>,
+    dy: &[f64],
+    cols: usize,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let rows = xhat.len().checked_div(cols).unwrap_or(0);
+    let mut dx = vec![0.0; xhat.len()];
+    let mut dw = vec![0.0; cols];
+    let mut db = vec![0.0; cols];
+    for (r, &rs) in rstd.iter().enumerate().take(rows) {
+        let i0 = r * cols;
+        let g: Vec<f64> = (0..cols).map(|c| dy[i0 + c] * weight.map_or(1.0, |w| w[c])).collect();
+        let a = g.iter().sum::<f64>() / cols as f64;
+        let b = (0..cols).map(|c| g[c] * xhat[i0 + c]).sum::<f64>() / cols as f64;
+        for c in 0..cols {
+            dx[i0 + c] = rs * (g[c] - a - xhat[i0 + c] * b);
+            dw[c] += dy[i0 + c] * xhat[i0 + c];
+            db[c] += dy[i0 + c];
+        }
+    }
+    (dx, dw, db)
+}

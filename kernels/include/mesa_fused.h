@@ -1,0 +1,169 @@
+/* mesa_fused.h — fused producers and consumers of saved activations (Mesa, Pan et al. 2021,
+ * §3; BRIEF §5.1): GELU, softmax and LayerNorm forward kernels that write their output AND
+ * the codes of what their backward needs in one pass; backward kernels that read those codes
+ * directly (dequantized in registers, never materialised). Kernels: kernels/gelu.cu,
+ * kernels/softmax.cu, kernels/layernorm.cu; shared device pieces: kernels/quant_common.cuh.
+ *
+ * Codes follow mesa_quant.h exactly (asymmetric affine, logical row-major order of the saved
+ * tensor's shape, bits < 8 packed first element in the least significant bits), so a saved
+ * tensor written by a producer decodes with mesa_dequantize too.
+ *
+ * Row ops (softmax, LayerNorm) see a tensor as rows along its LAST axis: the descriptor's
+ * last dimension is the row (length shape[ndim-1], any stride), the dimensions before it
+ * index the rows (any strides, merged by the caller where contiguous).
+ */
+#ifndef MESA_FUSED_H
+#define MESA_FUSED_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Where a producer writes the codes of its saved tensor (the tensor has `numel` elements in
+ * logical order; element i belongs to group (i / group_run) % group_count).
+ *   codes != NULL: codes[i] = Q(v_i; params[g(i)]), rounding as in MesaQuantizeArgs;
+ *   stats != NULL: the same pass reduces min/max/nonfinite of v into stats (running mode,
+ *                  or the statistics pass of exact mode with codes == NULL). */
+typedef struct MesaCodeSink {
+  uint8_t* codes;                 /* ceil(numel * bits / 8) bytes, or NULL */
+  const MesaGroupParams* params;  /* [group_count], required when codes != NULL */
+  MesaGroupStats* stats;          /* [group_count] or NULL */
+  int64_t group_run;              /* >= 1 */
+  int64_t group_count;            /* >= 1 */
+  uint64_t seed;                  /* stochastic rounding: Philox key */
+  int32_t bits;                   /* 8, 4 or 2 */
+  MesaRounding rounding;
+} MesaCodeSink;
+
+/* Codes read back inside a backward kernel: v_i = codes[i] * scale[g(i)] + offset[g(i)]. */
+typedef struct MesaCodeSource {
+  const uint8_t* codes;           /* NULL: the backward reads a plain tensor instead */
+  const MesaGroupParams* params;  /* [group_count] */
+  int64_t group_run;
+  int64_t group_count;
+  int32_t bits;
+  int32_t _pad;
+} MesaCodeSource;
+
+/* ---- GELU ----------------------------------------------------------------------------- */
+typedef int32_t MesaGeluForm;
+enum MesaGeluFormCode {
+  MESA_GELU_ERF = 0,  /* x/2 * (1 + erf(x / sqrt 2)) */
+  MESA_GELU_TANH = 1  /* x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))) */
+};
+
+/* y = gelu(x) (y may be NULL: statistics-only pass); sink receives the codes of x.
+ * x, y: same logical shape, any strides (y must not overlap itself), dtype of x. */
+typedef struct MesaGeluForwardArgs {
+  const void* x;
+  MesaTensorDesc x_desc;
+  void* y;
+  MesaTensorDesc y_desc;
+  MesaCodeSink sink;
+  MesaGeluForm form;
+  int32_t _pad;
+} MesaGeluForwardArgs;
+
+/* dx = dy * gelu'(x), x decoded from `source` (or read from `x` when source.codes == NULL).
+ * dy, x, dx: same logical shape, any strides; dtype of dy (x: x_desc.dtype). */
+typedef struct MesaGeluBackwardArgs {
+  const void* dy;
+  MesaTensorDesc dy_desc;
+  const void* x;
+  MesaTensorDesc x_desc;
+  MesaCodeSource source;
+  void* dx;
+  MesaTensorDesc dx_desc;
+  MesaGeluForm form;
+  int32_t _pad;
+} MesaGeluBackwardArgs;
+
+/* ---- softmax over the last axis ---------------------------------------------------------
+ * y = softmax(x + mask) per row. A row whose every entry is -inf (fully masked) gives y = 0.
+ * mask may be NULL; else same logical shape as x (broadcast strides 0 allowed), x's dtype.
+ * sink: codes of y (the stored, dtype-rounded output) with the fixed parameters written to
+ * params_out (offset 0, scale 1 / (2^bits - 1)); sink.codes may be NULL (plain forward).
+ * Fused codes need shape[last] * bits % 8 == 0 (each row starts on a byte; else the entry
+ * returns MESA_STATUS_UNSUPPORTED and the caller quantizes y afterwards with mesa_quantize
+ * and these parameters). sink.stats must be NULL. */
+typedef struct MesaSoftmaxForwardArgs {
+  const void* x;
+  MesaTensorDesc x_desc;
+  const void* mask;
+  MesaTensorDesc mask_desc;
+  void* y;
+  MesaTensorDesc y_desc;
+  MesaCodeSink sink;
+  MesaGroupParams* params_out;  /* [params_count] or NULL: written before the rows */
+  int64_t params_count;
+  uint32_t* nonfinite;          /* NULL, or a counter += non-finite outputs encoded */
+} MesaSoftmaxForwardArgs;
+
+/* dx = y * (dy - sum_row(dy * y)), y decoded from `source` (or read from `y`). */
+typedef struct MesaSoftmaxBackwardArgs {
+  const void* dy;
+  MesaTensorDesc dy_desc;
+  const void* y;
+  MesaTensorDesc y_desc;
+  MesaCodeSource source;
+  void* dx;
+  MesaTensorDesc dx_desc;
+} MesaSoftmaxBackwardArgs;
+
+/* ---- LayerNorm over the last axis (C = shape[last]) -------------------------------------
+ * mean = sum x / C, var = sum (x - mean)^2 / C, rstd = 1 / sqrt(var + eps),
+ * xhat = (x - mean) * rstd, y = xhat * weight + bias.
+ * weight, bias: [C] contiguous, dtype of x (NULL: 1 and 0). y may be NULL (statistics pass).
+ * mean, rstd: [rows] f32 or NULL. sink: codes of xhat (f32 value) in x's logical order.
+ * Fused codes need C % (8 / bits) == 0; otherwise codes_only = 1 runs an elementwise pass
+ * that reads x, mean, rstd and writes only the codes (after a pass that wrote mean/rstd). */
+typedef struct MesaLayerNormForwardArgs {
+  const void* x;
+  MesaTensorDesc x_desc;
+  const void* weight;
+  const void* bias;
+  void* y;
+  MesaTensorDesc y_desc;
+  float* mean;
+  float* rstd;
+  MesaCodeSink sink;
+  float eps;
+  int32_t codes_only;
+} MesaLayerNormForwardArgs;
+
+/* g = dy * weight;  dx = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat))
+ * dweight[c] = sum_rows dy * xhat,  dbias[c] = sum_rows dy  (f32, deterministic: per-block
+ * partials over fixed row ranges, then one ordered sum per column; no float atomics).
+ * xhat decoded from `source` (or read from `xhat`). partials: [2 * partial_blocks * C] f32
+ * scratch, partial_blocks in [1, 65535] (no rows: ignored, dweight = dbias = 0). dx, dweight/dbias may be NULL (skipped; dweight and
+ * dbias are both NULL or both set). */
+typedef struct MesaLayerNormBackwardArgs {
+  const void* dy;
+  MesaTensorDesc dy_desc;
+  const void* xhat;
+  MesaTensorDesc xhat_desc;
+  MesaCodeSource source;
+  const float* rstd;
+  const void* weight;
+  void* dx;
+  MesaTensorDesc dx_desc;
+  float* partials;
+  int64_t partial_blocks;
+  float* dweight;
+  float* dbias;
+} MesaLayerNormBackwardArgs;
+
+MESA_DECLARE_ENTRY(gelu_forward, MesaGeluForwardArgs)
+MESA_DECLARE_ENTRY(gelu_backward, MesaGeluBackwardArgs)
+MESA_DECLARE_ENTRY(softmax_forward, MesaSoftmaxForwardArgs)
+MESA_DECLARE_ENTRY(softmax_backward, MesaSoftmaxBackwardArgs)
+MESA_DECLARE_ENTRY(layernorm_forward, MesaLayerNormForwardArgs)
+MESA_DECLARE_ENTRY(layernorm_backward, MesaLayerNormBackwardArgs)
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MESA_FUSED_H */

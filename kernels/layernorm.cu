@@ -1,0 +1,432 @@
+// layernorm.cu — LayerNorm over the last axis (Ba et al. 2016) fused with activation
+// compression (Mesa §3): the forward writes y, the per-row mean and rstd, AND the codes of the
+// normalized input x̂ (what backward needs besides rstd) in one read of x; the backward decodes
+// x̂ inside its kernels; dweight/dbias are reduced deterministically.
+//
+// Math (f32, per row of C):
+//   mean = Σ x / C,  var = Σ (x − mean)² / C  (two passes over the row held in registers),
+//   rstd = 1 / sqrt(var + eps),  x̂ = (x − mean) · rstd,  y = x̂ · w + b
+//   a constant row has var = 0: x̂ = 0, y = b (rstd = 1/sqrt(eps), finite for eps > 0).
+//   backward, g = dy · w:  dx = rstd · (g − mean_row(g) − x̂ · mean_row(g · x̂))
+//                          dw = Σ_rows dy · x̂,  db = Σ_rows dy
+// Codes of x̂ use the Quantizer's parameters (running estimate, or exact with a statistics
+// pass: the same kernel with y = NULL and only stats) — quant_common.cuh.
+//
+// Kernels (R rows of C, T input, b bits):
+//   layernorm_forward_kernel     reads R·C·sizeof(T) + 2·C·sizeof(T), writes R·C·sizeof(T)
+//                                + R·C·b/8 + 8·R; ~10 FLOP/element
+//   layernorm_codes_kernel       (only when C·b is not a multiple of 8, so that rows do not
+//                                start on a byte) reads R·C·sizeof(T) + 8·R, writes R·C·b/8
+//   layernorm_backward_dx_kernel reads R·C·(sizeof(T) + b/8) + 4·R + C·sizeof(T), writes R·C·sizeof(T)
+//   layernorm_backward_dwdb_kernel  reads R·C·(sizeof(T) + b/8), writes 2·P·C·4 (P partial blocks)
+//   layernorm_backward_final_kernel reads 2·P·C·4, writes 2·C·4
+// Determinism: dw/db partials are sums over fixed row ranges (P = partial_blocks chosen by
+// the caller from the shape only), then one ordered sum over P per column — no float
+// atomics, bitwise reproducible run to run (and independent of the GPU's SM count).
+// Launch policy: as softmax.cu (warp per row up to C = 1024, a 512-thread block per row
+// beyond, streaming re-reads of the row above 4096).
+// Reference: crates/mesa-kernels/src/reference/fused.rs.  Bytes and floors: docs/fused.md.
+#include "rows.cuh"
+
+namespace MESA_NS {
+
+constexpr int kRowBlock = 256;
+constexpr int kLongBlock = 512;
+constexpr int kColBlock = 256;  // dw/db: one column per thread, 256 columns per block
+
+struct LnParams {
+  const void* weight;
+  const void* bias;
+  float* mean;
+  float* rstd;
+  float eps;
+};
+
+template <typename T>
+__device__ __forceinline__ void affine_unit(const T* w, const T* b, int64_t c0, int live, const float (&xh)[kUnit],
+                                            float (&y)[kUnit]) {
+  float wv[kUnit], bv[kUnit];
+  if (w != nullptr) {
+    load_unit(w + c0, 1, live, wv, 0.0f);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) wv[j] = 1.0f;
+  }
+  if (b != nullptr) {
+    load_unit(b + c0, 1, live, bv, 0.0f);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) bv[j] = 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) y[j] = fmaf(xh[j], wv[j], bv[j]);
+}
+
+template <typename T, int kTeam, int kChunks>
+// min 2 blocks per SM: up to 128 registers (nvcc's own cap spilled the 2-chunk variant on sm_80)
+__global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2)
+    layernorm_forward_kernel(const T* __restrict__ x, RowView xr, T* __restrict__ y, RowView yr, int64_t rows,
+                             int64_t cols, LnParams p, CodeSink sink) {
+  __shared__ float scratch[kWarpSize];
+  __shared__ MesaGroupStats staged[kSharedGroups];
+  const bool with_stats = sink.stats != nullptr;
+  StatsSink stats{sink.stats, sink.groups.count <= kSharedGroups ? staged : nullptr, sink.groups.count};
+  if (with_stats) stats.begin();
+  RunStats run;
+  const T* w = static_cast<const T*>(p.weight);
+  const T* b = static_cast<const T*>(p.bias);
+  const int rank = team_rank<kTeam>();
+  const float inv_cols = 1.0f / float(cols);
+  const int64_t step = int64_t(kTeam) * kUnit;
+  for (int64_t r = team_index<kTeam>(); r < rows; r += team_count<kTeam>()) {
+    const T* xrow = x + xr.row(r);
+    float mean, rstd;
+    if (kChunks > 0) {
+      constexpr int K = kChunks > 0 ? kChunks : 1;
+      float v[K][kUnit];
+      int live[K];
+      float s = 0.0f;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t c0 = (int64_t(k) * kTeam + rank) * kUnit;
+        live[k] = int(c0 >= cols ? 0 : (cols - c0 < kUnit ? cols - c0 : kUnit));
+        if (live[k] > 0) {
+          load_unit(xrow + c0 * xr.col_stride, xr.col_stride, live[k], v[k], 0.0f);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kUnit; ++j) v[k][j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) s += v[k][j];
+      }
+      mean = team_sum<kTeam>(s, scratch) * inv_cols;
+      float q = 0.0f;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) {
+          const float d = j < live[k] ? v[k][j] - mean : 0.0f;
+          q = fmaf(d, d, q);
+        }
+      rstd = 1.0f / sqrtf(team_sum<kTeam>(q, scratch) * inv_cols + p.eps);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (live[k] <= 0) continue;
+        const int64_t c0 = (int64_t(k) * kTeam + rank) * kUnit;
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) v[k][j] = (v[k][j] - mean) * rstd;
+        if (y != nullptr) {
+          float out[kUnit];
+          affine_unit(w, b, c0, live[k], v[k], out);
+          store_unit(y + yr.row(r) + c0 * yr.col_stride, yr.col_stride, live[k], out);
+        }
+        if (sink.codes != nullptr || with_stats) sink_unit(sink, r * cols + c0, v[k], live[k], run, stats.target());
+      }
+    } else {
+      float s = 0.0f;
+      for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
+        const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+        float v[kUnit];
+        load_unit(xrow + c0 * xr.col_stride, xr.col_stride, live, v, 0.0f);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) s += v[j];
+      }
+      mean = team_sum<kTeam>(s, scratch) * inv_cols;
+      float q = 0.0f;
+      for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
+        const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+        float v[kUnit];
+        load_unit(xrow + c0 * xr.col_stride, xr.col_stride, live, v, 0.0f);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) {
+          const float d = j < live ? v[j] - mean : 0.0f;
+          q = fmaf(d, d, q);
+        }
+      }
+      rstd = 1.0f / sqrtf(team_sum<kTeam>(q, scratch) * inv_cols + p.eps);
+      for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
+        const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+        float v[kUnit];
+        load_unit(xrow + c0 * xr.col_stride, xr.col_stride, live, v, 0.0f);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) v[j] = (v[j] - mean) * rstd;
+        if (y != nullptr) {
+          float out[kUnit];
+          affine_unit(w, b, c0, live, v, out);
+          store_unit(y + yr.row(r) + c0 * yr.col_stride, yr.col_stride, live, out);
+        }
+        if (sink.codes != nullptr || with_stats) sink_unit(sink, r * cols + c0, v, live, run, stats.target());
+      }
+    }
+    if (rank == 0) {
+      if (p.mean != nullptr) p.mean[r] = mean;
+      if (p.rstd != nullptr) p.rstd[r] = rstd;
+    }
+  }
+  if (with_stats) {
+    flush(run, stats.target());
+    stats.end();
+  }
+}
+
+// Codes of x̂ from x, mean and rstd, in units of 8 logical elements (any row length).
+template <typename T>
+__global__ void __launch_bounds__(kRowBlock)
+    layernorm_codes_kernel(const T* __restrict__ x, RowView xr, int64_t n, int64_t cols, const float* __restrict__ mean,
+                           const float* __restrict__ rstd, CodeSink sink) {
+  __shared__ MesaGroupStats staged[kSharedGroups];
+  const bool with_stats = sink.stats != nullptr;
+  StatsSink stats{sink.stats, sink.groups.count <= kSharedGroups ? staged : nullptr, sink.groups.count};
+  if (with_stats) stats.begin();
+  RunStats run;
+  const int64_t nunits = ceil_div(n, kUnit);
+  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < nunits; u += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i0 = u * kUnit;
+    const int live = int(n - i0 < kUnit ? n - i0 : kUnit);
+    float v[kUnit];
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) {
+      v[j] = 0.0f;
+      if (j < live) {
+        const int64_t i = i0 + j, r = i / cols, c = i - r * cols;
+        v[j] = (to_float(x[xr.row(r) + c * xr.col_stride]) - mean[r]) * rstd[r];
+      }
+    }
+    sink_unit(sink, i0, v, live, run, stats.target());
+  }
+  if (with_stats) {
+    flush(run, stats.target());
+    stats.end();
+  }
+}
+
+// One unit of the saved x̂: decoded from codes, or read from a plain tensor.
+template <typename T, bool kCodes>
+__device__ __forceinline__ void load_xhat(const T* xh, const RowView& hr, const CodeSource& src, int64_t r,
+                                          int64_t cols, int64_t c0, int live, float (&v)[kUnit]) {
+  if (kCodes) {
+    source_unit(src, r * cols + c0, live, v);
+  } else {
+    load_unit(xh + hr.row(r) + c0 * hr.col_stride, hr.col_stride, live, v, 0.0f);
+  }
+}
+
+// dx = rstd · (g − mean(g) − x̂ · mean(g·x̂)), g = dy · w. Rows streamed twice from global
+// memory (the row sums, then dx): the second read hits L1/L2 for the row lengths of
+// transformers.
+template <typename T, int kTeam, bool kCodes>
+// min 2 blocks per SM: up to 128 registers (nvcc's own cap spilled the 2-chunk variant on sm_80)
+__global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2)
+    layernorm_backward_dx_kernel(const T* __restrict__ dy, RowView gr, const T* __restrict__ xh, RowView hr,
+                                 CodeSource src, const float* __restrict__ rstd, const T* __restrict__ w,
+                                 T* __restrict__ dx, RowView dr, int64_t rows, int64_t cols) {
+  __shared__ float scratch[kWarpSize];
+  const int rank = team_rank<kTeam>();
+  const float inv_cols = 1.0f / float(cols);
+  const int64_t step = int64_t(kTeam) * kUnit;
+  for (int64_t r = team_index<kTeam>(); r < rows; r += team_count<kTeam>()) {
+    const T* grow = dy + gr.row(r);
+    float sg = 0.0f, sgx = 0.0f;
+    for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
+      const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+      float g[kUnit], xv[kUnit], wv[kUnit];
+      load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
+      load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
+      if (w != nullptr) {
+        load_unit(w + c0, 1, live, wv, 0.0f);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) wv[j] = j < live ? 1.0f : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        const float gj = g[j] * wv[j];
+        sg += gj;
+        sgx = fmaf(gj, xv[j], sgx);
+      }
+    }
+    const float a = team_sum<kTeam>(sg, scratch) * inv_cols;
+    const float bq = team_sum<kTeam>(sgx, scratch) * inv_cols;
+    const float rs = rstd[r];
+    for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
+      const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+      float g[kUnit], xv[kUnit], wv[kUnit];
+      load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
+      load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
+      if (w != nullptr) {
+        load_unit(w + c0, 1, live, wv, 0.0f);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) wv[j] = 1.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) g[j] = rs * (g[j] * wv[j] - a - xv[j] * bq);
+      store_unit(dx + dr.row(r) + c0 * dr.col_stride, dr.col_stride, live, g);
+    }
+  }
+}
+
+// Partial dw/db of rows [p·R/P, (p+1)·R/P) for one column per thread, summed in row order.
+template <typename T, bool kCodes>
+__global__ void __launch_bounds__(kColBlock)
+    layernorm_backward_dwdb_kernel(const T* __restrict__ dy, RowView gr, const T* __restrict__ xh, RowView hr,
+                                   CodeSource src, int64_t rows, int64_t cols, float* __restrict__ partials) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const int64_t parts = gridDim.y, p = blockIdx.y;
+  const int64_t r0 = p * rows / parts, r1 = (p + 1) * rows / parts;
+  const unsigned mask = (1u << src.bits) - 1u;
+  float dw = 0.0f, db = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float g = to_float(dy[gr.row(r) + c * gr.col_stride]);
+    float xv;
+    if (kCodes) {
+      const int64_t i = r * cols + c;
+      const unsigned code = (unsigned(src.codes[i * src.bits / 8]) >> ((i * src.bits) % 8)) & mask;
+      const MesaGroupParams q = src.params[src.groups.group(i)];
+      xv = fmaf(float(code), q.scale, q.offset);
+    } else {
+      xv = to_float(xh[hr.row(r) + c * hr.col_stride]);
+    }
+    dw = fmaf(g, xv, dw);
+    db += g;
+  }
+  partials[p * cols + c] = dw;
+  partials[(parts + p) * cols + c] = db;
+}
+
+__global__ void __launch_bounds__(kColBlock)
+    layernorm_backward_final_kernel(const float* __restrict__ partials, int64_t parts, int64_t cols,
+                                    float* __restrict__ dw, float* __restrict__ db) {
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += int64_t(gridDim.x) * blockDim.x) {
+    float sw = 0.0f, sb = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {
+      sw += partials[p * cols + c];
+      sb += partials[(parts + p) * cols + c];
+    }
+    dw[c] = sw;
+    db[c] = sb;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Launch policy (host).
+template <typename T, int kTeam, int kChunks>
+MesaStatus launch_fwd(const MesaLayerNormForwardArgs& a, int64_t rows, int64_t cols, int block, void* stream) {
+  const LnParams p{a.weight, a.bias, a.mean, a.rstd, a.eps};
+  T* y = static_cast<T*>(a.y);
+  return status_from(MESA_LAUNCH((layernorm_forward_kernel<T, kTeam, kChunks>), dim3(team_grid(rows, kTeam, block)),
+                                 dim3(block), 0, stream, static_cast<const T*>(a.x), row_view(a.x_desc), y,
+                                 y != nullptr ? row_view(a.y_desc) : RowView{}, rows, cols, p, code_sink_from(a.sink)));
+}
+
+template <typename T>
+struct LayerNormForwardOp {
+  static MesaStatus run(const MesaLayerNormForwardArgs& a, void* stream) {
+    const int64_t cols = row_length(a.x_desc);
+    const int64_t rows = numel(a.x_desc) / cols;
+    if (a.codes_only) {
+      const int64_t n = rows * cols;
+      const int64_t want = ceil_div(ceil_div(n, kUnit), kRowBlock), cap = int64_t(sm_count()) * 8;
+      const unsigned grid = unsigned(want < cap ? want : cap);
+      return status_from(MESA_LAUNCH((layernorm_codes_kernel<T>), dim3(grid), dim3(kRowBlock), 0, stream,
+                                     static_cast<const T*>(a.x), row_view(a.x_desc), n, cols, a.mean, a.rstd,
+                                     code_sink_from(a.sink)));
+    }
+    if (cols <= 256) return launch_fwd<T, kWarpSize, 1>(a, rows, cols, kRowBlock, stream);
+    if (cols <= 512) return launch_fwd<T, kWarpSize, 2>(a, rows, cols, kRowBlock, stream);
+    if (cols <= 1024) return launch_fwd<T, kWarpSize, 4>(a, rows, cols, kRowBlock, stream);
+    if (cols <= int64_t(kLongBlock) * kUnit) return launch_fwd<T, kLongBlock, 1>(a, rows, cols, kLongBlock, stream);
+    return launch_fwd<T, kLongBlock, 0>(a, rows, cols, kLongBlock, stream);
+  }
+};
+
+template <typename T, bool kCodes>
+MesaStatus launch_bwd(const MesaLayerNormBackwardArgs& a, int64_t rows, int64_t cols, void* stream) {
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* xh = static_cast<const T*>(a.xhat);
+  const RowView gr = row_view(a.dy_desc);
+  const RowView hr = kCodes ? RowView{} : row_view(a.xhat_desc);
+  const CodeSource src = code_source_from(a.source);
+  const T* w = static_cast<const T*>(a.weight);
+  if (a.dx != nullptr) {
+    T* dx = static_cast<T*>(a.dx);
+    const RowView dr = row_view(a.dx_desc);
+    const MesaStatus s =
+        cols <= 1024
+            ? status_from(MESA_LAUNCH((layernorm_backward_dx_kernel<T, kWarpSize, kCodes>),
+                                      dim3(team_grid(rows, kWarpSize, kRowBlock)), dim3(kRowBlock), 0, stream, dy, gr,
+                                      xh, hr, src, a.rstd, w, dx, dr, rows, cols))
+            : status_from(MESA_LAUNCH((layernorm_backward_dx_kernel<T, kLongBlock, kCodes>),
+                                      dim3(team_grid(rows, kLongBlock, kLongBlock)), dim3(kLongBlock), 0, stream, dy,
+                                      gr, xh, hr, src, a.rstd, w, dx, dr, rows, cols));
+    if (s != MESA_STATUS_OK) return s;
+  }
+  if (a.dweight == nullptr) return MESA_STATUS_OK;
+  const int64_t col_blocks = ceil_div(cols, kColBlock);
+  const MesaStatus s = status_from(MESA_LAUNCH((layernorm_backward_dwdb_kernel<T, kCodes>),
+                                               dim3(unsigned(col_blocks), unsigned(a.partial_blocks)), dim3(kColBlock),
+                                               0, stream, dy, gr, xh, hr, src, rows, cols, a.partials));
+  if (s != MESA_STATUS_OK) return s;
+  const int64_t cap = int64_t(sm_count()) * 4;
+  return status_from(MESA_LAUNCH(layernorm_backward_final_kernel, dim3(unsigned(col_blocks < cap ? col_blocks : cap)),
+                                 dim3(kColBlock), 0, stream, a.partials, a.partial_blocks, cols, a.dweight, a.dbias));
+}
+
+template <typename T>
+struct LayerNormBackwardOp {
+  static MesaStatus run(const MesaLayerNormBackwardArgs& a, void* stream) {
+    const int64_t cols = row_length(a.dy_desc);
+    const int64_t rows = numel(a.dy_desc) / cols;
+    return a.source.codes != nullptr ? launch_bwd<T, true>(a, rows, cols, stream)
+                                     : launch_bwd<T, false>(a, rows, cols, stream);
+  }
+};
+
+inline bool same_rows(const MesaTensorDesc& a, const MesaTensorDesc& b) {
+  return a.ndim >= 1 && b.ndim >= 1 && numel(a) == numel(b) && row_length(a) == row_length(b) && a.dtype == b.dtype;
+}
+
+}  // namespace MESA_NS
+
+using namespace MESA_NS;
+
+extern "C" MesaStatus MESA_ENTRY(layernorm_forward)(const MesaLayerNormForwardArgs* a, void* stream) {
+  if (a == nullptr || !desc_valid(a->x_desc) || a->x_desc.ndim < 1 || !code_sink_valid(a->sink))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (a->y != nullptr && (!desc_valid(a->y_desc) || !same_rows(a->x_desc, a->y_desc))) return MESA_STATUS_INVALID_ARGUMENT;
+  if (!(a->eps > 0.0f) || !(a->eps < 3.402823466e38f)) return MESA_STATUS_INVALID_ARGUMENT;
+  const int64_t cols = row_length(a->x_desc);
+  if (a->codes_only) {
+    if (a->mean == nullptr || a->rstd == nullptr || (a->sink.codes == nullptr && a->sink.stats == nullptr))
+      return MESA_STATUS_INVALID_ARGUMENT;
+  } else if (a->sink.codes != nullptr && (cols * a->sink.bits) % 8 != 0) {
+    return MESA_STATUS_UNSUPPORTED;  // rows must start on a byte: use codes_only after this pass
+  }
+  if (numel(a->x_desc) == 0) return MESA_STATUS_OK;
+  if (a->x == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
+  return dispatch_dtype<LayerNormForwardOp>(a->x_desc.dtype, *a, stream);
+}
+
+extern "C" MesaStatus MESA_ENTRY(layernorm_backward)(const MesaLayerNormBackwardArgs* a, void* stream) {
+  if (a == nullptr || !desc_valid(a->dy_desc) || a->dy_desc.ndim < 1 || !code_source_valid(a->source))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (a->dx != nullptr && (!desc_valid(a->dx_desc) || !same_rows(a->dy_desc, a->dx_desc))) return MESA_STATUS_INVALID_ARGUMENT;
+  if (a->source.codes == nullptr && (!desc_valid(a->xhat_desc) || !same_rows(a->dy_desc, a->xhat_desc)))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if ((a->dweight == nullptr) != (a->dbias == nullptr)) return MESA_STATUS_INVALID_ARGUMENT;
+  const int64_t cols = row_length(a->dy_desc);
+  if (numel(a->dy_desc) == 0) {
+    // no rows: dweight = dbias = 0 (the final kernel over zero partial ranges)
+    if (a->dweight == nullptr || cols == 0) return MESA_STATUS_OK;
+    const int64_t blocks = ceil_div(cols, kColBlock), cap = int64_t(sm_count()) * 4;
+    return status_from(MESA_LAUNCH(layernorm_backward_final_kernel, dim3(unsigned(blocks < cap ? blocks : cap)),
+                                   dim3(kColBlock), 0, stream, a->partials, int64_t(0), cols, a->dweight, a->dbias));
+  }
+  if (a->dweight != nullptr && (a->partials == nullptr || a->partial_blocks < 1 || a->partial_blocks > 65535))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (a->dy == nullptr || a->rstd == nullptr || (a->source.codes == nullptr && a->xhat == nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (ceil_div(row_length(a->dy_desc), kColBlock) > 2147483647LL) return MESA_STATUS_INVALID_ARGUMENT;
+  return dispatch_dtype<LayerNormBackwardOp>(a->dy_desc.dtype, *a, stream);
+}

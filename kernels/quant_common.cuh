@@ -1,0 +1,313 @@
+// quant_common.cuh — the reusable device pieces of activation compression (Mesa §3.2-3.3):
+// group map, code parameters, encoding, per-group running statistics (RunStats / StatsSink)
+// and packed code stores. kernels/quantize.cu (quantize-on-save) and the fused producers
+// (gelu.cu, softmax.cu, layernorm.cu) include it, so a producer quantizes its saved tensor in
+// the same pass with exactly the machinery of the Quantizer: the same codes for the same
+// values and parameters, the same statistics for the running estimate, and quant_finalize
+// (quantize.cu) turns those statistics into parameters afterwards.
+//
+// It also holds what producers and backward kernels share: CodeSink (where a producer writes
+// codes: params, stats, seed, bits), CodeSource (codes read back inside a backward kernel)
+// and the per-element Philox uniforms of stochastic rounding.
+#pragma once
+
+#include "common.cuh"
+
+namespace MESA_NS {
+
+// Groups accumulated in shared memory before one global atomic per group and block;
+// beyond this, threads flush straight to global memory.
+constexpr int kSharedGroups = 1024;
+constexpr int kUnit = 8;  // strided path: logical elements per step (one byte at 1 bit)
+
+__device__ __forceinline__ bool is_finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+
+// What the kernels need to know about groups: g(i) = (i / run) % count for logical index i,
+// with run = span * prod(shape[dim+1:]).
+struct GroupMap {
+  int64_t run;
+  int64_t count;
+  __device__ __forceinline__ int64_t group(int64_t i) const { return (i / run) % count; }
+};
+
+struct CodeParams {
+  float offset;
+  float inv_scale;  // ~1 / (scale * prescale); 0 for a zero or NaN scale
+  float prescale;   // 2^64 for tiny scales, 2^-64 for huge ones, else 1
+};
+// Scales outside [2^-60, 2^60] are first multiplied by 2^±64 (exact), so that the step and
+// its reciprocal are normal numbers; the difference x - offset gets the same factor.
+constexpr float kTinyScale = 8.673617379884035e-19f;  // 2^-60
+constexpr float kHugeScale = 1.152921504606846976e18f;  // 2^60
+constexpr float kTwo64 = 18446744073709551616.0f;       // 2^64
+
+// 1/s for a normal s in [2^-85, 2^110] by Newton's iteration r <- r + r(1 - s r) (fmaf),
+// from a bit-pattern seed: only IEEE mul/fma, so both builds give the same bits, and no
+// division slow-path call in the kernels (which would spill registers). Four steps take the
+// ~4-bit seed past 24 bits: within an ulp of the correctly rounded reciprocal.
+__device__ __forceinline__ float reciprocal(float s) {
+  float r = __uint_as_float(0x7EF311C3u - __float_as_uint(s));
+#pragma unroll
+  for (int k = 0; k < 3; ++k) r = fmaf(r, fmaf(-s, r, 1.0f), r);
+  return r;
+}
+
+__device__ __forceinline__ CodeParams code_params(MesaGroupParams p) {
+  if (!(p.scale > 0.0f)) return CodeParams{p.offset, 0.0f, 1.0f};  // constant group, or NaN
+  const float pre = p.scale < kTinyScale ? kTwo64 : (p.scale > kHugeScale ? 1.0f / kTwo64 : 1.0f);
+  return CodeParams{p.offset, reciprocal(p.scale * pre), pre};
+}
+
+// t = (x - offset) / scale, evaluated so that it neither overflows nor loses the tiny scales:
+//   * normal case: one subtraction and one multiplication by 1/scale;
+//   * x - offset overflows f32 (range wider than FLT_MAX): halve both terms first (exact);
+//   * tiny scale: difference and step both scaled by 2^64 (exact), see code_params.
+// __fmul_rn is never contracted into an FMA with the `+ u` of stochastic rounding, so the
+// GPU rounds t exactly as the emulation does.
+__device__ __forceinline__ float code_position(float x, CodeParams p) {
+  float d = x - p.offset;
+  float twice = 1.0f;
+  if (!is_finite(d) && is_finite(x)) {
+    d = 0.5f * x - 0.5f * p.offset;
+    twice = 2.0f;
+  }
+  return twice * __fmul_rn(d * p.prescale, p.inv_scale);
+}
+
+__device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
+  const float t = code_position(x, p);
+  const float r = stochastic ? floorf(t + u) : rintf(t);
+  return unsigned(fminf(fmaxf(r, 0.0f), levels));  // fmaxf(NaN, 0) = 0
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-group statistics: a thread keeps a run (group, min, max, nonfinite) while consecutive
+// elements stay in one group and flushes it with atomics when the group changes.
+struct RunStats {
+  int64_t group = -1;
+  unsigned min_key = 0xffffffffu;
+  unsigned max_key = 0u;
+  unsigned nonfinite = 0u;
+};
+
+__device__ __forceinline__ void flush(RunStats& r, MesaGroupStats* sink) {
+  if (r.group < 0) return;
+  MesaGroupStats* s = sink + r.group;
+  if (r.min_key != 0xffffffffu) {
+    atomicMin(&s->min_key, r.min_key);
+    atomicMax(&s->max_key, r.max_key);
+  }
+  if (r.nonfinite != 0u) atomicAdd(&s->nonfinite, r.nonfinite);
+  r = RunStats{};
+}
+
+__device__ __forceinline__ void accumulate(RunStats& r, int64_t g, float v, MesaGroupStats* sink) {
+  if (g != r.group) {
+    flush(r, sink);
+    r.group = g;
+  }
+  if (is_finite(v)) {
+    const unsigned k = float_key(v);
+    r.min_key = k < r.min_key ? k : r.min_key;
+    r.max_key = k > r.max_key ? k : r.max_key;
+  } else {
+    r.nonfinite += 1u;
+  }
+}
+
+// Block-level staging of the per-group reduction (shared memory when the groups fit).
+struct StatsSink {
+  MesaGroupStats* global;
+  MesaGroupStats* shared;  // null: flush straight to global
+  int64_t count;
+
+  __device__ __forceinline__ MesaGroupStats* target() const { return shared != nullptr ? shared : global; }
+
+  __device__ void begin() {
+    if (shared == nullptr) return;
+    for (int64_t g = threadIdx.x; g < count; g += blockDim.x) shared[g] = MesaGroupStats{0xffffffffu, 0u, 0u, 0u};
+    __syncthreads();
+  }
+  __device__ void end() {
+    if (shared == nullptr) return;
+    __syncthreads();
+    for (int64_t g = threadIdx.x; g < count; g += blockDim.x) {
+      const MesaGroupStats s = shared[g];
+      if (s.min_key != 0xffffffffu) {
+        atomicMin(&global[g].min_key, s.min_key);
+        atomicMax(&global[g].max_key, s.max_key);
+      }
+      if (s.nonfinite != 0u) atomicAdd(&global[g].nonfinite, s.nonfinite);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Packed code stores.
+template <int kCodesPerCall>
+__device__ __forceinline__ void store_codes(uint8_t* dst, const unsigned* codes, int bits) {
+  // Packs kCodesPerCall codes (first in the low bits) and stores the bytes they fill.
+  uint64_t packed = 0;
+#pragma unroll
+  for (int j = 0; j < kCodesPerCall; ++j) packed |= uint64_t(codes[j]) << (j * bits);
+  const int nbytes = kCodesPerCall * bits / 8;
+  if (nbytes == 8) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(unsigned(packed), unsigned(packed >> 32));
+  } else if (nbytes == 4) {
+    *reinterpret_cast<unsigned*>(dst) = unsigned(packed);
+  } else if (nbytes == 2) {
+    *reinterpret_cast<unsigned short*>(dst) = (unsigned short)packed;
+  } else {
+    for (int b = 0; b < nbytes; ++b) dst[b] = uint8_t(packed >> (8 * b));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host helpers of the launch policies.
+inline bool grouping_valid(const MesaGrouping& g, const MesaTensorDesc& d) {
+  if (g.count < 1 || g.span < 1) return false;
+  if (g.dim == -1) return g.count == 1;
+  if (g.dim < 0 || g.dim >= d.ndim) return false;
+  return g.span * g.count == d.shape[g.dim];
+}
+
+inline GroupMap group_map(const MesaGrouping& g, const MesaTensorDesc& d) {
+  if (g.dim < 0) return GroupMap{1, 1};
+  int64_t inner = 1;
+  for (int k = g.dim + 1; k < d.ndim; ++k) inner *= d.shape[k];
+  const int64_t run = g.span * inner;
+  return GroupMap{run > 0 ? run : 1, g.count};
+}
+
+inline bool bits_valid(int b) { return b == 8 || b == 4 || b == 2; }
+
+// Dense and 16-byte aligned -> vector path.
+inline bool vector_ok(const void* p, const MesaTensorDesc& d) {
+  return is_dense(d) && (reinterpret_cast<uintptr_t>(p) % 16 == 0);
+}
+
+
+// One instantiation per dtype: F<T>::run(args, stream).
+template <template <typename> class F, typename Args>
+MesaStatus dispatch_dtype(MesaDType t, const Args& a, void* stream) {
+  switch (t) {
+    case MESA_DTYPE_F32: return F<float>::run(a, stream);
+    case MESA_DTYPE_F16: return F<__half>::run(a, stream);
+    case MESA_DTYPE_BF16: return F<__nv_bfloat16>::run(a, stream);
+    default: return MESA_STATUS_UNSUPPORTED;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Producers: CodeSink, the device view of MesaCodeSink. A producer hands it units of up to
+// 8 consecutive logical elements [i0, i0 + live) whose first code starts on a byte
+// (i0 * bits % 8 == 0); sink_unit encodes them exactly as quantize_kernel does (same
+// encode(), same Philox uniforms by logical index), reduces their statistics into `run`,
+// and stores ceil(live * bits / 8) bytes — a unit's bytes have one writer.
+struct CodeSink {
+  uint8_t* codes;
+  const MesaGroupParams* params;
+  MesaGroupStats* stats;
+  GroupMap groups;
+  uint64_t seed;
+  int bits;
+  bool stochastic;
+};
+
+inline CodeSink code_sink_from(const MesaCodeSink& s) {
+  return CodeSink{s.codes, s.params, s.stats, GroupMap{s.group_run, s.group_count}, s.seed, s.bits,
+                  s.rounding == MESA_ROUND_STOCHASTIC};
+}
+
+inline bool code_sink_valid(const MesaCodeSink& s) {
+  if (s.codes == nullptr && s.stats == nullptr) return true;  // nothing saved
+  if (s.group_run < 1 || s.group_count < 1 || !bits_valid(s.bits)) return false;
+  if (s.rounding != MESA_ROUND_NEAREST && s.rounding != MESA_ROUND_STOCHASTIC) return false;
+  return s.codes == nullptr || s.params != nullptr;
+}
+
+// u in [0, 1) of logical element i: word i % 4 of Philox4x32-10(counter i / 4, key seed).
+__device__ __forceinline__ float element_uniform(uint64_t seed, int64_t i) {
+  const Philox4 r = philox4x32_10(uint64_t(i) / 4, seed);
+  const int w = int(uint64_t(i) % 4);
+  return uniform01(w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w)));
+}
+
+__device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const float (&v)[kUnit], int live,
+                                          RunStats& run, MesaGroupStats* stats_target) {
+  const int64_t g0 = s.groups.group(i0);
+  const bool one_group = s.groups.run % kUnit == 0 && i0 % kUnit == 0;
+  if (s.stats != nullptr) {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j)
+      if (j < live) accumulate(run, one_group ? g0 : s.groups.group(i0 + j), v[j], stats_target);
+  }
+  if (s.codes == nullptr) return;
+  const float levels = float((1u << s.bits) - 1u);
+  unsigned codes[kUnit];
+  const CodeParams p0 = code_params(s.params[g0]);
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) {
+    const bool on = j < live;
+    const CodeParams p = (one_group || !on) ? p0 : code_params(s.params[s.groups.group(i0 + j)]);
+    const float u = (s.stochastic && on) ? element_uniform(s.seed, i0 + j) : 0.0f;
+    codes[j] = on ? encode(v[j], p, levels, s.stochastic, u) : 0u;
+  }
+  uint8_t* dst = s.codes + i0 * s.bits / 8;
+  if (live == kUnit && i0 % kUnit == 0) {
+    store_codes<kUnit>(dst, codes, s.bits);  // 8-code word, aligned like quantize_kernel's
+  } else {
+    uint64_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) packed |= uint64_t(codes[j]) << (j * s.bits);
+    const int nbytes = int(ceil_div(int64_t(live) * s.bits, 8));
+    for (int b = 0; b < nbytes; ++b) dst[b] = uint8_t(packed >> (8 * b));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Consumers: CodeSource, codes read back inside a backward kernel (never materialised).
+struct CodeSource {
+  const uint8_t* codes;
+  const MesaGroupParams* params;
+  GroupMap groups;
+  int bits;
+};
+
+inline CodeSource code_source_from(const MesaCodeSource& s) {
+  return CodeSource{s.codes, s.params, GroupMap{s.group_run, s.group_count}, s.bits};
+}
+
+inline bool code_source_valid(const MesaCodeSource& s) {
+  return s.codes == nullptr || (s.params != nullptr && s.group_run >= 1 && s.group_count >= 1 && bits_valid(s.bits));
+}
+
+// Decodes elements [i0, i0 + live), live <= 8, any bit position: one 8-byte word when the unit
+// is a whole aligned 8-bit unit, else the (at most 5) bytes that hold the codes.
+__device__ __forceinline__ void source_unit(const CodeSource& s, int64_t i0, int live, float (&out)[kUnit]) {
+  const int64_t bit0 = i0 * s.bits;
+  const uint8_t* src = s.codes + bit0 / 8;
+  const int shift = int(bit0 % 8);
+  uint64_t packed = 0;
+  if (s.bits == 8 && live == kUnit && i0 % kUnit == 0) {
+    const uint2 w = *reinterpret_cast<const uint2*>(src);
+    packed = uint64_t(w.x) | (uint64_t(w.y) << 32);
+  } else {
+    const int nbytes = int(ceil_div(shift + int64_t(live) * s.bits, 8));  // <= 8
+#pragma unroll
+    for (int b = 0; b < 8; ++b)
+      if (b < nbytes) packed |= uint64_t(src[b]) << (8 * b);
+    packed >>= shift;
+  }
+  const unsigned mask = (1u << s.bits) - 1u;
+  const int64_t g0 = s.groups.group(i0);
+  const bool one_group = s.groups.run % kUnit == 0 && i0 % kUnit == 0;
+  const MesaGroupParams p0 = s.params[g0];
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) {
+    const MesaGroupParams p = (one_group || j >= live) ? p0 : s.params[s.groups.group(i0 + j)];
+    out[j] = fmaf(float(unsigned(packed >> (j * s.bits)) & mask), p.scale, p.offset);
+  }
+}
+
+}  // namespace MESA_NS

@@ -1,0 +1,330 @@
+// softmax.cu — softmax over the last axis fused with activation compression (Mesa §3; BRIEF
+// §5.1): the forward writes y = softmax(x + mask) AND the codes of y — the only tensor its
+// backward needs — in the same pass; the backward decodes y inside the kernel.
+//
+// Math (f32, per row of N):
+//   v_j = x_j + mask_j,  m = max_j v_j,  e_j = exp(v_j − m),  s = Σ e_j,  y_j = e_j / s
+//   a fully masked row (every v_j = −inf) gives y = 0 (no NaN; it attends to nothing).
+//   backward: dx_j = y_j · (dy_j − Σ_k dy_k · y_k)
+// Codes of y: y ∈ [0, 1], so the parameters are fixed: offset 0, scale 1 / (2^bits − 1) —
+// no statistics pass, no running estimate, nothing ever clamps. The value encoded is the
+// stored (dtype-rounded) output, so the codes are exactly Q(y) of the tensor the caller got.
+//
+// Kernels (R rows of N, T input, b bits):
+//   softmax_forward_kernel    reads R·N·sizeof(T) (+ mask), writes R·N·sizeof(T) + R·N·b/8
+//                             ~5 FLOP + 1 exp per element
+//   softmax_backward_kernel   reads R·N·(sizeof(T) + b/8), writes R·N·sizeof(T); 4 FLOP/element
+// Launch policy (row length N):
+//   N <= 1024:  one warp per row, the row in registers (8, 16 or 32 values per lane), 8 rows
+//               per 256-thread block: no shared memory, no __syncthreads, one read of x.
+//   N <= 4096:  one 512-thread block per row, the row in registers (8 values per thread).
+//   N >  4096:  one 512-thread block per row, streaming: max, sum and write passes re-read
+//               the row (from L2 for rows up to a few MB), so any N works (rows of 32k+).
+// Reference: crates/mesa-kernels/src/reference/fused.rs.  Bytes and floors: docs/fused.md.
+#include "rows.cuh"
+
+namespace MESA_NS {
+
+constexpr int kRowBlock = 256;   // warp-per-row kernels: 8 rows in flight per block
+constexpr int kLongBlock = 512;  // block-per-row kernels: 16 warps share a long row
+constexpr float kNegInf = -__builtin_huge_valf();
+
+// v = x + mask over one unit of a row (pad: −inf beyond the row).
+template <typename T>
+__device__ __forceinline__ void load_logits(const T* x, const T* mask, int64_t xs, int64_t ms, int live,
+                                            float (&v)[kUnit]) {
+  load_unit(x, xs, live, v, kNegInf);
+  if (mask != nullptr) {
+    float mv[kUnit];
+    load_unit(mask, ms, live, mv, 0.0f);
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) v[j] += mv[j];
+  }
+}
+
+__device__ __forceinline__ float exp_shifted(float v, float m) {
+  // −inf entries (masked, or padding) contribute 0; a fully masked row has m = −inf
+  return (v == kNegInf) ? 0.0f : expf(v - m);
+}
+
+// Writes one unit of y (and its codes); counts non-finite outputs.
+template <typename T>
+__device__ __forceinline__ void emit_unit(T* y, int64_t ys, int live, float (&out)[kUnit], const CodeSink& sink,
+                                          int64_t i0, unsigned* nonfinite) {
+  store_unit(y, ys, live, out);
+  if (sink.codes == nullptr) return;
+  unsigned bad = 0u;
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) {
+    out[j] = to_float(from_float<T>(out[j]));  // encode what was stored
+    if (j < live && !is_finite(out[j])) bad += 1u;
+  }
+  RunStats unused;
+  sink_unit(sink, i0, out, live, unused, nullptr);
+  if (bad != 0u && nonfinite != nullptr) atomicAdd(nonfinite, bad);
+}
+
+template <typename T, int kTeam, int kChunks>
+// min 2 blocks per SM: lets nvcc use up to 128 registers (its own choice, 80, spilled the
+// 4-chunk f32 variant's 32 row values)
+__global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2)
+    softmax_forward_kernel(const T* __restrict__ x, RowView xr, const T* __restrict__ mask, RowView mr,
+                           T* __restrict__ y, RowView yr, int64_t rows, int64_t cols, CodeSink sink,
+                           unsigned* nonfinite) {
+  __shared__ float scratch[kWarpSize];
+  const int rank = team_rank<kTeam>();
+  for (int64_t r = team_index<kTeam>(); r < rows; r += team_count<kTeam>()) {
+    const T* xrow = x + xr.row(r);
+    const T* mrow = mask != nullptr ? mask + mr.row(r) : nullptr;
+    T* yrow = y + yr.row(r);
+    float m = kNegInf;
+    if (kChunks > 0) {
+      constexpr int K = kChunks > 0 ? kChunks : 1;
+      float v[K][kUnit];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t c0 = (int64_t(k) * kTeam + rank) * kUnit;
+        const int live = int(c0 >= cols ? 0 : (cols - c0 < kUnit ? cols - c0 : kUnit));
+        if (live > 0) {
+          load_logits(xrow + c0 * xr.col_stride, mrow ? mrow + c0 * mr.col_stride : nullptr, xr.col_stride,
+                      mr.col_stride, live, v[k]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kUnit; ++j) v[k][j] = kNegInf;
+        }
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) m = fmaxf(m, v[k][j]);
+      }
+      m = team_max<kTeam>(m, scratch);
+      float s = 0.0f;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) {
+          v[k][j] = exp_shifted(v[k][j], m);
+          s += v[k][j];
+        }
+      s = team_sum<kTeam>(s, scratch);
+      const float inv = s > 0.0f ? reciprocal(s) : 0.0f;  // s >= 1: the max term is exp(0)
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t c0 = (int64_t(k) * kTeam + rank) * kUnit;
+        const int live = int(c0 >= cols ? 0 : (cols - c0 < kUnit ? cols - c0 : kUnit));
+        if (live <= 0) continue;
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) v[k][j] *= inv;
+        emit_unit(yrow + c0 * yr.col_stride, yr.col_stride, live, v[k], sink, r * cols + c0, nonfinite);
+      }
+    } else {
+      // streaming: pass 1 max, pass 2 sum, pass 3 write
+      for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += int64_t(kTeam) * kUnit) {
+        const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+        float v[kUnit];
+        load_logits(xrow + c0 * xr.col_stride, mrow ? mrow + c0 * mr.col_stride : nullptr, xr.col_stride,
+                    mr.col_stride, live, v);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) m = fmaxf(m, v[j]);
+      }
+      m = team_max<kTeam>(m, scratch);
+      float s = 0.0f;
+      for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += int64_t(kTeam) * kUnit) {
+        const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+        float v[kUnit];
+        load_logits(xrow + c0 * xr.col_stride, mrow ? mrow + c0 * mr.col_stride : nullptr, xr.col_stride,
+                    mr.col_stride, live, v);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) s += exp_shifted(v[j], m);
+      }
+      s = team_sum<kTeam>(s, scratch);
+      const float inv = s > 0.0f ? reciprocal(s) : 0.0f;  // s >= 1: the max term is exp(0)
+      for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += int64_t(kTeam) * kUnit) {
+        const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+        float v[kUnit];
+        load_logits(xrow + c0 * xr.col_stride, mrow ? mrow + c0 * mr.col_stride : nullptr, xr.col_stride,
+                    mr.col_stride, live, v);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) v[j] = exp_shifted(v[j], m) * inv;
+        emit_unit(yrow + c0 * yr.col_stride, yr.col_stride, live, v, sink, r * cols + c0, nonfinite);
+      }
+    }
+  }
+}
+
+// The fixed code parameters of probabilities: offset 0, scale 1 / (2^bits − 1).
+__global__ void __launch_bounds__(kRowBlock) softmax_params_kernel(MesaGroupParams* params, int64_t count, int bits) {
+  const float scale = 1.0f / float((1u << bits) - 1u);
+  for (int64_t g = threadIdx.x; g < count; g += blockDim.x) params[g] = MesaGroupParams{0.0f, scale};
+}
+
+// One unit of the saved output: decoded from codes, or read from a plain tensor.
+template <typename T, bool kCodes>
+__device__ __forceinline__ void load_saved(const T* y, const RowView& yr, const CodeSource& src, int64_t r,
+                                           int64_t cols, int64_t c0, int live, float (&v)[kUnit]) {
+  if (kCodes) {
+    source_unit(src, r * cols + c0, live, v);
+  } else {
+    load_unit(y + yr.row(r) + c0 * yr.col_stride, yr.col_stride, live, v, 0.0f);
+  }
+}
+
+// Backward: dx = y · (dy − Σ dy·y), y decoded from codes (kCodes) or read from a plain tensor.
+template <typename T, int kTeam, int kChunks, bool kCodes>
+// min 2 blocks per SM: lets nvcc use up to 128 registers (its own choice, 80, spilled the
+// 4-chunk f32 variant's 32 row values)
+__global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2)
+    softmax_backward_kernel(const T* __restrict__ dy, RowView gr, const T* __restrict__ y, RowView yr, CodeSource src,
+                            T* __restrict__ dx, RowView dr, int64_t rows, int64_t cols) {
+  __shared__ float scratch[kWarpSize];
+  const int rank = team_rank<kTeam>();
+  for (int64_t r = team_index<kTeam>(); r < rows; r += team_count<kTeam>()) {
+    const T* grow = dy + gr.row(r);
+    T* drow = dx + dr.row(r);
+    float dot = 0.0f;
+    if (kChunks > 0) {
+      constexpr int K = kChunks > 0 ? kChunks : 1;
+      float yv[K][kUnit], gv[K][kUnit];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t c0 = (int64_t(k) * kTeam + rank) * kUnit;
+        const int live = int(c0 >= cols ? 0 : (cols - c0 < kUnit ? cols - c0 : kUnit));
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) yv[k][j] = gv[k][j] = 0.0f;
+        if (live > 0) {
+          load_saved<T, kCodes>(y, yr, src, r, cols, c0, live, yv[k]);
+          load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, gv[k], 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) dot = fmaf(gv[k][j], yv[k][j], dot);
+      }
+      dot = team_sum<kTeam>(dot, scratch);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t c0 = (int64_t(k) * kTeam + rank) * kUnit;
+        const int live = int(c0 >= cols ? 0 : (cols - c0 < kUnit ? cols - c0 : kUnit));
+        if (live <= 0) continue;
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) gv[k][j] = yv[k][j] * (gv[k][j] - dot);
+        store_unit(drow + c0 * dr.col_stride, dr.col_stride, live, gv[k]);
+      }
+    } else {
+      for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += int64_t(kTeam) * kUnit) {
+        const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+        float yv[kUnit], gv[kUnit];
+        load_saved<T, kCodes>(y, yr, src, r, cols, c0, live, yv);
+        load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, gv, 0.0f);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j)
+          if (j < live) dot = fmaf(gv[j], yv[j], dot);
+      }
+      dot = team_sum<kTeam>(dot, scratch);
+      for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += int64_t(kTeam) * kUnit) {
+        const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+        float yv[kUnit], gv[kUnit];
+        load_saved<T, kCodes>(y, yr, src, r, cols, c0, live, yv);
+        load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, gv, 0.0f);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) gv[j] = yv[j] * (gv[j] - dot);
+        store_unit(drow + c0 * dr.col_stride, dr.col_stride, live, gv);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Launch policy (host): see the header comment.
+template <template <typename, int, int> class Launch, typename T, typename Args>
+MesaStatus by_row_length(int64_t rows, int64_t cols, const Args& a, void* stream) {
+  if (cols <= 256) return Launch<T, kWarpSize, 1>::run(a, rows, cols, team_grid(rows, kWarpSize, kRowBlock), kRowBlock, stream);
+  if (cols <= 512) return Launch<T, kWarpSize, 2>::run(a, rows, cols, team_grid(rows, kWarpSize, kRowBlock), kRowBlock, stream);
+  if (cols <= 1024) return Launch<T, kWarpSize, 4>::run(a, rows, cols, team_grid(rows, kWarpSize, kRowBlock), kRowBlock, stream);
+  if (cols <= int64_t(kLongBlock) * kUnit)
+    return Launch<T, kLongBlock, 1>::run(a, rows, cols, team_grid(rows, kLongBlock, kLongBlock), kLongBlock, stream);
+  return Launch<T, kLongBlock, 0>::run(a, rows, cols, team_grid(rows, kLongBlock, kLongBlock), kLongBlock, stream);
+}
+
+template <typename T, int kTeam, int kChunks>
+struct SoftmaxForwardLaunch {
+  static MesaStatus run(const MesaSoftmaxForwardArgs& a, int64_t rows, int64_t cols, unsigned grid, int block,
+                        void* stream) {
+    const T* mask = static_cast<const T*>(a.mask);
+    return status_from(MESA_LAUNCH((softmax_forward_kernel<T, kTeam, kChunks>), dim3(grid), dim3(block), 0, stream,
+                                   static_cast<const T*>(a.x), row_view(a.x_desc), mask,
+                                   mask != nullptr ? row_view(a.mask_desc) : RowView{}, static_cast<T*>(a.y),
+                                   row_view(a.y_desc), rows, cols, code_sink_from(a.sink),
+                                   reinterpret_cast<unsigned*>(a.nonfinite)));
+  }
+};
+
+template <typename T>
+struct SoftmaxForwardOp {
+  static MesaStatus run(const MesaSoftmaxForwardArgs& a, void* stream) {
+    const int64_t cols = row_length(a.x_desc);
+    return by_row_length<SoftmaxForwardLaunch, T>(numel(a.x_desc) / cols, cols, a, stream);
+  }
+};
+
+template <typename T, int kTeam, int kChunks>
+struct SoftmaxBackwardLaunch {
+  static MesaStatus run(const MesaSoftmaxBackwardArgs& a, int64_t rows, int64_t cols, unsigned grid, int block,
+                        void* stream) {
+    const T* y = static_cast<const T*>(a.y);
+    const RowView yr = a.source.codes == nullptr ? row_view(a.y_desc) : RowView{};
+    if (a.source.codes != nullptr)
+      return status_from(MESA_LAUNCH((softmax_backward_kernel<T, kTeam, kChunks, true>), dim3(grid), dim3(block), 0,
+                                     stream, static_cast<const T*>(a.dy), row_view(a.dy_desc), y, yr,
+                                     code_source_from(a.source), static_cast<T*>(a.dx), row_view(a.dx_desc), rows,
+                                     cols));
+    return status_from(MESA_LAUNCH((softmax_backward_kernel<T, kTeam, kChunks, false>), dim3(grid), dim3(block), 0,
+                                   stream, static_cast<const T*>(a.dy), row_view(a.dy_desc), y, yr,
+                                   code_source_from(a.source), static_cast<T*>(a.dx), row_view(a.dx_desc), rows, cols));
+  }
+};
+
+template <typename T>
+struct SoftmaxBackwardOp {
+  static MesaStatus run(const MesaSoftmaxBackwardArgs& a, void* stream) {
+    const int64_t cols = row_length(a.dy_desc);
+    return by_row_length<SoftmaxBackwardLaunch, T>(numel(a.dy_desc) / cols, cols, a, stream);
+  }
+};
+
+inline bool same_rows(const MesaTensorDesc& a, const MesaTensorDesc& b) {
+  return a.ndim >= 1 && b.ndim >= 1 && numel(a) == numel(b) && row_length(a) == row_length(b) && a.dtype == b.dtype;
+}
+
+}  // namespace MESA_NS
+
+using namespace MESA_NS;
+
+extern "C" MesaStatus MESA_ENTRY(softmax_forward)(const MesaSoftmaxForwardArgs* a, void* stream) {
+  if (a == nullptr || !desc_valid(a->x_desc) || !desc_valid(a->y_desc) || !same_rows(a->x_desc, a->y_desc))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (a->mask != nullptr && (!desc_valid(a->mask_desc) || !same_rows(a->x_desc, a->mask_desc)))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  // softmax codes carry fixed parameters: no statistics
+  if (!code_sink_valid(a->sink) || a->sink.stats != nullptr) return MESA_STATUS_INVALID_ARGUMENT;
+  if (a->params_out != nullptr && (a->params_count < 1 || !bits_valid(a->sink.bits))) return MESA_STATUS_INVALID_ARGUMENT;
+  const int64_t cols = row_length(a->x_desc);
+  // fused codes: every row must start on a byte
+  if (a->sink.codes != nullptr && (cols * a->sink.bits) % 8 != 0) return MESA_STATUS_UNSUPPORTED;
+  if (a->params_out != nullptr) {
+    const MesaStatus s = status_from(MESA_LAUNCH(softmax_params_kernel, dim3(1), dim3(kRowBlock), 0, stream,
+                                                 a->params_out, a->params_count, int(a->sink.bits)));
+    if (s != MESA_STATUS_OK) return s;
+  }
+  if (numel(a->x_desc) == 0) return MESA_STATUS_OK;
+  if (a->x == nullptr || a->y == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
+  return dispatch_dtype<SoftmaxForwardOp>(a->x_desc.dtype, *a, stream);
+}
+
+extern "C" MesaStatus MESA_ENTRY(softmax_backward)(const MesaSoftmaxBackwardArgs* a, void* stream) {
+  if (a == nullptr || !desc_valid(a->dy_desc) || !desc_valid(a->dx_desc) || !same_rows(a->dy_desc, a->dx_desc) ||
+      !code_source_valid(a->source))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (a->source.codes == nullptr && (!desc_valid(a->y_desc) || !same_rows(a->dy_desc, a->y_desc)))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (numel(a->dy_desc) == 0) return MESA_STATUS_OK;
+  if (a->dy == nullptr || a->dx == nullptr || (a->source.codes == nullptr && a->y == nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  return dispatch_dtype<SoftmaxBackwardOp>(a->dy_desc.dtype, *a, stream);
+}

@@ -1,0 +1,1100 @@
+//! Parity of the fused GELU, softmax and LayerNorm kernels (forward with codes, backward from
+//! codes, plain variants) with the f64 reference (`mesa_kernels::reference::fused`), on every
+//! backend, dtype and bit width, plus the bug classes of the issue.
+//!
+//! Tolerances (derived, not tuned). ε = 2⁻²⁴ (f32 unit roundoff), u_T = the output type's
+//! unit roundoff (2⁻²⁴, 2⁻¹¹, 2⁻⁸):
+//! * GELU forward: erff/tanhf/expf within a few ulp, a handful of f32 roundings of terms of
+//!   size ≤ |x|: |y − ref| ≤ u_T·|ref| + 16ε·(|ref| + |x|).
+//! * softmax forward: f32 sums of N terms in a per-thread sequence of N/32 then a 5-level tree
+//!   (relative error ≤ (N/32 + 16)ε), exp of an argument with relative error ε·|v − m|:
+//!   |y − ref| ≤ (u_T + (N/32 + 16 + 2·|v − m|)ε)·ref + tiny.
+//! * LayerNorm: mean and variance are f32 sums like softmax's, so δmean ≤ E·max|x| with
+//!   E = (C/32 + 32)ε, δx̂ ≤ E·(max|x|·rstd + |x̂|); y = x̂·w + b adds u_T·|y|.
+//! * codes: decoding a code gives the saved value within half a quantization step (exact
+//!   statistics, round to nearest) plus the slack of the value itself (above).
+//! * backward from codes: the reference runs on the *decoded* values (f64), so kernel and
+//!   reference differ only by f32 rounding of the backward formula; in addition each test
+//!   bounds the difference to the backward on exact values by the derivative of the formula
+//!   times half a step (e.g. GELU: |dy|·max|gelu''|·scale/2 with max|gelu''| ≤ 0.8).
+mod common;
+
+use half::{bf16, f16};
+use mesa_kernels::fused::{
+    self, gelu, gelu_backward, gelu_backward_plain, gelu_forward, layer_norm, layer_norm_backward,
+    layer_norm_backward_plain, layer_norm_forward, softmax, softmax_backward, softmax_backward_plain, softmax_forward,
+    Mask,
+};
+use mesa_kernels::reference::{self, fused as rf, quant as rq};
+use mesa_kernels::{
+    DType, Device, Element, Error, GeluForm, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation,
+    SoftmaxSave, StatsMode,
+};
+use rand::rngs::StdRng;
+use rand::RngExt;
+
+const EPS: f64 = 1.0 / 16_777_216.0;
+
+fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => EPS,
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+    }
+}
+
+/// Smallest normal of the type: values below it round with an absolute error.
+fn tiny(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-37,
+        DType::F16 => 2f64.powi(-24),
+        DType::BF16 => 1e-37,
+    }
+}
+
+fn random<T: Element>(rng: &mut StdRng, n: usize, center: f64, spread: f64) -> Vec<T> {
+    (0..n).map(|_| T::from_f64(center + spread * (rng.random::<f64>() * 2.0 - 1.0))).collect()
+}
+
+fn poisoned<T: Element>(device: &Device, n: usize) -> mesa_kernels::Buffer<T> {
+    device.upload(&vec![T::from_f64(f64::NAN); n]).expect("upload")
+}
+
+fn host<T: Element>(b: &mesa_kernels::Buffer<T>) -> Vec<f64> {
+    b.to_vec().expect("download").iter().map(|v| v.to_f64()).collect()
+}
+
+/// Decodes a saved activation on the host (f64): code · scale + offset per group.
+fn decode_host(saved: &SavedActivation) -> Vec<f64> {
+    let n = saved.numel();
+    let codes = rq::unpack_codes(&saved.codes().to_vec().expect("codes"), n, saved.bits());
+    let params = saved.params().expect("params");
+    let groups = rq::group_index(saved.shape(), &saved.grouping()).expect("groups");
+    (0..n)
+        .map(|i| rq::decode(codes[i], f64::from(params[groups[i]].offset), f64::from(params[groups[i]].scale)))
+        .collect()
+}
+
+fn max_scale(saved: &SavedActivation) -> f64 {
+    saved.params().expect("params").iter().map(|p| f64::from(p.scale)).fold(0.0, f64::max)
+}
+
+fn dtypes() -> [DType; 3] {
+    [DType::F32, DType::F16, DType::BF16]
+}
+
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident, $body:block) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = bf16;
+                $body
+            }
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------------------
+// GELU
+
+/// GELU forward with codes + backward from codes against the reference; returns the saved handle.
+#[allow(clippy::too_many_arguments)]
+fn check_gelu<T: Element>(
+    device: &Device,
+    q: &mut Quantizer,
+    form: GeluForm,
+    x: &[T],
+    x_layout: &Layout,
+    dy: &[T],
+    exact_stats: bool,
+) -> SavedActivation {
+    let shape = x_layout.shape().to_vec();
+    let n: usize = shape.iter().product();
+    let u = unit_roundoff(T::DTYPE);
+    let xb = device.upload(x).expect("up");
+    let mut y = poisoned::<T>(device, n);
+    let dense = Layout::contiguous(&shape);
+    let saved = gelu_forward(device, q, form, &xb, x_layout, &mut y, &dense).expect("gelu_forward");
+    let xs = reference::gather(x, x_layout);
+    for (i, (yv, xv)) in host(&y).iter().zip(&xs).enumerate() {
+        let r = rf::gelu(*xv, form);
+        let tol = u * r.abs() + 16.0 * EPS * (r.abs() + xv.abs()) + tiny(T::DTYPE);
+        assert!((yv - r).abs() <= tol, "gelu y[{i}] = {yv}, reference {r} (x = {xv}, tol {tol})");
+    }
+    // codes of x: within half a step with exact statistics
+    let dec = decode_host(&saved);
+    if exact_stats {
+        let params = saved.params().expect("p");
+        let groups = rq::group_index(&shape, &saved.grouping()).expect("g");
+        for i in 0..n {
+            let s = f64::from(params[groups[i]].scale);
+            assert!(
+                (dec[i] - xs[i]).abs() <= 0.5 * s + 4.0 * EPS * (xs[i].abs() + s * 255.0),
+                "gelu code {i}: decoded {} vs x {} (step {s})",
+                dec[i],
+                xs[i]
+            );
+        }
+    }
+    // backward from codes vs reference on the decoded values, and vs exact x
+    let dyb = device.upload(dy).expect("up");
+    let mut dx = poisoned::<T>(device, n);
+    gelu_backward(device, form, &saved, &dyb, &dense, &mut dx, &dense).expect("gelu_backward");
+    let dys = reference::gather(dy, &dense);
+    let step = max_scale(&saved);
+    for (i, d) in host(&dx).iter().enumerate() {
+        let r = dys[i] * rf::gelu_derivative(dec[i], form);
+        let tol = u * r.abs() + 32.0 * EPS * dys[i].abs() * (1.0 + dec[i].abs()) + tiny(T::DTYPE);
+        assert!((d - r).abs() <= tol, "gelu dx[{i}] = {d}, reference {r} (x^ = {}, tol {tol})", dec[i]);
+        if exact_stats {
+            let exact = dys[i] * rf::gelu_derivative(xs[i], form);
+            let qtol = dys[i].abs() * 0.8 * 0.5 * step * 1.01 + tol + u * exact.abs();
+            assert!((d - exact).abs() <= qtol, "gelu dx[{i}] = {d} vs exact-x backward {exact} (tol {qtol})");
+        }
+    }
+    saved
+}
+
+#[test]
+fn gelu_parity_every_dtype_form_and_width() {
+    let mut rng = common::rng("gelu_parity");
+    for device in common::backends() {
+        for dtype in dtypes() {
+            with_dtype!(dtype, T, {
+                for form in [GeluForm::Erf, GeluForm::Tanh] {
+                    for bits in [8, 4, 2] {
+                        for rounding in [Rounding::Nearest, Rounding::Stochastic { seed: 7 }] {
+                            // [B, N, 4C] with 12 channel groups; odd length tail
+                            let shape = [2, 13, 96];
+                            let n = 2 * 13 * 96;
+                            let config = QuantConfig { bits, rounding, ..fused::channel_groups(2, 12) };
+                            let mut q = Quantizer::new(&device, config).expect("q");
+                            for batch in 0..2 {
+                                let x: Vec<T> = random(&mut rng, n, 0.3, 6.0);
+                                let dy: Vec<T> = random(&mut rng, n, 0.0, 1.0);
+                                let exact = batch == 0 && rounding == Rounding::Nearest;
+                                check_gelu(&device, &mut q, form, &x, &Layout::contiguous(&shape), &dy, exact);
+                            }
+                            // odd total size and a tensor of 1 group
+                            let mut q1 =
+                                Quantizer::new(&device, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
+                            let x: Vec<T> = random(&mut rng, 77, -1.0, 4.0);
+                            let dy: Vec<T> = random(&mut rng, 77, 0.0, 2.0);
+                            check_gelu(&device, &mut q1, form, &x, &Layout::contiguous(&[7, 11]), &dy, true);
+                        }
+                    }
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn gelu_exact_mode_running_mode_and_strided_views() {
+    let mut rng = common::rng("gelu_modes");
+    for device in common::backends() {
+        // running estimate: batch k > 0 is quantized with the estimate before it
+        let config = fused::channel_groups(1, 4);
+        let mut q = Quantizer::new(&device, config).expect("q");
+        for batch in 0..3 {
+            let x: Vec<f32> = random(&mut rng, 5 * 64, 0.1 * batch as f64, 3.0);
+            let before = q.running_params().expect("r");
+            let dy: Vec<f32> = random(&mut rng, 5 * 64, 0.0, 1.0);
+            let saved = check_gelu(&device, &mut q, GeluForm::Erf, &x, &Layout::contiguous(&[5, 64]), &dy, batch == 0);
+            if let Some(b) = before {
+                assert_eq!(saved.params().expect("p"), b, "batch {batch}: saved params = running estimate used");
+            }
+        }
+        // exact mode every batch
+        let mut qe = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..config }).expect("q");
+        for _ in 0..2 {
+            let x: Vec<bf16> = random(&mut rng, 5 * 64, 0.0, 5.0);
+            let dy: Vec<bf16> = random(&mut rng, 5 * 64, 0.0, 1.0);
+            check_gelu(&device, &mut qe, GeluForm::Tanh, &x, &Layout::contiguous(&[5, 64]), &dy, true);
+        }
+        // transposed input view (codes in logical order of the view)
+        let storage: Vec<f16> = random(&mut rng, 24 * 10, 0.0, 3.0);
+        let view = Layout::contiguous(&[24, 10]).transpose(0, 1).expect("t");
+        let mut qt = Quantizer::new(&device, QuantConfig::per_head(0)).expect("q");
+        let dy: Vec<f16> = random(&mut rng, 240, 0.0, 1.0);
+        check_gelu(&device, &mut qt, GeluForm::Erf, &storage, &view, &dy, true);
+    }
+}
+
+#[test]
+fn gelu_plain_forward_and_backward_match_the_fused_ones() {
+    let mut rng = common::rng("gelu_plain");
+    for device in common::backends() {
+        let shape = [3, 40];
+        let l = Layout::contiguous(&shape);
+        let x: Vec<bf16> = random(&mut rng, 120, 0.0, 4.0);
+        let xb = device.upload(&x).expect("up");
+        let mut y1 = poisoned::<bf16>(&device, 120);
+        let mut y2 = poisoned::<bf16>(&device, 120);
+        gelu(&device, GeluForm::Erf, &xb, &l, &mut y1, &l).expect("gelu");
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        let _saved = gelu_forward(&device, &mut q, GeluForm::Erf, &xb, &l, &mut y2, &l).expect("fwd");
+        assert_eq!(y1.to_vec().expect("y"), y2.to_vec().expect("y"), "saving must not change the output");
+        let dy: Vec<bf16> = random(&mut rng, 120, 0.0, 1.0);
+        let dyb = device.upload(&dy).expect("up");
+        let mut dx = poisoned::<bf16>(&device, 120);
+        gelu_backward_plain(&device, GeluForm::Erf, &xb, &l, &dyb, &l, &mut dx, &l).expect("bwd");
+        let xs = reference::gather(&x, &l);
+        for (i, d) in host(&dx).iter().enumerate() {
+            let r = dy[i].to_f64() * rf::gelu_derivative(xs[i], GeluForm::Erf);
+            let tol = 2f64.powi(-8) * r.abs() + 32.0 * EPS * dy[i].to_f64().abs() * (1.0 + xs[i].abs()) + 1e-37;
+            assert!((d - r).abs() <= tol, "plain dx[{i}] = {d}, reference {r}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// softmax
+
+/// Softmax forward with codes + backward from codes against the reference.
+#[allow(clippy::too_many_arguments)]
+fn check_softmax<T: Element>(
+    device: &Device,
+    save: &SoftmaxSave,
+    x: &[T],
+    x_layout: &Layout,
+    mask: Option<(&[T], &Layout)>,
+    dy: &[T],
+) -> SavedActivation {
+    let shape = x_layout.shape().to_vec();
+    let n: usize = shape.iter().product();
+    let cols = *shape.last().expect("rank");
+    let u = unit_roundoff(T::DTYPE);
+    let xb = device.upload(x).expect("up");
+    let mb = mask.map(|(m, _)| device.upload(m).expect("up"));
+    let dense = Layout::contiguous(&shape);
+    let mut y = poisoned::<T>(device, n);
+    let mask_arg = match (&mb, mask) {
+        (Some(b), Some((_, l))) => Some(Mask { data: b, layout: l }),
+        _ => None,
+    };
+    let saved = softmax_forward(device, save, &xb, x_layout, mask_arg, &mut y, &dense).expect("softmax_forward");
+    let xs = reference::gather(x, x_layout);
+    let ms = mask.map(|(m, l)| reference::gather(m, l));
+    let r = rf::softmax_rows(&xs, ms.as_deref(), cols);
+    let yh = host(&y);
+    for row in 0..n / cols.max(1) {
+        let v: Vec<f64> =
+            (0..cols).map(|c| xs[row * cols + c] + ms.as_ref().map_or(0.0, |m| m[row * cols + c])).collect();
+        let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        for (c, vc) in v.iter().enumerate() {
+            let i = row * cols + c;
+            let spread = if vc.is_finite() { (vc - m).abs() } else { 0.0 };
+            let tol = (u + (cols as f64 / 32.0 + 16.0 + 2.0 * spread) * EPS) * r[i] + tiny(T::DTYPE);
+            assert!(yh[i].is_finite(), "softmax y[{i}] not finite: {}", yh[i]);
+            assert!((yh[i] - r[i]).abs() <= tol, "softmax y[{i}] = {}, reference {} (tol {tol})", yh[i], r[i]);
+        }
+    }
+    // codes of the stored y with the fixed parameters: code == round(y / scale)
+    let levels = rq::levels(save.bits);
+    for p in saved.params().expect("p") {
+        assert_eq!(p.offset, 0.0);
+        assert_eq!(p.scale, (1.0 / levels) as f32, "fixed scale 1/(2^bits - 1)");
+    }
+    let codes = rq::unpack_codes(&saved.codes().to_vec().expect("c"), n, save.bits);
+    let scale = f64::from((1.0 / levels) as f32);
+    for i in 0..n {
+        let t = yh[i] / scale;
+        let expect = match save.rounding {
+            Rounding::Nearest => rq::encode_nearest(yh[i], 0.0, scale, save.bits),
+            Rounding::Stochastic { seed } => {
+                rq::encode_stochastic(yh[i], 0.0, scale, save.bits, rq::uniform(seed, i as u64))
+            }
+        };
+        if codes[i] != expect {
+            let frac = match save.rounding {
+                Rounding::Nearest => ((t - t.floor()) - 0.5).abs(),
+                Rounding::Stochastic { seed } => {
+                    let s = t + rq::uniform(seed, i as u64);
+                    (s - s.round()).abs()
+                }
+            };
+            assert!(
+                frac <= 8.0 * EPS * t.abs().max(1.0) && codes[i].abs_diff(expect) == 1,
+                "softmax code {i}: {} vs {expect} (y = {}, t = {t})",
+                codes[i],
+                yh[i]
+            );
+        }
+    }
+    // backward from codes
+    let dec = decode_host(&saved);
+    let dyb = device.upload(dy).expect("up");
+    let mut dx = poisoned::<T>(device, n);
+    softmax_backward(device, &saved, &dyb, &dense, &mut dx, &dense).expect("softmax_backward");
+    let dys = reference::gather(dy, &dense);
+    let rdx = rf::softmax_backward_rows(&dec, &dys, cols);
+    let exact = rf::softmax_backward_rows(&r, &dys, cols);
+    let dxh = host(&dx);
+    for row in 0..n / cols.max(1) {
+        let range = row * cols..(row + 1) * cols;
+        let sum_abs: f64 = range.clone().map(|i| (dys[i] * dec[i]).abs()).sum();
+        let dy_abs: f64 = range.clone().map(|i| dys[i].abs()).sum();
+        let dot: f64 = range.clone().map(|i| dys[i] * r[i]).sum();
+        for i in range {
+            let tol = u * rdx[i].abs()
+                + (cols as f64 / 32.0 + 16.0) * EPS * dec[i].abs() * (sum_abs + dys[i].abs())
+                + tiny(T::DTYPE);
+            assert!((dxh[i] - rdx[i]).abs() <= tol, "softmax dx[{i}] = {}, reference {} (tol {tol})", dxh[i], rdx[i]);
+            // vs the backward on exact probabilities: δy ≤ step/2 (+ the stored y's rounding)
+            let dy_q = 0.5 * scale * 1.01 + u * r[i];
+            let qtol = dy_q * ((dys[i] - dot).abs() + r[i].abs().max(dec[i].abs()) * dy_abs + dy_abs)
+                + tol
+                + u * exact[i].abs();
+            assert!(
+                (dxh[i] - exact[i]).abs() <= qtol,
+                "softmax dx[{i}] = {} vs exact-y {} (tol {qtol})",
+                dxh[i],
+                exact[i]
+            );
+        }
+    }
+    saved
+}
+
+#[test]
+fn softmax_parity_every_dtype_width_and_row_length_class() {
+    let mut rng = common::rng("softmax_parity");
+    for device in common::backends() {
+        for dtype in dtypes() {
+            with_dtype!(dtype, T, {
+                for bits in [8, 4, 2] {
+                    // warp-per-row (1, 2, 4 chunks), block-per-row cached, odd lengths
+                    for cols in [1usize, 8, 37, 200, 300, 1000, 2500] {
+                        let rows = if cols > 1000 { 3 } else { 9 };
+                        let shape = [rows, cols];
+                        let n = rows * cols;
+                        let x: Vec<T> = random(&mut rng, n, 0.0, 4.0);
+                        let dy: Vec<T> = random(&mut rng, n, 0.0, 1.0);
+                        let save = SoftmaxSave { bits, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+                        check_softmax(&device, &save, &x, &Layout::contiguous(&shape), None, &dy);
+                    }
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn softmax_head_grouping_mask_and_stochastic_rounding() {
+    let mut rng = common::rng("softmax_mask");
+    for device in common::backends() {
+        // [B, H, N, N] with a key-padding mask [B, 1, 1, N] broadcast by strides 0
+        let (b, h, nq) = (2, 3, 24);
+        let shape = [b, h, nq, nq];
+        let n = b * h * nq * nq;
+        let mut mask_data = vec![0f32; b * nq];
+        for k in 20..nq {
+            mask_data[nq + k] = f32::NEG_INFINITY; // batch 1: the last 4 keys are padding
+        }
+        let mask_layout = Layout::strided(&shape, &[nq, 0, 0, 1], 0).expect("mask");
+        let x: Vec<f32> = random(&mut rng, n, 0.0, 6.0);
+        let dy: Vec<f32> = random(&mut rng, n, 0.0, 1.0);
+        for rounding in [Rounding::Nearest, Rounding::Stochastic { seed: 99 }] {
+            for bits in [8, 4, 2] {
+                let save = SoftmaxSave { bits, grouping: Grouping::Heads { axis: 1 }, rounding };
+                let saved = check_softmax(
+                    &device,
+                    &save,
+                    &x,
+                    &Layout::contiguous(&shape),
+                    Some((&mask_data, &mask_layout)),
+                    &dy,
+                );
+                assert_eq!(saved.num_groups(), h, "head-wise grouping metadata kept");
+                let p = decode_host(&saved);
+                for q in 0..nq {
+                    for k in 20..nq {
+                        assert_eq!(p[((h + 1) * nq + q) * nq + k], 0.0, "masked key must get probability 0");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn softmax_fully_masked_rows_and_rows_of_equal_values() {
+    for device in common::backends() {
+        let cols = 40;
+        let rows = 4;
+        let mut x = vec![0f32; rows * cols];
+        let mut mask = vec![0f32; rows * cols];
+        for c in 0..cols {
+            mask[c] = f32::NEG_INFINITY; // row 0: fully masked by the mask
+            x[cols + c] = f32::NEG_INFINITY; // row 1: fully -inf logits
+            x[2 * cols + c] = 3.25; // row 2: equal values
+            x[3 * cols + c] = c as f32; // row 3: ordinary
+        }
+        let l = Layout::contiguous(&[rows, cols]);
+        let dy = vec![1f32; rows * cols];
+        for bits in [8, 4, 2] {
+            let save = SoftmaxSave { bits, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+            let saved = check_softmax(&device, &save, &x, &l, Some((&mask, &l)), &dy);
+            assert_eq!(saved.nonfinite_count().expect("nf"), 0);
+        }
+        // the plain kernel: zeros for fully masked rows, exactly 1/N for equal values
+        let xb = device.upload(&x).expect("up");
+        let mb = device.upload(&mask).expect("up");
+        let mut y = poisoned::<f32>(&device, rows * cols);
+        softmax(&device, &xb, &l, Some(Mask { data: &mb, layout: &l }), &mut y, &l).expect("softmax");
+        let y = y.to_vec().expect("y");
+        assert!(y[..2 * cols].iter().all(|&v| v == 0.0), "fully masked rows give 0, no NaN");
+        assert!(y[2 * cols..3 * cols].iter().all(|&v| (f64::from(v) - 1.0 / cols as f64).abs() <= 4.0 * EPS));
+    }
+}
+
+#[test]
+fn softmax_very_long_rows() {
+    let mut rng = common::rng("softmax_long");
+    for device in common::backends() {
+        for (cols, bits) in [(32_768usize, 8u32), (40_001, 8), (33_000, 2)] {
+            let shape = [2, cols];
+            let x: Vec<bf16> = random(&mut rng, 2 * cols, 0.0, 8.0);
+            let dy: Vec<bf16> = random(&mut rng, 2 * cols, 0.0, 1.0);
+            let save = SoftmaxSave { bits, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+            check_softmax(&device, &save, &x, &Layout::contiguous(&shape), None, &dy);
+        }
+    }
+}
+
+#[test]
+fn softmax_vit_shape_batch_heads_197_197() {
+    let mut rng = common::rng("softmax_vit");
+    for device in common::backends() {
+        let shape = [2, 3, 197, 197];
+        let n = shape.iter().product();
+        let x: Vec<f16> = random(&mut rng, n, 0.0, 5.0);
+        let dy: Vec<f16> = random(&mut rng, n, 0.0, 1.0);
+        // 8 bits: fused; 4 bits: 197 is odd, so codes come from the second pass
+        for bits in [8, 4] {
+            let save = SoftmaxSave { bits, ..SoftmaxSave::per_head(1) };
+            check_softmax(&device, &save, &x, &Layout::contiguous(&shape), None, &dy);
+        }
+    }
+}
+
+#[test]
+fn softmax_bf16_extremes_and_plain_backward() {
+    for device in common::backends() {
+        let cols = 16;
+        let mut x = vec![bf16::from_f64(0.0); 2 * cols];
+        x[0] = bf16::MAX;
+        x[1] = bf16::MAX;
+        x[2] = bf16::MIN;
+        x[cols] = bf16::MIN;
+        x[cols + 1] = bf16::from_f64(-1e38);
+        let l = Layout::contiguous(&[2, cols]);
+        let dy: Vec<bf16> = (0..2 * cols).map(|i| bf16::from_f64((i as f64 * 0.37).sin())).collect();
+        let save = SoftmaxSave { bits: 8, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+        check_softmax(&device, &save, &x, &l, None, &dy);
+        // plain backward from a bf16 y
+        let xb = device.upload(&x).expect("up");
+        let mut y = poisoned::<bf16>(&device, 2 * cols);
+        softmax(&device, &xb, &l, None, &mut y, &l).expect("softmax");
+        let dyb = device.upload(&dy).expect("up");
+        let mut dx = poisoned::<bf16>(&device, 2 * cols);
+        softmax_backward_plain(&device, &y, &l, &dyb, &l, &mut dx, &l).expect("bwd");
+        let r = rf::softmax_backward_rows(&host(&y), &reference::gather(&dy, &l), cols);
+        for (i, d) in host(&dx).iter().enumerate() {
+            assert!((d - r[i]).abs() <= 2f64.powi(-8) * r[i].abs() + 1e-6, "plain dx[{i}] {d} vs {}", r[i]);
+        }
+    }
+}
+
+#[test]
+fn softmax_real_attention_logits_from_the_fixture() {
+    let path = common::fixture_dir().join("minilm_activations.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("fixture {}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let load = |name: &str| -> Vec<f64> {
+        let t = st.tensor(name).expect("tensor");
+        t.data().chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64()).collect()
+    };
+    let (nq, h, d) = (28, 12, 32);
+    for device in common::backends() {
+        for layer in [0, 5] {
+            let q = load(&format!("layer{layer}.batch0.q"));
+            let k = load(&format!("layer{layer}.batch0.k"));
+            // logits S[h, i, j] = q_i · k_j / sqrt(d) per head
+            let mut s = vec![0f32; h * nq * nq];
+            for hh in 0..h {
+                for i in 0..nq {
+                    for j in 0..nq {
+                        let dot: f64 = (0..d).map(|e| q[i * h * d + hh * d + e] * k[j * h * d + hh * d + e]).sum();
+                        s[(hh * nq + i) * nq + j] = (dot / (d as f64).sqrt()) as f32;
+                    }
+                }
+            }
+            let probs = load(&format!("layer{layer}.batch0.attn_probs"));
+            let shape = [1, h, nq, nq];
+            let dy: Vec<f32> = probs.iter().map(|p| (p * 7.0).sin() as f32).collect();
+            for bits in [8, 4, 2] {
+                let saved = check_softmax(
+                    &device,
+                    &SoftmaxSave { bits, ..SoftmaxSave::per_head(1) },
+                    &s,
+                    &Layout::contiguous(&shape),
+                    None,
+                    &dy,
+                );
+                // agrees with the model's own probabilities (f16-stored) within a step
+                let dec = decode_host(&saved);
+                let step = 1.0 / rq::levels(bits);
+                for (a, b) in dec.iter().zip(&probs) {
+                    assert!((a - b).abs() <= 0.5 * step + 2e-3, "decoded {a} vs model probability {b}");
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// LayerNorm
+
+/// LayerNorm forward with codes + backward from codes against the reference.
+#[allow(clippy::too_many_arguments)]
+fn check_layer_norm<T: Element>(
+    device: &Device,
+    q: &mut Quantizer,
+    x: &[T],
+    x_layout: &Layout,
+    w: Option<&[T]>,
+    b: Option<&[T]>,
+    dy: &[T],
+    exact_stats: bool,
+) -> mesa_kernels::SavedLayerNorm {
+    let shape = x_layout.shape().to_vec();
+    let n: usize = shape.iter().product();
+    let cols = *shape.last().expect("rank");
+    let rows = n / cols;
+    let u = unit_roundoff(T::DTYPE);
+    let eps = 1e-5f32;
+    let xb = device.upload(x).expect("up");
+    let wb = w.map(|w| device.upload(w).expect("up"));
+    let bb = b.map(|b| device.upload(b).expect("up"));
+    let dense = Layout::contiguous(&shape);
+    let mut y = poisoned::<T>(device, n);
+    let saved = layer_norm_forward(
+        device,
+        q,
+        &xb,
+        x_layout,
+        wb.as_ref().map(|v| v as &dyn mesa_kernels::DeviceMemory<T>),
+        bb.as_ref().map(|v| v as &dyn mesa_kernels::DeviceMemory<T>),
+        eps,
+        &mut y,
+        &dense,
+    )
+    .expect("layer_norm_forward");
+    let xs = reference::gather(x, x_layout);
+    let wf: Option<Vec<f64>> = w.map(|w| w.iter().map(|v| v.to_f64()).collect());
+    let bf: Option<Vec<f64>> = b.map(|b| b.iter().map(|v| v.to_f64()).collect());
+    let r = rf::layer_norm_rows(&xs, wf.as_deref(), bf.as_deref(), f64::from(eps), cols);
+    let yh = host(&y);
+    let mean = saved.mean().to_vec().expect("mean");
+    let rstd = saved.rstd().to_vec().expect("rstd");
+    let big_e = (cols as f64 / 32.0 + 32.0) * EPS;
+    let mut xhat_tol = vec![0.0; n];
+    for row in 0..rows {
+        let max_abs = (0..cols).map(|c| xs[row * cols + c].abs()).fold(0.0, f64::max);
+        let dm = big_e * max_abs;
+        assert!((f64::from(mean[row]) - r.mean[row]).abs() <= dm + 1e-30, "mean[{row}]");
+        assert!(
+            (f64::from(rstd[row]) - r.rstd[row]).abs() <= 4.0 * big_e * r.rstd[row] * (1.0 + max_abs * r.rstd[row]),
+            "rstd[{row}] = {} vs {}",
+            rstd[row],
+            r.rstd[row]
+        );
+        for c in 0..cols {
+            let i = row * cols + c;
+            let dxh = 4.0 * big_e * (max_abs * r.rstd[row] + r.xhat[i].abs());
+            xhat_tol[i] = dxh;
+            let wc = wf.as_ref().map_or(1.0, |w| w[c].abs());
+            let tol = u * r.y[i].abs() + dxh * wc + 4.0 * EPS * r.y[i].abs() + tiny(T::DTYPE);
+            assert!(
+                yh[i].is_finite() && (yh[i] - r.y[i]).abs() <= tol,
+                "ln y[{i}] = {}, reference {} (tol {tol})",
+                yh[i],
+                r.y[i]
+            );
+        }
+    }
+    let dec = decode_host(saved.xhat());
+    if exact_stats {
+        let params = saved.xhat().params().expect("p");
+        let groups = rq::group_index(&shape, &saved.xhat().grouping()).expect("g");
+        for i in 0..n {
+            let s = f64::from(params[groups[i]].scale);
+            let tol = 0.5 * s * 1.0001 + xhat_tol[i] + 8.0 * EPS * (r.xhat[i].abs() + s * 255.0) + 1e-30;
+            assert!((dec[i] - r.xhat[i]).abs() <= tol, "x^ code {i}: decoded {} vs {} (tol {tol})", dec[i], r.xhat[i]);
+        }
+    }
+    // backward from codes, against the reference on the decoded x̂ and the saved rstd
+    let dyb = device.upload(dy).expect("up");
+    let mut dx = poisoned::<T>(device, n);
+    let mut dw = device.upload(&vec![f32::NAN; cols]).expect("up");
+    let mut db = device.upload(&vec![f32::NAN; cols]).expect("up");
+    layer_norm_backward(
+        device,
+        &saved,
+        wb.as_ref().map(|v| v as &dyn mesa_kernels::DeviceMemory<T>),
+        &dyb,
+        &dense,
+        &mut dx,
+        &dense,
+        &mut dw,
+        &mut db,
+    )
+    .expect("layer_norm_backward");
+    let dys = reference::gather(dy, &dense);
+    let rs: Vec<f64> = rstd.iter().map(|&v| f64::from(v)).collect();
+    let (rdx, rdw, rdb) = rf::layer_norm_backward_rows(&dec, &rs, wf.as_deref(), &dys, cols);
+    let dxh = host(&dx);
+    for row in 0..rows {
+        let range = row * cols..(row + 1) * cols;
+        let g_abs: f64 = range.clone().map(|i| (dys[i] * wf.as_ref().map_or(1.0, |w| w[i - row * cols])).abs()).sum();
+        let gx_abs: f64 =
+            range.clone().map(|i| (dys[i] * wf.as_ref().map_or(1.0, |w| w[i - row * cols]) * dec[i]).abs()).sum();
+        for i in range {
+            let tol = u * rdx[i].abs()
+                + big_e * rs[row] * (g_abs / cols as f64 + dec[i].abs() * gx_abs / cols as f64 + dys[i].abs() * 4.0)
+                + 4.0
+                    * EPS
+                    * rs[row]
+                    * (dys[i].abs() + dec[i].abs())
+                    * wf.as_ref().map_or(1.0, |w| w[i - row * cols].abs())
+                + tiny(T::DTYPE);
+            assert!((dxh[i] - rdx[i]).abs() <= tol, "ln dx[{i}] = {}, reference {} (tol {tol})", dxh[i], rdx[i]);
+        }
+    }
+    let dwh = dw.to_vec().expect("dw");
+    let dbh = db.to_vec().expect("db");
+    for c in 0..cols {
+        let sw: f64 = (0..rows).map(|r| (dys[r * cols + c] * dec[r * cols + c]).abs()).sum();
+        let sb: f64 = (0..rows).map(|r| dys[r * cols + c].abs()).sum();
+        let k = (rows as f64 / 512.0).ceil() + 512f64.min(rows as f64) + 2.0;
+        assert!((f64::from(dwh[c]) - rdw[c]).abs() <= k * EPS * sw + 1e-30, "dweight[{c}] {} vs {}", dwh[c], rdw[c]);
+        assert!((f64::from(dbh[c]) - rdb[c]).abs() <= k * EPS * sb + 1e-30, "dbias[{c}] {} vs {}", dbh[c], rdb[c]);
+    }
+    // deterministic: the same bits again
+    let mut dw2 = device.upload(&vec![0f32; cols]).expect("up");
+    let mut db2 = device.upload(&vec![0f32; cols]).expect("up");
+    let mut dx2 = poisoned::<T>(device, n);
+    layer_norm_backward(
+        device,
+        &saved,
+        wb.as_ref().map(|v| v as &dyn mesa_kernels::DeviceMemory<T>),
+        &dyb,
+        &dense,
+        &mut dx2,
+        &dense,
+        &mut dw2,
+        &mut db2,
+    )
+    .expect("again");
+    let bits_of = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits_of(dw2.to_vec().expect("dw")), bits_of(dwh), "dweight must be bitwise reproducible");
+    assert_eq!(bits_of(db2.to_vec().expect("db")), bits_of(dbh), "dbias must be bitwise reproducible");
+    saved
+}
+
+#[test]
+fn layer_norm_parity_every_dtype_width_and_row_length_class() {
+    let mut rng = common::rng("ln_parity");
+    for device in common::backends() {
+        for dtype in dtypes() {
+            with_dtype!(dtype, T, {
+                for bits in [8, 4, 2] {
+                    // C not a multiple of the vector width (7, 13, 385) or of 8/bits; warp and
+                    // block paths (2500)
+                    for cols in [7usize, 13, 64, 385, 1000, 2500] {
+                        let rows = if cols > 1000 { 3 } else { 11 };
+                        let n = rows * cols;
+                        let x: Vec<T> = random(&mut rng, n, 0.5, 3.0);
+                        let w: Vec<T> = random(&mut rng, cols, 1.0, 0.5);
+                        let b: Vec<T> = random(&mut rng, cols, 0.0, 0.5);
+                        let dy: Vec<T> = random(&mut rng, n, 0.0, 1.0);
+                        let config = QuantConfig { bits, ..QuantConfig::per_tensor() };
+                        let mut q = Quantizer::new(&device, config).expect("q");
+                        check_layer_norm(
+                            &device,
+                            &mut q,
+                            &x,
+                            &Layout::contiguous(&[rows, cols]),
+                            Some(&w),
+                            Some(&b),
+                            &dy,
+                            true,
+                        );
+                    }
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn layer_norm_constant_rows_long_rows_strided_and_running_mode() {
+    let mut rng = common::rng("ln_classes");
+    for device in common::backends() {
+        // constant rows (variance 0): x̂ = 0, y = bias, no NaN
+        let cols = 48;
+        let mut x: Vec<f32> = random(&mut rng, 4 * cols, 0.0, 1.0);
+        for c in 0..cols {
+            x[c] = 2.5;
+            x[2 * cols + c] = -1e4;
+        }
+        let b: Vec<f32> = random(&mut rng, cols, 0.0, 1.0);
+        let dy: Vec<f32> = random(&mut rng, 4 * cols, 0.0, 1.0);
+        let mut q = Quantizer::new(&device, fused::channel_groups(1, 4)).expect("q");
+        let saved = check_layer_norm(&device, &mut q, &x, &Layout::contiguous(&[4, cols]), None, Some(&b), &dy, true);
+        let dec = decode_host(saved.xhat());
+        let half_step = 0.5 * max_scale(saved.xhat()) * 1.0001;
+        assert!(dec[..cols].iter().all(|v| v.abs() <= half_step), "constant row: x^ = 0 within half a step");
+        // very long rows (streaming path)
+        for (cols, bits) in [(33_000usize, 8u32), (32_771, 4)] {
+            let x: Vec<bf16> = random(&mut rng, 2 * cols, 3.0, 2.0);
+            let dy: Vec<bf16> = random(&mut rng, 2 * cols, 0.0, 1.0);
+            let mut q = Quantizer::new(&device, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
+            check_layer_norm(&device, &mut q, &x, &Layout::contiguous(&[2, cols]), None, None, &dy, true);
+        }
+        // rows with a padded stride, offset into the buffer; large offset values
+        let storage: Vec<f16> = random(&mut rng, 10 * 40 + 3, 100.0, 4.0);
+        let view = Layout::strided(&[10, 33], &[40, 1], 3).expect("view");
+        let dy: Vec<f16> = random(&mut rng, 330, 0.0, 1.0);
+        let mut q = Quantizer::new(&device, QuantConfig { bits: 4, ..QuantConfig::per_tensor() }).expect("q");
+        check_layer_norm(&device, &mut q, &storage, &view, None, None, &dy, true);
+        // running estimate over batches: saved params are the estimate before each batch
+        let mut q = Quantizer::new(&device, fused::channel_groups(1, 2)).expect("q");
+        for batch in 0..3 {
+            let x: Vec<f32> = random(&mut rng, 6 * 64, 0.0, 2.0 + batch as f64);
+            let dy: Vec<f32> = random(&mut rng, 6 * 64, 0.0, 1.0);
+            let before = q.running_params().expect("r");
+            let s = check_layer_norm(&device, &mut q, &x, &Layout::contiguous(&[6, 64]), None, None, &dy, batch == 0);
+            if let Some(b) = before {
+                assert_eq!(s.xhat().params().expect("p"), b, "saved params = running estimate used");
+            }
+        }
+        // exact mode, C·bits not a multiple of 8 (codes from the elementwise pass)
+        let mut q =
+            Quantizer::new(&device, QuantConfig { bits: 2, stats: StatsMode::Exact, ..QuantConfig::per_tensor() })
+                .expect("q");
+        for _ in 0..2 {
+            let x: Vec<f32> = random(&mut rng, 5 * 31, 0.0, 2.0);
+            let dy: Vec<f32> = random(&mut rng, 5 * 31, 0.0, 1.0);
+            check_layer_norm(&device, &mut q, &x, &Layout::contiguous(&[5, 31]), None, None, &dy, true);
+        }
+    }
+}
+
+#[test]
+fn layer_norm_plain_paths_match() {
+    let mut rng = common::rng("ln_plain");
+    for device in common::backends() {
+        let (rows, cols) = (6, 96);
+        let l = Layout::contiguous(&[rows, cols]);
+        let x: Vec<f32> = random(&mut rng, rows * cols, 1.0, 2.0);
+        let w: Vec<f32> = random(&mut rng, cols, 1.0, 0.3);
+        let xb = device.upload(&x).expect("up");
+        let wb = device.upload(&w).expect("up");
+        let mut y1 = poisoned::<f32>(&device, rows * cols);
+        let mut y2 = poisoned::<f32>(&device, rows * cols);
+        layer_norm(&device, &xb, &l, Some(&wb), None, 1e-5, &mut y1, &l).expect("plain");
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        let saved = layer_norm_forward(&device, &mut q, &xb, &l, Some(&wb), None, 1e-5, &mut y2, &l).expect("fused");
+        assert_eq!(y1.to_vec().expect("y"), y2.to_vec().expect("y"), "saving must not change the output");
+        // plain backward from an f32 x̂ equals the reference
+        let r = rf::layer_norm_rows(
+            &reference::gather(&x, &l),
+            Some(&w.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()),
+            None,
+            1e-5,
+            cols,
+        );
+        let xhat: Vec<f32> = r.xhat.iter().map(|&v| v as f32).collect();
+        let xhb = device.upload(&xhat).expect("up");
+        let dy: Vec<f32> = random(&mut rng, rows * cols, 0.0, 1.0);
+        let dyb = device.upload(&dy).expect("up");
+        let mut dx = poisoned::<f32>(&device, rows * cols);
+        let mut dw = device.upload(&vec![f32::NAN; cols]).expect("up");
+        let mut db = device.upload(&vec![f32::NAN; cols]).expect("up");
+        layer_norm_backward_plain(&device, &xhb, &l, saved.rstd(), Some(&wb), &dyb, &l, &mut dx, &l, &mut dw, &mut db)
+            .expect("plain bwd");
+        let rs: Vec<f64> = saved.rstd().to_vec().expect("r").iter().map(|&v| f64::from(v)).collect();
+        let xh64: Vec<f64> = xhat.iter().map(|&v| f64::from(v)).collect();
+        let (rdx, rdw, _) = rf::layer_norm_backward_rows(
+            &xh64,
+            &rs,
+            Some(&w.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()),
+            &dy.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
+            cols,
+        );
+        for (i, d) in dx.to_vec().expect("dx").iter().enumerate() {
+            assert!((f64::from(*d) - rdx[i]).abs() <= 1e-4 * (1.0 + rdx[i].abs()), "plain ln dx[{i}]");
+        }
+        for (c, d) in dw.to_vec().expect("dw").iter().enumerate() {
+            assert!((f64::from(*d) - rdw[c]).abs() <= 1e-4 * (1.0 + rdw[c].abs()), "plain ln dw[{c}]");
+        }
+    }
+}
+
+#[test]
+fn layer_norm_real_activations_from_the_fixture() {
+    let path = common::fixture_dir().join("minilm_activations.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("fixture {}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut rng = common::rng("ln_real");
+    for device in common::backends() {
+        for name in ["layer0.batch0.ln_attn_input", "layer5.batch1.ln_ffn_input", "layer3.batch2.gelu_input"] {
+            let t = st.tensor(name).expect("tensor");
+            let x: Vec<f16> = t.data().chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect();
+            let cols = *t.shape().last().expect("rank");
+            let rows = x.len() / cols;
+            let dy: Vec<f16> = random(&mut rng, x.len(), 0.0, 1.0);
+            let w: Vec<f16> = random(&mut rng, cols, 1.0, 0.2);
+            for bits in [8, 4, 2] {
+                let mut q = Quantizer::new(&device, QuantConfig { bits, ..fused::channel_groups(1, 12) }).expect("q");
+                if name.contains("gelu") {
+                    check_gelu(&device, &mut q, GeluForm::Erf, &x, &Layout::contiguous(&[rows, cols]), &dy, true);
+                } else {
+                    check_layer_norm(
+                        &device,
+                        &mut q,
+                        &x,
+                        &Layout::contiguous(&[rows, cols]),
+                        Some(&w),
+                        None,
+                        &dy,
+                        true,
+                    );
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Sharing, zero sizes, errors
+
+#[test]
+fn a_tensor_consumed_by_two_ops_is_saved_once() {
+    let mut rng = common::rng("shared");
+    for device in common::backends() {
+        // attention: P = softmax(S) feeds the softmax backward and P·V (dV = Pᵀ·dO)
+        let (h, n, d) = (2, 16, 8);
+        let shape = [h, n, n];
+        let s: Vec<f32> = random(&mut rng, h * n * n, 0.0, 3.0);
+        let sb = device.upload(&s).expect("up");
+        let l = Layout::contiguous(&shape);
+        let mut p = poisoned::<f32>(&device, h * n * n);
+        let saved = softmax_forward(&device, &SoftmaxSave::per_head(0), &sb, &l, None, &mut p, &l).expect("fwd");
+        // consumer 1: the matmul backward decodes the same handle
+        let mut p_hat = poisoned::<f32>(&device, h * n * n);
+        saved.dequantize(&device, &mut p_hat, &l).expect("decode");
+        let p_hat = host(&p_hat);
+        let d_o: Vec<f64> = (0..h * n * d).map(|i| (i as f64 * 0.13).cos()).collect();
+        let mut dv = vec![0.0; h * n * d];
+        for hh in 0..h {
+            for j in 0..n {
+                for e in 0..d {
+                    dv[(hh * n + j) * d + e] =
+                        (0..n).map(|i| p_hat[(hh * n + i) * n + j] * d_o[(hh * n + i) * d + e]).sum();
+                }
+            }
+        }
+        assert!(dv.iter().all(|v| v.is_finite()));
+        // consumer 2: the softmax backward reads the same codes
+        let dy: Vec<f32> = random(&mut rng, h * n * n, 0.0, 1.0);
+        let dyb = device.upload(&dy).expect("up");
+        let mut dx = poisoned::<f32>(&device, h * n * n);
+        softmax_backward(&device, &saved, &dyb, &l, &mut dx, &l).expect("bwd");
+        let r = rf::softmax_backward_rows(&decode_host(&saved), &reference::gather(&dy, &l), n);
+        for (i, v) in host(&dx).iter().enumerate() {
+            assert!((v - r[i]).abs() <= 1e-5 * (1.0 + r[i].abs()), "dx[{i}]");
+        }
+        // the two consumers decode identical values: one copy held, 1 byte per element
+        for (a, b) in decode_host(&saved).iter().zip(&p_hat) {
+            assert!((a - b).abs() <= 2.0 * EPS * a.abs(), "one decode for both consumers: {a} vs {b}");
+        }
+        assert_eq!(saved.size_in_bytes(), h * n * n + 8 * h + 4, "saved once: codes + params + counter");
+        // GELU: two backward calls from one handle give the same bits
+        let x: Vec<f32> = random(&mut rng, 64, 0.0, 2.0);
+        let xb = device.upload(&x).expect("up");
+        let l1 = Layout::contiguous(&[64]);
+        let mut y = poisoned::<f32>(&device, 64);
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        let g = gelu_forward(&device, &mut q, GeluForm::Erf, &xb, &l1, &mut y, &l1).expect("gelu");
+        let ones = device.upload(&[1f32; 64]).expect("up");
+        let mut a = poisoned::<f32>(&device, 64);
+        let mut b = poisoned::<f32>(&device, 64);
+        gelu_backward(&device, GeluForm::Erf, &g, &ones, &l1, &mut a, &l1).expect("b1");
+        gelu_backward(&device, GeluForm::Erf, &g, &ones, &l1, &mut b, &l1).expect("b2");
+        assert_eq!(a.to_vec().expect("a"), b.to_vec().expect("b"));
+    }
+}
+
+#[test]
+fn zero_size_tensors() {
+    for device in common::backends() {
+        let empty = device.upload::<f32>(&[]).expect("up");
+        let mut out = device.upload::<f32>(&[]).expect("up");
+        let l = Layout::contiguous(&[0, 16]);
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        let s = gelu_forward(&device, &mut q, GeluForm::Erf, &empty, &l, &mut out, &l).expect("gelu");
+        assert_eq!(s.numel(), 0);
+        assert_eq!(q.batches(), 0, "an empty tensor does not count as a batch");
+        let mut dx = device.upload::<f32>(&[]).expect("up");
+        gelu_backward(&device, GeluForm::Erf, &s, &empty, &l, &mut dx, &l).expect("gelu bwd");
+        let sm = softmax_forward(&device, &SoftmaxSave::per_head(1), &empty, &l, None, &mut out, &l).expect("softmax");
+        softmax_backward(&device, &sm, &empty, &l, &mut dx, &l).expect("softmax bwd");
+        let ln = layer_norm_forward(&device, &mut q, &empty, &l, None, None, 1e-5, &mut out, &l).expect("ln");
+        assert_eq!(ln.mean().len(), 0);
+        let mut dw = device.upload(&[f32::NAN; 16]).expect("up");
+        let mut db = device.upload(&[f32::NAN; 16]).expect("up");
+        layer_norm_backward(&device, &ln, None, &empty, &l, &mut dx, &l, &mut dw, &mut db).expect("ln bwd");
+        assert!(dw.to_vec().expect("dw").iter().all(|&v| v == 0.0), "no rows: dweight = 0");
+        assert!(db.to_vec().expect("db").iter().all(|&v| v == 0.0), "no rows: dbias = 0");
+    }
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    for device in common::backends() {
+        let x = device.upload(&[0.5f32; 24]).expect("up");
+        let mut y = device.upload(&[0f32; 24]).expect("up");
+        let l = Layout::contiguous(&[2, 3, 4]);
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        // shapes differ
+        let other = Layout::contiguous(&[2, 12]);
+        assert!(matches!(gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &other), Err(Error::Shape(_))));
+        assert!(matches!(softmax(&device, &x, &l, None, &mut y, &other), Err(Error::Shape(_))));
+        // rank 0 row op
+        let scalar = Layout::contiguous(&[]);
+        assert!(matches!(softmax(&device, &x, &scalar, None, &mut y, &scalar), Err(Error::Shape(_))));
+        // buffer too short
+        let long = Layout::contiguous(&[5, 5]);
+        assert!(matches!(gelu(&device, GeluForm::Erf, &x, &long, &mut y, &long), Err(Error::BufferTooShort { .. })));
+        // output overlapping itself
+        let bcast = Layout::strided(&[2, 3, 4], &[0, 4, 1], 0).expect("l");
+        assert!(matches!(gelu(&device, GeluForm::Tanh, &x, &l, &mut y, &bcast), Err(Error::Shape(_))));
+        // bit width
+        let bad = SoftmaxSave { bits: 3, ..SoftmaxSave::per_head(0) };
+        assert!(matches!(softmax_forward(&device, &bad, &x, &l, None, &mut y, &l), Err(Error::Unsupported(_))));
+        // mask of another shape
+        let m = device.upload(&[0f32; 24]).expect("up");
+        let ml = Layout::contiguous(&[6, 4]);
+        assert!(matches!(
+            softmax(&device, &x, &l, Some(Mask { data: &m, layout: &ml }), &mut y, &l),
+            Err(Error::Shape(_))
+        ));
+        // LayerNorm: eps, C = 0, short weight
+        assert!(matches!(layer_norm(&device, &x, &l, None, None, 0.0, &mut y, &l), Err(Error::Shape(_))));
+        assert!(matches!(layer_norm(&device, &x, &l, None, None, f32::NAN, &mut y, &l), Err(Error::Shape(_))));
+        let c0 = Layout::contiguous(&[3, 0]);
+        assert!(matches!(layer_norm(&device, &x, &c0, None, None, 1e-5, &mut y, &c0), Err(Error::Shape(_))));
+        let w = device.upload(&[1f32; 3]).expect("up");
+        assert!(matches!(
+            layer_norm(&device, &x, &l, Some(&w), None, 1e-5, &mut y, &l),
+            Err(Error::BufferTooShort { .. })
+        ));
+        // backward with a gradient of another shape than the saved tensor
+        let s = gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l).expect("fwd");
+        let mut dx = device.upload(&[0f32; 24]).expect("up");
+        assert!(matches!(gelu_backward(&device, GeluForm::Erf, &s, &x, &other, &mut dx, &other), Err(Error::Shape(_))));
+        // grouping that does not divide
+        let mut qg = Quantizer::new(&device, fused::channel_groups(2, 3)).expect("q");
+        assert!(matches!(gelu_forward(&device, &mut qg, GeluForm::Erf, &x, &l, &mut y, &l), Err(Error::Shape(_))));
+        // a quantizer of another device
+        let other_dev = Device::emulator();
+        if device.is_cuda() {
+            let mut qo = Quantizer::new(&other_dev, QuantConfig::per_tensor()).expect("q");
+            assert!(matches!(
+                gelu_forward(&device, &mut qo, GeluForm::Erf, &x, &l, &mut y, &l),
+                Err(Error::WrongBackend(_))
+            ));
+        }
+        // LN backward: short dweight
+        let ln = layer_norm_forward(&device, &mut q, &x, &l, None, None, 1e-5, &mut y, &l).expect("ln");
+        let mut dw = device.upload(&[0f32; 2]).expect("up");
+        let mut db = device.upload(&[0f32; 4]).expect("up");
+        assert!(matches!(
+            layer_norm_backward(&device, &ln, None, &x, &l, &mut dx, &l, &mut dw, &mut db),
+            Err(Error::BufferTooShort { .. })
+        ));
+    }
+}
+
+#[test]
+fn emulator_and_gpu_agree() {
+    let Some(gpu) = common::cuda_only("fused emulator_and_gpu_agree") else { return };
+    let emu = Device::emulator();
+    let mut rng = common::rng("fused_emu_vs_gpu");
+    let shape = [6, 200];
+    let l = Layout::contiguous(&shape);
+    let x: Vec<bf16> = random(&mut rng, 1200, 0.0, 4.0);
+    let dy: Vec<bf16> = random(&mut rng, 1200, 0.0, 1.0);
+    // GELU: the codes of x are bitwise those of the quantizer (same encode, same parameters);
+    // outputs agree to a few ulps (erff differs between libdevice and glibc)
+    let run_gelu = |d: &Device| {
+        let mut q = Quantizer::new(d, QuantConfig { bits: 4, ..QuantConfig::per_tensor() }).expect("q");
+        let xb = d.upload(&x).expect("up");
+        let mut y = poisoned::<bf16>(d, 1200);
+        let s = gelu_forward(d, &mut q, GeluForm::Erf, &xb, &l, &mut y, &l).expect("gelu");
+        (s.codes().to_vec().expect("c"), s.params().expect("p"), host(&y))
+    };
+    let (ce, pe, ye) = run_gelu(&emu);
+    let (cg, pg, yg) = run_gelu(&gpu);
+    assert_eq!((ce, pe), (cg, pg), "GELU codes and parameters must be bitwise equal");
+    for (a, b) in ye.iter().zip(&yg) {
+        assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(1e-3), "GELU output {a} vs {b}");
+    }
+    // softmax and LayerNorm: outputs within a few ulps, codes within one of each other
+    for bits in [8, 2] {
+        let run = |d: &Device| {
+            let xb = d.upload(&x).expect("up");
+            let mut y = poisoned::<bf16>(d, 1200);
+            let s = softmax_forward(d, &SoftmaxSave { bits, ..SoftmaxSave::per_head(0) }, &xb, &l, None, &mut y, &l)
+                .expect("softmax");
+            let mut q = Quantizer::new(d, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
+            let mut z = poisoned::<bf16>(d, 1200);
+            let ln = layer_norm_forward(d, &mut q, &xb, &l, None, None, 1e-5, &mut z, &l).expect("ln");
+            let dyb = d.upload(&dy).expect("up");
+            let mut dx = poisoned::<bf16>(d, 1200);
+            let mut dw = d.upload(&[0f32; 200]).expect("up");
+            let mut db = d.upload(&[0f32; 200]).expect("up");
+            layer_norm_backward(d, &ln, None, &dyb, &l, &mut dx, &l, &mut dw, &mut db).expect("ln bwd");
+            (decode_host(&s), host(&y), decode_host(ln.xhat()), host(&z), dw.to_vec().expect("dw"))
+        };
+        let (e, g) = (run(&emu), run(&gpu));
+        let step = 1.0 / rq::levels(bits);
+        for (a, b) in e.0.iter().zip(&g.0) {
+            assert!((a - b).abs() <= step * 1.0001, "softmax codes differ by more than one");
+        }
+        for (a, b) in e.1.iter().zip(&g.1).chain(e.3.iter().zip(&g.3)) {
+            assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(1e-3), "output {a} vs {b}");
+        }
+        for (a, b) in e.4.iter().zip(&g.4) {
+            assert!((a - b).abs() <= 1e-3 * (1.0 + a.abs()), "dweight {a} vs {b}");
+        }
+        // x̂ codes: parameters from f32 statistics that may differ by ulps, codes by one
+        let (lo, hi) = e.2.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &v| (l.min(v), h.max(v)));
+        let xstep = (hi - lo) / rq::levels(bits);
+        for (a, b) in e.2.iter().zip(&g.2) {
+            assert!((a - b).abs() <= 1.01 * xstep + 1e-5, "x^ codes differ by more than one step: {a} vs {b}");
+        }
+    }
+}
