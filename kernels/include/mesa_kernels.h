@@ -69,5 +69,6 @@ typedef struct MesaTensorDesc {
 #endif
 
 #include "mesa_quant.h"
+#include "mesa_linear_attention.h"
 
 #endif /* MESA_KERNELS_H */

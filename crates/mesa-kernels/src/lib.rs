@@ -6,6 +6,9 @@
 //! * [`quant`]: activation compression (Mesa, Pan et al. 2021): exact forward, the copy
 //!   saved for backward kept as 8/4/2-bit codes with per-head offset and scale learned by
 //!   running estimates.
+//! * [`linear_attention`] + [`feature_map`]: chunked causal and bidirectional linear
+//!   attention (SLiM, Performer FAVOR+) with exact gradients and a saved state that can be
+//!   independent of the sequence length.
 //!
 //! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
 //! streams pass straight in) or the host emulation, which compiles the same kernel source
@@ -42,7 +45,9 @@
 mod device;
 mod dtype;
 mod error;
+pub mod feature_map;
 mod layout;
+pub mod linear_attention;
 pub mod quant;
 pub mod reference;
 
