@@ -112,25 +112,27 @@ __device__ __forceinline__ float load_operand(const Operand& p, int64_t b, int64
   return 0.0f;
 }
 
-// dst[f][r] = operand(t0 + r, f0 + f) for r < rows, else 0.
+// dst[f][r] = operand(t0 + r, f0 + f) for r < rows (0 past the operand's width). Rows
+// past `rows` are left as they are: no written output and no state update reads them.
 template <typename T>
 __device__ void load_rows_t(float (*dst)[kChunk + 1], const Operand& p, int64_t b, int64_t h, int64_t bh, int64_t L,
                             int64_t t0, int rows, int64_t f0) {
   const int64_t width = p.width();
-  for (int i = threadIdx.x; i < kTF * kChunk; i += kThreads) {
+  for (int i = threadIdx.x; i < kTF * rows; i += kThreads) {
     const int f = i % kTF, r = i / kTF;  // consecutive threads: consecutive features
-    dst[f][r] = (r < rows && f0 + f < width) ? load_operand<T>(p, b, h, bh, L, t0 + r, f0 + f) : 0.0f;
+    dst[f][r] = f0 + f < width ? load_operand<T>(p, b, h, bh, L, t0 + r, f0 + f) : 0.0f;
   }
 }
 
-// dst[r][d] = operand(t0 + r, d0 + d) for r < rows, else 0.
+// dst[r][d] = operand(t0 + r, d0 + d) for r < rows (0 past the width; rows past `rows` as
+// in load_rows_t).
 template <typename T>
 __device__ void load_rows_c(float (*dst)[kTD], const Operand& p, int64_t b, int64_t h, int64_t bh, int64_t L,
                             int64_t t0, int rows, int64_t d0) {
   const int64_t width = p.width();
-  for (int i = threadIdx.x; i < kChunk * kTD; i += kThreads) {
+  for (int i = threadIdx.x; i < rows * kTD; i += kThreads) {
     const int d = i % kTD, r = i / kTD;
-    dst[r][d] = (r < rows && d0 + d < width) ? load_operand<T>(p, b, h, bh, L, t0 + r, d0 + d) : 0.0f;
+    dst[r][d] = d0 + d < width ? load_operand<T>(p, b, h, bh, L, t0 + r, d0 + d) : 0.0f;
   }
 }
 
@@ -185,8 +187,9 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, int64_t b, int64_t h,
     __syncthreads();
     load_rows_t<T>(tl.a, p.a, b, h, bh, p.L, t0, rows, f0);
     if (intra) load_rows_t<T>(tl.b, p.b, b, h, bh, p.L, t0, rows, f0);
+    const int kmax = p.ma - f0 < kTF ? int(p.ma - f0) : kTF;
     if (inter) {
-      for (int i = threadIdx.x; i < kTF * kTD; i += kThreads) {
+      for (int i = threadIdx.x; i < kmax * kTD; i += kThreads) {
         const int f = i / kTD, d = i % kTD;
         float v = 0.0f;
         if (f0 + f < p.ma && d0 + d < p.dc) {
@@ -197,7 +200,8 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, int64_t b, int64_t h,
       }
     }
     __syncthreads();
-    for (int k = 0; k < kTF; ++k) {
+    // features past ma are not loaded: skip them (small M, and the last tile)
+    for (int k = 0; k < kmax; ++k) {
       if (intra) {
         float av[4], bv[4];
 #pragma unroll
