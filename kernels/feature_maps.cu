@@ -15,14 +15,15 @@
 //
 // Bytes: elementwise maps read + write n sizeof(T); FAVOR+ reads d, writes m elements per
 // row and w (m d 4 bytes, cached). FLOPs: FAVOR+ 2 m d per row (twice with ROW_MAX or
-// SEQUENCE_MAX: the maximum is taken in a first pass, the row recomputed in a second).
+// SEQUENCE_MAX: the maximum is taken in a first pass, the row recomputed in a second);
+// backward 4 m d per row (m reads of dphi, phi per element of dx: L1-cached broadcasts).
 #include "common.cuh"
 
 namespace MESA_NS {
 
 constexpr int kFmThreads = 256;
 constexpr int kFavorMaxIn = 1024;   // d: one row of x' in shared memory
-constexpr int kFavorMaxOut = 4096;  // m: one row of g in shared memory (backward)
+constexpr int kFavorMaxOut = 4096;  // m: bound of the API (loops, no shared memory)
 
 struct Tensor4 {
   void* data;
@@ -38,20 +39,6 @@ inline Tensor4 tensor4(const MesaLaTensor& t) {
 struct Dims {
   int64_t B, H, L, din, dout;
 };
-
-__device__ __forceinline__ float block_reduce(float v, float* scratch, bool is_max) {
-  // every thread of the block calls it; result broadcast to all
-  for (int o = kWarpSize / 2; o > 0; o /= 2) {
-    const float w = __shfl_xor_sync(0xffffffffu, v, o);
-    v = is_max ? fmaxf(v, w) : v + w;
-  }
-  __syncthreads();
-  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
-  __syncthreads();
-  float r = scratch[0];
-  for (int w = 1; w < kFmThreads / kWarpSize; ++w) r = is_max ? fmaxf(r, scratch[w]) : r + scratch[w];
-  return r;
-}
 
 // ---------------------------------------------------------------------------------------
 // Elementwise maps (m = d), grid-stride over the logical elements.
@@ -84,8 +71,9 @@ __global__ void __launch_bounds__(kFmThreads) elementwise_backward_kernel(Tensor
 }
 
 // ---------------------------------------------------------------------------------------
-// FAVOR+ forward. One block per row (or per (b,h) sequence for SEQUENCE_MAX), threads over
-// the m features.
+// FAVOR+ forward. One warp per row (8 rows per block): x' of the row in shared memory, the
+// lanes over the m features, reductions by warp shuffles only. SEQUENCE_MAX: one block per
+// (b, h) sequence, its warps over the rows, one block reduction for the maximum.
 struct FavorParams {
   const float* omega;  // [m, d]
   float xscale;        // d^(-1/4)
@@ -94,19 +82,25 @@ struct FavorParams {
   float bound;
 };
 
-// Loads x'_row into xs and returns |x'|^2 / 2.
+constexpr int kFavorWarps = kFmThreads / kWarpSize;
+// x' rows of the block's warps: 8 x 1024 f32 = 32 KiB
+constexpr int kFavorRowSmem = kFavorMaxIn;
+
+// Loads x'_row into xs (this warp's slice) and returns |x'|^2 / 2 (all lanes).
 template <typename T>
-__device__ float load_xrow(const Tensor4& x, const Dims& n, int64_t b, int64_t h, int64_t l, float xscale, float* xs,
-                           float* scratch) {
+__device__ float warp_load_xrow(const Tensor4& x, const Dims& n, int64_t b, int64_t h, int64_t l, float xscale,
+                                float* xs) {
   const T* px = static_cast<const T*>(x.data);
+  const int lane = threadIdx.x % kWarpSize;
   float sq = 0.0f;
-  __syncthreads();
-  for (int64_t j = threadIdx.x; j < n.din; j += kFmThreads) {
+  __syncwarp();
+  for (int64_t j = lane; j < n.din; j += kWarpSize) {
     const float v = __fmul_rn(to_float(px[x.off(b, h, l, j)]), xscale);
     xs[j] = v;
     sq = fmaf(v, v, sq);
   }
-  return 0.5f * block_reduce(sq, scratch, false);  // ends with the block synchronised
+  __syncwarp();
+  return 0.5f * warp_reduce_sum(sq);
 }
 
 __device__ __forceinline__ float projection(const float* __restrict__ w_row, const float* xs, int64_t d, float half_sq) {
@@ -115,67 +109,88 @@ __device__ __forceinline__ float projection(const float* __restrict__ w_row, con
   return u - half_sq;
 }
 
+// The row's maximum of u_i over the features (all lanes).
+__device__ float warp_row_max(const FavorParams& fp, const Dims& n, const float* xs, float half_sq) {
+  float mx = -INFINITY;
+  for (int64_t i = threadIdx.x % kWarpSize; i < n.dout; i += kWarpSize)
+    mx = fmaxf(mx, projection(fp.omega + i * n.din, xs, n.din, half_sq));
+  return warp_reduce_max(mx);
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kFmThreads, 2) favor_forward_kernel(Tensor4 x, Tensor4 phi, Dims n, FavorParams fp) {
-  __shared__ float xs[kFavorMaxIn];
-  __shared__ float scratch[kFmThreads / kWarpSize];
-  T* py = static_cast<T*>(phi.data);
-  const bool per_seq = fp.stabilizer == MESA_FAVOR_SEQUENCE_MAX;
-  const int64_t items = per_seq ? n.B * n.H : n.B * n.H * n.L;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t bh = per_seq ? item : item / n.L;
-    const int64_t b = bh / n.H, h = bh % n.H;
-    const int64_t l_begin = per_seq ? 0 : item % n.L, l_end = per_seq ? n.L : l_begin + 1;
-    float c = fp.stabilizer == MESA_FAVOR_BOUND ? fp.bound : 0.0f;
-    if (per_seq || fp.stabilizer == MESA_FAVOR_ROW_MAX) {
-      float mx = -INFINITY;
-      for (int64_t l = l_begin; l < l_end; ++l) {
-        const float half_sq = load_xrow<T>(x, n, b, h, l, fp.xscale, xs, scratch);
-        for (int64_t i = threadIdx.x; i < n.dout; i += kFmThreads)
-          mx = fmaxf(mx, projection(fp.omega + i * n.din, xs, n.din, half_sq));
-      }
-      c = block_reduce(mx, scratch, true);
-      if (!(c > -INFINITY)) c = 0.0f;  // empty rows / m = 0
-    }
-    for (int64_t l = l_begin; l < l_end; ++l) {
-      const float half_sq = load_xrow<T>(x, n, b, h, l, fp.xscale, xs, scratch);
-      for (int64_t i = threadIdx.x; i < n.dout; i += kFmThreads) {
-        const float u = projection(fp.omega + i * n.din, xs, n.din, half_sq);
-        py[phi.off(b, h, l, i)] = from_float<T>(__fmul_rn(expf(u - c), fp.inv_sqrt_m));
-      }
-    }
+__device__ void warp_write_row(T* py, const Tensor4& phi, const FavorParams& fp, const Dims& n, int64_t b, int64_t h,
+                               int64_t l, const float* xs, float half_sq, float c) {
+  for (int64_t i = threadIdx.x % kWarpSize; i < n.dout; i += kWarpSize) {
+    const float u = projection(fp.omega + i * n.din, xs, n.din, half_sq);
+    py[phi.off(b, h, l, i)] = from_float<T>(__fmul_rn(expf(u - c), fp.inv_sqrt_m));
   }
 }
 
-// FAVOR+ backward, one block per row: g_i = dphi_i phi_i into shared memory, then thread j
-// forms dx'_j = sum_i g_i w_ij - x'_j sum_i g_i (w read column-wise: coalesced over j).
+template <typename T>
+__global__ void __launch_bounds__(kFmThreads, 2) favor_forward_kernel(Tensor4 x, Tensor4 phi, Dims n, FavorParams fp) {
+  __shared__ float xrows[kFavorWarps][kFavorRowSmem];
+  __shared__ float scratch[kFavorWarps];
+  T* py = static_cast<T*>(phi.data);
+  const int warp = threadIdx.x / kWarpSize;
+  float* xs = xrows[warp];
+  if (fp.stabilizer == MESA_FAVOR_SEQUENCE_MAX) {
+    for (int64_t bh = blockIdx.x; bh < n.B * n.H; bh += gridDim.x) {
+      const int64_t b = bh / n.H, h = bh % n.H;
+      float mx = -INFINITY;
+      for (int64_t l = warp; l < n.L; l += kFavorWarps) {
+        const float half_sq = warp_load_xrow<T>(x, n, b, h, l, fp.xscale, xs);
+        mx = fmaxf(mx, warp_row_max(fp, n, xs, half_sq));
+      }
+      __syncthreads();
+      if (threadIdx.x % kWarpSize == 0) scratch[warp] = mx;
+      __syncthreads();
+      float c = scratch[0];
+      for (int w = 1; w < kFavorWarps; ++w) c = fmaxf(c, scratch[w]);
+      if (!(c > -INFINITY)) c = 0.0f;
+      for (int64_t l = warp; l < n.L; l += kFavorWarps) {
+        const float half_sq = warp_load_xrow<T>(x, n, b, h, l, fp.xscale, xs);
+        warp_write_row<T>(py, phi, fp, n, b, h, l, xs, half_sq, c);
+      }
+    }
+    return;
+  }
+  // one row per warp; warps of a block never synchronise with each other
+  const int64_t rows = n.B * n.H * n.L;
+  for (int64_t row = int64_t(blockIdx.x) * kFavorWarps + warp; row < rows; row += int64_t(gridDim.x) * kFavorWarps) {
+    const int64_t l = row % n.L, bh = row / n.L, b = bh / n.H, h = bh % n.H;
+    const float half_sq = warp_load_xrow<T>(x, n, b, h, l, fp.xscale, xs);
+    float c = fp.stabilizer == MESA_FAVOR_BOUND ? fp.bound : 0.0f;
+    if (fp.stabilizer == MESA_FAVOR_ROW_MAX) {
+      c = warp_row_max(fp, n, xs, half_sq);
+      if (!(c > -INFINITY)) c = 0.0f;
+    }
+    warp_write_row<T>(py, phi, fp, n, b, h, l, xs, half_sq, c);
+  }
+}
+
+// FAVOR+ backward, one thread per (row, j): dx'_j = sum_i g_i w_ij - x'_j sum_i g_i with
+// g_i = dphi_i phi_i read by every thread of the row (broadcast loads), w read column-wise
+// (coalesced over j). No shared memory, no synchronisation.
 template <typename T>
 __global__ void __launch_bounds__(kFmThreads) favor_backward_kernel(Tensor4 x, Tensor4 phi, Tensor4 dphi, Tensor4 dx,
                                                                     Dims n, const float* omega, float xscale) {
-  __shared__ float g[kFavorMaxOut];
-  __shared__ float scratch[kFmThreads / kWarpSize];
   const T* px = static_cast<const T*>(x.data);
   const T* pp = static_cast<const T*>(phi.data);
   const T* pg = static_cast<const T*>(dphi.data);
   T* pd = static_cast<T*>(dx.data);
-  const int64_t rows = n.B * n.H * n.L;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  const int64_t total = n.B * n.H * n.L * n.din;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t j = e % n.din, row = e / n.din;
     const int64_t l = row % n.L, bh = row / n.L, b = bh / n.H, h = bh % n.H;
-    float gs = 0.0f;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < n.dout; i += kFmThreads) {
+    float acc = 0.0f, gsum = 0.0f;
+    for (int64_t i = 0; i < n.dout; ++i) {
       const float gi = to_float(pg[dphi.off(b, h, l, i)]) * to_float(pp[phi.off(b, h, l, i)]);
-      g[i] = gi;
-      gs += gi;
+      acc = fmaf(gi, omega[i * n.din + j], acc);
+      gsum += gi;
     }
-    const float gsum = block_reduce(gs, scratch, false);
-    for (int64_t j = threadIdx.x; j < n.din; j += kFmThreads) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < n.dout; ++i) acc = fmaf(g[i], omega[i * n.din + j], acc);
-      const float xp = __fmul_rn(to_float(px[x.off(b, h, l, j)]), xscale);
-      const float dxp = fmaf(-xp, gsum, acc);
-      pd[dx.off(b, h, l, j)] = from_float<T>(__fmul_rn(dxp, xscale));
-    }
+    const float xp = __fmul_rn(to_float(px[x.off(b, h, l, j)]), xscale);
+    const float dxp = fmaf(-xp, gsum, acc);
+    pd[dx.off(b, h, l, j)] = from_float<T>(__fmul_rn(dxp, xscale));
   }
 }
 
@@ -203,7 +218,8 @@ MesaStatus feature_forward(const MesaFeatureArgs& a, void* stream) {
                                      dim3(kFmThreads), 0, stream, x, phi, n));
     case MESA_FEATURE_FAVOR: {
       const FavorParams fp{a.omega, favor_xscale(n.din), float(1.0 / std::sqrt(double(n.dout))), a.stabilizer, a.bound};
-      const int64_t items = a.stabilizer == MESA_FAVOR_SEQUENCE_MAX ? n.B * n.H : n.B * n.H * n.L;
+      const int64_t items =
+          a.stabilizer == MESA_FAVOR_SEQUENCE_MAX ? n.B * n.H : ceil_div(n.B * n.H * n.L, kFavorWarps);
       return status_from(MESA_LAUNCH((favor_forward_kernel<T>), dim3(fm_grid(items, 8)), dim3(kFmThreads), 0, stream,
                                      x, phi, n, fp));
     }
@@ -224,7 +240,7 @@ MesaStatus feature_backward(const MesaFeatureBackwardArgs& a, void* stream) {
       return status_from(MESA_LAUNCH((elementwise_backward_kernel<T, MESA_FEATURE_ELU1>), dim3(grid), dim3(kFmThreads),
                                      0, stream, x, dphi, dx, n));
     case MESA_FEATURE_FAVOR:
-      return status_from(MESA_LAUNCH((favor_backward_kernel<T>), dim3(fm_grid(n.B * n.H * n.L, 8)), dim3(kFmThreads),
+      return status_from(MESA_LAUNCH((favor_backward_kernel<T>), dim3(grid), dim3(kFmThreads),
                                      0, stream, x, tensor4(a.phi), dphi, dx, n, a.omega, favor_xscale(n.din)));
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }

@@ -39,6 +39,8 @@ use serde_json::{json, Value};
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
+mod linear_attention;
+
 /// The default input, and how the report names it.
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/minilm_activations.safetensors");
 const FIXTURE_NAME: &str = "fixtures/minilm_activations.safetensors";
@@ -183,10 +185,18 @@ fn run(options: &Options) -> Result<()> {
         rows,
         seconds: start.elapsed().as_secs_f64(),
     };
+    let linear_attention = linear_attention::Section::measure(&device, &file)?;
     if options.json {
-        println!("{}", serde_json::to_string_pretty(&report.to_json())?);
+        let mut value = report.to_json();
+        if let (Some(obj), Some(la)) = (value.as_object_mut(), &linear_attention) {
+            obj.insert("linear_attention".into(), la.to_json());
+        }
+        println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         report.print();
+        if let Some(la) = &linear_attention {
+            la.print();
+        }
     }
     Ok(())
 }
