@@ -36,11 +36,7 @@ fn main() {
     let sources = kernel_sources(&kernels);
     build_emulation(&kernels, &sources);
 
-    let cuda = if env::var("MESA_CUDA_DISABLE").is_ok_and(|v| v == "1") {
-        None
-    } else {
-        find_nvcc()
-    };
+    let cuda = if env::var("MESA_CUDA_DISABLE").is_ok_and(|v| v == "1") { None } else { find_nvcc() };
     let (cuda_built, archs_text) = match cuda {
         Some(nvcc) => {
             let archs = match parse_archs(&env::var("MESA_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.into())) {
@@ -160,11 +156,8 @@ fn parse_archs(s: &str) -> Result<Vec<Arch>, String> {
             Some(rest) => (rest, true),
             None => (t, false),
         };
-        let digits: String = if let Some((maj, min)) = t.split_once('.') {
-            format!("{maj}{min}")
-        } else {
-            t.to_string()
-        };
+        let digits: String =
+            if let Some((maj, min)) = t.split_once('.') { format!("{maj}{min}") } else { t.to_string() };
         let cc: u32 = digits
             .parse()
             .map_err(|_| format!("`{raw}` is not a compute capability (expected e.g. 80, 8.0, sm_90, 90a)"))?;

@@ -26,7 +26,11 @@ fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let lens: Vec<usize> = {
         let v: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
-        if v.is_empty() { vec![256, 1024, 4096, 16384] } else { v }
+        if v.is_empty() {
+            vec![256, 1024, 4096, 16384]
+        } else {
+            v
+        }
     };
     let device = Device::emulator();
     let (m, d) = (8usize, 8usize);
@@ -38,7 +42,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         lo + (hi - lo) * ((state >> 11) as f64 / (1u64 << 53) as f64)
     };
     println!("causal normalised linear attention, B=H=1, M=D={m}, chunk 64, f32; rel-L2 error vs f64 reference");
-    println!("{:>6} {:<15} {:>10} {:>10} {:>10} {:>10} {:>12} {:>14}", "L", "mode", "out", "dq", "dk", "dv", "saved B", "emu fwd+bwd s");
+    println!(
+        "{:>6} {:<15} {:>10} {:>10} {:>10} {:>10} {:>12} {:>14}",
+        "L", "mode", "out", "dq", "dk", "dv", "saved B", "emu fwd+bwd s"
+    );
     for &l in &lens {
         let q: Vec<f32> = (0..l * m).map(|_| next(0.05, 1.0) as f32).collect();
         let k: Vec<f32> = (0..l * m).map(|_| next(0.05, 1.0) as f32).collect();
@@ -55,7 +62,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut out = vec![0f32; l * d];
             let (mut dq, mut dk, mut dv) = (vec![0f32; l * m], vec![0f32; l * m], vec![0f32; l * d]);
             let start = Instant::now();
-            let saved = forward(&device, &cfg, TensorRef::new(&q, &lq), TensorRef::new(&k, &lq), TensorRef::new(&v, &lv), TensorMut::new(&mut out, &lv))?;
+            let saved = forward(
+                &device,
+                &cfg,
+                TensorRef::new(&q, &lq),
+                TensorRef::new(&k, &lq),
+                TensorRef::new(&v, &lv),
+                TensorMut::new(&mut out, &lv),
+            )?;
             backward(
                 &device,
                 &saved,

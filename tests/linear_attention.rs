@@ -76,8 +76,11 @@ fn magnitudes(
     let mut mk = vec![0.0; n.qk()];
     let mut mv = vec![0.0; n.vd()];
     for bh in 0..n.b * n.h {
-        let absdot = |t: usize, s: usize| -> f64 { (0..m).map(|i| (q[(bh * l + t) * m + i] * k[(bh * l + s) * m + i]).abs()).sum() };
-        let dot = |t: usize, s: usize| -> f64 { (0..m).map(|i| q[(bh * l + t) * m + i] * k[(bh * l + s) * m + i]).sum() };
+        let absdot = |t: usize, s: usize| -> f64 {
+            (0..m).map(|i| (q[(bh * l + t) * m + i] * k[(bh * l + s) * m + i]).abs()).sum()
+        };
+        let dot =
+            |t: usize, s: usize| -> f64 { (0..m).map(|i| q[(bh * l + t) * m + i] * k[(bh * l + s) * m + i]).sum() };
         for t in 0..l {
             let vis = |s: usize| !causal || s <= t;
             let (mut den, mut aden) = (0.0, 0.0);
@@ -101,7 +104,8 @@ fn magnitudes(
             };
             for j in 0..d {
                 let out = num[j] / g;
-                mo[(bh * l + t) * d + j] = anum[j] / g.abs() + if eps.is_some() { out.abs() * aden / g.abs() } else { 0.0 };
+                mo[(bh * l + t) * d + j] =
+                    anum[j] / g.abs() + if eps.is_some() { out.abs() * aden / g.abs() } else { 0.0 };
             }
             for s in 0..l {
                 let da: f64 = (0..d).map(|j| dnum[j] * v[(bh * l + s) * d + j].abs()).sum::<f64>() + dden;
@@ -130,13 +134,22 @@ fn check_close(what: &str, got: &[f64], want: &[f64], mag: &[f64], n: Shape, dty
     let u = unit_roundoff(dtype);
     let chain = (n.m + n.d + 2 * n.l + 8) as f64 * 2f64.powi(-24);
     if std::env::var("LA_DEBUG").is_ok() {
-        let worst = got.iter().zip(want).zip(mag).map(|((g, w), m)| (g - w).abs() / ((chain + 4.0 * u) * m + u * w.abs() + 1e-300)).fold(0.0, f64::max);
+        let worst = got
+            .iter()
+            .zip(want)
+            .zip(mag)
+            .map(|((g, w), m)| (g - w).abs() / ((chain + 4.0 * u) * m + u * w.abs() + 1e-300))
+            .fold(0.0, f64::max);
         eprintln!("{what}: worst err/tol {worst:.3}");
     }
     for (i, ((&g, &w), &mg)) in got.iter().zip(want).zip(mag).enumerate() {
         assert!(g.is_finite(), "{what}[{i}] = {g} is not finite (element not written?)");
         let tol = (chain + 4.0 * u) * mg + u * w.abs() + 1e-300;
-        assert!((g - w).abs() <= tol, "{what}[{i}]: {g} vs reference {w} (|diff| {} > tol {tol}), {n:?} {dtype:?}", (g - w).abs());
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}[{i}]: {g} vs reference {w} (|diff| {} > tol {tol}), {n:?} {dtype:?}",
+            (g - w).abs()
+        );
     }
 }
 
@@ -160,14 +173,29 @@ struct Outputs {
 }
 
 /// Runs forward + backward on contiguous [B, H, L, F] inputs (poisoned outputs).
-fn run<T: Element>(device: &Device, cfg: &LinearAttentionConfig, n: Shape, q: &[T], k: &[T], v: &[T], dout: &[T]) -> Outputs {
+fn run<T: Element>(
+    device: &Device,
+    cfg: &LinearAttentionConfig,
+    n: Shape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+) -> Outputs {
     let lq = Layout::contiguous(&[n.b, n.h, n.l, n.m]);
     let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
     let nan = T::from_f64(f64::NAN);
     let (qb, kb, vb, gb) = (up(device, q), up(device, k), up(device, v), up(device, dout));
     let mut ob = up(device, &vec![nan; n.vd()]);
-    let saved = forward(device, cfg, TensorRef::new(&qb, &lq), TensorRef::new(&kb, &lq), TensorRef::new(&vb, &lv), TensorMut::new(&mut ob, &lv))
-        .expect("forward");
+    let saved = forward(
+        device,
+        cfg,
+        TensorRef::new(&qb, &lq),
+        TensorRef::new(&kb, &lq),
+        TensorRef::new(&vb, &lv),
+        TensorMut::new(&mut ob, &lv),
+    )
+    .expect("forward");
     let mut dqb = up(device, &vec![nan; n.qk()]);
     let mut dkb = up(device, &vec![nan; n.qk()]);
     let mut dvb = up(device, &vec![nan; n.vd()]);
@@ -256,7 +284,12 @@ fn m_and_d_differ_above_256_in_both_orders() {
                 let cfg = LinearAttentionConfig { chunk: 8, memory, ..LinearAttentionConfig::causal() };
                 parity::<f32>(&device, &mut rng, &cfg, n);
             }
-            parity::<bf16>(&device, &mut rng, &LinearAttentionConfig { chunk: 8, ..LinearAttentionConfig::bidirectional() }, n);
+            parity::<bf16>(
+                &device,
+                &mut rng,
+                &LinearAttentionConfig { chunk: 8, ..LinearAttentionConfig::bidirectional() },
+                n,
+            );
         }
     }
 }
@@ -308,7 +341,11 @@ fn changing_future_positions_never_changes_earlier_outputs() {
                     for t in 0..=t0 {
                         for j in 0..n.d {
                             let i = (bh * n.l + t) * n.d + j;
-                            assert_eq!(base.out[i].to_bits(), other.out[i].to_bits(), "out[{bh},{t},{j}] changed (t0 {t0})");
+                            assert_eq!(
+                                base.out[i].to_bits(),
+                                other.out[i].to_bits(),
+                                "out[{bh},{t},{j}] changed (t0 {t0})"
+                            );
                         }
                     }
                 }
@@ -358,9 +395,19 @@ fn views_of_one_packed_qkv_tensor() {
         let pb = up(&device, &packed);
         let nan = bf16::from_f64(f64::NAN);
         let mut ob = up(&device, &vec![nan; n.vd()]);
-        for cfg in [LinearAttentionConfig { chunk: 8, ..LinearAttentionConfig::causal() }, LinearAttentionConfig::bidirectional()] {
-            let saved = forward(&device, &cfg, TensorRef::new(&pb, &lq), TensorRef::new(&pb, &lk), TensorRef::new(&pb, &lv), TensorMut::new(&mut ob, &lo))
-                .expect("forward");
+        for cfg in [
+            LinearAttentionConfig { chunk: 8, ..LinearAttentionConfig::causal() },
+            LinearAttentionConfig::bidirectional(),
+        ] {
+            let saved = forward(
+                &device,
+                &cfg,
+                TensorRef::new(&pb, &lq),
+                TensorRef::new(&pb, &lk),
+                TensorRef::new(&pb, &lv),
+                TensorMut::new(&mut ob, &lo),
+            )
+            .expect("forward");
             // gradients into a packed [B, L, H, 2M + D] buffer as well
             let gout = to_t::<bf16>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
             let gb = up(&device, &gout);
@@ -457,8 +504,15 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
     obig[far..].iter_mut().for_each(|x| *x = f32::NAN);
     obig[..6].iter_mut().for_each(|x| *x = f32::NAN);
     let cfg = LinearAttentionConfig { chunk: 2, ..LinearAttentionConfig::causal() };
-    let saved = forward(&device, &cfg, TensorRef::new(&qbig, &lq), TensorRef::new(&k, &lc), TensorRef::new(&v, &lc), TensorMut::new(&mut obig, &lo))
-        .expect("forward");
+    let saved = forward(
+        &device,
+        &cfg,
+        TensorRef::new(&qbig, &lq),
+        TensorRef::new(&k, &lc),
+        TensorRef::new(&v, &lc),
+        TensorMut::new(&mut obig, &lo),
+    )
+    .expect("forward");
     let qw: Vec<f64> = qv.iter().map(|&x| f64::from(x)).collect();
     let kw: Vec<f64> = k.iter().map(|&x| f64::from(x)).collect();
     let vw: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
@@ -504,8 +558,15 @@ fn more_than_65535_heads_use_a_grid_stride_loop() {
     let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
     let mut out = vec![f32::NAN; n.vd()];
     let cfg = LinearAttentionConfig { normalize: false, ..LinearAttentionConfig::causal() };
-    forward(&device, &cfg, TensorRef::new(&q, &lq), TensorRef::new(&k, &lq), TensorRef::new(&v, &lv), TensorMut::new(&mut out, &lv))
-        .expect("forward");
+    forward(
+        &device,
+        &cfg,
+        TensorRef::new(&q, &lq),
+        TensorRef::new(&k, &lq),
+        TensorRef::new(&v, &lv),
+        TensorMut::new(&mut out, &lv),
+    )
+    .expect("forward");
     // M = D = 1: out_0 = q0 k0 v0, out_1 = q1 (k0 v0 + k1 v1), all exact in f32 here
     for bh in 0..n.b * n.h {
         let (q0, q1, k0, k1, v0, v1) = (q[2 * bh], q[2 * bh + 1], k[2 * bh], k[2 * bh + 1], v[2 * bh], v[2 * bh + 1]);
@@ -532,7 +593,14 @@ fn bad_inputs_are_errors() {
     let mut out = vec![0f32; 48];
     let cfg = LinearAttentionConfig::causal();
     let fwd = |cfg: &LinearAttentionConfig, lq: &Layout, lk: &Layout, lv: &Layout, lo: &Layout, out: &mut Vec<f32>| {
-        forward(&device, cfg, TensorRef::new(&q, lq), TensorRef::new(&q, lk), TensorRef::new(&v, lv), TensorMut::new(out, lo))
+        forward(
+            &device,
+            cfg,
+            TensorRef::new(&q, lq),
+            TensorRef::new(&q, lk),
+            TensorRef::new(&v, lv),
+            TensorMut::new(out, lo),
+        )
     };
     // rank 3
     expect_shape_err(fwd(&cfg, &Layout::contiguous(&[2, 8, 4]), &lq, &lv, &lv, &mut out), "rank 3");
@@ -546,7 +614,14 @@ fn bad_inputs_are_errors() {
     let bcast = Layout::strided(&[1, 2, 8, 3], &[0, 0, 3, 1], 0).expect("layout");
     expect_shape_err(fwd(&cfg, &lq, &lq, &lv, &bcast, &mut out), "overlapping out");
     // buffer too short
-    match fwd(&cfg, &Layout::contiguous(&[1, 2, 9, 4]), &Layout::contiguous(&[1, 2, 9, 4]), &Layout::contiguous(&[1, 2, 9, 3]), &Layout::contiguous(&[1, 2, 9, 3]), &mut out) {
+    match fwd(
+        &cfg,
+        &Layout::contiguous(&[1, 2, 9, 4]),
+        &Layout::contiguous(&[1, 2, 9, 4]),
+        &Layout::contiguous(&[1, 2, 9, 3]),
+        &Layout::contiguous(&[1, 2, 9, 3]),
+        &mut out,
+    ) {
         Err(Error::BufferTooShort { .. }) => {}
         other => panic!("expected BufferTooShort, got {:?}", other.err()),
     }
@@ -563,19 +638,52 @@ fn bad_inputs_are_errors() {
     let saved: LinearAttentionSaved = fwd(&cfg, &lq, &lq, &lv, &lv, &mut out).expect("forward");
     let (mut dq, mut dk, mut dv) = (vec![0f32; 64], vec![0f32; 64], vec![0f32; 48]);
     expect_shape_err(
-        backward(&device, &saved, TensorRef::new(&q, &lq), TensorRef::new(&q, &lq), TensorRef::new(&v, &lv), None, TensorRef::new(&v, &lv), TensorMut::new(&mut dq, &lq), TensorMut::new(&mut dk, &lq), TensorMut::new(&mut dv, &lv)),
+        backward(
+            &device,
+            &saved,
+            TensorRef::new(&q, &lq),
+            TensorRef::new(&q, &lq),
+            TensorRef::new(&v, &lv),
+            None,
+            TensorRef::new(&v, &lv),
+            TensorMut::new(&mut dq, &lq),
+            TensorMut::new(&mut dk, &lq),
+            TensorMut::new(&mut dv, &lv),
+        ),
         "missing out",
     );
     let (qh, vh) = (vec![f16::ONE; 64], vec![f16::ONE; 48]);
     let (mut dqh, mut dkh, mut dvh) = (vec![f16::ZERO; 64], vec![f16::ZERO; 64], vec![f16::ZERO; 48]);
     expect_shape_err(
-        backward(&device, &saved, TensorRef::new(&qh, &lq), TensorRef::new(&qh, &lq), TensorRef::new(&vh, &lv), Some(TensorRef::new(&vh, &lv)), TensorRef::new(&vh, &lv), TensorMut::new(&mut dqh, &lq), TensorMut::new(&mut dkh, &lq), TensorMut::new(&mut dvh, &lv)),
+        backward(
+            &device,
+            &saved,
+            TensorRef::new(&qh, &lq),
+            TensorRef::new(&qh, &lq),
+            TensorRef::new(&vh, &lv),
+            Some(TensorRef::new(&vh, &lv)),
+            TensorRef::new(&vh, &lv),
+            TensorMut::new(&mut dqh, &lq),
+            TensorMut::new(&mut dkh, &lq),
+            TensorMut::new(&mut dvh, &lv),
+        ),
         "dtype",
     );
     // backward with other dims than the forward
     let lq2 = Layout::contiguous(&[1, 2, 4, 4]);
     expect_shape_err(
-        backward(&device, &saved, TensorRef::new(&q, &lq2), TensorRef::new(&q, &lq), TensorRef::new(&v, &lv), Some(TensorRef::new(&out, &lv)), TensorRef::new(&v, &lv), TensorMut::new(&mut dq, &lq), TensorMut::new(&mut dk, &lq), TensorMut::new(&mut dv, &lv)),
+        backward(
+            &device,
+            &saved,
+            TensorRef::new(&q, &lq2),
+            TensorRef::new(&q, &lq),
+            TensorRef::new(&v, &lv),
+            Some(TensorRef::new(&out, &lv)),
+            TensorRef::new(&v, &lv),
+            TensorMut::new(&mut dq, &lq),
+            TensorMut::new(&mut dk, &lq),
+            TensorMut::new(&mut dv, &lv),
+        ),
         "dims",
     );
 }
@@ -583,7 +691,16 @@ fn bad_inputs_are_errors() {
 // ---------------------------------------------------------------------------------------
 // Feature maps
 
-fn fm_parity<T: Element>(device: &Device, rng: &mut StdRng, map: &FeatureMap<'_>, stab: rla::Stabilizer, b: usize, h: usize, l: usize, d: usize) {
+fn fm_parity<T: Element>(
+    device: &Device,
+    rng: &mut StdRng,
+    map: &FeatureMap<'_>,
+    stab: rla::Stabilizer,
+    b: usize,
+    h: usize,
+    l: usize,
+    d: usize,
+) {
     let m = map.out_dim(d);
     let x = to_t::<T>(&random_vec(rng, b * h * l * d, -1.5, 1.5));
     let dphi = to_t::<T>(&random_vec(rng, b * h * l * m, -1.0, 1.0));
@@ -595,8 +712,15 @@ fn fm_parity<T: Element>(device: &Device, rng: &mut StdRng, map: &FeatureMap<'_>
     feature_map::forward(device, map, TensorRef::new(&xb, &lx), TensorMut::new(&mut pb, &lp)).expect("forward");
     let gb = up(device, &dphi);
     let mut db = up(device, &vec![nan; x.len()]);
-    feature_map::backward(device, map, TensorRef::new(&xb, &lx), Some(TensorRef::new(&pb, &lp)), TensorRef::new(&gb, &lp), TensorMut::new(&mut db, &lx))
-        .expect("backward");
+    feature_map::backward(
+        device,
+        map,
+        TensorRef::new(&xb, &lx),
+        Some(TensorRef::new(&pb, &lp)),
+        TensorRef::new(&gb, &lp),
+        TensorMut::new(&mut db, &lx),
+    )
+    .expect("backward");
     let (xw, gw) = (widen(&x), widen(&dphi));
     let phi_t = pb.to_vec().expect("phi");
     let phi = widen(&phi_t);
@@ -612,8 +736,18 @@ fn fm_parity<T: Element>(device: &Device, rng: &mut StdRng, map: &FeatureMap<'_>
             // one expf (≤ 2 ulp on the GPU, ≤ 1 on the host) or add, then rounding to T;
             // the backward multiplies by one more rounded factor
             for i in 0..rp.len() {
-                assert!((phi[i] - rp[i]).abs() <= (4.0 * 2f64.powi(-24) + u) * rp[i].abs(), "phi[{i}] {} vs {}", phi[i], rp[i]);
-                assert!((dx[i] - rd[i]).abs() <= (6.0 * 2f64.powi(-24) + u) * rd[i].abs(), "dx[{i}] {} vs {}", dx[i], rd[i]);
+                assert!(
+                    (phi[i] - rp[i]).abs() <= (4.0 * 2f64.powi(-24) + u) * rp[i].abs(),
+                    "phi[{i}] {} vs {}",
+                    phi[i],
+                    rp[i]
+                );
+                assert!(
+                    (dx[i] - rd[i]).abs() <= (6.0 * 2f64.powi(-24) + u) * rd[i].abs(),
+                    "dx[{i}] {} vs {}",
+                    dx[i],
+                    rd[i]
+                );
             }
         }
         FeatureMap::Favor { projection, .. } => {
@@ -639,7 +773,11 @@ fn fm_parity<T: Element>(device: &Device, rng: &mut StdRng, map: &FeatureMap<'_>
             for r in 0..b * h * l {
                 for j in 0..d {
                     let mag: f64 = (0..m)
-                        .map(|i| (gw[r * m + i] * phi[r * m + i]).abs() * (omega[i * d + j].abs() + (xw[r * d + j] * xs).abs()) * xs)
+                        .map(|i| {
+                            (gw[r * m + i] * phi[r * m + i]).abs()
+                                * (omega[i * d + j].abs() + (xw[r * d + j] * xs).abs())
+                                * xs
+                        })
                         .sum();
                     let tol = ((m + 8) as f64 * 2f64.powi(-24) + u) * mag + u * rd[r * d + j].abs() + 1e-40;
                     let i = r * d + j;
@@ -685,9 +823,11 @@ fn orthogonal_projection_is_reproducible_and_orthogonal_in_blocks() {
     for blk in 0..2 {
         for i in 0..8 {
             for j in 0..i {
-                let (ri, rj) = (&w[(blk * 8 + i) * 8..(blk * 8 + i + 1) * 8], &w[(blk * 8 + j) * 8..(blk * 8 + j + 1) * 8]);
+                let (ri, rj) =
+                    (&w[(blk * 8 + i) * 8..(blk * 8 + i + 1) * 8], &w[(blk * 8 + j) * 8..(blk * 8 + j + 1) * 8]);
                 let dot: f64 = ri.iter().zip(rj).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
-                let n = ri.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt() * rj.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+                let n = ri.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt()
+                    * rj.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
                 assert!(dot.abs() <= 1e-5 * n, "rows {i}, {j} of block {blk} not orthogonal: {dot}");
             }
         }
@@ -722,12 +862,38 @@ fn feature_map_bad_inputs_are_errors() {
     let lx = Layout::contiguous(&[1, 1, 5, 8]);
     // projection for d = 8 given d = 4 input
     let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::RowMax };
-    expect_shape_err(feature_map::forward(&device, &map, TensorRef::new(&x, &Layout::contiguous(&[1, 2, 5, 4])), TensorMut::new(&mut phi, &Layout::contiguous(&[1, 2, 5, 16]))), "d");
+    expect_shape_err(
+        feature_map::forward(
+            &device,
+            &map,
+            TensorRef::new(&x, &Layout::contiguous(&[1, 2, 5, 4])),
+            TensorMut::new(&mut phi, &Layout::contiguous(&[1, 2, 5, 16])),
+        ),
+        "d",
+    );
     // wrong phi width
-    expect_shape_err(feature_map::forward(&device, &map, TensorRef::new(&x, &lx), TensorMut::new(&mut phi, &Layout::contiguous(&[1, 1, 5, 8]))), "m");
+    expect_shape_err(
+        feature_map::forward(
+            &device,
+            &map,
+            TensorRef::new(&x, &lx),
+            TensorMut::new(&mut phi, &Layout::contiguous(&[1, 1, 5, 8])),
+        ),
+        "m",
+    );
     // favor backward without phi
     let mut dx = vec![0f32; 40];
-    expect_shape_err(feature_map::backward(&device, &map, TensorRef::new(&x, &lx), None, TensorRef::new(&phi, &Layout::contiguous(&[1, 1, 5, 16])), TensorMut::new(&mut dx, &lx)), "phi");
+    expect_shape_err(
+        feature_map::backward(
+            &device,
+            &map,
+            TensorRef::new(&x, &lx),
+            None,
+            TensorRef::new(&phi, &Layout::contiguous(&[1, 1, 5, 16])),
+            TensorMut::new(&mut dx, &lx),
+        ),
+        "phi",
+    );
     match FavorProjection::orthogonal(&device, 8, 2048, 1) {
         Err(Error::Unsupported(_)) => {}
         other => panic!("expected Unsupported, got {:?}", other.err()),
@@ -763,8 +929,15 @@ fn favor_estimates_softmax_attention_and_improves_with_more_features() {
             let mut out = vec![0f32; h * l * d];
             let base = if causal { LinearAttentionConfig::causal() } else { LinearAttentionConfig::bidirectional() };
             let cfg = LinearAttentionConfig { eps: 1e-30, ..base };
-            forward(&device, &cfg, TensorRef::new(&qf, &lp), TensorRef::new(&kf, &lp), TensorRef::new(&v, &lx), TensorMut::new(&mut out, &lx))
-                .expect("attention");
+            forward(
+                &device,
+                &cfg,
+                TensorRef::new(&qf, &lp),
+                TensorRef::new(&kf, &lp),
+                TensorRef::new(&v, &lx),
+                TensorMut::new(&mut out, &lx),
+            )
+            .expect("attention");
             let num: f64 = out.iter().zip(&exact).map(|(&a, &b)| (f64::from(a) - b).powi(2)).sum();
             let den: f64 = exact.iter().map(|b| b * b).sum();
             errs.push((num / den).sqrt());

@@ -18,8 +18,8 @@ mod common;
 use half::{bf16, f16};
 use mesa_kernels::reference::{self, quant as rq};
 use mesa_kernels::{
-    DType, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer, Rounding,
-    SavedActivation, StatsMode,
+    DType, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation,
+    StatsMode,
 };
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -98,11 +98,7 @@ fn verify<O: Element>(
                 let (off, scale) = rq::params_from_stats(&stats[g], bits);
                 assert_eq!(f64::from(p.offset), off, "group {g}: offset must be the exact minimum");
                 let tol = 3.0 * 2f64.powi(-24) * scale + 1e-45;
-                assert!(
-                    (f64::from(p.scale) - scale).abs() <= tol,
-                    "group {g}: scale {} vs reference {scale}",
-                    p.scale
-                );
+                assert!((f64::from(p.scale) - scale).abs() <= tol, "group {g}: scale {} vs reference {scale}", p.scale);
             }
             ParamsFrom::Running(before) => {
                 assert_eq!(p, before[g], "group {g}: saved params must be the running estimate that was used");
@@ -236,16 +232,19 @@ fn run_batches<T: Element>(
         let batch: Vec<(f64, f64)> = stats.iter().map(|s| rq::params_from_stats(s, config.bits)).collect();
         ref_running = Some(match ref_running {
             None => batch,
-            Some(prev) => {
-                prev.iter().zip(&batch).map(|(&p, &bt)| rq::ema(p, bt, f64::from(config.momentum))).collect()
-            }
+            Some(prev) => prev.iter().zip(&batch).map(|(&p, &bt)| rq::ema(p, bt, f64::from(config.momentum))).collect(),
         });
         let got = q.running_params().expect("running").expect("initialised");
         for (g, (p, r)) in got.iter().zip(ref_running.as_ref().expect("set")).enumerate() {
             // each EMA step adds a few f32 roundings relative to the magnitudes involved
             let mag = r.0.abs() + r.1 * levels + 1e-30;
             let tol = 8.0 * (b as f64 + 1.0) * 2f64.powi(-24) * mag;
-            assert!((f64::from(p.offset) - r.0).abs() <= tol, "batch {b} group {g}: running offset {} vs {}", p.offset, r.0);
+            assert!(
+                (f64::from(p.offset) - r.0).abs() <= tol,
+                "batch {b} group {g}: running offset {} vs {}",
+                p.offset,
+                r.0
+            );
             assert!(
                 (f64::from(p.scale) - r.1).abs() * levels <= tol,
                 "batch {b} group {g}: running scale {} vs {}",
@@ -271,15 +270,14 @@ fn parity_round_to_nearest_every_dtype_grouping_and_width() {
         for_each_dtype(|dtype| {
             for bits in [8, 4, 2] {
                 for (shape, grouping) in [
-                    (vec![2, 3, 17, 8], Grouping::Heads { axis: 1 }),     // [B,H,N,D]
-                    (vec![2, 17, 3, 8], Grouping::Heads { axis: 2 }),     // [B,N,H,D], head not innermost
+                    (vec![2, 3, 17, 8], Grouping::Heads { axis: 1 }), // [B,H,N,D]
+                    (vec![2, 17, 3, 8], Grouping::Heads { axis: 2 }), // [B,N,H,D], head not innermost
                     (vec![3, 5, 48], Grouping::Channels { axis: 2, groups: 6 }),
                     (vec![3, 5, 48], Grouping::Channels { axis: 2, groups: 16 }), // group run of 3: not a multiple of 8
                     (vec![4, 33], Grouping::Tensor),
                 ] {
                     for stats in [StatsMode::Exact, StatsMode::Running] {
-                        let config =
-                            QuantConfig { bits, grouping, rounding: Rounding::Nearest, momentum: 0.9, stats };
+                        let config = QuantConfig { bits, grouping, rounding: Rounding::Nearest, momentum: 0.9, stats };
                         run_dtype(&device, &mut rng, dtype, &shape, config, 3);
                     }
                 }
@@ -479,20 +477,13 @@ fn non_contiguous_views_transposed_offset_and_broadcast() {
         run_batches::<f32>(&device, &mut rng, &[2, 3, 11, 8], Some((&[2, 11, 3, 8], &[0, 2, 1, 3])), config, 3);
         run_batches::<bf16>(&device, &mut rng, &[2, 3, 11, 8], Some((&[2, 11, 3, 8], &[0, 2, 1, 3])), config, 3);
         // innermost dimension strided ([N, D] storage viewed as [D, N])
-        run_batches::<f16>(
-            &device,
-            &mut rng,
-            &[8, 13],
-            Some((&[13, 8], &[1, 0])),
-            QuantConfig::per_head(0),
-            2,
-        );
+        run_batches::<f16>(&device, &mut rng, &[8, 13], Some((&[13, 8], &[1, 0])), QuantConfig::per_head(0), 2);
 
         // a view offset by one element (not 16-byte aligned) with a padded row stride
         let data: Vec<bf16> = random_data(&mut rng, 1 + 4 * 40, 0.0, 2.0);
         let layout = Layout::strided(&[4, 37], &[40, 1], 1).expect("layout");
-        let mut q = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) })
-            .expect("q");
+        let mut q =
+            Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) }).expect("q");
         let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
         let x = reference::gather(&data, &layout);
         verify::<bf16>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
@@ -517,8 +508,8 @@ fn non_contiguous_views_transposed_offset_and_broadcast() {
         // a broadcast input (stride 0): every row the same
         let row: Vec<f32> = random_data(&mut rng, 24, 1.0, 1.0);
         let layout = Layout::strided(&[5, 24], &[0, 1], 0).expect("layout");
-        let mut q = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) })
-            .expect("q");
+        let mut q =
+            Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) }).expect("q");
         let saved = q.quantize(&device.upload(&row).expect("up"), &layout).expect("q");
         let x = reference::gather(&row, &layout);
         verify::<f32>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
@@ -562,7 +553,16 @@ fn non_finite_inputs_are_counted_and_never_decode_finite() {
                 let x = reference::gather(&data, &layout);
                 let from_batch = batch == 0 || stats == StatsMode::Exact;
                 if from_batch {
-                    verify::<f32>(&device, &saved, &x, Grouping::Heads { axis: 1 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
+                    verify::<f32>(
+                        &device,
+                        &saved,
+                        &x,
+                        Grouping::Heads { axis: 1 },
+                        8,
+                        Rounding::Nearest,
+                        0,
+                        ParamsFrom::Batch,
+                    );
                 }
                 let mut out = device.alloc_zeros::<f32>(128).expect("alloc");
                 saved.dequantize(&device, &mut out, &layout).expect("dq");
@@ -618,7 +618,8 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
         input[row + j] = value(1, j);
     }
     let layout = Layout::strided(&[2, 8], &[row, 1], 0).expect("layout");
-    let mut q = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) }).expect("q");
+    let mut q =
+        Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) }).expect("q");
     let saved = q.quantize(&input, &layout).expect("quantize");
     let x = reference::gather(&input, &layout);
     verify::<f32>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
@@ -650,7 +651,8 @@ fn real_activations_from_the_fixture() {
                     let mut q = Quantizer::new(&device, config).expect("q");
                     for b in 0..3 {
                         let t = st.tensor(&format!("layer{layer}.batch{b}.{kind}")).expect("tensor");
-                        let data: Vec<f16> = t.data().chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect();
+                        let data: Vec<f16> =
+                            t.data().chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect();
                         let layout = Layout::contiguous(&shape);
                         let before = q.running_params().expect("r");
                         let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
@@ -711,7 +713,11 @@ fn bad_input_is_an_error_not_a_panic() {
             Err(Error::Shape(_))
         ));
         // groups that do not divide the axis, axis out of range
-        let mut q = Quantizer::new(&device, QuantConfig { grouping: Grouping::Channels { axis: 2, groups: 3 }, ..QuantConfig::per_tensor() }).expect("q");
+        let mut q = Quantizer::new(
+            &device,
+            QuantConfig { grouping: Grouping::Channels { axis: 2, groups: 3 }, ..QuantConfig::per_tensor() },
+        )
+        .expect("q");
         assert!(matches!(q.quantize(&x, &l), Err(Error::Shape(_))));
         let mut q = Quantizer::new(&device, QuantConfig::per_head(3)).expect("q");
         assert!(matches!(q.quantize(&x, &l), Err(Error::Shape(_))));

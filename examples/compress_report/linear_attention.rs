@@ -114,7 +114,16 @@ fn features(device: &Device, map: &FeatureMap<'_>, x: &[f32], l: usize, d: usize
     Ok(phi)
 }
 
-fn attend(device: &Device, causal: bool, qf: &Buffer<f32>, kf: &Buffer<f32>, v: &[f32], l: usize, m: usize, d: usize) -> Result<Vec<f32>> {
+fn attend(
+    device: &Device,
+    causal: bool,
+    qf: &Buffer<f32>,
+    kf: &Buffer<f32>,
+    v: &[f32],
+    l: usize,
+    m: usize,
+    d: usize,
+) -> Result<Vec<f32>> {
     let base = if causal { LinearAttentionConfig::causal() } else { LinearAttentionConfig::bidirectional() };
     // positive features: the denominator is > 0 unless every product underflows, so the
     // guard only has to keep 0/0 away (an absolute ε of 1e-6 would swamp the tiny
@@ -124,7 +133,14 @@ fn attend(device: &Device, causal: bool, qf: &Buffer<f32>, kf: &Buffer<f32>, v: 
     let lv = Layout::contiguous(&[1, HEADS, l, d]);
     let vb = device.upload(v)?;
     let mut out = device.alloc_zeros::<f32>(HEADS * l * d)?;
-    forward(device, &cfg, TensorRef::new(qf, &lq), TensorRef::new(kf, &lq), TensorRef::new(&vb, &lv), TensorMut::new(&mut out, &lv))?;
+    forward(
+        device,
+        &cfg,
+        TensorRef::new(qf, &lq),
+        TensorRef::new(kf, &lq),
+        TensorRef::new(&vb, &lv),
+        TensorMut::new(&mut out, &lv),
+    )?;
     Ok(out.to_vec()?)
 }
 
@@ -155,7 +171,10 @@ impl Section {
                     let out = attend(device, causal, &qf, &kf, &s.v, l, proj.features(), d)?;
                     push(&mut approx[i], causal, rel_l2(&out, &exact));
                 }
-                let (qf, kf) = (features(device, &FeatureMap::Elu1, &s.q, l, d)?, features(device, &FeatureMap::Elu1, &s.k, l, d)?);
+                let (qf, kf) = (
+                    features(device, &FeatureMap::Elu1, &s.q, l, d)?,
+                    features(device, &FeatureMap::Elu1, &s.k, l, d)?,
+                );
                 let out = attend(device, causal, &qf, &kf, &s.v, l, d, d)?;
                 let last = approx.len() - 1;
                 push(&mut approx[last], causal, rel_l2(&out, &exact));
@@ -191,7 +210,15 @@ impl Section {
             "\n  saved for backward (causal, normalised, ELU+1, H={HEADS}, M=D={}, L={} = the samples' tokens concatenated):",
             self.head_dim, self.memory_len
         );
-        println!("  {:<15} {:>5} {:>12} {:>14} {:>11} {:>30}", "mode", "chunk", "saved B", "saved B (L/2)", "B / token", format!("fwd+bwd {label}"));
+        println!(
+            "  {:<15} {:>5} {:>12} {:>14} {:>11} {:>30}",
+            "mode",
+            "chunk",
+            "saved B",
+            "saved B (L/2)",
+            "B / token",
+            format!("fwd+bwd {label}")
+        );
         for r in &self.memory {
             println!(
                 "  {:<15} {:>5} {:>12} {:>14} {:>11.1} {:>30.3}",
@@ -280,10 +307,7 @@ fn memory_table(device: &Device, samples: &[Sample], l: usize, d: usize) -> Resu
     let gb = device.upload(&v.iter().map(|x| x * 0.5).collect::<Vec<f32>>())?;
     let layout = Layout::contiguous(&[1, HEADS, total, d]);
     let mut rows = Vec::new();
-    let configs = CHUNKS
-        .iter()
-        .map(|&c| (MemoryMode::BoundaryStates, c))
-        .chain([(MemoryMode::Slim, 64)]);
+    let configs = CHUNKS.iter().map(|&c| (MemoryMode::BoundaryStates, c)).chain([(MemoryMode::Slim, 64)]);
     for (mode, chunk) in configs {
         let cfg = LinearAttentionConfig { chunk, memory: mode, ..LinearAttentionConfig::causal() };
         let dims = |len| Dims { batch: 1, heads: HEADS, len, feat: d, dim: d };
@@ -294,7 +318,14 @@ fn memory_table(device: &Device, samples: &[Sample], l: usize, d: usize) -> Resu
         let mut dv = device.alloc_zeros::<f32>(HEADS * total * d)?;
         device.synchronize()?;
         let start = Instant::now();
-        let saved = forward(device, &cfg, TensorRef::new(&qf, &layout), TensorRef::new(&kf, &layout), TensorRef::new(&vb, &layout), TensorMut::new(&mut out, &layout))?;
+        let saved = forward(
+            device,
+            &cfg,
+            TensorRef::new(&qf, &layout),
+            TensorRef::new(&kf, &layout),
+            TensorRef::new(&vb, &layout),
+            TensorMut::new(&mut out, &layout),
+        )?;
         backward(
             device,
             &saved,

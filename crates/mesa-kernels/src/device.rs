@@ -13,7 +13,10 @@ use std::ffi::c_void;
 use std::panic::catch_unwind;
 use std::sync::Arc;
 
-use cudarc::driver::{DeviceRepr, ValidAsZeroBits, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
+    ValidAsZeroBits,
+};
 
 use crate::error::{Error, Result};
 
@@ -417,7 +420,12 @@ fn same_context(view_stream: &CudaStream, stream: &CudaStream) -> Result<()> {
 
 impl Device {
     /// The address of `m` for a kernel that reads it (element `offset` onward).
-    pub(crate) fn read_ptr<'a, T>(&'a self, m: &'a MemRef<'a, T>, offset: usize, what: &'static str) -> Result<Ptr<'a>> {
+    pub(crate) fn read_ptr<'a, T>(
+        &'a self,
+        m: &'a MemRef<'a, T>,
+        offset: usize,
+        what: &'static str,
+    ) -> Result<Ptr<'a>> {
         let elem = std::mem::size_of::<T>() as u64;
         match (&self.kind, m) {
             (Kind::Cuda(s), MemRef::Cuda(v)) => {

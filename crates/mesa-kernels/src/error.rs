@@ -113,10 +113,9 @@ pub(crate) fn check_status(op: &'static str, status: sys::MesaStatus, cc: Option
         c if c >= sys::MESA_STATUS_CUDA_ERROR_BASE => {
             let cuda = (c - sys::MESA_STATUS_CUDA_ERROR_BASE) as i32;
             match cuda {
-                CUDA_ERROR_NO_KERNEL_IMAGE | CUDA_ERROR_UNSUPPORTED_PTX => Err(Error::NoKernelImage {
-                    compute_capability: cc.unwrap_or((0, 0)),
-                    built: sys::CUDA_ARCHS,
-                }),
+                CUDA_ERROR_NO_KERNEL_IMAGE | CUDA_ERROR_UNSUPPORTED_PTX => {
+                    Err(Error::NoKernelImage { compute_capability: cc.unwrap_or((0, 0)), built: sys::CUDA_ARCHS })
+                }
                 CUDA_ERROR_INSUFFICIENT_DRIVER => Err(Error::NoCudaDevice(format!(
                     "{op}: the CUDA driver is older than the runtime the kernels were built with (cudaError {cuda})"
                 ))),

@@ -114,7 +114,11 @@ impl FavorProjection {
     pub fn from_matrix(device: &Device, features: usize, in_dim: usize, omega: &[f32]) -> Result<Self> {
         Self::check_dims(features, in_dim)?;
         if omega.len() != features * in_dim {
-            return Err(Error::Shape(format!("omega has {} entries, [{features}, {in_dim}] needs {}", omega.len(), features * in_dim)));
+            return Err(Error::Shape(format!(
+                "omega has {} entries, [{features}, {in_dim}] needs {}",
+                omega.len(),
+                features * in_dim
+            )));
         }
         if omega.iter().any(|x| !x.is_finite()) {
             return Err(Error::Shape("omega has a non-finite entry".into()));
@@ -246,7 +250,12 @@ fn check_favor_dims(map: &FeatureMap<'_>, d: usize) -> Result<()> {
 /// # Errors
 /// [`Error::Shape`] (ranks, shapes, ω's `d`, overlapping output), [`Error::Unsupported`],
 /// [`Error::BufferTooShort`], [`Error::TooLarge`], [`Error::WrongBackend`], CUDA errors.
-pub fn forward<T: Element>(device: &Device, map: &FeatureMap<'_>, x: TensorRef<'_, T>, phi: TensorMut<'_, T>) -> Result<()> {
+pub fn forward<T: Element>(
+    device: &Device,
+    map: &FeatureMap<'_>,
+    x: TensorRef<'_, T>,
+    phi: TensorMut<'_, T>,
+) -> Result<()> {
     let (xd, xl) = (x.data_ref(), x.layout());
     let xs = shape4(xl, xd.len(), "x")?;
     let (mut pm, pl) = phi.parts();
@@ -293,7 +302,9 @@ pub fn forward<T: Element>(device: &Device, map: &FeatureMap<'_>, x: TensorRef<'
     // SAFETY: x and phi are rank-4 views inside their buffers (check_fits) with matching
     // [B, H, L] and phi's last dim = m; phi does not overlap itself; ω holds m·d f32 (its
     // in_dim was checked equal to x's d).
-    unsafe { device.launch("feature_map_forward", &args, sys::mesa_feature_map_forward, sys::mesa_emu_feature_map_forward) }
+    unsafe {
+        device.launch("feature_map_forward", &args, sys::mesa_feature_map_forward, sys::mesa_emu_feature_map_forward)
+    }
 }
 
 /// dx from dφ. ReLU and ELU+1 read `x`; FAVOR+ also reads `phi` (the forward's output),

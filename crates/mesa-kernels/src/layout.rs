@@ -197,9 +197,7 @@ impl Grouping {
                     .get(axis)
                     .ok_or_else(|| Error::Shape(format!("group axis {axis} out of range for rank {}", shape.len())))?;
                 if groups == 0 || n % groups != 0 {
-                    return Err(Error::Shape(format!(
-                        "{groups} groups do not divide axis {axis} of length {n}"
-                    )));
+                    return Err(Error::Shape(format!("{groups} groups do not divide axis {axis} of length {n}")));
                 }
                 Ok((Some(axis), n / groups, groups))
             }

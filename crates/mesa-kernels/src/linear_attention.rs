@@ -262,11 +262,8 @@ fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<((usize, usize), u
     let bh = d.batch.checked_mul(d.heads).ok_or_else(too_large)?;
     let per = d.feat.checked_mul(state_width(d, c)).ok_or_else(too_large)?;
     let fin = bh.checked_mul(per).ok_or_else(too_large)?;
-    let bnd = if c.keeps_boundaries() {
-        fin.checked_mul(d.len.div_ceil(c.chunk.max(1))).ok_or_else(too_large)?
-    } else {
-        0
-    };
+    let bnd =
+        if c.keeps_boundaries() { fin.checked_mul(d.len.div_ceil(c.chunk.max(1))).ok_or_else(too_large)? } else { 0 };
     let den = if c.normalize { bh.checked_mul(d.len).ok_or_else(too_large)? } else { 0 };
     if fin.max(bnd).max(den) >= i64::MAX as usize / 4 {
         return Err(too_large());
@@ -439,7 +436,11 @@ pub fn backward<T: Element>(
     let config = saved.config;
     let dims = saved.dims;
     if saved.dtype != T::DTYPE {
-        return Err(Error::Shape(format!("saved by a {} forward, backward in {}", saved.dtype.name(), T::DTYPE.name())));
+        return Err(Error::Shape(format!(
+            "saved by a {} forward, backward in {}",
+            saved.dtype.name(),
+            T::DTYPE.name()
+        )));
     }
     match (device.kind(), &saved.state) {
         (Kind::Cuda(_), Buffer::Cuda(_)) | (Kind::Emulator, Buffer::Host(_)) => {}

@@ -208,7 +208,11 @@ impl Quantizer {
     /// [`Error::Shape`] (bad grouping, group count differing from the first batch),
     /// [`Error::BufferTooShort`], [`Error::TooLarge`], [`Error::WrongBackend`],
     /// [`Error::Misaligned`], CUDA errors.
-    pub fn quantize<T: Element>(&mut self, x: &(impl DeviceMemory<T> + ?Sized), layout: &Layout) -> Result<SavedActivation> {
+    pub fn quantize<T: Element>(
+        &mut self,
+        x: &(impl DeviceMemory<T> + ?Sized),
+        layout: &Layout,
+    ) -> Result<SavedActivation> {
         let numel = layout.check_fits(x.mem_ref().len(), "input")?;
         let groups = self.config.grouping.num_groups(layout.shape())?;
         let mut saved = SavedActivation {

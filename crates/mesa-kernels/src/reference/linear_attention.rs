@@ -98,11 +98,8 @@ pub fn backward(
             }
             let g = normalize.map_or(1.0, |eps| guard(den, eps));
             let dnum: Vec<f64> = (0..d).map(|j| gb[t * d + j] / g).collect();
-            let dden = if normalize.is_some() {
-                -(0..d).map(|j| gb[t * d + j] * num[j]).sum::<f64>() / (g * g)
-            } else {
-                0.0
-            };
+            let dden =
+                if normalize.is_some() { -(0..d).map(|j| gb[t * d + j] * num[j]).sum::<f64>() / (g * g) } else { 0.0 };
             for s in (0..l).filter(|&s| visible(causal, t, s)) {
                 let a = dot(s);
                 let da: f64 = (0..d).map(|j| dnum[j] * vb[s * d + j]).sum::<f64>() + dden;

@@ -65,10 +65,7 @@ pub fn params_from_stats(s: &Stats, bits: u32) -> (f64, f64) {
 /// One step of Mesa's running estimate (§3.3): `m · running + (1 − m) · batch`, per field.
 #[must_use]
 pub fn ema(running: (f64, f64), batch: (f64, f64), momentum: f64) -> (f64, f64) {
-    (
-        momentum * running.0 + (1.0 - momentum) * batch.0,
-        momentum * running.1 + (1.0 - momentum) * batch.1,
-    )
+    (momentum * running.0 + (1.0 - momentum) * batch.0, momentum * running.1 + (1.0 - momentum) * batch.1)
 }
 
 /// The real-valued code position `t = (x − offset) / scale` (0 for a zero scale).
@@ -114,12 +111,7 @@ pub fn philox4x32_10(counter: u64, key: u64) -> [u32; 4] {
     for _ in 0..10 {
         let p0 = M0 * u64::from(c[0]);
         let p1 = M1 * u64::from(c[2]);
-        c = [
-            ((p1 >> 32) as u32) ^ c[1] ^ k[0],
-            p1 as u32,
-            ((p0 >> 32) as u32) ^ c[3] ^ k[1],
-            p0 as u32,
-        ];
+        c = [((p1 >> 32) as u32) ^ c[1] ^ k[0], p1 as u32, ((p0 >> 32) as u32) ^ c[3] ^ k[1], p0 as u32];
         k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
     }
     c
