@@ -190,7 +190,7 @@ fn favor_u(xrow: &[f64], omega: &[f64], m: usize) -> Vec<f64> {
 /// `x: [rows_per_seq × seqs, d]` contiguous (a sequence = one (b, h)); ω `[m, d]`.
 #[must_use]
 pub fn favor(x: &[f64], d: usize, omega: &[f64], m: usize, seq_len: usize, stab: Stabilizer) -> Vec<f64> {
-    let rows = if d == 0 { 0 } else { x.len() / d };
+    let rows = x.len().checked_div(d).unwrap_or(0);
     let us: Vec<Vec<f64>> = (0..rows).map(|r| favor_u(&x[r * d..(r + 1) * d], omega, m)).collect();
     let rmax = |u: &Vec<f64>| u.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let mut out = Vec::with_capacity(rows * m);
@@ -213,7 +213,7 @@ pub fn favor(x: &[f64], d: usize, omega: &[f64], m: usize, seq_len: usize, stab:
 /// FAVOR+ backward with c constant: `dx = d^(−1/4) Σ_i dφ_i φ_i (ω_i − x')`.
 #[must_use]
 pub fn favor_backward(x: &[f64], d: usize, omega: &[f64], m: usize, phi: &[f64], dphi: &[f64]) -> Vec<f64> {
-    let rows = if d == 0 { 0 } else { x.len() / d };
+    let rows = x.len().checked_div(d).unwrap_or(0);
     let xs = (d as f64).powf(-0.25);
     let mut dx = vec![0.0; x.len()];
     for r in 0..rows {
