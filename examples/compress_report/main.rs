@@ -23,7 +23,8 @@
 //! attention probabilities `[B, H, N, N]` one group per head on axis 1, and the GELU and
 //! LayerNorm inputs `[B, N, C]` 12 channel groups on axis 2.
 //!
-//! It runs on [`Device::best_available`]: the GPU when there is one, else the host emulation.
+//! It runs on the GPU when one is usable, else on the host emulation (`MESA_REQUIRE_GPU=1`
+//! makes a missing GPU an error).
 //! Errors are measured in f64 against the f32 input, using [`mesa_kernels::reference`].
 use std::collections::BTreeMap;
 use std::error::Error;
@@ -151,6 +152,21 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Option<Options>> {
     Ok(Some(options))
 }
 
+/// The GPU when one is usable, else the emulation (saying why on stderr);
+/// `MESA_REQUIRE_GPU=1` turns a missing GPU into an error.
+fn pick_device() -> Result<Device> {
+    match Device::cuda(0) {
+        Ok(device) => Ok(device),
+        Err(e) if std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
+            Err(format!("MESA_REQUIRE_GPU=1 but the CUDA backend is unavailable: {e}").into())
+        }
+        Err(e) => {
+            eprintln!("note: running on the host emulation ({e})");
+            Ok(Device::emulator())
+        }
+    }
+}
+
 fn parse_bits(text: &str) -> Result<u32> {
     match text.parse() {
         Ok(bits @ (2 | 4 | 8)) => Ok(bits),
@@ -166,7 +182,7 @@ fn run(options: &Options) -> Result<()> {
         .map_err(|e| format!("{} is not a valid safetensors file: {e}", path.display()))?;
     let series = load_series(&file, options.input.is_none())?;
 
-    let device = Device::best_available();
+    let device = pick_device()?;
     let mut rows = Vec::new();
     for s in &series {
         rows.extend(quantize_series(&device, s, options)?);

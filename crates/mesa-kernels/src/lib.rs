@@ -13,7 +13,7 @@
 //! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
 //! streams pass straight in) or the host emulation, which compiles the same kernel source
 //! for the CPU so that every test runs without a GPU. Errors are values ([`Error`]), checked
-//! before launch; nothing panics on bad input. [`reference`] holds an independent f64
+//! before launch; nothing panics on bad input. [`reference`](mod@reference) holds an independent f64
 //! implementation of every op.
 //!
 //! ```
