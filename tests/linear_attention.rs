@@ -59,7 +59,7 @@ impl Shape {
 }
 
 /// Magnitudes `mag` of the tolerance (see the module docs): (out, dq, dk, dv).
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn magnitudes(
     q: &[f64],
     k: &[f64],
@@ -494,10 +494,8 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
     let lc = Layout::contiguous(&[2, 1, 3, 2]);
     let mut qbig = vec![0f32; far + 6];
     let qv: Vec<f32> = (0..12).map(|i| 0.25 + 0.125 * i as f32).collect();
-    for i in 0..6 {
-        qbig[i] = qv[i];
-        qbig[far + i] = qv[6 + i];
-    }
+    qbig[..6].copy_from_slice(&qv[..6]);
+    qbig[far..far + 6].copy_from_slice(&qv[6..]);
     let k: Vec<f32> = (0..12).map(|i| 1.0 + 0.5 * (i % 5) as f32).collect();
     let v: Vec<f32> = (0..12).map(|i| (i as f32) - 4.0).collect();
     let mut obig = vec![0f32; far + 6];
@@ -691,6 +689,7 @@ fn bad_inputs_are_errors() {
 // ---------------------------------------------------------------------------------------
 // Feature maps
 
+#[allow(clippy::too_many_arguments)]
 fn fm_parity<T: Element>(
     device: &Device,
     rng: &mut StdRng,
