@@ -556,7 +556,7 @@ fn more_than_65535_heads_use_a_grid_stride_loop() {
     let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
     let mut out = vec![f32::NAN; n.vd()];
     let cfg = LinearAttentionConfig { normalize: false, ..LinearAttentionConfig::causal() };
-    forward(
+    let saved = forward(
         &device,
         &cfg,
         TensorRef::new(&q, &lq),
@@ -565,11 +565,34 @@ fn more_than_65535_heads_use_a_grid_stride_loop() {
         TensorMut::new(&mut out, &lv),
     )
     .expect("forward");
+    let g: Vec<f32> = (0..n.vd()).map(|i| (i % 5) as f32 - 2.0).collect();
+    let (mut dq, mut dk, mut dv) = (vec![f32::NAN; n.qk()], vec![f32::NAN; n.qk()], vec![f32::NAN; n.vd()]);
+    backward(
+        &device,
+        &saved,
+        TensorRef::new(&q, &lq),
+        TensorRef::new(&k, &lq),
+        TensorRef::new(&v, &lv),
+        None,
+        TensorRef::new(&g, &lv),
+        TensorMut::new(&mut dq, &lq),
+        TensorMut::new(&mut dk, &lq),
+        TensorMut::new(&mut dv, &lv),
+    )
+    .expect("backward");
     // M = D = 1: out_0 = q0 k0 v0, out_1 = q1 (k0 v0 + k1 v1), all exact in f32 here
     for bh in 0..n.b * n.h {
         let (q0, q1, k0, k1, v0, v1) = (q[2 * bh], q[2 * bh + 1], k[2 * bh], k[2 * bh + 1], v[2 * bh], v[2 * bh + 1]);
         assert_eq!(out[2 * bh], q0 * k0 * v0, "bh {bh}");
         assert_eq!(out[2 * bh + 1], q1 * (k0 * v0 + k1 * v1), "bh {bh}");
+        // gradients (small dyadic values: every product and sum is exact in f32)
+        let (g0, g1) = (g[2 * bh], g[2 * bh + 1]);
+        assert_eq!(dq[2 * bh], g0 * v0 * k0, "dq bh {bh}");
+        assert_eq!(dq[2 * bh + 1], g1 * (v0 * k0 + v1 * k1), "dq bh {bh}");
+        assert_eq!(dk[2 * bh], v0 * (g0 * q0 + g1 * q1), "dk bh {bh}");
+        assert_eq!(dk[2 * bh + 1], v1 * g1 * q1, "dk bh {bh}");
+        assert_eq!(dv[2 * bh], k0 * (q0 * g0 + q1 * g1), "dv bh {bh}");
+        assert_eq!(dv[2 * bh + 1], k1 * q1 * g1, "dv bh {bh}");
     }
 }
 
