@@ -133,15 +133,6 @@ fn check_close(what: &str, got: &[f64], want: &[f64], mag: &[f64], n: Shape, dty
     assert_eq!(got.len(), want.len(), "{what}: length");
     let u = unit_roundoff(dtype);
     let chain = (n.m + n.d + 2 * n.l + 8) as f64 * 2f64.powi(-24);
-    if std::env::var("LA_DEBUG").is_ok() {
-        let worst = got
-            .iter()
-            .zip(want)
-            .zip(mag)
-            .map(|((g, w), m)| (g - w).abs() / ((chain + 4.0 * u) * m + u * w.abs() + 1e-300))
-            .fold(0.0, f64::max);
-        eprintln!("{what}: worst err/tol {worst:.3}");
-    }
     for (i, ((&g, &w), &mg)) in got.iter().zip(want).zip(mag).enumerate() {
         assert!(g.is_finite(), "{what}[{i}] = {g} is not finite (element not written?)");
         let tol = (chain + 4.0 * u) * mg + u * w.abs() + 1e-300;
