@@ -161,8 +161,10 @@ fn parse_archs(s: &str) -> Result<Vec<Arch>, String> {
         let cc: u32 = digits
             .parse()
             .map_err(|_| format!("`{raw}` is not a compute capability (expected e.g. 80, 8.0, sm_90, 90a)"))?;
-        if !(75..=130).contains(&cc) {
-            return Err(format!("`{raw}`: compute capability {cc} is outside what CUDA 13 supports (75..=121)"));
+        // what nvcc 13 accepts (`nvcc --list-gpu-arch`)
+        const KNOWN: [u32; 13] = [75, 80, 86, 87, 88, 89, 90, 100, 103, 107, 110, 120, 121];
+        if !KNOWN.contains(&cc) {
+            return Err(format!("`{raw}`: compute capability {cc} is not one CUDA 13 knows ({KNOWN:?})"));
         }
         if cc < 80 {
             return Err(format!("`{raw}`: the kernels need bf16 arithmetic, i.e. sm_80 or newer"));

@@ -19,6 +19,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <cuda/atomic>
+#include <cuda/ptx>
 #define MESA_NS mesa_cuda_kernels
 #define MESA_ENTRY(name) mesa_##name
 #endif
@@ -40,6 +42,8 @@ __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { ret
 #else
 #define MESA_LAUNCH(kernel, grid, block, smem, stream, ...) \
   (kernel<<<(grid), (block), (smem), (cudaStream_t)(stream)>>>(__VA_ARGS__), cudaGetLastError())
+#define MESA_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream, ...) \
+  ::MESA_NS::launch_cooperative((kernel), (grid), (block), (smem), (cudaStream_t)(stream), __VA_ARGS__)
 #endif
 
 inline MesaStatus status_from(cudaError_t e) {
@@ -62,6 +66,69 @@ inline int sm_count() {
   return n;
 #endif
 }
+
+// ---------------------------------------------------------------------------------------
+// Cooperative launch (CUDA build; the emulation runs every block of such a launch on its own
+// OS thread). All blocks of the grid are guaranteed co-resident, so blocks may wait for each
+// other. Fails with cudaErrorCooperativeLaunchTooLarge, before launching, when the device
+// lacks cooperative launch or the grid exceeds what its multiprocessors can hold at once
+// (occupancy of this kernel at this block size and shared memory x SM count).
+#ifndef MESA_EMU
+template <typename... KArgs, typename... Args>
+cudaError_t launch_cooperative(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                               Args... args) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  int supported = 0;
+  e = cudaDeviceGetAttribute(&supported, cudaDevAttrCooperativeLaunch, device);
+  if (e != cudaSuccess) return e;
+  if (!supported) return cudaErrorCooperativeLaunchTooLarge;
+  int per_sm = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, int(block.x * block.y * block.z), smem);
+  if (e != cudaSuccess) return e;
+  const long long blocks = 1ll * grid.x * grid.y * grid.z;
+  if (blocks > 1ll * per_sm * sm_count()) return cudaErrorCooperativeLaunchTooLarge;
+  // the kernel's parameters, converted to its exact parameter types, addressed by the array
+  auto params = [&](KArgs... typed) {
+    void* argv[] = {static_cast<void*>(&typed)..., nullptr};
+    return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid, block, argv, smem, stream);
+  };
+  return params(args...);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------
+// Cross-device synchronisation (collectives): acquire/release at system scope, so a flag
+// written by a peer GPU over NVLink/PCIe orders the data written before it; and a wall
+// clock in nanoseconds for bounded waits (%globaltimer through libcu++ on the GPU, the
+// host's steady clock in the emulation).
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+#ifdef MESA_EMU
+  return __mesa_load_acquire(p);
+#else
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_system> a(*const_cast<uint32_t*>(p));
+  return a.load(cuda::memory_order_acquire);
+#endif
+}
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+#ifdef MESA_EMU
+  __mesa_store_release(p, v);
+#else
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_system> a(*p);
+  a.store(v, cuda::memory_order_release);
+#endif
+}
+__device__ __forceinline__ uint64_t timer_ns() {
+#ifdef MESA_EMU
+  return uint64_t(::mesa_emu::steady_ns());
+#else
+  return cuda::ptx::get_sreg_globaltimer();
+#endif
+}
+// Wrap-safe "counter a has reached b" for monotonic u32 epochs (valid while the two are
+// within 2^31 of each other).
+__device__ __forceinline__ bool epoch_reached(uint32_t a, uint32_t b) { return int32_t(a - b) >= 0; }
 
 // ---------------------------------------------------------------------------------------
 // dtype conversion: all arithmetic is f32.

@@ -41,18 +41,37 @@ struct GroupMap {
 
 struct CodeParams {
   float offset;
-  float inv_scale;
+  float scale;
+  float inv_scale;  // 1/scale, or 0 when t is computed by division (tiny scale) or scale is 0/NaN
 };
+// Below this scale 1/scale would overflow (or lose its accuracy near FLT_MAX): those groups
+// divide instead of multiplying. Only ranges under ~1e-28 take the division.
+constexpr float kMinScaleForReciprocal = 1.0e-30f;
+
 __device__ __forceinline__ CodeParams code_params(MesaGroupParams p) {
-  // 1/scale saturates at FLT_MAX for a subnormal scale; NaN and 0 scale give 0.
-  const float inv = p.scale > 0.0f ? fminf(1.0f / p.scale, 3.402823466e38f) : 0.0f;
-  return CodeParams{p.offset, inv};
+  const float inv = p.scale >= kMinScaleForReciprocal ? 1.0f / p.scale : 0.0f;  // NaN, 0: 0
+  return CodeParams{p.offset, p.scale, inv};
+}
+
+// t = (x - offset) / scale, evaluated so that it neither overflows nor loses the tiny scales:
+//   * normal case: one subtraction and one multiplication by 1/scale;
+//   * x - offset overflows f32 (range wider than FLT_MAX): halve both terms first (exact);
+//   * scale below kMinScaleForReciprocal (but > 0): IEEE division.
+// __fmul_rn / __fdiv_rn are never contracted into an FMA with the `+ u` of stochastic
+// rounding, so the GPU rounds t exactly as the emulation does.
+__device__ __forceinline__ float code_position(float x, CodeParams p) {
+  float d = x - p.offset;
+  float twice = 1.0f;
+  if (!is_finite(d) && is_finite(x)) {
+    d = 0.5f * x - 0.5f * p.offset;
+    twice = 2.0f;
+  }
+  if (p.inv_scale == 0.0f && p.scale > 0.0f) return twice * __fdiv_rn(d, p.scale);
+  return twice * __fmul_rn(d, p.inv_scale);
 }
 
 __device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
-  // __fmul_rn: never contracted into an FMA with the `+ u` below, so the GPU rounds t
-  // exactly as the emulation does
-  const float t = __fmul_rn(x - p.offset, p.inv_scale);
+  const float t = code_position(x, p);
   const float r = stochastic ? floorf(t + u) : rintf(t);
   return unsigned(fminf(fmaxf(r, 0.0f), levels));  // fmaxf(NaN, 0) = 0
 }
@@ -279,7 +298,14 @@ __global__ void __launch_bounds__(kBlock) quant_finalize_kernel(MesaQuantFinaliz
       const float lo = key_float(s.min_key);
       const float hi = key_float(s.max_key);
       batch.offset = lo;
-      batch.scale = (hi - lo) / levels;  // f32: a tiny f16/bf16 range stays finite and > 0
+      // In f64: hi - lo may exceed FLT_MAX (the quotient never does). Rounded UP to f32, so
+      // that the whole range fits in the codes even when the step is a handful of subnormal
+      // ulps (range < levels * 2^-149 gets the smallest subnormal step, not 0). IEEE f64
+      // arithmetic and one conversion: identical on both builds.
+      const double step = (double(hi) - double(lo)) / double(levels);
+      float scale = float(step);
+      if (double(scale) < step) scale = __uint_as_float(__float_as_uint(scale) + 1u);
+      batch.scale = scale;
     }
     MesaGroupParams used;
     MesaGroupParams next = a.running[g];

@@ -36,12 +36,13 @@ fn unit_roundoff(dtype: DType) -> f64 {
     }
 }
 
-/// Smallest positive subnormal-ish absolute slack of a type (for values near zero).
+/// Absolute rounding slack of a type near zero: its smallest subnormal (the spacing of its
+/// subnormal range, where the relative bound no longer holds).
 fn abs_floor(dtype: DType) -> f64 {
     match dtype {
-        DType::F32 => 1e-44,
+        DType::F32 => 2f64.powi(-149),
         DType::F16 => 2f64.powi(-24),
-        DType::BF16 => 1e-38,
+        DType::BF16 => 2f64.powi(-133),
     }
 }
 
@@ -94,7 +95,9 @@ fn verify<O: Element>(
             ParamsFrom::Batch => {
                 let (off, scale) = rq::params_from_stats(&stats[g], bits);
                 assert_eq!(f64::from(p.offset), off, "group {g}: offset must be the exact minimum");
-                let tol = 3.0 * 2f64.powi(-24) * scale + 1e-45;
+                // f64 quotient rounded up to f32: under one f32 ulp (relative 2^-23, or the
+                // subnormal spacing 2^-149) above the exact step, never below it
+                let tol = 2f64.powi(-23) * scale + 2f64.powi(-149);
                 assert!((f64::from(p.scale) - scale).abs() <= tol, "group {g}: scale {} vs reference {scale}", p.scale);
             }
             ParamsFrom::Running(before) => {
@@ -780,4 +783,68 @@ fn memory_of_the_wrong_backend_is_rejected() {
     // SAFETY: the allocation holds 16 f32; the view below is rejected before any access.
     let raw = unsafe { mesa_kernels::RawDeviceSlice::<f32>::new(ptr + 2, 8) };
     assert!(matches!(q.quantize(&raw, &Layout::contiguous(&[8])), Err(Error::Misaligned { .. })));
+}
+
+#[test]
+fn extreme_ranges_decode_within_half_a_step() {
+    // Ranges whose width overflows f32 (max - min > FLT_MAX) and ranges so small that
+    // 1/scale would overflow: both must still give correct codes, finite parameters, and a
+    // running estimate that keeps working on the next, ordinary batch.
+    for device in common::backends() {
+        let cases: Vec<Vec<f32>> = vec![
+            vec![-3e38, 3e38, 0.0, 1.0, 0.5e38, -2.9e38, 1.7e38, 3e38],
+            vec![-f32::MAX, f32::MAX, 0.0, -1.0, f32::MAX / 3.0, -f32::MAX / 7.0, 1e30, 2.0],
+            (0..8).map(|i| i as f32 * 5e-38).collect(),
+            (0..8).map(|i| f32::from_bits(i * 3)).collect(), // subnormals 0 .. 21·2^-149
+            vec![-1e-38, -0.0, -5e-39, -1e-39, -3e-39, -7e-39, -9e-39, -2e-39],
+        ];
+        for bits in [8, 4, 2] {
+            for data in &cases {
+                let layout = Layout::contiguous(&[8]);
+                let mut q = Quantizer::new(&device, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
+                let saved = q.quantize(&device.upload(data).expect("up"), &layout).expect("q");
+                let x = reference::gather(data, &layout);
+                verify::<f32>(&device, &saved, &x, Grouping::Tensor, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
+                assert!(saved.params().expect("p").iter().all(|p| p.scale.is_finite()), "{data:?}");
+                // an ordinary batch afterwards (one pass with the running estimate) decodes finite
+                let next: Vec<f32> = (0..8).map(|i| i as f32 * 0.1).collect();
+                let saved = q.quantize(&device.upload(&next).expect("up"), &layout).expect("q");
+                let mut out = device.alloc_zeros::<f32>(8).expect("alloc");
+                saved.dequantize(&device, &mut out, &layout).expect("dq");
+                assert!(out.to_vec().expect("down").iter().all(|v| v.is_finite()), "after {data:?}");
+            }
+            // bf16 subnormal and extreme inputs
+            let b: Vec<bf16> =
+                [1u16, 5, 9, 0x7f, 0x8003, 0x7f7f, 0xff7f, 0].iter().map(|&bits16| bf16::from_bits(bits16)).collect();
+            for pair in [&b[..4], &b[4..]] {
+                let layout = Layout::contiguous(&[4]);
+                let mut q = Quantizer::new(&device, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
+                let saved = q.quantize(&device.upload(pair).expect("up"), &layout).expect("q");
+                let x = reference::gather(pair, &layout);
+                verify::<bf16>(&device, &saved, &x, Grouping::Tensor, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
+            }
+        }
+    }
+}
+
+#[test]
+fn sizes_that_overflow_are_errors() {
+    for device in common::backends() {
+        // a broadcast view of 2^61 elements over a 1-element buffer: its 8-bit code count
+        // overflows usize — an error, before any allocation or launch
+        let one = device.upload(&[1f32]).expect("up");
+        let view = Layout::strided(&[(1usize << 61) + 8], &[0], 0).expect("layout");
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        assert!(matches!(q.quantize(&one, &view), Err(Error::TooLarge(_))));
+        assert!(matches!(device.alloc_zeros::<f32>(usize::MAX), Err(Error::TooLarge(_) | Error::Cuda(_))));
+        // empty tensors with a zero-length or split group axis
+        for grouping in [Grouping::Channels { axis: 0, groups: 2 }, Grouping::Heads { axis: 0 }] {
+            let layout = Layout::contiguous(&[0, 4]);
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            let saved = q.quantize(&one, &layout).expect("empty quantize");
+            let mut out = device.upload(&[7f32]).expect("up");
+            saved.dequantize(&device, &mut out, &layout).expect("empty dequantize");
+            assert_eq!(out.to_vec().expect("down"), vec![7.0]);
+        }
+    }
 }

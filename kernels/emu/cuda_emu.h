@@ -290,7 +290,31 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
 
 // ---------------------------------------------------------------------------------------
+// Clocks and system-scope atomics (used by the collectives' bounded cross-rank waits).
+// clock64(): a monotonic tick count (nanoseconds of the host's steady clock here, SM cycles
+// on the GPU); mesa_emu::steady_ns() stands in for the GPU's %globaltimer (nanoseconds).
+// Acquire/release loads and stores go through std::atomic_ref: blocks of a cooperative launch
+// are real OS threads, so the orderings are those a GPU gives at system scope.
+namespace mesa_emu {
+long long steady_ns();
+}
+inline long long clock64() { return ::mesa_emu::steady_ns(); }
+template <typename T>
+inline T __mesa_load_acquire(const T* p) {
+  return std::atomic_ref<T>(*const_cast<T*>(p)).load(std::memory_order_acquire);
+}
+template <typename T>
+inline void __mesa_store_release(T* p, T v) {
+  std::atomic_ref<T>(*p).store(v, std::memory_order_release);
+}
+
+// ---------------------------------------------------------------------------------------
 // Runtime API subset used by the launchers.
 typedef int cudaError_t;
 typedef void* cudaStream_t;
-enum : int { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9 };
+enum : int {
+  cudaSuccess = 0,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorCooperativeLaunchTooLarge = 720
+};

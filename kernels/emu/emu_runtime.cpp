@@ -20,6 +20,7 @@
 #define MESA_EMU_UCONTEXT 1
 #endif
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -308,13 +309,18 @@ int env_threads() {
   const char* s = std::getenv("MESA_EMU_THREADS");
   if (s != nullptr) {
     const int v = std::atoi(s);
-    if (v > 0) return v;
+    if (v > 0) return v < 256 ? v : 256;  // more workers than this only costs fiber stacks
   }
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : int(hw);
 }
 
 }  // namespace
+
+long long steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 int worker_count() {
   static const int n = env_threads();
@@ -396,20 +402,23 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
   if (grid.x > kMaxGridX || grid.y > kMaxGridYZ || grid.z > kMaxGridYZ) return cudaErrorInvalidConfiguration;
   if (dynamic_smem_bytes > 227u * 1024u) return cudaErrorInvalidConfiguration;
   const unsigned long long blocks = 1ull * grid.x * grid.y * grid.z;
-  if (cooperative && blocks > kMaxCooperativeBlocks) return cudaErrorInvalidConfiguration;
+  if (cooperative && blocks > kMaxCooperativeBlocks) return cudaErrorCooperativeLaunchTooLarge;
 
   auto decode = [&](unsigned long long linear) {
     return uint3{unsigned(linear % grid.x), unsigned((linear / grid.x) % grid.y),
                  unsigned(linear / (1ull * grid.x * grid.y))};
   };
   std::atomic<unsigned long long> next{0};
+  std::atomic<bool> out_of_memory{false};
   auto worker = [&](bool coop_single, unsigned long long only) {
     tl_grid_dim = grid;
     tl_block_dim = block;
     std::unique_ptr<StackSet> stacks = take_stacks();
     if (!stacks->reserve(threads)) {
-      std::fprintf(stderr, "mesa emulator: cannot map fiber stacks\n");
-      std::abort();
+      // no fiber stacks: this worker runs nothing; the launch reports the failure
+      out_of_memory = true;
+      give_stacks(std::move(stacks));
+      return;
     }
     Block b;
     b.threads.resize(threads);
@@ -433,7 +442,7 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
     pool.reserve(blocks);
     for (unsigned long long i = 0; i < blocks; ++i) pool.emplace_back(worker, true, i);
     for (auto& t : pool) t.join();
-    return cudaSuccess;
+    return out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
   }
   const unsigned long long helpers =
       std::min<unsigned long long>(blocks, (unsigned long long)worker_count()) - 1;
@@ -442,7 +451,9 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
   for (unsigned long long i = 0; i < helpers; ++i) pool.emplace_back(worker, false, 0ull);
   worker(false, 0ull);
   for (auto& t : pool) t.join();
-  return cudaSuccess;
+  // a worker without stacks ran nothing; the others may have covered its blocks, but the
+  // launch is reported as failed either way
+  return out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
 }
 
 }  // namespace mesa_emu

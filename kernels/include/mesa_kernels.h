@@ -69,6 +69,7 @@ typedef struct MesaTensorDesc {
 #endif
 
 #include "mesa_quant.h"
+#include "mesa_collectives.h"
 #include "mesa_linear_attention.h"
 
 #endif /* MESA_KERNELS_H */

@@ -142,11 +142,11 @@ impl Device {
     /// Allocates `len` zeroed elements.
     ///
     /// # Errors
-    /// A CUDA allocation error.
+    /// [`Error::TooLarge`] when the allocation fails (host) or a CUDA allocation error.
     pub fn alloc_zeros<T: Storage>(&self, len: usize) -> Result<Buffer<T>> {
         match &self.kind {
             Kind::Cuda(s) => Ok(Buffer::Cuda(s.alloc_zeros::<T>(len)?)),
-            Kind::Emulator => Ok(Buffer::Host(vec![T::default(); len])),
+            Kind::Emulator => Ok(Buffer::Host(host_vec(len)?)),
         }
     }
 
@@ -157,7 +157,7 @@ impl Device {
             // SAFETY: every caller hands the buffer to a kernel that writes all `len`
             // elements before anything reads them.
             Kind::Cuda(s) => Ok(Buffer::Cuda(unsafe { s.alloc::<T>(len) }?)),
-            Kind::Emulator => Ok(Buffer::Host(vec![T::default(); len])),
+            Kind::Emulator => Ok(Buffer::Host(host_vec(len)?)),
         }
     }
 
@@ -201,6 +201,16 @@ impl Device {
             Kind::Emulator => None,
         }
     }
+}
+
+/// A zeroed host vector, or an error instead of an abort when the memory cannot be had.
+fn host_vec<T: Storage>(len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        Error::TooLarge(format!("cannot allocate {len} elements of {} bytes", std::mem::size_of::<T>()))
+    })?;
+    v.resize(len, T::default());
+    Ok(v)
 }
 
 /// An owned buffer of one backend: device memory (a cudarc `CudaSlice`) or host memory

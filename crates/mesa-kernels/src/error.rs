@@ -92,12 +92,16 @@ impl From<cudarc::driver::DriverError> for Error {
 
 /// cudaErrorNoKernelImageForDevice (CUDA runtime).
 const CUDA_ERROR_NO_KERNEL_IMAGE: i32 = 209;
+/// cudaErrorMemoryAllocation.
+const CUDA_ERROR_MEMORY_ALLOCATION: i32 = 2;
 /// cudaErrorInsufficientDriver.
 const CUDA_ERROR_INSUFFICIENT_DRIVER: i32 = 35;
 /// cudaErrorNoDevice.
 const CUDA_ERROR_NO_DEVICE: i32 = 100;
 /// cudaErrorUnsupportedPtxVersion.
 const CUDA_ERROR_UNSUPPORTED_PTX: i32 = 222;
+/// cudaErrorCooperativeLaunchTooLarge (also: the device has no cooperative launch).
+const CUDA_ERROR_COOPERATIVE_TOO_LARGE: i32 = 720;
 
 /// Turns a kernel entry point's status into a `Result`.
 ///
@@ -120,6 +124,11 @@ pub(crate) fn check_status(op: &'static str, status: sys::MesaStatus, cc: Option
                     "{op}: the CUDA driver is older than the runtime the kernels were built with (cudaError {cuda})"
                 ))),
                 CUDA_ERROR_NO_DEVICE => Err(Error::NoCudaDevice(format!("{op}: no CUDA device (cudaError {cuda})"))),
+                CUDA_ERROR_COOPERATIVE_TOO_LARGE => Err(Error::TooLarge(format!(
+                    "{op}: the cooperative grid cannot be co-resident on this device (or it lacks cooperative \
+                     launch); use fewer ranks per device or fewer blocks per rank"
+                ))),
+                CUDA_ERROR_MEMORY_ALLOCATION => Err(Error::TooLarge(format!("{op}: out of memory (cudaError {cuda})"))),
                 _ => Err(Error::Cuda(format!("{op}: cudaError {cuda}"))),
             }
         }

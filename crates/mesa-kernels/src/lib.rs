@@ -6,6 +6,8 @@
 //! * [`quant`]: activation compression (Mesa, Pan et al. 2021): exact forward, the copy
 //!   saved for backward kept as 8/4/2-bit codes with per-head offset and scale learned by
 //!   running estimates.
+//! * [`collectives`]: sequence parallelism (Megatron, Korthikanti et al. 2022): reduce-scatter
+//!   and all-gather of `[S, B, H]` along the sequence, intra-node kernel and NCCL backend.
 //! * [`linear_attention`] + [`feature_map`]: chunked causal and bidirectional linear
 //!   attention (SLiM, Performer FAVOR+) with exact gradients and a saved state that can be
 //!   independent of the sequence length.
@@ -42,6 +44,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
+pub mod collectives;
 mod device;
 mod dtype;
 mod error;
@@ -51,6 +54,7 @@ pub mod linear_attention;
 pub mod quant;
 pub mod reference;
 
+pub use collectives::{Epilogue, RankView, RankViewMut, SeqParallelGroup, SeqSplits};
 pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

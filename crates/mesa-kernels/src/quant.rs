@@ -140,9 +140,14 @@ impl QuantConfig {
 }
 
 /// Bytes of packed codes for `numel` elements at `bits` bits.
-#[must_use]
-pub fn code_bytes(numel: usize, bits: u32) -> usize {
-    (numel * bits as usize).div_ceil(8)
+///
+/// # Errors
+/// [`Error::TooLarge`] when the count overflows `usize`.
+pub fn code_bytes(numel: usize, bits: u32) -> Result<usize> {
+    numel
+        .checked_mul(bits as usize)
+        .map(|b| b.div_ceil(8))
+        .ok_or_else(|| Error::TooLarge(format!("{numel} elements of {bits}-bit codes overflow a byte count")))
 }
 
 /// Quantizes activations for saving, and owns the per-group running estimate on the device.
@@ -216,7 +221,7 @@ impl Quantizer {
         let numel = layout.check_fits(x.mem_ref().len(), "input")?;
         let groups = self.config.grouping.num_groups(layout.shape())?;
         let mut saved = SavedActivation {
-            codes: self.device.alloc_for_kernel::<u8>(code_bytes(numel, self.config.bits))?,
+            codes: self.device.alloc_for_kernel::<u8>(code_bytes(numel, self.config.bits)?)?,
             params: self.device.alloc_for_kernel::<GroupParams>(groups)?,
             nonfinite: self.device.alloc_for_kernel::<u32>(1)?,
             shape: layout.shape().to_vec(),
@@ -245,7 +250,7 @@ impl Quantizer {
         let numel = layout.check_fits(mem.len(), "input")?;
         let view = kernel_view(layout, &self.config.grouping, T::DTYPE)?;
         let groups = view.grouping.count as usize;
-        let code_len = code_bytes(numel, self.config.bits);
+        let code_len = code_bytes(numel, self.config.bits)?;
         if saved.codes.len() != code_len || saved.params.len() != groups || saved.nonfinite.len() != 1 {
             return Err(Error::Shape(format!(
                 "saved activation holds {} code bytes and {} groups; this tensor needs {code_len} and {groups}",
@@ -481,8 +486,11 @@ impl SavedActivation {
         }
         self.check_device(device)?;
         let mut mem = y.mem_mut();
-        layout.check_fits(mem.len(), "output")?;
+        let numel = layout.check_fits(mem.len(), "output")?;
         layout.check_no_overlap("output")?;
+        if numel == 0 {
+            return Ok(());
+        }
         let view = kernel_view(layout, &self.grouping, T::DTYPE)?;
         let codes_mem = self.codes.mem_ref();
         let codes_p = device.read_ptr(&codes_mem, 0, "codes")?;

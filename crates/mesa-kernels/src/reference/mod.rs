@@ -3,6 +3,7 @@
 //!
 //! They share no code with the kernels: plain loops over logical indices, written from the
 //! papers' equations, slow on purpose.
+pub mod collectives;
 pub mod linear_attention;
 pub mod quant;
 

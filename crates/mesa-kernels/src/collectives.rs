@@ -1,0 +1,592 @@
+//! Sequence-parallel collectives (Megatron: Korthikanti et al., *Reducing Activation
+//! Recomputation in Large Transformer Models*, 2022, §4.2.2): reduce-scatter and all-gather
+//! of `[S, B, H]` activations along the sequence axis `S` between the `W` ranks of a
+//! tensor-parallel group, so that norms, dropout and residual adds run on a `[S_r, B, H]`
+//! shard. Placement in a transformer layer and the memory it saves: `docs/sequence_parallel.md`.
+//!
+//! ```text
+//! reduce-scatter  out_r[s,b,h] = rnd( (((x_0[o_r+s,b,h] + x_1[..]) + … + x_{W-1}[..]) + bias[h]) + residual_r[s,b,h] )
+//! all-gather      out_r[o_p+s,b,h] = x_p[s,b,h]           for every rank p
+//! ```
+//!
+//! `o_r` is the first row of rank `r`'s shard ([`SeqSplits`]: explicit sizes, uneven allowed).
+//! The reduce-scatter adds in f32, in the fixed rank order `0, 1, …, W−1`, then the optional
+//! bias and residual, and rounds once to the output dtype: every rank's shard is bitwise what
+//! a single process summing in that order would get. The all-gather is a bit copy.
+//!
+//! Backends with the same semantics:
+//! * [`SeqParallelGroup`]: the intra-node kernel over a table of peer pointers. All ranks'
+//!   buffers are given as slices and live on one [`Device`] (how it runs in tests and on a
+//!   single GPU); the kernel itself is the same for ranks on separate GPUs (see the C header
+//!   `mesa_collectives.h`). Synchronisation: per-block flags with monotonic u32 epochs,
+//!   acquire/release at system scope, every wait bounded by [`SeqParallelGroup::timeout`].
+//! * `nccl::NcclSeqParallel` (cargo feature `nccl`): one rank per process on NCCL
+//!   communicators, for multi-GPU and multi-node use.
+//!
+//! Views: inputs and outputs are strided `[S, B, H]` (or `[S_r, B, H]`) [`Layout`]s; all ranks
+//! share one set of strides (offsets may differ). Dense views whose addresses are 16-byte
+//! aligned move 16-byte vectors; a view offset by one element takes a scalar dense loop; any
+//! other strides (transposed `B`/`H`, padded rows, broadcast inputs) take a strided loop with
+//! the same per-element arithmetic, so the result never depends on the path.
+use std::ffi::c_void;
+use std::ops::Range;
+use std::time::Duration;
+
+use mesa_kernels_sys as sys;
+
+use crate::device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef};
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+
+#[cfg(feature = "nccl")]
+pub mod nccl;
+
+/// Largest tensor-parallel group of the intra-node kernel.
+pub const MAX_RANKS: usize = sys::MESA_SEQPAR_MAX_RANKS as usize;
+/// Largest `blocks_per_rank` of the intra-node kernel.
+pub const MAX_BLOCKS_PER_RANK: usize = sys::MESA_SEQPAR_MAX_BLOCKS as usize;
+const FLAG_WORDS: usize = sys::MESA_SEQPAR_FLAG_WORDS as usize;
+const FLAG_STATUS: usize = sys::MESA_SEQPAR_FLAG_STATUS as usize;
+const FLAG_EPOCH: usize = sys::MESA_SEQPAR_FLAG_EPOCH as usize;
+
+/// How the sequence axis `S` is split between ranks: rank `r` owns rows
+/// `[offset(r), offset(r) + rows(r))`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqSplits {
+    offsets: Vec<usize>,
+}
+
+impl SeqSplits {
+    /// Explicit shard sizes, one per rank (zeros allowed, e.g. `S = 3` over 4 ranks).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for an empty list or a total that overflows.
+    pub fn new(sizes: &[usize]) -> Result<Self> {
+        if sizes.is_empty() {
+            return Err(Error::Shape("split sizes: at least one rank".into()));
+        }
+        let mut offsets = Vec::with_capacity(sizes.len() + 1);
+        offsets.push(0usize);
+        let mut total = 0usize;
+        for &s in sizes {
+            total = total.checked_add(s).ok_or_else(|| Error::TooLarge("split sizes overflow".into()))?;
+            offsets.push(total);
+        }
+        Ok(SeqSplits { offsets })
+    }
+
+    /// `S` rows over `world` ranks as evenly as possible: the first `S mod W` ranks get one row
+    /// more (`S = 10`, `W = 4` → `3, 3, 2, 2`). Megatron requires `W | S`; this does not.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `world` is 0.
+    pub fn even(seq: usize, world: usize) -> Result<Self> {
+        if world == 0 {
+            return Err(Error::Shape("split sizes: at least one rank".into()));
+        }
+        let sizes: Vec<usize> = (0..world).map(|r| seq / world + usize::from(r < seq % world)).collect();
+        SeqSplits::new(&sizes)
+    }
+
+    /// Number of ranks `W`.
+    #[must_use]
+    pub fn world_size(&self) -> usize {
+        self.offsets.len() - 1
+    }
+    /// The sequence length `S` (sum of the sizes).
+    #[must_use]
+    pub fn total(&self) -> usize {
+        self.offsets[self.offsets.len() - 1]
+    }
+    /// Rows of rank `r` (0 past the last rank).
+    #[must_use]
+    pub fn rows(&self, r: usize) -> usize {
+        match (self.offsets.get(r), self.offsets.get(r + 1)) {
+            (Some(a), Some(b)) => b - a,
+            _ => 0,
+        }
+    }
+    /// First row of rank `r` (`S` past the last rank).
+    #[must_use]
+    pub fn offset(&self, r: usize) -> usize {
+        self.offsets.get(r).copied().unwrap_or_else(|| self.total())
+    }
+    /// The largest shard.
+    #[must_use]
+    pub fn max_rows(&self) -> usize {
+        (0..self.world_size()).map(|r| self.rows(r)).max().unwrap_or(0)
+    }
+    /// The sizes, one per rank.
+    #[must_use]
+    pub fn sizes(&self) -> Vec<usize> {
+        (0..self.world_size()).map(|r| self.rows(r)).collect()
+    }
+}
+
+/// A tensor one rank reads: memory and its strided view.
+pub struct RankView<'a, T> {
+    /// The buffer (any [`DeviceMemory`]: `Buffer`, cudarc slices, raw device memory, host memory).
+    pub mem: &'a dyn DeviceMemory<T>,
+    /// The view: shape, strides and offset in elements.
+    pub layout: Layout,
+}
+
+impl<'a, T> RankView<'a, T> {
+    /// A view of `mem` through `layout`.
+    #[must_use]
+    pub fn new(mem: &'a dyn DeviceMemory<T>, layout: Layout) -> Self {
+        RankView { mem, layout }
+    }
+    /// A dense row-major view of `shape` at offset 0.
+    #[must_use]
+    pub fn contiguous(mem: &'a dyn DeviceMemory<T>, shape: &[usize]) -> Self {
+        RankView { mem, layout: Layout::contiguous(shape) }
+    }
+}
+
+/// A tensor one rank writes: memory and its strided view (which must not overlap itself).
+pub struct RankViewMut<'a, T> {
+    /// The buffer.
+    pub mem: &'a mut dyn DeviceMemoryMut<T>,
+    /// The view: shape, strides and offset in elements.
+    pub layout: Layout,
+}
+
+impl<'a, T> RankViewMut<'a, T> {
+    /// A view of `mem` through `layout`.
+    #[must_use]
+    pub fn new(mem: &'a mut dyn DeviceMemoryMut<T>, layout: Layout) -> Self {
+        RankViewMut { mem, layout }
+    }
+    /// A dense row-major view of `shape` at offset 0.
+    #[must_use]
+    pub fn contiguous(mem: &'a mut dyn DeviceMemoryMut<T>, shape: &[usize]) -> Self {
+        RankViewMut { mem, layout: Layout::contiguous(shape) }
+    }
+}
+
+/// The fused epilogue of a reduce-scatter: `out = (Σ + bias[h]) + residual`, per rank.
+///
+/// In a Megatron layer the reduce-scatter follows the row-parallel linear (attention output
+/// projection, MLP down projection); its bias and the residual add of the following
+/// bias-dropout-add belong to the sequence shard, so fusing them saves a read and a write of
+/// `[S_r, B, H]` (dropout, when used, needs its own mask and is not fused).
+pub struct Epilogue<'a, T> {
+    /// Per rank: the bias `[H]` (any stride), or `None`.
+    pub bias: Option<&'a [RankView<'a, T>]>,
+    /// Per rank: the residual `[S_r, B, H]`, or `None`.
+    pub residual: Option<&'a [RankView<'a, T>]>,
+}
+
+impl<T> Epilogue<'_, T> {
+    /// No epilogue: the plain reduce-scatter.
+    #[must_use]
+    pub fn none() -> Self {
+        Epilogue { bias: None, residual: None }
+    }
+}
+
+impl<T> Default for Epilogue<'_, T> {
+    fn default() -> Self {
+        Epilogue::none()
+    }
+}
+
+/// Checks a `[S, B, H]` shape and returns `(B, H)`.
+fn bh_of(layout: &Layout, rows: usize, what: &str) -> Result<(usize, usize)> {
+    match layout.shape() {
+        &[s, b, h] if s == rows => Ok((b, h)),
+        shape => Err(Error::Shape(format!("{what}: expected a [{rows}, B, H] view, got {shape:?}"))),
+    }
+}
+
+fn strides3(layout: &Layout) -> [i64; 3] {
+    let s = layout.strides();
+    [s[0] as i64, s[1] as i64, s[2] as i64]
+}
+
+/// Every rank's view must use the same strides (the kernel gets one set); offsets may differ.
+/// Axes of length 1 are never stepped, so their strides are ignored.
+fn common_strides(layouts: &[&Layout], what: &str) -> Result<[i64; 3]> {
+    let mut common: [Option<usize>; 3] = [None; 3];
+    for l in layouts {
+        for (d, slot) in common.iter_mut().enumerate() {
+            if l.shape()[d] > 1 {
+                match *slot {
+                    None => *slot = Some(l.strides()[d]),
+                    Some(s) if s == l.strides()[d] => {}
+                    Some(s) => {
+                        return Err(Error::Unsupported(format!(
+                            "{what}: every rank's view must have the same strides (axis {d}: {s} vs {})",
+                            l.strides()[d]
+                        )))
+                    }
+                }
+            }
+        }
+    }
+    // axes never stepped: use the first layout's (dense if possible, for the vector path)
+    let first = layouts.first().map(|l| strides3(l)).unwrap_or([0; 3]);
+    Ok([0, 1, 2].map(|d| common[d].map_or(first[d], |s| s as i64)))
+}
+
+/// The intra-node sequence-parallel group: all `W` ranks' buffers on one [`Device`], one
+/// cooperative launch per call covering every rank (blocks of rank `r` are
+/// `r·blocks_per_rank .. (r+1)·blocks_per_rank`).
+///
+/// Owns the ranks' flag buffers (`W · MESA_SEQPAR_FLAG_WORDS` u32 words, 17 KiB per rank),
+/// allocated once by [`SeqParallelGroup::new`]. Calls are stream-ordered and may change sizes
+/// from call to call; the flags need no clearing between calls.
+///
+/// **Timeouts.** Every wait of the kernel is bounded by [`SeqParallelGroup::timeout`]
+/// (default 10 s). A block whose wait expires marks its rank's status word, writes NaN over the
+/// part of the output it owns (never stale numbers) and exits; the rank's later calls write
+/// NaN only, until [`SeqParallelGroup::reset`]. The emulator backend runs synchronously and
+/// returns [`Error::Timeout`] from the call itself; on CUDA the call returns before the kernel
+/// runs, so [`SeqParallelGroup::check`] (which synchronises) reports it, and once reported every
+/// later call returns [`Error::Timeout`] until `reset`.
+pub struct SeqParallelGroup {
+    device: Device,
+    world: usize,
+    flags: Buffer<u32>,
+    timeout: Duration,
+    blocks_per_rank: usize,
+    poisoned: bool,
+    launch_ranks: Option<Range<usize>>,
+}
+
+impl SeqParallelGroup {
+    /// A group of `world` ranks on `device`, allocating its flag buffers (zeroed).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for `world` outside `1..=MAX_RANKS`; CUDA allocation errors.
+    pub fn new(device: &Device, world: usize) -> Result<Self> {
+        if world == 0 || world > MAX_RANKS {
+            return Err(Error::Shape(format!("world size {world} outside 1..={MAX_RANKS}")));
+        }
+        let flags = device.alloc_zeros::<u32>(world * FLAG_WORDS)?;
+        Ok(SeqParallelGroup {
+            device: device.clone(),
+            world,
+            flags,
+            timeout: Duration::from_secs(10),
+            blocks_per_rank: 0,
+            poisoned: false,
+            launch_ranks: None,
+        })
+    }
+
+    /// Number of ranks `W`.
+    #[must_use]
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// The device.
+    #[must_use]
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The bound of every wait inside the kernel.
+    #[must_use]
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sets the bound of every wait (wall clock, rounded to nanoseconds; at least 1 µs).
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout.max(Duration::from_micros(1));
+    }
+
+    /// Sets the blocks per rank (0: the launcher's choice, two blocks per SM over all ranks).
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] above [`MAX_BLOCKS_PER_RANK`].
+    pub fn set_blocks_per_rank(&mut self, blocks: usize) -> Result<()> {
+        if blocks > MAX_BLOCKS_PER_RANK {
+            return Err(Error::TooLarge(format!("{blocks} blocks per rank (at most {MAX_BLOCKS_PER_RANK})")));
+        }
+        self.blocks_per_rank = blocks;
+        Ok(())
+    }
+
+    /// True after a timeout was reported (calls are refused until [`SeqParallelGroup::reset`]).
+    #[must_use]
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned
+    }
+
+    /// Clears every rank's flags and status (stream-ordered): the group starts again at epoch 0.
+    /// No call of this group may still be waiting on another stream.
+    ///
+    /// # Errors
+    /// CUDA copy errors.
+    pub fn reset(&mut self) -> Result<()> {
+        self.device.copy_into(&vec![0u32; self.world * FLAG_WORDS], &mut self.flags)?;
+        self.poisoned = false;
+        Ok(())
+    }
+
+    /// Waits for the group's work on the stream and reports an expired wait. Synchronises.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] when some rank's status word is set (the group is then poisoned until
+    /// [`SeqParallelGroup::reset`]); CUDA errors.
+    pub fn check(&mut self) -> Result<()> {
+        self.device.synchronize()?;
+        let words = self.flags.to_vec()?;
+        let bad: Vec<usize> =
+            (0..self.world).filter(|&r| words.get(r * FLAG_WORDS + FLAG_STATUS).is_some_and(|&w| w != 0)).collect();
+        if bad.is_empty() {
+            return Ok(());
+        }
+        self.poisoned = true;
+        Err(Error::Timeout(format!(
+            "sequence-parallel group: ranks {bad:?} timed out waiting for their peers (bound {:?}); their \
+             outputs hold NaN; call reset() once every rank is idle",
+            self.timeout
+        )))
+    }
+
+    /// Test hook: sets every rank's epochs (and the peers' slots) to `epoch`, as if the group had
+    /// already run `epoch` calls — to exercise the u32 wrap-around of the flag counters.
+    #[doc(hidden)]
+    pub fn set_epoch_for_testing(&mut self, epoch: u32) -> Result<()> {
+        let mut words = vec![0u32; self.world * FLAG_WORDS];
+        for r in 0..self.world {
+            let base = r * FLAG_WORDS;
+            words[base + FLAG_EPOCH..base + FLAG_WORDS].fill(epoch);
+            words[base + FLAG_STATUS] = 0;
+        }
+        self.device.copy_into(&words, &mut self.flags)?;
+        self.poisoned = false;
+        Ok(())
+    }
+
+    /// Test hook: launch only the blocks of `ranks` (the others never arrive), as a GPU of a
+    /// multi-GPU group would launch its own rank only. `None` launches every rank.
+    #[doc(hidden)]
+    pub fn set_launch_ranks_for_testing(&mut self, ranks: Option<Range<usize>>) {
+        self.launch_ranks = ranks;
+    }
+
+    /// Reduce-scatter along the sequence: `outputs[r] = Σ_p inputs[p][rows of r] (+ bias_r)
+    /// (+ residual_r)`, f32 accumulation in rank order `0..W`, one rounding to `T`.
+    ///
+    /// Shapes: `inputs[p]`: `[S, B, H]`; `outputs[r]`, residual `r`: `[S_r, B, H]` with
+    /// `S_r = splits.rows(r)`; bias `r`: `[H]`. dtypes: f32, f16, bf16 (one `T` throughout).
+    /// Bytes moved: `W·N·e` read + `N·e` written (`N = S·B·H`, `e = sizeof(T)`), plus `N·e`
+    /// read for the residual. Stream-ordered; no allocation.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] (rank counts, shapes, split sizes not summing to `S`, an output view that
+    /// overlaps itself), [`Error::Unsupported`] (ranks' strides differ),
+    /// [`Error::BufferTooShort`], [`Error::TooLarge`], [`Error::WrongBackend`],
+    /// [`Error::Misaligned`], [`Error::Timeout`] (see the type's docs), CUDA errors.
+    pub fn reduce_scatter_seq<T: Element>(
+        &mut self,
+        inputs: &[RankView<'_, T>],
+        outputs: &mut [RankViewMut<'_, T>],
+        splits: &SeqSplits,
+        epilogue: &Epilogue<'_, T>,
+    ) -> Result<()> {
+        self.collective(inputs, outputs, splits, epilogue, false)
+    }
+
+    /// All-gather along the sequence: `outputs[r][rows of p] = inputs[p]` for every rank `p`
+    /// (a bit copy).
+    ///
+    /// Shapes: `inputs[p]`: `[S_p, B, H]`; `outputs[r]`: `[S, B, H]`. dtypes: f32, f16, bf16.
+    /// Bytes moved: `W·N·e` read + `W·N·e` written. Stream-ordered; no allocation.
+    ///
+    /// # Errors
+    /// As [`SeqParallelGroup::reduce_scatter_seq`].
+    pub fn all_gather_seq<T: Element>(
+        &mut self,
+        inputs: &[RankView<'_, T>],
+        outputs: &mut [RankViewMut<'_, T>],
+        splits: &SeqSplits,
+    ) -> Result<()> {
+        self.collective(inputs, outputs, splits, &Epilogue::none(), true)
+    }
+
+    fn collective<T: Element>(
+        &mut self,
+        inputs: &[RankView<'_, T>],
+        outputs: &mut [RankViewMut<'_, T>],
+        splits: &SeqSplits,
+        epilogue: &Epilogue<'_, T>,
+        gather: bool,
+    ) -> Result<()> {
+        let op = if gather { "seqpar_all_gather" } else { "seqpar_reduce_scatter" };
+        if self.poisoned {
+            return Err(Error::Timeout(format!("{op}: the group timed out earlier; call reset() first")));
+        }
+        let w = self.world;
+        if splits.world_size() != w || inputs.len() != w || outputs.len() != w {
+            return Err(Error::Shape(format!(
+                "{op}: group of {w} ranks, got {} split sizes, {} inputs, {} outputs",
+                splits.world_size(),
+                inputs.len(),
+                outputs.len()
+            )));
+        }
+        let seq = splits.total();
+        let in_rows = |r: usize| if gather { splits.rows(r) } else { seq };
+        let out_rows = |r: usize| if gather { seq } else { splits.rows(r) };
+        let (b, h) = bh_of(&inputs[0].layout, in_rows(0), "input 0")?;
+        for r in 0..w {
+            if bh_of(&inputs[r].layout, in_rows(r), "input")? != (b, h) {
+                return Err(Error::Shape(format!("{op}: input {r} has shape {:?}", inputs[r].layout.shape())));
+            }
+            if bh_of(&outputs[r].layout, out_rows(r), "output")? != (b, h) {
+                return Err(Error::Shape(format!(
+                    "{op}: output {r} must be [{}, {b}, {h}], got {:?}",
+                    out_rows(r),
+                    outputs[r].layout.shape()
+                )));
+            }
+        }
+        let in_strides = common_strides(&inputs.iter().map(|v| &v.layout).collect::<Vec<_>>(), "inputs")?;
+        let out_strides = common_strides(&outputs.iter().map(|v| &v.layout).collect::<Vec<_>>(), "outputs")?;
+        for r in 0..w {
+            inputs[r].layout.check_fits(inputs[r].mem.mem_ref().len(), "input")?;
+            outputs[r].layout.check_fits(outputs[r].mem.mem_mut().len(), "output")?;
+            outputs[r].layout.check_no_overlap("output")?;
+        }
+        let mut residual_strides = [0i64; 3];
+        if let Some(res) = epilogue.residual {
+            if gather || res.len() != w {
+                return Err(Error::Shape(format!("{op}: residual needs one view per rank ({w}), got {}", res.len())));
+            }
+            for (r, v) in res.iter().enumerate() {
+                if bh_of(&v.layout, splits.rows(r), "residual")? != (b, h) {
+                    return Err(Error::Shape(format!("{op}: residual {r} has shape {:?}", v.layout.shape())));
+                }
+                v.layout.check_fits(v.mem.mem_ref().len(), "residual")?;
+            }
+            residual_strides = common_strides(&res.iter().map(|v| &v.layout).collect::<Vec<_>>(), "residuals")?;
+        }
+        let mut bias_stride = 0i64;
+        if let Some(bias) = epilogue.bias {
+            if gather || bias.len() != w {
+                return Err(Error::Shape(format!("{op}: bias needs one view per rank ({w}), got {}", bias.len())));
+            }
+            let mut stride = None;
+            for (r, v) in bias.iter().enumerate() {
+                if v.layout.shape() != [h] {
+                    return Err(Error::Shape(format!("{op}: bias {r} must be [{h}], got {:?}", v.layout.shape())));
+                }
+                v.layout.check_fits(v.mem.mem_ref().len(), "bias")?;
+                let s = v.layout.strides()[0];
+                if h > 1 && stride.is_some_and(|t| t != s) {
+                    return Err(Error::Unsupported(format!("{op}: every rank's bias must have the same stride")));
+                }
+                stride = stride.or(Some(s));
+            }
+            bias_stride = stride.unwrap_or(1) as i64;
+        }
+        if seq == 0 || b == 0 || h == 0 {
+            return Ok(()); // nothing moves; no rank meets (consistently on every rank)
+        }
+
+        // pointers (cudarc guards record the accesses on the stream when dropped)
+        let device = &self.device;
+        let in_mems: Vec<MemRef<'_, T>> = inputs.iter().map(|v| v.mem.mem_ref()).collect();
+        let out_offsets: Vec<usize> = outputs.iter().map(|v| v.layout.offset()).collect();
+        let mut out_mems: Vec<MemMut<'_, T>> = outputs.iter_mut().map(|v| v.mem.mem_mut()).collect();
+        let res_mems: Vec<MemRef<'_, T>> =
+            epilogue.residual.map(|v| v.iter().map(|x| x.mem.mem_ref()).collect()).unwrap_or_default();
+        let bias_mems: Vec<MemRef<'_, T>> =
+            epilogue.bias.map(|v| v.iter().map(|x| x.mem.mem_ref()).collect()).unwrap_or_default();
+        let in_ptrs = in_mems
+            .iter()
+            .zip(inputs)
+            .map(|(m, v)| device.read_ptr(m, v.layout.offset(), "input"))
+            .collect::<Result<Vec<_>>>()?;
+        let out_ptrs = out_mems
+            .iter_mut()
+            .zip(&out_offsets)
+            .map(|(m, &off)| device.write_ptr(m, off, "output"))
+            .collect::<Result<Vec<_>>>()?;
+        let res_ptrs = match epilogue.residual {
+            Some(views) => res_mems
+                .iter()
+                .zip(views)
+                .map(|(m, v)| device.read_ptr(m, v.layout.offset(), "residual"))
+                .collect::<Result<Vec<_>>>()?,
+            None => Vec::new(),
+        };
+        let bias_ptrs = match epilogue.bias {
+            Some(views) => bias_mems
+                .iter()
+                .zip(views)
+                .map(|(m, v)| device.read_ptr(m, v.layout.offset(), "bias"))
+                .collect::<Result<Vec<_>>>()?,
+            None => Vec::new(),
+        };
+        let mut flags_mem = self.flags.mem_mut();
+        let flags_p = device.write_ptr(&mut flags_mem, 0, "flags")?;
+
+        let mut args = sys::MesaSeqParArgs {
+            batch: b as i64,
+            hidden: h as i64,
+            in_strides,
+            out_strides,
+            residual_strides,
+            bias_stride,
+            timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
+            world_size: w as i32,
+            rank_begin: 0,
+            rank_count: w as i32,
+            blocks_per_rank: self.blocks_per_rank as i32,
+            dtype: T::DTYPE.to_sys(),
+            ..Default::default()
+        };
+        if let Some(r) = &self.launch_ranks {
+            if r.start >= r.end || r.end > w {
+                return Err(Error::Shape(format!("launch ranks {r:?} outside 0..{w}")));
+            }
+            args.rank_begin = r.start as i32;
+            args.rank_count = (r.end - r.start) as i32;
+        }
+        for r in 0..w {
+            args.split_offsets[r] = splits.offset(r) as i64;
+            args.ranks[r] = sys::MesaSeqParRank {
+                input: in_ptrs[r].addr as *const c_void,
+                output: out_ptrs[r].addr,
+                residual: res_ptrs.get(r).map_or(std::ptr::null(), |p| p.addr as *const c_void),
+                bias: bias_ptrs.get(r).map_or(std::ptr::null(), |p| p.addr as *const c_void),
+                flags: flags_p.addr.cast::<u32>().wrapping_add(r * FLAG_WORDS),
+            };
+        }
+        args.split_offsets[w] = seq as i64;
+        // SAFETY: every view was checked to fit its buffer (check_fits) with the shapes the
+        // kernel walks ([S,B,H] inputs, [S_r,B,H] outputs and residuals, [H] biases, all with the
+        // strides passed), outputs do not overlap themselves, every pointer belongs to this
+        // device, and the flag buffer holds W · MESA_SEQPAR_FLAG_WORDS words.
+        let launched = unsafe {
+            if gather {
+                device.launch(op, &args, sys::mesa_seqpar_all_gather, sys::mesa_emu_seqpar_all_gather)
+            } else {
+                device.launch(op, &args, sys::mesa_seqpar_reduce_scatter, sys::mesa_emu_seqpar_reduce_scatter)
+            }
+        };
+        drop((in_ptrs, out_ptrs, res_ptrs, bias_ptrs, flags_p));
+        launched?;
+        // The emulation is synchronous: read the status words now (free). CUDA: see check().
+        if let Buffer::Host(words) = &self.flags {
+            let bad: Vec<usize> = (0..w).filter(|&r| words[r * FLAG_WORDS + FLAG_STATUS] != 0).collect();
+            if !bad.is_empty() {
+                self.poisoned = true;
+                return Err(Error::Timeout(format!(
+                    "{op}: ranks {bad:?} timed out waiting for their peers (bound {:?}); their outputs hold NaN",
+                    self.timeout
+                )));
+            }
+        }
+        Ok(())
+    }
+}

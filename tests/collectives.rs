@@ -1,0 +1,822 @@
+//! Sequence-parallel collectives (Megatron sequence parallelism): the intra-node
+//! reduce-scatter and all-gather kernels against the f64 reference
+//! (`mesa_kernels::reference::collectives`) and against the exact f32 fixed-order sum, on every
+//! backend (emulator always — its cooperative launch runs every rank's blocks at once, so the
+//! cross-rank waits really happen — and CUDA when present, all ranks on one device).
+//!
+//! Checks (derived, not tuned):
+//! * bitwise: every reduce-scatter output equals `rnd_T(((x_0 + x_1) + … + x_{W-1}) + bias) +
+//!   residual)` evaluated in f32 in rank order on the host — the contract that makes every
+//!   rank's result identical to a single-process sum in that order. All-gather is a bit copy.
+//! * reference: with k = W (+1 bias, +1 residual) f32 terms, the f32 sum differs from the exact
+//!   (f64) sum by at most (k−1)·2⁻²⁴·Σ|terms| (recursive summation bound), and the final
+//!   rounding to T adds u_T·|value| (u = 2⁻²⁴, 2⁻¹¹, 2⁻⁸ for f32, f16, bf16).
+//! * every output element is written (outputs are poisoned with NaN first), and nothing
+//!   outside the output view is (the padding stays NaN).
+mod common;
+
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use mesa_kernels::reference::{self, collectives as rc};
+use mesa_kernels::{
+    DType, Device, Element, Epilogue, Error, Layout, RankView, RankViewMut, SeqParallelGroup, SeqSplits,
+};
+use rand::rngs::StdRng;
+use rand::RngExt;
+
+fn unit_roundoff(d: DType) -> f64 {
+    match d {
+        DType::F32 => 2f64.powi(-24),
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+    }
+}
+
+/// How a `[rows, B, H]` tensor is laid out in its buffer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum View {
+    /// Dense row-major at offset 0.
+    Dense,
+    /// Dense, starting one element into the buffer (never 16-byte aligned).
+    Offset1,
+    /// Stored as `[rows, H, B]`, viewed transposed (B and H swapped).
+    Transposed,
+    /// Rows padded by 3 elements.
+    Padded,
+}
+
+fn layout_of(view: View, shape: [usize; 3]) -> (Layout, usize) {
+    let [r, b, h] = shape;
+    let n = r * b * h;
+    match view {
+        View::Dense => (Layout::contiguous(&shape), n),
+        View::Offset1 => (Layout::strided(&shape, &[b * h, h, 1], 1).expect("layout"), n + 1),
+        View::Transposed => (Layout::strided(&shape, &[h * b, 1, b], 0).expect("layout"), n),
+        View::Padded => (Layout::strided(&shape, &[b * h + 3, h, 1], 0).expect("layout"), r * (b * h + 3)),
+    }
+}
+
+/// Storage holding `logical` (row-major over the view's shape) at the view's offsets, NaN
+/// elsewhere.
+fn place<T: Element>(logical: &[T], layout: &Layout, len: usize) -> Vec<T> {
+    let mut v = vec![T::from_f64(f64::NAN); len];
+    for (i, off) in reference::offsets(layout).into_iter().enumerate() {
+        v[off] = logical[i];
+    }
+    v
+}
+
+fn random<T: Element>(rng: &mut StdRng, n: usize, scale: f64) -> Vec<T> {
+    (0..n).map(|_| T::from_f64(scale * (rng.random::<f64>() * 2.0 - 1.0))).collect()
+}
+
+fn widen<T: Element>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+fn same_bits<T: Element>(a: T, b: T) -> bool {
+    a.to_f64().to_bits() == b.to_f64().to_bits()
+}
+
+/// The kernel's contract evaluated on the host: f32, rank order, then bias, then residual.
+fn fixed_order<T: Element>(
+    inputs: &[Vec<T>],
+    splits: &SeqSplits,
+    bh: usize,
+    h: usize,
+    bias: Option<&[Vec<T>]>,
+    residual: Option<&[Vec<T>]>,
+) -> Vec<Vec<T>> {
+    (0..splits.world_size())
+        .map(|r| {
+            let base = splits.offset(r) * bh;
+            (0..splits.rows(r) * bh)
+                .map(|i| {
+                    let mut acc = inputs[0][base + i].to_f64() as f32;
+                    for x in &inputs[1..] {
+                        acc += x[base + i].to_f64() as f32;
+                    }
+                    if let Some(b) = bias {
+                        acc += b[r][i % h].to_f64() as f32;
+                    }
+                    if let Some(res) = residual {
+                        acc += res[r][i].to_f64() as f32;
+                    }
+                    T::from_f64(f64::from(acc))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+struct Shape {
+    splits: SeqSplits,
+    b: usize,
+    h: usize,
+}
+
+impl Shape {
+    fn new(sizes: &[usize], b: usize, h: usize) -> Self {
+        Shape { splits: SeqSplits::new(sizes).expect("splits"), b, h }
+    }
+    fn w(&self) -> usize {
+        self.splits.world_size()
+    }
+    fn s(&self) -> usize {
+        self.splits.total()
+    }
+    fn bh(&self) -> usize {
+        self.b * self.h
+    }
+}
+
+/// Runs a reduce-scatter from logical data through the given views and returns the logical
+/// outputs, after checking that every output element was written and nothing else.
+#[allow(clippy::too_many_arguments)]
+fn run_rs<T: Element>(
+    device: &Device,
+    group: &mut SeqParallelGroup,
+    shape: &Shape,
+    inputs: &[Vec<T>],
+    bias: Option<&[Vec<T>]>,
+    residual: Option<&[Vec<T>]>,
+    in_view: View,
+    out_view: View,
+) -> mesa_kernels::Result<Vec<Vec<T>>> {
+    let w = shape.w();
+    let (in_layout, in_len) = layout_of(in_view, [shape.s(), shape.b, shape.h]);
+    let in_bufs: Vec<_> =
+        inputs.iter().map(|x| device.upload(&place(x, &in_layout, in_len)).expect("upload")).collect();
+    let out_layouts: Vec<(Layout, usize)> =
+        (0..w).map(|r| layout_of(out_view, [shape.splits.rows(r), shape.b, shape.h])).collect();
+    let mut out_bufs: Vec<_> =
+        out_layouts.iter().map(|(_, len)| device.upload(&vec![T::from_f64(f64::NAN); *len]).expect("upload")).collect();
+    let res_bufs: Vec<_> = residual
+        .map(|res| {
+            (0..w)
+                .map(|r| {
+                    let (l, len) = layout_of(in_view, [shape.splits.rows(r), shape.b, shape.h]);
+                    (device.upload(&place(&res[r], &l, len)).expect("upload"), l)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let bias_bufs: Vec<_> =
+        bias.map(|bias| bias.iter().map(|v| device.upload(v).expect("upload")).collect()).unwrap_or_default();
+    {
+        let ins: Vec<RankView<'_, T>> = in_bufs.iter().map(|b| RankView::new(b, in_layout.clone())).collect();
+        let mut outs: Vec<RankViewMut<'_, T>> =
+            out_bufs.iter_mut().zip(&out_layouts).map(|(b, (l, _))| RankViewMut::new(b, l.clone())).collect();
+        let res_views: Vec<RankView<'_, T>> = res_bufs.iter().map(|(b, l)| RankView::new(b, l.clone())).collect();
+        let bias_views: Vec<RankView<'_, T>> = bias_bufs.iter().map(|b| RankView::contiguous(b, &[shape.h])).collect();
+        let epilogue =
+            Epilogue { bias: bias.map(|_| bias_views.as_slice()), residual: residual.map(|_| res_views.as_slice()) };
+        group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &epilogue)?;
+    }
+    group.check()?;
+    Ok(out_bufs
+        .iter()
+        .zip(&out_layouts)
+        .map(|(buf, (layout, _))| {
+            let data = buf.to_vec().expect("download");
+            let offsets = reference::offsets(layout);
+            let mut in_view = vec![false; data.len()];
+            for &o in &offsets {
+                in_view[o] = true;
+            }
+            for (o, x) in data.iter().enumerate() {
+                if !in_view[o] {
+                    assert!(x.to_f64().is_nan(), "element {o} outside the output view was written");
+                }
+            }
+            offsets.iter().map(|&o| data[o]).collect()
+        })
+        .collect())
+}
+
+fn run_ag<T: Element>(
+    device: &Device,
+    group: &mut SeqParallelGroup,
+    shape: &Shape,
+    shards: &[Vec<T>],
+    in_view: View,
+    out_view: View,
+) -> mesa_kernels::Result<Vec<Vec<T>>> {
+    let w = shape.w();
+    let in_layouts: Vec<(Layout, usize)> =
+        (0..w).map(|r| layout_of(in_view, [shape.splits.rows(r), shape.b, shape.h])).collect();
+    let in_bufs: Vec<_> = shards
+        .iter()
+        .zip(&in_layouts)
+        .map(|(x, (l, len))| device.upload(&place(x, l, *len)).expect("upload"))
+        .collect();
+    let (out_layout, out_len) = layout_of(out_view, [shape.s(), shape.b, shape.h]);
+    let mut out_bufs: Vec<_> =
+        (0..w).map(|_| device.upload(&vec![T::from_f64(f64::NAN); out_len]).expect("upload")).collect();
+    {
+        let ins: Vec<RankView<'_, T>> =
+            in_bufs.iter().zip(&in_layouts).map(|(b, (l, _))| RankView::new(b, l.clone())).collect();
+        let mut outs: Vec<RankViewMut<'_, T>> =
+            out_bufs.iter_mut().map(|b| RankViewMut::new(b, out_layout.clone())).collect();
+        group.all_gather_seq(&ins, &mut outs, &shape.splits)?;
+    }
+    group.check()?;
+    let offsets = reference::offsets(&out_layout);
+    Ok(out_bufs
+        .iter()
+        .map(|buf| {
+            let data = buf.to_vec().expect("download");
+            offsets.iter().map(|&o| data[o]).collect()
+        })
+        .collect())
+}
+
+/// Asserts bitwise equality with the fixed-order f32 sum, the reference bound, and that no
+/// output is NaN (all written).
+#[allow(clippy::too_many_arguments)]
+fn check_rs<T: Element>(
+    got: &[Vec<T>],
+    inputs: &[Vec<T>],
+    shape: &Shape,
+    bias: Option<&[Vec<T>]>,
+    residual: Option<&[Vec<T>]>,
+    label: &str,
+) {
+    let exact = fixed_order(inputs, &shape.splits, shape.bh(), shape.h, bias, residual);
+    let wide: Vec<Vec<f64>> = inputs.iter().map(|x| widen(x)).collect();
+    let wide_bias: Option<Vec<Vec<f64>>> = bias.map(|b| b.iter().map(|x| widen(x)).collect());
+    let wide_res: Option<Vec<Vec<f64>>> = residual.map(|b| b.iter().map(|x| widen(x)).collect());
+    let sizes = shape.splits.sizes();
+    let want = rc::reduce_scatter_seq(&wide, &sizes, shape.b, shape.h, wide_bias.as_deref(), wide_res.as_deref());
+    // Σ|terms| per element, for the bound
+    let abs_in: Vec<Vec<f64>> = wide.iter().map(|x| x.iter().map(|v| v.abs()).collect()).collect();
+    let abs_bias: Option<Vec<Vec<f64>>> =
+        wide_bias.as_ref().map(|b| b.iter().map(|x| x.iter().map(|v| v.abs()).collect()).collect());
+    let abs_res: Option<Vec<Vec<f64>>> =
+        wide_res.as_ref().map(|b| b.iter().map(|x| x.iter().map(|v| v.abs()).collect()).collect());
+    let mags = rc::reduce_scatter_seq(&abs_in, &sizes, shape.b, shape.h, abs_bias.as_deref(), abs_res.as_deref());
+    let k = shape.w() + usize::from(bias.is_some()) + usize::from(residual.is_some());
+    let u = unit_roundoff(T::DTYPE);
+    for r in 0..shape.w() {
+        assert_eq!(got[r].len(), want[r].len(), "{label}: rank {r} length");
+        for i in 0..got[r].len() {
+            let g = got[r][i];
+            assert!(!g.to_f64().is_nan(), "{label}: rank {r} element {i} not written (NaN)");
+            assert!(
+                same_bits(g, exact[r][i]),
+                "{label}: rank {r} element {i}: {} is not the fixed-order f32 sum {}",
+                g.to_f64(),
+                exact[r][i].to_f64()
+            );
+            let acc_err = (k as f64 - 1.0) * 2f64.powi(-24) * mags[r][i];
+            let tol = acc_err + u * (want[r][i].abs() + acc_err) + 1e-300;
+            assert!(
+                (g.to_f64() - want[r][i]).abs() <= tol,
+                "{label}: rank {r} element {i}: {} vs reference {} (tol {tol})",
+                g.to_f64(),
+                want[r][i]
+            );
+        }
+    }
+}
+
+fn shapes_for(w: usize, rng: &mut StdRng) -> Vec<(&'static str, Shape)> {
+    // even: W | S; uneven: explicit random sizes (one may be zero), S not divisible by W
+    let mut sizes: Vec<usize> = (0..w).map(|_| rng.random_range(0..5usize)).collect();
+    sizes[0] += 1;
+    if w > 1 && sizes.iter().sum::<usize>() % w == 0 {
+        sizes[w - 1] += 1;
+    }
+    vec![("even", Shape::new(&vec![3; w], 2, 24)), ("uneven", Shape::new(&sizes, 3, 10))]
+}
+
+fn parity_for<T: Element>(device: &Device, rng: &mut StdRng) {
+    for w in [1usize, 2, 3, 4, 8] {
+        let mut group = SeqParallelGroup::new(device, w).expect("group");
+        for (kind, shape) in shapes_for(w, rng) {
+            let inputs: Vec<Vec<T>> = (0..w).map(|_| random(rng, shape.s() * shape.bh(), 4.0)).collect();
+            let bias: Vec<Vec<T>> = (0..w).map(|_| random(rng, shape.h, 1.0)).collect();
+            let res: Vec<Vec<T>> = (0..w).map(|r| random(rng, shape.splits.rows(r) * shape.bh(), 2.0)).collect();
+            for epilogue in [false, true] {
+                let (b, rr) = if epilogue { (Some(bias.as_slice()), Some(res.as_slice())) } else { (None, None) };
+                let label = format!("{} W={w} {kind} {:?} epilogue={epilogue}", T::DTYPE.name(), shape.splits.sizes());
+                let got = run_rs(device, &mut group, &shape, &inputs, b, rr, View::Dense, View::Dense).expect(&label);
+                check_rs(&got, &inputs, &shape, b, rr, &label);
+            }
+            // all-gather of per-rank shards: a bit copy into every rank
+            let shards: Vec<Vec<T>> = (0..w).map(|r| random(rng, shape.splits.rows(r) * shape.bh(), 3.0)).collect();
+            let got = run_ag(device, &mut group, &shape, &shards, View::Dense, View::Dense).expect("all-gather");
+            let want: Vec<T> = shards.iter().flatten().copied().collect();
+            for (r, g) in got.iter().enumerate() {
+                assert!(
+                    g.iter().zip(&want).all(|(a, b)| same_bits(*a, *b)),
+                    "{} W={w} {kind}: all-gather on rank {r} is not a bit copy",
+                    T::DTYPE.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_match_the_reference_for_every_world_size_and_dtype() {
+    let mut rng = common::rng("parity");
+    for device in common::backends() {
+        parity_for::<f32>(&device, &mut rng);
+        parity_for::<f16>(&device, &mut rng);
+        parity_for::<bf16>(&device, &mut rng);
+    }
+}
+
+#[test]
+fn all_gather_of_reduce_scatter_is_an_all_reduce_identical_on_every_rank() {
+    let mut rng = common::rng("all_reduce");
+    for device in common::backends() {
+        for (w, sizes) in [(4usize, vec![3usize, 3, 2, 2]), (3, vec![5, 0, 2])] {
+            let shape = Shape::new(&sizes, 2, 20);
+            let mut group = SeqParallelGroup::new(&device, w).expect("group");
+            let inputs: Vec<Vec<bf16>> = (0..w).map(|_| random(&mut rng, shape.s() * shape.bh(), 8.0)).collect();
+            let shards = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense)
+                .expect("reduce-scatter");
+            let gathered = run_ag(&device, &mut group, &shape, &shards, View::Dense, View::Dense).expect("all-gather");
+            let want = rc::all_reduce(&inputs.iter().map(|x| widen(x)).collect::<Vec<_>>());
+            let mags = rc::all_reduce(
+                &inputs.iter().map(|x| x.iter().map(|v| v.to_f64().abs()).collect()).collect::<Vec<_>>(),
+            );
+            for r in 0..w {
+                assert!(
+                    gathered[r].iter().zip(&gathered[0]).all(|(a, b)| same_bits(*a, *b)),
+                    "rank {r}'s all-reduce differs from rank 0's"
+                );
+                for i in 0..want.len() {
+                    let acc = (w as f64 - 1.0) * 2f64.powi(-24) * mags[i];
+                    let tol = acc + 2f64.powi(-8) * (want[i].abs() + acc);
+                    assert!((gathered[r][i].to_f64() - want[i]).abs() <= tol, "element {i}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn strided_transposed_and_misaligned_views_give_the_same_bits() {
+    let mut rng = common::rng("views");
+    for device in common::backends() {
+        let shape = Shape::new(&[4, 3, 3, 1], 3, 10); // S = 11, not divisible by 4
+        let w = shape.w();
+        let mut group = SeqParallelGroup::new(&device, w).expect("group");
+        let inputs: Vec<Vec<f16>> = (0..w).map(|_| random(&mut rng, shape.s() * shape.bh(), 4.0)).collect();
+        let bias: Vec<Vec<f16>> = (0..w).map(|_| random(&mut rng, shape.h, 1.0)).collect();
+        let res: Vec<Vec<f16>> = (0..w).map(|r| random(&mut rng, shape.splits.rows(r) * shape.bh(), 2.0)).collect();
+        for (in_view, out_view) in [
+            (View::Transposed, View::Dense),
+            (View::Dense, View::Transposed),
+            (View::Padded, View::Padded),
+            (View::Offset1, View::Dense),
+            (View::Dense, View::Offset1),
+            (View::Offset1, View::Offset1),
+        ] {
+            let label = format!("RS in {in_view:?} out {out_view:?}");
+            let got =
+                run_rs(&device, &mut group, &shape, &inputs, Some(&bias), Some(&res), in_view, out_view).expect(&label);
+            check_rs(&got, &inputs, &shape, Some(&bias), Some(&res), &label);
+            let got = run_ag(&device, &mut group, &shape, &res, in_view, out_view).expect("all-gather");
+            let want: Vec<f16> = res.iter().flatten().copied().collect();
+            for g in &got {
+                assert!(g.iter().zip(&want).all(|(a, b)| same_bits(*a, *b)), "AG in {in_view:?} out {out_view:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn element_counts_that_are_not_a_multiple_of_the_vector_width() {
+    let mut rng = common::rng("tails");
+    for device in common::backends() {
+        // f32 vectors hold 4, f16/bf16 8: B·H = 13 and shard sizes leave tails of every length
+        for sizes in [vec![1usize, 2, 1], vec![3, 1, 2], vec![1, 0, 1]] {
+            let shape = Shape::new(&sizes, 1, 13);
+            let mut group = SeqParallelGroup::new(&device, 3).expect("group");
+            let inputs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
+            let got = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense).expect("rs");
+            check_rs(&got, &inputs, &shape, None, None, &format!("tails {sizes:?}"));
+            let inputs: Vec<Vec<bf16>> = (0..3).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
+            let got = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense).expect("rs");
+            check_rs(&got, &inputs, &shape, None, None, &format!("tails bf16 {sizes:?}"));
+        }
+    }
+}
+
+#[test]
+fn two_sizes_alternating_and_many_back_to_back_calls_with_fresh_data() {
+    let mut rng = common::rng("back_to_back");
+    for device in common::backends() {
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        let a = Shape::new(&[4, 4, 4, 4], 2, 16);
+        let b = Shape::new(&[3, 2, 2, 0], 1, 40);
+        for call in 0..70 {
+            let shape = if call % 2 == 0 { &a } else { &b };
+            // the block count changes too: blocks past it skip calls, so the per-block epochs
+            // drift apart (consistently on every rank) and must still meet correctly
+            group.set_blocks_per_rank([0, 1, 3, 7, 2][call % 5]).expect("blocks per rank");
+            let inputs: Vec<Vec<bf16>> = (0..4).map(|_| random(&mut rng, shape.s() * shape.bh(), 2.0)).collect();
+            if call % 3 == 2 {
+                let shards: Vec<Vec<bf16>> =
+                    (0..4).map(|r| random(&mut rng, shape.splits.rows(r) * shape.bh(), 2.0)).collect();
+                let got = run_ag(&device, &mut group, shape, &shards, View::Dense, View::Dense).expect("ag");
+                let want: Vec<bf16> = shards.iter().flatten().copied().collect();
+                assert!(got.iter().all(|g| g.iter().zip(&want).all(|(x, y)| same_bits(*x, *y))), "call {call}");
+            } else {
+                let got =
+                    run_rs(&device, &mut group, shape, &inputs, None, None, View::Dense, View::Dense).expect("rs");
+                check_rs(&got, &inputs, shape, None, None, &format!("call {call}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn many_blocks_per_rank_with_grid_stride_loops() {
+    let mut rng = common::rng("blocks");
+    for device in common::backends() {
+        // 4 ranks x 12 blocks of 256 threads over shards of up to 10·3·40 = 1200 elements:
+        // every block, vector and tail loop and per-block flag slot is used
+        let shape = Shape::new(&[10, 9, 9, 9], 3, 40);
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        for bpr in [12usize, 5] {
+            group.set_blocks_per_rank(bpr).expect("blocks");
+            let inputs: Vec<Vec<f16>> = (0..4).map(|_| random(&mut rng, shape.s() * shape.bh(), 4.0)).collect();
+            let res: Vec<Vec<f16>> = (0..4).map(|r| random(&mut rng, shape.splits.rows(r) * shape.bh(), 1.0)).collect();
+            let got = run_rs(&device, &mut group, &shape, &inputs, None, Some(&res), View::Dense, View::Dense)
+                .expect("reduce-scatter");
+            check_rs(&got, &inputs, &shape, None, Some(&res), &format!("{bpr} blocks per rank"));
+            let got = run_ag(&device, &mut group, &shape, &res, View::Padded, View::Transposed).expect("all-gather");
+            let want: Vec<f16> = res.iter().flatten().copied().collect();
+            assert!(got.iter().all(|g| g.iter().zip(&want).all(|(x, y)| same_bits(*x, *y))), "{bpr} blocks per rank");
+        }
+    }
+}
+
+#[test]
+fn epoch_counters_wrap_around_u32() {
+    let mut rng = common::rng("wrap");
+    for device in common::backends() {
+        let mut group = SeqParallelGroup::new(&device, 3).expect("group");
+        group.set_epoch_for_testing(u32::MAX - 3).expect("epoch");
+        let shape = Shape::new(&[2, 3, 2], 2, 8);
+        for call in 0..8 {
+            let inputs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
+            let got = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense)
+                .unwrap_or_else(|e| panic!("call {call} across the u32 wrap: {e}"));
+            check_rs(&got, &inputs, &shape, None, None, &format!("wrap call {call}"));
+        }
+        // At the wrap itself (epoch u32::MAX -> 0) a missing peer's slot still holds u32::MAX:
+        // only a wrap-safe comparison keeps waiting (a plain `>=` would see it as arrived).
+        group.set_epoch_for_testing(u32::MAX).expect("epoch");
+        group.set_timeout(Duration::from_millis(50));
+        group.set_launch_ranks_for_testing(Some(0..2));
+        let inputs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
+        let result = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense);
+        assert!(
+            matches!(result, Err(Error::Timeout(_))),
+            "a stale u32::MAX slot passed for epoch 0: {:?}",
+            result.err()
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_with_nan_outputs_and_no_hang() {
+    let mut rng = common::rng("timeout");
+    for device in common::backends() {
+        let shape = Shape::new(&[2, 2, 2, 2], 2, 8);
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        let bound = Duration::from_millis(100);
+        group.set_timeout(bound);
+        group.set_launch_ranks_for_testing(Some(0..3)); // rank 3's blocks are never launched
+        let inputs: Vec<Vec<f32>> = (0..4).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
+        let (layout, _) = layout_of(View::Dense, [shape.s(), shape.b, shape.h]);
+        let in_bufs: Vec<_> = inputs.iter().map(|x| device.upload(x).expect("upload")).collect();
+        let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
+        let started = Instant::now();
+        let result = {
+            let ins: Vec<RankView<'_, f32>> = in_bufs.iter().map(|b| RankView::new(b, layout.clone())).collect();
+            let mut outs: Vec<RankViewMut<'_, f32>> =
+                out_bufs.iter_mut().map(|b| RankViewMut::contiguous(b, &[2, shape.b, shape.h])).collect();
+            group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
+        };
+        let elapsed = started.elapsed();
+        assert!(matches!(result, Err(Error::Timeout(_))), "expected a timeout, got {result:?}");
+        assert!(elapsed < bound * 50, "the timeout took {elapsed:?} (bound {bound:?})");
+        for (r, buf) in out_bufs.iter().enumerate().take(3) {
+            assert!(buf.to_vec().expect("down").iter().all(|x| x.is_nan()), "rank {r}: no stale data after a timeout");
+        }
+        // poisoned until reset, then healthy again
+        group.set_launch_ranks_for_testing(None);
+        let again = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense);
+        assert!(matches!(again, Err(Error::Timeout(_))), "a poisoned group must refuse: {:?}", again.err());
+        group.reset().expect("reset");
+        let got =
+            run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense).expect("after reset");
+        check_rs(&got, &inputs, &shape, None, None, "after reset");
+    }
+}
+
+#[test]
+fn values_near_the_bf16_range_limit_stay_finite_with_f32_accumulation() {
+    for device in common::backends() {
+        // MAX + c with c = 1e36 is 3.3995e38: past bf16's largest finite value plus half an ulp
+        // (3.3961e38), so a bf16 running sum is +inf after two ranks, but below f32's maximum
+        // (3.4028e38). Rank 2 subtracts MAX again: the f32 sum ends near c, finite.
+        let max = bf16::MAX;
+        let c = bf16::from_f64(1e36);
+        let partial = max.to_f64() + c.to_f64();
+        assert!(bf16::from_f64(partial).to_f64().is_infinite() && partial < f64::from(f32::MAX));
+        let shape = Shape::new(&[1, 1, 1, 1], 1, 16);
+        let n = shape.s() * shape.bh();
+        let inputs = vec![vec![max; n], vec![c; n], vec![-max; n], vec![bf16::from_f64(3.0); n]];
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        let got = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense).expect("rs");
+        for shard in &got {
+            for x in shard {
+                assert!(x.to_f64().is_finite(), "f32 accumulation must keep the sum finite, got {}", x.to_f64());
+                assert!((x.to_f64() - c.to_f64()).abs() <= 2f64.powi(-8) * c.to_f64(), "got {}", x.to_f64());
+            }
+        }
+        check_rs(&got, &inputs, &shape, None, None, "bf16 range");
+    }
+}
+
+#[test]
+fn bad_shapes_and_mismatched_splits_are_errors() {
+    let device = Device::emulator();
+    assert!(matches!(SeqParallelGroup::new(&device, 0), Err(Error::Shape(_))));
+    assert!(matches!(SeqParallelGroup::new(&device, 17), Err(Error::Shape(_))));
+    assert!(matches!(SeqSplits::new(&[]), Err(Error::Shape(_))));
+    assert_eq!(SeqSplits::even(10, 4).expect("even").sizes(), vec![3, 3, 2, 2]);
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    let (b, h) = (2usize, 4usize);
+    let inputs = [vec![1.0f32; 6 * b * h], vec![1.0f32; 6 * b * h]];
+    let mut outs = [vec![0.0f32; 3 * b * h], vec![0.0f32; 3 * b * h]];
+    let full = Layout::contiguous(&[6, b, h]);
+    let half = Layout::contiguous(&[3, b, h]);
+    let ins = |l: &Layout| -> Vec<RankView<'_, f32>> { inputs.iter().map(|x| RankView::new(x, l.clone())).collect() };
+    let mut call = |ins: &[RankView<'_, f32>], layouts: [Layout; 2], splits: &[usize]| {
+        let [l0, l1] = layouts;
+        let (o0, o1) = outs.split_at_mut(1);
+        let mut o = vec![RankViewMut::new(&mut o0[0], l0), RankViewMut::new(&mut o1[0], l1)];
+        let splits = SeqSplits::new(splits).expect("splits");
+        group.reduce_scatter_seq(ins, &mut o, &splits, &Epilogue::none())
+    };
+    // the baseline call is fine
+    assert_eq!(call(&ins(&full), [half.clone(), half.clone()], &[3, 3]), Ok(()));
+    // split sizes that do not sum to S
+    assert!(matches!(call(&ins(&full), [half.clone(), half.clone()], &[3, 2]), Err(Error::Shape(_))));
+    // a split list of the wrong world size
+    assert!(matches!(call(&ins(&full), [half.clone(), half.clone()], &[6]), Err(Error::Shape(_))));
+    // output shard of the wrong shape
+    let wrong = Layout::contiguous(&[3, b, h + 1]);
+    assert!(matches!(call(&ins(&full), [half.clone(), wrong], &[3, 3]), Err(Error::Shape(_))));
+    // rank-2 input
+    assert!(matches!(
+        call(&ins(&Layout::contiguous(&[6, b * h])), [half.clone(), half.clone()], &[3, 3]),
+        Err(Error::Shape(_))
+    ));
+    // a view past the end of its buffer
+    let past = Layout::strided(&[3, b, h], &[b * h, h, 1], 1).expect("layout");
+    assert!(matches!(call(&ins(&full), [half.clone(), past], &[3, 3]), Err(Error::BufferTooShort { .. })));
+    // an output that overlaps itself (stride 0)
+    let bcast = Layout::strided(&[3, b, h], &[0, h, 1], 0).expect("layout");
+    assert!(matches!(call(&ins(&full), [bcast.clone(), bcast], &[3, 3]), Err(Error::Shape(_))));
+    // ranks with different strides
+    let padded = Layout::strided(&[3, b, h], &[h * b, 1, b], 0).expect("layout");
+    assert!(matches!(call(&ins(&full), [half.clone(), padded], &[3, 3]), Err(Error::Unsupported(_))));
+    // wrong number of ranks
+    let one = [RankView::new(&inputs[0], full.clone())];
+    assert!(matches!(call(&one, [half.clone(), half.clone()], &[3, 3]), Err(Error::Shape(_))));
+    // all-gather: inputs must be the shards
+    let mut big = [vec![0.0f32; 6 * b * h], vec![0.0f32; 6 * b * h]];
+    let (g0, g1) = big.split_at_mut(1);
+    let mut o = vec![RankViewMut::new(&mut g0[0], full.clone()), RankViewMut::new(&mut g1[0], full.clone())];
+    let splits = SeqSplits::new(&[3, 3]).expect("splits");
+    assert!(matches!(group.all_gather_seq(&ins(&full), &mut o, &splits), Err(Error::Shape(_))));
+    assert_eq!(group.all_gather_seq(&ins(&half), &mut o, &splits), Ok(()));
+
+    // a grid that cannot be co-resident (the emulator, like a GPU, caps cooperative launches)
+    let mut wide = SeqParallelGroup::new(&device, 16).expect("group");
+    assert!(matches!(wide.set_blocks_per_rank(129), Err(Error::TooLarge(_))));
+    wide.set_blocks_per_rank(64).expect("64 blocks per rank");
+    let data: Vec<Vec<f32>> = (0..16).map(|_| vec![1.0f32; 16 * 4]).collect();
+    let mut shards: Vec<Vec<f32>> = (0..16).map(|_| vec![0.0f32; 4]).collect();
+    let ins16: Vec<RankView<'_, f32>> = data.iter().map(|x| RankView::contiguous(x, &[16, 1, 4])).collect();
+    let mut outs16: Vec<RankViewMut<'_, f32>> =
+        shards.iter_mut().map(|x| RankViewMut::contiguous(x, &[1, 1, 4])).collect();
+    let even = SeqSplits::even(16, 16).expect("splits");
+    let r = wide.reduce_scatter_seq(&ins16, &mut outs16, &even, &Epilogue::none());
+    assert!(matches!(r, Err(Error::TooLarge(_))), "16 x 64 blocks must not launch: {r:?}");
+    wide.set_blocks_per_rank(0).expect("auto");
+    assert_eq!(wide.reduce_scatter_seq(&ins16, &mut outs16, &even, &Epilogue::none()), Ok(()));
+    drop(outs16);
+    assert!(shards.iter().all(|s| s.iter().all(|&v| v == 16.0)), "W = 16: every shard sums 16 ones");
+}
+
+/// The C entry point re-checks what would make the kernel touch memory it should not.
+#[test]
+fn collective_entry_point_rejects_bad_arguments() {
+    use mesa_kernels_sys as sys;
+    let mut flags = vec![0u32; 2 * sys::MESA_SEQPAR_FLAG_WORDS as usize];
+    let input = [1.0f32; 8];
+    let mut out = [[0.0f32; 4]; 2];
+    let mut good = sys::MesaSeqParArgs {
+        batch: 1,
+        hidden: 4,
+        in_strides: [4, 4, 1],
+        out_strides: [4, 4, 1],
+        timeout_ns: 1_000_000_000,
+        world_size: 2,
+        rank_count: 2,
+        dtype: sys::MESA_DTYPE_F32 as i32,
+        ..Default::default()
+    };
+    good.split_offsets[1] = 1;
+    good.split_offsets[2] = 2;
+    let fp = flags.as_mut_ptr();
+    for (r, o) in out.iter_mut().enumerate() {
+        good.ranks[r] = sys::MesaSeqParRank {
+            input: input.as_ptr().cast(),
+            output: o.as_mut_ptr().cast(),
+            residual: std::ptr::null(),
+            bias: std::ptr::null(),
+            flags: fp.wrapping_add(r * sys::MESA_SEQPAR_FLAG_WORDS as usize),
+        };
+    }
+    let call = |a: &sys::MesaSeqParArgs| {
+        // SAFETY: the pointers address the host arrays above, large enough for the good case;
+        // the bad cases are rejected before any access.
+        unsafe { sys::mesa_emu_seqpar_reduce_scatter(a, std::ptr::null_mut()) }
+    };
+    assert_eq!(call(&good), 0);
+    assert_eq!(out, [[2.0; 4]; 2]);
+    let invalid = sys::MESA_STATUS_INVALID_ARGUMENT as i32;
+    let mut bad = good;
+    bad.world_size = 17;
+    assert_eq!(call(&bad), invalid, "world size past the maximum");
+    let mut bad = good;
+    bad.rank_begin = 1;
+    assert_eq!(call(&bad), invalid, "launch past the last rank");
+    let mut bad = good;
+    bad.split_offsets[1] = 3;
+    assert_eq!(call(&bad), invalid, "decreasing split offsets");
+    let mut bad = good;
+    bad.blocks_per_rank = 129;
+    assert_eq!(call(&bad), invalid, "blocks per rank past the flag capacity");
+    let mut bad = good;
+    bad.ranks[1].flags = std::ptr::null_mut();
+    assert_eq!(call(&bad), invalid, "a peer without flags");
+    let mut bad = good;
+    bad.dtype = 9;
+    assert_eq!(call(&bad), invalid, "unknown dtype");
+}
+
+/// The NCCL backend on a one-rank communicator (GPU only; needs libnccl on the library path).
+/// With one rank the reduce-scatter is the identity plus the epilogue, so the f32-accumulation
+/// result is bitwise the fixed-order f32 evaluation, and the all-gather a bit copy.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_backend_one_rank_communicator() {
+    use mesa_kernels::collectives::nccl::{Accumulation, NcclSeqParallel, NcclUniqueId};
+    let Some(device) = common::cuda_only("nccl_backend_one_rank_communicator") else { return };
+    let id = match NcclUniqueId::new() {
+        Ok(id) => id,
+        Err(e) => {
+            assert!(
+                !common::require_gpu() || std::env::var_os("MESA_ALLOW_NO_NCCL").is_some(),
+                "NCCL unavailable: {e}"
+            );
+            eprintln!("SKIPPED nccl_backend_one_rank_communicator: {e}");
+            return;
+        }
+    };
+    let mut rng = common::rng("nccl");
+    let mut comm = NcclSeqParallel::new(&device, 0, 1, &id).expect("communicator");
+    let shape = Shape::new(&[5], 3, 24);
+    let n = shape.s() * shape.bh();
+    for acc in [Accumulation::F32, Accumulation::InputDtype] {
+        comm.set_accumulation(acc);
+        let x: Vec<bf16> = random(&mut rng, n, 4.0);
+        let bias: Vec<bf16> = random(&mut rng, shape.h, 1.0);
+        let res: Vec<bf16> = random(&mut rng, n, 2.0);
+        let (xb, bb, rb) =
+            (device.upload(&x).expect("up"), device.upload(&bias).expect("up"), device.upload(&res).expect("up"));
+        let mut out = device.upload(&vec![bf16::NAN; n]).expect("up");
+        {
+            let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
+            let mut o = RankViewMut::new(&mut out, layout.clone());
+            comm.reduce_scatter_seq(
+                &RankView::new(&xb, layout.clone()),
+                &mut o,
+                &shape.splits,
+                Some(&RankView::contiguous(&bb, &[shape.h])),
+                Some(&RankView::new(&rb, layout)),
+            )
+            .expect("reduce-scatter");
+        }
+        let got = out.to_vec().expect("down");
+        // one rank: Σ = x exactly; f32: rnd((x + bias) + res) once; input dtype: the same
+        // (NCCL's one-rank sum is x itself, already bf16)
+        let want = fixed_order(
+            std::slice::from_ref(&x),
+            &shape.splits,
+            shape.bh(),
+            shape.h,
+            Some(std::slice::from_ref(&bias)),
+            Some(std::slice::from_ref(&res)),
+        );
+        assert!(got.iter().zip(&want[0]).all(|(a, b)| same_bits(*a, *b)), "{acc:?}: NCCL reduce-scatter differs");
+        let mut gathered = device.upload(&vec![bf16::NAN; n]).expect("up");
+        {
+            let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
+            let mut o = RankViewMut::new(&mut gathered, layout.clone());
+            comm.all_gather_seq(&RankView::new(&out, layout), &mut o, &shape.splits).expect("all-gather");
+        }
+        assert!(gathered.to_vec().expect("down").iter().zip(&got).all(|(a, b)| same_bits(*a, *b)));
+    }
+    let mut grads = device.upload(&[1.5f32, -2.0, 3.25]).expect("up");
+    comm.all_reduce_sum(&mut grads).expect("all-reduce");
+    assert_eq!(grads.to_vec().expect("down"), vec![1.5, -2.0, 3.25]);
+}
+
+/// The elementwise epilogue/conversion kernel of the NCCL path (run here through the
+/// emulator's C entry point, since the NCCL backend itself needs GPUs): upcast to f32, then
+/// `rnd((sum + bias[h]) + residual)` in f32 with one rounding, in place or not.
+#[test]
+fn nccl_path_epilogue_kernel_widens_adds_and_rounds_once() {
+    use mesa_kernels_sys as sys;
+    let mut rng = common::rng("epilogue");
+    let (n, h) = (3 * 37, 37usize);
+    let x: Vec<bf16> = random(&mut rng, n, 4.0);
+    let bias: Vec<bf16> = random(&mut rng, h, 1.0);
+    let res: Vec<bf16> = random(&mut rng, n, 2.0);
+    let launch = |args: &sys::MesaSeqParEpilogueArgs| {
+        // SAFETY: every pointer addresses n (bias: h) host elements of the dtype it is tagged with.
+        let status = unsafe { sys::mesa_emu_seqpar_epilogue(args, std::ptr::null_mut()) };
+        assert_eq!(status, 0, "epilogue status");
+    };
+    // widen bf16 -> f32 (exact)
+    let mut wide = vec![f32::NAN; n];
+    launch(&sys::MesaSeqParEpilogueArgs {
+        src: x.as_ptr().cast(),
+        dst: wide.as_mut_ptr().cast(),
+        bias: std::ptr::null(),
+        residual: std::ptr::null(),
+        n: n as i64,
+        hidden: h as i64,
+        src_dtype: sys::MESA_DTYPE_BF16 as i32,
+        dst_dtype: sys::MESA_DTYPE_F32 as i32,
+    });
+    assert!(wide.iter().zip(&x).all(|(w, v)| f64::from(*w) == v.to_f64()));
+    // f32 -> bf16 with bias and residual: the fixed-order contract with one "rank"
+    let mut out = vec![bf16::NAN; n];
+    launch(&sys::MesaSeqParEpilogueArgs {
+        src: wide.as_ptr().cast(),
+        dst: out.as_mut_ptr().cast(),
+        bias: bias.as_ptr().cast(),
+        residual: res.as_ptr().cast(),
+        n: n as i64,
+        hidden: h as i64,
+        src_dtype: sys::MESA_DTYPE_F32 as i32,
+        dst_dtype: sys::MESA_DTYPE_BF16 as i32,
+    });
+    let splits = SeqSplits::new(&[3]).expect("splits");
+    let want = fixed_order(
+        std::slice::from_ref(&x),
+        &splits,
+        h,
+        h,
+        Some(std::slice::from_ref(&bias)),
+        Some(std::slice::from_ref(&res)),
+    );
+    assert!(out.iter().zip(&want[0]).all(|(a, b)| same_bits(*a, *b)), "f32 -> bf16 epilogue");
+    // in place, bf16 -> bf16
+    let mut inplace = x.clone();
+    let p = inplace.as_mut_ptr();
+    launch(&sys::MesaSeqParEpilogueArgs {
+        src: p.cast_const().cast(),
+        dst: p.cast(),
+        bias: bias.as_ptr().cast(),
+        residual: res.as_ptr().cast(),
+        n: n as i64,
+        hidden: h as i64,
+        src_dtype: sys::MESA_DTYPE_BF16 as i32,
+        dst_dtype: sys::MESA_DTYPE_BF16 as i32,
+    });
+    assert!(inplace.iter().zip(&want[0]).all(|(a, b)| same_bits(*a, *b)), "in-place epilogue");
+    // bad arguments are rejected by the entry point
+    let bad = sys::MesaSeqParEpilogueArgs { n: 4, src_dtype: 7, ..Default::default() };
+    // SAFETY: rejected before any pointer is used.
+    assert_eq!(
+        unsafe { sys::mesa_emu_seqpar_epilogue(&bad, std::ptr::null_mut()) },
+        sys::MESA_STATUS_INVALID_ARGUMENT as i32
+    );
+}
