@@ -959,3 +959,74 @@ fn favor_estimates_softmax_attention_and_improves_with_more_features() {
         assert!(errs[1] < errs[0] && errs[1] < 0.15, "causal {causal}: rel-L2 errors for m = 8, 512: {errs:?}");
     }
 }
+
+#[test]
+fn feature_maps_read_and_write_strided_views() {
+    // x = the q part of a packed [B, L, H, 2d] tensor, phi written into a packed
+    // [B, L, H, m + 3] buffer: results equal those of contiguous copies, element for element
+    let device = Device::emulator();
+    let mut rng = common::rng("feature_maps_read_and_write_strided_views");
+    let (b, h, l, d) = (2, 3, 7, 8);
+    let packed: Vec<f32> = random_vec(&mut rng, b * l * h * 2 * d, -1.5, 1.5).iter().map(|&x| x as f32).collect();
+    let lx = Layout::strided(&[b, h, l, d], &[l * h * 2 * d, 2 * d, h * 2 * d, 1], d).expect("layout");
+    let xc: Vec<f32> = reference::gather(&packed, &lx).iter().map(|&x| x as f32).collect();
+    let proj = FavorProjection::orthogonal(&device, 12, d, 5).expect("omega");
+    let maps = [
+        FeatureMap::Relu,
+        FeatureMap::Elu1,
+        FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::RowMax },
+        FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::SequenceMax },
+    ];
+    for map in &maps {
+        let m = map.out_dim(d);
+        let w = m + 3;
+        let lp = Layout::strided(&[b, h, l, m], &[l * h * w, w, h * w, 1], 1).expect("layout");
+        let lpc = Layout::contiguous(&[b, h, l, m]);
+        let mut phi = vec![f32::NAN; b * l * h * w];
+        let mut phic = vec![f32::NAN; b * h * l * m];
+        feature_map::forward(&device, map, TensorRef::new(&packed, &lx), TensorMut::new(&mut phi, &lp))
+            .expect("strided");
+        feature_map::forward(
+            &device,
+            map,
+            TensorRef::new(&xc, &Layout::contiguous(&[b, h, l, d])),
+            TensorMut::new(&mut phic, &lpc),
+        )
+        .expect("contiguous");
+        let got = reference::gather(&phi, &lp);
+        let want = reference::gather(&phic, &lpc);
+        assert_eq!(got, want, "feature map on strided views differs");
+        // the padding columns of the packed output are never written
+        for (i, x) in phi.iter().enumerate() {
+            let col = i % w;
+            if col == 0 || col > m {
+                assert!(x.is_nan(), "element {i} outside the view was written");
+            }
+        }
+        // backward on the strided views equals backward on the contiguous copies
+        let g: Vec<f32> = (0..b * l * h * w).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
+        let gc: Vec<f32> = reference::gather(&g, &lp).iter().map(|&x| x as f32).collect();
+        let mut dx = vec![f32::NAN; packed.len()];
+        let mut dxc = vec![f32::NAN; xc.len()];
+        feature_map::backward(
+            &device,
+            map,
+            TensorRef::new(&packed, &lx),
+            Some(TensorRef::new(&phi, &lp)),
+            TensorRef::new(&g, &lp),
+            TensorMut::new(&mut dx, &lx),
+        )
+        .expect("strided backward");
+        let lxc = Layout::contiguous(&[b, h, l, d]);
+        feature_map::backward(
+            &device,
+            map,
+            TensorRef::new(&xc, &lxc),
+            Some(TensorRef::new(&phic, &lpc)),
+            TensorRef::new(&gc, &lpc),
+            TensorMut::new(&mut dxc, &lxc),
+        )
+        .expect("contiguous backward");
+        assert_eq!(reference::gather(&dx, &lx), reference::gather(&dxc, &lxc), "backward on strided views differs");
+    }
+}
