@@ -10,6 +10,7 @@ pub const MESA_SEQPAR_FLAG_EPOCH: u32 = 32;
 pub const MESA_SEQPAR_FLAG_START: u32 = 160;
 pub const MESA_SEQPAR_FLAG_END: u32 = 2208;
 pub const MESA_SEQPAR_FLAG_WORDS: u32 = 4256;
+pub const MESA_LA_MAX_CHUNK: u32 = 64;
 pub type MesaStatus = i32;
 pub const MESA_STATUS_OK: MesaStatusCode = 0;
 pub const MESA_STATUS_INVALID_ARGUMENT: MesaStatusCode = 1;
@@ -765,6 +766,289 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn mesa_emu_layernorm_backward(
         args: *const MesaLayerNormBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+pub type MesaLaMemory = i32;
+pub const MESA_LA_BOUNDARY_STATES: MesaLaMemoryCode = 0;
+pub const MESA_LA_SLIM: MesaLaMemoryCode = 1;
+pub type MesaLaMemoryCode = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaLaTensor {
+    pub data: *mut ::core::ffi::c_void,
+    pub strides: [i64; 4usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaLaTensor"][::core::mem::size_of::<MesaLaTensor>() - 40usize];
+    ["Alignment of MesaLaTensor"][::core::mem::align_of::<MesaLaTensor>() - 8usize];
+    ["Offset of field: MesaLaTensor::data"][::core::mem::offset_of!(MesaLaTensor, data) - 0usize];
+    ["Offset of field: MesaLaTensor::strides"][::core::mem::offset_of!(MesaLaTensor, strides) - 8usize];
+};
+impl Default for MesaLaTensor {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct MesaLaShape {
+    pub batch: i64,
+    pub heads: i64,
+    pub len: i64,
+    pub feat: i64,
+    pub dim: i64,
+    pub chunk: i32,
+    pub dtype: MesaDType,
+    pub causal: i32,
+    pub normalize: i32,
+    pub eps: f32,
+    pub memory: MesaLaMemory,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaLaShape"][::core::mem::size_of::<MesaLaShape>() - 64usize];
+    ["Alignment of MesaLaShape"][::core::mem::align_of::<MesaLaShape>() - 8usize];
+    ["Offset of field: MesaLaShape::batch"][::core::mem::offset_of!(MesaLaShape, batch) - 0usize];
+    ["Offset of field: MesaLaShape::heads"][::core::mem::offset_of!(MesaLaShape, heads) - 8usize];
+    ["Offset of field: MesaLaShape::len"][::core::mem::offset_of!(MesaLaShape, len) - 16usize];
+    ["Offset of field: MesaLaShape::feat"][::core::mem::offset_of!(MesaLaShape, feat) - 24usize];
+    ["Offset of field: MesaLaShape::dim"][::core::mem::offset_of!(MesaLaShape, dim) - 32usize];
+    ["Offset of field: MesaLaShape::chunk"][::core::mem::offset_of!(MesaLaShape, chunk) - 40usize];
+    ["Offset of field: MesaLaShape::dtype"][::core::mem::offset_of!(MesaLaShape, dtype) - 44usize];
+    ["Offset of field: MesaLaShape::causal"][::core::mem::offset_of!(MesaLaShape, causal) - 48usize];
+    ["Offset of field: MesaLaShape::normalize"][::core::mem::offset_of!(MesaLaShape, normalize) - 52usize];
+    ["Offset of field: MesaLaShape::eps"][::core::mem::offset_of!(MesaLaShape, eps) - 56usize];
+    ["Offset of field: MesaLaShape::memory"][::core::mem::offset_of!(MesaLaShape, memory) - 60usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaLaForwardArgs {
+    pub shape: MesaLaShape,
+    pub q: MesaLaTensor,
+    pub k: MesaLaTensor,
+    pub v: MesaLaTensor,
+    pub out: MesaLaTensor,
+    pub state: *mut f32,
+    pub boundary: *mut f32,
+    pub den: *mut f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaLaForwardArgs"][::core::mem::size_of::<MesaLaForwardArgs>() - 248usize];
+    ["Alignment of MesaLaForwardArgs"][::core::mem::align_of::<MesaLaForwardArgs>() - 8usize];
+    ["Offset of field: MesaLaForwardArgs::shape"][::core::mem::offset_of!(MesaLaForwardArgs, shape) - 0usize];
+    ["Offset of field: MesaLaForwardArgs::q"][::core::mem::offset_of!(MesaLaForwardArgs, q) - 64usize];
+    ["Offset of field: MesaLaForwardArgs::k"][::core::mem::offset_of!(MesaLaForwardArgs, k) - 104usize];
+    ["Offset of field: MesaLaForwardArgs::v"][::core::mem::offset_of!(MesaLaForwardArgs, v) - 144usize];
+    ["Offset of field: MesaLaForwardArgs::out"][::core::mem::offset_of!(MesaLaForwardArgs, out) - 184usize];
+    ["Offset of field: MesaLaForwardArgs::state"][::core::mem::offset_of!(MesaLaForwardArgs, state) - 224usize];
+    ["Offset of field: MesaLaForwardArgs::boundary"][::core::mem::offset_of!(MesaLaForwardArgs, boundary) - 232usize];
+    ["Offset of field: MesaLaForwardArgs::den"][::core::mem::offset_of!(MesaLaForwardArgs, den) - 240usize];
+};
+impl Default for MesaLaForwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaLaBackwardArgs {
+    pub shape: MesaLaShape,
+    pub q: MesaLaTensor,
+    pub k: MesaLaTensor,
+    pub v: MesaLaTensor,
+    pub out: MesaLaTensor,
+    pub dout: MesaLaTensor,
+    pub dq: MesaLaTensor,
+    pub dk: MesaLaTensor,
+    pub dv: MesaLaTensor,
+    pub state: *const f32,
+    pub boundary: *const f32,
+    pub den: *const f32,
+    pub work: *mut f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaLaBackwardArgs"][::core::mem::size_of::<MesaLaBackwardArgs>() - 416usize];
+    ["Alignment of MesaLaBackwardArgs"][::core::mem::align_of::<MesaLaBackwardArgs>() - 8usize];
+    ["Offset of field: MesaLaBackwardArgs::shape"][::core::mem::offset_of!(MesaLaBackwardArgs, shape) - 0usize];
+    ["Offset of field: MesaLaBackwardArgs::q"][::core::mem::offset_of!(MesaLaBackwardArgs, q) - 64usize];
+    ["Offset of field: MesaLaBackwardArgs::k"][::core::mem::offset_of!(MesaLaBackwardArgs, k) - 104usize];
+    ["Offset of field: MesaLaBackwardArgs::v"][::core::mem::offset_of!(MesaLaBackwardArgs, v) - 144usize];
+    ["Offset of field: MesaLaBackwardArgs::out"][::core::mem::offset_of!(MesaLaBackwardArgs, out) - 184usize];
+    ["Offset of field: MesaLaBackwardArgs::dout"][::core::mem::offset_of!(MesaLaBackwardArgs, dout) - 224usize];
+    ["Offset of field: MesaLaBackwardArgs::dq"][::core::mem::offset_of!(MesaLaBackwardArgs, dq) - 264usize];
+    ["Offset of field: MesaLaBackwardArgs::dk"][::core::mem::offset_of!(MesaLaBackwardArgs, dk) - 304usize];
+    ["Offset of field: MesaLaBackwardArgs::dv"][::core::mem::offset_of!(MesaLaBackwardArgs, dv) - 344usize];
+    ["Offset of field: MesaLaBackwardArgs::state"][::core::mem::offset_of!(MesaLaBackwardArgs, state) - 384usize];
+    ["Offset of field: MesaLaBackwardArgs::boundary"][::core::mem::offset_of!(MesaLaBackwardArgs, boundary) - 392usize];
+    ["Offset of field: MesaLaBackwardArgs::den"][::core::mem::offset_of!(MesaLaBackwardArgs, den) - 400usize];
+    ["Offset of field: MesaLaBackwardArgs::work"][::core::mem::offset_of!(MesaLaBackwardArgs, work) - 408usize];
+};
+impl Default for MesaLaBackwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type MesaFeatureMap = i32;
+pub const MESA_FEATURE_RELU: MesaFeatureMapCode = 0;
+pub const MESA_FEATURE_ELU1: MesaFeatureMapCode = 1;
+pub const MESA_FEATURE_FAVOR: MesaFeatureMapCode = 2;
+pub type MesaFeatureMapCode = ::core::ffi::c_uint;
+pub type MesaFavorStabilizer = i32;
+pub const MESA_FAVOR_NONE: MesaFavorStabilizerCode = 0;
+pub const MESA_FAVOR_ROW_MAX: MesaFavorStabilizerCode = 1;
+pub const MESA_FAVOR_BOUND: MesaFavorStabilizerCode = 2;
+pub const MESA_FAVOR_SEQUENCE_MAX: MesaFavorStabilizerCode = 3;
+pub type MesaFavorStabilizerCode = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaFeatureArgs {
+    pub map: MesaFeatureMap,
+    pub stabilizer: MesaFavorStabilizer,
+    pub dtype: MesaDType,
+    pub _pad: i32,
+    pub batch: i64,
+    pub heads: i64,
+    pub len: i64,
+    pub in_dim: i64,
+    pub out_dim: i64,
+    pub x: MesaLaTensor,
+    pub phi: MesaLaTensor,
+    pub omega: *const f32,
+    pub bound: f32,
+    pub _pad2: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaFeatureArgs"][::core::mem::size_of::<MesaFeatureArgs>() - 152usize];
+    ["Alignment of MesaFeatureArgs"][::core::mem::align_of::<MesaFeatureArgs>() - 8usize];
+    ["Offset of field: MesaFeatureArgs::map"][::core::mem::offset_of!(MesaFeatureArgs, map) - 0usize];
+    ["Offset of field: MesaFeatureArgs::stabilizer"][::core::mem::offset_of!(MesaFeatureArgs, stabilizer) - 4usize];
+    ["Offset of field: MesaFeatureArgs::dtype"][::core::mem::offset_of!(MesaFeatureArgs, dtype) - 8usize];
+    ["Offset of field: MesaFeatureArgs::_pad"][::core::mem::offset_of!(MesaFeatureArgs, _pad) - 12usize];
+    ["Offset of field: MesaFeatureArgs::batch"][::core::mem::offset_of!(MesaFeatureArgs, batch) - 16usize];
+    ["Offset of field: MesaFeatureArgs::heads"][::core::mem::offset_of!(MesaFeatureArgs, heads) - 24usize];
+    ["Offset of field: MesaFeatureArgs::len"][::core::mem::offset_of!(MesaFeatureArgs, len) - 32usize];
+    ["Offset of field: MesaFeatureArgs::in_dim"][::core::mem::offset_of!(MesaFeatureArgs, in_dim) - 40usize];
+    ["Offset of field: MesaFeatureArgs::out_dim"][::core::mem::offset_of!(MesaFeatureArgs, out_dim) - 48usize];
+    ["Offset of field: MesaFeatureArgs::x"][::core::mem::offset_of!(MesaFeatureArgs, x) - 56usize];
+    ["Offset of field: MesaFeatureArgs::phi"][::core::mem::offset_of!(MesaFeatureArgs, phi) - 96usize];
+    ["Offset of field: MesaFeatureArgs::omega"][::core::mem::offset_of!(MesaFeatureArgs, omega) - 136usize];
+    ["Offset of field: MesaFeatureArgs::bound"][::core::mem::offset_of!(MesaFeatureArgs, bound) - 144usize];
+    ["Offset of field: MesaFeatureArgs::_pad2"][::core::mem::offset_of!(MesaFeatureArgs, _pad2) - 148usize];
+};
+impl Default for MesaFeatureArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaFeatureBackwardArgs {
+    pub map: MesaFeatureMap,
+    pub dtype: MesaDType,
+    pub batch: i64,
+    pub heads: i64,
+    pub len: i64,
+    pub in_dim: i64,
+    pub out_dim: i64,
+    pub x: MesaLaTensor,
+    pub phi: MesaLaTensor,
+    pub dphi: MesaLaTensor,
+    pub dx: MesaLaTensor,
+    pub omega: *const f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaFeatureBackwardArgs"][::core::mem::size_of::<MesaFeatureBackwardArgs>() - 216usize];
+    ["Alignment of MesaFeatureBackwardArgs"][::core::mem::align_of::<MesaFeatureBackwardArgs>() - 8usize];
+    ["Offset of field: MesaFeatureBackwardArgs::map"][::core::mem::offset_of!(MesaFeatureBackwardArgs, map) - 0usize];
+    ["Offset of field: MesaFeatureBackwardArgs::dtype"]
+        [::core::mem::offset_of!(MesaFeatureBackwardArgs, dtype) - 4usize];
+    ["Offset of field: MesaFeatureBackwardArgs::batch"]
+        [::core::mem::offset_of!(MesaFeatureBackwardArgs, batch) - 8usize];
+    ["Offset of field: MesaFeatureBackwardArgs::heads"]
+        [::core::mem::offset_of!(MesaFeatureBackwardArgs, heads) - 16usize];
+    ["Offset of field: MesaFeatureBackwardArgs::len"][::core::mem::offset_of!(MesaFeatureBackwardArgs, len) - 24usize];
+    ["Offset of field: MesaFeatureBackwardArgs::in_dim"]
+        [::core::mem::offset_of!(MesaFeatureBackwardArgs, in_dim) - 32usize];
+    ["Offset of field: MesaFeatureBackwardArgs::out_dim"]
+        [::core::mem::offset_of!(MesaFeatureBackwardArgs, out_dim) - 40usize];
+    ["Offset of field: MesaFeatureBackwardArgs::x"][::core::mem::offset_of!(MesaFeatureBackwardArgs, x) - 48usize];
+    ["Offset of field: MesaFeatureBackwardArgs::phi"][::core::mem::offset_of!(MesaFeatureBackwardArgs, phi) - 88usize];
+    ["Offset of field: MesaFeatureBackwardArgs::dphi"]
+        [::core::mem::offset_of!(MesaFeatureBackwardArgs, dphi) - 128usize];
+    ["Offset of field: MesaFeatureBackwardArgs::dx"][::core::mem::offset_of!(MesaFeatureBackwardArgs, dx) - 168usize];
+    ["Offset of field: MesaFeatureBackwardArgs::omega"]
+        [::core::mem::offset_of!(MesaFeatureBackwardArgs, omega) - 208usize];
+};
+impl Default for MesaFeatureBackwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+unsafe extern "C" {
+    pub fn mesa_linear_attention_forward(
+        args: *const MesaLaForwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_linear_attention_forward(
+        args: *const MesaLaForwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_linear_attention_backward(
+        args: *const MesaLaBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_linear_attention_backward(
+        args: *const MesaLaBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_feature_map_forward(args: *const MesaFeatureArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_feature_map_forward(args: *const MesaFeatureArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_feature_map_backward(
+        args: *const MesaFeatureBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_feature_map_backward(
+        args: *const MesaFeatureBackwardArgs,
         stream: *mut ::core::ffi::c_void,
     ) -> MesaStatus;
 }

@@ -42,6 +42,8 @@ use serde_json::{json, Value};
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
+mod linear_attention;
+
 /// The default input, and how the report names it.
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/minilm_activations.safetensors");
 const FIXTURE_NAME: &str = "fixtures/minilm_activations.safetensors";
@@ -209,16 +211,24 @@ fn run(options: &Options) -> Result<()> {
         true => Some(block::run(&device, &block::block_fixture())?),
         false => None,
     };
+    // the linear-attention section (linear_attention.rs)
+    let linear_attention = linear_attention::Section::measure(&device, &file)?;
     if options.json {
         let mut value = report.to_json();
         if let Some(b) = &block {
             value["block"] = b.to_json();
+        }
+        if let (Some(obj), Some(la)) = (value.as_object_mut(), &linear_attention) {
+            obj.insert("linear_attention".into(), la.to_json());
         }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         report.print();
         if let Some(b) = &block {
             b.print();
+        }
+        if let Some(la) = &linear_attention {
+            la.print();
         }
     }
     Ok(())

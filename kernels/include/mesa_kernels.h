@@ -71,5 +71,6 @@ typedef struct MesaTensorDesc {
 #include "mesa_quant.h"
 #include "mesa_collectives.h"
 #include "mesa_fused.h"
+#include "mesa_linear_attention.h"
 
 #endif /* MESA_KERNELS_H */

@@ -10,6 +10,9 @@
 //!   and all-gather of `[S, B, H]` along the sequence, intra-node kernel and NCCL backend.
 //! * [`fused`]: GELU, softmax and LayerNorm whose forward writes the output and the codes of
 //!   what backward needs in one pass, and whose backward reads the codes directly.
+//! * [`linear_attention`] + [`feature_map`]: chunked causal and bidirectional linear
+//!   attention (SLiM, Performer FAVOR+) with exact gradients and a saved state that can be
+//!   independent of the sequence length.
 //!
 //! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
 //! streams pass straight in) or the host emulation, which compiles the same kernel source
@@ -47,8 +50,10 @@ pub mod collectives;
 mod device;
 mod dtype;
 mod error;
+pub mod feature_map;
 pub mod fused;
 mod layout;
+pub mod linear_attention;
 pub mod quant;
 pub mod reference;
 

@@ -5,6 +5,7 @@
 //! papers' equations, slow on purpose.
 pub mod collectives;
 pub mod fused;
+pub mod linear_attention;
 pub mod quant;
 
 use crate::dtype::Element;

@@ -1,0 +1,140 @@
+//! Chunked linear attention: forward + backward (causal, normalised, bf16, chunk 64).
+//!
+//! * CUDA: B = 4, H = 16, T ∈ {4K, 8K, 16K}, M = D ∈ {64, 128}, both memory modes
+//!   (`boundary` and `slim`). Throughput in elements = B·H·T tokens per iteration.
+//! * Emulator (group name says "emulator (not performance)"): B = 1, H = 2, T = 256,
+//!   M = D = 16 — only a smoke run of the same code path.
+//!
+//! Floors printed at start (docs/linear_attention.md derives them): per token and head, the
+//! chunked algorithm does ≈ 2·C·(M + D) (intra-chunk) + 4·M·D (state read + update) FLOPs in
+//! the forward and about 3× that in the backward; bytes: forward reads (2M + D)·2, writes
+//! D·2; backward reads (2M + 3D)·2, writes (2M + D)·2.
+//!
+//! Timing: `iter_custom`, the stream synchronised before the clock starts and stops.
+//! Run: `cargo bench --bench linear_attention` (`-- --quick` for a short run).
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use half::bf16;
+use mesa_kernels::linear_attention::{backward, forward, LinearAttentionConfig, MemoryMode, TensorMut, TensorRef};
+use mesa_kernels::{Buffer, Device, Layout};
+
+const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
+const H200_FP32_FLOP_PER_S: f64 = 67e12;
+
+fn device() -> Device {
+    let require_gpu = std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match Device::cuda(0) {
+        Ok(d) => d,
+        Err(e) if require_gpu => panic!("MESA_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e}"),
+        Err(e) => {
+            eprintln!("linear_attention bench: CUDA not usable ({e}); falling back to the host emulation");
+            Device::emulator()
+        }
+    }
+}
+
+struct Case {
+    b: usize,
+    h: usize,
+    t: usize,
+    d: usize,
+}
+
+fn data(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<bf16> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            bf16::from_f32(lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32))
+        })
+        .collect()
+}
+
+fn floors(c: &Case) -> (f64, f64) {
+    let (rows, m, d, chunk) = ((c.b * c.h * c.t) as f64, c.d as f64, c.d as f64, 64.0);
+    let flops_fwd = rows * (2.0 * chunk * (m + d) + 4.0 * m * d);
+    let flops = 4.0 * flops_fwd;
+    let bytes = rows * 2.0 * ((2.0 * m + d) + d + (2.0 * m + 3.0 * d) + (2.0 * m + d));
+    (flops / H200_FP32_FLOP_PER_S, bytes / H200_COPY_BYTES_PER_S)
+}
+
+fn bench_case(c: &mut Criterion, device: &Device, group_name: &str, case: &Case) {
+    let (b, h, t, d) = (case.b, case.h, case.t, case.d);
+    let n = b * h * t * d;
+    let layout = Layout::contiguous(&[b, h, t, d]);
+    let up = |x: &[bf16]| -> Buffer<bf16> { device.upload(x).expect("upload") };
+    let (q, k, v, g) = (
+        up(&data(n, 0.05, 1.0, 1)),
+        up(&data(n, 0.05, 1.0, 2)),
+        up(&data(n, -1.0, 1.0, 3)),
+        up(&data(n, -1.0, 1.0, 4)),
+    );
+    let alloc = || device.alloc_zeros::<bf16>(n).expect("alloc");
+    let (mut out, mut dq, mut dk, mut dv) = (alloc(), alloc(), alloc(), alloc());
+    let (flop_s, byte_s) = floors(case);
+    eprintln!(
+        "{group_name} T={t} D={d}: H200 floor fwd+bwd ≈ max({:.1} us fp32-FMA, {:.1} us bytes)",
+        flop_s * 1e6,
+        byte_s * 1e6
+    );
+    let mut group = c.benchmark_group(group_name);
+    group.throughput(Throughput::Elements((b * h * t) as u64));
+    group.sample_size(10);
+    for (name, memory) in [("boundary", MemoryMode::BoundaryStates), ("slim", MemoryMode::Slim)] {
+        let cfg = LinearAttentionConfig { memory, ..LinearAttentionConfig::causal() };
+        group.bench_function(format!("fwd_bwd_{name}_T{t}_D{d}"), |bench| {
+            bench.iter_custom(|iters| {
+                device.synchronize().expect("sync");
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let saved = forward(
+                        device,
+                        &cfg,
+                        TensorRef::new(&q, &layout),
+                        TensorRef::new(&k, &layout),
+                        TensorRef::new(&v, &layout),
+                        TensorMut::new(&mut out, &layout),
+                    )
+                    .expect("forward");
+                    backward(
+                        device,
+                        &saved,
+                        TensorRef::new(&q, &layout),
+                        TensorRef::new(&k, &layout),
+                        TensorRef::new(&v, &layout),
+                        Some(TensorRef::new(&out, &layout)),
+                        TensorRef::new(&g, &layout),
+                        TensorMut::new(&mut dq, &layout),
+                        TensorMut::new(&mut dk, &layout),
+                        TensorMut::new(&mut dv, &layout),
+                    )
+                    .expect("backward");
+                    black_box(&saved);
+                }
+                device.synchronize().expect("sync");
+                start.elapsed().max(Duration::from_nanos(1))
+            });
+        });
+    }
+    group.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    let device = device();
+    if device.is_cuda() {
+        for d in [64, 128] {
+            for t in [4096, 8192, 16384] {
+                bench_case(c, &device, "linear_attention_cuda", &Case { b: 4, h: 16, t, d });
+            }
+        }
+    } else {
+        bench_case(c, &device, "linear_attention emulator (not performance)", &Case { b: 1, h: 2, t: 256, d: 16 });
+    }
+}
+
+criterion_group!(linear_attention, benches);
+criterion_main!(linear_attention);

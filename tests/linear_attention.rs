@@ -1,0 +1,1032 @@
+//! Parity of chunked linear attention (forward, dq, dk, dv; both memory modes) and of the
+//! feature maps with the f64 reference (`mesa_kernels::reference::linear_attention`), on
+//! every backend, every dtype, causal and bidirectional, normalised or not, and the bug
+//! classes of published linear-attention kernels.
+//!
+//! Tolerances (derived, per element):
+//! * Inputs are exact in their dtype T (the reference reads the same values widened to
+//!   f64), so all error comes from f32 arithmetic and the final rounding to T.
+//! * Every output element is a sum of products whose longest accumulation chain has at most
+//!   `M + D + 2L + 8` f32 roundings (a dot over M or D+1 features, a prefix sum over ≤ L
+//!   rows, in SLiM mode the reverse subtraction over ≤ L more rows, a division by the
+//!   denominator). The classical bound |fl(Σ) − Σ| ≤ n·u·Σ|terms| (u = 2⁻²⁴) gives
+//!   `n·u·mag`, where `mag` is the same sum with every term replaced by its absolute value
+//!   (for normalised outputs also the denominator's error times |out|, for gradients the
+//!   |dnum|, |dden| terms) — computed in f64 below. In SLiM mode the rebuilt state carries
+//!   the error of the *whole* sequence's sum, so `dq`'s magnitude sums over all s.
+//! * The backward reads the forward output `out` rounded to T: `dden` is off by u_T
+//!   relatively, covered by `4·u_T·mag`; the final rounding to T adds `u_T·|ref|`
+//!   (u_T = 2⁻²⁴, 2⁻¹¹, 2⁻⁸ for f32, f16, bf16).
+mod common;
+
+use half::{bf16, f16};
+use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureMap};
+use mesa_kernels::linear_attention::{
+    backward, forward, LinearAttentionConfig, LinearAttentionSaved, MemoryMode, TensorMut, TensorRef,
+};
+use mesa_kernels::reference::{self, linear_attention as rla};
+use mesa_kernels::{Buffer, DType, Device, Element, Error, Layout};
+use rand::rngs::StdRng;
+use rand::RngExt;
+
+fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 2f64.powi(-24),
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    b: usize,
+    h: usize,
+    l: usize,
+    m: usize,
+    d: usize,
+}
+
+impl Shape {
+    fn dims(&self) -> rla::Dims {
+        rla::Dims { batch: self.b, heads: self.h, len: self.l, feat: self.m, dim: self.d }
+    }
+    fn qk(&self) -> usize {
+        self.b * self.h * self.l * self.m
+    }
+    fn vd(&self) -> usize {
+        self.b * self.h * self.l * self.d
+    }
+}
+
+/// Magnitudes `mag` of the tolerance (see the module docs): (out, dq, dk, dv).
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+fn magnitudes(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dout: &[f64],
+    n: Shape,
+    causal: bool,
+    eps: Option<f64>,
+    dq_over_all: bool,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (l, m, d) = (n.l, n.m, n.d);
+    let mut mo = vec![0.0; n.vd()];
+    let mut mq = vec![0.0; n.qk()];
+    let mut mk = vec![0.0; n.qk()];
+    let mut mv = vec![0.0; n.vd()];
+    for bh in 0..n.b * n.h {
+        let absdot = |t: usize, s: usize| -> f64 {
+            (0..m).map(|i| (q[(bh * l + t) * m + i] * k[(bh * l + s) * m + i]).abs()).sum()
+        };
+        let dot =
+            |t: usize, s: usize| -> f64 { (0..m).map(|i| q[(bh * l + t) * m + i] * k[(bh * l + s) * m + i]).sum() };
+        for t in 0..l {
+            let vis = |s: usize| !causal || s <= t;
+            let (mut den, mut aden) = (0.0, 0.0);
+            let mut num = vec![0.0; d];
+            let mut anum = vec![0.0; d];
+            for s in (0..l).filter(|&s| vis(s)) {
+                let (a, aa) = (dot(t, s), absdot(t, s));
+                den += a;
+                aden += aa;
+                for j in 0..d {
+                    num[j] += a * v[(bh * l + s) * d + j];
+                    anum[j] += aa * v[(bh * l + s) * d + j].abs();
+                }
+            }
+            let g = eps.map_or(1.0, |e| rla::guard(den, e));
+            let dnum: Vec<f64> = (0..d).map(|j| (dout[(bh * l + t) * d + j] / g).abs()).collect();
+            let dden = if eps.is_some() {
+                (0..d).map(|j| (dout[(bh * l + t) * d + j] * num[j]).abs()).sum::<f64>() / (g * g)
+            } else {
+                0.0
+            };
+            for j in 0..d {
+                let out = num[j] / g;
+                mo[(bh * l + t) * d + j] =
+                    anum[j] / g.abs() + if eps.is_some() { out.abs() * aden / g.abs() } else { 0.0 };
+            }
+            for s in 0..l {
+                let da: f64 = (0..d).map(|j| dnum[j] * v[(bh * l + s) * d + j].abs()).sum::<f64>() + dden;
+                if vis(s) || dq_over_all {
+                    for i in 0..m {
+                        mq[(bh * l + t) * m + i] += da * k[(bh * l + s) * m + i].abs();
+                    }
+                }
+                if vis(s) {
+                    for i in 0..m {
+                        mk[(bh * l + s) * m + i] += da * q[(bh * l + t) * m + i].abs();
+                    }
+                    let aa = absdot(t, s);
+                    for j in 0..d {
+                        mv[(bh * l + s) * d + j] += aa * dnum[j];
+                    }
+                }
+            }
+        }
+    }
+    (mo, mq, mk, mv)
+}
+
+fn check_close(what: &str, got: &[f64], want: &[f64], mag: &[f64], n: Shape, dtype: DType) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let u = unit_roundoff(dtype);
+    let chain = (n.m + n.d + 2 * n.l + 8) as f64 * 2f64.powi(-24);
+    for (i, ((&g, &w), &mg)) in got.iter().zip(want).zip(mag).enumerate() {
+        assert!(g.is_finite(), "{what}[{i}] = {g} is not finite (element not written?)");
+        let tol = (chain + 4.0 * u) * mg + u * w.abs() + 1e-300;
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}[{i}]: {g} vs reference {w} (|diff| {} > tol {tol}), {n:?} {dtype:?}",
+            (g - w).abs()
+        );
+    }
+}
+
+fn random_vec(rng: &mut StdRng, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+    (0..n).map(|_| lo + (hi - lo) * rng.random::<f64>()).collect()
+}
+
+fn to_t<T: Element>(x: &[f64]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f64(v)).collect()
+}
+fn widen<T: Element>(x: &[T]) -> Vec<f64> {
+    x.iter().map(|v| v.to_f64()).collect()
+}
+
+struct Outputs {
+    out: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    saved_bytes: usize,
+}
+
+/// Runs forward + backward on contiguous [B, H, L, F] inputs (poisoned outputs).
+fn run<T: Element>(
+    device: &Device,
+    cfg: &LinearAttentionConfig,
+    n: Shape,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+) -> Outputs {
+    let lq = Layout::contiguous(&[n.b, n.h, n.l, n.m]);
+    let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
+    let nan = T::from_f64(f64::NAN);
+    let (qb, kb, vb, gb) = (up(device, q), up(device, k), up(device, v), up(device, dout));
+    let mut ob = up(device, &vec![nan; n.vd()]);
+    let saved = forward(
+        device,
+        cfg,
+        TensorRef::new(&qb, &lq),
+        TensorRef::new(&kb, &lq),
+        TensorRef::new(&vb, &lv),
+        TensorMut::new(&mut ob, &lv),
+    )
+    .expect("forward");
+    let mut dqb = up(device, &vec![nan; n.qk()]);
+    let mut dkb = up(device, &vec![nan; n.qk()]);
+    let mut dvb = up(device, &vec![nan; n.vd()]);
+    backward(
+        device,
+        &saved,
+        TensorRef::new(&qb, &lq),
+        TensorRef::new(&kb, &lq),
+        TensorRef::new(&vb, &lv),
+        Some(TensorRef::new(&ob, &lv)),
+        TensorRef::new(&gb, &lv),
+        TensorMut::new(&mut dqb, &lq),
+        TensorMut::new(&mut dkb, &lq),
+        TensorMut::new(&mut dvb, &lv),
+    )
+    .expect("backward");
+    Outputs {
+        out: widen(&ob.to_vec().expect("out")),
+        dq: widen(&dqb.to_vec().expect("dq")),
+        dk: widen(&dkb.to_vec().expect("dk")),
+        dv: widen(&dvb.to_vec().expect("dv")),
+        saved_bytes: saved.size_in_bytes(),
+    }
+}
+
+fn up<T: Element>(device: &Device, x: &[T]) -> Buffer<T> {
+    device.upload(x).expect("upload")
+}
+
+/// Random inputs (positive features when normalised), rounded to T, run, and compared.
+fn parity<T: Element>(device: &Device, rng: &mut StdRng, cfg: &LinearAttentionConfig, n: Shape) {
+    let lo = if cfg.normalize { 0.05 } else { -1.0 };
+    let q = to_t::<T>(&random_vec(rng, n.qk(), lo, 1.0));
+    let k = to_t::<T>(&random_vec(rng, n.qk(), lo, 1.0));
+    let v = to_t::<T>(&random_vec(rng, n.vd(), -1.0, 1.0));
+    let dout = to_t::<T>(&random_vec(rng, n.vd(), -1.0, 1.0));
+    let r = run(device, cfg, n, &q, &k, &v, &dout);
+    let (q, k, v, dout) = (widen(&q), widen(&k), widen(&v), widen(&dout));
+    let eps = cfg.normalize.then_some(f64::from(cfg.eps));
+    let (out, _) = rla::forward(&q, &k, &v, n.dims(), cfg.causal, eps);
+    let (dq, dk, dv) = rla::backward(&q, &k, &v, &dout, n.dims(), cfg.causal, eps);
+    let slim = cfg.causal && cfg.memory == MemoryMode::Slim;
+    let (mo, mq, mk, mv) = magnitudes(&q, &k, &v, &dout, n, cfg.causal, eps, slim);
+    check_close("out", &r.out, &out, &mo, n, T::DTYPE);
+    check_close("dq", &r.dq, &dq, &mq, n, T::DTYPE);
+    check_close("dk", &r.dk, &dk, &mk, n, T::DTYPE);
+    check_close("dv", &r.dv, &dv, &mv, n, T::DTYPE);
+}
+
+fn configs() -> Vec<LinearAttentionConfig> {
+    let mut v = Vec::new();
+    for causal in [true, false] {
+        for normalize in [true, false] {
+            for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
+                if !causal && memory == MemoryMode::Slim {
+                    continue; // bidirectional: one state, the modes coincide
+                }
+                v.push(LinearAttentionConfig { causal, normalize, eps: 1e-6, chunk: 16, memory });
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn parity_every_dtype_mode_and_direction() {
+    let mut rng = common::rng("parity_every_dtype_mode_and_direction");
+    // L = 37: two full chunks of 16 and a partial one; M != D
+    let n = Shape { b: 2, h: 2, l: 37, m: 8, d: 5 };
+    for device in common::backends() {
+        for cfg in configs() {
+            parity::<f32>(&device, &mut rng, &cfg, n);
+            parity::<f16>(&device, &mut rng, &cfg, n);
+            parity::<bf16>(&device, &mut rng, &cfg, n);
+        }
+    }
+}
+
+#[test]
+fn m_and_d_differ_above_256_in_both_orders() {
+    let mut rng = common::rng("m_and_d_differ_above_256_in_both_orders");
+    for device in common::backends() {
+        for (m, d) in [(33, 300), (300, 33)] {
+            let n = Shape { b: 1, h: 1, l: 19, m, d };
+            for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
+                let cfg = LinearAttentionConfig { chunk: 8, memory, ..LinearAttentionConfig::causal() };
+                parity::<f32>(&device, &mut rng, &cfg, n);
+            }
+            parity::<bf16>(
+                &device,
+                &mut rng,
+                &LinearAttentionConfig { chunk: 8, ..LinearAttentionConfig::bidirectional() },
+                n,
+            );
+        }
+    }
+}
+
+#[test]
+fn any_length_and_chunk() {
+    let mut rng = common::rng("any_length_and_chunk");
+    for device in common::backends() {
+        // L < chunk, L = chunk, L = chunk + 1, chunk 1, the largest chunk
+        for (l, chunk) in [(5, 64), (16, 16), (17, 16), (9, 1), (130, 64), (1, 7)] {
+            let n = Shape { b: 1, h: 2, l, m: 4, d: 3 };
+            for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
+                let cfg = LinearAttentionConfig { chunk, memory, ..LinearAttentionConfig::causal() };
+                parity::<f32>(&device, &mut rng, &cfg, n);
+            }
+        }
+    }
+}
+
+#[test]
+fn changing_future_positions_never_changes_earlier_outputs() {
+    let mut rng = common::rng("changing_future_positions_never_changes_earlier_outputs");
+    let n = Shape { b: 1, h: 2, l: 45, m: 6, d: 4 };
+    for device in common::backends() {
+        for normalize in [true, false] {
+            let cfg = LinearAttentionConfig { chunk: 16, normalize, ..LinearAttentionConfig::causal() };
+            let q = to_t::<f32>(&random_vec(&mut rng, n.qk(), 0.05, 1.0));
+            let k = to_t::<f32>(&random_vec(&mut rng, n.qk(), 0.05, 1.0));
+            let v = to_t::<f32>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+            let dout = vec![0.0f32; n.vd()];
+            let base = run(&device, &cfg, n, &q, &k, &v, &dout);
+            // change every position after t0 (inside a chunk, so the masked intra-chunk
+            // matmul is exercised): q, k, v all differ there
+            for t0 in [20, 31, 44] {
+                let (mut q2, mut k2, mut v2) = (q.clone(), k.clone(), v.clone());
+                for bh in 0..n.b * n.h {
+                    for t in t0 + 1..n.l {
+                        for i in 0..n.m {
+                            q2[(bh * n.l + t) * n.m + i] *= 3.5;
+                            k2[(bh * n.l + t) * n.m + i] += 7.0;
+                        }
+                        for j in 0..n.d {
+                            v2[(bh * n.l + t) * n.d + j] = -100.0;
+                        }
+                    }
+                }
+                let other = run(&device, &cfg, n, &q2, &k2, &v2, &dout);
+                for bh in 0..n.b * n.h {
+                    for t in 0..=t0 {
+                        for j in 0..n.d {
+                            let i = (bh * n.l + t) * n.d + j;
+                            assert_eq!(
+                                base.out[i].to_bits(),
+                                other.out[i].to_bits(),
+                                "out[{bh},{t},{j}] changed (t0 {t0})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn f16_key_sums_beyond_the_f16_range_stay_finite() {
+    // keys ~ 2000 over L = 100 rows: sum_s k_s ~ 2e5 > 65504 (f16 max); v ~ 30, so the
+    // state sum k v ~ 6e6. The state and the denominators are f32: outputs stay finite.
+    let mut rng = common::rng("f16_key_sums_beyond_the_f16_range_stay_finite");
+    let n = Shape { b: 1, h: 1, l: 100, m: 4, d: 3 };
+    for device in common::backends() {
+        let q = to_t::<f16>(&random_vec(&mut rng, n.qk(), 0.5, 1.0));
+        let k = to_t::<f16>(&random_vec(&mut rng, n.qk(), 1500.0, 2500.0));
+        let v = to_t::<f16>(&random_vec(&mut rng, n.vd(), 20.0, 40.0));
+        let dout = to_t::<f16>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+        let cfg = LinearAttentionConfig { chunk: 16, ..LinearAttentionConfig::causal() };
+        let r = run(&device, &cfg, n, &q, &k, &v, &dout);
+        let (qw, kw, vw, gw) = (widen(&q), widen(&k), widen(&v), widen(&dout));
+        let (out, den) = rla::forward(&qw, &kw, &vw, n.dims(), true, Some(1e-6));
+        assert!(den.iter().any(|&d| d > 65504.0), "the test must push sums past the f16 range");
+        let (dq, dk, dv) = rla::backward(&qw, &kw, &vw, &gw, n.dims(), true, Some(1e-6));
+        let (mo, mq, mk, mv) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6), false);
+        check_close("out", &r.out, &out, &mo, n, DType::F16);
+        check_close("dq", &r.dq, &dq, &mq, n, DType::F16);
+        check_close("dk", &r.dk, &dk, &mk, n, DType::F16);
+        check_close("dv", &r.dv, &dv, &mv, n, DType::F16);
+    }
+}
+
+#[test]
+fn views_of_one_packed_qkv_tensor() {
+    // qkv packed as [B, L, H, 2M + D] (q | k | v per head), out a view of [B, L, H, D]
+    let mut rng = common::rng("views_of_one_packed_qkv_tensor");
+    let n = Shape { b: 2, h: 3, l: 21, m: 5, d: 7 };
+    let f = 2 * n.m + n.d;
+    for device in common::backends() {
+        let packed = to_t::<bf16>(&random_vec(&mut rng, n.b * n.l * n.h * f, 0.05, 1.0));
+        let view = |off: usize, width: usize| {
+            Layout::strided(&[n.b, n.h, n.l, width], &[n.l * n.h * f, f, n.h * f, 1], off).expect("layout")
+        };
+        let (lq, lk, lv) = (view(0, n.m), view(n.m, n.m), view(2 * n.m, n.d));
+        let lo = Layout::strided(&[n.b, n.h, n.l, n.d], &[n.l * n.h * n.d, n.d, n.h * n.d, 1], 0).expect("layout");
+        let pb = up(&device, &packed);
+        let nan = bf16::from_f64(f64::NAN);
+        let mut ob = up(&device, &vec![nan; n.vd()]);
+        for cfg in [
+            LinearAttentionConfig { chunk: 8, ..LinearAttentionConfig::causal() },
+            LinearAttentionConfig::bidirectional(),
+        ] {
+            let saved = forward(
+                &device,
+                &cfg,
+                TensorRef::new(&pb, &lq),
+                TensorRef::new(&pb, &lk),
+                TensorRef::new(&pb, &lv),
+                TensorMut::new(&mut ob, &lo),
+            )
+            .expect("forward");
+            // gradients into a packed [B, L, H, 2M + D] buffer as well
+            let gout = to_t::<bf16>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+            let gb = up(&device, &gout);
+            // gradients into buffers of the packed size, through the same strided views
+            let mut dq = up(&device, &vec![nan; packed.len()]);
+            let mut dk = up(&device, &vec![nan; packed.len()]);
+            let mut dv = up(&device, &vec![nan; packed.len()]);
+            backward(
+                &device,
+                &saved,
+                TensorRef::new(&pb, &lq),
+                TensorRef::new(&pb, &lk),
+                TensorRef::new(&pb, &lv),
+                Some(TensorRef::new(&ob, &lo)),
+                TensorRef::new(&gb, &lo),
+                TensorMut::new(&mut dq, &lq),
+                TensorMut::new(&mut dk, &lk),
+                TensorMut::new(&mut dv, &lv),
+            )
+            .expect("backward");
+            let qv = reference::gather(&packed, &lq);
+            let kv = reference::gather(&packed, &lk);
+            let vv = reference::gather(&packed, &lv);
+            let gv = reference::gather(&gout, &lo);
+            let eps = Some(f64::from(cfg.eps));
+            let (out, _) = rla::forward(&qv, &kv, &vv, n.dims(), cfg.causal, eps);
+            let (rdq, rdk, rdv) = rla::backward(&qv, &kv, &vv, &gv, n.dims(), cfg.causal, eps);
+            let (mo, mq, mk, mv) = magnitudes(&qv, &kv, &vv, &gv, n, cfg.causal, eps, false);
+            check_close("out", &reference::gather(&ob.to_vec().expect("o"), &lo), &out, &mo, n, DType::BF16);
+            check_close("dq", &reference::gather(&dq.to_vec().expect("dq"), &lq), &rdq, &mq, n, DType::BF16);
+            check_close("dk", &reference::gather(&dk.to_vec().expect("dk"), &lk), &rdk, &mk, n, DType::BF16);
+            check_close("dv", &reference::gather(&dv.to_vec().expect("dv"), &lv), &rdv, &mv, n, DType::BF16);
+        }
+    }
+}
+
+#[test]
+fn zero_length_and_empty_dimensions() {
+    for device in common::backends() {
+        for (l, m, d) in [(0, 4, 3), (5, 0, 3), (5, 4, 0)] {
+            let n = Shape { b: 1, h: 2, l, m, d };
+            for cfg in configs() {
+                let q = vec![0.5f32; n.qk()];
+                let v = vec![0.25f32; n.vd()];
+                let r = run(&device, &cfg, n, &q, &q, &v, &v);
+                assert!(r.out.iter().all(|x| *x == 0.0 || (m > 0 && x.is_finite())), "{n:?}");
+                // M = 0: no features, out = 0 / g(0) = 0; gradients finite and zero
+                if m == 0 {
+                    assert!(r.out.iter().all(|&x| x == 0.0));
+                    assert!(r.dv.iter().all(|&x| x == 0.0));
+                }
+                assert!(r.dq.iter().chain(&r.dk).chain(&r.dv).all(|x| x.is_finite()));
+            }
+        }
+    }
+}
+
+#[test]
+fn slim_state_is_independent_of_length_and_boundary_states_are_not() {
+    let device = Device::emulator();
+    let mut sizes = Vec::new();
+    for l in [64, 256] {
+        let n = Shape { b: 1, h: 1, l, m: 4, d: 4 };
+        let q = vec![0.5f32; n.qk()];
+        let v = vec![0.25f32; n.vd()];
+        for memory in [MemoryMode::Slim, MemoryMode::BoundaryStates] {
+            let cfg = LinearAttentionConfig { chunk: 32, memory, normalize: false, ..LinearAttentionConfig::causal() };
+            sizes.push(run(&device, &cfg, n, &q, &q, &v, &v).saved_bytes);
+        }
+    }
+    // unnormalised: state M x D f32 = 64 bytes; boundaries ceil(L/32) x 64 more
+    assert_eq!(sizes, vec![64, 64 + 2 * 64, 64, 64 + 8 * 64]);
+}
+
+#[test]
+fn offsets_past_2_pow_31_use_64_bit_indexing() {
+    // q and out of batch 1 start 2^31 + 5 elements into their buffers (lazily committed
+    // zero pages: only the touched ones cost memory).
+    let device = Device::emulator();
+    let n = Shape { b: 2, h: 1, l: 3, m: 2, d: 2 };
+    let far = (1usize << 31) + 5;
+    let lq = Layout::strided(&[2, 1, 3, 2], &[far, 6, 2, 1], 0).expect("layout");
+    let lo = Layout::strided(&[2, 1, 3, 2], &[far, 6, 2, 1], 0).expect("layout");
+    let lc = Layout::contiguous(&[2, 1, 3, 2]);
+    let mut qbig = vec![0f32; far + 6];
+    let qv: Vec<f32> = (0..12).map(|i| 0.25 + 0.125 * i as f32).collect();
+    qbig[..6].copy_from_slice(&qv[..6]);
+    qbig[far..far + 6].copy_from_slice(&qv[6..]);
+    let k: Vec<f32> = (0..12).map(|i| 1.0 + 0.5 * (i % 5) as f32).collect();
+    let v: Vec<f32> = (0..12).map(|i| (i as f32) - 4.0).collect();
+    let mut obig = vec![0f32; far + 6];
+    obig[far..].iter_mut().for_each(|x| *x = f32::NAN);
+    obig[..6].iter_mut().for_each(|x| *x = f32::NAN);
+    let cfg = LinearAttentionConfig { chunk: 2, ..LinearAttentionConfig::causal() };
+    let saved = forward(
+        &device,
+        &cfg,
+        TensorRef::new(&qbig, &lq),
+        TensorRef::new(&k, &lc),
+        TensorRef::new(&v, &lc),
+        TensorMut::new(&mut obig, &lo),
+    )
+    .expect("forward");
+    let qw: Vec<f64> = qv.iter().map(|&x| f64::from(x)).collect();
+    let kw: Vec<f64> = k.iter().map(|&x| f64::from(x)).collect();
+    let vw: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
+    let (out, _) = rla::forward(&qw, &kw, &vw, n.dims(), true, Some(1e-6));
+    let got: Vec<f64> = obig[..6].iter().chain(&obig[far..far + 6]).map(|&x| f64::from(x)).collect();
+    let (mo, _, _, _) = magnitudes(&qw, &kw, &vw, &vw, n, true, Some(1e-6), false);
+    check_close("out", &got, &out, &mo, n, DType::F32);
+    drop(obig);
+    // gradients: dq written past 2^31 as well
+    let mut dqbig = vec![0f32; far + 6];
+    let (mut dk, mut dv) = (vec![f32::NAN; 12], vec![f32::NAN; 12]);
+    let o_small: Vec<f32> = got.iter().map(|&x| x as f32).collect();
+    let g: Vec<f32> = (0..12).map(|i| 0.5 - 0.1 * i as f32).collect();
+    backward(
+        &device,
+        &saved,
+        TensorRef::new(&qbig, &lq),
+        TensorRef::new(&k, &lc),
+        TensorRef::new(&v, &lc),
+        Some(TensorRef::new(&o_small, &lc)),
+        TensorRef::new(&g, &lc),
+        TensorMut::new(&mut dqbig, &lq),
+        TensorMut::new(&mut dk, &lc),
+        TensorMut::new(&mut dv, &lc),
+    )
+    .expect("backward");
+    let gw: Vec<f64> = g.iter().map(|&x| f64::from(x)).collect();
+    let (rdq, _, _) = rla::backward(&qw, &kw, &vw, &gw, n.dims(), true, Some(1e-6));
+    let (_, mq, _, _) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6), false);
+    let got: Vec<f64> = dqbig[..6].iter().chain(&dqbig[far..far + 6]).map(|&x| f64::from(x)).collect();
+    check_close("dq", &got, &rdq, &mq, n, DType::F32);
+}
+
+#[test]
+fn more_than_65535_heads_use_a_grid_stride_loop() {
+    // B*H = 2 * 32769 = 65538 > 65535 (the grid.y/z limit): L = 2, M = D = 1
+    let n = Shape { b: 2, h: 32769, l: 2, m: 1, d: 1 };
+    let device = Device::emulator();
+    let q: Vec<f32> = (0..n.qk()).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
+    let k: Vec<f32> = (0..n.qk()).map(|i| 1.0 + (i % 3) as f32).collect();
+    let v: Vec<f32> = (0..n.vd()).map(|i| (i % 11) as f32 - 5.0).collect();
+    let lq = Layout::contiguous(&[n.b, n.h, n.l, n.m]);
+    let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
+    let mut out = vec![f32::NAN; n.vd()];
+    let cfg = LinearAttentionConfig { normalize: false, ..LinearAttentionConfig::causal() };
+    let saved = forward(
+        &device,
+        &cfg,
+        TensorRef::new(&q, &lq),
+        TensorRef::new(&k, &lq),
+        TensorRef::new(&v, &lv),
+        TensorMut::new(&mut out, &lv),
+    )
+    .expect("forward");
+    let g: Vec<f32> = (0..n.vd()).map(|i| (i % 5) as f32 - 2.0).collect();
+    let (mut dq, mut dk, mut dv) = (vec![f32::NAN; n.qk()], vec![f32::NAN; n.qk()], vec![f32::NAN; n.vd()]);
+    backward(
+        &device,
+        &saved,
+        TensorRef::new(&q, &lq),
+        TensorRef::new(&k, &lq),
+        TensorRef::new(&v, &lv),
+        None,
+        TensorRef::new(&g, &lv),
+        TensorMut::new(&mut dq, &lq),
+        TensorMut::new(&mut dk, &lq),
+        TensorMut::new(&mut dv, &lv),
+    )
+    .expect("backward");
+    // M = D = 1: out_0 = q0 k0 v0, out_1 = q1 (k0 v0 + k1 v1), all exact in f32 here
+    for bh in 0..n.b * n.h {
+        let (q0, q1, k0, k1, v0, v1) = (q[2 * bh], q[2 * bh + 1], k[2 * bh], k[2 * bh + 1], v[2 * bh], v[2 * bh + 1]);
+        assert_eq!(out[2 * bh], q0 * k0 * v0, "bh {bh}");
+        assert_eq!(out[2 * bh + 1], q1 * (k0 * v0 + k1 * v1), "bh {bh}");
+        // gradients (small dyadic values: every product and sum is exact in f32)
+        let (g0, g1) = (g[2 * bh], g[2 * bh + 1]);
+        assert_eq!(dq[2 * bh], g0 * v0 * k0, "dq bh {bh}");
+        assert_eq!(dq[2 * bh + 1], g1 * (v0 * k0 + v1 * k1), "dq bh {bh}");
+        assert_eq!(dk[2 * bh], v0 * (g0 * q0 + g1 * q1), "dk bh {bh}");
+        assert_eq!(dk[2 * bh + 1], v1 * g1 * q1, "dk bh {bh}");
+        assert_eq!(dv[2 * bh], k0 * (q0 * g0 + q1 * g1), "dv bh {bh}");
+        assert_eq!(dv[2 * bh + 1], k1 * q1 * g1, "dv bh {bh}");
+    }
+}
+
+fn expect_shape_err<T>(r: mesa_kernels::Result<T>, what: &str) {
+    match r {
+        Err(Error::Shape(_)) => {}
+        Err(e) => panic!("{what}: expected Error::Shape, got {e}"),
+        Ok(_) => panic!("{what}: expected Error::Shape, got Ok"),
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let device = Device::emulator();
+    let lq = Layout::contiguous(&[1, 2, 8, 4]);
+    let lv = Layout::contiguous(&[1, 2, 8, 3]);
+    let q = vec![0.5f32; 64];
+    let v = vec![0.5f32; 48];
+    let mut out = vec![0f32; 48];
+    let cfg = LinearAttentionConfig::causal();
+    let fwd = |cfg: &LinearAttentionConfig, lq: &Layout, lk: &Layout, lv: &Layout, lo: &Layout, out: &mut Vec<f32>| {
+        forward(
+            &device,
+            cfg,
+            TensorRef::new(&q, lq),
+            TensorRef::new(&q, lk),
+            TensorRef::new(&v, lv),
+            TensorMut::new(out, lo),
+        )
+    };
+    // rank 3
+    expect_shape_err(fwd(&cfg, &Layout::contiguous(&[2, 8, 4]), &lq, &lv, &lv, &mut out), "rank 3");
+    // k shape differs from q
+    expect_shape_err(fwd(&cfg, &lq, &Layout::contiguous(&[1, 2, 8, 2]), &lv, &lv, &mut out), "k");
+    // v length differs
+    expect_shape_err(fwd(&cfg, &lq, &lq, &Layout::contiguous(&[1, 2, 4, 3]), &lv, &mut out), "v");
+    // out shape differs from v
+    expect_shape_err(fwd(&cfg, &lq, &lq, &lv, &Layout::contiguous(&[1, 2, 8, 2]), &mut out), "out");
+    // out overlaps itself (broadcast stride)
+    let bcast = Layout::strided(&[1, 2, 8, 3], &[0, 0, 3, 1], 0).expect("layout");
+    expect_shape_err(fwd(&cfg, &lq, &lq, &lv, &bcast, &mut out), "overlapping out");
+    // buffer too short
+    match fwd(
+        &cfg,
+        &Layout::contiguous(&[1, 2, 9, 4]),
+        &Layout::contiguous(&[1, 2, 9, 4]),
+        &Layout::contiguous(&[1, 2, 9, 3]),
+        &Layout::contiguous(&[1, 2, 9, 3]),
+        &mut out,
+    ) {
+        Err(Error::BufferTooShort { .. }) => {}
+        other => panic!("expected BufferTooShort, got {:?}", other.err()),
+    }
+    // chunks outside 1..=64
+    for chunk in [0, 65] {
+        match fwd(&LinearAttentionConfig { chunk, ..cfg }, &lq, &lq, &lv, &lv, &mut out) {
+            Err(Error::Unsupported(_)) => {}
+            other => panic!("chunk {chunk}: expected Unsupported, got {:?}", other.err()),
+        }
+    }
+    // bad eps
+    expect_shape_err(fwd(&LinearAttentionConfig { eps: f32::NAN, ..cfg }, &lq, &lq, &lv, &lv, &mut out), "eps");
+    // backward: normalised without out; wrong dtype
+    let saved: LinearAttentionSaved = fwd(&cfg, &lq, &lq, &lv, &lv, &mut out).expect("forward");
+    let (mut dq, mut dk, mut dv) = (vec![0f32; 64], vec![0f32; 64], vec![0f32; 48]);
+    expect_shape_err(
+        backward(
+            &device,
+            &saved,
+            TensorRef::new(&q, &lq),
+            TensorRef::new(&q, &lq),
+            TensorRef::new(&v, &lv),
+            None,
+            TensorRef::new(&v, &lv),
+            TensorMut::new(&mut dq, &lq),
+            TensorMut::new(&mut dk, &lq),
+            TensorMut::new(&mut dv, &lv),
+        ),
+        "missing out",
+    );
+    let (qh, vh) = (vec![f16::ONE; 64], vec![f16::ONE; 48]);
+    let (mut dqh, mut dkh, mut dvh) = (vec![f16::ZERO; 64], vec![f16::ZERO; 64], vec![f16::ZERO; 48]);
+    expect_shape_err(
+        backward(
+            &device,
+            &saved,
+            TensorRef::new(&qh, &lq),
+            TensorRef::new(&qh, &lq),
+            TensorRef::new(&vh, &lv),
+            Some(TensorRef::new(&vh, &lv)),
+            TensorRef::new(&vh, &lv),
+            TensorMut::new(&mut dqh, &lq),
+            TensorMut::new(&mut dkh, &lq),
+            TensorMut::new(&mut dvh, &lv),
+        ),
+        "dtype",
+    );
+    // backward with other dims than the forward
+    let lq2 = Layout::contiguous(&[1, 2, 4, 4]);
+    expect_shape_err(
+        backward(
+            &device,
+            &saved,
+            TensorRef::new(&q, &lq2),
+            TensorRef::new(&q, &lq),
+            TensorRef::new(&v, &lv),
+            Some(TensorRef::new(&out, &lv)),
+            TensorRef::new(&v, &lv),
+            TensorMut::new(&mut dq, &lq),
+            TensorMut::new(&mut dk, &lq),
+            TensorMut::new(&mut dv, &lv),
+        ),
+        "dims",
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Feature maps
+
+#[allow(clippy::too_many_arguments)]
+fn fm_parity<T: Element>(
+    device: &Device,
+    rng: &mut StdRng,
+    map: &FeatureMap<'_>,
+    stab: rla::Stabilizer,
+    b: usize,
+    h: usize,
+    l: usize,
+    d: usize,
+) {
+    let m = map.out_dim(d);
+    let x = to_t::<T>(&random_vec(rng, b * h * l * d, -1.5, 1.5));
+    let dphi = to_t::<T>(&random_vec(rng, b * h * l * m, -1.0, 1.0));
+    let lx = Layout::contiguous(&[b, h, l, d]);
+    let lp = Layout::contiguous(&[b, h, l, m]);
+    let nan = T::from_f64(f64::NAN);
+    let xb = up(device, &x);
+    let mut pb = up(device, &vec![nan; b * h * l * m]);
+    feature_map::forward(device, map, TensorRef::new(&xb, &lx), TensorMut::new(&mut pb, &lp)).expect("forward");
+    let gb = up(device, &dphi);
+    let mut db = up(device, &vec![nan; x.len()]);
+    feature_map::backward(
+        device,
+        map,
+        TensorRef::new(&xb, &lx),
+        Some(TensorRef::new(&pb, &lp)),
+        TensorRef::new(&gb, &lp),
+        TensorMut::new(&mut db, &lx),
+    )
+    .expect("backward");
+    let (xw, gw) = (widen(&x), widen(&dphi));
+    let phi_t = pb.to_vec().expect("phi");
+    let phi = widen(&phi_t);
+    let dx = widen(&db.to_vec().expect("dx"));
+    let u = unit_roundoff(T::DTYPE);
+    match map {
+        FeatureMap::Relu | FeatureMap::Elu1 => {
+            let (rp, rd) = if matches!(map, FeatureMap::Relu) {
+                (rla::relu(&xw), rla::relu_backward(&xw, &gw))
+            } else {
+                (rla::elu1(&xw), rla::elu1_backward(&xw, &gw))
+            };
+            // one expf (≤ 2 ulp on the GPU, ≤ 1 on the host) or add, then rounding to T;
+            // the backward multiplies by one more rounded factor
+            for i in 0..rp.len() {
+                assert!(
+                    (phi[i] - rp[i]).abs() <= (4.0 * 2f64.powi(-24) + u) * rp[i].abs(),
+                    "phi[{i}] {} vs {}",
+                    phi[i],
+                    rp[i]
+                );
+                assert!(
+                    (dx[i] - rd[i]).abs() <= (6.0 * 2f64.powi(-24) + u) * rd[i].abs(),
+                    "dx[{i}] {} vs {}",
+                    dx[i],
+                    rd[i]
+                );
+            }
+        }
+        FeatureMap::Favor { projection, .. } => {
+            let omega: Vec<f64> = projection.omega().iter().map(|&w| f64::from(w)).collect();
+            let rp = rla::favor(&xw, d, &omega, m, l, stab);
+            // exponent u - c from a dot over d terms of |w||x'| (≤ (d+4) u32 · Σ|w_j x'_j|
+            // + |x'|^2/2 terms) and expf (≤ 2 ulp): relative error of phi ≤ e_abs + 4u32
+            // (+ the rounding to T)
+            let xs = (d as f64).powf(-0.25);
+            for r in 0..b * h * l {
+                let xr = &xw[r * d..(r + 1) * d];
+                let sq: f64 = xr.iter().map(|x| (x * xs).powi(2)).sum();
+                for i in 0..m {
+                    let dotabs: f64 = (0..d).map(|j| (omega[i * d + j] * xr[j] * xs).abs()).sum();
+                    let e_abs = (d as f64 + 8.0) * 2f64.powi(-24) * (dotabs + sq + 1.0);
+                    let w = rp[r * m + i];
+                    let tol = (e_abs + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01 + 1e-40;
+                    assert!((phi[r * m + i] - w).abs() <= tol, "phi[{r},{i}] {} vs {w}", phi[r * m + i]);
+                }
+            }
+            // the backward from the kernel's own phi (what it reads): Σ_i over m terms
+            let rd = rla::favor_backward(&xw, d, &omega, m, &phi, &gw);
+            for r in 0..b * h * l {
+                for j in 0..d {
+                    let mag: f64 = (0..m)
+                        .map(|i| {
+                            (gw[r * m + i] * phi[r * m + i]).abs()
+                                * (omega[i * d + j].abs() + (xw[r * d + j] * xs).abs())
+                                * xs
+                        })
+                        .sum();
+                    let tol = ((m + 8) as f64 * 2f64.powi(-24) + u) * mag + u * rd[r * d + j].abs() + 1e-40;
+                    let i = r * d + j;
+                    assert!((dx[i] - rd[i]).abs() <= tol, "dx[{r},{j}] {} vs {}", dx[i], rd[i]);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn feature_maps_match_the_reference() {
+    let mut rng = common::rng("feature_maps_match_the_reference");
+    for device in common::backends() {
+        for map in [FeatureMap::Relu, FeatureMap::Elu1] {
+            fm_parity::<f32>(&device, &mut rng, &map, rla::Stabilizer::None, 2, 3, 5, 7);
+            fm_parity::<f16>(&device, &mut rng, &map, rla::Stabilizer::None, 1, 2, 9, 4);
+            fm_parity::<bf16>(&device, &mut rng, &map, rla::Stabilizer::None, 1, 2, 9, 4);
+        }
+        let proj = FavorProjection::orthogonal(&device, 24, 8, 7).expect("omega");
+        for (stab, rstab) in [
+            (FavorStabilizer::None, rla::Stabilizer::None),
+            (FavorStabilizer::RowMax, rla::Stabilizer::RowMax),
+            (FavorStabilizer::Bound, rla::Stabilizer::Constant(f64::from(proj.bound()))),
+            (FavorStabilizer::SequenceMax, rla::Stabilizer::SequenceMax),
+        ] {
+            let map = FeatureMap::Favor { projection: &proj, stabilizer: stab };
+            fm_parity::<f32>(&device, &mut rng, &map, rstab, 2, 2, 6, 8);
+            fm_parity::<bf16>(&device, &mut rng, &map, rstab, 1, 2, 5, 8);
+        }
+    }
+}
+
+#[test]
+fn orthogonal_projection_is_reproducible_and_orthogonal_in_blocks() {
+    let device = Device::emulator();
+    let a = FavorProjection::orthogonal(&device, 20, 8, 42).expect("a");
+    let b = FavorProjection::orthogonal(&device, 20, 8, 42).expect("b");
+    let c = FavorProjection::orthogonal(&device, 20, 8, 43).expect("c");
+    assert_eq!(a.omega(), b.omega());
+    assert_ne!(a.omega(), c.omega());
+    let w = a.omega();
+    for blk in 0..2 {
+        for i in 0..8 {
+            for j in 0..i {
+                let (ri, rj) =
+                    (&w[(blk * 8 + i) * 8..(blk * 8 + i + 1) * 8], &w[(blk * 8 + j) * 8..(blk * 8 + j + 1) * 8]);
+                let dot: f64 = ri.iter().zip(rj).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+                let n = ri.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt()
+                    * rj.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+                assert!(dot.abs() <= 1e-5 * n, "rows {i}, {j} of block {blk} not orthogonal: {dot}");
+            }
+        }
+    }
+}
+
+#[test]
+fn causal_favor_keys_use_no_future_statistics() {
+    // with the Bound stabiliser, a key's features depend on that key only
+    let device = Device::emulator();
+    let proj = FavorProjection::orthogonal(&device, 16, 8, 3).expect("omega");
+    let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::Bound };
+    let l = 10;
+    let lx = Layout::contiguous(&[1, 1, l, 8]);
+    let lp = Layout::contiguous(&[1, 1, l, 16]);
+    let x: Vec<f32> = (0..l * 8).map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.2).collect();
+    let mut x2 = x.clone();
+    x2[(l - 1) * 8..].iter_mut().for_each(|v| *v *= 9.0);
+    let (mut p1, mut p2) = (vec![0f32; l * 16], vec![0f32; l * 16]);
+    feature_map::forward(&device, &map, TensorRef::new(&x, &lx), TensorMut::new(&mut p1, &lp)).expect("f");
+    feature_map::forward(&device, &map, TensorRef::new(&x2, &lx), TensorMut::new(&mut p2, &lp)).expect("f");
+    assert_eq!(p1[..(l - 1) * 16], p2[..(l - 1) * 16]);
+    assert!(p2.iter().all(|&v| v.is_finite() && v <= 1.0 / 4.0 + 1e-6), "Bound keeps every feature <= 1/sqrt(m)");
+}
+
+#[test]
+fn feature_map_bad_inputs_are_errors() {
+    let device = Device::emulator();
+    let proj = FavorProjection::orthogonal(&device, 16, 8, 3).expect("omega");
+    let x = vec![0f32; 40];
+    let mut phi = vec![0f32; 160];
+    let lx = Layout::contiguous(&[1, 1, 5, 8]);
+    // projection for d = 8 given d = 4 input
+    let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::RowMax };
+    expect_shape_err(
+        feature_map::forward(
+            &device,
+            &map,
+            TensorRef::new(&x, &Layout::contiguous(&[1, 2, 5, 4])),
+            TensorMut::new(&mut phi, &Layout::contiguous(&[1, 2, 5, 16])),
+        ),
+        "d",
+    );
+    // wrong phi width
+    expect_shape_err(
+        feature_map::forward(
+            &device,
+            &map,
+            TensorRef::new(&x, &lx),
+            TensorMut::new(&mut phi, &Layout::contiguous(&[1, 1, 5, 8])),
+        ),
+        "m",
+    );
+    // favor backward without phi
+    let mut dx = vec![0f32; 40];
+    expect_shape_err(
+        feature_map::backward(
+            &device,
+            &map,
+            TensorRef::new(&x, &lx),
+            None,
+            TensorRef::new(&phi, &Layout::contiguous(&[1, 1, 5, 16])),
+            TensorMut::new(&mut dx, &lx),
+        ),
+        "phi",
+    );
+    match FavorProjection::orthogonal(&device, 8, 2048, 1) {
+        Err(Error::Unsupported(_)) => {}
+        other => panic!("expected Unsupported, got {:?}", other.err()),
+    }
+}
+
+#[test]
+fn favor_estimates_softmax_attention_and_improves_with_more_features() {
+    // small logits (|q|, |k| ~ 0.4·√d): the regime where FAVOR+ is accurate (Performer §2.3,
+    // Lemma 2: the variance grows with exp(|x'_q + x'_k|²)). The estimator is random, so the
+    // bounds are loose: m = 512 must beat m = 8 and land within 15% of softmax attention.
+    let device = Device::emulator();
+    let (h, l, d) = (2, 24, 16);
+    let mut rng = common::rng("favor_estimates_softmax_attention_and_improves_with_more_features");
+    let q: Vec<f32> = (0..h * l * d).map(|_| (rng.random::<f32>() - 0.5) * 0.8).collect();
+    let k: Vec<f32> = (0..h * l * d).map(|_| (rng.random::<f32>() - 0.5) * 0.8).collect();
+    let v: Vec<f32> = (0..h * l * d).map(|_| rng.random::<f32>() - 0.5).collect();
+    let dims = rla::Dims { batch: 1, heads: h, len: l, feat: d, dim: d };
+    let wide = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<f64>>();
+    for causal in [false, true] {
+        let exact = rla::softmax_attention(&wide(&q), &wide(&k), &wide(&v), dims, causal);
+        let mut errs = Vec::new();
+        for m in [8, 512] {
+            let proj = FavorProjection::orthogonal(&device, m, d, 11).expect("omega");
+            let lx = Layout::contiguous(&[1, h, l, d]);
+            let lp = Layout::contiguous(&[1, h, l, m]);
+            let (mut qf, mut kf) = (vec![0f32; h * l * m], vec![0f32; h * l * m]);
+            let kstab = if causal { FavorStabilizer::Bound } else { FavorStabilizer::SequenceMax };
+            let qmap = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::RowMax };
+            let kmap = FeatureMap::Favor { projection: &proj, stabilizer: kstab };
+            feature_map::forward(&device, &qmap, TensorRef::new(&q, &lx), TensorMut::new(&mut qf, &lp)).expect("q");
+            feature_map::forward(&device, &kmap, TensorRef::new(&k, &lx), TensorMut::new(&mut kf, &lp)).expect("k");
+            let mut out = vec![0f32; h * l * d];
+            let base = if causal { LinearAttentionConfig::causal() } else { LinearAttentionConfig::bidirectional() };
+            let cfg = LinearAttentionConfig { eps: 1e-30, ..base };
+            forward(
+                &device,
+                &cfg,
+                TensorRef::new(&qf, &lp),
+                TensorRef::new(&kf, &lp),
+                TensorRef::new(&v, &lx),
+                TensorMut::new(&mut out, &lx),
+            )
+            .expect("attention");
+            let num: f64 = out.iter().zip(&exact).map(|(&a, &b)| (f64::from(a) - b).powi(2)).sum();
+            let den: f64 = exact.iter().map(|b| b * b).sum();
+            errs.push((num / den).sqrt());
+        }
+        eprintln!("causal {causal}: rel-L2 vs softmax for m = 8, 512: {errs:?}");
+        assert!(errs[1] < errs[0] && errs[1] < 0.15, "causal {causal}: rel-L2 errors for m = 8, 512: {errs:?}");
+    }
+}
+
+#[test]
+fn feature_maps_read_and_write_strided_views() {
+    // x = the q part of a packed [B, L, H, 2d] tensor, phi written into a packed
+    // [B, L, H, m + 3] buffer: results equal those of contiguous copies, element for element
+    let device = Device::emulator();
+    let mut rng = common::rng("feature_maps_read_and_write_strided_views");
+    let (b, h, l, d) = (2, 3, 7, 8);
+    let packed: Vec<f32> = random_vec(&mut rng, b * l * h * 2 * d, -1.5, 1.5).iter().map(|&x| x as f32).collect();
+    let lx = Layout::strided(&[b, h, l, d], &[l * h * 2 * d, 2 * d, h * 2 * d, 1], d).expect("layout");
+    let xc: Vec<f32> = reference::gather(&packed, &lx).iter().map(|&x| x as f32).collect();
+    let proj = FavorProjection::orthogonal(&device, 12, d, 5).expect("omega");
+    let maps = [
+        FeatureMap::Relu,
+        FeatureMap::Elu1,
+        FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::RowMax },
+        FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::SequenceMax },
+    ];
+    for map in &maps {
+        let m = map.out_dim(d);
+        let w = m + 3;
+        let lp = Layout::strided(&[b, h, l, m], &[l * h * w, w, h * w, 1], 1).expect("layout");
+        let lpc = Layout::contiguous(&[b, h, l, m]);
+        let mut phi = vec![f32::NAN; b * l * h * w];
+        let mut phic = vec![f32::NAN; b * h * l * m];
+        feature_map::forward(&device, map, TensorRef::new(&packed, &lx), TensorMut::new(&mut phi, &lp))
+            .expect("strided");
+        feature_map::forward(
+            &device,
+            map,
+            TensorRef::new(&xc, &Layout::contiguous(&[b, h, l, d])),
+            TensorMut::new(&mut phic, &lpc),
+        )
+        .expect("contiguous");
+        let got = reference::gather(&phi, &lp);
+        let want = reference::gather(&phic, &lpc);
+        assert_eq!(got, want, "feature map on strided views differs");
+        // the padding columns of the packed output are never written
+        for (i, x) in phi.iter().enumerate() {
+            let col = i % w;
+            if col == 0 || col > m {
+                assert!(x.is_nan(), "element {i} outside the view was written");
+            }
+        }
+        // backward on the strided views equals backward on the contiguous copies
+        let g: Vec<f32> = (0..b * l * h * w).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
+        let gc: Vec<f32> = reference::gather(&g, &lp).iter().map(|&x| x as f32).collect();
+        let mut dx = vec![f32::NAN; packed.len()];
+        let mut dxc = vec![f32::NAN; xc.len()];
+        feature_map::backward(
+            &device,
+            map,
+            TensorRef::new(&packed, &lx),
+            Some(TensorRef::new(&phi, &lp)),
+            TensorRef::new(&g, &lp),
+            TensorMut::new(&mut dx, &lx),
+        )
+        .expect("strided backward");
+        let lxc = Layout::contiguous(&[b, h, l, d]);
+        feature_map::backward(
+            &device,
+            map,
+            TensorRef::new(&xc, &lxc),
+            Some(TensorRef::new(&phic, &lpc)),
+            TensorRef::new(&gc, &lpc),
+            TensorMut::new(&mut dxc, &lxc),
+        )
+        .expect("contiguous backward");
+        assert_eq!(reference::gather(&dx, &lx), reference::gather(&dxc, &lxc), "backward on strided views differs");
+    }
+}
