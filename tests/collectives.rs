@@ -459,6 +459,25 @@ fn many_blocks_per_rank_with_grid_stride_loops() {
 }
 
 #[test]
+fn the_largest_grids_run_on_every_backend() {
+    // 2 ranks x 128 blocks and 8 x 16 blocks of 256 threads: up to 256 blocks that must all be
+    // resident at once (the emulator gives each its own OS thread and fiber stacks)
+    let mut rng = common::rng("largest_grids");
+    for device in common::backends() {
+        for (w, bpr) in [(2usize, 128usize), (8, 16)] {
+            let splits: Vec<usize> = (0..w).map(|r| 3 + r % 2).collect();
+            let shape = Shape::new(&splits, 1, 4);
+            let mut group = SeqParallelGroup::new(&device, w).expect("group");
+            group.set_blocks_per_rank(bpr).expect("blocks");
+            let inputs: Vec<Vec<f32>> = (0..w).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
+            let got = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense)
+                .expect("reduce-scatter");
+            check_rs(&got, &inputs, &shape, None, None, &format!("W={w}, {bpr} blocks per rank"));
+        }
+    }
+}
+
+#[test]
 fn epoch_counters_wrap_around_u32() {
     let mut rng = common::rng("wrap");
     for device in common::backends() {

@@ -646,6 +646,7 @@ fn bad_inputs_are_errors() {
     }
     // bad eps
     expect_shape_err(fwd(&LinearAttentionConfig { eps: f32::NAN, ..cfg }, &lq, &lq, &lv, &lv, &mut out), "eps");
+    expect_shape_err(fwd(&LinearAttentionConfig { eps: 0.0, ..cfg }, &lq, &lq, &lv, &lv, &mut out), "eps 0");
     // backward: normalised without out; wrong dtype
     let saved: LinearAttentionSaved = fwd(&cfg, &lq, &lq, &lv, &lv, &mut out).expect("forward");
     let (mut dq, mut dk, mut dv) = (vec![0f32; 64], vec![0f32; 64], vec![0f32; 48]);

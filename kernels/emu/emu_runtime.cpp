@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -152,21 +153,37 @@ struct Warp {
   alignas(16) unsigned char slot[32][16];
 };
 
-// One mmap'd stack per fiber, with a guard page below it; cached across launches.
+// The fiber stacks of one block: a single mapping of n stacks (one memory map per block,
+// whatever its thread count, so that many concurrent blocks stay far below the kernel's
+// limit on mappings), cached across launches. A canary word at the low end of every stack is
+// checked after the block: an overflow is reported instead of silently corrupting a
+// neighbour.
+constexpr uint64_t kStackCanary = 0x6d6573615f737461ull;  // "mesa_sta"
+
 struct StackSet {
-  std::vector<unsigned char*> stacks;
+  unsigned char* base = nullptr;
+  size_t count = 0;
   ~StackSet() {
-    for (unsigned char* s : stacks) munmap(s - page(), kStackBytes + page());
+    if (base != nullptr) munmap(base, count * kStackBytes);
   }
-  static size_t page() { return size_t(sysconf(_SC_PAGESIZE)); }
+  unsigned char* stack(size_t i) const { return base + i * kStackBytes; }
   bool reserve(size_t n) {
-    while (stacks.size() < n) {
-      void* p = mmap(nullptr, kStackBytes + page(), PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (p == MAP_FAILED) return false;
-      mprotect(p, page(), PROT_NONE);  // guard: a stack overflow faults instead of corrupting
-      stacks.push_back(static_cast<unsigned char*>(p) + page());
-    }
+    if (n <= count) return true;
+    if (base != nullptr) munmap(base, count * kStackBytes);
+    base = nullptr;
+    count = 0;
+    void* p = mmap(nullptr, n * kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return false;
+    base = static_cast<unsigned char*>(p);
+    count = n;
+    return true;
+  }
+  void arm(size_t n) {
+    for (size_t i = 0; i < n; ++i) std::memcpy(stack(i), &kStackCanary, sizeof kStackCanary);
+  }
+  bool intact(size_t n) const {
+    for (size_t i = 0; i < n; ++i)
+      if (std::memcmp(stack(i), &kStackCanary, sizeof kStackCanary) != 0) return false;
     return true;
   }
 };
@@ -183,7 +200,9 @@ std::unique_ptr<StackSet> take_stacks() {
 }
 void give_stacks(std::unique_ptr<StackSet> s) {
   std::lock_guard<std::mutex> lock(g_stack_mutex);
-  g_stack_cache.push_back(std::move(s));
+  // keep enough sets for the usual concurrency; free the rest (cooperative launches and
+  // concurrent callers may have needed many at once)
+  if (g_stack_cache.size() < 64) g_stack_cache.push_back(std::move(s));
 }
 
 struct Block {
@@ -258,6 +277,7 @@ bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
     b.warps[w].live = std::min(32u, n - w * 32u);
     b.warps[w].arrived = 0;
   }
+  stacks.arm(n);
   for (unsigned i = 0; i < n; ++i) {
     ThreadState& t = b.threads[i];
     t.done = false;
@@ -266,12 +286,12 @@ bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
                   i / (tl_block_dim.x * tl_block_dim.y)};
 #ifdef MESA_EMU_UCONTEXT
     getcontext(&t.ctx);
-    t.ctx.uc_stack.ss_sp = stacks.stacks[i];
+    t.ctx.uc_stack.ss_sp = stacks.stack(i);
     t.ctx.uc_stack.ss_size = kStackBytes;
     t.ctx.uc_link = &b.scheduler;
     makecontext(&t.ctx, fiber_entry, 0);
 #else
-    t.sp = prepare_stack(stacks.stacks[i], kStackBytes);
+    t.sp = prepare_stack(stacks.stack(i), kStackBytes);
 #endif
   }
   while (b.live > 0) {
@@ -290,6 +310,10 @@ bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
       }
     }
     if (cooperative) std::this_thread::yield();
+  }
+  if (!stacks.intact(n)) {
+    std::fprintf(stderr, "mesa emulator: a kernel overflowed its %zu-byte fiber stack\n", kStackBytes);
+    std::abort();
   }
   tl_current = nullptr;
   tl_block = nullptr;
@@ -438,17 +462,34 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
   };
 
   if (cooperative) {
+    // every block needs its own OS thread; if the system refuses one, the blocks already
+    // started cannot meet their missing peers: their bounded waits expire, they finish, and
+    // the launch reports "too large" (as cudaLaunchCooperativeKernel would up front)
     std::vector<std::thread> pool;
     pool.reserve(blocks);
-    for (unsigned long long i = 0; i < blocks; ++i) pool.emplace_back(worker, true, i);
+    bool spawn_failed = false;
+    for (unsigned long long i = 0; i < blocks && !spawn_failed; ++i) {
+      try {
+        pool.emplace_back(worker, true, i);
+      } catch (const std::exception&) {
+        spawn_failed = true;
+      }
+    }
     for (auto& t : pool) t.join();
+    if (spawn_failed) return cudaErrorCooperativeLaunchTooLarge;
     return out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
   }
   const unsigned long long helpers =
       std::min<unsigned long long>(blocks, (unsigned long long)worker_count()) - 1;
   std::vector<std::thread> pool;
   pool.reserve(helpers);
-  for (unsigned long long i = 0; i < helpers; ++i) pool.emplace_back(worker, false, 0ull);
+  for (unsigned long long i = 0; i < helpers; ++i) {
+    try {
+      pool.emplace_back(worker, false, 0ull);
+    } catch (const std::exception&) {
+      break;  // fewer helpers: the blocks still all run, on the threads that exist
+    }
+  }
   worker(false, 0ull);
   for (auto& t : pool) t.join();
   // a worker without stacks ran nothing; the others may have covered its blocks, but the

@@ -88,7 +88,7 @@ pub struct LinearAttentionConfig {
     pub causal: bool,
     /// Divide by the guarded denominator `g(q_t · Σ k_s)`.
     pub normalize: bool,
-    /// The guard's ε (≥ 0, finite): `g(x) = x + ε·sign(x)`, sign(0) = +1.
+    /// The guard's ε (> 0 and finite when normalizing): `g(x) = x + ε·sign(x)`, sign(0) = +1.
     pub eps: f32,
     /// Rows per chunk, `1..=64`.
     pub chunk: usize,
@@ -112,8 +112,9 @@ impl LinearAttentionConfig {
         if self.chunk == 0 || self.chunk > MAX_CHUNK {
             return Err(Error::Unsupported(format!("chunk {} (supported: 1..={MAX_CHUNK})", self.chunk)));
         }
-        if self.normalize && !(self.eps.is_finite() && self.eps >= 0.0) {
-            return Err(Error::Shape(format!("eps {} must be finite and >= 0", self.eps)));
+        // eps = 0 would leave 0/0 for a query orthogonal to the key sums (e.g. signed features)
+        if self.normalize && !(self.eps.is_finite() && self.eps > 0.0) {
+            return Err(Error::Shape(format!("eps {} must be finite and > 0 when normalizing", self.eps)));
         }
         Ok(())
     }
