@@ -382,10 +382,8 @@ fn check_softmax<T: Element>(
             assert!((dxh[i] - rdx[i]).abs() <= tol, "softmax dx[{i}] = {}, reference {} (tol {tol})", dxh[i], rdx[i]);
             // vs the backward on exact probabilities: dx̂ − dx = (ŷ_i − y_i)(dy_i − dot)
             // − ŷ_i Σ_k dy_k (ŷ_k − y_k), so |·| ≤ δ_i |dy_i − dot| + |ŷ_i| Σ_k |dy_k| δ_k
-            let qtol = delta[i] * (dys[i] - dot).abs()
-                + r[i].abs().max(dec[i].abs()) * dy_delta
-                + tol
-                + u * exact[i].abs();
+            let qtol =
+                delta[i] * (dys[i] - dot).abs() + r[i].abs().max(dec[i].abs()) * dy_delta + tol + u * exact[i].abs();
             assert!(
                 (dxh[i] - exact[i]).abs() <= qtol,
                 "softmax dx[{i}] = {} vs exact-y {} (tol {qtol})",
@@ -606,8 +604,12 @@ fn softmax_very_long_rows() {
             let shape = [2, cols];
             let x: Vec<bf16> = random(&mut rng, 2 * cols, 0.0, 8.0);
             let dy: Vec<bf16> = random(&mut rng, 2 * cols, 0.0, 1.0);
-            let save =
-                SoftmaxSave { bits, codes: SoftmaxCodes::Sqrt, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+            let save = SoftmaxSave {
+                bits,
+                codes: SoftmaxCodes::Sqrt,
+                grouping: Grouping::Tensor,
+                rounding: Rounding::Nearest,
+            };
             check_softmax(&device, &save, &x, &Layout::contiguous(&shape), None, &dy);
         }
     }
