@@ -6,7 +6,7 @@
 //! | op | saved for backward | parameters of the codes |
 //! |---|---|---|
 //! | [`gelu_forward`] | codes of the input `x` | the [`Quantizer`]'s (running estimate or exact) |
-//! | [`softmax_forward`] | codes of the output `y` only | fixed: offset 0, scale `1/(2^bits − 1)` |
+//! | [`softmax_forward`] | codes of the output `y` only (of `√y` by default: [`SoftmaxCodes`]) | fixed: offset 0, scale `1/(2^bits − 1)` |
 //! | [`layer_norm_forward`] | codes of `x̂ = (x − mean)·rstd`, plus per-row `mean`, `rstd` (f32) | the [`Quantizer`]'s |
 //!
 //! Every op also has a plain entry point that saves nothing ([`gelu`], [`softmax`],
@@ -18,7 +18,10 @@
 //! known before the kernel runs: offset 0, scale `1/(2^bits − 1)` (`1/255` at 8 bits). There
 //! is no statistics pass, no running estimate and nothing is ever clamped; Mesa's running
 //! estimate instead learns a per-head `[min, max]` that lags the batch and clamps attention
-//! peaks of later batches.
+//! peaks of later batches. By default the codes are of `√y` (square-root companding,
+//! [`SoftmaxCodes::Sqrt`]): the step in `y` is `≈ 2√y/(2^bits − 1)`, finer where a long row's
+//! probabilities sit (`≈ 1/N`); decoders square (`ŷ = q²`), as the handle's
+//! [`SavedActivation::companding`] tells them.
 //!
 //! **A tensor consumed by two ops is saved once.** A [`SavedActivation`] is an immutable
 //! handle: keep one and hand `&saved` to every consumer. For attention, the softmax output
