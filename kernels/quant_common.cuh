@@ -80,6 +80,17 @@ __device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, 
   return unsigned(fminf(fmaxf(r, 0.0f), levels));  // fmaxf(NaN, 0) = 0
 }
 
+// Companded codes (MESA_CODE_MAP_SQRT): the value encoded is u = sqrt(x) (IEEE sqrtf, the
+// same bits in both builds; x < 0 gives NaN, which encodes to 0), and decoding squares
+// q = fmaf(code, scale, offset) with one unfused multiply.
+__device__ __forceinline__ float code_domain(float x, bool sqrt_map) { return sqrt_map ? sqrtf(x) : x; }
+__device__ __forceinline__ float decode(unsigned code, MesaGroupParams p, bool sqrt_map) {
+  const float q = fmaf(float(code), p.scale, p.offset);
+  return sqrt_map ? __fmul_rn(q, q) : q;
+}
+
+inline bool code_map_valid(MesaCodeMap m) { return m == MESA_CODE_MAP_IDENTITY || m == MESA_CODE_MAP_SQRT; }
+
 // ---------------------------------------------------------------------------------------
 // Per-group statistics: a thread keeps a run (group, min, max, nonfinite) while consecutive
 // elements stay in one group and flushes it with atomics when the group changes.
@@ -212,17 +223,19 @@ struct CodeSink {
   uint64_t seed;
   int bits;
   bool stochastic;
+  bool sqrt_map;  // companded codes of sqrt(v): see sink_unit
 };
 
 inline CodeSink code_sink_from(const MesaCodeSink& s) {
   return CodeSink{s.codes, s.params, s.stats, GroupMap{s.group_run, s.group_count}, s.seed, s.bits,
-                  s.rounding == MESA_ROUND_STOCHASTIC};
+                  s.rounding == MESA_ROUND_STOCHASTIC, s.map == MESA_CODE_MAP_SQRT};
 }
 
 inline bool code_sink_valid(const MesaCodeSink& s) {
   if (s.codes == nullptr && s.stats == nullptr) return true;  // nothing saved
   if (s.group_run < 1 || s.group_count < 1 || !bits_valid(s.bits)) return false;
   if (s.rounding != MESA_ROUND_NEAREST && s.rounding != MESA_ROUND_STOCHASTIC) return false;
+  if (!code_map_valid(s.map) || (s.map != MESA_CODE_MAP_IDENTITY && s.stats != nullptr)) return false;
   return s.codes == nullptr || s.params != nullptr;
 }
 
@@ -233,8 +246,10 @@ __device__ __forceinline__ float element_uniform(uint64_t seed, int64_t i) {
   return uniform01(w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w)));
 }
 
+// sqrt_map: the companded codes of s.sqrt_map, passed by the one producer that uses them
+// (softmax); the others leave it false, a constant that keeps the branch out of their loops.
 __device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const float (&v)[kUnit], int live,
-                                          RunStats& run, MesaGroupStats* stats_target) {
+                                          RunStats& run, MesaGroupStats* stats_target, bool sqrt_map = false) {
   const int64_t g0 = s.groups.group(i0);
   const bool one_group = s.groups.run % kUnit == 0 && i0 % kUnit == 0;
   if (s.stats != nullptr) {
@@ -251,7 +266,7 @@ __device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const f
     const bool on = j < live;
     const CodeParams p = (one_group || !on) ? p0 : code_params(s.params[s.groups.group(i0 + j)]);
     const float u = (s.stochastic && on) ? element_uniform(s.seed, i0 + j) : 0.0f;
-    codes[j] = on ? encode(v[j], p, levels, s.stochastic, u) : 0u;
+    codes[j] = on ? encode(code_domain(v[j], sqrt_map), p, levels, s.stochastic, u) : 0u;
   }
   uint8_t* dst = s.codes + i0 * s.bits / 8;
   if (live == kUnit && i0 % kUnit == 0) {
@@ -272,14 +287,16 @@ struct CodeSource {
   const MesaGroupParams* params;
   GroupMap groups;
   int bits;
+  bool sqrt_map;  // companded: decode squares
 };
 
 inline CodeSource code_source_from(const MesaCodeSource& s) {
-  return CodeSource{s.codes, s.params, GroupMap{s.group_run, s.group_count}, s.bits};
+  return CodeSource{s.codes, s.params, GroupMap{s.group_run, s.group_count}, s.bits, s.map == MESA_CODE_MAP_SQRT};
 }
 
 inline bool code_source_valid(const MesaCodeSource& s) {
-  return s.codes == nullptr || (s.params != nullptr && s.group_run >= 1 && s.group_count >= 1 && bits_valid(s.bits));
+  return s.codes == nullptr || (s.params != nullptr && s.group_run >= 1 && s.group_count >= 1 && bits_valid(s.bits) &&
+                                code_map_valid(s.map));
 }
 
 // Decodes elements [i0, i0 + live), live <= 8, any bit position: one 8-byte word when the unit
@@ -306,7 +323,7 @@ __device__ __forceinline__ void source_unit(const CodeSource& s, int64_t i0, int
 #pragma unroll
   for (int j = 0; j < kUnit; ++j) {
     const MesaGroupParams p = (one_group || j >= live) ? p0 : s.params[s.groups.group(i0 + j)];
-    out[j] = fmaf(float(unsigned(packed >> (j * s.bits)) & mask), p.scale, p.offset);
+    out[j] = decode(unsigned(packed >> (j * s.bits)) & mask, p, s.sqrt_map);
   }
 }
 

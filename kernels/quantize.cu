@@ -7,6 +7,8 @@
 //   nearest:    code = clamp(rint(t), 0, L)     (round half to even)
 //   stochastic: code = clamp(floor(t + u), 0, L),  u = Philox4x32-10(seed, i) in [0,1)
 //   decode:     x^ = fmaf(code, scale_g, offset_g)
+//   companded (MESA_CODE_MAP_SQRT, fixed parameters, no statistics): the same with x replaced
+//   by sqrtf(x), and decode q = fmaf(code, scale_g, offset_g), x^ = q * q (__fmul_rn)
 // A constant group (range 0) encodes to 0 and decodes to offset exactly. Values outside the
 // group's range clamp to 0 or L (never wrap). Non-finite inputs are counted per group and
 // poison that group's saved scale (NaN) so that it never decodes to finite numbers.
@@ -65,6 +67,7 @@ struct QuantizeConfig {
   uint64_t seed;
   int bits;
   bool stochastic;
+  bool sqrt_map;  // companded codes of sqrt(x) (MESA_CODE_MAP_SQRT; no statistics then)
 };
 
 template <typename T, bool kDense>
@@ -115,7 +118,7 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       const bool live = kDense || i0 + j < n;
       const int64_t g = unit_in_one_group ? g0 : cfg.groups.group(i0 + j);
       const CodeParams p = unit_in_one_group ? p0 : code_params(cfg.params[live ? g : g0]);
-      codes[j] = live ? encode(xs[j], p, levels, cfg.stochastic, us[j]) : 0u;
+      codes[j] = live ? encode(code_domain(xs[j], cfg.sqrt_map), p, levels, cfg.stochastic, us[j]) : 0u;
       if (with_stats && live) accumulate(run, g, xs[j], sink.target());
     }
     store_codes<N>(cfg.codes + i0 * cfg.bits / 8, codes, cfg.bits);
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
       const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
       const int64_t g = cfg.groups.group(i);
-      codes[j] = encode(xv, code_params(cfg.params[g]), levels, cfg.stochastic, u);
+      codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
       if (with_stats) accumulate(run, g, xv, sink.target());
     }
     const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
@@ -210,8 +213,8 @@ __global__ void __launch_bounds__(kBlock) quant_finalize_kernel(MesaQuantFinaliz
 template <typename T, bool kDense>
 __global__ void __launch_bounds__(kBlock) dequantize_kernel(const uint8_t* __restrict__ codes,
                                                             const MesaGroupParams* __restrict__ params,
-                                                            GroupMap groups, int bits, T* __restrict__ y,
-                                                            Strided view, int64_t n) {
+                                                            GroupMap groups, int bits, bool sqrt_map,
+                                                            T* __restrict__ y, Strided view, int64_t n) {
   constexpr int N = kUnit;
   const unsigned mask = (1u << bits) - 1u;
   const int64_t nunits = ceil_div(n, N);
@@ -238,7 +241,7 @@ __global__ void __launch_bounds__(kBlock) dequantize_kernel(const uint8_t* __res
       const unsigned c = unsigned(packed >> (j * bits)) & mask;
       const MesaGroupParams p =
           (unit_in_one_group || i0 + j >= n) ? p0 : params[groups.group(i0 + j)];
-      out[j] = fmaf(float(c), p.scale, p.offset);
+      out[j] = decode(c, p, sqrt_map);
     }
     if (kDense && full) {
       constexpr int V = Vec16<T>::N;
@@ -283,7 +286,7 @@ template <typename T>
 MesaStatus launch_quantize(const MesaQuantizeArgs& a, void* stream) {
   const int64_t n = numel(a.x_desc);
   const QuantizeConfig cfg{group_map(a.grouping, a.x_desc), a.params, a.codes, a.seed, a.bits,
-                           a.rounding == MESA_ROUND_STOCHASTIC};
+                           a.rounding == MESA_ROUND_STOCHASTIC, a.map == MESA_CODE_MAP_SQRT};
   const T* x = static_cast<const T*>(a.x);
   const Strided view = strided_from(a.x_desc);
   const unsigned grid = grid_for(ceil_div(n, kUnit));
@@ -301,11 +304,12 @@ MesaStatus launch_dequantize(const MesaDequantizeArgs& a, void* stream) {
   T* y = static_cast<T*>(a.y);
   const Strided view = strided_from(a.y_desc);
   const unsigned grid = grid_for(ceil_div(n, kUnit));
+  const bool sqrt_map = a.map == MESA_CODE_MAP_SQRT;
   if (vector_ok(a.y, a.y_desc))
     return status_from(MESA_LAUNCH((dequantize_kernel<T, true>), dim3(grid), dim3(kBlock), 0, stream, a.codes,
-                                   a.params, gm, a.bits, y, view, n));
+                                   a.params, gm, a.bits, sqrt_map, y, view, n));
   return status_from(MESA_LAUNCH((dequantize_kernel<T, false>), dim3(grid), dim3(kBlock), 0, stream, a.codes,
-                                 a.params, gm, a.bits, y, view, n));
+                                 a.params, gm, a.bits, sqrt_map, y, view, n));
 }
 
 template <typename T> struct StatsOp { static MesaStatus run(const MesaQuantStatsArgs& a, void* s) { return launch_stats<T>(a, s); } };
@@ -330,6 +334,9 @@ extern "C" MesaStatus MESA_ENTRY(quantize)(const MesaQuantizeArgs* a, void* stre
   if (a == nullptr || !desc_valid(a->x_desc) || !grouping_valid(a->grouping, a->x_desc) || !bits_valid(a->bits))
     return MESA_STATUS_INVALID_ARGUMENT;
   if (a->rounding != MESA_ROUND_NEAREST && a->rounding != MESA_ROUND_STOCHASTIC) return MESA_STATUS_INVALID_ARGUMENT;
+  // statistics are of x itself: companded codes take fixed parameters
+  if (!code_map_valid(a->map) || (a->map != MESA_CODE_MAP_IDENTITY && a->stats != nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
   if (numel(a->x_desc) == 0) return MESA_STATUS_OK;
   if (a->x == nullptr || a->params == nullptr || a->codes == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   return dispatch_dtype<QuantizeOp>(a->x_desc.dtype, *a, stream);
@@ -345,7 +352,8 @@ extern "C" MesaStatus MESA_ENTRY(quant_finalize)(const MesaQuantFinalizeArgs* a,
 }
 
 extern "C" MesaStatus MESA_ENTRY(dequantize)(const MesaDequantizeArgs* a, void* stream) {
-  if (a == nullptr || !desc_valid(a->y_desc) || !grouping_valid(a->grouping, a->y_desc) || !bits_valid(a->bits))
+  if (a == nullptr || !desc_valid(a->y_desc) || !grouping_valid(a->grouping, a->y_desc) || !bits_valid(a->bits) ||
+      !code_map_valid(a->map))
     return MESA_STATUS_INVALID_ARGUMENT;
   if (numel(a->y_desc) == 0) return MESA_STATUS_OK;
   if (a->y == nullptr || a->params == nullptr || a->codes == nullptr) return MESA_STATUS_INVALID_ARGUMENT;

@@ -9,6 +9,9 @@
 // Codes of y: y ∈ [0, 1], so the parameters are fixed: offset 0, scale 1 / (2^bits − 1) —
 // no statistics pass, no running estimate, nothing ever clamps. The value encoded is the
 // stored (dtype-rounded) output, so the codes are exactly Q(y) of the tensor the caller got.
+// sink.map = MESA_CODE_MAP_SQRT (the crate's default) encodes √y instead and the backward
+// decodes ŷ = q·q, q = code·scale (quant_common.cuh: code_domain/decode): steps ≈ 2√y/L in y,
+// ~5× finer than 1/L where a long row's probabilities sit (≈ 1/N). One sqrt per element more.
 //
 // Kernels (R rows of N, T input, b bits):
 //   softmax_forward_kernel    reads R·N·sizeof(T) (+ mask), writes R·N·sizeof(T) + R·N·b/8
@@ -60,7 +63,7 @@ __device__ __forceinline__ void emit_unit(T* y, int64_t ys, int live, float (&ou
     if (j < live && !is_finite(out[j])) bad += 1u;
   }
   RunStats unused;
-  sink_unit(sink, i0, out, live, unused, nullptr);
+  sink_unit(sink, i0, out, live, unused, nullptr, sink.sqrt_map);
   if (bad != 0u && nonfinite != nullptr) atomicAdd(nonfinite, bad);
 }
 
@@ -302,6 +305,7 @@ extern "C" MesaStatus MESA_ENTRY(softmax_forward)(const MesaSoftmaxForwardArgs* 
   if (a->mask != nullptr && (!desc_valid(a->mask_desc) || !same_rows(a->x_desc, a->mask_desc)))
     return MESA_STATUS_INVALID_ARGUMENT;
   // softmax codes carry fixed parameters: no statistics
+  // (code_sink_valid also checks sink.map)
   if (!code_sink_valid(a->sink) || a->sink.stats != nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   if (a->params_out != nullptr && (a->params_count < 1 || !bits_valid(a->sink.bits))) return MESA_STATUS_INVALID_ARGUMENT;
   const int64_t cols = row_length(a->x_desc);

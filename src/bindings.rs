@@ -45,6 +45,10 @@ pub type MesaRounding = i32;
 pub const MESA_ROUND_NEAREST: MesaRoundingCode = 0;
 pub const MESA_ROUND_STOCHASTIC: MesaRoundingCode = 1;
 pub type MesaRoundingCode = ::core::ffi::c_uint;
+pub type MesaCodeMap = i32;
+pub const MESA_CODE_MAP_IDENTITY: MesaCodeMapCode = 0;
+pub const MESA_CODE_MAP_SQRT: MesaCodeMapCode = 1;
+pub type MesaCodeMapCode = ::core::ffi::c_uint;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct MesaGrouping {
@@ -130,10 +134,12 @@ pub struct MesaQuantizeArgs {
     pub seed: u64,
     pub bits: i32,
     pub rounding: MesaRounding,
+    pub map: MesaCodeMap,
+    pub _pad: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaQuantizeArgs"][::core::mem::size_of::<MesaQuantizeArgs>() - 176usize];
+    ["Size of MesaQuantizeArgs"][::core::mem::size_of::<MesaQuantizeArgs>() - 184usize];
     ["Alignment of MesaQuantizeArgs"][::core::mem::align_of::<MesaQuantizeArgs>() - 8usize];
     ["Offset of field: MesaQuantizeArgs::x"][::core::mem::offset_of!(MesaQuantizeArgs, x) - 0usize];
     ["Offset of field: MesaQuantizeArgs::x_desc"][::core::mem::offset_of!(MesaQuantizeArgs, x_desc) - 8usize];
@@ -144,6 +150,8 @@ const _: () = {
     ["Offset of field: MesaQuantizeArgs::seed"][::core::mem::offset_of!(MesaQuantizeArgs, seed) - 160usize];
     ["Offset of field: MesaQuantizeArgs::bits"][::core::mem::offset_of!(MesaQuantizeArgs, bits) - 168usize];
     ["Offset of field: MesaQuantizeArgs::rounding"][::core::mem::offset_of!(MesaQuantizeArgs, rounding) - 172usize];
+    ["Offset of field: MesaQuantizeArgs::map"][::core::mem::offset_of!(MesaQuantizeArgs, map) - 176usize];
+    ["Offset of field: MesaQuantizeArgs::_pad"][::core::mem::offset_of!(MesaQuantizeArgs, _pad) - 180usize];
 };
 impl Default for MesaQuantizeArgs {
     fn default() -> Self {
@@ -208,7 +216,7 @@ pub struct MesaDequantizeArgs {
     pub y: *mut ::core::ffi::c_void,
     pub y_desc: MesaTensorDesc,
     pub bits: i32,
-    pub _pad: i32,
+    pub map: MesaCodeMap,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
@@ -220,7 +228,7 @@ const _: () = {
     ["Offset of field: MesaDequantizeArgs::y"][::core::mem::offset_of!(MesaDequantizeArgs, y) - 40usize];
     ["Offset of field: MesaDequantizeArgs::y_desc"][::core::mem::offset_of!(MesaDequantizeArgs, y_desc) - 48usize];
     ["Offset of field: MesaDequantizeArgs::bits"][::core::mem::offset_of!(MesaDequantizeArgs, bits) - 152usize];
-    ["Offset of field: MesaDequantizeArgs::_pad"][::core::mem::offset_of!(MesaDequantizeArgs, _pad) - 156usize];
+    ["Offset of field: MesaDequantizeArgs::map"][::core::mem::offset_of!(MesaDequantizeArgs, map) - 156usize];
 };
 impl Default for MesaDequantizeArgs {
     fn default() -> Self {
@@ -404,10 +412,12 @@ pub struct MesaCodeSink {
     pub seed: u64,
     pub bits: i32,
     pub rounding: MesaRounding,
+    pub map: MesaCodeMap,
+    pub _pad: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaCodeSink"][::core::mem::size_of::<MesaCodeSink>() - 56usize];
+    ["Size of MesaCodeSink"][::core::mem::size_of::<MesaCodeSink>() - 64usize];
     ["Alignment of MesaCodeSink"][::core::mem::align_of::<MesaCodeSink>() - 8usize];
     ["Offset of field: MesaCodeSink::codes"][::core::mem::offset_of!(MesaCodeSink, codes) - 0usize];
     ["Offset of field: MesaCodeSink::params"][::core::mem::offset_of!(MesaCodeSink, params) - 8usize];
@@ -417,6 +427,8 @@ const _: () = {
     ["Offset of field: MesaCodeSink::seed"][::core::mem::offset_of!(MesaCodeSink, seed) - 40usize];
     ["Offset of field: MesaCodeSink::bits"][::core::mem::offset_of!(MesaCodeSink, bits) - 48usize];
     ["Offset of field: MesaCodeSink::rounding"][::core::mem::offset_of!(MesaCodeSink, rounding) - 52usize];
+    ["Offset of field: MesaCodeSink::map"][::core::mem::offset_of!(MesaCodeSink, map) - 56usize];
+    ["Offset of field: MesaCodeSink::_pad"][::core::mem::offset_of!(MesaCodeSink, _pad) - 60usize];
 };
 impl Default for MesaCodeSink {
     fn default() -> Self {
@@ -435,7 +447,7 @@ pub struct MesaCodeSource {
     pub group_run: i64,
     pub group_count: i64,
     pub bits: i32,
-    pub _pad: i32,
+    pub map: MesaCodeMap,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
@@ -446,7 +458,7 @@ const _: () = {
     ["Offset of field: MesaCodeSource::group_run"][::core::mem::offset_of!(MesaCodeSource, group_run) - 16usize];
     ["Offset of field: MesaCodeSource::group_count"][::core::mem::offset_of!(MesaCodeSource, group_count) - 24usize];
     ["Offset of field: MesaCodeSource::bits"][::core::mem::offset_of!(MesaCodeSource, bits) - 32usize];
-    ["Offset of field: MesaCodeSource::_pad"][::core::mem::offset_of!(MesaCodeSource, _pad) - 36usize];
+    ["Offset of field: MesaCodeSource::map"][::core::mem::offset_of!(MesaCodeSource, map) - 36usize];
 };
 impl Default for MesaCodeSource {
     fn default() -> Self {
@@ -474,15 +486,15 @@ pub struct MesaGeluForwardArgs {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaGeluForwardArgs"][::core::mem::size_of::<MesaGeluForwardArgs>() - 288usize];
+    ["Size of MesaGeluForwardArgs"][::core::mem::size_of::<MesaGeluForwardArgs>() - 296usize];
     ["Alignment of MesaGeluForwardArgs"][::core::mem::align_of::<MesaGeluForwardArgs>() - 8usize];
     ["Offset of field: MesaGeluForwardArgs::x"][::core::mem::offset_of!(MesaGeluForwardArgs, x) - 0usize];
     ["Offset of field: MesaGeluForwardArgs::x_desc"][::core::mem::offset_of!(MesaGeluForwardArgs, x_desc) - 8usize];
     ["Offset of field: MesaGeluForwardArgs::y"][::core::mem::offset_of!(MesaGeluForwardArgs, y) - 112usize];
     ["Offset of field: MesaGeluForwardArgs::y_desc"][::core::mem::offset_of!(MesaGeluForwardArgs, y_desc) - 120usize];
     ["Offset of field: MesaGeluForwardArgs::sink"][::core::mem::offset_of!(MesaGeluForwardArgs, sink) - 224usize];
-    ["Offset of field: MesaGeluForwardArgs::form"][::core::mem::offset_of!(MesaGeluForwardArgs, form) - 280usize];
-    ["Offset of field: MesaGeluForwardArgs::_pad"][::core::mem::offset_of!(MesaGeluForwardArgs, _pad) - 284usize];
+    ["Offset of field: MesaGeluForwardArgs::form"][::core::mem::offset_of!(MesaGeluForwardArgs, form) - 288usize];
+    ["Offset of field: MesaGeluForwardArgs::_pad"][::core::mem::offset_of!(MesaGeluForwardArgs, _pad) - 292usize];
 };
 impl Default for MesaGeluForwardArgs {
     fn default() -> Self {
@@ -546,7 +558,7 @@ pub struct MesaSoftmaxForwardArgs {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaSoftmaxForwardArgs"][::core::mem::size_of::<MesaSoftmaxForwardArgs>() - 416usize];
+    ["Size of MesaSoftmaxForwardArgs"][::core::mem::size_of::<MesaSoftmaxForwardArgs>() - 424usize];
     ["Alignment of MesaSoftmaxForwardArgs"][::core::mem::align_of::<MesaSoftmaxForwardArgs>() - 8usize];
     ["Offset of field: MesaSoftmaxForwardArgs::x"][::core::mem::offset_of!(MesaSoftmaxForwardArgs, x) - 0usize];
     ["Offset of field: MesaSoftmaxForwardArgs::x_desc"]
@@ -559,11 +571,11 @@ const _: () = {
         [::core::mem::offset_of!(MesaSoftmaxForwardArgs, y_desc) - 232usize];
     ["Offset of field: MesaSoftmaxForwardArgs::sink"][::core::mem::offset_of!(MesaSoftmaxForwardArgs, sink) - 336usize];
     ["Offset of field: MesaSoftmaxForwardArgs::params_out"]
-        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, params_out) - 392usize];
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, params_out) - 400usize];
     ["Offset of field: MesaSoftmaxForwardArgs::params_count"]
-        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, params_count) - 400usize];
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, params_count) - 408usize];
     ["Offset of field: MesaSoftmaxForwardArgs::nonfinite"]
-        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, nonfinite) - 408usize];
+        [::core::mem::offset_of!(MesaSoftmaxForwardArgs, nonfinite) - 416usize];
 };
 impl Default for MesaSoftmaxForwardArgs {
     fn default() -> Self {
@@ -627,7 +639,7 @@ pub struct MesaLayerNormForwardArgs {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLayerNormForwardArgs"][::core::mem::size_of::<MesaLayerNormForwardArgs>() - 320usize];
+    ["Size of MesaLayerNormForwardArgs"][::core::mem::size_of::<MesaLayerNormForwardArgs>() - 328usize];
     ["Alignment of MesaLayerNormForwardArgs"][::core::mem::align_of::<MesaLayerNormForwardArgs>() - 8usize];
     ["Offset of field: MesaLayerNormForwardArgs::x"][::core::mem::offset_of!(MesaLayerNormForwardArgs, x) - 0usize];
     ["Offset of field: MesaLayerNormForwardArgs::x_desc"]
@@ -646,9 +658,9 @@ const _: () = {
     ["Offset of field: MesaLayerNormForwardArgs::sink"]
         [::core::mem::offset_of!(MesaLayerNormForwardArgs, sink) - 256usize];
     ["Offset of field: MesaLayerNormForwardArgs::eps"]
-        [::core::mem::offset_of!(MesaLayerNormForwardArgs, eps) - 312usize];
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, eps) - 320usize];
     ["Offset of field: MesaLayerNormForwardArgs::codes_only"]
-        [::core::mem::offset_of!(MesaLayerNormForwardArgs, codes_only) - 316usize];
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, codes_only) - 324usize];
 };
 impl Default for MesaLayerNormForwardArgs {
     fn default() -> Self {

@@ -38,23 +38,29 @@ fn block_on_compressed_activations() {
             r.saved_bytes
         );
         if bits == 8 {
-            // Issue target: weight-gradient cosine >= 0.999. Met by Wv, Wo, W1, W2; NOT by Wq and
-            // Wk (measured 0.9960 / 0.9965): their gradients flow through dS = P ⊙ (dP − Σ dP·P),
-            // and 8-bit affine codes of attention probabilities (step 1/255 against typical
-            // values ~1/128 at N = 128) carry that error. Keeping P in f32 with everything else
-            // at 8 bits gives 0.9997 (docs/fused.md, "Block"). Asserted at the measured level so
-            // that a regression fails; the gap is reported, not hidden.
+            // Issue target: every parameter's gradient cosine >= 0.999 at 8 bits — met (min
+            // 0.99959, W1) since P is saved as square-root companded codes (SoftmaxCodes::Sqrt):
+            // Wq 0.99962, Wk 0.99963 (linear [0, 1] codes: 0.99596 / 0.99650; docs/fused.md,
+            // "Block"). bk is excluded: its true gradient is 0 (softmax shift invariance), so its
+            // reference is rounding noise.
             for (name, a) in GRAD_NAMES.iter().zip(&r.agreement) {
-                let floor = match *name {
-                    "wq" | "wk" => 0.995,
-                    "wv" | "wo" | "w1" | "w2" => 0.999,
-                    _ => continue,
-                };
-                assert!(a.cosine >= floor, "{} {name}: cosine {} < {floor}", r.mode.name(), a.cosine);
+                if *name == "bk" || *name == "input" {
+                    continue;
+                }
+                assert!(a.cosine >= 0.999, "{} {name}: cosine {} < 0.999", r.mode.name(), a.cosine);
             }
             if shared {
                 assert!(r.saved_bytes * 2 <= report.bf16_bytes, "8-bit shared: more than half of bf16");
                 assert!(r.saved_bytes * 4 <= report.f32_bytes, "8-bit shared: more than a quarter of f32");
+            }
+        }
+        if bits == 4 {
+            // regression floor at the measured level of companded P (Wq 0.8846, Wk 0.8768;
+            // linear [0, 1] codes gave 0.621 / 0.656)
+            for (name, a) in GRAD_NAMES.iter().zip(&r.agreement) {
+                if matches!(*name, "wq" | "wk") {
+                    assert!(a.cosine >= 0.85, "{} {name}: cosine {} < 0.85", r.mode.name(), a.cosine);
+                }
             }
         }
     }

@@ -27,8 +27,8 @@ use mesa_kernels::fused::{
 };
 use mesa_kernels::reference::{self, fused as rf, quant as rq};
 use mesa_kernels::{
-    DType, Device, Element, Error, GeluForm, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation,
-    SoftmaxSave, StatsMode,
+    Companding, DType, Device, Element, Error, GeluForm, Grouping, Layout, QuantConfig, Quantizer, Rounding,
+    SavedActivation, SoftmaxCodes, SoftmaxSave, StatsMode,
 };
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -70,8 +70,16 @@ fn decode_host(saved: &SavedActivation) -> Vec<f64> {
     let codes = rq::unpack_codes(&saved.codes().to_vec().expect("codes"), n, saved.bits());
     let params = saved.params().expect("params");
     let groups = rq::group_index(saved.shape(), &saved.grouping()).expect("groups");
+    let sqrt = saved.companding() == Companding::Sqrt;
     (0..n)
-        .map(|i| rq::decode(codes[i], f64::from(params[groups[i]].offset), f64::from(params[groups[i]].scale)))
+        .map(|i| {
+            let (o, s) = (f64::from(params[groups[i]].offset), f64::from(params[groups[i]].scale));
+            if sqrt {
+                rf::sqrt_decode(codes[i], o, s)
+            } else {
+                rq::decode(codes[i], o, s)
+            }
+        })
         .collect()
 }
 
@@ -298,7 +306,10 @@ fn check_softmax<T: Element>(
             assert!((yh[i] - r[i]).abs() <= tol, "softmax y[{i}] = {}, reference {} (tol {tol})", yh[i], r[i]);
         }
     }
-    // codes of the stored y with the fixed parameters: code == round(y / scale)
+    // codes of the stored y with the fixed parameters: code == round(y / scale), or
+    // round(√y / scale) for companded codes
+    assert_eq!(saved.companding(), save.codes.companding());
+    let sqrt = save.codes == SoftmaxCodes::Sqrt;
     let levels = rq::levels(save.bits);
     for p in saved.params().expect("p") {
         assert_eq!(p.offset, 0.0);
@@ -307,11 +318,15 @@ fn check_softmax<T: Element>(
     let codes = rq::unpack_codes(&saved.codes().to_vec().expect("c"), n, save.bits);
     let scale = f64::from((1.0 / levels) as f32);
     for i in 0..n {
-        let t = yh[i] / scale;
-        let expect = match save.rounding {
-            Rounding::Nearest => rq::encode_nearest(yh[i], 0.0, scale, save.bits),
-            Rounding::Stochastic { seed } => {
+        let t = if sqrt { yh[i].max(0.0).sqrt() / scale } else { yh[i] / scale };
+        let expect = match (save.rounding, sqrt) {
+            (Rounding::Nearest, false) => rq::encode_nearest(yh[i], 0.0, scale, save.bits),
+            (Rounding::Nearest, true) => rf::sqrt_code_nearest(yh[i], scale, save.bits),
+            (Rounding::Stochastic { seed }, false) => {
                 rq::encode_stochastic(yh[i], 0.0, scale, save.bits, rq::uniform(seed, i as u64))
+            }
+            (Rounding::Stochastic { seed }, true) => {
+                rf::sqrt_code_stochastic(yh[i], scale, save.bits, rq::uniform(seed, i as u64))
             }
         };
         if codes[i] != expect {
@@ -339,21 +354,36 @@ fn check_softmax<T: Element>(
     let rdx = rf::softmax_backward_rows(&dec, &dys, cols);
     let exact = rf::softmax_backward_rows(&r, &dys, cols);
     let dxh = host(&dx);
+    // δ_i ≥ |ŷ_i − r_i|: the code error of the stored y (half a step at nearest, a step
+    // stochastic; companded: rf::sqrt_code_error_bound at the larger of r_i, ŷ_i, ×1.01 for
+    // the f32 scale and the stored y ≠ r) + the stored y's dtype rounding u·r_i
+    let stochastic = matches!(save.rounding, Rounding::Stochastic { .. });
+    let delta: Vec<f64> = (0..n)
+        .map(|i| {
+            let code_err = if sqrt {
+                rf::sqrt_code_error_bound(r[i].max(dec[i]), scale, stochastic)
+            } else if stochastic {
+                scale
+            } else {
+                0.5 * scale
+            };
+            1.01 * code_err + u * r[i]
+        })
+        .collect();
     for row in 0..n / cols.max(1) {
         let range = row * cols..(row + 1) * cols;
         let sum_abs: f64 = range.clone().map(|i| (dys[i] * dec[i]).abs()).sum();
-        let dy_abs: f64 = range.clone().map(|i| dys[i].abs()).sum();
+        let dy_delta: f64 = range.clone().map(|i| dys[i].abs() * delta[i]).sum();
         let dot: f64 = range.clone().map(|i| dys[i] * r[i]).sum();
         for i in range {
             let tol = u * rdx[i].abs()
                 + (cols as f64 / 32.0 + 16.0) * EPS * dec[i].abs() * (sum_abs + dys[i].abs())
                 + tiny(T::DTYPE);
             assert!((dxh[i] - rdx[i]).abs() <= tol, "softmax dx[{i}] = {}, reference {} (tol {tol})", dxh[i], rdx[i]);
-            // vs the backward on exact probabilities: δy ≤ step/2 (+ the stored y's rounding)
-            let dy_q = 0.5 * scale * 1.01 + u * r[i];
-            let qtol = dy_q * ((dys[i] - dot).abs() + r[i].abs().max(dec[i].abs()) * dy_abs + dy_abs)
-                + tol
-                + u * exact[i].abs();
+            // vs the backward on exact probabilities: dx̂ − dx = (ŷ_i − y_i)(dy_i − dot)
+            // − ŷ_i Σ_k dy_k (ŷ_k − y_k), so |·| ≤ δ_i |dy_i − dot| + |ŷ_i| Σ_k |dy_k| δ_k
+            let qtol =
+                delta[i] * (dys[i] - dot).abs() + r[i].abs().max(dec[i].abs()) * dy_delta + tol + u * exact[i].abs();
             assert!(
                 (dxh[i] - exact[i]).abs() <= qtol,
                 "softmax dx[{i}] = {} vs exact-y {} (tol {qtol})",
@@ -379,7 +409,12 @@ fn softmax_parity_every_dtype_width_and_row_length_class() {
                         let n = rows * cols;
                         let x: Vec<T> = random(&mut rng, n, 0.0, 4.0);
                         let dy: Vec<T> = random(&mut rng, n, 0.0, 1.0);
-                        let save = SoftmaxSave { bits, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+                        let save = SoftmaxSave {
+                            bits,
+                            codes: SoftmaxCodes::Sqrt,
+                            grouping: Grouping::Tensor,
+                            rounding: Rounding::Nearest,
+                        };
                         check_softmax(&device, &save, &x, &Layout::contiguous(&shape), None, &dy);
                     }
                 }
@@ -403,9 +438,14 @@ fn softmax_head_grouping_mask_and_stochastic_rounding() {
         let mask_layout = Layout::strided(&shape, &[nq, 0, 0, 1], 0).expect("mask");
         let x: Vec<f32> = random(&mut rng, n, 0.0, 6.0);
         let dy: Vec<f32> = random(&mut rng, n, 0.0, 1.0);
-        for rounding in [Rounding::Nearest, Rounding::Stochastic { seed: 99 }] {
+        for (rounding, codes) in [
+            (Rounding::Nearest, SoftmaxCodes::Sqrt),
+            (Rounding::Stochastic { seed: 99 }, SoftmaxCodes::Sqrt),
+            (Rounding::Nearest, SoftmaxCodes::Linear),
+            (Rounding::Stochastic { seed: 7 }, SoftmaxCodes::Linear),
+        ] {
             for bits in [8, 4, 2] {
-                let save = SoftmaxSave { bits, grouping: Grouping::Heads { axis: 1 }, rounding };
+                let save = SoftmaxSave { bits, codes, grouping: Grouping::Heads { axis: 1 }, rounding };
                 let saved = check_softmax(
                     &device,
                     &save,
@@ -442,9 +482,17 @@ fn softmax_fully_masked_rows_and_rows_of_equal_values() {
         let l = Layout::contiguous(&[rows, cols]);
         let dy = vec![1f32; rows * cols];
         for bits in [8, 4, 2] {
-            let save = SoftmaxSave { bits, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
-            let saved = check_softmax(&device, &save, &x, &l, Some((&mask, &l)), &dy);
-            assert_eq!(saved.nonfinite_count().expect("nf"), 0);
+            for codes in [SoftmaxCodes::Sqrt, SoftmaxCodes::Linear] {
+                let save = SoftmaxSave { bits, codes, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+                let saved = check_softmax(&device, &save, &x, &l, Some((&mask, &l)), &dy);
+                assert_eq!(saved.nonfinite_count().expect("nf"), 0);
+                // fully masked rows decode to exactly 0 (no NaN) through the generic decoder
+                let mut p = poisoned::<f32>(&device, rows * cols);
+                saved.dequantize(&device, &mut p, &l).expect("decode");
+                let p = host(&p);
+                assert!(p[..2 * cols].iter().all(|&v| v == 0.0), "fully masked rows decode to 0 ({codes:?})");
+                assert!(p.iter().all(|v| v.is_finite()));
+            }
         }
         // the plain kernel: zeros for fully masked rows, exactly 1/N for equal values
         let xb = device.upload(&x).expect("up");
@@ -458,6 +506,97 @@ fn softmax_fully_masked_rows_and_rows_of_equal_values() {
 }
 
 #[test]
+fn softmax_companded_codes_decode_like_the_reference_in_every_dtype_and_width() {
+    // Encoding parity (codes == rf::sqrt_code_*) is checked by check_softmax; here the
+    // decoders: SavedActivation::dequantize into f32/f16/bf16 gives exactly the f32 value
+    // q·q, q = code·scale (one f32 product each: fmaf(c, s, 0) rounds once), then the dtype's
+    // rounding; the f64 reference (c·s)² agrees within 3 f32 roundings.
+    let mut rng = common::rng("softmax_sqrt_decode");
+    for device in common::backends() {
+        for dtype in dtypes() {
+            with_dtype!(dtype, T, {
+                for bits in [8, 4, 2] {
+                    let shape = [3, 2, 40];
+                    let n: usize = shape.iter().product();
+                    let l = Layout::contiguous(&shape);
+                    let x: Vec<T> = random(&mut rng, n, 0.0, 5.0);
+                    let xb = device.upload(&x).expect("up");
+                    let mut y = poisoned::<T>(&device, n);
+                    let save = SoftmaxSave { bits, ..SoftmaxSave::per_head(1) };
+                    let saved = softmax_forward(&device, &save, &xb, &l, None, &mut y, &l).expect("fwd");
+                    assert_eq!(saved.companding(), Companding::Sqrt, "companded codes are the default");
+                    assert_eq!(saved.size_in_bytes(), n * bits as usize / 8 + 8 * 2 + 4, "bytes unchanged");
+                    let codes = rq::unpack_codes(&saved.codes().to_vec().expect("c"), n, bits);
+                    let scale = (1.0 / rq::levels(bits)) as f32;
+                    let mut out = poisoned::<T>(&device, n);
+                    saved.dequantize(&device, &mut out, &l).expect("decode");
+                    let out = host(&out);
+                    let yh = host(&y);
+                    for i in 0..n {
+                        let q = codes[i] as f32 * scale;
+                        let exact_f32 = f64::from(T::from_f64(f64::from(q * q)).to_f64() as f32);
+                        assert_eq!(out[i], exact_f32, "decode {i} (code {}, {bits} bits)", codes[i]);
+                        let r = rf::sqrt_decode(codes[i], 0.0, f64::from(scale));
+                        let dt = unit_roundoff(T::DTYPE);
+                        assert!((out[i] - r).abs() <= (3.0 * EPS + dt) * r, "decode {i}: {} vs {r}", out[i]);
+                        // and the decoded value is within the derived bound of the stored y
+                        let bound = rf::sqrt_code_error_bound(yh[i], f64::from(scale), false);
+                        assert!((out[i] - yh[i]).abs() <= 1.01 * bound + dt * yh[i], "error bound at {i}");
+                    }
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn softmax_backward_decodes_exactly_what_dequantize_gives() {
+    // dy = e_j (1 at the row's argmax j, 0 elsewhere): the kernel's dot is exactly ŷ_j
+    // (fmaf(0, ŷ, d) = d), so dx_i = ŷ_i · (dy_i − ŷ_j) is one f32 product of decoded values:
+    // it must equal that product computed from SavedActivation::dequantize's ŷ, bit for bit.
+    let mut rng = common::rng("softmax_shared_decode");
+    for device in common::backends() {
+        for codes in [SoftmaxCodes::Sqrt, SoftmaxCodes::Linear] {
+            for bits in [8, 4, 2] {
+                let (rows, cols) = (6, 48);
+                let l = Layout::contiguous(&[rows, cols]);
+                let mut x: Vec<f32> = random(&mut rng, rows * cols, 0.0, 4.0);
+                for r in 0..rows {
+                    x[r * cols + (7 * r) % cols] = 6.0; // a peak: its probability decodes > 0 at 2 bits
+                }
+                let xb = device.upload(&x).expect("up");
+                let mut y = poisoned::<f32>(&device, rows * cols);
+                let save = SoftmaxSave { bits, codes, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+                let saved = softmax_forward(&device, &save, &xb, &l, None, &mut y, &l).expect("fwd");
+                let mut p = poisoned::<f32>(&device, rows * cols);
+                saved.dequantize(&device, &mut p, &l).expect("decode");
+                let p: Vec<f32> = host(&p).iter().map(|&v| v as f32).collect();
+                let mut dy = vec![0f32; rows * cols];
+                let mut arg = vec![0usize; rows];
+                for r in 0..rows {
+                    let row = &x[r * cols..(r + 1) * cols];
+                    arg[r] = (0..cols).fold(0, |b, c| if row[c] > row[b] { c } else { b });
+                    dy[r * cols + arg[r]] = 1.0;
+                }
+                let dyb = device.upload(&dy).expect("up");
+                let mut dx = poisoned::<f32>(&device, rows * cols);
+                softmax_backward(&device, &saved, &dyb, &l, &mut dx, &l).expect("bwd");
+                let dx = dx.to_vec().expect("dx");
+                for r in 0..rows {
+                    let pj = p[r * cols + arg[r]];
+                    assert!(pj > 0.0, "the argmax decodes to a positive probability");
+                    for c in 0..cols {
+                        let i = r * cols + c;
+                        let expect = p[i] * (dy[i] - pj);
+                        assert_eq!(dx[i].to_bits(), expect.to_bits(), "{codes:?} {bits} bits: dx[{i}]");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn softmax_very_long_rows() {
     let mut rng = common::rng("softmax_long");
     for device in common::backends() {
@@ -465,7 +604,12 @@ fn softmax_very_long_rows() {
             let shape = [2, cols];
             let x: Vec<bf16> = random(&mut rng, 2 * cols, 0.0, 8.0);
             let dy: Vec<bf16> = random(&mut rng, 2 * cols, 0.0, 1.0);
-            let save = SoftmaxSave { bits, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+            let save = SoftmaxSave {
+                bits,
+                codes: SoftmaxCodes::Sqrt,
+                grouping: Grouping::Tensor,
+                rounding: Rounding::Nearest,
+            };
             check_softmax(&device, &save, &x, &Layout::contiguous(&shape), None, &dy);
         }
     }
@@ -499,8 +643,10 @@ fn softmax_bf16_extremes_and_plain_backward() {
         x[cols + 1] = bf16::from_f64(-1e38);
         let l = Layout::contiguous(&[2, cols]);
         let dy: Vec<bf16> = (0..2 * cols).map(|i| bf16::from_f64((i as f64 * 0.37).sin())).collect();
-        let save = SoftmaxSave { bits: 8, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
-        check_softmax(&device, &save, &x, &l, None, &dy);
+        for codes in [SoftmaxCodes::Sqrt, SoftmaxCodes::Linear] {
+            let save = SoftmaxSave { bits: 8, codes, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
+            check_softmax(&device, &save, &x, &l, None, &dy);
+        }
         // plain backward from a bf16 y
         let xb = device.upload(&x).expect("up");
         let mut y = poisoned::<bf16>(&device, 2 * cols);
@@ -551,11 +697,13 @@ fn softmax_real_attention_logits_from_the_fixture() {
                     None,
                     &dy,
                 );
-                // agrees with the model's own probabilities (f16-stored) within a step
+                // agrees with the model's own probabilities (f16-stored) within half a step of
+                // √y: |ŷ − y| ≤ (√y + s/4)·s (rf::sqrt_code_error_bound), y within 2e-3 of b
                 let dec = decode_host(&saved);
                 let step = 1.0 / rq::levels(bits);
                 for (a, b) in dec.iter().zip(&probs) {
-                    assert!((a - b).abs() <= 0.5 * step + 2e-3, "decoded {a} vs model probability {b}");
+                    let bound = rf::sqrt_code_error_bound(b + 2e-3, step, false) * 1.01;
+                    assert!((a - b).abs() <= bound + 2e-3, "decoded {a} vs model probability {b}");
                 }
             }
         }
@@ -1082,7 +1230,8 @@ fn emulator_and_gpu_agree() {
         let (e, g) = (run(&emu), run(&gpu));
         let step = 1.0 / rq::levels(bits);
         for (a, b) in e.0.iter().zip(&g.0) {
-            assert!((a - b).abs() <= step * 1.0001, "softmax codes differ by more than one");
+            // companded codes c, c + 1 decode (c·s)², ((c + 1)·s)²: apart by (√a + √b)·s
+            assert!((a - b).abs() <= (a.sqrt() + b.sqrt()) * step * 1.0001, "softmax codes differ by more than one");
         }
         for (a, b) in e.1.iter().zip(&g.1).chain(e.3.iter().zip(&g.3)) {
             assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(1e-3), "output {a} vs {b}");

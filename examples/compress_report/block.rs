@@ -18,7 +18,7 @@
 //! * `f32`: everything full precision (the reference gradients);
 //! * `N-bit`: every saved activation as N-bit codes — matmul inputs X, Q, K, V, Ctx, H, G via
 //!   quantize-on-save (head-wise / 12 channel groups), P via the fused softmax (codes of the
-//!   output only, fixed range), U via the fused GELU, x̂ of both LayerNorms via the fused
+//!   output only, fixed range, square-root companded: the default `SoftmaxCodes::Sqrt`), U via the fused GELU, x̂ of both LayerNorms via the fused
 //!   LayerNorm (+ f32 mean and rstd); the backward reads the codes (GELU, softmax, LayerNorm
 //!   kernels) or their decoded values (host matmuls);
 //! * `N-bit shared`: as `N-bit`, but the inputs of FC1 and FC2 are not saved again: FC1's

@@ -35,16 +35,19 @@ typedef struct MesaCodeSink {
   uint64_t seed;                  /* stochastic rounding: Philox key */
   int32_t bits;                   /* 8, 4 or 2 */
   MesaRounding rounding;
+  MesaCodeMap map;                /* SQRT: codes of sqrt(v) (requires stats == NULL) */
+  int32_t _pad;
 } MesaCodeSink;
 
-/* Codes read back inside a backward kernel: v_i = codes[i] * scale[g(i)] + offset[g(i)]. */
+/* Codes read back inside a backward kernel: v_i = codes[i] * scale[g(i)] + offset[g(i)]
+ * (map SQRT: v_i = q * q with q that value). */
 typedef struct MesaCodeSource {
   const uint8_t* codes;           /* NULL: the backward reads a plain tensor instead */
   const MesaGroupParams* params;  /* [group_count] */
   int64_t group_run;
   int64_t group_count;
   int32_t bits;
-  int32_t _pad;
+  MesaCodeMap map;
 } MesaCodeSource;
 
 /* ---- GELU ----------------------------------------------------------------------------- */
@@ -85,6 +88,8 @@ typedef struct MesaGeluBackwardArgs {
  * mask may be NULL; else same logical shape as x (broadcast strides 0 allowed), x's dtype.
  * sink: codes of y (the stored, dtype-rounded output) with the fixed parameters written to
  * params_out (offset 0, scale 1 / (2^bits - 1)); sink.codes may be NULL (plain forward).
+ * sink.map: IDENTITY (linear codes of y) or SQRT (codes of sqrt(y), decoded by squaring:
+ * ~2 sqrt(y) / (2^bits - 1) steps, finer for the small probabilities of long rows).
  * Fused codes need shape[last] * bits % 8 == 0 (each row starts on a byte; else the entry
  * returns MESA_STATUS_UNSUPPORTED and the caller quantizes y afterwards with mesa_quantize
  * and these parameters). sink.stats must be NULL. */

@@ -26,6 +26,17 @@ enum MesaRoundingCode {
   MESA_ROUND_STOCHASTIC = 1  /* floor(t + u), u ~ U[0,1) from Philox4x32-10(seed, element index) */
 };
 
+/* How codes map to values. IDENTITY: the codes are of x itself. SQRT (companded, for
+ * non-negative x such as probabilities): the codes are of u = sqrt(x) (IEEE sqrtf),
+ *   code = clamp(round((sqrt(x) - offset) / scale), 0, levels),
+ * and decoding squares: q = fmaf(code, scale, offset), x^ = q * q (one IEEE multiply).
+ * Uniform steps in sqrt(x) are steps of ~2 sqrt(x) scale in x: finer near 0. */
+typedef int32_t MesaCodeMap;
+enum MesaCodeMapCode {
+  MESA_CODE_MAP_IDENTITY = 0,
+  MESA_CODE_MAP_SQRT = 1
+};
+
 typedef struct MesaGrouping {
   int32_t dim;    /* axis of the group index, or -1 for a single group */
   int32_t _pad;
@@ -71,6 +82,8 @@ typedef struct MesaQuantizeArgs {
   uint64_t seed;                  /* stochastic rounding: Philox key */
   int32_t bits;                   /* 8, 4 or 2 */
   MesaRounding rounding;
+  MesaCodeMap map;                /* SQRT requires stats == NULL */
+  int32_t _pad;
 } MesaQuantizeArgs;
 
 typedef int32_t MesaFinalizeMode;
@@ -102,8 +115,8 @@ typedef struct MesaQuantFinalizeArgs {
   int32_t running_initialized;     /* 0 on the first batch of a quantizer */
 } MesaQuantFinalizeArgs;
 
-/* Dequantize: y <- codes * scale[g] + offset[g], converted to y_desc.dtype, written through
- * y_desc's strides (any layout; codes are in logical order). */
+/* Dequantize: y <- codes * scale[g] + offset[g] (map SQRT: that value squared), converted
+ * to y_desc.dtype, written through y_desc's strides (any layout; codes are in logical order). */
 typedef struct MesaDequantizeArgs {
   const uint8_t* codes;
   const MesaGroupParams* params;
@@ -111,7 +124,7 @@ typedef struct MesaDequantizeArgs {
   void* y;
   MesaTensorDesc y_desc;
   int32_t bits;
-  int32_t _pad;
+  MesaCodeMap map;
 } MesaDequantizeArgs;
 
 MESA_DECLARE_ENTRY(quant_stats, MesaQuantStatsArgs)

@@ -6,7 +6,7 @@
 //! | op | saved for backward | parameters of the codes |
 //! |---|---|---|
 //! | [`gelu_forward`] | codes of the input `x` | the [`Quantizer`]'s (running estimate or exact) |
-//! | [`softmax_forward`] | codes of the output `y` only | fixed: offset 0, scale `1/(2^bits − 1)` |
+//! | [`softmax_forward`] | codes of the output `y` only (of `√y` by default: [`SoftmaxCodes`]) | fixed: offset 0, scale `1/(2^bits − 1)` |
 //! | [`layer_norm_forward`] | codes of `x̂ = (x − mean)·rstd`, plus per-row `mean`, `rstd` (f32) | the [`Quantizer`]'s |
 //!
 //! Every op also has a plain entry point that saves nothing ([`gelu`], [`softmax`],
@@ -18,7 +18,10 @@
 //! known before the kernel runs: offset 0, scale `1/(2^bits − 1)` (`1/255` at 8 bits). There
 //! is no statistics pass, no running estimate and nothing is ever clamped; Mesa's running
 //! estimate instead learns a per-head `[min, max]` that lags the batch and clamps attention
-//! peaks of later batches.
+//! peaks of later batches. By default the codes are of `√y` (square-root companding,
+//! [`SoftmaxCodes::Sqrt`]): the step in `y` is `≈ 2√y/(2^bits − 1)`, finer where a long row's
+//! probabilities sit (`≈ 1/N`); decoders square (`ŷ = q²`), as the handle's
+//! [`SavedActivation::companding`] tells them.
 //!
 //! **A tensor consumed by two ops is saved once.** A [`SavedActivation`] is an immutable
 //! handle: keep one and hand `&saved` to every consumer. For attention, the softmax output
@@ -72,7 +75,7 @@ use crate::device::{Buffer, Device, DeviceMemory, DeviceMemoryMut};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::{kernel_view, Grouping, Layout, MAX_DIMS};
-use crate::quant::{ProducerStep, QuantConfig, Quantizer, Rounding, SavedActivation};
+use crate::quant::{Companding, ProducerStep, QuantConfig, Quantizer, Rounding, SavedActivation};
 
 /// The GELU variant (Hendrycks & Gimpel 2016).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,7 +263,7 @@ pub fn gelu_backward<T: Element>(
         group_run: run as i64,
         group_count: count as i64,
         bits: saved.bits() as i32,
-        _pad: 0,
+        map: saved.companding().sys(),
     };
     gelu_backward_impl::<T>(device, form, source, None, dy, dy_layout, dx, dx_layout)
 }
@@ -325,11 +328,43 @@ fn gelu_backward_impl<T: Element>(
 // ---------------------------------------------------------------------------------------
 // Softmax.
 
+/// The code map of saved softmax probabilities (parameters fixed: offset 0, scale `s = 1/L`,
+/// `L = 2^bits − 1`).
+///
+/// * [`SoftmaxCodes::Sqrt`] (default): `c = clamp(round(√y · L), 0, L)` (stochastic:
+///   `floor(√y · L + u)`), decoded `ŷ = (c/L)²` — uniform codes of `√y`. Round to nearest
+///   leaves `|√ŷ − √y| ≤ s/2`, so `|ŷ − y| ≤ (√y + s/4) · s`, i.e. `≈ 2/(L√y)` relative: at
+///   8 bits and `y ≈ 1/128` (a row of 128 keys) a step is `≈ 7·10⁻⁴` instead of `3.9·10⁻³`.
+///   Stochastic rounding: `|√ŷ − √y| < s`, `|ŷ − y| < (2√y + s) · s`, unbiased in `√y`.
+/// * [`SoftmaxCodes::Linear`]: `c = round(y · L)`, `ŷ = c/L`, `|ŷ − y| ≤ s/2` — better only
+///   for probabilities above `≈ 1/4`, where attention is peaked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SoftmaxCodes {
+    /// Square-root companded codes ([`Companding::Sqrt`] on the handle).
+    #[default]
+    Sqrt,
+    /// Linear codes of `y` ([`Companding::None`]).
+    Linear,
+}
+
+impl SoftmaxCodes {
+    /// The handle's companding for these codes.
+    #[must_use]
+    pub fn companding(self) -> Companding {
+        match self {
+            SoftmaxCodes::Sqrt => Companding::Sqrt,
+            SoftmaxCodes::Linear => Companding::None,
+        }
+    }
+}
+
 /// How [`softmax_forward`] saves its output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SoftmaxSave {
     /// Bits per code: 8, 4 or 2.
     pub bits: u32,
+    /// Code map: square-root companded (default) or linear; see [`SoftmaxCodes`].
+    pub codes: SoftmaxCodes,
     /// Grouping metadata of the saved handle (e.g. heads on axis 1 of `[B, H, N, N]`); every
     /// group gets the same fixed parameters (offset 0, scale `1/(2^bits − 1)`).
     pub grouping: Grouping,
@@ -338,10 +373,16 @@ pub struct SoftmaxSave {
 }
 
 impl SoftmaxSave {
-    /// 8-bit, round to nearest, one group per head along `head_axis`.
+    /// 8-bit square-root companded codes, round to nearest, one group per head along
+    /// `head_axis`.
     #[must_use]
     pub fn per_head(head_axis: usize) -> Self {
-        SoftmaxSave { bits: 8, grouping: Grouping::Heads { axis: head_axis }, rounding: Rounding::Nearest }
+        SoftmaxSave {
+            bits: 8,
+            codes: SoftmaxCodes::Sqrt,
+            grouping: Grouping::Heads { axis: head_axis },
+            rounding: Rounding::Nearest,
+        }
     }
 }
 
@@ -356,7 +397,9 @@ pub struct Mask<'a, T> {
 
 /// Softmax over the last axis that saves the codes of its output:
 /// `y = softmax(x + mask)` per row; the handle holds `Q(y)` of the stored (dtype-rounded)
-/// output with the fixed parameters offset 0, scale `1/(2^bits − 1)` — no statistics.
+/// output with the fixed parameters offset 0, scale `1/(2^bits − 1)` — no statistics — as
+/// square-root companded codes by default (`save.codes`, [`SoftmaxCodes`]; the handle's
+/// [`SavedActivation::companding`] tells every decoder to square).
 ///
 /// A row whose every entry is `−inf` (fully masked) gives `y = 0` (no NaN). NaN/±Inf
 /// outputs (from non-finite logits) are counted in [`SavedActivation::nonfinite_count`].
@@ -383,7 +426,9 @@ pub fn softmax_forward<T: Element>(
     }
     let shape = x_layout.shape();
     let groups = save.grouping.num_groups(shape)?;
-    let mut saved = SavedActivation::allocate(device, shape, x_layout.strides(), T::DTYPE, save.bits, save.grouping)?;
+    let companding = save.codes.companding();
+    let mut saved =
+        SavedActivation::allocate(device, shape, x_layout.strides(), T::DTYPE, save.bits, save.grouping, companding)?;
     let (run, count) = saved.group_map()?;
     let cols = shape.last().copied().unwrap_or(1);
     let fused = (cols * save.bits as usize) % 8 == 0;
@@ -404,6 +449,8 @@ pub fn softmax_forward<T: Element>(
         seed,
         bits: save.bits as i32,
         rounding,
+        map: companding.sys(),
+        _pad: 0,
     };
     let mut ym = y.mem_mut();
     y_layout.check_fits(ym.len(), "output")?;
@@ -435,6 +482,8 @@ pub fn softmax_forward<T: Element>(
             seed,
             bits: save.bits as i32,
             rounding,
+            map: companding.sys(),
+            _pad: 0,
         };
         // SAFETY: y was validated by softmax_launch (fits, no self-overlap); codes hold
         // code_bytes(numel) bytes and params `groups` entries for this shape and grouping.
@@ -546,7 +595,7 @@ pub fn softmax_backward<T: Element>(
         group_run: run as i64,
         group_count: count as i64,
         bits: saved.bits() as i32,
-        _pad: 0,
+        map: saved.companding().sys(),
     };
     softmax_backward_impl::<T>(device, source, None, dy, dy_layout, dx, dx_layout)
 }
@@ -882,7 +931,7 @@ pub fn layer_norm_backward<T: Element>(
         group_run: run as i64,
         group_count: count as i64,
         bits: saved.xhat.bits() as i32,
-        _pad: 0,
+        map: saved.xhat.companding().sys(),
     };
     layer_norm_backward_impl::<T>(
         device,

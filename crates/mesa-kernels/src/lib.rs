@@ -61,9 +61,9 @@ pub use collectives::{Epilogue, RankView, RankViewMut, SeqParallelGroup, SeqSpli
 pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use fused::{GeluForm, SavedLayerNorm, SoftmaxSave};
+pub use fused::{GeluForm, SavedLayerNorm, SoftmaxCodes, SoftmaxSave};
 pub use layout::{Grouping, Layout, MAX_DIMS};
-pub use quant::{GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
+pub use quant::{Companding, GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
 
 /// Build facts of the linked kernel library.
 pub mod build {

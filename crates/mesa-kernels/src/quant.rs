@@ -235,6 +235,7 @@ impl Quantizer {
             dtype: T::DTYPE,
             bits: self.config.bits,
             grouping: self.config.grouping,
+            companding: Companding::None,
         };
         self.quantize_into(x, layout, &mut saved)?;
         Ok(saved)
@@ -317,6 +318,8 @@ impl Quantizer {
             seed,
             bits: config.bits as i32,
             rounding,
+            map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
+            _pad: 0,
         };
         // SAFETY (all launches below): every pointer comes from a buffer checked above to hold
         // what the kernel touches — the input view fits its buffer (check_fits), codes hold
@@ -391,6 +394,7 @@ impl Quantizer {
             dtype: T::DTYPE,
             bits: self.config.bits,
             grouping: self.config.grouping,
+            companding: Companding::None,
         };
         if numel == 0 {
             self.device.copy_into(&vec![GroupParams::default(); groups], &mut saved.params)?;
@@ -430,6 +434,8 @@ impl Quantizer {
             seed,
             bits: config.bits as i32,
             rounding,
+            map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
+            _pad: 0,
         };
         let finalize = |mode: u32| sys::MesaQuantFinalizeArgs {
             stats: stats_p.addr.cast(),
@@ -501,6 +507,33 @@ pub(crate) enum ProducerStep {
     CodesAndStats,
 }
 
+/// How the codes of a [`SavedActivation`] map to values.
+///
+/// With `q = code · scale + offset` (f32, one `fmaf`) the decoded value is `q` itself
+/// ([`Companding::None`]) or `q · q` ([`Companding::Sqrt`]: the codes are of `√x`, uniform
+/// in `√x`; for non-negative tensors with fixed parameters, e.g. the softmax output of
+/// [`crate::fused::softmax_forward`]). [`SavedActivation::dequantize`] and the backward
+/// kernels apply it; the saved bytes do not depend on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Companding {
+    /// Linear codes: `x̂ = q`.
+    #[default]
+    None,
+    /// Square-root companded codes: `code = round((√x − offset)/scale)`, `x̂ = q²`. The step
+    /// in `x` is `≈ 2√x · scale`: finer than linear codes below `x = 1/4` (with `[0, 1]`
+    /// parameters), coarser above.
+    Sqrt,
+}
+
+impl Companding {
+    pub(crate) fn sys(self) -> sys::MesaCodeMap {
+        (match self {
+            Companding::None => sys::MESA_CODE_MAP_IDENTITY,
+            Companding::Sqrt => sys::MESA_CODE_MAP_SQRT,
+        }) as sys::MesaCodeMap
+    }
+}
+
 /// A saved activation: packed codes, the per-group parameters that produced them, and the
 /// shape/strides/dtype of the original, on the device that made it.
 pub struct SavedActivation {
@@ -512,6 +545,7 @@ pub struct SavedActivation {
     dtype: DType,
     bits: u32,
     grouping: Grouping,
+    companding: Companding,
 }
 
 impl SavedActivation {
@@ -539,6 +573,11 @@ impl SavedActivation {
     #[must_use]
     pub fn grouping(&self) -> Grouping {
         self.grouping
+    }
+    /// How codes map to values (linear, or square-root companded: decoding squares).
+    #[must_use]
+    pub fn companding(&self) -> Companding {
+        self.companding
     }
     /// Number of elements.
     #[must_use]
@@ -594,7 +633,8 @@ impl SavedActivation {
     }
 
     /// Decodes into `y` viewed through `layout` (any strides, same shape as the original;
-    /// any of f32/f16/bf16, independent of the original dtype). Stream-ordered.
+    /// any of f32/f16/bf16, independent of the original dtype). Stream-ordered. Each value is
+    /// `q = code · scale + offset` (f32 `fmaf`), squared for [`Companding::Sqrt`].
     ///
     /// Bytes moved: `numel · bits / 8` read, `numel · sizeof(T)` written.
     ///
@@ -634,7 +674,7 @@ impl SavedActivation {
             y: yp.addr,
             y_desc: view.desc,
             bits: self.bits as i32,
-            _pad: 0,
+            map: self.companding.sys(),
         };
         // SAFETY: the output view fits its buffer and does not overlap itself; codes and
         // params were sized for this shape and grouping when quantized.
@@ -649,6 +689,7 @@ impl SavedActivation {
         dtype: DType,
         bits: u32,
         grouping: Grouping,
+        companding: Companding,
     ) -> Result<SavedActivation> {
         let numel = shape.iter().product::<usize>();
         let groups = grouping.num_groups(shape)?;
@@ -661,6 +702,7 @@ impl SavedActivation {
             dtype,
             bits,
             grouping,
+            companding,
         })
     }
 
@@ -695,6 +737,7 @@ impl SavedActivation {
         self.dtype = dtype;
         self.bits = config.bits;
         self.grouping = config.grouping;
+        self.companding = Companding::None;
     }
 
     fn check_device(&self, device: &Device) -> Result<()> {

@@ -105,6 +105,44 @@ pub fn softmax_backward_rows(y: &[f64], dy: &[f64], cols: usize) -> Vec<f64> {
     dx
 }
 
+/// Square-root companded code of a probability `y` (the default softmax codes of
+/// [`crate::fused::SoftmaxCodes::Sqrt`]): `clamp(round_half_even(√y / scale), 0, L)`,
+/// `L = 2^bits − 1`, `scale` the saved step (`1/L` rounded to f32). `y < 0` or NaN give 0.
+#[must_use]
+pub fn sqrt_code_nearest(y: f64, scale: f64, bits: u32) -> u32 {
+    let levels = f64::from((1u32 << bits) - 1);
+    let t = if y > 0.0 { y.sqrt() / scale } else { 0.0 };
+    t.round_ties_even().clamp(0.0, levels) as u32
+}
+
+/// Stochastic square-root companded code for `u ∈ [0, 1)`: `clamp(floor(√y / scale + u), 0, L)`.
+#[must_use]
+pub fn sqrt_code_stochastic(y: f64, scale: f64, bits: u32, u: f64) -> u32 {
+    let levels = f64::from((1u32 << bits) - 1);
+    let t = if y > 0.0 { y.sqrt() / scale } else { 0.0 };
+    (t + u).floor().clamp(0.0, levels) as u32
+}
+
+/// Decoded square-root companded code: `(code · scale + offset)²`.
+#[must_use]
+pub fn sqrt_decode(code: u32, offset: f64, scale: f64) -> f64 {
+    let q = f64::from(code) * scale + offset;
+    q * q
+}
+
+/// Bound on `|ŷ − y|` of a square-root companded code with step `s` for `y ∈ [0, 1]`:
+/// `√ŷ = √y + e` with `|e| ≤ s/2` (nearest) or `|e| < s` (stochastic), so
+/// `|ŷ − y| = |2√y·e + e²| ≤ (√y + s/4)·s` (nearest) or `< (2√y + s)·s` (stochastic).
+#[must_use]
+pub fn sqrt_code_error_bound(y: f64, scale: f64, stochastic: bool) -> f64 {
+    let r = y.max(0.0).sqrt();
+    if stochastic {
+        (2.0 * r + scale) * scale
+    } else {
+        (r + 0.25 * scale) * scale
+    }
+}
+
 /// LayerNorm forward of every row of `cols` values.
 #[derive(Debug, Clone)]
 pub struct LayerNormForward {
