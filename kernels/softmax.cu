@@ -60,7 +60,13 @@ __device__ __forceinline__ void emit_unit(T* y, int64_t ys, int live, float (&ou
 #pragma unroll
   for (int j = 0; j < kUnit; ++j) {
     out[j] = to_float(from_float<T>(out[j]));  // encode what was stored
-    if (j < live && !is_finite(out[j])) bad += 1u;
+    if (j < live && !is_finite(out[j])) {
+      bad += 1u;
+      // the saved group must decode to NaN, never to finite stand-ins: poison its scale
+      // (every writer stores the same NaN; the encoding of that group no longer matters)
+      MesaGroupParams* params = const_cast<MesaGroupParams*>(sink.params);
+      atomicExch(reinterpret_cast<unsigned*>(&params[sink.groups.group(i0 + j)].scale), 0x7fc00000u);
+    }
   }
   RunStats unused;
   sink_unit(sink, i0, out, live, unused, nullptr, sink.sqrt_map);
@@ -108,7 +114,9 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
           s += v[k][j];
         }
       s = team_sum<kTeam>(s, scratch);
-      const float inv = s > 0.0f ? reciprocal(s) : 0.0f;  // s >= 1: the max term is exp(0)
+      // s >= 1 (the max term is exp(0)); s = 0: a fully masked row gives zeros; s = NaN (a NaN or
+      // +inf logit) makes the whole row NaN, as in PyTorch
+      const float inv = s > 0.0f ? reciprocal(s) : (s == 0.0f ? 0.0f : __uint_as_float(0x7fc00000u));
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int64_t c0 = (int64_t(k) * kTeam + rank) * kUnit;
@@ -139,7 +147,9 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
         for (int j = 0; j < kUnit; ++j) s += exp_shifted(v[j], m);
       }
       s = team_sum<kTeam>(s, scratch);
-      const float inv = s > 0.0f ? reciprocal(s) : 0.0f;  // s >= 1: the max term is exp(0)
+      // s >= 1 (the max term is exp(0)); s = 0: a fully masked row gives zeros; s = NaN (a NaN or
+      // +inf logit) makes the whole row NaN, as in PyTorch
+      const float inv = s > 0.0f ? reciprocal(s) : (s == 0.0f ? 0.0f : __uint_as_float(0x7fc00000u));
       for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += int64_t(kTeam) * kUnit) {
         const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
         float v[kUnit];

@@ -263,12 +263,15 @@ fn check_rs<T: Element>(
         for i in 0..got[r].len() {
             let g = got[r][i];
             assert!(!g.to_f64().is_nan(), "{label}: rank {r} element {i} not written (NaN)");
-            assert!(
-                same_bits(g, exact[r][i]),
-                "{label}: rank {r} element {i}: {} is not the fixed-order f32 sum {}",
-                g.to_f64(),
-                exact[r][i].to_f64()
-            );
+            if !same_bits(g, exact[r][i]) {
+                let base = shape.splits.offset(r) * shape.bh();
+                let terms: Vec<f64> = inputs.iter().map(|x| x[base + i].to_f64()).collect();
+                panic!(
+                    "{label}: rank {r} element {i}: {} is not the fixed-order f32 sum {} (terms {terms:?})",
+                    g.to_f64(),
+                    exact[r][i].to_f64()
+                );
+            }
             let acc_err = (k as f64 - 1.0) * 2f64.powi(-24) * mags[r][i];
             let tol = acc_err + u * (want[r][i].abs() + acc_err) + 1e-300;
             assert!(

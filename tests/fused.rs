@@ -1247,3 +1247,36 @@ fn emulator_and_gpu_agree() {
         }
     }
 }
+
+#[test]
+fn softmax_nan_and_inf_logits_give_nan_rows_and_poisoned_codes() {
+    // A NaN or +inf logit makes its whole row NaN (as PyTorch does), the fused path counts the
+    // non-finite outputs, and the saved group decodes to NaN — never to finite stand-ins.
+    for device in common::backends() {
+        let (rows, cols) = (4, 8);
+        let l = Layout::contiguous(&[2, 2, cols]);
+        let mut x = vec![0.5f32; rows * cols];
+        x[1] = f32::NAN; // row 0 (head 0)
+        x[2 * cols + 2] = f32::INFINITY; // row 2 (head 1)
+        let xb = device.upload(&x).expect("up");
+        let mut y = poisoned::<f32>(&device, rows * cols);
+        let save = SoftmaxSave::per_head(1);
+        let saved = softmax_forward(&device, &save, &xb, &l, None, &mut y, &l).expect("fwd");
+        let y = y.to_vec().expect("y");
+        for r in 0..rows {
+            let nan_row = r == 0 || r == 2;
+            for c in 0..cols {
+                assert_eq!(y[r * cols + c].is_nan(), nan_row, "y[{r},{c}] = {}", y[r * cols + c]);
+            }
+        }
+        assert_eq!(saved.nonfinite_count().expect("count"), 16);
+        let mut p = poisoned::<f32>(&device, rows * cols);
+        saved.dequantize(&device, &mut p, &l).expect("decode");
+        let p = p.to_vec().expect("p");
+        // [B=2, H=2, cols]: rows 0 and 2 are heads 0 and 0 of batches 0 and 1 -> head 0 poisoned
+        for (i, v) in p.iter().enumerate() {
+            let head = (i / cols) % 2;
+            assert_eq!(v.is_nan(), head == 0, "decoded p[{i}] = {v}");
+        }
+    }
+}

@@ -200,6 +200,7 @@ fn run_batches<T: Element>(
     let count = config.grouping.num_groups(shape).expect("groups");
     let levels = rq::levels(config.bits);
     let mut ref_running: Option<Vec<(f64, f64)>> = None;
+    let mut ref_mag: Option<Vec<f64>> = None;
     for b in 0..batches {
         let numel: usize = shape.iter().product();
         // batches drift so that the running estimate lags and clamps
@@ -229,14 +230,22 @@ fn run_batches<T: Element>(
         let groups = rq::group_index(shape, &config.grouping).expect("groups");
         let stats = rq::group_stats(&x, &groups, count);
         let batch: Vec<(f64, f64)> = stats.iter().map(|s| rq::params_from_stats(s, config.bits)).collect();
+        let m = f64::from(config.momentum);
+        // magnitudes of the EMA's terms (EMA of |offset|): the rounding error of each step is
+        // relative to them, not to the result, which may cancel to ~0
+        ref_mag = Some(match ref_mag {
+            None => batch.iter().map(|b| b.0.abs()).collect(),
+            Some(prev) => prev.iter().zip(&batch).map(|(&p, b)| m * p + (1.0 - m) * b.0.abs()).collect(),
+        });
         ref_running = Some(match ref_running {
             None => batch,
-            Some(prev) => prev.iter().zip(&batch).map(|(&p, &bt)| rq::ema(p, bt, f64::from(config.momentum))).collect(),
+            Some(prev) => prev.iter().zip(&batch).map(|(&p, &bt)| rq::ema(p, bt, m)).collect(),
         });
         let got = q.running_params().expect("running").expect("initialised");
+        let mags = ref_mag.as_ref().expect("set");
         for (g, (p, r)) in got.iter().zip(ref_running.as_ref().expect("set")).enumerate() {
             // each EMA step adds a few f32 roundings relative to the magnitudes involved
-            let mag = r.0.abs() + r.1 * levels + 1e-30;
+            let mag = mags[g] + r.1 * levels + 1e-30;
             let tol = 8.0 * (b as f64 + 1.0) * 2f64.powi(-24) * mag;
             assert!(
                 (f64::from(p.offset) - r.0).abs() <= tol,

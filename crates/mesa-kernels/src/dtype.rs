@@ -72,13 +72,27 @@ impl Element for f32 {
     }
 }
 
+/// `v` rounded to f32 *to odd* (truncate, then set the last bit if anything was cut off).
+/// Rounding that value to nearest-even at 16-bit precision gives exactly the correctly
+/// rounded 16-bit value of `v` (f32 keeps ≥ 2 more bits than f16 and bf16), which a plain
+/// f64 → f32 → 16-bit path (double rounding) does not.
+fn round_to_odd_f32(v: f64) -> f32 {
+    let f = v as f32;
+    if !f.is_finite() || f64::from(f) == v {
+        return f;
+    }
+    // toward zero first
+    let t = if f64::from(f).abs() > v.abs() { f32::from_bits(f.to_bits() - 1) } else { f };
+    f32::from_bits(t.to_bits() | 1)
+}
+
 impl Element for f16 {
     const DTYPE: DType = DType::F16;
     fn to_f64(self) -> f64 {
         self.to_f64()
     }
     fn from_f64(v: f64) -> Self {
-        f16::from_f64(v)
+        f16::from_f32(round_to_odd_f32(v))
     }
 }
 
@@ -88,6 +102,6 @@ impl Element for bf16 {
         self.to_f64()
     }
     fn from_f64(v: f64) -> Self {
-        bf16::from_f64(v)
+        bf16::from_f32(round_to_odd_f32(v))
     }
 }
