@@ -161,6 +161,14 @@ pub struct Quantizer {
     batches: u64,
 }
 
+/// The per-batch decisions shared by `quantize_into` and the fused producers.
+struct BatchPlan {
+    first: bool,
+    exact: bool,
+    seed: u64,
+    rounding: sys::MesaRounding,
+}
+
 struct RunningState {
     groups: usize,
     running: Buffer<GroupParams>,
@@ -273,16 +281,7 @@ impl Quantizer {
             return Ok(());
         }
         self.state_for(groups)?;
-        let first = self.batches == 0;
-        let exact = first || self.config.stats == StatsMode::Exact;
-        let seed = match self.config.rounding {
-            Rounding::Nearest => 0,
-            Rounding::Stochastic { seed } => seed.wrapping_add(self.batches.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-        };
-        let rounding = match self.config.rounding {
-            Rounding::Nearest => sys::MESA_ROUND_NEAREST,
-            Rounding::Stochastic { .. } => sys::MESA_ROUND_STOCHASTIC,
-        } as sys::MesaRounding;
+        let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
         let Quantizer { device, config, state, .. } = self;
         let state = state.as_mut().ok_or_else(|| Error::Shape("quantizer state missing".into()))?;
         let xp = device.read_ptr(&mem, layout.offset(), "input")?;
@@ -403,16 +402,7 @@ impl Quantizer {
             return Ok(saved);
         }
         self.state_for(groups)?;
-        let first = self.batches == 0;
-        let exact = first || self.config.stats == StatsMode::Exact;
-        let seed = match self.config.rounding {
-            Rounding::Nearest => 0,
-            Rounding::Stochastic { seed } => seed.wrapping_add(self.batches.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-        };
-        let rounding = match self.config.rounding {
-            Rounding::Nearest => sys::MESA_ROUND_NEAREST,
-            Rounding::Stochastic { .. } => sys::MESA_ROUND_STOCHASTIC,
-        } as sys::MesaRounding;
+        let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
         let Quantizer { device, config, state, .. } = self;
         let state = state.as_mut().ok_or_else(|| Error::Shape("quantizer state missing".into()))?;
         let mut stats_mem = state.stats.mem_mut();
@@ -477,6 +467,24 @@ impl Quantizer {
         self.batches += 1;
         saved.set_meta(&layout, T::DTYPE, &self.config);
         Ok(saved)
+    }
+
+    /// What this batch does: whether it is the first, whether it takes the exact (two-pass)
+    /// path, and its Philox key and rounding mode.
+    fn batch_plan(&self) -> BatchPlan {
+        let first = self.batches == 0;
+        let (seed, rounding) = match self.config.rounding {
+            Rounding::Nearest => (0, sys::MESA_ROUND_NEAREST),
+            Rounding::Stochastic { seed } => {
+                (seed.wrapping_add(self.batches.wrapping_mul(0x9E37_79B9_7F4A_7C15)), sys::MESA_ROUND_STOCHASTIC)
+            }
+        };
+        BatchPlan {
+            first,
+            exact: first || self.config.stats == StatsMode::Exact,
+            seed,
+            rounding: rounding as sys::MesaRounding,
+        }
     }
 
     fn state_for(&mut self, groups: usize) -> Result<()> {
