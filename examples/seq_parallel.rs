@@ -164,7 +164,7 @@ fn run() -> mesa_kernels::Result<()> {
             if identical { "bitwise equals" } else { "DIFFERS from" }
         );
         if !identical || err > 1.0 {
-            return Err(mesa_kernels::Error::Shape("intra-node result outside its bound".into()));
+            return Err(mesa_kernels::Error::LegacyShape("intra-node result outside its bound".into()));
         }
     }
     let (s, b, h, a, t) = (4096.0f64, 1.0, 8192.0, 64.0, 8.0);
@@ -225,10 +225,10 @@ fn nccl_part() -> mesa_kernels::Result<()> {
         }
     };
     let dir = std::env::temp_dir().join(format!("mesa-seqpar-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| mesa_kernels::Error::Cuda(format!("temp dir: {e}")))?;
+    std::fs::create_dir_all(&dir).map_err(|e| mesa_kernels::Error::LegacyCuda(format!("temp dir: {e}")))?;
     let id_file = dir.join("nccl-id");
-    std::fs::write(&id_file, id.as_bytes()).map_err(|e| mesa_kernels::Error::Cuda(format!("id file: {e}")))?;
-    let exe = std::env::current_exe().map_err(|e| mesa_kernels::Error::Cuda(format!("current exe: {e}")))?;
+    std::fs::write(&id_file, id.as_bytes()).map_err(|e| mesa_kernels::Error::LegacyCuda(format!("id file: {e}")))?;
+    let exe = std::env::current_exe().map_err(|e| mesa_kernels::Error::LegacyCuda(format!("current exe: {e}")))?;
     println!("   spawning {world} ranks (one per GPU), NCCL id in {}", id_file.display());
     let children: Vec<_> = (0..world)
         .map(|r| {
@@ -249,7 +249,7 @@ fn nccl_part() -> mesa_kernels::Result<()> {
         }
     }
     if !ok {
-        return Err(mesa_kernels::Error::Cuda("an NCCL rank failed".into()));
+        return Err(mesa_kernels::Error::LegacyCuda("an NCCL rank failed".into()));
     }
     let splits = SeqSplits::even(S, world)?;
     let step = step_data(world, &splits);
@@ -261,8 +261,8 @@ fn nccl_part() -> mesa_kernels::Result<()> {
     let mut nccl_shards: Vec<Vec<bf16>> = Vec::new();
     let mut nccl_gathered: Vec<Vec<bf16>> = Vec::new();
     for r in 0..world {
-        let bytes =
-            std::fs::read(dir.join(format!("rank{r}.bin"))).map_err(|e| mesa_kernels::Error::Cuda(format!("{e}")))?;
+        let bytes = std::fs::read(dir.join(format!("rank{r}.bin")))
+            .map_err(|e| mesa_kernels::Error::LegacyCuda(format!("{e}")))?;
         let got: Vec<bf16> = bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect();
         let (shard, gathered) = got.split_at(splits.rows(r) * B * H);
         bitwise &= shard.iter().zip(&z[r]).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -285,7 +285,7 @@ fn nccl_part() -> mesa_kernels::Result<()> {
         if bitwise { "bitwise identical" } else { "not bitwise identical (NCCL sums in its own order)" }
     );
     if worst > 1.0 || !gather_ok {
-        return Err(mesa_kernels::Error::Shape("NCCL result outside its bound".into()));
+        return Err(mesa_kernels::Error::LegacyShape("NCCL result outside its bound".into()));
     }
     Ok(())
 }
@@ -302,7 +302,7 @@ fn child(args: &[String], pos: usize) -> ExitCode {
         return ExitCode::FAILURE;
     };
     let result = (|| -> mesa_kernels::Result<()> {
-        let bytes = std::fs::read(dir.join("nccl-id")).map_err(|e| mesa_kernels::Error::Cuda(format!("{e}")))?;
+        let bytes = std::fs::read(dir.join("nccl-id")).map_err(|e| mesa_kernels::Error::LegacyCuda(format!("{e}")))?;
         let id = NcclUniqueId::from_bytes(&bytes)?;
         let device = Device::cuda(rank)?;
         let mut comm = NcclSeqParallel::new(&device, rank, world, &id)?;
@@ -330,7 +330,8 @@ fn child(args: &[String], pos: usize) -> ExitCode {
         for v in shard.to_vec()?.into_iter().chain(gathered.to_vec()?) {
             out.extend_from_slice(&v.to_le_bytes());
         }
-        std::fs::write(dir.join(format!("rank{rank}.bin")), out).map_err(|e| mesa_kernels::Error::Cuda(format!("{e}")))
+        std::fs::write(dir.join(format!("rank{rank}.bin")), out)
+            .map_err(|e| mesa_kernels::Error::LegacyCuda(format!("{e}")))
     })();
     match result {
         Ok(()) => ExitCode::SUCCESS,

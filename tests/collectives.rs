@@ -501,7 +501,7 @@ fn epoch_counters_wrap_around_u32() {
         let inputs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
         let result = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense);
         assert!(
-            matches!(result, Err(Error::Timeout(_))),
+            matches!(result, Err(Error::LegacyTimeout(_))),
             "a stale u32::MAX slot passed for epoch 0: {:?}",
             result.err()
         );
@@ -529,7 +529,7 @@ fn a_rank_that_never_arrives_times_out_with_nan_outputs_and_no_hang() {
             group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
         };
         let elapsed = started.elapsed();
-        assert!(matches!(result, Err(Error::Timeout(_))), "expected a timeout, got {result:?}");
+        assert!(matches!(result, Err(Error::LegacyTimeout(_))), "expected a timeout, got {result:?}");
         assert!(elapsed < bound * 50, "the timeout took {elapsed:?} (bound {bound:?})");
         for (r, buf) in out_bufs.iter().enumerate().take(3) {
             assert!(buf.to_vec().expect("down").iter().all(|x| x.is_nan()), "rank {r}: no stale data after a timeout");
@@ -537,7 +537,7 @@ fn a_rank_that_never_arrives_times_out_with_nan_outputs_and_no_hang() {
         // poisoned until reset, then healthy again
         group.set_launch_ranks_for_testing(None);
         let again = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense);
-        assert!(matches!(again, Err(Error::Timeout(_))), "a poisoned group must refuse: {:?}", again.err());
+        assert!(matches!(again, Err(Error::LegacyTimeout(_))), "a poisoned group must refuse: {:?}", again.err());
         group.reset().expect("reset");
         let got =
             run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense).expect("after reset");
@@ -573,9 +573,9 @@ fn values_near_the_bf16_range_limit_stay_finite_with_f32_accumulation() {
 #[test]
 fn bad_shapes_and_mismatched_splits_are_errors() {
     let device = Device::emulator();
-    assert!(matches!(SeqParallelGroup::new(&device, 0), Err(Error::Shape(_))));
-    assert!(matches!(SeqParallelGroup::new(&device, 17), Err(Error::Shape(_))));
-    assert!(matches!(SeqSplits::new(&[]), Err(Error::Shape(_))));
+    assert!(matches!(SeqParallelGroup::new(&device, 0), Err(Error::LegacyShape(_))));
+    assert!(matches!(SeqParallelGroup::new(&device, 17), Err(Error::LegacyShape(_))));
+    assert!(matches!(SeqSplits::new(&[]), Err(Error::LegacyShape(_))));
     assert_eq!(SeqSplits::even(10, 4).expect("even").sizes(), vec![3, 3, 2, 2]);
     let mut group = SeqParallelGroup::new(&device, 2).expect("group");
     let (b, h) = (2usize, 4usize);
@@ -594,40 +594,40 @@ fn bad_shapes_and_mismatched_splits_are_errors() {
     // the baseline call is fine
     assert_eq!(call(&ins(&full), [half.clone(), half.clone()], &[3, 3]), Ok(()));
     // split sizes that do not sum to S
-    assert!(matches!(call(&ins(&full), [half.clone(), half.clone()], &[3, 2]), Err(Error::Shape(_))));
+    assert!(matches!(call(&ins(&full), [half.clone(), half.clone()], &[3, 2]), Err(Error::LegacyShape(_))));
     // a split list of the wrong world size
-    assert!(matches!(call(&ins(&full), [half.clone(), half.clone()], &[6]), Err(Error::Shape(_))));
+    assert!(matches!(call(&ins(&full), [half.clone(), half.clone()], &[6]), Err(Error::LegacyShape(_))));
     // output shard of the wrong shape
     let wrong = Layout::contiguous(&[3, b, h + 1]);
-    assert!(matches!(call(&ins(&full), [half.clone(), wrong], &[3, 3]), Err(Error::Shape(_))));
+    assert!(matches!(call(&ins(&full), [half.clone(), wrong], &[3, 3]), Err(Error::LegacyShape(_))));
     // rank-2 input
     assert!(matches!(
         call(&ins(&Layout::contiguous(&[6, b * h])), [half.clone(), half.clone()], &[3, 3]),
-        Err(Error::Shape(_))
+        Err(Error::LegacyShape(_))
     ));
     // a view past the end of its buffer
     let past = Layout::strided(&[3, b, h], &[b * h, h, 1], 1).expect("layout");
     assert!(matches!(call(&ins(&full), [half.clone(), past], &[3, 3]), Err(Error::BufferTooShort { .. })));
     // an output that overlaps itself (stride 0)
     let bcast = Layout::strided(&[3, b, h], &[0, h, 1], 0).expect("layout");
-    assert!(matches!(call(&ins(&full), [bcast.clone(), bcast], &[3, 3]), Err(Error::Shape(_))));
+    assert!(matches!(call(&ins(&full), [bcast.clone(), bcast], &[3, 3]), Err(Error::LegacyShape(_))));
     // ranks with different strides
     let padded = Layout::strided(&[3, b, h], &[h * b, 1, b], 0).expect("layout");
-    assert!(matches!(call(&ins(&full), [half.clone(), padded], &[3, 3]), Err(Error::Unsupported(_))));
+    assert!(matches!(call(&ins(&full), [half.clone(), padded], &[3, 3]), Err(Error::LegacyUnsupported(_))));
     // wrong number of ranks
     let one = [RankView::new(&inputs[0], full.clone())];
-    assert!(matches!(call(&one, [half.clone(), half.clone()], &[3, 3]), Err(Error::Shape(_))));
+    assert!(matches!(call(&one, [half.clone(), half.clone()], &[3, 3]), Err(Error::LegacyShape(_))));
     // all-gather: inputs must be the shards
     let mut big = [vec![0.0f32; 6 * b * h], vec![0.0f32; 6 * b * h]];
     let (g0, g1) = big.split_at_mut(1);
     let mut o = vec![RankViewMut::new(&mut g0[0], full.clone()), RankViewMut::new(&mut g1[0], full.clone())];
     let splits = SeqSplits::new(&[3, 3]).expect("splits");
-    assert!(matches!(group.all_gather_seq(&ins(&full), &mut o, &splits), Err(Error::Shape(_))));
+    assert!(matches!(group.all_gather_seq(&ins(&full), &mut o, &splits), Err(Error::LegacyShape(_))));
     assert_eq!(group.all_gather_seq(&ins(&half), &mut o, &splits), Ok(()));
 
     // a grid that cannot be co-resident (the emulator, like a GPU, caps cooperative launches)
     let mut wide = SeqParallelGroup::new(&device, 16).expect("group");
-    assert!(matches!(wide.set_blocks_per_rank(129), Err(Error::TooLarge(_))));
+    assert!(matches!(wide.set_blocks_per_rank(129), Err(Error::LegacyTooLarge(_))));
     wide.set_blocks_per_rank(64).expect("64 blocks per rank");
     let data: Vec<Vec<f32>> = (0..16).map(|_| vec![1.0f32; 16 * 4]).collect();
     let mut shards: Vec<Vec<f32>> = (0..16).map(|_| vec![0.0f32; 4]).collect();
@@ -636,7 +636,7 @@ fn bad_shapes_and_mismatched_splits_are_errors() {
         shards.iter_mut().map(|x| RankViewMut::contiguous(x, &[1, 1, 4])).collect();
     let even = SeqSplits::even(16, 16).expect("splits");
     let r = wide.reduce_scatter_seq(&ins16, &mut outs16, &even, &Epilogue::none());
-    assert!(matches!(r, Err(Error::TooLarge(_))), "16 x 64 blocks must not launch: {r:?}");
+    assert!(matches!(r, Err(Error::LegacyTooLarge(_))), "16 x 64 blocks must not launch: {r:?}");
     wide.set_blocks_per_rank(0).expect("auto");
     assert_eq!(wide.reduce_scatter_seq(&ins16, &mut outs16, &even, &Epilogue::none()), Ok(()));
     drop(outs16);

@@ -1128,32 +1128,35 @@ fn bad_input_is_an_error_not_a_panic() {
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
         // shapes differ
         let other = Layout::contiguous(&[2, 12]);
-        assert!(matches!(gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &other), Err(Error::Shape(_))));
-        assert!(matches!(softmax(&device, &x, &l, None, &mut y, &other), Err(Error::Shape(_))));
+        assert!(matches!(
+            gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &other),
+            Err(Error::LegacyShape(_))
+        ));
+        assert!(matches!(softmax(&device, &x, &l, None, &mut y, &other), Err(Error::LegacyShape(_))));
         // rank 0 row op
         let scalar = Layout::contiguous(&[]);
-        assert!(matches!(softmax(&device, &x, &scalar, None, &mut y, &scalar), Err(Error::Shape(_))));
+        assert!(matches!(softmax(&device, &x, &scalar, None, &mut y, &scalar), Err(Error::LegacyShape(_))));
         // buffer too short
         let long = Layout::contiguous(&[5, 5]);
         assert!(matches!(gelu(&device, GeluForm::Erf, &x, &long, &mut y, &long), Err(Error::BufferTooShort { .. })));
         // output overlapping itself
         let bcast = Layout::strided(&[2, 3, 4], &[0, 4, 1], 0).expect("l");
-        assert!(matches!(gelu(&device, GeluForm::Tanh, &x, &l, &mut y, &bcast), Err(Error::Shape(_))));
+        assert!(matches!(gelu(&device, GeluForm::Tanh, &x, &l, &mut y, &bcast), Err(Error::LegacyShape(_))));
         // bit width
         let bad = SoftmaxSave { bits: 3, ..SoftmaxSave::per_head(0) };
-        assert!(matches!(softmax_forward(&device, &bad, &x, &l, None, &mut y, &l), Err(Error::Unsupported(_))));
+        assert!(matches!(softmax_forward(&device, &bad, &x, &l, None, &mut y, &l), Err(Error::LegacyUnsupported(_))));
         // mask of another shape
         let m = device.upload(&[0f32; 24]).expect("up");
         let ml = Layout::contiguous(&[6, 4]);
         assert!(matches!(
             softmax(&device, &x, &l, Some(Mask { data: &m, layout: &ml }), &mut y, &l),
-            Err(Error::Shape(_))
+            Err(Error::LegacyShape(_))
         ));
         // LayerNorm: eps, C = 0, short weight
-        assert!(matches!(layer_norm(&device, &x, &l, None, None, 0.0, &mut y, &l), Err(Error::Shape(_))));
-        assert!(matches!(layer_norm(&device, &x, &l, None, None, f32::NAN, &mut y, &l), Err(Error::Shape(_))));
+        assert!(matches!(layer_norm(&device, &x, &l, None, None, 0.0, &mut y, &l), Err(Error::LegacyShape(_))));
+        assert!(matches!(layer_norm(&device, &x, &l, None, None, f32::NAN, &mut y, &l), Err(Error::LegacyShape(_))));
         let c0 = Layout::contiguous(&[3, 0]);
-        assert!(matches!(layer_norm(&device, &x, &c0, None, None, 1e-5, &mut y, &c0), Err(Error::Shape(_))));
+        assert!(matches!(layer_norm(&device, &x, &c0, None, None, 1e-5, &mut y, &c0), Err(Error::LegacyShape(_))));
         let w = device.upload(&[1f32; 3]).expect("up");
         assert!(matches!(
             layer_norm(&device, &x, &l, Some(&w), None, 1e-5, &mut y, &l),
@@ -1162,17 +1165,23 @@ fn bad_input_is_an_error_not_a_panic() {
         // backward with a gradient of another shape than the saved tensor
         let s = gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l).expect("fwd");
         let mut dx = device.upload(&[0f32; 24]).expect("up");
-        assert!(matches!(gelu_backward(&device, GeluForm::Erf, &s, &x, &other, &mut dx, &other), Err(Error::Shape(_))));
+        assert!(matches!(
+            gelu_backward(&device, GeluForm::Erf, &s, &x, &other, &mut dx, &other),
+            Err(Error::LegacyShape(_))
+        ));
         // grouping that does not divide
         let mut qg = Quantizer::new(&device, fused::channel_groups(2, 3)).expect("q");
-        assert!(matches!(gelu_forward(&device, &mut qg, GeluForm::Erf, &x, &l, &mut y, &l), Err(Error::Shape(_))));
+        assert!(matches!(
+            gelu_forward(&device, &mut qg, GeluForm::Erf, &x, &l, &mut y, &l),
+            Err(Error::LegacyShape(_))
+        ));
         // a quantizer of another device
         let other_dev = Device::emulator();
         if device.is_cuda() {
             let mut qo = Quantizer::new(&other_dev, QuantConfig::per_tensor()).expect("q");
             assert!(matches!(
                 gelu_forward(&device, &mut qo, GeluForm::Erf, &x, &l, &mut y, &l),
-                Err(Error::WrongBackend(_))
+                Err(Error::LegacyWrongBackend(_))
             ));
         }
         // LN backward: short dweight

@@ -589,7 +589,7 @@ fn more_than_65535_heads_use_a_grid_stride_loop() {
 
 fn expect_shape_err<T>(r: mesa_kernels::Result<T>, what: &str) {
     match r {
-        Err(Error::Shape(_)) => {}
+        Err(Error::LegacyShape(_)) => {}
         Err(e) => panic!("{what}: expected Error::Shape, got {e}"),
         Ok(_) => panic!("{what}: expected Error::Shape, got Ok"),
     }
@@ -640,7 +640,7 @@ fn bad_inputs_are_errors() {
     // chunks outside 1..=64
     for chunk in [0, 65] {
         match fwd(&LinearAttentionConfig { chunk, ..cfg }, &lq, &lq, &lv, &lv, &mut out) {
-            Err(Error::Unsupported(_)) => {}
+            Err(Error::LegacyUnsupported(_)) => {}
             other => panic!("chunk {chunk}: expected Unsupported, got {:?}", other.err()),
         }
     }
@@ -909,7 +909,7 @@ fn feature_map_bad_inputs_are_errors() {
         "phi",
     );
     match FavorProjection::orthogonal(&device, 8, 2048, 1) {
-        Err(Error::Unsupported(_)) => {}
+        Err(Error::LegacyUnsupported(_)) => {}
         other => panic!("expected Unsupported, got {:?}", other.err()),
     }
 }

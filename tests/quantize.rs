@@ -710,15 +710,15 @@ fn bad_input_is_an_error_not_a_panic() {
         // invalid configurations
         assert!(matches!(
             Quantizer::new(&device, QuantConfig { bits: 3, ..QuantConfig::per_tensor() }),
-            Err(Error::Unsupported(_))
+            Err(Error::LegacyUnsupported(_))
         ));
         assert!(matches!(
             Quantizer::new(&device, QuantConfig { momentum: 1.5, ..QuantConfig::per_tensor() }),
-            Err(Error::Shape(_))
+            Err(Error::LegacyShape(_))
         ));
         assert!(matches!(
             Quantizer::new(&device, QuantConfig { momentum: f32::NAN, ..QuantConfig::per_tensor() }),
-            Err(Error::Shape(_))
+            Err(Error::LegacyShape(_))
         ));
         // groups that do not divide the axis, axis out of range
         let mut q = Quantizer::new(
@@ -726,9 +726,9 @@ fn bad_input_is_an_error_not_a_panic() {
             QuantConfig { grouping: Grouping::Channels { axis: 2, groups: 3 }, ..QuantConfig::per_tensor() },
         )
         .expect("q");
-        assert!(matches!(q.quantize(&x, &l), Err(Error::Shape(_))));
+        assert!(matches!(q.quantize(&x, &l), Err(Error::LegacyShape(_))));
         let mut q = Quantizer::new(&device, QuantConfig::per_head(3)).expect("q");
-        assert!(matches!(q.quantize(&x, &l), Err(Error::Shape(_))));
+        assert!(matches!(q.quantize(&x, &l), Err(Error::LegacyShape(_))));
         // buffer too short for the view (shape, offset, strides)
         let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
         assert!(matches!(q.quantize(&x, &Layout::contiguous(&[2, 3, 5])), Err(Error::BufferTooShort { .. })));
@@ -741,30 +741,33 @@ fn bad_input_is_an_error_not_a_panic() {
             Err(Error::BufferTooShort { .. })
         ));
         // shape/stride rank mismatch; overflowing views
-        assert!(matches!(Layout::strided(&[2, 3], &[1], 0), Err(Error::Shape(_))));
+        assert!(matches!(Layout::strided(&[2, 3], &[1], 0), Err(Error::LegacyShape(_))));
         assert!(matches!(
             q.quantize(&x, &Layout::strided(&[usize::MAX / 2, 3, 4], &[1, 1, 1], 0).expect("l")),
-            Err(Error::TooLarge(_) | Error::BufferTooShort { .. })
+            Err(Error::LegacyTooLarge(_) | Error::BufferTooShort { .. })
         ));
         // a saved activation decoded into the wrong shape, a too-short or overlapping output
         let saved = q.quantize(&x, &l).expect("q");
         let mut out = device.alloc_zeros::<f32>(24).expect("alloc");
-        assert!(matches!(saved.dequantize(&device, &mut out, &Layout::contiguous(&[2, 4, 3])), Err(Error::Shape(_))));
+        assert!(matches!(
+            saved.dequantize(&device, &mut out, &Layout::contiguous(&[2, 4, 3])),
+            Err(Error::LegacyShape(_))
+        ));
         let mut short = device.alloc_zeros::<f32>(23).expect("alloc");
         assert!(matches!(saved.dequantize(&device, &mut short, &l), Err(Error::BufferTooShort { .. })));
         assert!(matches!(
             saved.dequantize(&device, &mut out, &Layout::strided(&[2, 3, 4], &[0, 4, 1], 0).expect("l")),
-            Err(Error::Shape(_))
+            Err(Error::LegacyShape(_))
         ));
         // the group count of a quantizer is fixed by its first batch
         let y = device.upload(&[0f32; 40]).expect("up");
-        assert!(matches!(q.quantize(&y, &Layout::contiguous(&[2, 5, 4])), Err(Error::Shape(_))));
+        assert!(matches!(q.quantize(&y, &Layout::contiguous(&[2, 5, 4])), Err(Error::LegacyShape(_))));
         // more than MAX_DIMS dimensions that cannot merge
         let big = device.upload(&vec![0f32; 4096]).expect("up");
         let l7 = Layout::strided(&[2; 7], &[2048, 512, 128, 32, 8, 2, 1], 0).expect("l");
         let l7 = l7.transpose(0, 6).expect("t");
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-        assert!(matches!(q.quantize(&big, &l7), Err(Error::Unsupported(_))));
+        assert!(matches!(q.quantize(&big, &l7), Err(Error::LegacyUnsupported(_))));
     }
 }
 
@@ -775,10 +778,10 @@ fn memory_of_the_wrong_backend_is_rejected() {
     let host = vec![1f32; 16];
     let l = Layout::contiguous(&[16]);
     let mut q = Quantizer::new(&gpu, QuantConfig::per_tensor()).expect("q");
-    assert!(matches!(q.quantize(&host, &l), Err(Error::WrongBackend(_))));
+    assert!(matches!(q.quantize(&host, &l), Err(Error::LegacyWrongBackend(_))));
     let dev_buf = gpu.upload(&host).expect("up");
     let mut qe = Quantizer::new(&emu, QuantConfig::per_tensor()).expect("q");
-    assert!(matches!(qe.quantize(&dev_buf, &l), Err(Error::WrongBackend(_))));
+    assert!(matches!(qe.quantize(&dev_buf, &l), Err(Error::LegacyWrongBackend(_))));
     // a misaligned raw device pointer
     let ptr = match &dev_buf {
         mesa_kernels::Buffer::Cuda(s) => {
@@ -844,8 +847,8 @@ fn sizes_that_overflow_are_errors() {
         let one = device.upload(&[1f32]).expect("up");
         let view = Layout::strided(&[(1usize << 61) + 8], &[0], 0).expect("layout");
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-        assert!(matches!(q.quantize(&one, &view), Err(Error::TooLarge(_))));
-        assert!(matches!(device.alloc_zeros::<f32>(usize::MAX), Err(Error::TooLarge(_) | Error::Cuda(_))));
+        assert!(matches!(q.quantize(&one, &view), Err(Error::LegacyTooLarge(_))));
+        assert!(matches!(device.alloc_zeros::<f32>(usize::MAX), Err(Error::LegacyTooLarge(_) | Error::LegacyCuda(_))));
         // empty tensors with a zero-length or split group axis
         for grouping in [Grouping::Channels { axis: 0, groups: 2 }, Grouping::Heads { axis: 0 }] {
             let layout = Layout::contiguous(&[0, 4]);

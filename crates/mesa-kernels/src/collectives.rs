@@ -64,13 +64,13 @@ impl SeqSplits {
     /// [`Error::Shape`] for an empty list or a total that overflows.
     pub fn new(sizes: &[usize]) -> Result<Self> {
         if sizes.is_empty() {
-            return Err(Error::Shape("split sizes: at least one rank".into()));
+            return Err(Error::LegacyShape("split sizes: at least one rank".into()));
         }
         let mut offsets = Vec::with_capacity(sizes.len() + 1);
         offsets.push(0usize);
         let mut total = 0usize;
         for &s in sizes {
-            total = total.checked_add(s).ok_or_else(|| Error::TooLarge("split sizes overflow".into()))?;
+            total = total.checked_add(s).ok_or_else(|| Error::LegacyTooLarge("split sizes overflow".into()))?;
             offsets.push(total);
         }
         Ok(SeqSplits { offsets })
@@ -83,7 +83,7 @@ impl SeqSplits {
     /// [`Error::Shape`] when `world` is 0.
     pub fn even(seq: usize, world: usize) -> Result<Self> {
         if world == 0 {
-            return Err(Error::Shape("split sizes: at least one rank".into()));
+            return Err(Error::LegacyShape("split sizes: at least one rank".into()));
         }
         let sizes: Vec<usize> = (0..world).map(|r| seq / world + usize::from(r < seq % world)).collect();
         SeqSplits::new(&sizes)
@@ -197,7 +197,7 @@ impl<T> Default for Epilogue<'_, T> {
 fn bh_of(layout: &Layout, rows: usize, what: &str) -> Result<(usize, usize)> {
     match layout.shape() {
         &[s, b, h] if s == rows => Ok((b, h)),
-        shape => Err(Error::Shape(format!("{what}: expected a [{rows}, B, H] view, got {shape:?}"))),
+        shape => Err(Error::LegacyShape(format!("{what}: expected a [{rows}, B, H] view, got {shape:?}"))),
     }
 }
 
@@ -217,7 +217,7 @@ fn common_strides(layouts: &[&Layout], what: &str) -> Result<[i64; 3]> {
                     None => *slot = Some(l.strides()[d]),
                     Some(s) if s == l.strides()[d] => {}
                     Some(s) => {
-                        return Err(Error::Unsupported(format!(
+                        return Err(Error::LegacyUnsupported(format!(
                             "{what}: every rank's view must have the same strides (axis {d}: {s} vs {})",
                             l.strides()[d]
                         )))
@@ -263,7 +263,7 @@ impl SeqParallelGroup {
     /// [`Error::Shape`] for `world` outside `1..=MAX_RANKS`; CUDA allocation errors.
     pub fn new(device: &Device, world: usize) -> Result<Self> {
         if world == 0 || world > MAX_RANKS {
-            return Err(Error::Shape(format!("world size {world} outside 1..={MAX_RANKS}")));
+            return Err(Error::LegacyShape(format!("world size {world} outside 1..={MAX_RANKS}")));
         }
         let flags = device.alloc_zeros::<u32>(world * FLAG_WORDS)?;
         Ok(SeqParallelGroup {
@@ -306,7 +306,7 @@ impl SeqParallelGroup {
     /// [`Error::TooLarge`] above [`MAX_BLOCKS_PER_RANK`].
     pub fn set_blocks_per_rank(&mut self, blocks: usize) -> Result<()> {
         if blocks > MAX_BLOCKS_PER_RANK {
-            return Err(Error::TooLarge(format!("{blocks} blocks per rank (at most {MAX_BLOCKS_PER_RANK})")));
+            return Err(Error::LegacyTooLarge(format!("{blocks} blocks per rank (at most {MAX_BLOCKS_PER_RANK})")));
         }
         self.blocks_per_rank = blocks;
         Ok(())
@@ -343,7 +343,7 @@ impl SeqParallelGroup {
             return Ok(());
         }
         self.poisoned = true;
-        Err(Error::Timeout(format!(
+        Err(Error::LegacyTimeout(format!(
             "sequence-parallel group: ranks {bad:?} timed out waiting for their peers (bound {:?}); their \
              outputs hold NaN; call reset() once every rank is idle",
             self.timeout
@@ -422,11 +422,11 @@ impl SeqParallelGroup {
     ) -> Result<()> {
         let op = if gather { "seqpar_all_gather" } else { "seqpar_reduce_scatter" };
         if self.poisoned {
-            return Err(Error::Timeout(format!("{op}: the group timed out earlier; call reset() first")));
+            return Err(Error::LegacyTimeout(format!("{op}: the group timed out earlier; call reset() first")));
         }
         let w = self.world;
         if splits.world_size() != w || inputs.len() != w || outputs.len() != w {
-            return Err(Error::Shape(format!(
+            return Err(Error::LegacyShape(format!(
                 "{op}: group of {w} ranks, got {} split sizes, {} inputs, {} outputs",
                 splits.world_size(),
                 inputs.len(),
@@ -439,10 +439,10 @@ impl SeqParallelGroup {
         let (b, h) = bh_of(&inputs[0].layout, in_rows(0), "input 0")?;
         for r in 0..w {
             if bh_of(&inputs[r].layout, in_rows(r), "input")? != (b, h) {
-                return Err(Error::Shape(format!("{op}: input {r} has shape {:?}", inputs[r].layout.shape())));
+                return Err(Error::LegacyShape(format!("{op}: input {r} has shape {:?}", inputs[r].layout.shape())));
             }
             if bh_of(&outputs[r].layout, out_rows(r), "output")? != (b, h) {
-                return Err(Error::Shape(format!(
+                return Err(Error::LegacyShape(format!(
                     "{op}: output {r} must be [{}, {b}, {h}], got {:?}",
                     out_rows(r),
                     outputs[r].layout.shape()
@@ -459,11 +459,14 @@ impl SeqParallelGroup {
         let mut residual_strides = [0i64; 3];
         if let Some(res) = epilogue.residual {
             if gather || res.len() != w {
-                return Err(Error::Shape(format!("{op}: residual needs one view per rank ({w}), got {}", res.len())));
+                return Err(Error::LegacyShape(format!(
+                    "{op}: residual needs one view per rank ({w}), got {}",
+                    res.len()
+                )));
             }
             for (r, v) in res.iter().enumerate() {
                 if bh_of(&v.layout, splits.rows(r), "residual")? != (b, h) {
-                    return Err(Error::Shape(format!("{op}: residual {r} has shape {:?}", v.layout.shape())));
+                    return Err(Error::LegacyShape(format!("{op}: residual {r} has shape {:?}", v.layout.shape())));
                 }
                 v.layout.check_fits(v.mem.mem_ref().len(), "residual")?;
             }
@@ -472,17 +475,23 @@ impl SeqParallelGroup {
         let mut bias_stride = 0i64;
         if let Some(bias) = epilogue.bias {
             if gather || bias.len() != w {
-                return Err(Error::Shape(format!("{op}: bias needs one view per rank ({w}), got {}", bias.len())));
+                return Err(Error::LegacyShape(format!(
+                    "{op}: bias needs one view per rank ({w}), got {}",
+                    bias.len()
+                )));
             }
             let mut stride = None;
             for (r, v) in bias.iter().enumerate() {
                 if v.layout.shape() != [h] {
-                    return Err(Error::Shape(format!("{op}: bias {r} must be [{h}], got {:?}", v.layout.shape())));
+                    return Err(Error::LegacyShape(format!(
+                        "{op}: bias {r} must be [{h}], got {:?}",
+                        v.layout.shape()
+                    )));
                 }
                 v.layout.check_fits(v.mem.mem_ref().len(), "bias")?;
                 let s = v.layout.strides()[0];
                 if h > 1 && stride.is_some_and(|t| t != s) {
-                    return Err(Error::Unsupported(format!("{op}: every rank's bias must have the same stride")));
+                    return Err(Error::LegacyUnsupported(format!("{op}: every rank's bias must have the same stride")));
                 }
                 stride = stride.or(Some(s));
             }
@@ -547,7 +556,7 @@ impl SeqParallelGroup {
         };
         if let Some(r) = &self.launch_ranks {
             if r.start >= r.end || r.end > w {
-                return Err(Error::Shape(format!("launch ranks {r:?} outside 0..{w}")));
+                return Err(Error::LegacyShape(format!("launch ranks {r:?} outside 0..{w}")));
             }
             args.rank_begin = r.start as i32;
             args.rank_count = (r.end - r.start) as i32;
@@ -581,7 +590,7 @@ impl SeqParallelGroup {
             let bad: Vec<usize> = (0..w).filter(|&r| words[r * FLAG_WORDS + FLAG_STATUS] != 0).collect();
             if !bad.is_empty() {
                 self.poisoned = true;
-                return Err(Error::Timeout(format!(
+                return Err(Error::LegacyTimeout(format!(
                     "{op}: ranks {bad:?} timed out waiting for their peers (bound {:?}); their outputs hold NaN",
                     self.timeout
                 )));

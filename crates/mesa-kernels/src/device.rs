@@ -62,11 +62,11 @@ impl Device {
         }
         // SAFETY: only probes whether the driver library can be loaded.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(Error::NoCudaDevice("the CUDA driver library (libcuda) is not installed".into()));
+            return Err(Error::LegacyNoCudaDevice("the CUDA driver library (libcuda) is not installed".into()));
         }
         let ctx = catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| Error::NoCudaDevice("the CUDA driver could not be initialised".into()))?
-            .map_err(|e| Error::NoCudaDevice(format!("device {ordinal}: {e:?}")))?;
+            .map_err(|_| Error::LegacyNoCudaDevice("the CUDA driver could not be initialised".into()))?
+            .map_err(|e| Error::LegacyNoCudaDevice(format!("device {ordinal}: {e:?}")))?;
         let stream = ctx.new_stream()?;
         Ok(Device { kind: Kind::Cuda(stream) })
     }
@@ -178,7 +178,7 @@ impl Device {
     /// [`Error::Shape`] on a length mismatch, [`Error::WrongBackend`], or a CUDA error.
     pub fn copy_into<T: Storage>(&self, data: &[T], dst: &mut Buffer<T>) -> Result<()> {
         if data.len() != dst.len() {
-            return Err(Error::Shape(format!("copy of {} elements into a buffer of {}", data.len(), dst.len())));
+            return Err(Error::LegacyShape(format!("copy of {} elements into a buffer of {}", data.len(), dst.len())));
         }
         match (&self.kind, dst) {
             (Kind::Cuda(s), Buffer::Cuda(d)) => Ok(s.memcpy_htod(data, d)?),
@@ -186,7 +186,7 @@ impl Device {
                 d.copy_from_slice(data);
                 Ok(())
             }
-            _ => Err(Error::WrongBackend("buffer and device belong to different backends".into())),
+            _ => Err(Error::LegacyWrongBackend("buffer and device belong to different backends".into())),
         }
     }
 
@@ -207,7 +207,7 @@ impl Device {
 fn host_vec<T: Storage>(len: usize) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| {
-        Error::TooLarge(format!("cannot allocate {len} elements of {} bytes", std::mem::size_of::<T>()))
+        Error::LegacyTooLarge(format!("cannot allocate {len} elements of {} bytes", std::mem::size_of::<T>()))
     })?;
     v.resize(len, T::default());
     Ok(v)
@@ -284,6 +284,22 @@ impl<T> RawDeviceSlice<T> {
     pub unsafe fn new(ptr: u64, len: usize) -> Self {
         RawDeviceSlice { ptr, len, _t: std::marker::PhantomData }
     }
+
+    /// Number of elements.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn device_address(&self) -> u64 {
+        self.ptr
+    }
 }
 
 /// Read access to memory an op can use: implemented for [`Buffer`], cudarc's `CudaSlice` /
@@ -320,6 +336,24 @@ pub enum MemMut<'a, T> {
 }
 
 impl<T> MemRef<'_, T> {
+    /// A shorter-lived copy of the same borrow.
+    pub(crate) fn reborrow(&self) -> MemRef<'_, T> {
+        match self {
+            MemRef::Cuda(v) => MemRef::Cuda(v.slice(..)),
+            MemRef::Raw(r) => MemRef::Raw(*r),
+            MemRef::Host(s) => MemRef::Host(s),
+        }
+    }
+
+    /// The backend, for `Debug` output.
+    pub(crate) fn describe(&self) -> &'static str {
+        match self {
+            MemRef::Cuda(_) => "cuda (cudarc)",
+            MemRef::Raw(_) => "raw device pointer",
+            MemRef::Host(_) => "host",
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         match self {
             MemRef::Cuda(v) => cudarc::driver::DeviceSlice::len(v),
@@ -330,6 +364,24 @@ impl<T> MemRef<'_, T> {
 }
 
 impl<T> MemMut<'_, T> {
+    /// A read-only borrow of the same memory.
+    pub(crate) fn reborrow(&self) -> MemRef<'_, T> {
+        match self {
+            MemMut::Cuda(v) => MemRef::Cuda(v.slice(..)),
+            MemMut::Raw(r) => MemRef::Raw(*r),
+            MemMut::Host(s) => MemRef::Host(s),
+        }
+    }
+
+    /// The backend, for `Debug` output.
+    pub(crate) fn describe(&self) -> &'static str {
+        match self {
+            MemMut::Cuda(_) => "cuda (cudarc)",
+            MemMut::Raw(_) => "raw device pointer",
+            MemMut::Host(_) => "host",
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         match self {
             MemMut::Cuda(v) => cudarc::driver::DeviceSlice::len(v),
@@ -406,6 +458,8 @@ impl<T> DeviceMemoryMut<T> for Vec<T> {
     }
 }
 
+// ---- transitional: the pre-builder pointer helpers, removed once every op uses crate::launch ----
+
 /// A pointer ready for a kernel argument struct, with the cudarc guard that records the
 /// access on the stream when dropped (after the launch).
 pub(crate) struct Ptr<'a> {
@@ -423,7 +477,9 @@ fn check_align<T>(addr: u64, what: &'static str) -> Result<()> {
 
 fn same_context(view_stream: &CudaStream, stream: &CudaStream) -> Result<()> {
     if view_stream.context().cu_ctx() != stream.context().cu_ctx() {
-        return Err(Error::WrongBackend("buffer belongs to a different CUDA context (device) than the stream".into()));
+        return Err(Error::LegacyWrongBackend(
+            "buffer belongs to a different CUDA context (device) than the stream".into(),
+        ));
     }
     Ok(())
 }
@@ -451,9 +507,11 @@ impl Device {
                 // offset <= len is checked by the caller's layout validation
                 Ok(Ptr { addr: h.as_ptr().wrapping_add(offset) as *mut c_void, _guard: None })
             }
-            (Kind::Emulator, _) => Err(Error::WrongBackend(format!("{what}: device memory given to the emulator"))),
+            (Kind::Emulator, _) => {
+                Err(Error::LegacyWrongBackend(format!("{what}: device memory given to the emulator")))
+            }
             (Kind::Cuda(_), MemRef::Host(_)) => {
-                Err(Error::WrongBackend(format!("{what}: host memory given to the CUDA backend")))
+                Err(Error::LegacyWrongBackend(format!("{what}: host memory given to the CUDA backend")))
             }
         }
     }
@@ -479,9 +537,11 @@ impl Device {
             (Kind::Emulator, MemMut::Host(h)) => {
                 Ok(Ptr { addr: h.as_mut_ptr().wrapping_add(offset) as *mut c_void, _guard: None })
             }
-            (Kind::Emulator, _) => Err(Error::WrongBackend(format!("{what}: device memory given to the emulator"))),
+            (Kind::Emulator, _) => {
+                Err(Error::LegacyWrongBackend(format!("{what}: device memory given to the emulator")))
+            }
             (Kind::Cuda(_), MemMut::Host(_)) => {
-                Err(Error::WrongBackend(format!("{what}: host memory given to the CUDA backend")))
+                Err(Error::LegacyWrongBackend(format!("{what}: host memory given to the CUDA backend")))
             }
         }
     }

@@ -114,14 +114,14 @@ impl FavorProjection {
     pub fn from_matrix(device: &Device, features: usize, in_dim: usize, omega: &[f32]) -> Result<Self> {
         Self::check_dims(features, in_dim)?;
         if omega.len() != features * in_dim {
-            return Err(Error::Shape(format!(
+            return Err(Error::LegacyShape(format!(
                 "omega has {} entries, [{features}, {in_dim}] needs {}",
                 omega.len(),
                 features * in_dim
             )));
         }
         if omega.iter().any(|x| !x.is_finite()) {
-            return Err(Error::Shape("omega has a non-finite entry".into()));
+            return Err(Error::LegacyShape("omega has a non-finite entry".into()));
         }
         let device_copy = device.upload(if omega.is_empty() { &[0.0f32] } else { omega })?;
         Ok(FavorProjection { host: omega.to_vec(), device: device_copy, features, in_dim })
@@ -129,7 +129,7 @@ impl FavorProjection {
 
     fn check_dims(features: usize, in_dim: usize) -> Result<()> {
         if in_dim > FAVOR_MAX_IN_DIM || features > FAVOR_MAX_FEATURES {
-            return Err(Error::Unsupported(format!(
+            return Err(Error::LegacyUnsupported(format!(
                 "FAVOR+ with d = {in_dim}, m = {features} (at most d = {FAVOR_MAX_IN_DIM}, m = {FAVOR_MAX_FEATURES})"
             )));
         }
@@ -218,7 +218,7 @@ impl FeatureMap<'_> {
 fn shape4(layout: &Layout, len: usize, what: &'static str) -> Result<[usize; 4]> {
     let s = layout.shape();
     if s.len() != 4 {
-        return Err(Error::Shape(format!("{what}: expected a rank-4 [B, H, L, F] view, got shape {s:?}")));
+        return Err(Error::LegacyShape(format!("{what}: expected a rank-4 [B, H, L, F] view, got shape {s:?}")));
     }
     layout.check_fits(len, what)?;
     Ok([s[0], s[1], s[2], s[3]])
@@ -235,7 +235,10 @@ fn la_tensor(layout: &Layout, data: *mut std::ffi::c_void) -> sys::MesaLaTensor 
 fn check_favor_dims(map: &FeatureMap<'_>, d: usize) -> Result<()> {
     if let FeatureMap::Favor { projection, .. } = map {
         if projection.in_dim != d {
-            return Err(Error::Shape(format!("FAVOR+ projection is for d = {}, input has d = {d}", projection.in_dim)));
+            return Err(Error::LegacyShape(format!(
+                "FAVOR+ projection is for d = {}, input has d = {d}",
+                projection.in_dim
+            )));
         }
         FavorProjection::check_dims(projection.features, d)?;
     }
@@ -263,7 +266,7 @@ pub fn forward<T: Element>(
     check_favor_dims(map, xs[3])?;
     let m = map.out_dim(xs[3]);
     if ps != [xs[0], xs[1], xs[2], m] {
-        return Err(Error::Shape(format!("phi: shape {ps:?}, expected {:?}", [xs[0], xs[1], xs[2], m])));
+        return Err(Error::LegacyShape(format!("phi: shape {ps:?}, expected {:?}", [xs[0], xs[1], xs[2], m])));
     }
     pl.check_no_overlap("phi")?;
     let (omega_mem, stabilizer, bound) = match map {
@@ -327,22 +330,22 @@ pub fn backward<T: Element>(
     let want = [xs[0], xs[1], xs[2], m];
     let (gd, gl) = (dphi.data_ref(), dphi.layout());
     if shape4(gl, gd.len(), "dphi")? != want {
-        return Err(Error::Shape(format!("dphi: shape {:?}, expected {want:?}", gl.shape())));
+        return Err(Error::LegacyShape(format!("dphi: shape {:?}, expected {want:?}", gl.shape())));
     }
     let phi_pair = match (&phi, map) {
         (Some(p), FeatureMap::Favor { .. }) => {
             let d = p.data_ref();
             if shape4(p.layout(), d.len(), "phi")? != want {
-                return Err(Error::Shape(format!("phi: shape {:?}, expected {want:?}", p.layout().shape())));
+                return Err(Error::LegacyShape(format!("phi: shape {:?}, expected {want:?}", p.layout().shape())));
             }
             Some((d, p.layout()))
         }
-        (None, FeatureMap::Favor { .. }) => return Err(Error::Shape("FAVOR+ backward needs phi".into())),
+        (None, FeatureMap::Favor { .. }) => return Err(Error::LegacyShape("FAVOR+ backward needs phi".into())),
         _ => None,
     };
     let (mut dm, dl) = dx.parts();
     if shape4(dl, dm.len(), "dx")? != xs {
-        return Err(Error::Shape(format!("dx: shape {:?}, expected {xs:?}", dl.shape())));
+        return Err(Error::LegacyShape(format!("dx: shape {:?}, expected {xs:?}", dl.shape())));
     }
     dl.check_no_overlap("dx")?;
     let omega_mem = match map {

@@ -75,7 +75,7 @@ use crate::device::{Buffer, Device, DeviceMemory, DeviceMemoryMut};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::{kernel_view, Grouping, Layout, MAX_DIMS};
-use crate::quant::{Companding, ProducerStep, QuantConfig, Quantizer, Rounding, SavedActivation};
+use crate::quant::{Companding, ProducerStep, QuantConfig, Quantizer, Rounding, SavedActivation, SavedMeta};
 
 /// The GELU variant (Hendrycks & Gimpel 2016).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,14 +105,14 @@ fn same_device(device: &Device, quantizer: &Quantizer) -> Result<()> {
         _ => false,
     };
     if !same {
-        return Err(Error::WrongBackend("the quantizer was made for another device or stream".into()));
+        return Err(Error::LegacyWrongBackend("the quantizer was made for another device or stream".into()));
     }
     Ok(())
 }
 
 fn same_shape(a: &Layout, b: &Layout, what: &str) -> Result<()> {
     if a.shape() != b.shape() {
-        return Err(Error::Shape(format!("{what} has shape {:?}, expected {:?}", b.shape(), a.shape())));
+        return Err(Error::LegacyShape(format!("{what} has shape {:?}, expected {:?}", b.shape(), a.shape())));
     }
     Ok(())
 }
@@ -126,13 +126,16 @@ fn elem_desc(layout: &Layout, dtype: DType) -> Result<sys::MesaTensorDesc> {
 fn row_desc(layout: &Layout, dtype: DType) -> Result<sys::MesaTensorDesc> {
     let rank = layout.shape().len();
     if rank == 0 {
-        return Err(Error::Shape("a row op needs a tensor of rank >= 1 (rows along the last axis)".into()));
+        return Err(Error::LegacyShape("a row op needs a tensor of rank >= 1 (rows along the last axis)".into()));
     }
     let outer = Layout::strided(&layout.shape()[..rank - 1], &layout.strides()[..rank - 1], 0)?;
     let mut desc = kernel_view(&outer, &Grouping::Tensor, dtype)?.desc;
     let k = desc.ndim as usize;
     if k + 1 > MAX_DIMS {
-        return Err(Error::Unsupported(format!("a view with {} non-mergeable dimensions (at most {MAX_DIMS})", k + 1)));
+        return Err(Error::LegacyUnsupported(format!(
+            "a view with {} non-mergeable dimensions (at most {MAX_DIMS})",
+            k + 1
+        )));
     }
     desc.shape[k] = layout.shape()[rank - 1] as i64;
     desc.strides[k] = layout.strides()[rank - 1] as i64;
@@ -143,7 +146,11 @@ fn row_desc(layout: &Layout, dtype: DType) -> Result<sys::MesaTensorDesc> {
 fn code_source(saved: &SavedActivation, device: &Device, expect: &[usize]) -> Result<(usize, usize)> {
     saved.check_backend(device)?;
     if saved.shape() != expect {
-        return Err(Error::Shape(format!("saved activation has shape {:?}, the gradient {:?}", saved.shape(), expect)));
+        return Err(Error::LegacyShape(format!(
+            "saved activation has shape {:?}, the gradient {:?}",
+            saved.shape(),
+            expect
+        )));
     }
     saved.group_map()
 }
@@ -422,13 +429,22 @@ pub fn softmax_forward<T: Element>(
     y_layout: &Layout,
 ) -> Result<SavedActivation> {
     if !matches!(save.bits, 2 | 4 | 8) {
-        return Err(Error::Unsupported(format!("{}-bit codes (supported: 8, 4, 2)", save.bits)));
+        return Err(Error::LegacyUnsupported(format!("{}-bit codes (supported: 8, 4, 2)", save.bits)));
     }
     let shape = x_layout.shape();
     let groups = save.grouping.num_groups(shape)?;
     let companding = save.codes.companding();
-    let mut saved =
-        SavedActivation::allocate(device, shape, x_layout.strides(), T::DTYPE, save.bits, save.grouping, companding)?;
+    let mut saved = SavedActivation::allocate(
+        device,
+        &SavedMeta {
+            shape: shape.to_vec(),
+            strides: x_layout.strides().to_vec(),
+            dtype: T::DTYPE,
+            bits: save.bits,
+            grouping: save.grouping,
+            companding,
+        },
+    )?;
     let (run, count) = saved.group_map()?;
     let cols = shape.last().copied().unwrap_or(1);
     let fused = (cols * save.bits as usize) % 8 == 0;
@@ -836,18 +852,18 @@ fn layer_norm_produce<T: Element>(
 fn ln_check(x_layout: &Layout, y_layout: &Layout, eps: f32) -> Result<(usize, usize)> {
     same_shape(x_layout, y_layout, "LayerNorm output")?;
     if !(eps > 0.0 && eps.is_finite()) {
-        return Err(Error::Shape(format!("LayerNorm eps must be positive and finite, got {eps}")));
+        return Err(Error::LegacyShape(format!("LayerNorm eps must be positive and finite, got {eps}")));
     }
     let cols = *x_layout
         .shape()
         .last()
-        .ok_or_else(|| Error::Shape("LayerNorm needs a tensor of rank >= 1 (rows along the last axis)".into()))?;
+        .ok_or_else(|| Error::LegacyShape("LayerNorm needs a tensor of rank >= 1 (rows along the last axis)".into()))?;
     let numel = x_layout.numel();
     if cols == 0 {
         if numel == 0 && x_layout.shape().iter().rev().skip(1).any(|&d| d == 0) {
             return Ok((0, 0));
         }
-        return Err(Error::Shape("LayerNorm over an empty last axis (C = 0)".into()));
+        return Err(Error::LegacyShape("LayerNorm over an empty last axis (C = 0)".into()));
     }
     Ok((numel / cols, cols))
 }

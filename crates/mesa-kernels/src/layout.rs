@@ -40,7 +40,7 @@ impl Layout {
     /// [`Error::Shape`] when `shape` and `strides` differ in length.
     pub fn strided(shape: &[usize], strides: &[usize], offset: usize) -> Result<Self> {
         if shape.len() != strides.len() {
-            return Err(Error::Shape(format!(
+            return Err(Error::LegacyShape(format!(
                 "shape has {} dimensions but strides has {}",
                 shape.len(),
                 strides.len()
@@ -55,7 +55,7 @@ impl Layout {
     /// [`Error::Shape`] when an axis is out of range.
     pub fn transpose(&self, a: usize, b: usize) -> Result<Self> {
         if a >= self.shape.len() || b >= self.shape.len() {
-            return Err(Error::Shape(format!("transpose({a}, {b}) of a rank-{} layout", self.shape.len())));
+            return Err(Error::LegacyShape(format!("transpose({a}, {b}) of a rank-{} layout", self.shape.len())));
         }
         let mut l = self.clone();
         l.shape.swap(a, b);
@@ -105,7 +105,7 @@ impl Layout {
             .shape
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::TooLarge(format!("{what}: element count overflows")))?;
+            .ok_or_else(|| Error::LegacyTooLarge(format!("{what}: element count overflows")))?;
         if numel == 0 {
             return Ok(0);
         }
@@ -114,16 +114,29 @@ impl Layout {
             last = (n - 1)
                 .checked_mul(s)
                 .and_then(|x| x.checked_add(last))
-                .ok_or_else(|| Error::TooLarge(format!("{what}: offsets overflow")))?;
+                .ok_or_else(|| Error::LegacyTooLarge(format!("{what}: offsets overflow")))?;
         }
         if last >= i64::MAX as usize || numel >= i64::MAX as usize {
-            return Err(Error::TooLarge(format!("{what}: offsets past 2^63")));
+            return Err(Error::LegacyTooLarge(format!("{what}: offsets past 2^63")));
         }
         let needed = last + 1;
         if needed > len {
             return Err(Error::BufferTooShort { what, needed, len });
         }
         Ok(numel)
+    }
+
+    /// `[first, last + 1)`: the elements of the buffer the view can touch (offset included),
+    /// or `None` for an empty view. Only for views that passed [`Layout::check_fits`].
+    pub(crate) fn element_range(&self) -> Option<(usize, usize)> {
+        if self.shape.contains(&0) {
+            return None;
+        }
+        let mut last = self.offset;
+        for (&n, &s) in self.shape.iter().zip(&self.strides) {
+            last = last.saturating_add((n - 1).saturating_mul(s));
+        }
+        Some((self.offset, last.saturating_add(1)))
     }
 
     /// Checks that no two indices of the view share an element (required of outputs).
@@ -142,7 +155,7 @@ impl Layout {
         let mut extent = 1usize; // elements spanned by the faster dimensions
         for (n, s) in dims {
             if s < extent {
-                return Err(Error::Shape(format!(
+                return Err(Error::LegacyShape(format!(
                     "{what}: the view overlaps itself (stride {s} inside an extent of {extent}); outputs need distinct elements"
                 )));
             }
@@ -189,17 +202,17 @@ impl Grouping {
         match *self {
             Grouping::Tensor => Ok((None, 1, 1)),
             Grouping::Heads { axis } => {
-                let n = *shape
-                    .get(axis)
-                    .ok_or_else(|| Error::Shape(format!("group axis {axis} out of range for rank {}", shape.len())))?;
+                let n = *shape.get(axis).ok_or_else(|| {
+                    Error::LegacyShape(format!("group axis {axis} out of range for rank {}", shape.len()))
+                })?;
                 Ok((Some(axis), 1, n))
             }
             Grouping::Channels { axis, groups } => {
-                let n = *shape
-                    .get(axis)
-                    .ok_or_else(|| Error::Shape(format!("group axis {axis} out of range for rank {}", shape.len())))?;
+                let n = *shape.get(axis).ok_or_else(|| {
+                    Error::LegacyShape(format!("group axis {axis} out of range for rank {}", shape.len()))
+                })?;
                 if groups == 0 || n % groups != 0 {
-                    return Err(Error::Shape(format!("{groups} groups do not divide axis {axis} of length {n}")));
+                    return Err(Error::LegacyShape(format!("{groups} groups do not divide axis {axis} of length {n}")));
                 }
                 Ok((Some(axis), n / groups, groups))
             }
@@ -248,7 +261,7 @@ pub(crate) fn kernel_view(layout: &Layout, grouping: &Grouping, dtype: DType) ->
         }
     }
     if dims.len() > MAX_DIMS {
-        return Err(Error::Unsupported(format!(
+        return Err(Error::LegacyUnsupported(format!(
             "a view with {} non-mergeable dimensions (at most {MAX_DIMS})",
             dims.len()
         )));

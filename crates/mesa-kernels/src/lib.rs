@@ -52,10 +52,12 @@ mod dtype;
 mod error;
 pub mod feature_map;
 pub mod fused;
+mod launch;
 mod layout;
 pub mod linear_attention;
 pub mod quant;
 pub mod reference;
+mod tensor;
 
 pub use collectives::{Epilogue, RankView, RankViewMut, SeqParallelGroup, SeqSplits};
 pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
@@ -64,6 +66,7 @@ pub use error::{Error, Result};
 pub use fused::{GeluForm, SavedLayerNorm, SoftmaxCodes, SoftmaxSave};
 pub use layout::{Grouping, Layout, MAX_DIMS};
 pub use quant::{Companding, GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
+pub use tensor::{TensorMut, TensorRef};
 
 /// Build facts of the linked kernel library.
 pub mod build {

@@ -110,11 +110,11 @@ impl LinearAttentionConfig {
 
     fn check(&self) -> Result<()> {
         if self.chunk == 0 || self.chunk > MAX_CHUNK {
-            return Err(Error::Unsupported(format!("chunk {} (supported: 1..={MAX_CHUNK})", self.chunk)));
+            return Err(Error::LegacyUnsupported(format!("chunk {} (supported: 1..={MAX_CHUNK})", self.chunk)));
         }
         // eps = 0 would leave 0/0 for a query orthogonal to the key sums (e.g. signed features)
         if self.normalize && !(self.eps.is_finite() && self.eps > 0.0) {
-            return Err(Error::Shape(format!("eps {} must be finite and > 0 when normalizing", self.eps)));
+            return Err(Error::LegacyShape(format!("eps {} must be finite and > 0 when normalizing", self.eps)));
         }
         Ok(())
     }
@@ -259,7 +259,7 @@ pub fn saved_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize>
 
 /// ((final, boundary), den) element counts.
 fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<((usize, usize), usize)> {
-    let too_large = || Error::TooLarge("saved state size overflows".into());
+    let too_large = || Error::LegacyTooLarge("saved state size overflows".into());
     let bh = d.batch.checked_mul(d.heads).ok_or_else(too_large)?;
     let per = d.feat.checked_mul(state_width(d, c)).ok_or_else(too_large)?;
     let fin = bh.checked_mul(per).ok_or_else(too_large)?;
@@ -276,7 +276,7 @@ fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<((usize, usize), u
 fn check_view(layout: &Layout, len: usize, what: &'static str) -> Result<[usize; 4]> {
     let s = layout.shape();
     if s.len() != 4 {
-        return Err(Error::Shape(format!("{what}: expected a rank-4 [B, H, L, F] view, got shape {s:?}")));
+        return Err(Error::LegacyShape(format!("{what}: expected a rank-4 [B, H, L, F] view, got shape {s:?}")));
     }
     layout.check_fits(len, what)?;
     Ok([s[0], s[1], s[2], s[3]])
@@ -284,7 +284,7 @@ fn check_view(layout: &Layout, len: usize, what: &'static str) -> Result<[usize;
 
 fn expect_shape(got: [usize; 4], want: [usize; 4], what: &'static str) -> Result<()> {
     if got != want {
-        return Err(Error::Shape(format!("{what}: shape {got:?}, expected {want:?}")));
+        return Err(Error::LegacyShape(format!("{what}: shape {got:?}, expected {want:?}")));
     }
     Ok(())
 }
@@ -351,7 +351,7 @@ pub fn forward<T: Element>(
     let os = check_view(out.layout, om.len(), "out")?;
     expect_shape(ks, qs, "k")?;
     if vs[..3] != qs[..3] {
-        return Err(Error::Shape(format!("v: shape {vs:?} does not share [B, H, L] with q {qs:?}")));
+        return Err(Error::LegacyShape(format!("v: shape {vs:?} does not share [B, H, L] with q {qs:?}")));
     }
     expect_shape(os, vs, "out")?;
     out.layout.check_no_overlap("out")?;
@@ -437,7 +437,7 @@ pub fn backward<T: Element>(
     let config = saved.config;
     let dims = saved.dims;
     if saved.dtype != T::DTYPE {
-        return Err(Error::Shape(format!(
+        return Err(Error::LegacyShape(format!(
             "saved by a {} forward, backward in {}",
             saved.dtype.name(),
             T::DTYPE.name()
@@ -445,7 +445,7 @@ pub fn backward<T: Element>(
     }
     match (device.kind(), &saved.state) {
         (Kind::Cuda(_), Buffer::Cuda(_)) | (Kind::Emulator, Buffer::Host(_)) => {}
-        _ => return Err(Error::WrongBackend("saved state belongs to another backend".into())),
+        _ => return Err(Error::LegacyWrongBackend("saved state belongs to another backend".into())),
     }
     let qshape = [dims.batch, dims.heads, dims.len, dims.feat];
     let vshape = [dims.batch, dims.heads, dims.len, dims.dim];
@@ -464,7 +464,7 @@ pub fn backward<T: Element>(
             Some((m, o.layout))
         }
         (None, true) => {
-            return Err(Error::Shape("normalised attention: backward needs the forward output `out`".into()))
+            return Err(Error::LegacyShape("normalised attention: backward needs the forward output `out`".into()))
         }
         (_, false) => None,
     };

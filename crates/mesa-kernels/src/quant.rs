@@ -20,16 +20,16 @@
 //!
 //! The parameters used are stored with the codes ([`SavedActivation`]), so later updates of
 //! the running estimate never change what backward decodes.
-use std::ffi::c_void;
-
 use bytemuck::{Pod, Zeroable};
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use mesa_kernels_sys as sys;
 
-use crate::device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, Kind};
+use crate::device::{Buffer, Device, DeviceMemoryMut, Kind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
+use crate::launch::Launch;
 use crate::layout::{kernel_view, Grouping, Layout};
+use crate::tensor::{TensorMut, TensorRef};
 
 /// Decoding parameters of one group: `x̂ = code · scale + offset` (f32).
 ///
@@ -130,10 +130,10 @@ impl QuantConfig {
 
     fn check(&self) -> Result<()> {
         if !matches!(self.bits, 2 | 4 | 8) {
-            return Err(Error::Unsupported(format!("{}-bit codes (supported: 8, 4, 2)", self.bits)));
+            return Err(Error::unsupported("bits", format!("{}-bit codes (supported: 8, 4, 2)", self.bits)));
         }
         if !(0.0..=1.0).contains(&self.momentum) {
-            return Err(Error::Shape(format!("momentum {} outside [0, 1]", self.momentum)));
+            return Err(Error::invalid_argument("momentum", format!("{} is outside [0, 1]", self.momentum)));
         }
         Ok(())
     }
@@ -147,7 +147,15 @@ pub fn code_bytes(numel: usize, bits: u32) -> Result<usize> {
     numel
         .checked_mul(bits as usize)
         .map(|b| b.div_ceil(8))
-        .ok_or_else(|| Error::TooLarge(format!("{numel} elements of {bits}-bit codes overflow a byte count")))
+        .ok_or_else(|| Error::too_large("codes", format!("{numel} elements of {bits}-bit codes overflow a byte count")))
+}
+
+/// The product of `shape`, or [`Error::TooLarge`] when it overflows `usize`.
+pub(crate) fn checked_numel(shape: &[usize], what: &str) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| Error::too_large(what, format!("the element count of shape {shape:?} overflows")))
 }
 
 /// Quantizes activations for saving, and owns the per-group running estimate on the device.
@@ -216,36 +224,19 @@ impl Quantizer {
         }
     }
 
-    /// Quantizes `x` (viewed through `layout`) into a new [`SavedActivation`], allocating its
-    /// codes and parameters on the device (stream-ordered).
+    /// Quantizes `x` into a new [`SavedActivation`], allocating its codes and parameters on
+    /// the device (stream-ordered).
     ///
     /// Shapes: any rank; the group axis per [`QuantConfig::grouping`]. dtypes: f32, f16, bf16.
     /// Bytes moved: `numel · sizeof(T)` read (twice in [`StatsMode::Exact`] and on the first
     /// batch), `numel · bits / 8` written.
     ///
     /// # Errors
-    /// [`Error::Shape`] (bad grouping, group count differing from the first batch),
-    /// [`Error::BufferTooShort`], [`Error::TooLarge`], [`Error::WrongBackend`],
-    /// [`Error::Misaligned`], CUDA errors.
-    pub fn quantize<T: Element>(
-        &mut self,
-        x: &(impl DeviceMemory<T> + ?Sized),
-        layout: &Layout,
-    ) -> Result<SavedActivation> {
-        let numel = layout.check_fits(x.mem_ref().len(), "input")?;
-        let groups = self.config.grouping.num_groups(layout.shape())?;
-        let mut saved = SavedActivation {
-            codes: self.device.alloc_for_kernel::<u8>(code_bytes(numel, self.config.bits)?)?,
-            params: self.device.alloc_for_kernel::<GroupParams>(groups)?,
-            nonfinite: self.device.alloc_for_kernel::<u32>(1)?,
-            shape: layout.shape().to_vec(),
-            strides: layout.strides().to_vec(),
-            dtype: T::DTYPE,
-            bits: self.config.bits,
-            grouping: self.config.grouping,
-            companding: Companding::None,
-        };
-        self.quantize_into(x, layout, &mut saved)?;
+    /// [`Error::InvalidLayout`] (bad grouping, group count differing from the first batch),
+    /// [`Error::TooLarge`], [`Error::WrongBackend`], [`Error::Misaligned`], CUDA errors.
+    pub fn quantize<T: Element>(&mut self, x: &TensorRef<'_, T>) -> Result<SavedActivation> {
+        let mut saved = self.new_saved(x.layout(), T::DTYPE)?;
+        self.quantize_into(x, &mut saved)?;
         Ok(saved)
     }
 
@@ -254,111 +245,157 @@ impl Quantizer {
     /// group count; it is overwritten entirely). Avoids allocation in a training loop.
     ///
     /// # Errors
-    /// As [`Quantizer::quantize`], plus [`Error::Shape`] when `saved` is sized differently.
-    pub fn quantize_into<T: Element>(
-        &mut self,
-        x: &(impl DeviceMemory<T> + ?Sized),
-        layout: &Layout,
-        saved: &mut SavedActivation,
-    ) -> Result<()> {
-        let mem = x.mem_ref();
-        let numel = layout.check_fits(mem.len(), "input")?;
-        let view = kernel_view(layout, &self.config.grouping, T::DTYPE)?;
+    /// As [`Quantizer::quantize`], plus [`Error::InvalidArgument`] when `saved` is sized
+    /// differently.
+    pub fn quantize_into<T: Element>(&mut self, x: &TensorRef<'_, T>, saved: &mut SavedActivation) -> Result<()> {
+        let view = kernel_view(x.layout(), &self.config.grouping, T::DTYPE)?;
         let groups = view.grouping.count as usize;
-        let code_len = code_bytes(numel, self.config.bits)?;
+        let code_len = code_bytes(x.numel(), self.config.bits)?;
         if saved.codes.len() != code_len || saved.params.len() != groups || saved.nonfinite.len() != 1 {
-            return Err(Error::Shape(format!(
-                "saved activation holds {} code bytes and {} groups; this tensor needs {code_len} and {groups}",
-                saved.codes.len(),
-                saved.params.len()
-            )));
+            return Err(Error::invalid_argument(
+                "saved",
+                format!(
+                    "the handle holds {} code bytes and {} groups; this tensor needs {code_len} and {groups}",
+                    saved.codes.len(),
+                    saved.params.len()
+                ),
+            ));
         }
-        if numel == 0 {
+        let device = self.device.clone();
+        let mut launch = Launch::new(&device);
+        let xp = launch.input(x, "input")?;
+        self.encode::<T>(&mut launch, saved, x.layout(), |launch, step, sink| {
+            // SAFETY (both kernels): `xp` is the registered input view described by
+            // `view.desc`; the sink's codes/params/stats are the saved handle's and the
+            // quantizer's buffers, registered by `encode` and sized there for this tensor.
+            match step {
+                ProducerStep::Stats => {
+                    let args = sys::MesaQuantStatsArgs {
+                        x: xp,
+                        x_desc: view.desc,
+                        grouping: view.grouping,
+                        stats: sink.stats,
+                    };
+                    unsafe { launch.launch("quant_stats", &args, sys::mesa_quant_stats, sys::mesa_emu_quant_stats) }
+                }
+                ProducerStep::Codes | ProducerStep::CodesAndStats => {
+                    let args = sys::MesaQuantizeArgs {
+                        x: xp,
+                        x_desc: view.desc,
+                        grouping: view.grouping,
+                        params: sink.params,
+                        codes: sink.codes,
+                        stats: sink.stats,
+                        seed: sink.seed,
+                        bits: sink.bits,
+                        rounding: sink.rounding,
+                        map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
+                        _pad: 0,
+                    };
+                    unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) }
+                }
+            }
+        })?;
+        launch.finish()
+    }
+
+    /// An unwritten handle sized for a tensor of `layout`'s shape with this quantizer's bit
+    /// width and grouping (element count checked before any product is used).
+    pub(crate) fn new_saved(&self, layout: &Layout, dtype: DType) -> Result<SavedActivation> {
+        SavedActivation::allocate(
+            &self.device,
+            &SavedMeta {
+                shape: layout.shape().to_vec(),
+                strides: layout.strides().to_vec(),
+                dtype,
+                bits: self.config.bits,
+                grouping: self.config.grouping,
+                companding: Companding::None,
+            },
+        )
+    }
+
+    /// Encodes one batch into `saved` (made by [`Quantizer::new_saved`] for a tensor of
+    /// `layout`), with the steps shared by [`Quantizer::quantize_into`] and the fused
+    /// producers: exact statistics (first batch, [`StatsMode::Exact`]) = `run(Stats)`,
+    /// finalize, `run(Codes)`; running estimate = `run(CodesAndStats)` with the running
+    /// parameters, finalize. `run` launches the producer's kernel through `launch`, on which
+    /// the caller has registered the producer's own tensors; the quantizer's state and the
+    /// handle's buffers are registered here. An empty tensor launches nothing and does not
+    /// count as a batch.
+    pub(crate) fn encode<'a, T: Element>(
+        &'a mut self,
+        launch: &mut Launch<'a>,
+        saved: &'a mut SavedActivation,
+        layout: &Layout,
+        mut run: impl FnMut(&mut Launch<'a>, ProducerStep, sys::MesaCodeSink) -> Result<()>,
+    ) -> Result<()> {
+        if !same_stream(launch.device(), &self.device) {
+            return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
+        }
+        saved.check_device(&self.device)?;
+        let groups = saved.params.len();
+        saved.meta = SavedMeta {
+            shape: layout.shape().to_vec(),
+            strides: layout.strides().to_vec(),
+            dtype: T::DTYPE,
+            bits: self.config.bits,
+            grouping: self.config.grouping,
+            companding: Companding::None,
+        };
+        if layout.numel() == 0 {
             // nothing to encode; the batch does not count towards the running estimate
-            self.device.copy_into(&vec![GroupParams::default(); saved.params.len()], &mut saved.params)?;
-            self.device.copy_into(&[0u32], &mut saved.nonfinite)?;
-            saved.set_meta(layout, T::DTYPE, &self.config);
-            return Ok(());
+            self.device.copy_into(&vec![GroupParams::default(); groups], &mut saved.params)?;
+            return self.device.copy_into(&[0u32], &mut saved.nonfinite);
         }
+        let group_run = saved.group_map()?.0;
         self.state_for(groups)?;
         let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
-        let Quantizer { device, config, state, .. } = self;
-        let state = state.as_mut().ok_or_else(|| Error::Shape("quantizer state missing".into()))?;
-        let xp = device.read_ptr(&mem, layout.offset(), "input")?;
-        let mut stats_mem = state.stats.mem_mut();
-        let stats_p = device.write_ptr(&mut stats_mem, 0, "stats")?;
-        let mut running_mem = state.running.mem_mut();
-        let running_p = device.write_ptr(&mut running_mem, 0, "running")?;
-        let mut params_mem = saved.params.mem_mut();
-        let params_p = device.write_ptr(&mut params_mem, 0, "params")?;
-        let mut codes_mem = saved.codes.mem_mut();
-        let codes_p = device.write_ptr(&mut codes_mem, 0, "codes")?;
-        let mut nf_mem = saved.nonfinite.mem_mut();
-        let nf_p = device.write_ptr(&mut nf_mem, 0, "nonfinite")?;
-
-        let finalize = |mode: u32| sys::MesaQuantFinalizeArgs {
-            stats: stats_p.addr.cast(),
-            running: running_p.addr.cast(),
-            params: params_p.addr.cast(),
-            nonfinite_total: nf_p.addr.cast(),
-            count: groups as i64,
-            momentum: config.momentum,
-            bits: config.bits as i32,
-            mode: mode as sys::MesaFinalizeMode,
-            running_initialized: i32::from(!first),
-        };
-        let mut quantize = sys::MesaQuantizeArgs {
-            x: xp.addr as *const c_void,
-            x_desc: view.desc,
-            grouping: view.grouping,
-            params: params_p.addr as *const sys::MesaGroupParams,
-            codes: codes_p.addr.cast(),
-            stats: std::ptr::null_mut(),
+        let Quantizer { config, state, batches, .. } = self;
+        let state = state.as_mut().ok_or_else(|| Error::KernelArgument { op: "quantizer state" })?;
+        let stats = launch.write_buffer(&mut state.stats, "quantizer statistics")?;
+        let running = launch.write_buffer(&mut state.running, "running estimate")?;
+        let params = launch.write_buffer(&mut saved.params, "saved parameters")?;
+        let codes = launch.write_buffer(&mut saved.codes, "saved codes")?;
+        let nonfinite = launch.write_buffer(&mut saved.nonfinite, "non-finite counter")?;
+        let sink = |with_codes: bool, params: *const GroupParams, with_stats: bool| sys::MesaCodeSink {
+            codes: if with_codes { codes } else { std::ptr::null_mut() },
+            params: if with_codes { params.cast() } else { std::ptr::null() },
+            stats: if with_stats { stats.cast() } else { std::ptr::null_mut() },
+            group_run: group_run as i64,
+            group_count: groups as i64,
             seed,
             bits: config.bits as i32,
             rounding,
             map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
             _pad: 0,
         };
-        // SAFETY (all launches below): every pointer comes from a buffer checked above to hold
-        // what the kernel touches — the input view fits its buffer (check_fits), codes hold
-        // code_bytes(numel) bytes, params/stats/running hold `groups` entries, nonfinite one;
-        // the cudarc guards keep the accesses ordered on the stream.
+        let finalize = |mode: u32| sys::MesaQuantFinalizeArgs {
+            stats: stats.cast(),
+            running: running.cast(),
+            params: params.cast(),
+            nonfinite_total: nonfinite,
+            count: groups as i64,
+            momentum: config.momentum,
+            bits: config.bits as i32,
+            mode: mode as sys::MesaFinalizeMode,
+            running_initialized: i32::from(!first),
+        };
+        // SAFETY (finalize): stats, running and params hold `groups` entries (state_for and
+        // the handle's allocation for this group count), nonfinite one; all registered above.
         if exact {
-            let stats_args = sys::MesaQuantStatsArgs {
-                x: xp.addr as *const c_void,
-                x_desc: view.desc,
-                grouping: view.grouping,
-                stats: stats_p.addr.cast(),
-            };
-            unsafe {
-                device.launch("quant_stats", &stats_args, sys::mesa_quant_stats, sys::mesa_emu_quant_stats)?;
-                device.launch(
-                    "quant_finalize",
-                    &finalize(sys::MESA_FINALIZE_EXACT),
-                    sys::mesa_quant_finalize,
-                    sys::mesa_emu_quant_finalize,
-                )?;
-                device.launch("quantize", &quantize, sys::mesa_quantize, sys::mesa_emu_quantize)?;
-            }
+            run(launch, ProducerStep::Stats, sink(false, std::ptr::null(), true))?;
+            let args = finalize(sys::MESA_FINALIZE_EXACT);
+            unsafe { launch.launch("quant_finalize", &args, sys::mesa_quant_finalize, sys::mesa_emu_quant_finalize)? };
+            run(launch, ProducerStep::Codes, sink(true, params, false))?;
         } else {
             // one pass: codes from the running estimate, this batch's statistics reduced in
             // the same read; then params <- running (what was used), running <- EMA.
-            quantize.params = running_p.addr as *const sys::MesaGroupParams;
-            quantize.stats = stats_p.addr.cast();
-            unsafe {
-                device.launch("quantize", &quantize, sys::mesa_quantize, sys::mesa_emu_quantize)?;
-                device.launch(
-                    "quant_finalize",
-                    &finalize(sys::MESA_FINALIZE_RUNNING),
-                    sys::mesa_quant_finalize,
-                    sys::mesa_emu_quant_finalize,
-                )?;
-            }
+            run(launch, ProducerStep::CodesAndStats, sink(true, running, true))?;
+            let args = finalize(sys::MESA_FINALIZE_RUNNING);
+            unsafe { launch.launch("quant_finalize", &args, sys::mesa_quant_finalize, sys::mesa_emu_quant_finalize)? };
         }
-        drop((xp, stats_p, running_p, params_p, codes_p, nf_p));
-        self.batches += 1;
-        saved.set_meta(layout, T::DTYPE, &self.config);
+        *batches += 1;
         Ok(())
     }
 
@@ -367,6 +404,7 @@ impl Quantizer {
     /// [`Quantizer::quantize_into`]: exact statistics (first batch, [`StatsMode::Exact`]) =
     /// `launch(Stats)`, finalize, `launch(Codes)`; running estimate = `launch(CodesAndStats)`
     /// with the running parameters, finalize. `strides` are recorded in the saved handle.
+    /// Transitional: removed once every producer uses [`Quantizer::encode`].
     pub(crate) fn produce<T: Element>(
         &mut self,
         shape: &[usize],
@@ -376,7 +414,7 @@ impl Quantizer {
         let numel = shape
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::TooLarge("element count".into()))?;
+            .ok_or_else(|| Error::LegacyTooLarge("element count".into()))?;
         let (axis, span, groups) = self.config.grouping.resolve(shape)?;
         let group_run = match axis {
             Some(a) => span * shape[a + 1..].iter().product::<usize>(),
@@ -384,27 +422,16 @@ impl Quantizer {
         }
         .max(1);
         let layout = Layout::strided(shape, strides, 0)?;
-        let mut saved = SavedActivation {
-            codes: self.device.alloc_for_kernel::<u8>(code_bytes(numel, self.config.bits)?)?,
-            params: self.device.alloc_for_kernel::<GroupParams>(groups)?,
-            nonfinite: self.device.alloc_for_kernel::<u32>(1)?,
-            shape: shape.to_vec(),
-            strides: strides.to_vec(),
-            dtype: T::DTYPE,
-            bits: self.config.bits,
-            grouping: self.config.grouping,
-            companding: Companding::None,
-        };
+        let mut saved = self.new_saved(&layout, T::DTYPE)?;
         if numel == 0 {
             self.device.copy_into(&vec![GroupParams::default(); groups], &mut saved.params)?;
             self.device.copy_into(&[0u32], &mut saved.nonfinite)?;
-            saved.set_meta(&layout, T::DTYPE, &self.config);
             return Ok(saved);
         }
         self.state_for(groups)?;
         let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
         let Quantizer { device, config, state, .. } = self;
-        let state = state.as_mut().ok_or_else(|| Error::Shape("quantizer state missing".into()))?;
+        let state = state.as_mut().ok_or_else(|| Error::LegacyShape("quantizer state missing".into()))?;
         let mut stats_mem = state.stats.mem_mut();
         let stats_p = device.write_ptr(&mut stats_mem, 0, "stats")?;
         let mut running_mem = state.running.mem_mut();
@@ -465,7 +492,6 @@ impl Quantizer {
         }
         drop((stats_p, running_p, params_p, codes_p, nf_p));
         self.batches += 1;
-        saved.set_meta(&layout, T::DTYPE, &self.config);
         Ok(saved)
     }
 
@@ -490,10 +516,10 @@ impl Quantizer {
     fn state_for(&mut self, groups: usize) -> Result<()> {
         if let Some(s) = &self.state {
             if s.groups != groups {
-                return Err(Error::Shape(format!(
-                    "this quantizer tracks {} groups; the tensor has {groups}",
-                    s.groups
-                )));
+                return Err(Error::invalid_layout(
+                    "input",
+                    format!("this quantizer tracks {} groups; the tensor has {groups}", s.groups),
+                ));
             }
         } else {
             let stats = self.device.upload(&vec![STATS_RESET; groups])?;
@@ -548,49 +574,80 @@ pub struct SavedActivation {
     codes: Buffer<u8>,
     params: Buffer<GroupParams>,
     nonfinite: Buffer<u32>,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-    dtype: DType,
-    bits: u32,
-    grouping: Grouping,
-    companding: Companding,
+    meta: SavedMeta,
+}
+
+/// What a [`SavedActivation`] encodes: the original's view, dtype, and the code format.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct SavedMeta {
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub dtype: DType,
+    pub bits: u32,
+    pub grouping: Grouping,
+    pub companding: Companding,
+}
+
+impl std::fmt::Debug for SavedActivation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SavedActivation")
+            .field("shape", &self.meta.shape)
+            .field("strides", &self.meta.strides)
+            .field("dtype", &self.meta.dtype)
+            .field("bits", &self.meta.bits)
+            .field("grouping", &self.meta.grouping)
+            .field("companding", &self.meta.companding)
+            .field("groups", &self.params.len())
+            .field("size_in_bytes", &self.size_in_bytes())
+            .finish()
+    }
+}
+
+/// True when `a` and `b` run on the same stream (or are both the emulation).
+pub(crate) fn same_stream(a: &Device, b: &Device) -> bool {
+    match (a.stream(), b.stream()) {
+        (None, None) => true,
+        (Some(a), Some(b)) => a.cu_stream() == b.cu_stream(),
+        _ => false,
+    }
 }
 
 impl SavedActivation {
     /// Logical shape of the original tensor.
     #[must_use]
     pub fn shape(&self) -> &[usize] {
-        &self.shape
+        &self.meta.shape
     }
     /// Strides (elements) of the view it was quantized from.
     #[must_use]
     pub fn strides(&self) -> &[usize] {
-        &self.strides
+        &self.meta.strides
     }
     /// dtype of the original tensor.
     #[must_use]
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.meta.dtype
     }
     /// Bits per code.
     #[must_use]
     pub fn bits(&self) -> u32 {
-        self.bits
+        self.meta.bits
     }
     /// The grouping of the parameters.
     #[must_use]
     pub fn grouping(&self) -> Grouping {
-        self.grouping
+        self.meta.grouping
     }
     /// How codes map to values (linear, or square-root companded: decoding squares).
     #[must_use]
     pub fn companding(&self) -> Companding {
-        self.companding
+        self.meta.companding
     }
     /// Number of elements.
     #[must_use]
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        // checked when the handle was allocated
+        self.meta.shape.iter().product()
     }
     /// Number of parameter groups.
     #[must_use]
@@ -605,7 +662,7 @@ impl SavedActivation {
     /// Bytes of the original tensor (`numel · sizeof(dtype)`).
     #[must_use]
     pub fn original_bytes(&self) -> usize {
-        self.numel() * self.dtype.size_in_bytes()
+        self.numel() * self.meta.dtype.size_in_bytes()
     }
     /// The packed codes (logical row-major order; bits < 8 pack the first element in the
     /// least significant bits of each byte).
@@ -640,77 +697,51 @@ impl SavedActivation {
         device.copy_into(&[u32::from_ne_bytes([byte; 4])], &mut self.nonfinite)
     }
 
-    /// Decodes into `y` viewed through `layout` (any strides, same shape as the original;
-    /// any of f32/f16/bf16, independent of the original dtype). Stream-ordered. Each value is
+    /// Decodes into `y` (any strides, same shape as the original; any of f32/f16/bf16,
+    /// independent of the original dtype). Stream-ordered. Each value is
     /// `q = code · scale + offset` (f32 `fmaf`), squared for [`Companding::Sqrt`].
     ///
     /// Bytes moved: `numel · bits / 8` read, `numel · sizeof(T)` written.
     ///
     /// # Errors
-    /// [`Error::Shape`] (shape differs, output view overlaps itself),
-    /// [`Error::BufferTooShort`], [`Error::WrongBackend`], [`Error::Misaligned`], CUDA errors.
-    pub fn dequantize<T: Element>(
-        &self,
-        device: &Device,
-        y: &mut (impl DeviceMemoryMut<T> + ?Sized),
-        layout: &Layout,
-    ) -> Result<()> {
-        if layout.shape() != self.shape.as_slice() {
-            return Err(Error::Shape(format!(
-                "dequantize into shape {:?}, saved shape is {:?}",
-                layout.shape(),
-                self.shape
-            )));
+    /// [`Error::ShapeMismatch`], [`Error::WrongBackend`], [`Error::Misaligned`],
+    /// [`Error::Aliasing`] (a raw output pointer into the codes), CUDA errors.
+    pub fn dequantize<T: Element>(&self, device: &Device, y: &mut TensorMut<'_, T>) -> Result<()> {
+        if y.shape() != self.meta.shape.as_slice() {
+            return Err(Error::shape_mismatch("dequantize output", &self.meta.shape, y.shape()));
         }
         self.check_device(device)?;
-        let mut mem = y.mem_mut();
-        let numel = layout.check_fits(mem.len(), "output")?;
-        layout.check_no_overlap("output")?;
-        if numel == 0 {
+        if y.numel() == 0 {
             return Ok(());
         }
-        let view = kernel_view(layout, &self.grouping, T::DTYPE)?;
-        let codes_mem = self.codes.mem_ref();
-        let codes_p = device.read_ptr(&codes_mem, 0, "codes")?;
-        let params_mem = self.params.mem_ref();
-        let params_p = device.read_ptr(&params_mem, 0, "params")?;
-        let yp = device.write_ptr(&mut mem, layout.offset(), "output")?;
+        let view = kernel_view(y.layout(), &self.meta.grouping, T::DTYPE)?;
+        let mut launch = Launch::new(device);
         let args = sys::MesaDequantizeArgs {
-            codes: codes_p.addr as *const u8,
-            params: params_p.addr as *const sys::MesaGroupParams,
+            codes: launch.read_buffer(&self.codes, "saved codes")?,
+            params: launch.read_buffer(&self.params, "saved parameters")?.cast(),
             grouping: view.grouping,
-            y: yp.addr,
+            y: launch.output(y, "output")?,
             y_desc: view.desc,
-            bits: self.bits as i32,
-            map: self.companding.sys(),
+            bits: self.meta.bits as i32,
+            map: self.meta.companding.sys(),
         };
-        // SAFETY: the output view fits its buffer and does not overlap itself; codes and
-        // params were sized for this shape and grouping when quantized.
-        unsafe { device.launch("dequantize", &args, sys::mesa_dequantize, sys::mesa_emu_dequantize) }
+        // SAFETY: the output view is registered and described by `view.desc`; codes and
+        // params were sized for this shape and grouping when the handle was allocated.
+        unsafe { launch.launch("dequantize", &args, sys::mesa_dequantize, sys::mesa_emu_dequantize)? };
+        launch.finish()
     }
 
-    /// An uninitialised handle for a producer with fixed parameters (softmax).
-    pub(crate) fn allocate(
-        device: &Device,
-        shape: &[usize],
-        strides: &[usize],
-        dtype: DType,
-        bits: u32,
-        grouping: Grouping,
-        companding: Companding,
-    ) -> Result<SavedActivation> {
-        let numel = shape.iter().product::<usize>();
-        let groups = grouping.num_groups(shape)?;
+    /// An unwritten handle for a tensor described by `meta`: codes for every element,
+    /// parameters for every group, a zeroed non-finite counter. The element count is checked
+    /// before anything is sized by it.
+    pub(crate) fn allocate(device: &Device, meta: &SavedMeta) -> Result<SavedActivation> {
+        let numel = checked_numel(&meta.shape, "saved activation")?;
+        let groups = meta.grouping.num_groups(&meta.shape)?;
         Ok(SavedActivation {
-            codes: device.alloc_for_kernel::<u8>(code_bytes(numel, bits)?)?,
+            codes: device.alloc_for_kernel::<u8>(code_bytes(numel, meta.bits)?)?,
             params: device.alloc_for_kernel::<GroupParams>(groups)?,
             nonfinite: device.upload(&[0u32])?,
-            shape: shape.to_vec(),
-            strides: strides.to_vec(),
-            dtype,
-            bits,
-            grouping,
-            companding,
+            meta: meta.clone(),
         })
     }
 
@@ -724,11 +755,17 @@ impl SavedActivation {
         (&self.codes, &self.params)
     }
 
-    /// `(i / run) % count` map of the groups over the logical shape: (run, count).
+    /// `(i / run) % count` map of the groups over the logical shape: (run, count). For an
+    /// empty tensor the run is 1 (nothing is indexed).
     pub(crate) fn group_map(&self) -> Result<(usize, usize)> {
-        let (axis, span, count) = self.grouping.resolve(&self.shape)?;
+        let shape = &self.meta.shape;
+        let (axis, span, count) = self.meta.grouping.resolve(shape)?;
+        if shape.contains(&0) {
+            return Ok((1, count));
+        }
         let run = match axis {
-            Some(a) => span * self.shape[a + 1..].iter().product::<usize>(),
+            // a sub-product of the element count checked at allocation: no overflow
+            Some(a) => span * shape[a + 1..].iter().product::<usize>(),
             None => 1,
         };
         Ok((run.max(1), count))
@@ -739,19 +776,10 @@ impl SavedActivation {
         self.check_device(device)
     }
 
-    fn set_meta(&mut self, layout: &Layout, dtype: DType, config: &QuantConfig) {
-        self.shape = layout.shape().to_vec();
-        self.strides = layout.strides().to_vec();
-        self.dtype = dtype;
-        self.bits = config.bits;
-        self.grouping = config.grouping;
-        self.companding = Companding::None;
-    }
-
     fn check_device(&self, device: &Device) -> Result<()> {
         match (device.kind(), &self.codes) {
             (Kind::Cuda(_), Buffer::Cuda(_)) | (Kind::Emulator, Buffer::Host(_)) => Ok(()),
-            _ => Err(Error::WrongBackend("saved activation belongs to another backend".into())),
+            _ => Err(Error::wrong_backend("saved activation", "it belongs to another backend")),
         }
     }
 }

@@ -67,12 +67,12 @@ fn nccl_present() -> Result<()> {
     if unsafe { nsys::is_culib_present() } {
         Ok(())
     } else {
-        Err(Error::Unsupported("NCCL backend: libnccl.so could not be loaded (install NCCL)".into()))
+        Err(Error::LegacyUnsupported("NCCL backend: libnccl.so could not be loaded (install NCCL)".into()))
     }
 }
 
 fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
-    Error::Cuda(format!("NCCL {what}: {:?}", e.0))
+    Error::LegacyCuda(format!("NCCL {what}: {:?}", e.0))
 }
 
 impl NcclUniqueId {
@@ -83,7 +83,7 @@ impl NcclUniqueId {
     pub fn new() -> Result<Self> {
         nccl_present()?;
         let id = catch_unwind(nccl::get_uniqueid)
-            .map_err(|_| Error::Unsupported("NCCL backend: ncclGetUniqueId is missing from libnccl".into()))?
+            .map_err(|_| Error::LegacyUnsupported("NCCL backend: ncclGetUniqueId is missing from libnccl".into()))?
             .map_err(|e| nccl_err("get unique id", e))?;
         let mut bytes = [0u8; 128];
         for (b, c) in bytes.iter_mut().zip(id.internal.iter()) {
@@ -103,8 +103,9 @@ impl NcclUniqueId {
     /// # Errors
     /// [`Error::Shape`] unless exactly 128 bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let bytes: [u8; 128] =
-            bytes.try_into().map_err(|_| Error::Shape(format!("an NCCL id has 128 bytes, got {}", bytes.len())))?;
+        let bytes: [u8; 128] = bytes
+            .try_into()
+            .map_err(|_| Error::LegacyShape(format!("an NCCL id has 128 bytes, got {}", bytes.len())))?;
         Ok(NcclUniqueId { bytes })
     }
 }
@@ -149,7 +150,7 @@ fn nccl_dtype(d: DType) -> nsys::ncclDataType_t {
 fn contiguous_bh(layout: &crate::layout::Layout, rows: usize, what: &str) -> Result<(usize, usize)> {
     let (b, h) = super::bh_of(layout, rows, what)?;
     if !layout.is_contiguous() {
-        return Err(Error::Unsupported(format!(
+        return Err(Error::LegacyUnsupported(format!(
             "NCCL backend: {what} must be a contiguous view (NCCL takes flat buffers); got strides {:?}",
             layout.strides()
         )));
@@ -166,10 +167,10 @@ impl NcclSeqParallel {
     /// [`Error::Unsupported`] without libnccl, NCCL errors as [`Error::Cuda`].
     pub fn new(device: &Device, rank: usize, world: usize, id: &NcclUniqueId) -> Result<Self> {
         let Kind::Cuda(stream) = device.kind() else {
-            return Err(Error::WrongBackend("the NCCL backend needs a CUDA device".into()));
+            return Err(Error::LegacyWrongBackend("the NCCL backend needs a CUDA device".into()));
         };
         if world == 0 || rank >= world || world > i32::MAX as usize {
-            return Err(Error::Shape(format!("rank {rank} of a world of {world}")));
+            return Err(Error::LegacyShape(format!("rank {rank} of a world of {world}")));
         }
         nccl_present()?;
         stream.context().bind_to_thread()?;
@@ -183,7 +184,7 @@ impl NcclSeqParallel {
         catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
             nccl::comm_init_rank(&mut comm, world as i32, uid, rank as i32)
         }))
-        .map_err(|_| Error::Unsupported("NCCL backend: ncclCommInitRank is missing from libnccl".into()))?
+        .map_err(|_| Error::LegacyUnsupported("NCCL backend: ncclCommInitRank is missing from libnccl".into()))?
         .map_err(|e| nccl_err("comm init", e))?;
         Ok(NcclSeqParallel {
             comm,
@@ -222,7 +223,7 @@ impl NcclSeqParallel {
                 s.context().bind_to_thread()?;
                 Ok(s.cu_stream() as nsys::cudaStream_t)
             }
-            Kind::Emulator => Err(Error::WrongBackend("the NCCL backend needs a CUDA device".into())),
+            Kind::Emulator => Err(Error::LegacyWrongBackend("the NCCL backend needs a CUDA device".into())),
         }
     }
 
@@ -252,19 +253,22 @@ impl NcclSeqParallel {
         let (seq, rows) = (splits.total(), splits.rows(self.rank));
         let (b, h) = contiguous_bh(&input.layout, seq, "input")?;
         if contiguous_bh(&output.layout, rows, "output")? != (b, h) {
-            return Err(Error::Shape(format!("output must be [{rows}, {b}, {h}], got {:?}", output.layout.shape())));
+            return Err(Error::LegacyShape(format!(
+                "output must be [{rows}, {b}, {h}], got {:?}",
+                output.layout.shape()
+            )));
         }
         input.layout.check_fits(input.mem.mem_ref().len(), "input")?;
         output.layout.check_fits(output.mem.mem_mut().len(), "output")?;
         if let Some(r) = residual {
             if contiguous_bh(&r.layout, rows, "residual")? != (b, h) {
-                return Err(Error::Shape(format!("residual must be [{rows}, {b}, {h}]")));
+                return Err(Error::LegacyShape(format!("residual must be [{rows}, {b}, {h}]")));
             }
             r.layout.check_fits(r.mem.mem_ref().len(), "residual")?;
         }
         if let Some(bv) = bias {
             if bv.layout.shape() != [h] || (h > 1 && bv.layout.strides()[0] != 1) {
-                return Err(Error::Shape(format!("bias must be a contiguous [{h}]")));
+                return Err(Error::LegacyShape(format!("bias must be a contiguous [{h}]")));
             }
             bv.layout.check_fits(bv.mem.mem_ref().len(), "bias")?;
         }
@@ -410,7 +414,10 @@ impl NcclSeqParallel {
         let (seq, rows) = (splits.total(), splits.rows(self.rank));
         let (b, h) = contiguous_bh(&input.layout, rows, "input")?;
         if contiguous_bh(&output.layout, seq, "output")? != (b, h) {
-            return Err(Error::Shape(format!("output must be [{seq}, {b}, {h}], got {:?}", output.layout.shape())));
+            return Err(Error::LegacyShape(format!(
+                "output must be [{seq}, {b}, {h}], got {:?}",
+                output.layout.shape()
+            )));
         }
         input.layout.check_fits(input.mem.mem_ref().len(), "input")?;
         output.layout.check_fits(output.mem.mem_mut().len(), "output")?;
@@ -502,7 +509,7 @@ impl NcclSeqParallel {
 
     fn check_world(&self, splits: &SeqSplits) -> Result<()> {
         if splits.world_size() != self.world {
-            return Err(Error::Shape(format!(
+            return Err(Error::LegacyShape(format!(
                 "{} split sizes for a communicator of {} ranks",
                 splits.world_size(),
                 self.world
