@@ -5,10 +5,7 @@
 //! few methods documented as "synchronises", which read results back to the host). The
 //! emulation runs the same kernel source on host threads, synchronously, on host memory.
 //!
-//! Stream contract (CUDA): buffers passed to an op must stay alive until the op's work has
-//! completed on the stream. cudarc's `CudaSlice` records events on use and waits for them
-//! before freeing, so passing `CudaSlice`/`CudaView` is safe across streams; raw device
-//! pointers ([`RawDeviceSlice`]) carry no such tracking and are the caller's responsibility.
+//! How ops are ordered against other streams: the crate docs, "Stream contract".
 use std::ffi::c_void;
 use std::panic::catch_unwind;
 use std::sync::Arc;
@@ -74,7 +71,10 @@ impl Device {
         Ok(Device { kind: Kind::Cuda(stream) })
     }
 
-    /// Uses an existing cudarc stream (e.g. a candle device's stream).
+    /// Uses an existing cudarc stream: the integration path for a framework. With candle,
+    /// pass the stream of its `CudaDevice` (`cuda_device.cuda_stream()`), so that every op is
+    /// ordered after candle's own kernels with no event at all (the crate docs, "Stream
+    /// contract").
     ///
     /// # Errors
     /// [`Error::CudaNotBuilt`] when the library has no CUDA kernels.
@@ -263,7 +263,9 @@ impl<T: Storage> Buffer<T> {
 }
 
 /// A device allocation that cudarc does not own (a framework's own allocator), given as a
-/// raw device pointer and a length in elements. No event tracking: see the module docs.
+/// raw device pointer and a length in elements. It carries no stream: it is assumed to be
+/// ordered on the op's stream (the crate docs, "Stream contract"). On the emulator backend
+/// the address is a host address.
 #[derive(Debug)]
 pub struct RawDeviceSlice<T> {
     ptr: u64,
@@ -282,10 +284,12 @@ impl<T> RawDeviceSlice<T> {
     /// Wraps `len` elements of device memory at `ptr`.
     ///
     /// # Safety
-    /// `ptr` must be a device allocation of the device the op runs on, valid for `len`
-    /// elements of `T` for as long as work using it is pending on the stream, and not be
-    /// written by other work concurrently with an op that reads it (or read/written
-    /// concurrently with an op that writes it).
+    /// `ptr` must be a device allocation of the device the op runs on (a host allocation for
+    /// the emulator), valid for `len` elements of `T` for as long as work using it is pending
+    /// on the op's stream, and not be written by other work concurrently with an op that
+    /// reads it (or read/written concurrently with an op that writes it). Overlap between the
+    /// tensors of one call is detected and rejected ([`Error::Aliasing`]); nothing else about
+    /// the pointer can be checked.
     #[must_use]
     pub unsafe fn new(ptr: u64, len: usize) -> Self {
         RawDeviceSlice { ptr, len, _t: std::marker::PhantomData }

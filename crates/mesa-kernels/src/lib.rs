@@ -16,9 +16,35 @@
 //!
 //! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
 //! streams pass straight in) or the host emulation, which compiles the same kernel source
-//! for the CPU so that every test runs without a GPU. Errors are values ([`Error`]), checked
-//! before launch; nothing panics on bad input. [`reference`](mod@reference) holds an independent f64
+//! for the CPU so that every test runs without a GPU. Tensors are given as [`TensorRef`]
+//! (read) and [`TensorMut`] (written): memory of any kind plus a [`Layout`], checked when
+//! the view is made. Errors are values ([`Error`]), checked before launch; nothing panics on
+//! bad input. [`reference`](mod@reference) holds an independent f64
 //! implementation of every op.
+//!
+//! # Stream contract
+//!
+//! * **Ops run on the device's stream.** Each op enqueues its kernels on the stream of the
+//!   [`Device`] it is given and returns without synchronising with the host (the few methods
+//!   that read results back say "synchronises"). No op allocates outside that stream, and
+//!   none breaks CUDA-graph capture when all its buffers belong to the capturing stream.
+//! * **A framework passes its own stream**: [`Device::from_stream`] (candle: the stream of its
+//!   `CudaDevice`). Buffers of that stream need no event at all.
+//! * **Buffers last used on another stream are ordered by events, both ways.** For a cudarc
+//!   buffer (`CudaSlice`/`CudaView`) whose stream differs from the op's, the op's stream first
+//!   waits for everything enqueued on the buffer's stream so far, and after the op's kernels
+//!   the buffer's stream waits for them; cudarc's read/write events are recorded after the
+//!   kernels are enqueued. This holds whether or not the buffer's context tracks events
+//!   (candle's default device does not), so such a buffer may be dropped, reused or written
+//!   on its own stream right after the call. Buffers of another CUDA context (device) are
+//!   rejected ([`Error::WrongBackend`]).
+//! * **What the caller must still do**: for a [`RawDeviceSlice`] (no stream is known), keep
+//!   the memory alive and unwritten until the op's stream has passed the op — the usual rule
+//!   for a framework's own allocator on the same stream. Nothing for cudarc buffers. During
+//!   CUDA-graph capture, give buffers of the capturing stream (an event wait on a stream
+//!   outside the capture is not capturable).
+//! * **Aliasing**: overlapping memory between a written tensor and any other tensor of the
+//!   same call is rejected ([`Error::Aliasing`]); no op computes in place.
 //!
 //! ```
 //! use mesa_kernels::{Device, Layout, Quantizer, QuantConfig};
