@@ -228,6 +228,27 @@ pub enum Buffer<T> {
     Host(Vec<T>),
 }
 
+impl<T> std::fmt::Debug for Buffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Buffer::Cuda(s) => write!(f, "Buffer::Cuda({} elements)", s.len()),
+            Buffer::Host(v) => write!(f, "Buffer::Host({} elements)", v.len()),
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for MemRef<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MemRef({}, {} elements)", self.describe(), self.len())
+    }
+}
+
+impl<T> std::fmt::Debug for MemMut<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MemMut({}, {} elements)", self.describe(), self.len())
+    }
+}
+
 impl<T: Storage> Buffer<T> {
     /// Number of elements.
     #[must_use]

@@ -71,6 +71,7 @@
 //! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+#![warn(missing_debug_implementations)]
 
 pub mod collectives;
 mod device;
