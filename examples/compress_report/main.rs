@@ -36,7 +36,9 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use mesa_kernels::reference::{self, quant::group_index};
-use mesa_kernels::{Device, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
+use mesa_kernels::{
+    Device, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode, TensorMut, TensorRef,
+};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 
@@ -444,16 +446,17 @@ fn quantize_series(device: &Device, series: &Series, options: &Options) -> Resul
 fn measure(device: &Device, q: &mut Quantizers, series: &Series, act: &Activation, bound: f64) -> Result<Row> {
     let layout = Layout::contiguous(&act.view);
     let x = device.upload(&act.data)?;
+    let x = TensorRef::new(&x, &layout)?;
     let input = reference::gather(&act.data, &layout); // f64, logical order
 
-    let saved = q.headwise.quantize(&x, &layout)?;
+    let saved = q.headwise.quantize(&x)?;
     let decoded = reference::gather(&decode(device, &saved, &layout)?, &layout);
     let scales: Vec<f64> = saved.params()?.iter().map(|p| f64::from(p.scale)).collect();
     let groups = group_index(&act.view, &series.grouping)?;
     let error = ErrorStats::measure(&input, &decoded, &groups, &scales, bound);
 
-    let per_tensor = reference::gather(&decode(device, &q.per_tensor.quantize(&x, &layout)?, &layout)?, &layout);
-    let exact_stats = reference::gather(&decode(device, &q.exact.quantize(&x, &layout)?, &layout)?, &layout);
+    let per_tensor = reference::gather(&decode(device, &q.per_tensor.quantize(&x)?, &layout)?, &layout);
+    let exact_stats = reference::gather(&decode(device, &q.exact.quantize(&x)?, &layout)?, &layout);
     Ok(Row {
         name: act.name.clone(),
         kind: series.kind.clone(),
@@ -475,7 +478,7 @@ fn measure(device: &Device, q: &mut Quantizers, series: &Series, act: &Activatio
 /// Decodes a saved activation to f32 on the host.
 fn decode(device: &Device, saved: &SavedActivation, layout: &Layout) -> Result<Vec<f32>> {
     let mut out = device.alloc_zeros::<f32>(layout.numel())?;
-    saved.dequantize(device, &mut out, layout)?;
+    saved.dequantize(device, &mut TensorMut::new(&mut out, layout)?)?;
     Ok(out.to_vec()?)
 }
 

@@ -169,6 +169,17 @@ pub struct Quantizer {
     batches: u64,
 }
 
+impl std::fmt::Debug for Quantizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Quantizer")
+            .field("device", &self.device)
+            .field("config", &self.config)
+            .field("groups", &self.state.as_ref().map(|s| s.groups))
+            .field("batches", &self.batches)
+            .finish()
+    }
+}
+
 /// The per-batch decisions shared by `quantize_into` and the fused producers.
 struct BatchPlan {
     first: bool,
