@@ -908,3 +908,104 @@ fn sizes_that_overflow_are_errors() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Regressions of issue 8 (no panic on any input). The overflow cases panic only in a build
+// with overflow checks (`RUSTFLAGS="-C overflow-checks=on"`, as CI runs the suite once more).
+
+/// An empty grouped axis, and empty tensors whose other dimensions multiply past `usize`.
+#[test]
+fn reference_group_index_of_empty_and_huge_shapes() {
+    let huge = 1usize << 40;
+    // a zero-length head axis: zero groups, no element (was a division by zero)
+    assert_eq!(rq::group_index(&[2, 0, 5], &Grouping::Heads { axis: 1 }).expect("empty axis"), Vec::<usize>::new());
+    assert_eq!(
+        rq::group_index(&[2, 0, 6], &Grouping::Channels { axis: 1, groups: 3 }).expect("empty split axis"),
+        Vec::<usize>::new()
+    );
+    // empty, with trailing dimensions whose product overflows (was an overflow panic)
+    for grouping in [Grouping::Heads { axis: 0 }, Grouping::Channels { axis: 0, groups: 1 }, Grouping::Tensor] {
+        assert_eq!(rq::group_index(&[0, huge, huge], &grouping).expect("empty"), Vec::<usize>::new());
+    }
+    assert_eq!(rq::group_index(&[huge, huge, 0], &Grouping::Heads { axis: 1 }).expect("empty"), Vec::<usize>::new());
+    // a non-empty shape whose element count overflows: an error, not a wrapped count
+    assert!(matches!(rq::group_index(&[huge, huge, 2], &Grouping::Tensor), Err(Error::TooLarge { .. })));
+    // and the ordinary case still indexes groups: [2, 3, 2] heads on axis 1
+    assert_eq!(
+        rq::group_index(&[2, 3, 2], &Grouping::Heads { axis: 1 }).expect("groups"),
+        vec![0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
+    );
+}
+
+/// `quantize` of an empty tensor whose trailing dimensions multiply past `usize` (the kernel
+/// view merged them before the empty case was seen).
+#[test]
+fn empty_tensors_with_huge_trailing_dimensions_quantize() {
+    let huge = 1usize << 40;
+    for device in common::backends() {
+        for (shape, grouping, groups) in [
+            (vec![0, huge, huge], Grouping::Heads { axis: 0 }, 0),
+            (vec![3, 0, huge, huge], Grouping::Heads { axis: 1 }, 0),
+            (vec![0, huge, huge], Grouping::Channels { axis: 1, groups: 4 }, 4),
+        ] {
+            let one = device.upload(&[1f32]).expect("up");
+            let layout = Layout::contiguous(&shape);
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            let saved = q.quantize(&TensorRef::new(&one, &layout).expect("view")).expect("empty quantize");
+            assert_eq!((saved.numel(), saved.codes().len(), saved.num_groups()), (0, 0, groups), "{shape:?}");
+            assert_eq!(q.batches(), 0, "an empty batch does not count");
+            let mut out = vec![7f32];
+            saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dequantize");
+            assert_eq!(out, vec![7.0], "nothing written");
+        }
+    }
+}
+
+/// The fused producers' shared encoder (`Quantizer::produce`) multiplied the trailing
+/// dimensions of an empty tensor for the group run.
+#[test]
+fn fused_producer_on_an_empty_tensor_with_huge_trailing_dimensions() {
+    let huge = 1usize << 40;
+    for device in common::backends() {
+        let x = vec![1f32];
+        let mut y = vec![5f32];
+        let layout = Layout::contiguous(&[0, huge, huge]);
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(0)).expect("q");
+        let saved = mesa_kernels::fused::gelu_forward(
+            &device,
+            &mut q,
+            mesa_kernels::GeluForm::Erf,
+            &x,
+            &layout,
+            &mut y,
+            &layout,
+        )
+        .expect("empty GELU forward");
+        assert_eq!((saved.numel(), saved.num_groups()), (0, 0));
+        assert_eq!(y, vec![5.0], "nothing written");
+    }
+}
+
+/// `SavedActivation::allocate` multiplied the shape before checking it; its group map
+/// multiplied the trailing dimensions of an empty tensor (reached through the softmax
+/// producer, which allocates its handle itself).
+#[test]
+fn saved_handles_check_the_shape_before_sizing() {
+    let huge = 1usize << 40;
+    for device in common::backends() {
+        let save = mesa_kernels::SoftmaxSave::per_head(0);
+        // a broadcast view of 2^80 elements over one element: too large, before any product
+        let x = vec![0f32];
+        let mut y = vec![0f32];
+        let bcast = Layout::strided(&[huge, huge], &[0, 0], 0).expect("layout");
+        let r = mesa_kernels::fused::softmax_forward(&device, &save, &x, &bcast, None, &mut y, &bcast);
+        assert!(matches!(r, Err(Error::TooLarge { .. })), "{r:?}");
+        // empty, with trailing dimensions past usize: no panic
+        let empty = Layout::contiguous(&[0, huge, huge]);
+        let r = mesa_kernels::fused::softmax_forward(&device, &save, &x, &empty, None, &mut y, &empty);
+        if let Ok(saved) = &r {
+            assert_eq!(saved.numel(), 0);
+        }
+        assert_eq!(y, vec![0.0], "nothing written");
+    }
+}
