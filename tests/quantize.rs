@@ -1009,3 +1009,38 @@ fn saved_handles_check_the_shape_before_sizing() {
         assert_eq!(y, vec![0.0], "nothing written");
     }
 }
+
+/// The rest of `reference` (audit for issue 8): no input panics — widths past 31 bits, code
+/// buffers shorter than their count, rows that do not tile the data, views past the data.
+#[test]
+fn reference_functions_take_any_input_without_panicking() {
+    use mesa_kernels::reference::fused as rf;
+    // 2^bits - 1 for any width (was a shift overflow at 32 bits)
+    assert_eq!(rq::levels(8), 255.0);
+    assert_eq!(rq::levels(32), 4_294_967_295.0);
+    assert_eq!(rq::encode_nearest(1.0, 0.0, 1.0 / 4_294_967_295.0, 32), u32::MAX);
+    assert_eq!(rf::sqrt_code_nearest(1.0, 1.0 / 4_294_967_295.0, 32), u32::MAX);
+    // unpacking: codes present are decoded; unsupported widths and missing bytes give none
+    assert_eq!(rq::unpack_codes(&[0b1110_0100], 4, 2), vec![0, 1, 2, 3]);
+    assert_eq!(rq::unpack_codes(&[0b1110_0100], 9, 2), vec![0, 1, 2, 3]);
+    assert!(rq::unpack_codes(&[1, 2], 2, 0).is_empty());
+    assert!(rq::unpack_codes(&[1, 2], 2, 3).is_empty());
+    assert!(rq::unpack_codes(&[1, 2], 2, 16).is_empty());
+    // softmax rows: a trailing partial row is its own row; a short mask counts as 0
+    let y = rf::softmax_rows(&[0.0, 0.0, 5.0], Some(&[0.0]), 2);
+    assert_eq!(y, vec![0.5, 0.5, 1.0]);
+    let dx = rf::softmax_backward_rows(&[0.5, 0.5, 1.0], &[1.0], 2);
+    assert_eq!(dx, vec![0.25, -0.25, 0.0]);
+    // LayerNorm: short weight/bias count as 1/0, a short gradient as 0
+    let f = rf::layer_norm_rows(&[1.0, 3.0], Some(&[2.0]), Some(&[]), 0.0, 2);
+    assert_eq!(f.y, vec![-2.0, 1.0]);
+    let (dxl, dw, db) = rf::layer_norm_backward_rows(&f.xhat, &f.rstd, Some(&[2.0]), &[1.0], 2);
+    assert_eq!((dw, db), (vec![-1.0, 0.0], vec![1.0, 0.0]));
+    assert!(dxl.iter().all(|v| v.is_finite()));
+    let view = Layout::strided(&[2, 2], &[1, 1], 0).expect("layout");
+    assert_eq!(reference::gather(&[1f32, 2.0, 3.0], &view), vec![1.0, 2.0, 2.0, 3.0]);
+    assert_eq!(reference::offsets(&view), vec![0, 1, 1, 2]);
+    // offsets of a view past usize saturate instead of overflowing
+    let far = Layout::strided(&[2], &[usize::MAX], 1).expect("layout");
+    assert_eq!(reference::offsets(&far), vec![1, usize::MAX]);
+}
