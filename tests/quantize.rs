@@ -1037,8 +1037,14 @@ fn reference_functions_take_any_input_without_panicking() {
     let (dxl, dw, db) = rf::layer_norm_backward_rows(&f.xhat, &f.rstd, Some(&[2.0]), &[1.0], 2);
     assert_eq!((dw, db), (vec![-1.0, 0.0], vec![1.0, 0.0]));
     assert!(dxl.iter().all(|v| v.is_finite()));
+    let data = [1f32, 2.0, 3.0];
+    assert!(matches!(
+        reference::try_gather(&data, &Layout::contiguous(&[4])),
+        Err(Error::BufferTooShort { needed: 4, len: 3, .. })
+    ));
     let view = Layout::strided(&[2, 2], &[1, 1], 0).expect("layout");
-    assert_eq!(reference::gather(&[1f32, 2.0, 3.0], &view), vec![1.0, 2.0, 2.0, 3.0]);
+    assert_eq!(reference::try_gather(&data, &view).expect("fits"), vec![1.0, 2.0, 2.0, 3.0]);
+    assert_eq!(reference::gather(&data, &view), vec![1.0, 2.0, 2.0, 3.0]);
     assert_eq!(reference::offsets(&view), vec![0, 1, 1, 2]);
     // offsets of a view past usize saturate instead of overflowing
     let far = Layout::strided(&[2], &[usize::MAX], 1).expect("layout");
