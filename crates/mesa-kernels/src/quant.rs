@@ -376,7 +376,7 @@ impl Quantizer {
         self.state_for(groups)?;
         let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
         let Quantizer { config, state, batches, .. } = self;
-        let state = state.as_mut().ok_or_else(|| Error::KernelArgument { op: "quantizer state" })?;
+        let state = state.as_mut().ok_or(Error::KernelArgument { op: "quantizer state" })?;
         let stats = launch.write_buffer(&mut state.stats, "quantizer statistics")?;
         let running = launch.write_buffer(&mut state.running, "running estimate")?;
         let params = launch.write_buffer(&mut saved.params, "saved parameters")?;
@@ -448,7 +448,7 @@ impl Quantizer {
         self.state_for(groups)?;
         let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
         let Quantizer { device, config, state, .. } = self;
-        let state = state.as_mut().ok_or_else(|| Error::KernelArgument { op: "quantizer state" })?;
+        let state = state.as_mut().ok_or(Error::KernelArgument { op: "quantizer state" })?;
         let mut stats_mem = state.stats.mem_mut();
         let stats_p = device.write_ptr(&mut stats_mem, 0, "stats")?;
         let mut running_mem = state.running.mem_mut();

@@ -182,8 +182,8 @@ pub fn layer_norm_rows(
         let mean = row.iter().sum::<f64>() / cols as f64;
         let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
         let rstd = 1.0 / (var + eps).sqrt();
-        for c in 0..cols {
-            let xh = (row[c] - mean) * rstd;
+        for (c, &xc) in row.iter().enumerate() {
+            let xh = (xc - mean) * rstd;
             f.xhat[r * cols + c] = xh;
             f.y[r * cols + c] = xh * value_or(weight, c, 1.0) + value_or(bias, c, 0.0);
         }
