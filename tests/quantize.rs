@@ -722,16 +722,14 @@ fn emulator_and_gpu_give_identical_codes() {
     }
 }
 
-/// True for the error a bad layout or grouping gives. Transitional: `Layout` and `Grouping`
-/// (layout.rs) still return the legacy shape error until that file is ported; this arm goes
-/// (a compile error points here) when the legacy variants are removed.
+/// True for the error a bad layout or grouping gives.
 fn is_invalid_layout<T>(r: &Result<T, Error>) -> bool {
-    matches!(r, Err(Error::InvalidLayout { .. } | Error::LegacyShape(_)))
+    matches!(r, Err(Error::InvalidLayout { .. }))
 }
 
-/// As [`is_invalid_layout`], for the too-large errors of layout.rs / device.rs (transitional).
+/// True for a size that does not fit.
 fn is_too_large<T>(r: &Result<T, Error>) -> bool {
-    matches!(r, Err(Error::TooLarge { .. } | Error::LegacyTooLarge(_)))
+    matches!(r, Err(Error::TooLarge { .. }))
 }
 
 #[test]
@@ -801,7 +799,7 @@ fn bad_input_is_an_error_not_a_panic() {
         let l7 = l7.transpose(0, 6).expect("t");
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
         let r = q.quantize(&TensorRef::new(&big, &l7).expect("view"));
-        assert!(matches!(r, Err(Error::Unsupported { .. } | Error::LegacyUnsupported(_))), "{r:?}");
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
     }
 }
 
@@ -896,7 +894,7 @@ fn sizes_that_overflow_are_errors() {
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
         assert!(matches!(q.quantize(&TensorRef::new(&one, &view).expect("view")), Err(Error::TooLarge { .. })));
         let r = device.alloc_zeros::<f32>(usize::MAX);
-        assert!(is_too_large(&r) || matches!(r, Err(Error::LegacyCuda(_) | Error::Driver { .. })));
+        assert!(is_too_large(&r) || matches!(r, Err(Error::Driver { .. })));
         // empty tensors with a zero-length or split group axis
         for grouping in [Grouping::Channels { axis: 0, groups: 2 }, Grouping::Heads { axis: 0 }] {
             let layout = Layout::contiguous(&[0, 4]);
