@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use half::bf16;
-use mesa_kernels::{Buffer, Device, Layout, QuantConfig, Quantizer, SavedActivation, StatsMode};
+use mesa_kernels::{Buffer, Device, Layout, QuantConfig, Quantizer, SavedActivation, StatsMode, TensorMut, TensorRef};
 
 /// Measured device-to-device copy bandwidth of an H200 (bytes/s), the floor's denominator
 /// (docs, BRIEF §8).
@@ -126,8 +126,9 @@ fn bench_quantize(c: &mut Criterion) {
     // so every timed call is quantize (with fused statistics) + finalize (EMA update).
     let config = QuantConfig { stats: StatsMode::Running, ..QuantConfig::per_head(HEAD_AXIS) };
     let mut quantizer = Quantizer::new(&device, config).expect("quantizer");
-    let mut saved: SavedActivation = quantizer.quantize(&x, &layout).expect("first batch");
-    quantizer.quantize_into(&x, &layout, &mut saved).expect("second batch");
+    let xt = TensorRef::new(&x, &layout).expect("input view");
+    let mut saved: SavedActivation = quantizer.quantize(&xt).expect("first batch");
+    quantizer.quantize_into(&xt, &mut saved).expect("second batch");
     device.synchronize().expect("synchronize");
 
     let dims = shape.iter().map(ToString::to_string).collect::<Vec<_>>().join("x");
@@ -143,17 +144,18 @@ fn bench_quantize(c: &mut Criterion) {
     group.bench_function("quantize_running_bf16_8bit", |b| {
         b.iter_custom(|iters| {
             timed(&device, iters, || {
-                quantizer.quantize_into(black_box(&x), &layout, &mut saved).expect("quantize");
+                quantizer.quantize_into(black_box(&xt), &mut saved).expect("quantize");
             })
         });
     });
 
     let mut y: Buffer<bf16> = device.alloc_zeros(numel).expect("alloc output");
+    let mut yt = TensorMut::new(&mut y, &layout).expect("output view");
     group.throughput(Throughput::BytesDecimal((numel + numel * 2) as u64));
     group.bench_function("dequantize_bf16_8bit", |b| {
         b.iter_custom(|iters| {
             timed(&device, iters, || {
-                saved.dequantize(&device, black_box(&mut y), &layout).expect("dequantize");
+                saved.dequantize(&device, black_box(&mut yt)).expect("dequantize");
             })
         });
     });

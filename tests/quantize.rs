@@ -19,7 +19,7 @@ use half::{bf16, f16};
 use mesa_kernels::reference::{self, quant as rq};
 use mesa_kernels::{
     DType, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation,
-    StatsMode,
+    StatsMode, TensorMut, TensorRef,
 };
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -152,7 +152,9 @@ fn verify<O: Element>(
     // decode, into a poisoned output of type O (every element must be written)
     let poison = O::from_f64(f64::NAN);
     let mut out = device.upload(&vec![poison; n]).expect("upload");
-    saved.dequantize(device, &mut out, &Layout::contiguous(&shape)).expect("dequantize");
+    saved
+        .dequantize(device, &mut TensorMut::new(&mut out, &Layout::contiguous(&shape)).expect("view"))
+        .expect("dequantize");
     let out = out.to_vec().expect("download");
     let u = unit_roundoff(O::DTYPE);
     for i in 0..n {
@@ -216,7 +218,7 @@ fn run_batches<T: Element>(
         let x = reference::gather(&data, &layout);
         let before = q.running_params().expect("running");
         let buf = device.upload(&data).expect("upload");
-        let saved = q.quantize(&buf, &layout).expect("quantize");
+        let saved = q.quantize(&TensorRef::new(&buf, &layout).expect("view")).expect("quantize");
         let exact = b == 0 || config.stats == StatsMode::Exact;
         let seed = match config.rounding {
             Rounding::Nearest => 0,
@@ -315,7 +317,11 @@ fn stochastic_rounding_reproducible_and_matches_reference_generator() {
                 let mut q = Quantizer::new(&device, QuantConfig { rounding: Rounding::Stochastic { seed }, ..config })
                     .expect("quantizer");
                 let buf = device.upload(&data).expect("upload");
-                q.quantize(&buf, &layout).expect("quantize").codes().to_vec().expect("codes")
+                q.quantize(&TensorRef::new(&buf, &layout).expect("view"))
+                    .expect("quantize")
+                    .codes()
+                    .to_vec()
+                    .expect("codes")
             };
             assert_eq!(codes(7), codes(7), "same seed must give the same codes");
             assert_ne!(codes(7), codes(8), "different seeds should give different codes");
@@ -348,9 +354,9 @@ fn stochastic_rounding_is_unbiased() {
                 stats: StatsMode::Exact,
             };
             let mut q = Quantizer::new(&device, config).expect("quantizer");
-            let saved = q.quantize(&buf, &layout).expect("quantize");
+            let saved = q.quantize(&TensorRef::new(&buf, &layout).expect("view")).expect("quantize");
             let mut out = device.alloc_zeros::<f32>(n).expect("alloc");
-            saved.dequantize(&device, &mut out, &layout).expect("dequantize");
+            saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dequantize");
             for (s, y) in sum.iter_mut().zip(out.to_vec().expect("download")) {
                 *s += f64::from(y);
             }
@@ -378,16 +384,17 @@ fn values_outside_the_running_range_clamp_never_wrap() {
         let mut q = Quantizer::new(&device, config).expect("quantizer");
         let layout = Layout::contiguous(&[64]);
         let first: Vec<f32> = (0..64).map(|i| i as f32 / 63.0).collect(); // range [0, 1]
-        q.quantize(&device.upload(&first).expect("up"), &layout).expect("q");
+        q.quantize(&TensorRef::new(&device.upload(&first).expect("up"), &layout).expect("view")).expect("q");
         // batch 2: far outside the running range [0, 1] on both sides
         let second: Vec<f32> = (0..64).map(|i| if i % 2 == 0 { 1000.0 } else { -1000.0 }).collect();
-        let saved = q.quantize(&device.upload(&second).expect("up"), &layout).expect("q");
+        let saved =
+            q.quantize(&TensorRef::new(&device.upload(&second).expect("up"), &layout).expect("view")).expect("q");
         let codes = saved.codes().to_vec().expect("codes");
         for (i, &c) in codes.iter().enumerate() {
             assert_eq!(c, if i % 2 == 0 { 255 } else { 0 }, "element {i} must clamp");
         }
         let mut out = device.alloc_zeros::<f32>(64).expect("alloc");
-        saved.dequantize(&device, &mut out, &layout).expect("dq");
+        saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dq");
         let p = saved.params().expect("params")[0];
         for (i, y) in out.to_vec().expect("down").into_iter().enumerate() {
             let bound = if i % 2 == 0 { p.offset + 255.0 * p.scale } else { p.offset };
@@ -406,17 +413,20 @@ fn tiny_ranges_in_half_precision_stay_finite() {
             let f: Vec<f16> = (0..40).map(|i| f16::from_f64(1.0 + f64::from(i % 3) * 2f64.powi(-10))).collect();
             let layout = Layout::contiguous(&[40]);
             let mut q = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..config }).expect("q");
-            let saved = q.quantize(&device.upload(&f).expect("up"), &layout).expect("q");
+            let saved =
+                q.quantize(&TensorRef::new(&device.upload(&f).expect("up"), &layout).expect("view")).expect("q");
             let x = reference::gather(&f, &layout);
             verify::<f16>(&device, &saved, &x, Grouping::Tensor, config.bits, Rounding::Nearest, 0, ParamsFrom::Batch);
             // subnormal range in f16: values 0 and 2^-24
             let s: Vec<f16> = (0..40).map(|i| f16::from_bits((i % 2) as u16)).collect();
-            let saved = q.quantize(&device.upload(&s).expect("up"), &layout).expect("q");
+            let saved =
+                q.quantize(&TensorRef::new(&device.upload(&s).expect("up"), &layout).expect("view")).expect("q");
             let x = reference::gather(&s, &layout);
             verify::<f16>(&device, &saved, &x, Grouping::Tensor, config.bits, Rounding::Nearest, 0, ParamsFrom::Batch);
             // bf16 with a tiny relative range at a large magnitude
             let b: Vec<bf16> = random_data(&mut rng, 40, 3.0e38, 1.0e36);
-            let saved = q.quantize(&device.upload(&b).expect("up"), &layout).expect("q");
+            let saved =
+                q.quantize(&TensorRef::new(&device.upload(&b).expect("up"), &layout).expect("view")).expect("q");
             let x = reference::gather(&b, &layout);
             verify::<bf16>(&device, &saved, &x, Grouping::Tensor, config.bits, Rounding::Nearest, 0, ParamsFrom::Batch);
             assert!(saved.params().expect("p").iter().all(|p| p.scale.is_finite() && p.offset.is_finite()));
@@ -436,24 +446,26 @@ fn constant_groups_and_single_element_groups_decode_exactly() {
             let layout = Layout::contiguous(&[2, 5, 3]);
             let config = QuantConfig { grouping, stats: StatsMode::Exact, ..QuantConfig::per_tensor() };
             let mut q = Quantizer::new(&device, config).expect("q");
-            let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+            let saved =
+                q.quantize(&TensorRef::new(&device.upload(&data).expect("up"), &layout).expect("view")).expect("q");
             let x = reference::gather(&data, &layout);
             verify::<f32>(&device, &saved, &x, grouping, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
         }
         // group size 1: every element its own group -> range 0 -> exact
         let layout = Layout::contiguous(&[1, 30]);
         let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
-        let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+        let saved = q.quantize(&TensorRef::new(&device.upload(&data).expect("up"), &layout).expect("view")).expect("q");
         let mut out = device.alloc_zeros::<f32>(30).expect("alloc");
-        saved.dequantize(&device, &mut out, &layout).expect("dq");
+        saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dq");
         assert_eq!(out.to_vec().expect("down"), data, "groups of one element decode exactly");
         // a constant group in running mode stays exact while the data stays constant
         let constant = vec![3.5f32; 30];
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
         for _ in 0..3 {
-            let saved = q.quantize(&device.upload(&constant).expect("up"), &layout).expect("q");
+            let saved =
+                q.quantize(&TensorRef::new(&device.upload(&constant).expect("up"), &layout).expect("view")).expect("q");
             let mut out = device.alloc_zeros::<f32>(30).expect("alloc");
-            saved.dequantize(&device, &mut out, &layout).expect("dq");
+            saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dq");
             assert_eq!(out.to_vec().expect("down"), constant);
         }
     }
@@ -492,17 +504,19 @@ fn non_contiguous_views_transposed_offset_and_broadcast() {
         let layout = Layout::strided(&[4, 37], &[40, 1], 1).expect("layout");
         let mut q =
             Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) }).expect("q");
-        let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+        let saved = q.quantize(&TensorRef::new(&device.upload(&data).expect("up"), &layout).expect("view")).expect("q");
         let x = reference::gather(&data, &layout);
         verify::<bf16>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
         // ... and decoded into a strided, offset destination; the gaps stay untouched
         let sentinel = bf16::from_f32(-12345.0);
         let mut out = device.upload(&vec![sentinel; 1 + 4 * 40]).expect("up");
-        saved.dequantize(&device, &mut out, &layout).expect("dq");
+        saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dq");
         let out = out.to_vec().expect("down");
         let written: std::collections::HashSet<usize> = reference::offsets(&layout).into_iter().collect();
         let mut plain = device.alloc_zeros::<bf16>(4 * 37).expect("alloc");
-        saved.dequantize(&device, &mut plain, &Layout::contiguous(&[4, 37])).expect("dq");
+        saved
+            .dequantize(&device, &mut TensorMut::new(&mut plain, &Layout::contiguous(&[4, 37])).expect("view"))
+            .expect("dq");
         let plain = plain.to_vec().expect("down");
         for (i, v) in out.iter().enumerate() {
             if !written.contains(&i) {
@@ -518,7 +532,7 @@ fn non_contiguous_views_transposed_offset_and_broadcast() {
         let layout = Layout::strided(&[5, 24], &[0, 1], 0).expect("layout");
         let mut q =
             Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) }).expect("q");
-        let saved = q.quantize(&device.upload(&row).expect("up"), &layout).expect("q");
+        let saved = q.quantize(&TensorRef::new(&device.upload(&row).expect("up"), &layout).expect("view")).expect("q");
         let x = reference::gather(&row, &layout);
         verify::<f32>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
     }
@@ -529,17 +543,19 @@ fn zero_size_tensors() {
     for device in common::backends() {
         let layout = Layout::contiguous(&[0, 12, 5]);
         let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
-        let saved = q.quantize(&device.upload(&[0f32]).expect("up"), &layout).expect("quantize empty");
+        let saved = q
+            .quantize(&TensorRef::new(&device.upload(&[0f32]).expect("up"), &layout).expect("view"))
+            .expect("quantize empty");
         assert_eq!(saved.numel(), 0);
         assert_eq!(saved.codes().len(), 0);
         let mut out = device.upload(&[1.5f32]).expect("up");
-        saved.dequantize(&device, &mut out, &layout).expect("dequantize empty");
+        saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dequantize empty");
         assert_eq!(out.to_vec().expect("down"), vec![1.5], "nothing written for an empty tensor");
         // an empty batch does not count: the next batch still initialises from exact statistics
         assert_eq!(q.batches(), 0);
         let x: Vec<f32> = (0..120).map(|i| i as f32).collect();
         let l2 = Layout::contiguous(&[2, 12, 5]);
-        let saved = q.quantize(&device.upload(&x).expect("up"), &l2).expect("q");
+        let saved = q.quantize(&TensorRef::new(&device.upload(&x).expect("up"), &l2).expect("view")).expect("q");
         let g = reference::gather(&x, &l2);
         verify::<f32>(&device, &saved, &g, Grouping::Heads { axis: 1 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
     }
@@ -556,7 +572,8 @@ fn non_finite_inputs_are_counted_and_never_decode_finite() {
         for stats in [StatsMode::Exact, StatsMode::Running] {
             let mut q = Quantizer::new(&device, QuantConfig { stats, ..QuantConfig::per_head(1) }).expect("q");
             for batch in 0..2 {
-                let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+                let saved =
+                    q.quantize(&TensorRef::new(&device.upload(&data).expect("up"), &layout).expect("view")).expect("q");
                 assert_eq!(saved.nonfinite_count().expect("count"), 3, "batch {batch}");
                 let x = reference::gather(&data, &layout);
                 let from_batch = batch == 0 || stats == StatsMode::Exact;
@@ -573,7 +590,7 @@ fn non_finite_inputs_are_counted_and_never_decode_finite() {
                     );
                 }
                 let mut out = device.alloc_zeros::<f32>(128).expect("alloc");
-                saved.dequantize(&device, &mut out, &layout).expect("dq");
+                saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dq");
                 let out = out.to_vec().expect("down");
                 for (i, y) in out.iter().enumerate() {
                     let g = (i / 16) % 4;
@@ -598,10 +615,10 @@ fn every_output_byte_is_written_over_poison() {
                 let config = QuantConfig { bits, stats: StatsMode::Exact, ..QuantConfig::per_tensor() };
                 let mut q = Quantizer::new(&device, config).expect("q");
                 let buf = device.upload(&data).expect("up");
-                let mut saved = q.quantize(&buf, &layout).expect("q");
+                let mut saved = q.quantize(&TensorRef::new(&buf, &layout).expect("view")).expect("q");
                 for poison in [0x00u8, 0xFF, 0xA5] {
                     saved.fill_for_testing(&device, poison).expect("poison");
-                    q.quantize_into(&buf, &layout, &mut saved).expect("quantize_into");
+                    q.quantize_into(&TensorRef::new(&buf, &layout).expect("view"), &mut saved).expect("quantize_into");
                     let x = reference::gather(&data, &layout);
                     verify::<f16>(&device, &saved, &x, Grouping::Tensor, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
                     assert_eq!(saved.nonfinite_count().expect("count"), 0);
@@ -628,12 +645,12 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
     let layout = Layout::strided(&[2, 8], &[row, 1], 0).expect("layout");
     let mut q =
         Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..QuantConfig::per_head(0) }).expect("q");
-    let saved = q.quantize(&input, &layout).expect("quantize");
+    let saved = q.quantize(&TensorRef::new(&input, &layout).expect("view")).expect("quantize");
     let x = reference::gather(&input, &layout);
     verify::<f32>(&device, &saved, &x, Grouping::Heads { axis: 0 }, 8, Rounding::Nearest, 0, ParamsFrom::Batch);
     drop(input);
     let mut output = vec![0f32; len];
-    saved.dequantize(&device, &mut output, &layout).expect("dequantize");
+    saved.dequantize(&device, &mut TensorMut::new(&mut output, &layout).expect("view")).expect("dequantize");
     for j in 0..8 {
         assert_eq!(output[j], value(0, j));
         assert_eq!(output[row + j], value(1, j));
@@ -663,7 +680,9 @@ fn real_activations_from_the_fixture() {
                             t.data().chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect();
                         let layout = Layout::contiguous(&shape);
                         let before = q.running_params().expect("r");
-                        let saved = q.quantize(&device.upload(&data).expect("up"), &layout).expect("q");
+                        let saved = q
+                            .quantize(&TensorRef::new(&device.upload(&data).expect("up"), &layout).expect("view"))
+                            .expect("q");
                         let x = reference::gather(&data, &layout);
                         let from = if b == 0 || stats == StatsMode::Exact {
                             ParamsFrom::Batch
@@ -692,7 +711,8 @@ fn emulator_and_gpu_give_identical_codes() {
                 let mut q = Quantizer::new(d, config).expect("q");
                 let mut out = Vec::new();
                 for _ in 0..3 {
-                    let s = q.quantize(&d.upload(&data).expect("up"), &layout).expect("q");
+                    let s =
+                        q.quantize(&TensorRef::new(&d.upload(&data).expect("up"), &layout).expect("view")).expect("q");
                     out.push((s.codes().to_vec().expect("c"), s.params().expect("p")));
                 }
                 out
@@ -702,72 +722,84 @@ fn emulator_and_gpu_give_identical_codes() {
     }
 }
 
+/// True for the error a bad layout or grouping gives.
+fn is_invalid_layout<T>(r: &Result<T, Error>) -> bool {
+    matches!(r, Err(Error::InvalidLayout { .. }))
+}
+
+/// True for a size that does not fit.
+fn is_too_large<T>(r: &Result<T, Error>) -> bool {
+    matches!(r, Err(Error::TooLarge { .. }))
+}
+
 #[test]
 fn bad_input_is_an_error_not_a_panic() {
     for device in common::backends() {
         let x = device.upload(&[0f32; 24]).expect("up");
         let l = Layout::contiguous(&[2, 3, 4]);
+        let xt = TensorRef::new(&x, &l).expect("view");
         // invalid configurations
         assert!(matches!(
             Quantizer::new(&device, QuantConfig { bits: 3, ..QuantConfig::per_tensor() }),
-            Err(Error::LegacyUnsupported(_))
+            Err(Error::Unsupported { .. })
         ));
-        assert!(matches!(
-            Quantizer::new(&device, QuantConfig { momentum: 1.5, ..QuantConfig::per_tensor() }),
-            Err(Error::LegacyShape(_))
-        ));
-        assert!(matches!(
-            Quantizer::new(&device, QuantConfig { momentum: f32::NAN, ..QuantConfig::per_tensor() }),
-            Err(Error::LegacyShape(_))
-        ));
+        for momentum in [1.5, -0.1, f32::NAN] {
+            match Quantizer::new(&device, QuantConfig { momentum, ..QuantConfig::per_tensor() }) {
+                Err(Error::InvalidArgument { name, .. }) => assert_eq!(name, "momentum"),
+                other => panic!("momentum {momentum}: {other:?}"),
+            }
+        }
         // groups that do not divide the axis, axis out of range
         let mut q = Quantizer::new(
             &device,
             QuantConfig { grouping: Grouping::Channels { axis: 2, groups: 3 }, ..QuantConfig::per_tensor() },
         )
         .expect("q");
-        assert!(matches!(q.quantize(&x, &l), Err(Error::LegacyShape(_))));
+        assert!(is_invalid_layout(&q.quantize(&xt)));
         let mut q = Quantizer::new(&device, QuantConfig::per_head(3)).expect("q");
-        assert!(matches!(q.quantize(&x, &l), Err(Error::LegacyShape(_))));
-        // buffer too short for the view (shape, offset, strides)
+        assert!(is_invalid_layout(&q.quantize(&xt)));
+        // buffer too short for the view (shape, offset, strides): rejected by the view itself
         let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
-        assert!(matches!(q.quantize(&x, &Layout::contiguous(&[2, 3, 5])), Err(Error::BufferTooShort { .. })));
+        assert!(matches!(TensorRef::new(&x, &Layout::contiguous(&[2, 3, 5])), Err(Error::BufferTooShort { .. })));
         assert!(matches!(
-            q.quantize(&x, &Layout::strided(&[2, 3, 4], &[12, 4, 1], 1).expect("l")),
+            TensorRef::new(&x, &Layout::strided(&[2, 3, 4], &[12, 4, 1], 1).expect("l")),
             Err(Error::BufferTooShort { .. })
         ));
         assert!(matches!(
-            q.quantize(&x, &Layout::strided(&[2, 3, 4], &[13, 4, 1], 0).expect("l")),
+            TensorRef::new(&x, &Layout::strided(&[2, 3, 4], &[13, 4, 1], 0).expect("l")),
             Err(Error::BufferTooShort { .. })
         ));
         // shape/stride rank mismatch; overflowing views
-        assert!(matches!(Layout::strided(&[2, 3], &[1], 0), Err(Error::LegacyShape(_))));
-        assert!(matches!(
-            q.quantize(&x, &Layout::strided(&[usize::MAX / 2, 3, 4], &[1, 1, 1], 0).expect("l")),
-            Err(Error::LegacyTooLarge(_) | Error::BufferTooShort { .. })
-        ));
+        assert!(is_invalid_layout(&Layout::strided(&[2, 3], &[1], 0)));
+        let huge = TensorRef::new(&x, &Layout::strided(&[usize::MAX / 2, 3, 4], &[1, 1, 1], 0).expect("l"));
+        assert!(is_too_large(&huge) || matches!(huge, Err(Error::BufferTooShort { .. })));
         // a saved activation decoded into the wrong shape, a too-short or overlapping output
-        let saved = q.quantize(&x, &l).expect("q");
+        let saved = q.quantize(&xt).expect("q");
         let mut out = device.alloc_zeros::<f32>(24).expect("alloc");
-        assert!(matches!(
-            saved.dequantize(&device, &mut out, &Layout::contiguous(&[2, 4, 3])),
-            Err(Error::LegacyShape(_))
-        ));
+        match saved.dequantize(&device, &mut TensorMut::contiguous(&mut out, &[2, 4, 3]).expect("view")) {
+            Err(Error::ShapeMismatch { expected, got, .. }) => {
+                assert_eq!((expected, got), (vec![2, 3, 4], vec![2, 4, 3]));
+            }
+            other => panic!("wrong output shape: {other:?}"),
+        }
         let mut short = device.alloc_zeros::<f32>(23).expect("alloc");
-        assert!(matches!(saved.dequantize(&device, &mut short, &l), Err(Error::BufferTooShort { .. })));
-        assert!(matches!(
-            saved.dequantize(&device, &mut out, &Layout::strided(&[2, 3, 4], &[0, 4, 1], 0).expect("l")),
-            Err(Error::LegacyShape(_))
-        ));
+        assert!(matches!(TensorMut::new(&mut short, &l), Err(Error::BufferTooShort { .. })));
+        assert!(is_invalid_layout(&TensorMut::new(&mut out, &Layout::strided(&[2, 3, 4], &[0, 4, 1], 0).expect("l"))));
         // the group count of a quantizer is fixed by its first batch
         let y = device.upload(&[0f32; 40]).expect("up");
-        assert!(matches!(q.quantize(&y, &Layout::contiguous(&[2, 5, 4])), Err(Error::LegacyShape(_))));
+        let yt = TensorRef::contiguous(&y, &[2, 5, 4]).expect("view");
+        assert!(matches!(q.quantize(&yt), Err(Error::InvalidLayout { .. })));
+        // a handle sized for another tensor
+        let mut other = q.quantize(&xt).expect("q");
+        let mut q2 = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
+        assert!(matches!(q2.quantize_into(&yt, &mut other), Err(Error::InvalidArgument { .. })));
         // more than MAX_DIMS dimensions that cannot merge
         let big = device.upload(&vec![0f32; 4096]).expect("up");
         let l7 = Layout::strided(&[2; 7], &[2048, 512, 128, 32, 8, 2, 1], 0).expect("l");
         let l7 = l7.transpose(0, 6).expect("t");
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-        assert!(matches!(q.quantize(&big, &l7), Err(Error::LegacyUnsupported(_))));
+        let r = q.quantize(&TensorRef::new(&big, &l7).expect("view"));
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
     }
 }
 
@@ -778,10 +810,17 @@ fn memory_of_the_wrong_backend_is_rejected() {
     let host = vec![1f32; 16];
     let l = Layout::contiguous(&[16]);
     let mut q = Quantizer::new(&gpu, QuantConfig::per_tensor()).expect("q");
-    assert!(matches!(q.quantize(&host, &l), Err(Error::LegacyWrongBackend(_))));
+    assert!(matches!(q.quantize(&TensorRef::new(&host, &l).expect("view")), Err(Error::WrongBackend { .. })));
     let dev_buf = gpu.upload(&host).expect("up");
     let mut qe = Quantizer::new(&emu, QuantConfig::per_tensor()).expect("q");
-    assert!(matches!(qe.quantize(&dev_buf, &l), Err(Error::LegacyWrongBackend(_))));
+    assert!(matches!(qe.quantize(&TensorRef::new(&dev_buf, &l).expect("view")), Err(Error::WrongBackend { .. })));
+    // a handle of one backend decoded on the other
+    let saved = q.quantize(&TensorRef::new(&dev_buf, &l).expect("view")).expect("q");
+    let mut out = vec![0f32; 16];
+    assert!(matches!(
+        saved.dequantize(&emu, &mut TensorMut::new(&mut out, &l).expect("view")),
+        Err(Error::WrongBackend { .. })
+    ));
     // a misaligned raw device pointer
     let ptr = match &dev_buf {
         mesa_kernels::Buffer::Cuda(s) => {
@@ -794,7 +833,10 @@ fn memory_of_the_wrong_backend_is_rejected() {
     };
     // SAFETY: the allocation holds 16 f32; the view below is rejected before any access.
     let raw = unsafe { mesa_kernels::RawDeviceSlice::<f32>::new(ptr + 2, 8) };
-    assert!(matches!(q.quantize(&raw, &Layout::contiguous(&[8])), Err(Error::Misaligned { .. })));
+    assert!(matches!(
+        q.quantize(&TensorRef::new(&raw, &Layout::contiguous(&[8])).expect("view")),
+        Err(Error::Misaligned { .. })
+    ));
 }
 
 #[test]
@@ -814,15 +856,17 @@ fn extreme_ranges_decode_within_half_a_step() {
             for data in &cases {
                 let layout = Layout::contiguous(&[8]);
                 let mut q = Quantizer::new(&device, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
-                let saved = q.quantize(&device.upload(data).expect("up"), &layout).expect("q");
+                let saved =
+                    q.quantize(&TensorRef::new(&device.upload(data).expect("up"), &layout).expect("view")).expect("q");
                 let x = reference::gather(data, &layout);
                 verify::<f32>(&device, &saved, &x, Grouping::Tensor, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
                 assert!(saved.params().expect("p").iter().all(|p| p.scale.is_finite()), "{data:?}");
                 // an ordinary batch afterwards (one pass with the running estimate) decodes finite
                 let next: Vec<f32> = (0..8).map(|i| i as f32 * 0.1).collect();
-                let saved = q.quantize(&device.upload(&next).expect("up"), &layout).expect("q");
+                let saved =
+                    q.quantize(&TensorRef::new(&device.upload(&next).expect("up"), &layout).expect("view")).expect("q");
                 let mut out = device.alloc_zeros::<f32>(8).expect("alloc");
-                saved.dequantize(&device, &mut out, &layout).expect("dq");
+                saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dq");
                 assert!(out.to_vec().expect("down").iter().all(|v| v.is_finite()), "after {data:?}");
             }
             // bf16 subnormal and extreme inputs
@@ -831,7 +875,8 @@ fn extreme_ranges_decode_within_half_a_step() {
             for pair in [&b[..4], &b[4..]] {
                 let layout = Layout::contiguous(&[4]);
                 let mut q = Quantizer::new(&device, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
-                let saved = q.quantize(&device.upload(pair).expect("up"), &layout).expect("q");
+                let saved =
+                    q.quantize(&TensorRef::new(&device.upload(pair).expect("up"), &layout).expect("view")).expect("q");
                 let x = reference::gather(pair, &layout);
                 verify::<bf16>(&device, &saved, &x, Grouping::Tensor, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
             }
@@ -847,16 +892,159 @@ fn sizes_that_overflow_are_errors() {
         let one = device.upload(&[1f32]).expect("up");
         let view = Layout::strided(&[(1usize << 61) + 8], &[0], 0).expect("layout");
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-        assert!(matches!(q.quantize(&one, &view), Err(Error::LegacyTooLarge(_))));
-        assert!(matches!(device.alloc_zeros::<f32>(usize::MAX), Err(Error::LegacyTooLarge(_) | Error::LegacyCuda(_))));
+        assert!(matches!(q.quantize(&TensorRef::new(&one, &view).expect("view")), Err(Error::TooLarge { .. })));
+        let r = device.alloc_zeros::<f32>(usize::MAX);
+        assert!(is_too_large(&r) || matches!(r, Err(Error::Driver { .. })));
         // empty tensors with a zero-length or split group axis
         for grouping in [Grouping::Channels { axis: 0, groups: 2 }, Grouping::Heads { axis: 0 }] {
             let layout = Layout::contiguous(&[0, 4]);
             let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
-            let saved = q.quantize(&one, &layout).expect("empty quantize");
+            let saved = q.quantize(&TensorRef::new(&one, &layout).expect("view")).expect("empty quantize");
             let mut out = device.upload(&[7f32]).expect("up");
-            saved.dequantize(&device, &mut out, &layout).expect("empty dequantize");
+            saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("empty dequantize");
             assert_eq!(out.to_vec().expect("down"), vec![7.0]);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Regressions of issue 8 (no panic on any input). The overflow cases panic only in a build
+// with overflow checks (`RUSTFLAGS="-C overflow-checks=on"`, as CI runs the suite once more).
+
+/// An empty grouped axis, and empty tensors whose other dimensions multiply past `usize`.
+#[test]
+fn reference_group_index_of_empty_and_huge_shapes() {
+    let huge = 1usize << 40;
+    // a zero-length head axis: zero groups, no element (was a division by zero)
+    assert_eq!(rq::group_index(&[2, 0, 5], &Grouping::Heads { axis: 1 }).expect("empty axis"), Vec::<usize>::new());
+    assert_eq!(
+        rq::group_index(&[2, 0, 6], &Grouping::Channels { axis: 1, groups: 3 }).expect("empty split axis"),
+        Vec::<usize>::new()
+    );
+    // empty, with trailing dimensions whose product overflows (was an overflow panic)
+    for grouping in [Grouping::Heads { axis: 0 }, Grouping::Channels { axis: 0, groups: 1 }, Grouping::Tensor] {
+        assert_eq!(rq::group_index(&[0, huge, huge], &grouping).expect("empty"), Vec::<usize>::new());
+    }
+    assert_eq!(rq::group_index(&[huge, huge, 0], &Grouping::Heads { axis: 1 }).expect("empty"), Vec::<usize>::new());
+    // a non-empty shape whose element count overflows: an error, not a wrapped count
+    assert!(matches!(rq::group_index(&[huge, huge, 2], &Grouping::Tensor), Err(Error::TooLarge { .. })));
+    // and the ordinary case still indexes groups: [2, 3, 2] heads on axis 1
+    assert_eq!(
+        rq::group_index(&[2, 3, 2], &Grouping::Heads { axis: 1 }).expect("groups"),
+        vec![0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
+    );
+}
+
+/// `quantize` of an empty tensor whose trailing dimensions multiply past `usize` (the kernel
+/// view merged them before the empty case was seen).
+#[test]
+fn empty_tensors_with_huge_trailing_dimensions_quantize() {
+    let huge = 1usize << 40;
+    for device in common::backends() {
+        for (shape, grouping, groups) in [
+            (vec![0, huge, huge], Grouping::Heads { axis: 0 }, 0),
+            (vec![3, 0, huge, huge], Grouping::Heads { axis: 1 }, 0),
+            (vec![0, huge, huge], Grouping::Channels { axis: 1, groups: 4 }, 4),
+        ] {
+            let one = device.upload(&[1f32]).expect("up");
+            let layout = Layout::contiguous(&shape);
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            let saved = q.quantize(&TensorRef::new(&one, &layout).expect("view")).expect("empty quantize");
+            assert_eq!((saved.numel(), saved.codes().len(), saved.num_groups()), (0, 0, groups), "{shape:?}");
+            assert_eq!(q.batches(), 0, "an empty batch does not count");
+            let mut out = vec![7f32];
+            saved.dequantize(&device, &mut TensorMut::new(&mut out, &layout).expect("view")).expect("dequantize");
+            assert_eq!(out, vec![7.0], "nothing written");
+        }
+    }
+}
+
+/// The fused producers' shared encoder (`Quantizer::produce`) multiplied the trailing
+/// dimensions of an empty tensor for the group run.
+#[test]
+fn fused_producer_on_an_empty_tensor_with_huge_trailing_dimensions() {
+    let huge = 1usize << 40;
+    for device in common::backends() {
+        let x = vec![1f32];
+        let mut y = vec![5f32];
+        let layout = Layout::contiguous(&[0, huge, huge]);
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(0)).expect("q");
+        let saved = mesa_kernels::fused::gelu_forward(
+            &device,
+            &mut q,
+            mesa_kernels::GeluForm::Erf,
+            &x,
+            &layout,
+            &mut y,
+            &layout,
+        )
+        .expect("empty GELU forward");
+        assert_eq!((saved.numel(), saved.num_groups()), (0, 0));
+        assert_eq!(y, vec![5.0], "nothing written");
+    }
+}
+
+/// `SavedActivation::allocate` multiplied the shape before checking it; its group map
+/// multiplied the trailing dimensions of an empty tensor (reached through the softmax
+/// producer, which allocates its handle itself).
+#[test]
+fn saved_handles_check_the_shape_before_sizing() {
+    let huge = 1usize << 40;
+    for device in common::backends() {
+        let save = mesa_kernels::SoftmaxSave::per_head(0);
+        // a broadcast view of 2^80 elements over one element: too large, before any product
+        let x = vec![0f32];
+        let mut y = vec![0f32];
+        let bcast = Layout::strided(&[huge, huge], &[0, 0], 0).expect("layout");
+        let r = mesa_kernels::fused::softmax_forward(&device, &save, &x, &bcast, None, &mut y, &bcast);
+        assert!(matches!(r, Err(Error::TooLarge { .. })), "{r:?}");
+        // empty, with trailing dimensions past usize: no panic
+        let empty = Layout::contiguous(&[0, huge, huge]);
+        let r = mesa_kernels::fused::softmax_forward(&device, &save, &x, &empty, None, &mut y, &empty);
+        if let Ok(saved) = &r {
+            assert_eq!(saved.numel(), 0);
+        }
+        assert_eq!(y, vec![0.0], "nothing written");
+    }
+}
+
+/// The rest of `reference` (audit for issue 8): no input panics — widths past 31 bits, code
+/// buffers shorter than their count, rows that do not tile the data, views past the data.
+#[test]
+fn reference_functions_take_any_input_without_panicking() {
+    use mesa_kernels::reference::fused as rf;
+    // 2^bits - 1 for any width (was a shift overflow at 32 bits)
+    assert_eq!(rq::levels(8), 255.0);
+    assert_eq!(rq::levels(32), 4_294_967_295.0);
+    assert_eq!(rq::encode_nearest(1.0, 0.0, 1.0 / 4_294_967_295.0, 32), u32::MAX);
+    assert_eq!(rf::sqrt_code_nearest(1.0, 1.0 / 4_294_967_295.0, 32), u32::MAX);
+    // unpacking: codes present are decoded; unsupported widths and missing bytes give none
+    assert_eq!(rq::unpack_codes(&[0b1110_0100], 4, 2), vec![0, 1, 2, 3]);
+    assert_eq!(rq::unpack_codes(&[0b1110_0100], 9, 2), vec![0, 1, 2, 3]);
+    assert!(rq::unpack_codes(&[1, 2], 2, 0).is_empty());
+    assert!(rq::unpack_codes(&[1, 2], 2, 3).is_empty());
+    assert!(rq::unpack_codes(&[1, 2], 2, 16).is_empty());
+    // softmax rows: a trailing partial row is its own row; a short mask counts as 0
+    let y = rf::softmax_rows(&[0.0, 0.0, 5.0], Some(&[0.0]), 2);
+    assert_eq!(y, vec![0.5, 0.5, 1.0]);
+    let dx = rf::softmax_backward_rows(&[0.5, 0.5, 1.0], &[1.0], 2);
+    assert_eq!(dx, vec![0.25, -0.25, 0.0]);
+    // LayerNorm: short weight/bias count as 1/0, a short gradient as 0
+    let f = rf::layer_norm_rows(&[1.0, 3.0], Some(&[2.0]), Some(&[]), 0.0, 2);
+    assert_eq!(f.y, vec![-2.0, 1.0]);
+    let (dxl, dw, db) = rf::layer_norm_backward_rows(&f.xhat, &f.rstd, Some(&[2.0]), &[1.0], 2);
+    assert_eq!((dw, db), (vec![-1.0, 0.0], vec![1.0, 0.0]));
+    assert!(dxl.iter().all(|v| v.is_finite()));
+    let data = [1f32, 2.0, 3.0];
+    assert!(matches!(
+        reference::try_gather(&data, &Layout::contiguous(&[4])),
+        Err(Error::BufferTooShort { needed: 4, len: 3, .. })
+    ));
+    let view = Layout::strided(&[2, 2], &[1, 1], 0).expect("layout");
+    assert_eq!(reference::try_gather(&data, &view).expect("fits"), vec![1.0, 2.0, 2.0, 3.0]);
+    assert_eq!(reference::gather(&data, &view), vec![1.0, 2.0, 2.0, 3.0]);
+    assert_eq!(reference::offsets(&view), vec![0, 1, 1, 2]);
+    // offsets of a view past usize saturate instead of overflowing
+    let far = Layout::strided(&[2], &[usize::MAX], 1).expect("layout");
+    assert_eq!(reference::offsets(&far), vec![1, usize::MAX]);
 }

@@ -36,7 +36,9 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use mesa_kernels::reference::{self, quant::group_index};
-use mesa_kernels::{Device, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
+use mesa_kernels::{
+    Device, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode, TensorMut, TensorRef,
+};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::{json, Value};
 
@@ -432,28 +434,32 @@ fn quantize_series(device: &Device, series: &Series, options: &Options) -> Resul
         Rounding::Nearest => 0.5,
         Rounding::Stochastic { .. } => 1.0,
     };
-    series
-        .batches
-        .iter()
-        .map(|act| {
-            measure(device, &mut quantizers, series, act, bound).map_err(|e| format!("`{}`: {e}", act.name).into())
-        })
-        .collect()
+    let mut rows = Vec::new();
+    for act in &series.batches {
+        if act.view.contains(&0) {
+            // nothing to quantize or measure (an empty grouped axis has no group at all)
+            eprintln!("compress_report: skipping `{}`: shape {:?} has no elements", act.name, act.shape);
+            continue;
+        }
+        rows.push(measure(device, &mut quantizers, series, act, bound).map_err(|e| format!("`{}`: {e}", act.name))?);
+    }
+    Ok(rows)
 }
 
 fn measure(device: &Device, q: &mut Quantizers, series: &Series, act: &Activation, bound: f64) -> Result<Row> {
     let layout = Layout::contiguous(&act.view);
     let x = device.upload(&act.data)?;
-    let input = reference::gather(&act.data, &layout); // f64, logical order
+    let x = TensorRef::new(&x, &layout)?;
+    let input = reference::try_gather(&act.data, &layout)?; // f64, logical order
 
-    let saved = q.headwise.quantize(&x, &layout)?;
-    let decoded = reference::gather(&decode(device, &saved, &layout)?, &layout);
+    let saved = q.headwise.quantize(&x)?;
+    let decoded = reference::try_gather(&decode(device, &saved, &layout)?, &layout)?;
     let scales: Vec<f64> = saved.params()?.iter().map(|p| f64::from(p.scale)).collect();
     let groups = group_index(&act.view, &series.grouping)?;
     let error = ErrorStats::measure(&input, &decoded, &groups, &scales, bound);
 
-    let per_tensor = reference::gather(&decode(device, &q.per_tensor.quantize(&x, &layout)?, &layout)?, &layout);
-    let exact_stats = reference::gather(&decode(device, &q.exact.quantize(&x, &layout)?, &layout)?, &layout);
+    let per_tensor = reference::try_gather(&decode(device, &q.per_tensor.quantize(&x)?, &layout)?, &layout)?;
+    let exact_stats = reference::try_gather(&decode(device, &q.exact.quantize(&x)?, &layout)?, &layout)?;
     Ok(Row {
         name: act.name.clone(),
         kind: series.kind.clone(),
@@ -475,7 +481,7 @@ fn measure(device: &Device, q: &mut Quantizers, series: &Series, act: &Activatio
 /// Decodes a saved activation to f32 on the host.
 fn decode(device: &Device, saved: &SavedActivation, layout: &Layout) -> Result<Vec<f32>> {
     let mut out = device.alloc_zeros::<f32>(layout.numel())?;
-    saved.dequantize(device, &mut out, layout)?;
+    saved.dequantize(device, &mut TensorMut::new(&mut out, layout)?)?;
     Ok(out.to_vec()?)
 }
 

@@ -10,6 +10,10 @@
  *   x^ = code * scale + offset.
  * Codes are stored in the logical row-major order of the tensor's shape; bits < 8 pack
  * 8/bits codes per byte, the first element in the least significant bits.
+ *
+ * In-place: not supported by any entry point here (overlapping inputs and outputs: x with
+ * codes/params/stats, y with codes/params; the safe crate rejects them with
+ * Error::Aliasing). The safe crate launches nothing for an empty tensor (numel 0).
  */
 #ifndef MESA_QUANT_H
 #define MESA_QUANT_H

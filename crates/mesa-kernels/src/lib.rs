@@ -47,7 +47,7 @@
 //!   same call is rejected ([`Error::Aliasing`]); no op computes in place.
 //!
 //! ```
-//! use mesa_kernels::{Device, Layout, Quantizer, QuantConfig};
+//! use mesa_kernels::{Device, Layout, Quantizer, QuantConfig, TensorMut, TensorRef};
 //!
 //! # fn main() -> mesa_kernels::Result<()> {
 //! let device = Device::best_available();
@@ -58,11 +58,11 @@
 //! let layout = Layout::contiguous(&shape);
 //!
 //! let mut quantizer = Quantizer::new(&device, QuantConfig::per_head(2))?;
-//! let saved = quantizer.quantize(&x, &layout)?;          // forward: keep 1 byte/element
+//! let saved = quantizer.quantize(&TensorRef::new(&x, &layout)?)?; // forward: 1 byte/element
 //! assert!(saved.size_in_bytes() < host.len() * 4 / 3);
 //!
 //! let mut restored = device.alloc_zeros::<f32>(host.len())?; // backward: decode
-//! saved.dequantize(&device, &mut restored, &layout)?;
+//! saved.dequantize(&device, &mut TensorMut::new(&mut restored, &layout)?)?;
 //! let restored = restored.to_vec()?;
 //! let step = saved.params()?.iter().map(|p| p.scale).fold(0.0f32, f32::max);
 //! assert!(host.iter().zip(&restored).all(|(a, b)| (a - b).abs() <= 0.5 * step * 1.0001));

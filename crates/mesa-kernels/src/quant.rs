@@ -198,8 +198,8 @@ impl Quantizer {
     /// A quantizer for `device`.
     ///
     /// # Errors
-    /// [`Error::Unsupported`] for a bit width other than 8, 4, 2; [`Error::Shape`] for a
-    /// momentum outside `[0, 1]`.
+    /// [`Error::Unsupported`] for a bit width other than 8, 4, 2; [`Error::InvalidArgument`]
+    /// for a momentum outside `[0, 1]` (or NaN).
     pub fn new(device: &Device, config: QuantConfig) -> Result<Self> {
         config.check()?;
         Ok(Quantizer { device: device.clone(), config, state: None, batches: 0 })
@@ -240,11 +240,17 @@ impl Quantizer {
     ///
     /// Shapes: any rank; the group axis per [`QuantConfig::grouping`]. dtypes: f32, f16, bf16.
     /// Bytes moved: `numel · sizeof(T)` read (twice in [`StatsMode::Exact`] and on the first
-    /// batch), `numel · bits / 8` written.
+    /// batch), `numel · bits / 8` written. An empty tensor launches nothing and does not count
+    /// as a batch. In-place: not applicable (the codes are new memory); a raw input pointer
+    /// into the handle's buffers is rejected (overlapping inputs and outputs →
+    /// [`Error::Aliasing`]).
     ///
     /// # Errors
     /// [`Error::InvalidLayout`] (bad grouping, group count differing from the first batch),
-    /// [`Error::TooLarge`], [`Error::WrongBackend`], [`Error::Misaligned`], CUDA errors.
+    /// [`Error::TooLarge`] (code count overflows), [`Error::Unsupported`] (more than
+    /// [`MAX_DIMS`](crate::MAX_DIMS) dimensions that cannot merge), [`Error::WrongBackend`],
+    /// [`Error::Misaligned`], [`Error::Aliasing`], CUDA errors ([`Error::Driver`],
+    /// [`Error::CudaRuntime`]).
     pub fn quantize<T: Element>(&mut self, x: &TensorRef<'_, T>) -> Result<SavedActivation> {
         let mut saved = self.new_saved(x.layout(), T::DTYPE)?;
         self.quantize_into(x, &mut saved)?;
@@ -259,8 +265,13 @@ impl Quantizer {
     /// As [`Quantizer::quantize`], plus [`Error::InvalidArgument`] when `saved` is sized
     /// differently.
     pub fn quantize_into<T: Element>(&mut self, x: &TensorRef<'_, T>, saved: &mut SavedActivation) -> Result<()> {
-        let view = kernel_view(x.layout(), &self.config.grouping, T::DTYPE)?;
-        let groups = view.grouping.count as usize;
+        let groups = self.config.grouping.num_groups(x.shape())?;
+        // the kernel view merges dimensions: only for a non-empty tensor (its sub-products
+        // are then bounded by the checked element count); nothing is launched otherwise
+        let view = match x.numel() {
+            0 => None,
+            _ => Some(kernel_view(x.layout(), &self.config.grouping, T::DTYPE)?),
+        };
         let code_len = code_bytes(x.numel(), self.config.bits)?;
         if saved.codes.len() != code_len || saved.params.len() != groups || saved.nonfinite.len() != 1 {
             return Err(Error::invalid_argument(
@@ -279,6 +290,8 @@ impl Quantizer {
             // SAFETY (both kernels): `xp` is the registered input view described by
             // `view.desc`; the sink's codes/params/stats are the saved handle's and the
             // quantizer's buffers, registered by `encode` and sized there for this tensor.
+            // (`encode` runs no step for an empty tensor, the only case without a view.)
+            let view = view.as_ref().ok_or(Error::KernelArgument { op: "quantize of an empty tensor" })?;
             match step {
                 ProducerStep::Stats => {
                     let args = sys::MesaQuantStatsArgs {
@@ -422,27 +435,20 @@ impl Quantizer {
         strides: &[usize],
         mut launch: impl FnMut(ProducerStep, sys::MesaCodeSink) -> Result<()>,
     ) -> Result<SavedActivation> {
-        let numel = shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::LegacyTooLarge("element count".into()))?;
-        let (axis, span, groups) = self.config.grouping.resolve(shape)?;
-        let group_run = match axis {
-            Some(a) => span * shape[a + 1..].iter().product::<usize>(),
-            None => 1,
-        }
-        .max(1);
         let layout = Layout::strided(shape, strides, 0)?;
+        // element count checked and the handle sized before any product of the shape
         let mut saved = self.new_saved(&layout, T::DTYPE)?;
-        if numel == 0 {
+        let groups = saved.params.len();
+        if saved.numel() == 0 {
             self.device.copy_into(&vec![GroupParams::default(); groups], &mut saved.params)?;
             self.device.copy_into(&[0u32], &mut saved.nonfinite)?;
             return Ok(saved);
         }
+        let group_run = saved.group_map()?.0;
         self.state_for(groups)?;
         let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
         let Quantizer { device, config, state, .. } = self;
-        let state = state.as_mut().ok_or_else(|| Error::LegacyShape("quantizer state missing".into()))?;
+        let state = state.as_mut().ok_or(Error::KernelArgument { op: "quantizer state" })?;
         let mut stats_mem = state.stats.mem_mut();
         let stats_p = device.write_ptr(&mut stats_mem, 0, "stats")?;
         let mut running_mem = state.running.mem_mut();
@@ -712,11 +718,15 @@ impl SavedActivation {
     /// independent of the original dtype). Stream-ordered. Each value is
     /// `q = code · scale + offset` (f32 `fmaf`), squared for [`Companding::Sqrt`].
     ///
-    /// Bytes moved: `numel · bits / 8` read, `numel · sizeof(T)` written.
+    /// Bytes moved: `numel · bits / 8` read, `numel · sizeof(T)` written. In-place: not
+    /// supported (an output overlapping the codes or parameters → [`Error::Aliasing`]).
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`], [`Error::WrongBackend`], [`Error::Misaligned`],
-    /// [`Error::Aliasing`] (a raw output pointer into the codes), CUDA errors.
+    /// [`Error::ShapeMismatch`] (output shape differs from the original's),
+    /// [`Error::InvalidLayout`] (the saved grouping does not fit the shape),
+    /// [`Error::Unsupported`] (too many dimensions that cannot merge), [`Error::WrongBackend`],
+    /// [`Error::Misaligned`], [`Error::Aliasing`] (a raw output pointer into the codes), CUDA
+    /// errors.
     pub fn dequantize<T: Element>(&self, device: &Device, y: &mut TensorMut<'_, T>) -> Result<()> {
         if y.shape() != self.meta.shape.as_slice() {
             return Err(Error::shape_mismatch("dequantize output", &self.meta.shape, y.shape()));

@@ -1,6 +1,11 @@
 //! Reference for the fused ops ([`crate::fused`]): GELU, softmax over the last axis,
 //! LayerNorm over the last axis, forward and backward, in f64 with plain loops over rows of
 //! logical (row-major) data. Shares no code with the kernels.
+//!
+//! No input panics: `cols == 0` gives zeros; when the data does not hold whole rows, the
+//! trailing partial row is its own (shorter) row (softmax) or is left 0 (LayerNorm); mask,
+//! weight, bias and gradient values missing past the end of a shorter slice count as 0, 1, 0
+//! and 0.
 use crate::fused::GeluForm;
 
 /// `erf(x)` in f64: Maclaurin series below |x| = 3, continued fraction of `erfc` above
@@ -73,8 +78,12 @@ pub fn softmax_rows(x: &[f64], mask: Option<&[f64]>, cols: usize) -> Vec<f64> {
     if cols == 0 {
         return y;
     }
-    for (r, out) in y.chunks_mut(cols).enumerate() {
-        let v: Vec<f64> = (0..cols).map(|c| x[r * cols + c] + mask.map_or(0.0, |m| m[r * cols + c])).collect();
+    for (r, (xs, out)) in x.chunks(cols).zip(y.chunks_mut(cols)).enumerate() {
+        let v: Vec<f64> = xs
+            .iter()
+            .enumerate()
+            .map(|(c, &xi)| xi + mask.and_then(|m| m.get(r * cols + c)).copied().unwrap_or(0.0))
+            .collect();
         let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         if m == f64::NEG_INFINITY {
             continue; // fully masked: zeros
@@ -95,11 +104,12 @@ pub fn softmax_backward_rows(y: &[f64], dy: &[f64], cols: usize) -> Vec<f64> {
     if cols == 0 {
         return dx;
     }
-    for r in 0..y.len() / cols {
-        let row = r * cols..(r + 1) * cols;
-        let dot: f64 = y[row.clone()].iter().zip(&dy[row.clone()]).map(|(a, b)| a * b).sum();
+    let grad = |i: usize| dy.get(i).copied().unwrap_or(0.0);
+    for start in (0..y.len()).step_by(cols) {
+        let row = start..(start + cols).min(y.len());
+        let dot: f64 = row.clone().map(|i| y[i] * grad(i)).sum();
         for i in row {
-            dx[i] = y[i] * (dy[i] - dot);
+            dx[i] = y[i] * (grad(i) - dot);
         }
     }
     dx
@@ -110,7 +120,7 @@ pub fn softmax_backward_rows(y: &[f64], dy: &[f64], cols: usize) -> Vec<f64> {
 /// `L = 2^bits − 1`, `scale` the saved step (`1/L` rounded to f32). `y < 0` or NaN give 0.
 #[must_use]
 pub fn sqrt_code_nearest(y: f64, scale: f64, bits: u32) -> u32 {
-    let levels = f64::from((1u32 << bits) - 1);
+    let levels = super::quant::levels(bits);
     let t = if y > 0.0 { y.sqrt() / scale } else { 0.0 };
     t.round_ties_even().clamp(0.0, levels) as u32
 }
@@ -118,7 +128,7 @@ pub fn sqrt_code_nearest(y: f64, scale: f64, bits: u32) -> u32 {
 /// Stochastic square-root companded code for `u ∈ [0, 1)`: `clamp(floor(√y / scale + u), 0, L)`.
 #[must_use]
 pub fn sqrt_code_stochastic(y: f64, scale: f64, bits: u32, u: f64) -> u32 {
-    let levels = f64::from((1u32 << bits) - 1);
+    let levels = super::quant::levels(bits);
     let t = if y > 0.0 { y.sqrt() / scale } else { 0.0 };
     (t + u).floor().clamp(0.0, levels) as u32
 }
@@ -172,10 +182,10 @@ pub fn layer_norm_rows(
         let mean = row.iter().sum::<f64>() / cols as f64;
         let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
         let rstd = 1.0 / (var + eps).sqrt();
-        for c in 0..cols {
-            let xh = (row[c] - mean) * rstd;
+        for (c, &xc) in row.iter().enumerate() {
+            let xh = (xc - mean) * rstd;
             f.xhat[r * cols + c] = xh;
-            f.y[r * cols + c] = xh * weight.map_or(1.0, |w| w[c]) + bias.map_or(0.0, |b| b[c]);
+            f.y[r * cols + c] = xh * value_or(weight, c, 1.0) + value_or(bias, c, 0.0);
         }
         f.mean.push(mean);
         f.rstd.push(rstd);
@@ -198,14 +208,20 @@ pub fn layer_norm_backward_rows(
     let mut db = vec![0.0; cols];
     for (r, &rs) in rstd.iter().enumerate().take(rows) {
         let i0 = r * cols;
-        let g: Vec<f64> = (0..cols).map(|c| dy[i0 + c] * weight.map_or(1.0, |w| w[c])).collect();
+        let dyr: Vec<f64> = (0..cols).map(|c| dy.get(i0 + c).copied().unwrap_or(0.0)).collect();
+        let g: Vec<f64> = (0..cols).map(|c| dyr[c] * value_or(weight, c, 1.0)).collect();
         let a = g.iter().sum::<f64>() / cols as f64;
         let b = (0..cols).map(|c| g[c] * xhat[i0 + c]).sum::<f64>() / cols as f64;
         for c in 0..cols {
             dx[i0 + c] = rs * (g[c] - a - xhat[i0 + c] * b);
-            dw[c] += dy[i0 + c] * xhat[i0 + c];
-            db[c] += dy[i0 + c];
+            dw[c] += dyr[c] * xhat[i0 + c];
+            db[c] += dyr[c];
         }
     }
     (dx, dw, db)
+}
+
+/// `v[i]`, or `default` when `v` is `None` or shorter.
+fn value_or(v: Option<&[f64]>, i: usize, default: f64) -> f64 {
+    v.and_then(|v| v.get(i)).copied().unwrap_or(default)
 }

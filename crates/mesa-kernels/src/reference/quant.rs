@@ -1,23 +1,40 @@
 //! Reference for activation compression (Mesa §3): group statistics, affine codes, the
 //! running estimate, stochastic rounding, packing. f64 throughout, except where a value is
 //! defined as an f32 quantity (the stored parameters), which is said per function.
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::layout::Grouping;
 
-/// Group index of every element of a tensor of `shape`, in logical order.
+/// Group index of every element of a tensor of `shape`, in logical order. An empty tensor
+/// (any dimension 0, including the grouped axis: zero groups) gives no index.
 ///
 /// # Errors
-/// As [`Grouping::num_groups`].
+/// As [`Grouping::num_groups`]; [`Error::TooLarge`] when the element count overflows `usize`
+/// or the indices cannot be allocated.
 pub fn group_index(shape: &[usize], grouping: &Grouping) -> Result<Vec<usize>> {
-    let n: usize = shape.iter().product();
     let count = grouping.num_groups(shape)?;
-    let (axis, size) = match *grouping {
-        Grouping::Tensor => return Ok(vec![0; n]),
-        Grouping::Heads { axis } | Grouping::Channels { axis, .. } => (axis, shape[axis]),
-    };
-    let span = size / count;
-    let inner: usize = shape[axis + 1..].iter().product();
-    Ok((0..n).map(|i| ((i / inner) % size) / span).collect())
+    if shape.contains(&0) {
+        return Ok(Vec::new());
+    }
+    let n = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| Error::too_large("reference group index", format!("shape {shape:?} overflows usize")))?;
+    let mut index = Vec::new();
+    index
+        .try_reserve_exact(n)
+        .map_err(|_| Error::too_large("reference group index", format!("{n} indices cannot be allocated")))?;
+    match *grouping {
+        Grouping::Tensor => index.resize(n, 0),
+        Grouping::Heads { axis } | Grouping::Channels { axis, .. } => {
+            // no dimension is 0, so size, count (= size or a divisor of it) and span are >= 1,
+            // and inner divides n (no overflow)
+            let size = shape[axis];
+            let span = size / count;
+            let inner: usize = shape[axis + 1..].iter().product();
+            index.extend((0..n).map(|i| ((i / inner) % size) / span));
+        }
+    }
+    Ok(index)
 }
 
 /// Per-group statistics of one batch: min and max over finite values, count of others.
@@ -46,10 +63,10 @@ pub fn group_stats(x: &[f64], groups: &[usize], count: usize) -> Vec<Stats> {
     s
 }
 
-/// Largest code at `bits` bits: `2^bits − 1`.
+/// Largest code at `bits` bits: `2^bits − 1` (exact up to 53 bits; `inf` past 1023).
 #[must_use]
 pub fn levels(bits: u32) -> f64 {
-    f64::from((1u32 << bits) - 1)
+    f64::from(bits).exp2() - 1.0
 }
 
 /// (offset, scale) from a group's statistics: `(min, (max − min) / levels)`; a group
@@ -126,9 +143,16 @@ pub fn uniform(seed: u64, index: u64) -> f64 {
 }
 
 /// Unpacks `numel` codes of `bits` bits (first element in the least significant bits).
+///
+/// Widths are 1, 2, 4 or 8 bits (whole codes per byte); any other width gives no code, and
+/// codes past the end of `bytes` are not produced: the result is then shorter than `numel`.
 #[must_use]
 pub fn unpack_codes(bytes: &[u8], numel: usize, bits: u32) -> Vec<u32> {
-    let per = 8 / bits as usize;
+    if !matches!(bits, 1 | 2 | 4 | 8) {
+        return Vec::new();
+    }
+    let per = (8 / bits) as usize;
     let mask = (1u32 << bits) - 1;
-    (0..numel).map(|i| (u32::from(bytes[i / per]) >> ((i % per) as u32 * bits)) & mask).collect()
+    let available = bytes.len().saturating_mul(per).min(numel);
+    (0..available).map(|i| (u32::from(bytes[i / per]) >> ((i % per) as u32 * bits)) & mask).collect()
 }
