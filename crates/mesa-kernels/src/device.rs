@@ -499,7 +499,7 @@ impl Device {
                 let (p, g) = v.device_ptr(s);
                 Ok(Ptr { addr: (p + offset as u64 * elem) as *mut c_void, _guard: Some(g) })
             }
-            (Kind::Cuda(_), MemRef::Raw(r)) => {
+            (Kind::Cuda(_) | Kind::Emulator, MemRef::Raw(r)) => {
                 check_align::<T>(r.ptr, what)?;
                 Ok(Ptr { addr: (r.ptr + offset as u64 * elem) as *mut c_void, _guard: None })
             }
@@ -530,7 +530,7 @@ impl Device {
                 let (p, g) = v.device_ptr_mut(s);
                 Ok(Ptr { addr: (p + offset as u64 * elem) as *mut c_void, _guard: Some(g) })
             }
-            (Kind::Cuda(_), MemMut::Raw(r)) => {
+            (Kind::Cuda(_) | Kind::Emulator, MemMut::Raw(r)) => {
                 check_align::<T>(r.ptr, what)?;
                 Ok(Ptr { addr: (r.ptr + offset as u64 * elem) as *mut c_void, _guard: None })
             }
