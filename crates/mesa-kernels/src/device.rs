@@ -62,11 +62,14 @@ impl Device {
         }
         // SAFETY: only probes whether the driver library can be loaded.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(Error::LegacyNoCudaDevice("the CUDA driver library (libcuda) is not installed".into()));
+            return Err(Error::NoCudaDevice {
+                why: "the CUDA driver library (libcuda) is not installed".into(),
+                source: None,
+            });
         }
         let ctx = catch_unwind(|| CudaContext::new(ordinal))
-            .map_err(|_| Error::LegacyNoCudaDevice("the CUDA driver could not be initialised".into()))?
-            .map_err(|e| Error::LegacyNoCudaDevice(format!("device {ordinal}: {e:?}")))?;
+            .map_err(|_| Error::NoCudaDevice { why: "the CUDA driver could not be initialised".into(), source: None })?
+            .map_err(|e| Error::NoCudaDevice { why: format!("device {ordinal}"), source: Some(e) })?;
         let stream = ctx.new_stream()?;
         Ok(Device { kind: Kind::Cuda(stream) })
     }
@@ -175,10 +178,10 @@ impl Device {
     /// Copies host data into an existing buffer of this device (same length).
     ///
     /// # Errors
-    /// [`Error::Shape`] on a length mismatch, [`Error::WrongBackend`], or a CUDA error.
+    /// [`Error::ShapeMismatch`] on a length mismatch, [`Error::WrongBackend`], or a CUDA error.
     pub fn copy_into<T: Storage>(&self, data: &[T], dst: &mut Buffer<T>) -> Result<()> {
         if data.len() != dst.len() {
-            return Err(Error::LegacyShape(format!("copy of {} elements into a buffer of {}", data.len(), dst.len())));
+            return Err(Error::shape_mismatch("copy source", &[dst.len()], &[data.len()]));
         }
         match (&self.kind, dst) {
             (Kind::Cuda(s), Buffer::Cuda(d)) => Ok(s.memcpy_htod(data, d)?),
@@ -186,7 +189,7 @@ impl Device {
                 d.copy_from_slice(data);
                 Ok(())
             }
-            _ => Err(Error::LegacyWrongBackend("buffer and device belong to different backends".into())),
+            _ => Err(Error::wrong_backend("copy destination", "the buffer belongs to another backend than the device")),
         }
     }
 
@@ -207,7 +210,10 @@ impl Device {
 fn host_vec<T: Storage>(len: usize) -> Result<Vec<T>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| {
-        Error::LegacyTooLarge(format!("cannot allocate {len} elements of {} bytes", std::mem::size_of::<T>()))
+        Error::too_large(
+            "host allocation",
+            format!("cannot allocate {len} elements of {} bytes", std::mem::size_of::<T>()),
+        )
     })?;
     v.resize(len, T::default());
     Ok(v)

@@ -37,14 +37,13 @@ impl Layout {
     /// inputs; outputs must not overlap themselves.
     ///
     /// # Errors
-    /// [`Error::Shape`] when `shape` and `strides` differ in length.
+    /// [`Error::InvalidLayout`] when `shape` and `strides` differ in length.
     pub fn strided(shape: &[usize], strides: &[usize], offset: usize) -> Result<Self> {
         if shape.len() != strides.len() {
-            return Err(Error::LegacyShape(format!(
-                "shape has {} dimensions but strides has {}",
-                shape.len(),
-                strides.len()
-            )));
+            return Err(Error::invalid_layout(
+                "layout",
+                format!("shape has {} dimensions but strides has {}", shape.len(), strides.len()),
+            ));
         }
         Ok(Layout { shape: shape.to_vec(), strides: strides.to_vec(), offset })
     }
@@ -52,10 +51,13 @@ impl Layout {
     /// The view with dimensions `a` and `b` swapped (no data moves).
     ///
     /// # Errors
-    /// [`Error::Shape`] when an axis is out of range.
+    /// [`Error::InvalidLayout`] when an axis is out of range.
     pub fn transpose(&self, a: usize, b: usize) -> Result<Self> {
         if a >= self.shape.len() || b >= self.shape.len() {
-            return Err(Error::LegacyShape(format!("transpose({a}, {b}) of a rank-{} layout", self.shape.len())));
+            return Err(Error::invalid_layout(
+                "layout",
+                format!("transpose({a}, {b}) of a rank-{} layout", self.shape.len()),
+            ));
         }
         let mut l = self.clone();
         l.shape.swap(a, b);
@@ -101,11 +103,10 @@ impl Layout {
     /// offset representable in the kernels' signed 64-bit arithmetic. Returns the number of
     /// elements.
     pub(crate) fn check_fits(&self, len: usize, what: &'static str) -> Result<usize> {
-        let numel = self
-            .shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::LegacyTooLarge(format!("{what}: element count overflows")))?;
+        let numel =
+            self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
+                Error::too_large(what, format!("the element count of shape {:?} overflows", self.shape))
+            })?;
         if numel == 0 {
             return Ok(0);
         }
@@ -114,10 +115,10 @@ impl Layout {
             last = (n - 1)
                 .checked_mul(s)
                 .and_then(|x| x.checked_add(last))
-                .ok_or_else(|| Error::LegacyTooLarge(format!("{what}: offsets overflow")))?;
+                .ok_or_else(|| Error::too_large(what, "its offsets overflow"))?;
         }
         if last >= i64::MAX as usize || numel >= i64::MAX as usize {
-            return Err(Error::LegacyTooLarge(format!("{what}: offsets past 2^63")));
+            return Err(Error::too_large(what, "offsets past 2^63 (the kernels index in signed 64 bits)"));
         }
         let needed = last + 1;
         if needed > len {
@@ -155,9 +156,12 @@ impl Layout {
         let mut extent = 1usize; // elements spanned by the faster dimensions
         for (n, s) in dims {
             if s < extent {
-                return Err(Error::LegacyShape(format!(
-                    "{what}: the view overlaps itself (stride {s} inside an extent of {extent}); outputs need distinct elements"
-                )));
+                return Err(Error::invalid_layout(
+                    what,
+                    format!(
+                        "the view overlaps itself (stride {s} inside an extent of {extent}); outputs need distinct elements"
+                    ),
+                ));
             }
             extent = s.saturating_mul(n);
         }
@@ -192,7 +196,7 @@ impl Grouping {
     /// Number of groups for a tensor of `shape`.
     ///
     /// # Errors
-    /// [`Error::Shape`] when the axis is out of range or `groups` does not divide it.
+    /// [`Error::InvalidLayout`] when the axis is out of range or `groups` does not divide it.
     pub fn num_groups(&self, shape: &[usize]) -> Result<usize> {
         Ok(self.resolve(shape)?.2)
     }
@@ -203,16 +207,25 @@ impl Grouping {
             Grouping::Tensor => Ok((None, 1, 1)),
             Grouping::Heads { axis } => {
                 let n = *shape.get(axis).ok_or_else(|| {
-                    Error::LegacyShape(format!("group axis {axis} out of range for rank {}", shape.len()))
+                    Error::invalid_layout(
+                        "grouping",
+                        format!("group axis {axis} out of range for rank {}", shape.len()),
+                    )
                 })?;
                 Ok((Some(axis), 1, n))
             }
             Grouping::Channels { axis, groups } => {
                 let n = *shape.get(axis).ok_or_else(|| {
-                    Error::LegacyShape(format!("group axis {axis} out of range for rank {}", shape.len()))
+                    Error::invalid_layout(
+                        "grouping",
+                        format!("group axis {axis} out of range for rank {}", shape.len()),
+                    )
                 })?;
                 if groups == 0 || n % groups != 0 {
-                    return Err(Error::LegacyShape(format!("{groups} groups do not divide axis {axis} of length {n}")));
+                    return Err(Error::invalid_layout(
+                        "grouping",
+                        format!("{groups} groups do not divide axis {axis} of length {n}"),
+                    ));
                 }
                 Ok((Some(axis), n / groups, groups))
             }
@@ -242,7 +255,9 @@ pub(crate) fn kernel_view(layout: &Layout, grouping: &Grouping, dtype: DType) ->
             }
             if let Some(last) = seg.last_mut() {
                 if last.1 == s.saturating_mul(n) {
-                    last.0 *= n;
+                    // saturating: an empty view (another dim 0) may have huge dims; it is
+                    // never launched, and a non-empty one was checked to fit
+                    last.0 = last.0.saturating_mul(n);
                     last.1 = s;
                     continue;
                 }
@@ -261,10 +276,10 @@ pub(crate) fn kernel_view(layout: &Layout, grouping: &Grouping, dtype: DType) ->
         }
     }
     if dims.len() > MAX_DIMS {
-        return Err(Error::LegacyUnsupported(format!(
-            "a view with {} non-mergeable dimensions (at most {MAX_DIMS})",
-            dims.len()
-        )));
+        return Err(Error::unsupported(
+            "layout",
+            format!("a view with {} non-mergeable dimensions (at most {MAX_DIMS})", dims.len()),
+        ));
     }
     let mut desc = sys::MesaTensorDesc { ndim: dims.len() as i32, dtype: dtype.to_sys(), ..Default::default() };
     let mut group_dim = -1i32;
