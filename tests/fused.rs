@@ -28,7 +28,7 @@ use mesa_kernels::fused::{
 use mesa_kernels::reference::{self, fused as rf, quant as rq};
 use mesa_kernels::{
     Companding, DType, Device, Element, Error, GeluForm, Grouping, Layout, QuantConfig, Quantizer, Rounding,
-    SavedActivation, SoftmaxCodes, SoftmaxSave, StatsMode,
+    RawDeviceSlice, SavedActivation, SoftmaxCodes, SoftmaxSave, StatsMode, TensorMut,
 };
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -488,7 +488,7 @@ fn softmax_fully_masked_rows_and_rows_of_equal_values() {
                 assert_eq!(saved.nonfinite_count().expect("nf"), 0);
                 // fully masked rows decode to exactly 0 (no NaN) through the generic decoder
                 let mut p = poisoned::<f32>(&device, rows * cols);
-                saved.dequantize(&device, &mut p, &l).expect("decode");
+                saved.dequantize(&device, &mut TensorMut::new(&mut p, &l).expect("view")).expect("decode");
                 let p = host(&p);
                 assert!(p[..2 * cols].iter().all(|&v| v == 0.0), "fully masked rows decode to 0 ({codes:?})");
                 assert!(p.iter().all(|v| v.is_finite()));
@@ -529,7 +529,7 @@ fn softmax_companded_codes_decode_like_the_reference_in_every_dtype_and_width() 
                     let codes = rq::unpack_codes(&saved.codes().to_vec().expect("c"), n, bits);
                     let scale = (1.0 / rq::levels(bits)) as f32;
                     let mut out = poisoned::<T>(&device, n);
-                    saved.dequantize(&device, &mut out, &l).expect("decode");
+                    saved.dequantize(&device, &mut TensorMut::new(&mut out, &l).expect("view")).expect("decode");
                     let out = host(&out);
                     let yh = host(&y);
                     for i in 0..n {
@@ -569,7 +569,7 @@ fn softmax_backward_decodes_exactly_what_dequantize_gives() {
                 let save = SoftmaxSave { bits, codes, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
                 let saved = softmax_forward(&device, &save, &xb, &l, None, &mut y, &l).expect("fwd");
                 let mut p = poisoned::<f32>(&device, rows * cols);
-                saved.dequantize(&device, &mut p, &l).expect("decode");
+                saved.dequantize(&device, &mut TensorMut::new(&mut p, &l).expect("view")).expect("decode");
                 let p: Vec<f32> = host(&p).iter().map(|&v| v as f32).collect();
                 let mut dy = vec![0f32; rows * cols];
                 let mut arg = vec![0usize; rows];
@@ -1052,7 +1052,7 @@ fn a_tensor_consumed_by_two_ops_is_saved_once() {
         let saved = softmax_forward(&device, &SoftmaxSave::per_head(0), &sb, &l, None, &mut p, &l).expect("fwd");
         // consumer 1: the matmul backward decodes the same handle
         let mut p_hat = poisoned::<f32>(&device, h * n * n);
-        saved.dequantize(&device, &mut p_hat, &l).expect("decode");
+        saved.dequantize(&device, &mut TensorMut::new(&mut p_hat, &l).expect("view")).expect("decode");
         let p_hat = host(&p_hat);
         let d_o: Vec<f64> = (0..h * n * d).map(|i| (i as f64 * 0.13).cos()).collect();
         let mut dv = vec![0.0; h * n * d];
@@ -1280,12 +1280,180 @@ fn softmax_nan_and_inf_logits_give_nan_rows_and_poisoned_codes() {
         }
         assert_eq!(saved.nonfinite_count().expect("count"), 16);
         let mut p = poisoned::<f32>(&device, rows * cols);
-        saved.dequantize(&device, &mut p, &l).expect("decode");
+        saved.dequantize(&device, &mut TensorMut::new(&mut p, &l).expect("view")).expect("decode");
         let p = p.to_vec().expect("p");
         // [B=2, H=2, cols]: rows 0 and 2 are heads 0 and 0 of batches 0 and 1 -> head 0 poisoned
         for (i, v) in p.iter().enumerate() {
             let head = (i / cols) % 2;
             assert_eq!(v.is_nan(), head == 0, "decoded p[{i}] = {v}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Issue 8: in-place calls, empty grouped axes, shape products of huge empty tensors
+
+/// A raw device slice over a host vector: on the emulator, device memory is host memory, so
+/// two copies of it are one buffer given as both input and output.
+fn raw_over<T>(v: &mut [T]) -> RawDeviceSlice<T> {
+    // SAFETY: the emulator runs each kernel synchronously on the calling thread; `v` outlives
+    // every call that uses the slice, and the test does not touch `v` during a call.
+    unsafe { RawDeviceSlice::new(v.as_mut_ptr() as u64, v.len()) }
+}
+
+#[test]
+fn in_place_gelu_forward_with_saving_is_rejected() {
+    let device = Device::emulator();
+    let mut rng = common::rng("alias_gelu_forward");
+    let l = Layout::contiguous(&[4, 64]);
+    let x0: Vec<f32> = random(&mut rng, 256, 0.0, 3.0);
+    let mut storage = x0.clone();
+    let (x, mut y) = (raw_over(&mut storage), raw_over(&mut storage));
+    let mut q = Quantizer::new(&device, fused::channel_groups(1, 4)).expect("q");
+    let r = gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l);
+    if let Ok(saved) = &r {
+        let dec = decode_host(saved);
+        let worst = dec.iter().zip(&x0).map(|(d, &x)| (d - f64::from(x)).abs()).fold(0.0, f64::max);
+        panic!("in-place GELU forward returned Ok (codes decode within {worst} of x, step {})", max_scale(saved));
+    }
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "in-place GELU forward: {r:?}");
+}
+
+#[test]
+fn in_place_layer_norm_forward_with_saving_is_rejected() {
+    let device = Device::emulator();
+    let mut rng = common::rng("alias_ln_forward");
+    // C·bits not a multiple of 8: the codes come from a second pass that re-reads x
+    let (rows, cols) = (5, 31);
+    let l = Layout::contiguous(&[rows, cols]);
+    let x0: Vec<f32> = random(&mut rng, rows * cols, 1.0, 3.0);
+    let mut storage = x0.clone();
+    let (x, mut y) = (raw_over(&mut storage), raw_over(&mut storage));
+    let mut q = Quantizer::new(&device, QuantConfig { bits: 4, ..QuantConfig::per_tensor() }).expect("q");
+    let r = layer_norm_forward(&device, &mut q, &x, &l, None, None, 1e-5, &mut y, &l);
+    if let Ok(saved) = &r {
+        let xs: Vec<f64> = x0.iter().map(|&v| f64::from(v)).collect();
+        let rx = rf::layer_norm_rows(&xs, None, None, 1e-5, cols);
+        let dec = decode_host(saved.xhat());
+        let worst = dec.iter().zip(&rx.xhat).map(|(d, r)| (d - r).abs()).fold(0.0, f64::max);
+        panic!(
+            "in-place LayerNorm forward returned Ok (codes of x^ off by up to {worst}, step {})",
+            max_scale(saved.xhat())
+        );
+    }
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "in-place LayerNorm forward: {:?}", r.as_ref().err());
+}
+
+#[test]
+fn layer_norm_backward_with_dx_over_dy_is_rejected() {
+    let device = Device::emulator();
+    let mut rng = common::rng("alias_ln_backward");
+    let (rows, cols) = (6, 32);
+    let l = Layout::contiguous(&[rows, cols]);
+    let x: Vec<f32> = random(&mut rng, rows * cols, 0.0, 2.0);
+    let xb = device.upload(&x).expect("up");
+    let mut y = device.alloc_zeros::<f32>(rows * cols).expect("alloc");
+    let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let saved = layer_norm_forward(&device, &mut q, &xb, &l, None, None, 1e-5, &mut y, &l).expect("fwd");
+    let dy0: Vec<f32> = random(&mut rng, rows * cols, 0.0, 1.0);
+    let mut storage = dy0.clone();
+    let (dy, mut dx) = (raw_over(&mut storage), raw_over(&mut storage));
+    let mut dw = device.upload(&vec![f32::NAN; cols]).expect("up");
+    let mut db = device.upload(&vec![f32::NAN; cols]).expect("up");
+    let r = layer_norm_backward(&device, &saved, None, &dy, &l, &mut dx, &l, &mut dw, &mut db);
+    if r.is_ok() {
+        let dec = decode_host(saved.xhat());
+        let rs: Vec<f64> = saved.rstd().to_vec().expect("r").iter().map(|&v| f64::from(v)).collect();
+        let dys: Vec<f64> = dy0.iter().map(|&v| f64::from(v)).collect();
+        let (_, rdw, rdb) = rf::layer_norm_backward_rows(&dec, &rs, None, &dys, cols);
+        let err = |got: Vec<f32>, want: &[f64]| {
+            got.iter().zip(want).map(|(g, w)| (f64::from(*g) - w).abs()).fold(0.0, f64::max)
+        };
+        panic!(
+            "LayerNorm backward with dx over dy returned Ok: max |dweight - ref| = {}, max |dbias - ref| = {}",
+            err(dw.to_vec().expect("dw"), &rdw),
+            err(db.to_vec().expect("db"), &rdb)
+        );
+    }
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "dx over dy: {r:?}");
+}
+
+#[test]
+fn empty_grouped_axes_give_empty_handles() {
+    for device in common::backends() {
+        let empty = device.upload::<f32>(&[]).expect("up");
+        let mut out = device.upload::<f32>(&[]).expect("up");
+        // [B, H, N, N] with no heads, grouped by head; and rows of length 0
+        for (shape, grouping) in [
+            (vec![2usize, 0, 4, 4], Grouping::Heads { axis: 1 }),
+            (vec![3, 0], Grouping::Heads { axis: 1 }),
+            (vec![3, 0], Grouping::Channels { axis: 1, groups: 2 }),
+        ] {
+            let l = Layout::contiguous(&shape);
+            let save = SoftmaxSave { grouping, ..SoftmaxSave::per_head(0) };
+            let r = softmax_forward(&device, &save, &empty, &l, None, &mut out, &l);
+            let saved = r.unwrap_or_else(|e| panic!("softmax_forward of {shape:?} grouped {grouping:?}: {e:?}"));
+            assert_eq!((saved.numel(), saved.shape()), (0, shape.as_slice()));
+            let mut dx = device.upload::<f32>(&[]).expect("up");
+            softmax_backward(&device, &saved, &empty, &l, &mut dx, &l).expect("softmax backward");
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            let g = gelu_forward(&device, &mut q, GeluForm::Erf, &empty, &l, &mut out, &l).expect("gelu");
+            assert_eq!((g.numel(), q.batches()), (0, 0));
+            gelu_backward(&device, GeluForm::Erf, &g, &empty, &l, &mut dx, &l).expect("gelu backward");
+        }
+        // LayerNorm: no rows is an empty tensor; rows of length 0 have no mean
+        let l = Layout::contiguous(&[2, 0, 8]);
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
+        let ln = layer_norm_forward(&device, &mut q, &empty, &l, None, None, 1e-5, &mut out, &l).expect("ln");
+        assert_eq!((ln.xhat().numel(), ln.xhat().num_groups(), ln.mean().len()), (0, 0, 0));
+        let c0 = Layout::contiguous(&[3, 0]);
+        let mut q = Quantizer::new(&device, fused::channel_groups(1, 2)).expect("q");
+        let r = layer_norm_forward(&device, &mut q, &empty, &c0, None, None, 1e-5, &mut out, &c0);
+        assert!(matches!(r, Err(Error::InvalidLayout { .. })), "LayerNorm over rows of length 0: {:?}", r.as_ref().err());
+    }
+}
+
+#[test]
+fn huge_empty_tensors_are_never_a_panic() {
+    // [0, usize::MAX/2, 4]: no element, but every product of trailing dimensions overflows.
+    // Run once with overflow checks (see docs/fused.md): each op is Ok (nothing to do) or a
+    // clean error, never a panic and never the "bug in this crate" kind.
+    let shape = [0usize, usize::MAX / 2, 4];
+    let l = Layout::contiguous(&shape);
+    let clean = |what: &str, r: &mesa_kernels::Result<()>| {
+        assert!(!matches!(r, Err(Error::KernelArgument { .. })), "{what}: {r:?}");
+    };
+    for device in common::backends() {
+        let empty = device.upload::<f32>(&[]).expect("up");
+        let mut out = device.upload::<f32>(&[]).expect("up");
+        let mut dx = device.upload::<f32>(&[]).expect("up");
+        for grouping in [Grouping::Tensor, Grouping::Heads { axis: 0 }, Grouping::Channels { axis: 2, groups: 2 }] {
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            match gelu_forward(&device, &mut q, GeluForm::Erf, &empty, &l, &mut out, &l) {
+                Ok(s) => clean("gelu backward", &gelu_backward(&device, GeluForm::Erf, &s, &empty, &l, &mut dx, &l)),
+                Err(e) => clean("gelu forward", &Err(e)),
+            }
+            clean("gelu", &gelu(&device, GeluForm::Tanh, &empty, &l, &mut out, &l));
+            let save = SoftmaxSave { grouping, ..SoftmaxSave::per_head(0) };
+            match softmax_forward(&device, &save, &empty, &l, None, &mut out, &l) {
+                Ok(s) => clean("softmax backward", &softmax_backward(&device, &s, &empty, &l, &mut dx, &l)),
+                Err(e) => clean("softmax forward", &Err(e)),
+            }
+            clean("softmax", &softmax(&device, &empty, &l, None, &mut out, &l));
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            match layer_norm_forward(&device, &mut q, &empty, &l, None, None, 1e-5, &mut out, &l) {
+                Ok(s) => {
+                    let mut dw = device.upload(&[f32::NAN; 4]).expect("up");
+                    let mut db = device.upload(&[f32::NAN; 4]).expect("up");
+                    let r = layer_norm_backward(&device, &s, None, &empty, &l, &mut dx, &l, &mut dw, &mut db);
+                    clean("layer norm backward", &r);
+                    if r.is_ok() {
+                        assert!(dw.to_vec().expect("dw").iter().chain(&db.to_vec().expect("db")).all(|&v| v == 0.0));
+                    }
+                }
+                Err(e) => clean("layer norm forward", &Err(e)),
+            }
+            clean("layer norm", &layer_norm(&device, &empty, &l, None, None, 1e-5, &mut out, &l));
         }
     }
 }
