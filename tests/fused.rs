@@ -1625,3 +1625,122 @@ fn huge_empty_tensors_are_never_a_panic() {
         }
     }
 }
+
+#[test]
+fn every_input_output_pair_that_overlaps_is_rejected() {
+    // One host vector seen as two raw slices: every op, every (input, output) pair in turn.
+    let device = Device::emulator();
+    let mut rng = common::rng("alias_pairs");
+    let (rows, cols) = (4, 16);
+    let n = rows * cols;
+    let l = Layout::contiguous(&[rows, cols]);
+    let v = Layout::contiguous(&[cols]);
+    let base: Vec<f32> = random(&mut rng, 2 * n, 0.5, 2.0);
+    let mut shared = base.clone();
+    let raw = raw_over(&mut shared);
+    // the second half of the shared vector: overlapping views share an element with the first
+    let (mut a, b) = (raw, raw);
+    let aliased = |r: mesa_kernels::Result<()>, what: &str| {
+        assert!(matches!(r, Err(Error::Aliasing { .. })), "{what}: {r:?}");
+    };
+    let xb = device.upload(&base[..n]).expect("up");
+    let mut other = device.alloc_zeros::<f32>(n).expect("alloc");
+    let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let gsaved = gelu_forward(&device, &mut q, GeluForm::Tanh, &tref(&xb, &l), &mut tmut(&mut other, &l)).expect("g");
+    let ssaved = softmax_forward(
+        &device,
+        &SoftmaxSave::per_head(0),
+        &SoftmaxInput::new(&tref(&xb, &l)),
+        &mut tmut(&mut other, &l),
+    )
+    .expect("s");
+    let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let lsaved =
+        layer_norm_forward(&device, &mut q, &LayerNormForward::new(&tref(&xb, &l), 1e-5), &mut tmut(&mut other, &l))
+            .expect("ln");
+    // partially overlapping: the output starts in the middle of the input
+    let shifted = Layout::strided(&[rows, cols], &[cols, 1], n / 2).expect("l");
+    for out_l in [&l, &shifted] {
+        let bv = tref(&b, &l);
+        aliased(gelu(&device, GeluForm::Erf, &bv, &mut tmut(&mut a, out_l)), "gelu x/y");
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        aliased(
+            gelu_forward(&device, &mut q, GeluForm::Erf, &bv, &mut tmut(&mut a, out_l)).map(drop),
+            "gelu_forward x/y",
+        );
+        assert_eq!(q.batches(), 0, "a rejected call is not a batch");
+        aliased(gelu_backward(&device, GeluForm::Erf, &gsaved, &bv, &mut tmut(&mut a, out_l)), "gelu_backward dy/dx");
+        let xv = tref(&xb, &l);
+        let plain = GeluBackwardPlain { form: GeluForm::Erf, x: &bv, dy: &xv };
+        aliased(gelu_backward_plain(&device, &plain, &mut tmut(&mut a, out_l)), "gelu_backward_plain x/dx");
+        let plain = GeluBackwardPlain { form: GeluForm::Erf, x: &xv, dy: &bv };
+        aliased(gelu_backward_plain(&device, &plain, &mut tmut(&mut a, out_l)), "gelu_backward_plain dy/dx");
+        aliased(softmax(&device, &SoftmaxInput::new(&bv), &mut tmut(&mut a, out_l)), "softmax x/y");
+        aliased(softmax(&device, &SoftmaxInput::new(&xv).with_mask(&bv), &mut tmut(&mut a, out_l)), "softmax mask/y");
+        let save = SoftmaxSave::per_head(0);
+        aliased(
+            softmax_forward(&device, &save, &SoftmaxInput::new(&bv), &mut tmut(&mut a, out_l)).map(drop),
+            "softmax_forward x/y",
+        );
+        aliased(softmax_backward(&device, &ssaved, &bv, &mut tmut(&mut a, out_l)), "softmax_backward dy/dx");
+        let plain = SoftmaxBackwardPlain { y: &bv, dy: &xv };
+        aliased(softmax_backward_plain(&device, &plain, &mut tmut(&mut a, out_l)), "softmax_backward_plain y/dx");
+        aliased(layer_norm(&device, &LayerNormForward::new(&bv, 1e-5), &mut tmut(&mut a, out_l)), "layer_norm x/y");
+        // a vector inside both output views (elements n/2 + 8 .. n/2 + 8 + C)
+        let inner = Layout::strided(&[cols], &[1], n / 2 + 8).expect("l");
+        let w = tref(&b, &inner);
+        let args = LayerNormForward { weight: Some(&w), ..LayerNormForward::new(&xv, 1e-5) };
+        aliased(layer_norm(&device, &args, &mut tmut(&mut a, out_l)), "layer_norm weight/y");
+        let args = LayerNormForward { bias: Some(&w), ..LayerNormForward::new(&xv, 1e-5) };
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        aliased(
+            layer_norm_forward(&device, &mut q, &args, &mut tmut(&mut a, out_l)).map(drop),
+            "layer_norm_forward bias/y",
+        );
+        // backward: dy over each output in turn
+        let mut dw = device.alloc_zeros::<f32>(cols).expect("a");
+        let mut db = device.alloc_zeros::<f32>(cols).expect("a");
+        let mut dx = device.alloc_zeros::<f32>(n).expect("a");
+        let bargs = LayerNormBackward { saved: &lsaved, weight: None, dy: &bv };
+        let g = LayerNormGrads { dx: &mut tmut(&mut a, out_l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) };
+        aliased(layer_norm_backward(&device, &bargs, g), "layer_norm_backward dy/dx");
+        let mut a2 = raw;
+        let g =
+            LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut tmut(&mut a2, &v), dbias: &mut vmut(&mut db) };
+        aliased(layer_norm_backward(&device, &bargs, g), "layer_norm_backward dy/dweight");
+        let wv = tref(&b, &v);
+        let bargs = LayerNormBackward { saved: &lsaved, weight: Some(&wv), dy: &xv };
+        let g =
+            LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut vmut(&mut dw), dbias: &mut tmut(&mut a2, &v) };
+        aliased(layer_norm_backward(&device, &bargs, g), "layer_norm_backward weight/dbias");
+        // dweight and dbias over each other
+        let (mut o1, mut o2) = (raw, raw);
+        let bargs = LayerNormBackward { saved: &lsaved, weight: None, dy: &xv };
+        let g = LayerNormGrads {
+            dx: &mut tmut(&mut dx, &l),
+            dweight: &mut tmut(&mut o1, &v),
+            dbias: &mut tmut(&mut o2, &v),
+        };
+        aliased(layer_norm_backward(&device, &bargs, g), "layer_norm_backward dweight/dbias");
+        let rv = tref(&b, &Layout::strided(&[rows], &[1], n / 2 + 8).expect("l"));
+        let pargs = LayerNormBackwardPlain { xhat: &xv, rstd: &rv, weight: None, dy: &xv };
+        let g = LayerNormGrads { dx: &mut tmut(&mut a, out_l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) };
+        aliased(layer_norm_backward_plain(&device, &pargs, g), "layer_norm_backward_plain rstd/dx");
+    }
+    // nothing was written by any rejected call
+    assert_eq!(shared, base, "a rejected call must not write");
+    // disjoint halves of one buffer are fine
+    let first = Layout::contiguous(&[rows, cols]);
+    let second = Layout::strided(&[rows, cols], &[cols, 1], n).expect("l");
+    let bv = tref(&b, &first);
+    gelu(&device, GeluForm::Erf, &bv, &mut tmut(&mut a, &second)).expect("disjoint halves");
+    let got = host_vec(&shared[n..]);
+    for (i, g) in got.iter().enumerate() {
+        let r = rf::gelu(f64::from(base[i]), GeluForm::Erf);
+        assert!((g - r).abs() <= EPS * 16.0 * (r.abs() + f64::from(base[i]).abs()), "gelu[{i}] {g} vs {r}");
+    }
+}
+
+fn host_vec(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
+}

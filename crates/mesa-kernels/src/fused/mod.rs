@@ -19,7 +19,7 @@
 //! [`LayerNormGrads`], [`SoftmaxInput`], …), so they cannot be swapped by position.
 //!
 //! **In-place: not supported** by any op here (overlapping inputs and outputs →
-//! [`Error::Aliasing`](crate::Error::Aliasing)): the kernels mark their pointers
+//! [`Error::Aliasing`]): the kernels mark their pointers
 //! `__restrict__`, and several passes re-read an input (LayerNorm's code pass reads `x`
 //! after `y` is written, its `dweight`/`dbias` pass reads `dy` after `dx` is written).
 //!
@@ -27,7 +27,7 @@
 //! backward still writes `dweight = dbias = 0`), and the forward ops return an empty saved
 //! handle — also when the grouped axis has length 0 (0 groups). The one exception is
 //! LayerNorm over rows of length 0 (`C = 0` with at least one row): a row without elements
-//! has no mean, so that is [`Error::InvalidLayout`](crate::Error::InvalidLayout).
+//! has no mean, so that is [`Error::InvalidLayout`].
 //!
 //! **Why softmax needs no statistics.** Probabilities lie in `[0, 1]`, so the code range is
 //! known before the kernel runs: offset 0, scale `1/(2^bits − 1)` (`1/255` at 8 bits). There
