@@ -1186,9 +1186,8 @@ fn zero_size_tensors() {
 
 #[test]
 fn bad_input_is_an_error_not_a_panic() {
-    // grouping and self-overlap errors come from `Layout` (still `LegacyShape` until the layout
-    // module is ported; `InvalidLayout` after)
-    let layout_error = |e: &Error| matches!(e, Error::InvalidLayout { .. } | Error::LegacyShape(_));
+    // grouping and self-overlap errors come from `Layout`
+    let layout_error = |e: &Error| matches!(e, Error::InvalidLayout { .. });
     for device in common::backends() {
         let x = device.upload(&[0.5f32; 24]).expect("up");
         let mut y = device.upload(&[0f32; 24]).expect("up");

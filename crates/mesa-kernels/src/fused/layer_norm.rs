@@ -192,7 +192,7 @@ pub fn layer_norm_forward<T: Element>(
         mean: device.alloc_for_kernel::<f32>(rows)?,
         rstd: device.alloc_for_kernel::<f32>(rows)?,
     };
-    produce(device, quantizer, args, y, &mut saved)?;
+    forward_saving(device, quantizer, args, y, &mut saved)?;
     Ok(saved)
 }
 
@@ -205,7 +205,7 @@ fn check_forward<T>(args: &LayerNormForward<'_, T>, y: &TensorMut<'_, T>) -> Res
     Ok((rows, cols))
 }
 
-fn produce<T: Element>(
+fn forward_saving<T: Element>(
     device: &Device,
     quantizer: &mut Quantizer,
     args: &LayerNormForward<'_, T>,
