@@ -22,8 +22,31 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use mesa_kernels::fused::{self, Mask};
-use mesa_kernels::{Buffer, Device, GeluForm, Layout, QuantConfig, Quantizer, SoftmaxSave};
+use mesa_kernels::fused::{
+    self, GeluBackwardPlain, LayerNormBackward, LayerNormBackwardPlain, LayerNormForward, LayerNormGrads,
+    SoftmaxBackwardPlain, SoftmaxInput,
+};
+use mesa_kernels::{
+    Buffer, Device, DeviceMemory, DeviceMemoryMut, GeluForm, Layout, QuantConfig, Quantizer, SoftmaxSave, Storage,
+    TensorMut, TensorRef,
+};
+
+fn tref<'a, T>(mem: &'a (impl DeviceMemory<T> + ?Sized), l: &Layout) -> TensorRef<'a, T> {
+    TensorRef::new(mem, l).expect("input view")
+}
+
+fn tmut<'a, T>(mem: &'a mut (impl DeviceMemoryMut<T> + ?Sized), l: &Layout) -> TensorMut<'a, T> {
+    TensorMut::new(mem, l).expect("output view")
+}
+
+fn vref<T: Storage>(b: &Buffer<T>) -> TensorRef<'_, T> {
+    TensorRef::contiguous(b, &[b.len()]).expect("vector view")
+}
+
+fn vmut<T: Storage>(b: &mut Buffer<T>) -> TensorMut<'_, T> {
+    let n = b.len();
+    TensorMut::contiguous(b, &[n]).expect("vector view")
+}
 
 fn device() -> Device {
     let require_gpu = std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1");
@@ -85,18 +108,24 @@ fn bench(c: &mut Criterion) {
     let mut y = device.alloc_zeros::<bf16>(n).expect("alloc");
     let mut dx = device.alloc_zeros::<bf16>(n).expect("alloc");
     let mut q = Quantizer::new(&device, fused::channel_groups(1, 12)).expect("q");
-    let saved = fused::gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l).expect("warm-up batch");
+    let saved = fused::gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l))
+        .expect("warm-up batch");
     g.throughput(Throughput::BytesDecimal(4 * n as u64));
     g.bench_function("gelu_forward_plain", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || fused::gelu(&device, GeluForm::Erf, &x, &l, &mut y, &l).expect("gelu"))
+            timed(&device, it, || {
+                fused::gelu(&device, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l)).expect("gelu")
+            })
         })
     });
     g.throughput(Throughput::BytesDecimal(5 * n as u64));
     g.bench_function("gelu_forward_saving", |b| {
         b.iter_custom(|it| {
             timed(&device, it, || {
-                black_box(fused::gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l).expect("gelu"));
+                black_box(
+                    fused::gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l))
+                        .expect("gelu"),
+                );
             })
         })
     });
@@ -104,7 +133,12 @@ fn bench(c: &mut Criterion) {
     g.bench_function("gelu_backward_bf16", |b| {
         b.iter_custom(|it| {
             timed(&device, it, || {
-                fused::gelu_backward_plain(&device, GeluForm::Erf, &x, &l, &dy, &l, &mut dx, &l).expect("bwd")
+                fused::gelu_backward_plain(
+                    &device,
+                    &GeluBackwardPlain { form: GeluForm::Erf, x: &tref(&x, &l), dy: &tref(&dy, &l) },
+                    &mut tmut(&mut dx, &l),
+                )
+                .expect("bwd")
             })
         })
     });
@@ -112,7 +146,8 @@ fn bench(c: &mut Criterion) {
     g.bench_function("gelu_backward_codes", |b| {
         b.iter_custom(|it| {
             timed(&device, it, || {
-                fused::gelu_backward(&device, GeluForm::Erf, &saved, &dy, &l, &mut dx, &l).expect("bwd")
+                fused::gelu_backward(&device, GeluForm::Erf, &saved, &tref(&dy, &l), &mut tmut(&mut dx, &l))
+                    .expect("bwd")
             })
         })
     });
@@ -127,13 +162,23 @@ fn bench(c: &mut Criterion) {
     let mut p = device.alloc_zeros::<bf16>(sn).expect("alloc");
     let mut sdx = device.alloc_zeros::<bf16>(sn).expect("alloc");
     let save = SoftmaxSave::per_head(0);
-    let psaved = fused::softmax_forward(&device, &save, &s, &ls, Some(Mask { data: &mask, layout: &ml }), &mut p, &ls)
-        .expect("softmax");
+    let psaved = fused::softmax_forward(
+        &device,
+        &save,
+        &SoftmaxInput { x: &tref(&s, &ls), mask: Some(&tref(&mask, &ml)) },
+        &mut tmut(&mut p, &ls),
+    )
+    .expect("softmax");
     g.throughput(Throughput::BytesDecimal(4 * sn as u64));
     g.bench_function("softmax_forward_plain", |b| {
         b.iter_custom(|it| {
             timed(&device, it, || {
-                fused::softmax(&device, &s, &ls, Some(Mask { data: &mask, layout: &ml }), &mut p, &ls).expect("sm")
+                fused::softmax(
+                    &device,
+                    &SoftmaxInput { x: &tref(&s, &ls), mask: Some(&tref(&mask, &ml)) },
+                    &mut tmut(&mut p, &ls),
+                )
+                .expect("sm")
             })
         })
     });
@@ -145,11 +190,8 @@ fn bench(c: &mut Criterion) {
                     fused::softmax_forward(
                         &device,
                         &save,
-                        &s,
-                        &ls,
-                        Some(Mask { data: &mask, layout: &ml }),
-                        &mut p,
-                        &ls,
+                        &SoftmaxInput { x: &tref(&s, &ls), mask: Some(&tref(&mask, &ml)) },
+                        &mut tmut(&mut p, &ls),
                     )
                     .expect("sm"),
                 );
@@ -159,13 +201,22 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(6 * sn as u64));
     g.bench_function("softmax_backward_bf16", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || fused::softmax_backward_plain(&device, &p, &ls, &sdy, &ls, &mut sdx, &ls).expect("b"))
+            timed(&device, it, || {
+                fused::softmax_backward_plain(
+                    &device,
+                    &SoftmaxBackwardPlain { y: &tref(&p, &ls), dy: &tref(&sdy, &ls) },
+                    &mut tmut(&mut sdx, &ls),
+                )
+                .expect("b")
+            })
         })
     });
     g.throughput(Throughput::BytesDecimal(5 * sn as u64));
     g.bench_function("softmax_backward_codes", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || fused::softmax_backward(&device, &psaved, &sdy, &ls, &mut sdx, &ls).expect("b"))
+            timed(&device, it, || {
+                fused::softmax_backward(&device, &psaved, &tref(&sdy, &ls), &mut tmut(&mut sdx, &ls)).expect("b")
+            })
         })
     });
 
@@ -180,13 +231,28 @@ fn bench(c: &mut Criterion) {
     let mut dw = device.alloc_zeros::<f32>(lcols).expect("alloc");
     let mut db = device.alloc_zeros::<f32>(lcols).expect("alloc");
     let mut lq = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-    let lsaved =
-        fused::layer_norm_forward(&device, &mut lq, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll).expect("ln");
+    let lsaved = fused::layer_norm_forward(
+        &device,
+        &mut lq,
+        &LayerNormForward { x: &tref(&lx, &ll), weight: Some(&vref(&w)), bias: Some(&vref(&bias)), eps: 1e-5 },
+        &mut tmut(&mut ly, &ll),
+    )
+    .expect("ln");
     g.throughput(Throughput::BytesDecimal(4 * ln as u64));
     g.bench_function("layernorm_forward_plain", |b| {
         b.iter_custom(|it| {
             timed(&device, it, || {
-                fused::layer_norm(&device, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll).expect("ln")
+                fused::layer_norm(
+                    &device,
+                    &LayerNormForward {
+                        x: &tref(&lx, &ll),
+                        weight: Some(&vref(&w)),
+                        bias: Some(&vref(&bias)),
+                        eps: 1e-5,
+                    },
+                    &mut tmut(&mut ly, &ll),
+                )
+                .expect("ln")
             })
         })
     });
@@ -195,8 +261,18 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|it| {
             timed(&device, it, || {
                 black_box(
-                    fused::layer_norm_forward(&device, &mut lq, &lx, &ll, Some(&w), Some(&bias), 1e-5, &mut ly, &ll)
-                        .expect("ln"),
+                    fused::layer_norm_forward(
+                        &device,
+                        &mut lq,
+                        &LayerNormForward {
+                            x: &tref(&lx, &ll),
+                            weight: Some(&vref(&w)),
+                            bias: Some(&vref(&bias)),
+                            eps: 1e-5,
+                        },
+                        &mut tmut(&mut ly, &ll),
+                    )
+                    .expect("ln"),
                 );
             })
         })
@@ -209,16 +285,17 @@ fn bench(c: &mut Criterion) {
             timed(&device, it, || {
                 fused::layer_norm_backward_plain(
                     &device,
-                    &xhat,
-                    &ll,
-                    lsaved.rstd(),
-                    Some(&w),
-                    &ldy,
-                    &ll,
-                    &mut ldx,
-                    &ll,
-                    &mut dw,
-                    &mut db,
+                    &LayerNormBackwardPlain {
+                        xhat: &tref(&xhat, &ll),
+                        rstd: &vref(lsaved.rstd()),
+                        weight: Some(&vref(&w)),
+                        dy: &tref(&ldy, &ll),
+                    },
+                    LayerNormGrads {
+                        dx: &mut tmut(&mut ldx, &ll),
+                        dweight: &mut vmut(&mut dw),
+                        dbias: &mut vmut(&mut db),
+                    },
                 )
                 .expect("b")
             })
@@ -228,8 +305,16 @@ fn bench(c: &mut Criterion) {
     g.bench_function("layernorm_backward_codes", |b| {
         b.iter_custom(|it| {
             timed(&device, it, || {
-                fused::layer_norm_backward(&device, &lsaved, Some(&w), &ldy, &ll, &mut ldx, &ll, &mut dw, &mut db)
-                    .expect("b")
+                fused::layer_norm_backward(
+                    &device,
+                    &LayerNormBackward { saved: &lsaved, weight: Some(&vref(&w)), dy: &tref(&ldy, &ll) },
+                    LayerNormGrads {
+                        dx: &mut tmut(&mut ldx, &ll),
+                        dweight: &mut vmut(&mut dw),
+                        dbias: &mut vmut(&mut db),
+                    },
+                )
+                .expect("b")
             })
         })
     });

@@ -23,12 +23,14 @@ use half::{bf16, f16};
 use mesa_kernels::fused::{
     self, gelu, gelu_backward, gelu_backward_plain, gelu_forward, layer_norm, layer_norm_backward,
     layer_norm_backward_plain, layer_norm_forward, softmax, softmax_backward, softmax_backward_plain, softmax_forward,
-    Mask,
+    GeluBackwardPlain, LayerNormBackward, LayerNormBackwardPlain, LayerNormForward, LayerNormGrads,
+    SoftmaxBackwardPlain, SoftmaxInput,
 };
 use mesa_kernels::reference::{self, fused as rf, quant as rq};
 use mesa_kernels::{
-    Companding, DType, Device, Element, Error, GeluForm, Grouping, Layout, QuantConfig, Quantizer, Rounding,
-    SavedActivation, SoftmaxCodes, SoftmaxSave, StatsMode,
+    Buffer, Companding, DType, Device, DeviceMemory, DeviceMemoryMut, Element, Error, GeluForm, Grouping, Layout,
+    QuantConfig, Quantizer, RawDeviceSlice, Rounding, SavedActivation, SoftmaxCodes, SoftmaxSave, StatsMode, Storage,
+    TensorMut, TensorRef,
 };
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -54,6 +56,27 @@ fn tiny(dtype: DType) -> f64 {
 
 fn random<T: Element>(rng: &mut StdRng, n: usize, center: f64, spread: f64) -> Vec<T> {
     (0..n).map(|_| T::from_f64(center + spread * (rng.random::<f64>() * 2.0 - 1.0))).collect()
+}
+
+/// `mem` viewed through `l` (an input).
+fn tref<'a, T>(mem: &'a (impl DeviceMemory<T> + ?Sized), l: &Layout) -> TensorRef<'a, T> {
+    TensorRef::new(mem, l).expect("input view")
+}
+
+/// `mem` viewed through `l` (an output).
+fn tmut<'a, T>(mem: &'a mut (impl DeviceMemoryMut<T> + ?Sized), l: &Layout) -> TensorMut<'a, T> {
+    TensorMut::new(mem, l).expect("output view")
+}
+
+/// A whole buffer as a vector (LayerNorm parameters, rstd).
+fn vref<T: Storage>(b: &Buffer<T>) -> TensorRef<'_, T> {
+    TensorRef::contiguous(b, &[b.len()]).expect("vector view")
+}
+
+/// A whole buffer as an output vector (dweight, dbias).
+fn vmut<T: Storage>(b: &mut Buffer<T>) -> TensorMut<'_, T> {
+    let n = b.len();
+    TensorMut::contiguous(b, &[n]).expect("vector view")
 }
 
 fn poisoned<T: Element>(device: &Device, n: usize) -> mesa_kernels::Buffer<T> {
@@ -130,7 +153,7 @@ fn check_gelu<T: Element>(
     let xb = device.upload(x).expect("up");
     let mut y = poisoned::<T>(device, n);
     let dense = Layout::contiguous(&shape);
-    let saved = gelu_forward(device, q, form, &xb, x_layout, &mut y, &dense).expect("gelu_forward");
+    let saved = gelu_forward(device, q, form, &tref(&xb, x_layout), &mut tmut(&mut y, &dense)).expect("gelu_forward");
     let xs = reference::gather(x, x_layout);
     for (i, (yv, xv)) in host(&y).iter().zip(&xs).enumerate() {
         let r = rf::gelu(*xv, form);
@@ -155,7 +178,7 @@ fn check_gelu<T: Element>(
     // backward from codes vs reference on the decoded values, and vs exact x
     let dyb = device.upload(dy).expect("up");
     let mut dx = poisoned::<T>(device, n);
-    gelu_backward(device, form, &saved, &dyb, &dense, &mut dx, &dense).expect("gelu_backward");
+    gelu_backward(device, form, &saved, &tref(&dyb, &dense), &mut tmut(&mut dx, &dense)).expect("gelu_backward");
     let dys = reference::gather(dy, &dense);
     let step = max_scale(&saved);
     for (i, d) in host(&dx).iter().enumerate() {
@@ -247,14 +270,19 @@ fn gelu_plain_forward_and_backward_match_the_fused_ones() {
         let xb = device.upload(&x).expect("up");
         let mut y1 = poisoned::<bf16>(&device, 120);
         let mut y2 = poisoned::<bf16>(&device, 120);
-        gelu(&device, GeluForm::Erf, &xb, &l, &mut y1, &l).expect("gelu");
+        gelu(&device, GeluForm::Erf, &tref(&xb, &l), &mut tmut(&mut y1, &l)).expect("gelu");
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-        let _saved = gelu_forward(&device, &mut q, GeluForm::Erf, &xb, &l, &mut y2, &l).expect("fwd");
+        let _saved = gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&xb, &l), &mut tmut(&mut y2, &l)).expect("fwd");
         assert_eq!(y1.to_vec().expect("y"), y2.to_vec().expect("y"), "saving must not change the output");
         let dy: Vec<bf16> = random(&mut rng, 120, 0.0, 1.0);
         let dyb = device.upload(&dy).expect("up");
         let mut dx = poisoned::<bf16>(&device, 120);
-        gelu_backward_plain(&device, GeluForm::Erf, &xb, &l, &dyb, &l, &mut dx, &l).expect("bwd");
+        gelu_backward_plain(
+            &device,
+            &GeluBackwardPlain { form: GeluForm::Erf, x: &tref(&xb, &l), dy: &tref(&dyb, &l) },
+            &mut tmut(&mut dx, &l),
+        )
+        .expect("bwd");
         let xs = reference::gather(&x, &l);
         for (i, d) in host(&dx).iter().enumerate() {
             let r = dy[i].to_f64() * rf::gelu_derivative(xs[i], GeluForm::Erf);
@@ -285,11 +313,12 @@ fn check_softmax<T: Element>(
     let mb = mask.map(|(m, _)| device.upload(m).expect("up"));
     let dense = Layout::contiguous(&shape);
     let mut y = poisoned::<T>(device, n);
-    let mask_arg = match (&mb, mask) {
-        (Some(b), Some((_, l))) => Some(Mask { data: b, layout: l }),
+    let mask_view = match (&mb, mask) {
+        (Some(b), Some((_, l))) => Some(tref(b, l)),
         _ => None,
     };
-    let saved = softmax_forward(device, save, &xb, x_layout, mask_arg, &mut y, &dense).expect("softmax_forward");
+    let input = SoftmaxInput { x: &tref(&xb, x_layout), mask: mask_view.as_ref() };
+    let saved = softmax_forward(device, save, &input, &mut tmut(&mut y, &dense)).expect("softmax_forward");
     let xs = reference::gather(x, x_layout);
     let ms = mask.map(|(m, l)| reference::gather(m, l));
     let r = rf::softmax_rows(&xs, ms.as_deref(), cols);
@@ -349,7 +378,7 @@ fn check_softmax<T: Element>(
     let dec = decode_host(&saved);
     let dyb = device.upload(dy).expect("up");
     let mut dx = poisoned::<T>(device, n);
-    softmax_backward(device, &saved, &dyb, &dense, &mut dx, &dense).expect("softmax_backward");
+    softmax_backward(device, &saved, &tref(&dyb, &dense), &mut tmut(&mut dx, &dense)).expect("softmax_backward");
     let dys = reference::gather(dy, &dense);
     let rdx = rf::softmax_backward_rows(&dec, &dys, cols);
     let exact = rf::softmax_backward_rows(&r, &dys, cols);
@@ -488,7 +517,7 @@ fn softmax_fully_masked_rows_and_rows_of_equal_values() {
                 assert_eq!(saved.nonfinite_count().expect("nf"), 0);
                 // fully masked rows decode to exactly 0 (no NaN) through the generic decoder
                 let mut p = poisoned::<f32>(&device, rows * cols);
-                saved.dequantize(&device, &mut p, &l).expect("decode");
+                saved.dequantize(&device, &mut TensorMut::new(&mut p, &l).expect("view")).expect("decode");
                 let p = host(&p);
                 assert!(p[..2 * cols].iter().all(|&v| v == 0.0), "fully masked rows decode to 0 ({codes:?})");
                 assert!(p.iter().all(|v| v.is_finite()));
@@ -498,7 +527,8 @@ fn softmax_fully_masked_rows_and_rows_of_equal_values() {
         let xb = device.upload(&x).expect("up");
         let mb = device.upload(&mask).expect("up");
         let mut y = poisoned::<f32>(&device, rows * cols);
-        softmax(&device, &xb, &l, Some(Mask { data: &mb, layout: &l }), &mut y, &l).expect("softmax");
+        softmax(&device, &SoftmaxInput { x: &tref(&xb, &l), mask: Some(&tref(&mb, &l)) }, &mut tmut(&mut y, &l))
+            .expect("softmax");
         let y = y.to_vec().expect("y");
         assert!(y[..2 * cols].iter().all(|&v| v == 0.0), "fully masked rows give 0, no NaN");
         assert!(y[2 * cols..3 * cols].iter().all(|&v| (f64::from(v) - 1.0 / cols as f64).abs() <= 4.0 * EPS));
@@ -523,13 +553,19 @@ fn softmax_companded_codes_decode_like_the_reference_in_every_dtype_and_width() 
                     let xb = device.upload(&x).expect("up");
                     let mut y = poisoned::<T>(&device, n);
                     let save = SoftmaxSave { bits, ..SoftmaxSave::per_head(1) };
-                    let saved = softmax_forward(&device, &save, &xb, &l, None, &mut y, &l).expect("fwd");
+                    let saved = softmax_forward(
+                        &device,
+                        &save,
+                        &SoftmaxInput { x: &tref(&xb, &l), mask: None },
+                        &mut tmut(&mut y, &l),
+                    )
+                    .expect("fwd");
                     assert_eq!(saved.companding(), Companding::Sqrt, "companded codes are the default");
                     assert_eq!(saved.size_in_bytes(), n * bits as usize / 8 + 8 * 2 + 4, "bytes unchanged");
                     let codes = rq::unpack_codes(&saved.codes().to_vec().expect("c"), n, bits);
                     let scale = (1.0 / rq::levels(bits)) as f32;
                     let mut out = poisoned::<T>(&device, n);
-                    saved.dequantize(&device, &mut out, &l).expect("decode");
+                    saved.dequantize(&device, &mut TensorMut::new(&mut out, &l).expect("view")).expect("decode");
                     let out = host(&out);
                     let yh = host(&y);
                     for i in 0..n {
@@ -567,9 +603,15 @@ fn softmax_backward_decodes_exactly_what_dequantize_gives() {
                 let xb = device.upload(&x).expect("up");
                 let mut y = poisoned::<f32>(&device, rows * cols);
                 let save = SoftmaxSave { bits, codes, grouping: Grouping::Tensor, rounding: Rounding::Nearest };
-                let saved = softmax_forward(&device, &save, &xb, &l, None, &mut y, &l).expect("fwd");
+                let saved = softmax_forward(
+                    &device,
+                    &save,
+                    &SoftmaxInput { x: &tref(&xb, &l), mask: None },
+                    &mut tmut(&mut y, &l),
+                )
+                .expect("fwd");
                 let mut p = poisoned::<f32>(&device, rows * cols);
-                saved.dequantize(&device, &mut p, &l).expect("decode");
+                saved.dequantize(&device, &mut TensorMut::new(&mut p, &l).expect("view")).expect("decode");
                 let p: Vec<f32> = host(&p).iter().map(|&v| v as f32).collect();
                 let mut dy = vec![0f32; rows * cols];
                 let mut arg = vec![0usize; rows];
@@ -580,7 +622,7 @@ fn softmax_backward_decodes_exactly_what_dequantize_gives() {
                 }
                 let dyb = device.upload(&dy).expect("up");
                 let mut dx = poisoned::<f32>(&device, rows * cols);
-                softmax_backward(&device, &saved, &dyb, &l, &mut dx, &l).expect("bwd");
+                softmax_backward(&device, &saved, &tref(&dyb, &l), &mut tmut(&mut dx, &l)).expect("bwd");
                 let dx = dx.to_vec().expect("dx");
                 for r in 0..rows {
                     let pj = p[r * cols + arg[r]];
@@ -650,10 +692,15 @@ fn softmax_bf16_extremes_and_plain_backward() {
         // plain backward from a bf16 y
         let xb = device.upload(&x).expect("up");
         let mut y = poisoned::<bf16>(&device, 2 * cols);
-        softmax(&device, &xb, &l, None, &mut y, &l).expect("softmax");
+        softmax(&device, &SoftmaxInput { x: &tref(&xb, &l), mask: None }, &mut tmut(&mut y, &l)).expect("softmax");
         let dyb = device.upload(&dy).expect("up");
         let mut dx = poisoned::<bf16>(&device, 2 * cols);
-        softmax_backward_plain(&device, &y, &l, &dyb, &l, &mut dx, &l).expect("bwd");
+        softmax_backward_plain(
+            &device,
+            &SoftmaxBackwardPlain { y: &tref(&y, &l), dy: &tref(&dyb, &l) },
+            &mut tmut(&mut dx, &l),
+        )
+        .expect("bwd");
         let r = rf::softmax_backward_rows(&host(&y), &reference::gather(&dy, &l), cols);
         for (i, d) in host(&dx).iter().enumerate() {
             assert!((d - r[i]).abs() <= 2f64.powi(-8) * r[i].abs() + 1e-6, "plain dx[{i}] {d} vs {}", r[i]);
@@ -736,18 +783,9 @@ fn check_layer_norm<T: Element>(
     let bb = b.map(|b| device.upload(b).expect("up"));
     let dense = Layout::contiguous(&shape);
     let mut y = poisoned::<T>(device, n);
-    let saved = layer_norm_forward(
-        device,
-        q,
-        &xb,
-        x_layout,
-        wb.as_ref().map(|v| v as &dyn mesa_kernels::DeviceMemory<T>),
-        bb.as_ref().map(|v| v as &dyn mesa_kernels::DeviceMemory<T>),
-        eps,
-        &mut y,
-        &dense,
-    )
-    .expect("layer_norm_forward");
+    let (wv, bv) = (wb.as_ref().map(vref), bb.as_ref().map(vref));
+    let args = LayerNormForward { x: &tref(&xb, x_layout), weight: wv.as_ref(), bias: bv.as_ref(), eps };
+    let saved = layer_norm_forward(device, q, &args, &mut tmut(&mut y, &dense)).expect("layer_norm_forward");
     let xs = reference::gather(x, x_layout);
     let wf: Option<Vec<f64>> = w.map(|w| w.iter().map(|v| v.to_f64()).collect());
     let bf: Option<Vec<f64>> = b.map(|b| b.iter().map(|v| v.to_f64()).collect());
@@ -796,18 +834,11 @@ fn check_layer_norm<T: Element>(
     let mut dx = poisoned::<T>(device, n);
     let mut dw = device.upload(&vec![f32::NAN; cols]).expect("up");
     let mut db = device.upload(&vec![f32::NAN; cols]).expect("up");
-    layer_norm_backward(
-        device,
-        &saved,
-        wb.as_ref().map(|v| v as &dyn mesa_kernels::DeviceMemory<T>),
-        &dyb,
-        &dense,
-        &mut dx,
-        &dense,
-        &mut dw,
-        &mut db,
-    )
-    .expect("layer_norm_backward");
+    let dyv = tref(&dyb, &dense);
+    let bargs = LayerNormBackward { saved: &saved, weight: wv.as_ref(), dy: &dyv };
+    let grads =
+        LayerNormGrads { dx: &mut tmut(&mut dx, &dense), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) };
+    layer_norm_backward(device, &bargs, grads).expect("layer_norm_backward");
     let dys = reference::gather(dy, &dense);
     let rs: Vec<f64> = rstd.iter().map(|&v| f64::from(v)).collect();
     let (rdx, rdw, rdb) = rf::layer_norm_backward_rows(&dec, &rs, wf.as_deref(), &dys, cols);
@@ -842,18 +873,9 @@ fn check_layer_norm<T: Element>(
     let mut dw2 = device.upload(&vec![0f32; cols]).expect("up");
     let mut db2 = device.upload(&vec![0f32; cols]).expect("up");
     let mut dx2 = poisoned::<T>(device, n);
-    layer_norm_backward(
-        device,
-        &saved,
-        wb.as_ref().map(|v| v as &dyn mesa_kernels::DeviceMemory<T>),
-        &dyb,
-        &dense,
-        &mut dx2,
-        &dense,
-        &mut dw2,
-        &mut db2,
-    )
-    .expect("again");
+    let grads =
+        LayerNormGrads { dx: &mut tmut(&mut dx2, &dense), dweight: &mut vmut(&mut dw2), dbias: &mut vmut(&mut db2) };
+    layer_norm_backward(device, &bargs, grads).expect("again");
     let bits_of = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits_of(dw2.to_vec().expect("dw")), bits_of(dwh), "dweight must be bitwise reproducible");
     assert_eq!(bits_of(db2.to_vec().expect("db")), bits_of(dbh), "dbias must be bitwise reproducible");
@@ -961,9 +983,20 @@ fn layer_norm_plain_paths_match() {
         let wb = device.upload(&w).expect("up");
         let mut y1 = poisoned::<f32>(&device, rows * cols);
         let mut y2 = poisoned::<f32>(&device, rows * cols);
-        layer_norm(&device, &xb, &l, Some(&wb), None, 1e-5, &mut y1, &l).expect("plain");
+        layer_norm(
+            &device,
+            &LayerNormForward { x: &tref(&xb, &l), weight: Some(&vref(&wb)), bias: None, eps: 1e-5 },
+            &mut tmut(&mut y1, &l),
+        )
+        .expect("plain");
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-        let saved = layer_norm_forward(&device, &mut q, &xb, &l, Some(&wb), None, 1e-5, &mut y2, &l).expect("fused");
+        let saved = layer_norm_forward(
+            &device,
+            &mut q,
+            &LayerNormForward { x: &tref(&xb, &l), weight: Some(&vref(&wb)), bias: None, eps: 1e-5 },
+            &mut tmut(&mut y2, &l),
+        )
+        .expect("fused");
         assert_eq!(y1.to_vec().expect("y"), y2.to_vec().expect("y"), "saving must not change the output");
         // plain backward from an f32 x̂ equals the reference
         let r = rf::layer_norm_rows(
@@ -980,8 +1013,17 @@ fn layer_norm_plain_paths_match() {
         let mut dx = poisoned::<f32>(&device, rows * cols);
         let mut dw = device.upload(&vec![f32::NAN; cols]).expect("up");
         let mut db = device.upload(&vec![f32::NAN; cols]).expect("up");
-        layer_norm_backward_plain(&device, &xhb, &l, saved.rstd(), Some(&wb), &dyb, &l, &mut dx, &l, &mut dw, &mut db)
-            .expect("plain bwd");
+        layer_norm_backward_plain(
+            &device,
+            &LayerNormBackwardPlain {
+                xhat: &tref(&xhb, &l),
+                rstd: &vref(saved.rstd()),
+                weight: Some(&vref(&wb)),
+                dy: &tref(&dyb, &l),
+            },
+            LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) },
+        )
+        .expect("plain bwd");
         let rs: Vec<f64> = saved.rstd().to_vec().expect("r").iter().map(|&v| f64::from(v)).collect();
         let xh64: Vec<f64> = xhat.iter().map(|&v| f64::from(v)).collect();
         let (rdx, rdw, _) = rf::layer_norm_backward_rows(
@@ -1049,10 +1091,16 @@ fn a_tensor_consumed_by_two_ops_is_saved_once() {
         let sb = device.upload(&s).expect("up");
         let l = Layout::contiguous(&shape);
         let mut p = poisoned::<f32>(&device, h * n * n);
-        let saved = softmax_forward(&device, &SoftmaxSave::per_head(0), &sb, &l, None, &mut p, &l).expect("fwd");
+        let saved = softmax_forward(
+            &device,
+            &SoftmaxSave::per_head(0),
+            &SoftmaxInput { x: &tref(&sb, &l), mask: None },
+            &mut tmut(&mut p, &l),
+        )
+        .expect("fwd");
         // consumer 1: the matmul backward decodes the same handle
         let mut p_hat = poisoned::<f32>(&device, h * n * n);
-        saved.dequantize(&device, &mut p_hat, &l).expect("decode");
+        saved.dequantize(&device, &mut TensorMut::new(&mut p_hat, &l).expect("view")).expect("decode");
         let p_hat = host(&p_hat);
         let d_o: Vec<f64> = (0..h * n * d).map(|i| (i as f64 * 0.13).cos()).collect();
         let mut dv = vec![0.0; h * n * d];
@@ -1069,7 +1117,7 @@ fn a_tensor_consumed_by_two_ops_is_saved_once() {
         let dy: Vec<f32> = random(&mut rng, h * n * n, 0.0, 1.0);
         let dyb = device.upload(&dy).expect("up");
         let mut dx = poisoned::<f32>(&device, h * n * n);
-        softmax_backward(&device, &saved, &dyb, &l, &mut dx, &l).expect("bwd");
+        softmax_backward(&device, &saved, &tref(&dyb, &l), &mut tmut(&mut dx, &l)).expect("bwd");
         let r = rf::softmax_backward_rows(&decode_host(&saved), &reference::gather(&dy, &l), n);
         for (i, v) in host(&dx).iter().enumerate() {
             assert!((v - r[i]).abs() <= 1e-5 * (1.0 + r[i].abs()), "dx[{i}]");
@@ -1085,12 +1133,12 @@ fn a_tensor_consumed_by_two_ops_is_saved_once() {
         let l1 = Layout::contiguous(&[64]);
         let mut y = poisoned::<f32>(&device, 64);
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-        let g = gelu_forward(&device, &mut q, GeluForm::Erf, &xb, &l1, &mut y, &l1).expect("gelu");
+        let g = gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&xb, &l1), &mut tmut(&mut y, &l1)).expect("gelu");
         let ones = device.upload(&[1f32; 64]).expect("up");
         let mut a = poisoned::<f32>(&device, 64);
         let mut b = poisoned::<f32>(&device, 64);
-        gelu_backward(&device, GeluForm::Erf, &g, &ones, &l1, &mut a, &l1).expect("b1");
-        gelu_backward(&device, GeluForm::Erf, &g, &ones, &l1, &mut b, &l1).expect("b2");
+        gelu_backward(&device, GeluForm::Erf, &g, &tref(&ones, &l1), &mut tmut(&mut a, &l1)).expect("b1");
+        gelu_backward(&device, GeluForm::Erf, &g, &tref(&ones, &l1), &mut tmut(&mut b, &l1)).expect("b2");
         assert_eq!(a.to_vec().expect("a"), b.to_vec().expect("b"));
     }
 }
@@ -1102,18 +1150,35 @@ fn zero_size_tensors() {
         let mut out = device.upload::<f32>(&[]).expect("up");
         let l = Layout::contiguous(&[0, 16]);
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
-        let s = gelu_forward(&device, &mut q, GeluForm::Erf, &empty, &l, &mut out, &l).expect("gelu");
+        let s = gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&empty, &l), &mut tmut(&mut out, &l)).expect("gelu");
         assert_eq!(s.numel(), 0);
         assert_eq!(q.batches(), 0, "an empty tensor does not count as a batch");
         let mut dx = device.upload::<f32>(&[]).expect("up");
-        gelu_backward(&device, GeluForm::Erf, &s, &empty, &l, &mut dx, &l).expect("gelu bwd");
-        let sm = softmax_forward(&device, &SoftmaxSave::per_head(1), &empty, &l, None, &mut out, &l).expect("softmax");
-        softmax_backward(&device, &sm, &empty, &l, &mut dx, &l).expect("softmax bwd");
-        let ln = layer_norm_forward(&device, &mut q, &empty, &l, None, None, 1e-5, &mut out, &l).expect("ln");
+        gelu_backward(&device, GeluForm::Erf, &s, &tref(&empty, &l), &mut tmut(&mut dx, &l)).expect("gelu bwd");
+        let sm = softmax_forward(
+            &device,
+            &SoftmaxSave::per_head(1),
+            &SoftmaxInput { x: &tref(&empty, &l), mask: None },
+            &mut tmut(&mut out, &l),
+        )
+        .expect("softmax");
+        softmax_backward(&device, &sm, &tref(&empty, &l), &mut tmut(&mut dx, &l)).expect("softmax bwd");
+        let ln = layer_norm_forward(
+            &device,
+            &mut q,
+            &LayerNormForward { x: &tref(&empty, &l), weight: None, bias: None, eps: 1e-5 },
+            &mut tmut(&mut out, &l),
+        )
+        .expect("ln");
         assert_eq!(ln.mean().len(), 0);
         let mut dw = device.upload(&[f32::NAN; 16]).expect("up");
         let mut db = device.upload(&[f32::NAN; 16]).expect("up");
-        layer_norm_backward(&device, &ln, None, &empty, &l, &mut dx, &l, &mut dw, &mut db).expect("ln bwd");
+        layer_norm_backward(
+            &device,
+            &LayerNormBackward { saved: &ln, weight: None, dy: &tref(&empty, &l) },
+            LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) },
+        )
+        .expect("ln bwd");
         assert!(dw.to_vec().expect("dw").iter().all(|&v| v == 0.0), "no rows: dweight = 0");
         assert!(db.to_vec().expect("db").iter().all(|&v| v == 0.0), "no rows: dbias = 0");
     }
@@ -1121,77 +1186,91 @@ fn zero_size_tensors() {
 
 #[test]
 fn bad_input_is_an_error_not_a_panic() {
+    // grouping and self-overlap errors come from `Layout`
+    let layout_error = |e: &Error| matches!(e, Error::InvalidLayout { .. });
     for device in common::backends() {
         let x = device.upload(&[0.5f32; 24]).expect("up");
         let mut y = device.upload(&[0f32; 24]).expect("up");
         let l = Layout::contiguous(&[2, 3, 4]);
+        let xv = tref(&x, &l);
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
         // shapes differ
         let other = Layout::contiguous(&[2, 12]);
-        assert!(matches!(
-            gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &other),
-            Err(Error::LegacyShape(_))
-        ));
-        assert!(matches!(softmax(&device, &x, &l, None, &mut y, &other), Err(Error::LegacyShape(_))));
+        let r = gelu_forward(&device, &mut q, GeluForm::Erf, &xv, &mut tmut(&mut y, &other));
+        assert!(
+            matches!(r, Err(Error::ShapeMismatch { ref expected, ref got, .. }) if expected == &[2, 3, 4] && got == &[2, 12])
+        );
+        let r = softmax(&device, &SoftmaxInput::new(&xv), &mut tmut(&mut y, &other));
+        assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}");
         // rank 0 row op
         let scalar = Layout::contiguous(&[]);
-        assert!(matches!(softmax(&device, &x, &scalar, None, &mut y, &scalar), Err(Error::LegacyShape(_))));
-        // buffer too short
+        let r = softmax(&device, &SoftmaxInput::new(&tref(&x, &scalar)), &mut tmut(&mut y, &scalar));
+        assert!(matches!(r, Err(Error::InvalidLayout { .. })), "{r:?}");
+        // buffer too short: rejected when the view is made
         let long = Layout::contiguous(&[5, 5]);
-        assert!(matches!(gelu(&device, GeluForm::Erf, &x, &long, &mut y, &long), Err(Error::BufferTooShort { .. })));
-        // output overlapping itself
+        assert!(matches!(TensorRef::new(&x, &long), Err(Error::BufferTooShort { needed: 25, len: 24, .. })));
+        // output overlapping itself: rejected when the view is made
         let bcast = Layout::strided(&[2, 3, 4], &[0, 4, 1], 0).expect("l");
-        assert!(matches!(gelu(&device, GeluForm::Tanh, &x, &l, &mut y, &bcast), Err(Error::LegacyShape(_))));
+        assert!(TensorMut::new(&mut y, &bcast).err().as_ref().is_some_and(layout_error));
         // bit width
         let bad = SoftmaxSave { bits: 3, ..SoftmaxSave::per_head(0) };
-        assert!(matches!(softmax_forward(&device, &bad, &x, &l, None, &mut y, &l), Err(Error::LegacyUnsupported(_))));
+        let r = softmax_forward(&device, &bad, &SoftmaxInput::new(&xv), &mut tmut(&mut y, &l));
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
         // mask of another shape
         let m = device.upload(&[0f32; 24]).expect("up");
-        let ml = Layout::contiguous(&[6, 4]);
-        assert!(matches!(
-            softmax(&device, &x, &l, Some(Mask { data: &m, layout: &ml }), &mut y, &l),
-            Err(Error::LegacyShape(_))
-        ));
-        // LayerNorm: eps, C = 0, short weight
-        assert!(matches!(layer_norm(&device, &x, &l, None, None, 0.0, &mut y, &l), Err(Error::LegacyShape(_))));
-        assert!(matches!(layer_norm(&device, &x, &l, None, None, f32::NAN, &mut y, &l), Err(Error::LegacyShape(_))));
+        let mv = tref(&m, &Layout::contiguous(&[6, 4]));
+        let r = softmax(&device, &SoftmaxInput::new(&xv).with_mask(&mv), &mut tmut(&mut y, &l));
+        assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}");
+        // LayerNorm: eps (an argument, not a shape), C = 0, short or strided weight
+        for eps in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let r = layer_norm(&device, &LayerNormForward::new(&xv, eps), &mut tmut(&mut y, &l));
+            assert!(matches!(r, Err(Error::InvalidArgument { ref name, .. }) if name == "eps"), "eps {eps}: {r:?}");
+        }
         let c0 = Layout::contiguous(&[3, 0]);
-        assert!(matches!(layer_norm(&device, &x, &c0, None, None, 1e-5, &mut y, &c0), Err(Error::LegacyShape(_))));
-        let w = device.upload(&[1f32; 3]).expect("up");
-        assert!(matches!(
-            layer_norm(&device, &x, &l, Some(&w), None, 1e-5, &mut y, &l),
-            Err(Error::BufferTooShort { .. })
-        ));
+        let r = layer_norm(&device, &LayerNormForward::new(&tref(&x, &c0), 1e-5), &mut tmut(&mut y, &c0));
+        assert!(matches!(r, Err(Error::InvalidLayout { .. })), "{r:?}");
+        let w = device.upload(&[1f32; 8]).expect("up");
+        let short = tref(&w, &Layout::contiguous(&[3]));
+        let args = LayerNormForward { weight: Some(&short), ..LayerNormForward::new(&xv, 1e-5) };
+        let r = layer_norm(&device, &args, &mut tmut(&mut y, &l));
+        assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}");
+        let strided = tref(&w, &Layout::strided(&[4], &[2], 0).expect("l"));
+        let args = LayerNormForward { bias: Some(&strided), ..LayerNormForward::new(&xv, 1e-5) };
+        let r = layer_norm(&device, &args, &mut tmut(&mut y, &l));
+        assert!(matches!(r, Err(Error::InvalidLayout { .. })), "{r:?}");
         // backward with a gradient of another shape than the saved tensor
-        let s = gelu_forward(&device, &mut q, GeluForm::Erf, &x, &l, &mut y, &l).expect("fwd");
+        let s = gelu_forward(&device, &mut q, GeluForm::Erf, &xv, &mut tmut(&mut y, &l)).expect("fwd");
         let mut dx = device.upload(&[0f32; 24]).expect("up");
-        assert!(matches!(
-            gelu_backward(&device, GeluForm::Erf, &s, &x, &other, &mut dx, &other),
-            Err(Error::LegacyShape(_))
-        ));
+        let r = gelu_backward(&device, GeluForm::Erf, &s, &tref(&x, &other), &mut tmut(&mut dx, &other));
+        assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}");
         // grouping that does not divide
         let mut qg = Quantizer::new(&device, fused::channel_groups(2, 3)).expect("q");
-        assert!(matches!(
-            gelu_forward(&device, &mut qg, GeluForm::Erf, &x, &l, &mut y, &l),
-            Err(Error::LegacyShape(_))
-        ));
+        let r = gelu_forward(&device, &mut qg, GeluForm::Erf, &xv, &mut tmut(&mut y, &l));
+        assert!(r.as_ref().err().is_some_and(layout_error), "{r:?}");
         // a quantizer of another device
         let other_dev = Device::emulator();
         if device.is_cuda() {
             let mut qo = Quantizer::new(&other_dev, QuantConfig::per_tensor()).expect("q");
-            assert!(matches!(
-                gelu_forward(&device, &mut qo, GeluForm::Erf, &x, &l, &mut y, &l),
-                Err(Error::LegacyWrongBackend(_))
-            ));
+            let r = gelu_forward(&device, &mut qo, GeluForm::Erf, &xv, &mut tmut(&mut y, &l));
+            assert!(matches!(r, Err(Error::WrongBackend { .. })), "{r:?}");
         }
-        // LN backward: short dweight
-        let ln = layer_norm_forward(&device, &mut q, &x, &l, None, None, 1e-5, &mut y, &l).expect("ln");
+        // LN backward: short dweight, rstd of another length
+        let ln =
+            layer_norm_forward(&device, &mut q, &LayerNormForward::new(&xv, 1e-5), &mut tmut(&mut y, &l)).expect("ln");
         let mut dw = device.upload(&[0f32; 2]).expect("up");
         let mut db = device.upload(&[0f32; 4]).expect("up");
-        assert!(matches!(
-            layer_norm_backward(&device, &ln, None, &x, &l, &mut dx, &l, &mut dw, &mut db),
-            Err(Error::BufferTooShort { .. })
-        ));
+        let bargs = LayerNormBackward { saved: &ln, weight: None, dy: &xv };
+        let grads =
+            LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) };
+        let r = layer_norm_backward(&device, &bargs, grads);
+        assert!(matches!(r, Err(Error::ShapeMismatch { ref what, .. }) if what == "dweight"), "{r:?}");
+        let rstd = device.upload(&[1f32; 5]).expect("up");
+        let mut dw = device.upload(&[0f32; 4]).expect("up");
+        let pargs = LayerNormBackwardPlain { xhat: &xv, rstd: &vref(&rstd), weight: None, dy: &xv };
+        let grads =
+            LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) };
+        let r = layer_norm_backward_plain(&device, &pargs, grads);
+        assert!(matches!(r, Err(Error::ShapeMismatch { ref what, .. }) if what == "rstd"), "{r:?}");
     }
 }
 
@@ -1210,7 +1289,7 @@ fn emulator_and_gpu_agree() {
         let mut q = Quantizer::new(d, QuantConfig { bits: 4, ..QuantConfig::per_tensor() }).expect("q");
         let xb = d.upload(&x).expect("up");
         let mut y = poisoned::<bf16>(d, 1200);
-        let s = gelu_forward(d, &mut q, GeluForm::Erf, &xb, &l, &mut y, &l).expect("gelu");
+        let s = gelu_forward(d, &mut q, GeluForm::Erf, &tref(&xb, &l), &mut tmut(&mut y, &l)).expect("gelu");
         (s.codes().to_vec().expect("c"), s.params().expect("p"), host(&y))
     };
     let (ce, pe, ye) = run_gelu(&emu);
@@ -1224,16 +1303,32 @@ fn emulator_and_gpu_agree() {
         let run = |d: &Device| {
             let xb = d.upload(&x).expect("up");
             let mut y = poisoned::<bf16>(d, 1200);
-            let s = softmax_forward(d, &SoftmaxSave { bits, ..SoftmaxSave::per_head(0) }, &xb, &l, None, &mut y, &l)
-                .expect("softmax");
+            let s = softmax_forward(
+                d,
+                &SoftmaxSave { bits, ..SoftmaxSave::per_head(0) },
+                &SoftmaxInput { x: &tref(&xb, &l), mask: None },
+                &mut tmut(&mut y, &l),
+            )
+            .expect("softmax");
             let mut q = Quantizer::new(d, QuantConfig { bits, ..QuantConfig::per_tensor() }).expect("q");
             let mut z = poisoned::<bf16>(d, 1200);
-            let ln = layer_norm_forward(d, &mut q, &xb, &l, None, None, 1e-5, &mut z, &l).expect("ln");
+            let ln = layer_norm_forward(
+                d,
+                &mut q,
+                &LayerNormForward { x: &tref(&xb, &l), weight: None, bias: None, eps: 1e-5 },
+                &mut tmut(&mut z, &l),
+            )
+            .expect("ln");
             let dyb = d.upload(&dy).expect("up");
             let mut dx = poisoned::<bf16>(d, 1200);
             let mut dw = d.upload(&[0f32; 200]).expect("up");
             let mut db = d.upload(&[0f32; 200]).expect("up");
-            layer_norm_backward(d, &ln, None, &dyb, &l, &mut dx, &l, &mut dw, &mut db).expect("ln bwd");
+            layer_norm_backward(
+                d,
+                &LayerNormBackward { saved: &ln, weight: None, dy: &tref(&dyb, &l) },
+                LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) },
+            )
+            .expect("ln bwd");
             (decode_host(&s), host(&y), decode_host(ln.xhat()), host(&z), dw.to_vec().expect("dw"))
         };
         let (e, g) = (run(&emu), run(&gpu));
@@ -1270,7 +1365,9 @@ fn softmax_nan_and_inf_logits_give_nan_rows_and_poisoned_codes() {
         let xb = device.upload(&x).expect("up");
         let mut y = poisoned::<f32>(&device, rows * cols);
         let save = SoftmaxSave::per_head(1);
-        let saved = softmax_forward(&device, &save, &xb, &l, None, &mut y, &l).expect("fwd");
+        let saved =
+            softmax_forward(&device, &save, &SoftmaxInput { x: &tref(&xb, &l), mask: None }, &mut tmut(&mut y, &l))
+                .expect("fwd");
         let y = y.to_vec().expect("y");
         for r in 0..rows {
             let nan_row = r == 0 || r == 2;
@@ -1280,7 +1377,7 @@ fn softmax_nan_and_inf_logits_give_nan_rows_and_poisoned_codes() {
         }
         assert_eq!(saved.nonfinite_count().expect("count"), 16);
         let mut p = poisoned::<f32>(&device, rows * cols);
-        saved.dequantize(&device, &mut p, &l).expect("decode");
+        saved.dequantize(&device, &mut TensorMut::new(&mut p, &l).expect("view")).expect("decode");
         let p = p.to_vec().expect("p");
         // [B=2, H=2, cols]: rows 0 and 2 are heads 0 and 0 of batches 0 and 1 -> head 0 poisoned
         for (i, v) in p.iter().enumerate() {
@@ -1288,4 +1385,361 @@ fn softmax_nan_and_inf_logits_give_nan_rows_and_poisoned_codes() {
             assert_eq!(v.is_nan(), head == 0, "decoded p[{i}] = {v}");
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Issue 8: in-place calls, empty grouped axes, shape products of huge empty tensors
+
+/// A raw device slice over a host vector: on the emulator, device memory is host memory, so
+/// two copies of it are one buffer given as both input and output.
+fn raw_over<T>(v: &mut [T]) -> RawDeviceSlice<T> {
+    // SAFETY: the emulator runs each kernel synchronously on the calling thread; `v` outlives
+    // every call that uses the slice, and the test does not touch `v` during a call.
+    unsafe { RawDeviceSlice::new(v.as_mut_ptr() as u64, v.len()) }
+}
+
+#[test]
+fn in_place_gelu_forward_with_saving_is_rejected() {
+    let device = Device::emulator();
+    let mut rng = common::rng("alias_gelu_forward");
+    let l = Layout::contiguous(&[4, 64]);
+    let x0: Vec<f32> = random(&mut rng, 256, 0.0, 3.0);
+    let mut storage = x0.clone();
+    let (x, mut y) = (raw_over(&mut storage), raw_over(&mut storage));
+    let mut q = Quantizer::new(&device, fused::channel_groups(1, 4)).expect("q");
+    let r = gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l));
+    if let Ok(saved) = &r {
+        let dec = decode_host(saved);
+        let worst = dec.iter().zip(&x0).map(|(d, &x)| (d - f64::from(x)).abs()).fold(0.0, f64::max);
+        panic!("in-place GELU forward returned Ok (codes decode within {worst} of x, step {})", max_scale(saved));
+    }
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "in-place GELU forward: {r:?}");
+}
+
+#[test]
+fn in_place_layer_norm_forward_with_saving_is_rejected() {
+    let device = Device::emulator();
+    let mut rng = common::rng("alias_ln_forward");
+    // C·bits not a multiple of 8: the codes come from a second pass that re-reads x
+    let (rows, cols) = (5, 31);
+    let l = Layout::contiguous(&[rows, cols]);
+    let x0: Vec<f32> = random(&mut rng, rows * cols, 1.0, 3.0);
+    let mut storage = x0.clone();
+    let (x, mut y) = (raw_over(&mut storage), raw_over(&mut storage));
+    let mut q = Quantizer::new(&device, QuantConfig { bits: 4, ..QuantConfig::per_tensor() }).expect("q");
+    let r = layer_norm_forward(
+        &device,
+        &mut q,
+        &LayerNormForward { x: &tref(&x, &l), weight: None, bias: None, eps: 1e-5 },
+        &mut tmut(&mut y, &l),
+    );
+    if let Ok(saved) = &r {
+        let xs: Vec<f64> = x0.iter().map(|&v| f64::from(v)).collect();
+        let rx = rf::layer_norm_rows(&xs, None, None, 1e-5, cols);
+        let dec = decode_host(saved.xhat());
+        let worst = dec.iter().zip(&rx.xhat).map(|(d, r)| (d - r).abs()).fold(0.0, f64::max);
+        panic!(
+            "in-place LayerNorm forward returned Ok (codes of x^ off by up to {worst}, step {})",
+            max_scale(saved.xhat())
+        );
+    }
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "in-place LayerNorm forward: {:?}", r.as_ref().err());
+}
+
+#[test]
+fn layer_norm_backward_with_dx_over_dy_is_rejected() {
+    let device = Device::emulator();
+    let mut rng = common::rng("alias_ln_backward");
+    let (rows, cols) = (6, 32);
+    let l = Layout::contiguous(&[rows, cols]);
+    let x: Vec<f32> = random(&mut rng, rows * cols, 0.0, 2.0);
+    let xb = device.upload(&x).expect("up");
+    let mut y = device.alloc_zeros::<f32>(rows * cols).expect("alloc");
+    let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let saved = layer_norm_forward(
+        &device,
+        &mut q,
+        &LayerNormForward { x: &tref(&xb, &l), weight: None, bias: None, eps: 1e-5 },
+        &mut tmut(&mut y, &l),
+    )
+    .expect("fwd");
+    let dy0: Vec<f32> = random(&mut rng, rows * cols, 0.0, 1.0);
+    let mut storage = dy0.clone();
+    let (dy, mut dx) = (raw_over(&mut storage), raw_over(&mut storage));
+    let mut dw = device.upload(&vec![f32::NAN; cols]).expect("up");
+    let mut db = device.upload(&vec![f32::NAN; cols]).expect("up");
+    let r = layer_norm_backward(
+        &device,
+        &LayerNormBackward { saved: &saved, weight: None, dy: &tref(&dy, &l) },
+        LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) },
+    );
+    if r.is_ok() {
+        let dec = decode_host(saved.xhat());
+        let rs: Vec<f64> = saved.rstd().to_vec().expect("r").iter().map(|&v| f64::from(v)).collect();
+        let dys: Vec<f64> = dy0.iter().map(|&v| f64::from(v)).collect();
+        let (_, rdw, rdb) = rf::layer_norm_backward_rows(&dec, &rs, None, &dys, cols);
+        let err = |got: Vec<f32>, want: &[f64]| {
+            got.iter().zip(want).map(|(g, w)| (f64::from(*g) - w).abs()).fold(0.0, f64::max)
+        };
+        panic!(
+            "LayerNorm backward with dx over dy returned Ok: max |dweight - ref| = {}, max |dbias - ref| = {}",
+            err(dw.to_vec().expect("dw"), &rdw),
+            err(db.to_vec().expect("db"), &rdb)
+        );
+    }
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "dx over dy: {r:?}");
+}
+
+#[test]
+fn empty_grouped_axes_give_empty_handles() {
+    for device in common::backends() {
+        let empty = device.upload::<f32>(&[]).expect("up");
+        let mut out = device.upload::<f32>(&[]).expect("up");
+        // [B, H, N, N] with no heads, grouped by head; and rows of length 0
+        for (shape, grouping) in [
+            (vec![2usize, 0, 4, 4], Grouping::Heads { axis: 1 }),
+            (vec![3, 0], Grouping::Heads { axis: 1 }),
+            (vec![3, 0], Grouping::Channels { axis: 1, groups: 2 }),
+        ] {
+            let l = Layout::contiguous(&shape);
+            let save = SoftmaxSave { grouping, ..SoftmaxSave::per_head(0) };
+            let r = softmax_forward(
+                &device,
+                &save,
+                &SoftmaxInput { x: &tref(&empty, &l), mask: None },
+                &mut tmut(&mut out, &l),
+            );
+            let saved = r.unwrap_or_else(|e| panic!("softmax_forward of {shape:?} grouped {grouping:?}: {e:?}"));
+            assert_eq!((saved.numel(), saved.shape()), (0, shape.as_slice()));
+            let mut dx = device.upload::<f32>(&[]).expect("up");
+            softmax_backward(&device, &saved, &tref(&empty, &l), &mut tmut(&mut dx, &l)).expect("softmax backward");
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            let g =
+                gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&empty, &l), &mut tmut(&mut out, &l)).expect("gelu");
+            assert_eq!((g.numel(), q.batches()), (0, 0));
+            gelu_backward(&device, GeluForm::Erf, &g, &tref(&empty, &l), &mut tmut(&mut dx, &l))
+                .expect("gelu backward");
+        }
+        // LayerNorm: no rows is an empty tensor; rows of length 0 have no mean
+        let l = Layout::contiguous(&[2, 0, 8]);
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q");
+        let ln = layer_norm_forward(
+            &device,
+            &mut q,
+            &LayerNormForward { x: &tref(&empty, &l), weight: None, bias: None, eps: 1e-5 },
+            &mut tmut(&mut out, &l),
+        )
+        .expect("ln");
+        assert_eq!((ln.xhat().numel(), ln.xhat().num_groups(), ln.mean().len()), (0, 0, 0));
+        let c0 = Layout::contiguous(&[3, 0]);
+        let mut q = Quantizer::new(&device, fused::channel_groups(1, 2)).expect("q");
+        let r = layer_norm_forward(
+            &device,
+            &mut q,
+            &LayerNormForward { x: &tref(&empty, &c0), weight: None, bias: None, eps: 1e-5 },
+            &mut tmut(&mut out, &c0),
+        );
+        assert!(
+            matches!(r, Err(Error::InvalidLayout { .. })),
+            "LayerNorm over rows of length 0: {:?}",
+            r.as_ref().err()
+        );
+    }
+}
+
+#[test]
+fn huge_empty_tensors_are_never_a_panic() {
+    // [0, usize::MAX/2, 4]: no element, but every product of trailing dimensions overflows.
+    // Run once with overflow checks (see docs/fused.md): each op is Ok (nothing to do) or a
+    // clean error, never a panic and never the "bug in this crate" kind.
+    let shape = [0usize, usize::MAX / 2, 4];
+    let l = Layout::contiguous(&shape);
+    let clean = |what: &str, r: &mesa_kernels::Result<()>| {
+        assert!(!matches!(r, Err(Error::KernelArgument { .. })), "{what}: {r:?}");
+    };
+    for device in common::backends() {
+        let empty = device.upload::<f32>(&[]).expect("up");
+        let mut out = device.upload::<f32>(&[]).expect("up");
+        let mut dx = device.upload::<f32>(&[]).expect("up");
+        for grouping in [Grouping::Tensor, Grouping::Heads { axis: 0 }, Grouping::Channels { axis: 2, groups: 2 }] {
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            match gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&empty, &l), &mut tmut(&mut out, &l)) {
+                Ok(s) => clean(
+                    "gelu backward",
+                    &gelu_backward(&device, GeluForm::Erf, &s, &tref(&empty, &l), &mut tmut(&mut dx, &l)),
+                ),
+                Err(e) => clean("gelu forward", &Err(e)),
+            }
+            clean("gelu", &gelu(&device, GeluForm::Tanh, &tref(&empty, &l), &mut tmut(&mut out, &l)));
+            let save = SoftmaxSave { grouping, ..SoftmaxSave::per_head(0) };
+            match softmax_forward(
+                &device,
+                &save,
+                &SoftmaxInput { x: &tref(&empty, &l), mask: None },
+                &mut tmut(&mut out, &l),
+            ) {
+                Ok(s) => {
+                    clean("softmax backward", &softmax_backward(&device, &s, &tref(&empty, &l), &mut tmut(&mut dx, &l)))
+                }
+                Err(e) => clean("softmax forward", &Err(e)),
+            }
+            clean(
+                "softmax",
+                &softmax(&device, &SoftmaxInput { x: &tref(&empty, &l), mask: None }, &mut tmut(&mut out, &l)),
+            );
+            let mut q = Quantizer::new(&device, QuantConfig { grouping, ..QuantConfig::per_tensor() }).expect("q");
+            match layer_norm_forward(
+                &device,
+                &mut q,
+                &LayerNormForward { x: &tref(&empty, &l), weight: None, bias: None, eps: 1e-5 },
+                &mut tmut(&mut out, &l),
+            ) {
+                Ok(s) => {
+                    let mut dw = device.upload(&[f32::NAN; 4]).expect("up");
+                    let mut db = device.upload(&[f32::NAN; 4]).expect("up");
+                    let r = layer_norm_backward(
+                        &device,
+                        &LayerNormBackward { saved: &s, weight: None, dy: &tref(&empty, &l) },
+                        LayerNormGrads {
+                            dx: &mut tmut(&mut dx, &l),
+                            dweight: &mut vmut(&mut dw),
+                            dbias: &mut vmut(&mut db),
+                        },
+                    );
+                    clean("layer norm backward", &r);
+                    if r.is_ok() {
+                        assert!(dw.to_vec().expect("dw").iter().chain(&db.to_vec().expect("db")).all(|&v| v == 0.0));
+                    }
+                }
+                Err(e) => clean("layer norm forward", &Err(e)),
+            }
+            clean(
+                "layer norm",
+                &layer_norm(
+                    &device,
+                    &LayerNormForward { x: &tref(&empty, &l), weight: None, bias: None, eps: 1e-5 },
+                    &mut tmut(&mut out, &l),
+                ),
+            );
+        }
+    }
+}
+
+#[test]
+fn every_input_output_pair_that_overlaps_is_rejected() {
+    // One host vector seen as two raw slices: every op, every (input, output) pair in turn.
+    let device = Device::emulator();
+    let mut rng = common::rng("alias_pairs");
+    let (rows, cols) = (4, 16);
+    let n = rows * cols;
+    let l = Layout::contiguous(&[rows, cols]);
+    let v = Layout::contiguous(&[cols]);
+    let base: Vec<f32> = random(&mut rng, 2 * n, 0.5, 2.0);
+    let mut shared = base.clone();
+    let raw = raw_over(&mut shared);
+    // the second half of the shared vector: overlapping views share an element with the first
+    let (mut a, b) = (raw, raw);
+    let aliased = |r: mesa_kernels::Result<()>, what: &str| {
+        assert!(matches!(r, Err(Error::Aliasing { .. })), "{what}: {r:?}");
+    };
+    let xb = device.upload(&base[..n]).expect("up");
+    let mut other = device.alloc_zeros::<f32>(n).expect("alloc");
+    let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let gsaved = gelu_forward(&device, &mut q, GeluForm::Tanh, &tref(&xb, &l), &mut tmut(&mut other, &l)).expect("g");
+    let ssaved = softmax_forward(
+        &device,
+        &SoftmaxSave::per_head(0),
+        &SoftmaxInput::new(&tref(&xb, &l)),
+        &mut tmut(&mut other, &l),
+    )
+    .expect("s");
+    let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let lsaved =
+        layer_norm_forward(&device, &mut q, &LayerNormForward::new(&tref(&xb, &l), 1e-5), &mut tmut(&mut other, &l))
+            .expect("ln");
+    // partially overlapping: the output starts in the middle of the input
+    let shifted = Layout::strided(&[rows, cols], &[cols, 1], n / 2).expect("l");
+    for out_l in [&l, &shifted] {
+        let bv = tref(&b, &l);
+        aliased(gelu(&device, GeluForm::Erf, &bv, &mut tmut(&mut a, out_l)), "gelu x/y");
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        aliased(
+            gelu_forward(&device, &mut q, GeluForm::Erf, &bv, &mut tmut(&mut a, out_l)).map(drop),
+            "gelu_forward x/y",
+        );
+        assert_eq!(q.batches(), 0, "a rejected call is not a batch");
+        aliased(gelu_backward(&device, GeluForm::Erf, &gsaved, &bv, &mut tmut(&mut a, out_l)), "gelu_backward dy/dx");
+        let xv = tref(&xb, &l);
+        let plain = GeluBackwardPlain { form: GeluForm::Erf, x: &bv, dy: &xv };
+        aliased(gelu_backward_plain(&device, &plain, &mut tmut(&mut a, out_l)), "gelu_backward_plain x/dx");
+        let plain = GeluBackwardPlain { form: GeluForm::Erf, x: &xv, dy: &bv };
+        aliased(gelu_backward_plain(&device, &plain, &mut tmut(&mut a, out_l)), "gelu_backward_plain dy/dx");
+        aliased(softmax(&device, &SoftmaxInput::new(&bv), &mut tmut(&mut a, out_l)), "softmax x/y");
+        aliased(softmax(&device, &SoftmaxInput::new(&xv).with_mask(&bv), &mut tmut(&mut a, out_l)), "softmax mask/y");
+        let save = SoftmaxSave::per_head(0);
+        aliased(
+            softmax_forward(&device, &save, &SoftmaxInput::new(&bv), &mut tmut(&mut a, out_l)).map(drop),
+            "softmax_forward x/y",
+        );
+        aliased(softmax_backward(&device, &ssaved, &bv, &mut tmut(&mut a, out_l)), "softmax_backward dy/dx");
+        let plain = SoftmaxBackwardPlain { y: &bv, dy: &xv };
+        aliased(softmax_backward_plain(&device, &plain, &mut tmut(&mut a, out_l)), "softmax_backward_plain y/dx");
+        aliased(layer_norm(&device, &LayerNormForward::new(&bv, 1e-5), &mut tmut(&mut a, out_l)), "layer_norm x/y");
+        // a vector inside both output views (elements n/2 + 8 .. n/2 + 8 + C)
+        let inner = Layout::strided(&[cols], &[1], n / 2 + 8).expect("l");
+        let w = tref(&b, &inner);
+        let args = LayerNormForward { weight: Some(&w), ..LayerNormForward::new(&xv, 1e-5) };
+        aliased(layer_norm(&device, &args, &mut tmut(&mut a, out_l)), "layer_norm weight/y");
+        let args = LayerNormForward { bias: Some(&w), ..LayerNormForward::new(&xv, 1e-5) };
+        let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+        aliased(
+            layer_norm_forward(&device, &mut q, &args, &mut tmut(&mut a, out_l)).map(drop),
+            "layer_norm_forward bias/y",
+        );
+        // backward: dy over each output in turn
+        let mut dw = device.alloc_zeros::<f32>(cols).expect("a");
+        let mut db = device.alloc_zeros::<f32>(cols).expect("a");
+        let mut dx = device.alloc_zeros::<f32>(n).expect("a");
+        let bargs = LayerNormBackward { saved: &lsaved, weight: None, dy: &bv };
+        let g = LayerNormGrads { dx: &mut tmut(&mut a, out_l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) };
+        aliased(layer_norm_backward(&device, &bargs, g), "layer_norm_backward dy/dx");
+        let mut a2 = raw;
+        let g =
+            LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut tmut(&mut a2, &v), dbias: &mut vmut(&mut db) };
+        aliased(layer_norm_backward(&device, &bargs, g), "layer_norm_backward dy/dweight");
+        let wv = tref(&b, &v);
+        let bargs = LayerNormBackward { saved: &lsaved, weight: Some(&wv), dy: &xv };
+        let g =
+            LayerNormGrads { dx: &mut tmut(&mut dx, &l), dweight: &mut vmut(&mut dw), dbias: &mut tmut(&mut a2, &v) };
+        aliased(layer_norm_backward(&device, &bargs, g), "layer_norm_backward weight/dbias");
+        // dweight and dbias over each other
+        let (mut o1, mut o2) = (raw, raw);
+        let bargs = LayerNormBackward { saved: &lsaved, weight: None, dy: &xv };
+        let g = LayerNormGrads {
+            dx: &mut tmut(&mut dx, &l),
+            dweight: &mut tmut(&mut o1, &v),
+            dbias: &mut tmut(&mut o2, &v),
+        };
+        aliased(layer_norm_backward(&device, &bargs, g), "layer_norm_backward dweight/dbias");
+        let rv = tref(&b, &Layout::strided(&[rows], &[1], n / 2 + 8).expect("l"));
+        let pargs = LayerNormBackwardPlain { xhat: &xv, rstd: &rv, weight: None, dy: &xv };
+        let g = LayerNormGrads { dx: &mut tmut(&mut a, out_l), dweight: &mut vmut(&mut dw), dbias: &mut vmut(&mut db) };
+        aliased(layer_norm_backward_plain(&device, &pargs, g), "layer_norm_backward_plain rstd/dx");
+    }
+    // nothing was written by any rejected call
+    assert_eq!(shared, base, "a rejected call must not write");
+    // disjoint halves of one buffer are fine
+    let first = Layout::contiguous(&[rows, cols]);
+    let second = Layout::strided(&[rows, cols], &[cols, 1], n).expect("l");
+    let bv = tref(&b, &first);
+    gelu(&device, GeluForm::Erf, &bv, &mut tmut(&mut a, &second)).expect("disjoint halves");
+    let got = host_vec(&shared[n..]);
+    for (i, g) in got.iter().enumerate() {
+        let r = rf::gelu(f64::from(base[i]), GeluForm::Erf);
+        assert!((g - r).abs() <= EPS * 16.0 * (r.abs() + f64::from(base[i]).abs()), "gelu[{i}] {g} vs {r}");
+    }
+}
+
+fn host_vec(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
 }

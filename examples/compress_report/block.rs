@@ -32,10 +32,12 @@ use std::path::Path;
 
 use mesa_kernels::fused::{
     self, gelu, gelu_backward, gelu_backward_plain, gelu_forward, layer_norm_backward, layer_norm_backward_plain,
-    layer_norm_forward, softmax, softmax_backward, softmax_backward_plain, softmax_forward, Mask,
+    layer_norm_forward, softmax, softmax_backward, softmax_backward_plain, softmax_forward, GeluBackwardPlain,
+    LayerNormBackward, LayerNormBackwardPlain, LayerNormForward, LayerNormGrads, SoftmaxBackwardPlain, SoftmaxInput,
 };
 use mesa_kernels::{
-    Buffer, Device, GeluForm, Layout, QuantConfig, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave,
+    Buffer, Device, GeluForm, Layout, QuantConfig, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave, Storage,
+    TensorMut, TensorRef,
 };
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
@@ -266,7 +268,17 @@ fn ln_full(device: &Device, x: &[f32], w: &[f32], b: &[f32]) -> Result<(Vec<f32>
     let mut y = device.alloc_zeros::<f32>(T * C)?;
     // a throwaway quantizer: the full-precision run only needs y, mean and rstd
     let mut q = Quantizer::new(device, QuantConfig::per_tensor())?;
-    let saved = layer_norm_forward(device, &mut q, &xb, &l, Some(&wb), Some(&bb), LN_EPS, &mut y, &l)?;
+    let saved = layer_norm_forward(
+        device,
+        &mut q,
+        &LayerNormForward {
+            x: &TensorRef::new(&xb, &l)?,
+            weight: Some(&vref(&wb)?),
+            bias: Some(&vref(&bb)?),
+            eps: LN_EPS,
+        },
+        &mut TensorMut::new(&mut y, &l)?,
+    )?;
     Ok((y.to_vec()?, saved.mean().to_vec()?, saved.rstd().to_vec()?))
 }
 
@@ -296,7 +308,11 @@ pub fn forward(device: &Device, fix: &BlockFixture) -> Result<Forward> {
     let mb = device.upload(&additive_mask(fix))?;
     let ml = mask_layout();
     let mut pb = device.alloc_zeros::<f32>(s.len())?;
-    softmax(device, &sb, &ls, Some(Mask { data: &mb, layout: &ml }), &mut pb, &ls)?;
+    softmax(
+        device,
+        &SoftmaxInput { x: &TensorRef::new(&sb, &ls)?, mask: Some(&TensorRef::new(&mb, &ml)?) },
+        &mut TensorMut::new(&mut pb, &ls)?,
+    )?;
     let p = pb.to_vec()?;
     let mut ctx = vec![0f32; T * C];
     for b in 0..B {
@@ -314,7 +330,7 @@ pub fn forward(device: &Device, fix: &BlockFixture) -> Result<Forward> {
     let lu = Layout::contiguous(&[T, F]);
     let ub = device.upload(&u)?;
     let mut gb = device.alloc_zeros::<f32>(T * F)?;
-    gelu(device, GeluForm::Erf, &ub, &lu, &mut gb, &lu)?;
+    gelu(device, GeluForm::Erf, &TensorRef::new(&ub, &lu)?, &mut TensorMut::new(&mut gb, &lu)?)?;
     let g = gb.to_vec()?;
     let mut r2 = linear(&g, &pr.w2, &pr.b2, T, F, C);
     for (r, hv) in r2.iter_mut().zip(&h) {
@@ -426,13 +442,24 @@ impl KeptLn {
 
 fn decode(device: &Device, s: &SavedActivation) -> Result<Vec<f32>> {
     let mut out = device.alloc_zeros::<f32>(s.numel())?;
-    s.dequantize(device, &mut out, &Layout::contiguous(s.shape()))?;
+    s.dequantize(device, &mut TensorMut::contiguous(&mut out, s.shape())?)?;
     Ok(out.to_vec()?)
 }
 
 fn quantize(device: &Device, config: QuantConfig, data: &[f32], shape: &[usize]) -> Result<Kept> {
     let mut q = Quantizer::new(device, config)?;
-    Ok(Kept::Codes(Box::new(q.quantize(&device.upload(data)?, &Layout::contiguous(shape))?)))
+    Ok(Kept::Codes(Box::new(q.quantize(&TensorRef::contiguous(&device.upload(data)?, shape)?)?)))
+}
+
+/// A whole buffer as a vector (LayerNorm parameters, rstd).
+fn vref<T: Storage>(b: &Buffer<T>) -> mesa_kernels::Result<TensorRef<'_, T>> {
+    TensorRef::contiguous(b, &[b.len()])
+}
+
+/// A whole buffer as an output vector (dweight, dbias).
+fn vmut<T: Storage>(b: &mut Buffer<T>) -> mesa_kernels::Result<TensorMut<'_, T>> {
+    let n = b.len();
+    TensorMut::contiguous(b, &[n])
 }
 
 fn save(device: &Device, fix: &BlockFixture, fwd: &Forward, mode: Mode) -> Result<Saved> {
@@ -469,7 +496,12 @@ fn save(device: &Device, fix: &BlockFixture, fwd: &Forward, mode: Mode) -> Resul
     let ml = mask_layout();
     let mut pb = device.alloc_zeros::<f32>(fwd.p.len())?;
     let save_p = SoftmaxSave { bits, ..SoftmaxSave::per_head(1) };
-    let p = softmax_forward(device, &save_p, &sb, &ls, Some(Mask { data: &mb, layout: &ml }), &mut pb, &ls)?;
+    let p = softmax_forward(
+        device,
+        &save_p,
+        &SoftmaxInput { x: &TensorRef::new(&sb, &ls)?, mask: Some(&TensorRef::new(&mb, &ml)?) },
+        &mut TensorMut::new(&mut pb, &ls)?,
+    )?;
     check_same("softmax output", &pb.to_vec()?, &fwd.p)?;
     // LayerNorms and GELU: fused
     let ln = |input: &[f32], w: &[f32], b: &[f32], expect: &[f32]| -> Result<SavedLayerNorm> {
@@ -477,7 +509,17 @@ fn save(device: &Device, fix: &BlockFixture, fwd: &Forward, mode: Mode) -> Resul
         let (xb, wb, bb) = (device.upload(input)?, device.upload(w)?, device.upload(b)?);
         let mut y = device.alloc_zeros::<f32>(T * C)?;
         let mut quant = Quantizer::new(device, channels)?;
-        let s = layer_norm_forward(device, &mut quant, &xb, &l, Some(&wb), Some(&bb), LN_EPS, &mut y, &l)?;
+        let s = layer_norm_forward(
+            device,
+            &mut quant,
+            &LayerNormForward {
+                x: &TensorRef::new(&xb, &l)?,
+                weight: Some(&vref(&wb)?),
+                bias: Some(&vref(&bb)?),
+                eps: LN_EPS,
+            },
+            &mut TensorMut::new(&mut y, &l)?,
+        )?;
         check_same("LayerNorm output", &y.to_vec()?, expect)?;
         Ok(s)
     };
@@ -487,7 +529,13 @@ fn save(device: &Device, fix: &BlockFixture, fwd: &Forward, mode: Mode) -> Resul
     let ub = device.upload(&fwd.u)?;
     let mut gb = device.alloc_zeros::<f32>(T * F)?;
     let mut gq = Quantizer::new(device, channels)?;
-    let u = Kept::Codes(Box::new(gelu_forward(device, &mut gq, GeluForm::Erf, &ub, &lu, &mut gb, &lu)?));
+    let u = Kept::Codes(Box::new(gelu_forward(
+        device,
+        &mut gq,
+        GeluForm::Erf,
+        &TensorRef::new(&ub, &lu)?,
+        &mut TensorMut::new(&mut gb, &lu)?,
+    )?));
     check_same("GELU output", &gb.to_vec()?, &fwd.g)?;
     let (h, g) = if shared {
         (None, None)
@@ -576,11 +624,32 @@ fn ln_backward(device: &Device, kept: &KeptLn, weight: &[f32], dy: &[f32]) -> Re
     let mut dw = device.alloc_zeros::<f32>(C)?;
     let mut db = device.alloc_zeros::<f32>(C)?;
     match kept {
-        KeptLn::Codes(s) => layer_norm_backward(device, s, Some(&wb), &dyb, &l, &mut dx, &l, &mut dw, &mut db)?,
+        KeptLn::Codes(s) => layer_norm_backward(
+            device,
+            &LayerNormBackward { saved: s, weight: Some(&vref(&wb)?), dy: &TensorRef::new(&dyb, &l)? },
+            LayerNormGrads {
+                dx: &mut TensorMut::new(&mut dx, &l)?,
+                dweight: &mut vmut(&mut dw)?,
+                dbias: &mut vmut(&mut db)?,
+            },
+        )?,
         KeptLn::Full { .. } => {
             let (xh, rstd) = kept.xhat(device)?;
             let (xhb, rb): (Buffer<f32>, Buffer<f32>) = (device.upload(&xh)?, device.upload(&rstd)?);
-            layer_norm_backward_plain(device, &xhb, &l, &rb, Some(&wb), &dyb, &l, &mut dx, &l, &mut dw, &mut db)?;
+            layer_norm_backward_plain(
+                device,
+                &LayerNormBackwardPlain {
+                    xhat: &TensorRef::new(&xhb, &l)?,
+                    rstd: &vref(&rb)?,
+                    weight: Some(&vref(&wb)?),
+                    dy: &TensorRef::new(&dyb, &l)?,
+                },
+                LayerNormGrads {
+                    dx: &mut TensorMut::new(&mut dx, &l)?,
+                    dweight: &mut vmut(&mut dw)?,
+                    dbias: &mut vmut(&mut db)?,
+                },
+            )?;
         }
     }
     Ok([dx.to_vec()?, dw.to_vec()?, db.to_vec()?])
@@ -604,7 +673,7 @@ pub fn backward(device: &Device, fix: &BlockFixture, fwd: &Forward, mode: Mode) 
         None => {
             let ub = device.upload(&saved.u.values(device)?)?;
             let mut gb = device.alloc_zeros::<f32>(T * F)?;
-            gelu(device, GeluForm::Erf, &ub, &lu, &mut gb, &lu)?;
+            gelu(device, GeluForm::Erf, &TensorRef::new(&ub, &lu)?, &mut TensorMut::new(&mut gb, &lu)?)?;
             gb.to_vec()?
         }
     };
@@ -613,8 +682,18 @@ pub fn backward(device: &Device, fix: &BlockFixture, fwd: &Forward, mode: Mode) 
     let dgb = device.upload(&dg)?;
     let mut dub = device.alloc_zeros::<f32>(T * F)?;
     match &saved.u {
-        Kept::Codes(s) => gelu_backward(device, GeluForm::Erf, s, &dgb, &lu, &mut dub, &lu)?,
-        Kept::Full(u) => gelu_backward_plain(device, GeluForm::Erf, &device.upload(u)?, &lu, &dgb, &lu, &mut dub, &lu)?,
+        Kept::Codes(s) => {
+            gelu_backward(device, GeluForm::Erf, s, &TensorRef::new(&dgb, &lu)?, &mut TensorMut::new(&mut dub, &lu)?)?
+        }
+        Kept::Full(u) => gelu_backward_plain(
+            device,
+            &GeluBackwardPlain {
+                form: GeluForm::Erf,
+                x: &TensorRef::new(&device.upload(u)?, &lu)?,
+                dy: &TensorRef::new(&dgb, &lu)?,
+            },
+            &mut TensorMut::new(&mut dub, &lu)?,
+        )?,
     }
     let du = dub.to_vec()?;
     // FC1: its input H, kept or rebuilt as x̂1·γ1 + β1
@@ -651,8 +730,14 @@ pub fn backward(device: &Device, fix: &BlockFixture, fwd: &Forward, mode: Mode) 
     let dpb = device.upload(&dp)?;
     let mut dsb = device.alloc_zeros::<f32>(dp.len())?;
     match &saved.p {
-        Kept::Codes(s) => softmax_backward(device, s, &dpb, &ls, &mut dsb, &ls)?,
-        Kept::Full(pf) => softmax_backward_plain(device, &device.upload(pf)?, &ls, &dpb, &ls, &mut dsb, &ls)?,
+        Kept::Codes(s) => {
+            softmax_backward(device, s, &TensorRef::new(&dpb, &ls)?, &mut TensorMut::new(&mut dsb, &ls)?)?
+        }
+        Kept::Full(pf) => softmax_backward_plain(
+            device,
+            &SoftmaxBackwardPlain { y: &TensorRef::new(&device.upload(pf)?, &ls)?, dy: &TensorRef::new(&dpb, &ls)? },
+            &mut TensorMut::new(&mut dsb, &ls)?,
+        )?,
     }
     let ds = dsb.to_vec()?;
     let scale = 1.0 / (D as f32).sqrt();

@@ -11,6 +11,11 @@
  * Row ops (softmax, LayerNorm) see a tensor as rows along its LAST axis: the descriptor's
  * last dimension is the row (length shape[ndim-1], any stride), the dimensions before it
  * index the rows (any strides, merged by the caller where contiguous).
+ *
+ * In-place: not supported by any entry here. The kernels mark every pointer __restrict__
+ * (and several passes re-read an input after an output is written), so the input and output
+ * ranges of one call, and the outputs among themselves, must be disjoint; the safe crate
+ * (crates/mesa-kernels, launch builder) rejects overlapping calls with Error::Aliasing.
  */
 #ifndef MESA_FUSED_H
 #define MESA_FUSED_H
@@ -58,7 +63,9 @@ enum MesaGeluFormCode {
 };
 
 /* y = gelu(x) (y may be NULL: statistics-only pass); sink receives the codes of x.
- * x, y: same logical shape, any strides (y must not overlap itself), dtype of x. */
+ * x, y: same logical shape, any strides (y must not overlap itself), dtype of x.
+ * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
+ * or another output (the safe crate rejects such calls with Error::Aliasing). */
 typedef struct MesaGeluForwardArgs {
   const void* x;
   MesaTensorDesc x_desc;
@@ -70,7 +77,9 @@ typedef struct MesaGeluForwardArgs {
 } MesaGeluForwardArgs;
 
 /* dx = dy * gelu'(x), x decoded from `source` (or read from `x` when source.codes == NULL).
- * dy, x, dx: same logical shape, any strides; dtype of dy (x: x_desc.dtype). */
+ * dy, x, dx: same logical shape, any strides; dtype of dy (x: x_desc.dtype).
+ * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
+ * or another output (the safe crate rejects such calls with Error::Aliasing). */
 typedef struct MesaGeluBackwardArgs {
   const void* dy;
   MesaTensorDesc dy_desc;
@@ -92,7 +101,9 @@ typedef struct MesaGeluBackwardArgs {
  * ~2 sqrt(y) / (2^bits - 1) steps, finer for the small probabilities of long rows).
  * Fused codes need shape[last] * bits % 8 == 0 (each row starts on a byte; else the entry
  * returns MESA_STATUS_UNSUPPORTED and the caller quantizes y afterwards with mesa_quantize
- * and these parameters). sink.stats must be NULL. */
+ * and these parameters). sink.stats must be NULL.
+ * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
+ * or another output (the safe crate rejects such calls with Error::Aliasing). */
 typedef struct MesaSoftmaxForwardArgs {
   const void* x;
   MesaTensorDesc x_desc;
@@ -106,7 +117,9 @@ typedef struct MesaSoftmaxForwardArgs {
   uint32_t* nonfinite;          /* NULL, or a counter += non-finite outputs encoded */
 } MesaSoftmaxForwardArgs;
 
-/* dx = y * (dy - sum_row(dy * y)), y decoded from `source` (or read from `y`). */
+/* dx = y * (dy - sum_row(dy * y)), y decoded from `source` (or read from `y`).
+ * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
+ * or another output (the safe crate rejects such calls with Error::Aliasing). */
 typedef struct MesaSoftmaxBackwardArgs {
   const void* dy;
   MesaTensorDesc dy_desc;
@@ -123,7 +136,10 @@ typedef struct MesaSoftmaxBackwardArgs {
  * weight, bias: [C] contiguous, dtype of x (NULL: 1 and 0). y may be NULL (statistics pass).
  * mean, rstd: [rows] f32 or NULL. sink: codes of xhat (f32 value) in x's logical order.
  * Fused codes need C % (8 / bits) == 0; otherwise codes_only = 1 runs an elementwise pass
- * that reads x, mean, rstd and writes only the codes (after a pass that wrote mean/rstd). */
+ * that reads x, mean, rstd and writes only the codes (after a pass that wrote mean/rstd):
+ * it re-reads x after y was written.
+ * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
+ * or another output (the safe crate rejects such calls with Error::Aliasing). */
 typedef struct MesaLayerNormForwardArgs {
   const void* x;
   MesaTensorDesc x_desc;
@@ -143,7 +159,9 @@ typedef struct MesaLayerNormForwardArgs {
  * partials over fixed row ranges, then one ordered sum per column; no float atomics).
  * xhat decoded from `source` (or read from `xhat`). partials: [2 * partial_blocks * C] f32
  * scratch, partial_blocks in [1, 65535] (no rows: ignored, dweight = dbias = 0). dx, dweight/dbias may be NULL (skipped; dweight and
- * dbias are both NULL or both set). */
+ * dbias are both NULL or both set). The dweight/dbias pass re-reads dy after dx is written.
+ * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
+ * or another output (the safe crate rejects such calls with Error::Aliasing). */
 typedef struct MesaLayerNormBackwardArgs {
   const void* dy;
   MesaTensorDesc dy_desc;

@@ -1,0 +1,216 @@
+//! GELU (Hendrycks & Gimpel 2016): forward saving the codes of its input, plain forward,
+//! backward from codes or from a full-precision input.
+use mesa_kernels_sys as sys;
+
+use super::{code_source_map, elem_desc, same_shape};
+use crate::device::Device;
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::launch::Launch;
+use crate::quant::{same_stream, ProducerStep, Quantizer, SavedActivation};
+use crate::tensor::{TensorMut, TensorRef};
+
+/// The GELU variant (Hendrycks & Gimpel 2016).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeluForm {
+    /// `x/2 · (1 + erf(x/√2))` (BERT, MiniLM).
+    Erf,
+    /// `x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))` (GPT-2).
+    Tanh,
+}
+
+impl GeluForm {
+    fn to_sys(self) -> sys::MesaGeluForm {
+        (match self {
+            GeluForm::Erf => sys::MESA_GELU_ERF,
+            GeluForm::Tanh => sys::MESA_GELU_TANH,
+        }) as sys::MesaGeluForm
+    }
+}
+
+/// GELU forward that saves the codes of its input: `y = gelu(x)`, and the returned handle
+/// holds `Q(x)` with `quantizer`'s grouping, bit width, rounding and running estimate (one
+/// pass over `x`; two on the quantizer's first batch and in [`crate::StatsMode::Exact`]).
+///
+/// Shapes: `x` and `y` any equal shapes, any strides. Bytes moved: `numel·sizeof(T)` read,
+/// `numel·sizeof(T) + numel·bits/8` written. Allocates the saved handle (stream-ordered). An
+/// empty tensor launches nothing and does not count as a batch.
+///
+/// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] (shapes differ), [`Error::InvalidLayout`] (grouping, or a group
+/// count other than the quantizer's), [`Error::Aliasing`], [`Error::TooLarge`],
+/// [`Error::Unsupported`] (a view the kernels cannot index), [`Error::WrongBackend`]
+/// (memory or quantizer of another device or stream), [`Error::Misaligned`], CUDA errors.
+pub fn gelu_forward<T: Element>(
+    device: &Device,
+    quantizer: &mut Quantizer,
+    form: GeluForm,
+    x: &TensorRef<'_, T>,
+    y: &mut TensorMut<'_, T>,
+) -> Result<SavedActivation> {
+    if !same_stream(device, quantizer.device()) {
+        return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
+    }
+    same_shape(x.shape(), y.shape(), "GELU output")?;
+    let mut saved = quantizer.new_saved(x.layout(), T::DTYPE)?;
+    gelu_forward_into(device, quantizer, form, x, y, &mut saved)?;
+    Ok(saved)
+}
+
+fn gelu_forward_into<T: Element>(
+    device: &Device,
+    quantizer: &mut Quantizer,
+    form: GeluForm,
+    x: &TensorRef<'_, T>,
+    y: &mut TensorMut<'_, T>,
+    saved: &mut SavedActivation,
+) -> Result<()> {
+    let descs =
+        if x.numel() == 0 { None } else { Some((elem_desc(x.layout(), T::DTYPE)?, elem_desc(y.layout(), T::DTYPE)?)) };
+    let layout = x.layout().clone();
+    let mut launch = Launch::new(device);
+    let xp = launch.input(x, "input")?;
+    let yp = launch.output(y, "output")?;
+    quantizer.encode::<T>(&mut launch, saved, &layout, |launch, step, sink| {
+        // encode runs no step for an empty tensor
+        let Some((x_desc, y_desc)) = descs else { return Ok(()) };
+        let args = sys::MesaGeluForwardArgs {
+            x: xp,
+            x_desc,
+            y: if step == ProducerStep::Stats { std::ptr::null_mut() } else { yp },
+            y_desc,
+            sink,
+            form: form.to_sys(),
+            _pad: 0,
+        };
+        // SAFETY: x and y are registered views (fit their buffers, y without self-overlap,
+        // disjoint) described by x_desc / y_desc; the sink's buffers were registered and
+        // sized for x's shape and grouping by `encode`.
+        unsafe { launch.launch("gelu_forward", &args, sys::mesa_gelu_forward, sys::mesa_emu_gelu_forward) }
+    })?;
+    launch.finish()
+}
+
+/// Plain GELU forward, nothing saved: `y = gelu(x)`.
+///
+/// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]).
+///
+/// # Errors
+/// As [`gelu_forward`] (without the quantizer's).
+pub fn gelu<T: Element>(device: &Device, form: GeluForm, x: &TensorRef<'_, T>, y: &mut TensorMut<'_, T>) -> Result<()> {
+    same_shape(x.shape(), y.shape(), "GELU output")?;
+    if x.numel() == 0 {
+        return Ok(());
+    }
+    let (x_desc, y_desc) = (elem_desc(x.layout(), T::DTYPE)?, elem_desc(y.layout(), T::DTYPE)?);
+    let mut launch = Launch::new(device);
+    let args = sys::MesaGeluForwardArgs {
+        x: launch.input(x, "input")?,
+        x_desc,
+        y: launch.output(y, "output")?,
+        y_desc,
+        sink: sys::MesaCodeSink::default(),
+        form: form.to_sys(),
+        _pad: 0,
+    };
+    // SAFETY: x and y are registered, disjoint views described by their descs; no codes.
+    unsafe { launch.launch("gelu_forward", &args, sys::mesa_gelu_forward, sys::mesa_emu_gelu_forward)? };
+    launch.finish()
+}
+
+/// GELU backward from codes: `dx = dy · gelu'(x̂)`, `x̂` decoded from `saved` inside the
+/// kernel. Bytes moved: `numel·(sizeof(T) + bits/8)` read, `numel·sizeof(T)` written.
+///
+/// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]).
+///
+/// # Errors
+/// [`Error::ShapeMismatch`] (dy, dx or the saved tensor differ in shape),
+/// [`Error::Aliasing`], [`Error::WrongBackend`], [`Error::Unsupported`],
+/// [`Error::Misaligned`], CUDA errors.
+pub fn gelu_backward<T: Element>(
+    device: &Device,
+    form: GeluForm,
+    saved: &SavedActivation,
+    dy: &TensorRef<'_, T>,
+    dx: &mut TensorMut<'_, T>,
+) -> Result<()> {
+    let (run, count) = code_source_map(saved, device, dy.shape())?;
+    same_shape(dy.shape(), dx.shape(), "dx")?;
+    if dy.numel() == 0 {
+        return Ok(());
+    }
+    let (codes, params) = saved.parts();
+    let mut launch = Launch::new(device);
+    let source = sys::MesaCodeSource {
+        codes: launch.read_buffer(codes, "saved codes")?,
+        params: launch.read_buffer(params, "saved parameters")?.cast(),
+        group_run: run as i64,
+        group_count: count as i64,
+        bits: saved.bits() as i32,
+        map: saved.companding().sys(),
+    };
+    let args = sys::MesaGeluBackwardArgs {
+        dy_desc: elem_desc(dy.layout(), T::DTYPE)?,
+        dx_desc: elem_desc(dx.layout(), T::DTYPE)?,
+        dy: launch.input(dy, "dy")?,
+        x: std::ptr::null(),
+        x_desc: sys::MesaTensorDesc::default(),
+        source,
+        dx: launch.output(dx, "dx")?,
+        form: form.to_sys(),
+        _pad: 0,
+    };
+    // SAFETY: dy and dx are registered, disjoint views described by their descs; codes and
+    // params are the handle's (registered), sized for this shape and grouping when saved.
+    unsafe { launch.launch("gelu_backward", &args, sys::mesa_gelu_backward, sys::mesa_emu_gelu_backward)? };
+    launch.finish()
+}
+
+/// The inputs of [`gelu_backward_plain`]: the saved full-precision input and the incoming
+/// gradient (same shape, same dtype).
+#[derive(Debug)]
+pub struct GeluBackwardPlain<'a, T> {
+    /// The GELU variant of the forward.
+    pub form: GeluForm,
+    /// The forward's input `x`.
+    pub x: &'a TensorRef<'a, T>,
+    /// The gradient of the output.
+    pub dy: &'a TensorRef<'a, T>,
+}
+
+/// GELU backward reading a full-precision saved input: `dx = dy · gelu'(x)`.
+///
+/// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]).
+///
+/// # Errors
+/// As [`gelu_backward`].
+pub fn gelu_backward_plain<T: Element>(
+    device: &Device,
+    args: &GeluBackwardPlain<'_, T>,
+    dx: &mut TensorMut<'_, T>,
+) -> Result<()> {
+    let GeluBackwardPlain { form, x, dy } = *args;
+    same_shape(dy.shape(), x.shape(), "saved input")?;
+    same_shape(dy.shape(), dx.shape(), "dx")?;
+    if dy.numel() == 0 {
+        return Ok(());
+    }
+    let mut launch = Launch::new(device);
+    let args = sys::MesaGeluBackwardArgs {
+        dy_desc: elem_desc(dy.layout(), T::DTYPE)?,
+        x_desc: elem_desc(x.layout(), T::DTYPE)?,
+        dx_desc: elem_desc(dx.layout(), T::DTYPE)?,
+        dy: launch.input(dy, "dy")?,
+        x: launch.input(x, "saved input")?,
+        source: sys::MesaCodeSource::default(),
+        dx: launch.output(dx, "dx")?,
+        form: form.to_sys(),
+        _pad: 0,
+    };
+    // SAFETY: dy, x and dx are registered views described by their descs, dx disjoint from
+    // both; no codes are read.
+    unsafe { launch.launch("gelu_backward", &args, sys::mesa_gelu_backward, sys::mesa_emu_gelu_backward)? };
+    launch.finish()
+}
