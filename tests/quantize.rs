@@ -17,6 +17,7 @@ mod common;
 
 use half::{bf16, f16};
 use mesa_kernels::reference::{self, quant as rq};
+use mesa_kernels::fused::SoftmaxInput;
 use mesa_kernels::{
     DType, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation,
     StatsMode, TensorMut, TensorRef,
@@ -969,15 +970,9 @@ fn fused_producer_on_an_empty_tensor_with_huge_trailing_dimensions() {
         let mut y = vec![5f32];
         let layout = Layout::contiguous(&[0, huge, huge]);
         let mut q = Quantizer::new(&device, QuantConfig::per_head(0)).expect("q");
-        let saved = mesa_kernels::fused::gelu_forward(
-            &device,
-            &mut q,
-            mesa_kernels::GeluForm::Erf,
-            &x,
-            &layout,
-            &mut y,
-            &layout,
-        )
+        let xv = TensorRef::new(&x, &layout).expect("empty input view");
+        let mut yv = TensorMut::new(&mut y, &layout).expect("empty output view");
+        let saved = mesa_kernels::fused::gelu_forward(&device, &mut q, mesa_kernels::GeluForm::Erf, &xv, &mut yv)
         .expect("empty GELU forward");
         assert_eq!((saved.numel(), saved.num_groups()), (0, 0));
         assert_eq!(y, vec![5.0], "nothing written");
@@ -996,14 +991,16 @@ fn saved_handles_check_the_shape_before_sizing() {
         let x = vec![0f32];
         let mut y = vec![0f32];
         let bcast = Layout::strided(&[huge, huge], &[0, 0], 0).expect("layout");
-        let r = mesa_kernels::fused::softmax_forward(&device, &save, &x, &bcast, None, &mut y, &bcast);
+        let r = TensorRef::new(&x, &bcast);
         assert!(matches!(r, Err(Error::TooLarge { .. })), "{r:?}");
         // empty, with trailing dimensions past usize: no panic
         let empty = Layout::contiguous(&[0, huge, huge]);
-        let r = mesa_kernels::fused::softmax_forward(&device, &save, &x, &empty, None, &mut y, &empty);
-        if let Ok(saved) = &r {
-            assert_eq!(saved.numel(), 0);
-        }
+        let xv = TensorRef::new(&x, &empty).expect("empty input view");
+        let mut yv = TensorMut::new(&mut y, &empty).expect("empty output view");
+        let r = mesa_kernels::fused::softmax_forward(&device, &save, &SoftmaxInput::new(&xv), &mut yv);
+        let saved = r.expect("an empty softmax is an empty handle");
+        assert_eq!(saved.numel(), 0);
+        drop(yv);
         assert_eq!(y, vec![0.0], "nothing written");
     }
 }
