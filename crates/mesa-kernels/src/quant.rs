@@ -24,7 +24,7 @@ use bytemuck::{Pod, Zeroable};
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use mesa_kernels_sys as sys;
 
-use crate::device::{Buffer, Device, DeviceMemoryMut, Kind};
+use crate::device::{Buffer, Device, Kind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::Launch;
@@ -423,95 +423,6 @@ impl Quantizer {
         Ok(())
     }
 
-    /// Runs a fused producer (GELU, LayerNorm, … in [`crate::fused`]) that writes the codes of
-    /// a saved tensor of `shape` in the same pass as its output, with exactly the steps of
-    /// [`Quantizer::quantize_into`]: exact statistics (first batch, [`StatsMode::Exact`]) =
-    /// `launch(Stats)`, finalize, `launch(Codes)`; running estimate = `launch(CodesAndStats)`
-    /// with the running parameters, finalize. `strides` are recorded in the saved handle.
-    /// Transitional: removed once every producer uses [`Quantizer::encode`].
-    pub(crate) fn produce<T: Element>(
-        &mut self,
-        shape: &[usize],
-        strides: &[usize],
-        mut launch: impl FnMut(ProducerStep, sys::MesaCodeSink) -> Result<()>,
-    ) -> Result<SavedActivation> {
-        let layout = Layout::strided(shape, strides, 0)?;
-        // element count checked and the handle sized before any product of the shape
-        let mut saved = self.new_saved(&layout, T::DTYPE)?;
-        let groups = saved.params.len();
-        if saved.numel() == 0 {
-            self.device.copy_into(&vec![GroupParams::default(); groups], &mut saved.params)?;
-            self.device.copy_into(&[0u32], &mut saved.nonfinite)?;
-            return Ok(saved);
-        }
-        let group_run = saved.group_map()?.0;
-        self.state_for(groups)?;
-        let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
-        let Quantizer { device, config, state, .. } = self;
-        let state = state.as_mut().ok_or(Error::KernelArgument { op: "quantizer state" })?;
-        let mut stats_mem = state.stats.mem_mut();
-        let stats_p = device.write_ptr(&mut stats_mem, 0, "stats")?;
-        let mut running_mem = state.running.mem_mut();
-        let running_p = device.write_ptr(&mut running_mem, 0, "running")?;
-        let mut params_mem = saved.params.mem_mut();
-        let params_p = device.write_ptr(&mut params_mem, 0, "params")?;
-        let mut codes_mem = saved.codes.mem_mut();
-        let codes_p = device.write_ptr(&mut codes_mem, 0, "codes")?;
-        let mut nf_mem = saved.nonfinite.mem_mut();
-        let nf_p = device.write_ptr(&mut nf_mem, 0, "nonfinite")?;
-        let sink = |codes: bool, params: *const sys::MesaGroupParams, stats: bool| sys::MesaCodeSink {
-            codes: if codes { codes_p.addr.cast() } else { std::ptr::null_mut() },
-            params: if codes { params } else { std::ptr::null() },
-            stats: if stats { stats_p.addr.cast() } else { std::ptr::null_mut() },
-            group_run: group_run as i64,
-            group_count: groups as i64,
-            seed,
-            bits: config.bits as i32,
-            rounding,
-            map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
-            _pad: 0,
-        };
-        let finalize = |mode: u32| sys::MesaQuantFinalizeArgs {
-            stats: stats_p.addr.cast(),
-            running: running_p.addr.cast(),
-            params: params_p.addr.cast(),
-            nonfinite_total: nf_p.addr.cast(),
-            count: groups as i64,
-            momentum: config.momentum,
-            bits: config.bits as i32,
-            mode: mode as sys::MesaFinalizeMode,
-            running_initialized: i32::from(!first),
-        };
-        if exact {
-            launch(ProducerStep::Stats, sink(false, std::ptr::null(), true))?;
-            // SAFETY: stats/running/params hold `groups` entries, nonfinite one (allocated above
-            // or by state_for for this group count).
-            unsafe {
-                device.launch(
-                    "quant_finalize",
-                    &finalize(sys::MESA_FINALIZE_EXACT),
-                    sys::mesa_quant_finalize,
-                    sys::mesa_emu_quant_finalize,
-                )?;
-            }
-            launch(ProducerStep::Codes, sink(true, params_p.addr as *const sys::MesaGroupParams, false))?;
-        } else {
-            launch(ProducerStep::CodesAndStats, sink(true, running_p.addr as *const sys::MesaGroupParams, true))?;
-            // SAFETY: as above.
-            unsafe {
-                device.launch(
-                    "quant_finalize",
-                    &finalize(sys::MESA_FINALIZE_RUNNING),
-                    sys::mesa_quant_finalize,
-                    sys::mesa_emu_quant_finalize,
-                )?;
-            }
-        }
-        drop((stats_p, running_p, params_p, codes_p, nf_p));
-        self.batches += 1;
-        Ok(saved)
-    }
-
     /// What this batch does: whether it is the first, whether it takes the exact (two-pass)
     /// path, and its Philox key and rounding mode.
     fn batch_plan(&self) -> BatchPlan {
@@ -547,7 +458,7 @@ impl Quantizer {
     }
 }
 
-/// Which launch of a fused producer [`Quantizer::produce`] asks for.
+/// Which launch of a fused producer [`Quantizer::encode`] asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ProducerStep {
     /// Statistics of the saved tensor only (exact mode, before finalize); codes NULL.
