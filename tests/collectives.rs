@@ -842,3 +842,80 @@ fn nccl_path_epilogue_kernel_widens_adds_and_rounds_once() {
         sys::MESA_STATUS_INVALID_ARGUMENT as i32
     );
 }
+
+/// Issue 8: every output of a timed-out call is NaN, for every rank: asserts that `result` is
+/// a timeout and that every element of every buffer in `out_bufs` is NaN.
+fn assert_all_nan(out_bufs: &[mesa_kernels::Buffer<f32>], result: mesa_kernels::Result<()>, label: &str) {
+    assert!(matches!(result, Err(Error::LegacyTimeout(_))), "{label}: expected a timeout, got {result:?}");
+    for (r, buf) in out_bufs.iter().enumerate() {
+        let data = buf.to_vec().expect("download");
+        let finite = data.iter().filter(|x| !x.is_nan()).count();
+        assert_eq!(finite, 0, "{label}: rank {r} holds {finite} non-NaN elements of {} after a timeout", data.len());
+    }
+}
+
+/// Issue 8 (timeout at START, late peer): ranks 0..3 publish their START flags, wait for
+/// rank 3, give up and return; their inputs then change. Rank 3 arrives after that (a
+/// separate launch, as on its own GPU, whose host has not seen the timeout): it must not read
+/// the changing inputs into finite results.
+#[test]
+fn a_late_rank_arriving_after_the_others_gave_up_writes_nan() {
+    let mut rng = common::rng("late_rank");
+    for device in common::backends() {
+        let shape = Shape::new(&[2, 2, 2, 2], 2, 8);
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        group.set_timeout(Duration::from_millis(50));
+        let n = shape.s() * shape.bh();
+        let inputs: Vec<Vec<f32>> = (0..4).map(|_| random(&mut rng, n, 1.0)).collect();
+        let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
+        let mut in_bufs: Vec<_> = inputs.iter().map(|x| device.upload(x).expect("upload")).collect();
+        let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
+        let mut call = |group: &mut SeqParallelGroup, in_bufs: &[mesa_kernels::Buffer<f32>], out_bufs: &mut [_]| {
+            let ins: Vec<RankView<'_, f32>> = in_bufs.iter().map(|b| RankView::new(b, layout.clone())).collect();
+            let mut outs: Vec<RankViewMut<'_, f32>> =
+                out_bufs.iter_mut().map(|b| RankViewMut::contiguous(b, &[2, shape.b, shape.h])).collect();
+            group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
+        };
+        group.set_launch_ranks_for_testing(Some(0..3));
+        let first = call(&mut group, &in_bufs, &mut out_bufs);
+        assert!(matches!(first, Err(Error::LegacyTimeout(_))), "ranks 0..3 must time out: {first:?}");
+        // the ranks that gave up go on: their inputs are overwritten by the next layer
+        for buf in &mut in_bufs[..3] {
+            device.copy_into(&vec![1.0e6f32; n], buf).expect("overwrite");
+        }
+        group.clear_poisoned_for_testing();
+        group.set_launch_ranks_for_testing(Some(3..4));
+        let late = call(&mut group, &in_bufs, &mut out_bufs);
+        assert_all_nan(&out_bufs, late, &format!("{} late rank", device.backend_name()));
+    }
+}
+
+/// Issue 8 (timeout at END): every launched rank passes START (rank 3's START flags are
+/// there, as if it had arrived) and computes its shard, then rank 3 never reaches END. The
+/// ranks time out at END: their outputs must be NaN too, not the finite shards.
+#[test]
+fn a_timeout_at_end_leaves_nan_outputs() {
+    let mut rng = common::rng("end_timeout");
+    for device in common::backends() {
+        let shape = Shape::new(&[2, 2, 2, 2], 2, 8);
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        group.set_timeout(Duration::from_millis(50));
+        let n = shape.s() * shape.bh();
+        let inputs: Vec<Vec<f32>> = (0..4).map(|_| random(&mut rng, n, 1.0)).collect();
+        let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
+        let in_bufs: Vec<_> = inputs.iter().map(|x| device.upload(x).expect("upload")).collect();
+        let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
+        group.pretend_start_for_testing(3).expect("fake START of rank 3");
+        group.set_launch_ranks_for_testing(Some(0..3));
+        let result = {
+            let ins: Vec<RankView<'_, f32>> = in_bufs.iter().map(|b| RankView::new(b, layout.clone())).collect();
+            let mut outs: Vec<RankViewMut<'_, f32>> =
+                out_bufs.iter_mut().map(|b| RankViewMut::contiguous(b, &[2, shape.b, shape.h])).collect();
+            group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
+        };
+        // rank 3 was never launched: its output keeps its 0.5s; the launched ranks' must be NaN
+        let label = format!("{} END timeout", device.backend_name());
+        assert_all_nan(&out_bufs[..3], result, &label);
+        assert!(out_bufs[3].to_vec().expect("down").iter().all(|&x| x == 0.5), "{label}: rank 3 was not launched");
+    }
+}

@@ -372,6 +372,33 @@ impl SeqParallelGroup {
         self.launch_ranks = ranks;
     }
 
+    /// Test hook: forgets a reported timeout on the host side only (the flags stay as they
+    /// are), as the host of a late rank in another process would not know about it.
+    #[doc(hidden)]
+    pub fn clear_poisoned_for_testing(&mut self) {
+        self.poisoned = false;
+    }
+
+    /// Test hook: writes `rank`'s START flags for the next call into every peer's slots, as if
+    /// `rank` had arrived at START (and then never reached END).
+    #[doc(hidden)]
+    pub fn pretend_start_for_testing(&mut self, rank: usize) -> Result<()> {
+        const START: usize = sys::MESA_SEQPAR_FLAG_START as usize;
+        const RANKS: usize = sys::MESA_SEQPAR_MAX_RANKS as usize;
+        let mut words = self.flags.to_vec()?;
+        if rank >= self.world {
+            return Err(Error::invalid_argument("rank", format!("{rank} outside 0..{}", self.world)));
+        }
+        let next: Vec<u32> =
+            (0..MAX_BLOCKS_PER_RANK).map(|b| words[rank * FLAG_WORDS + FLAG_EPOCH + b].wrapping_add(1)).collect();
+        for p in (0..self.world).filter(|&p| p != rank) {
+            for (b, &e) in next.iter().enumerate() {
+                words[p * FLAG_WORDS + START + b * RANKS + rank] = e;
+            }
+        }
+        self.device.copy_into(&words, &mut self.flags)
+    }
+
     /// Reduce-scatter along the sequence: `outputs[r] = Σ_p inputs[p][rows of r] (+ bias_r)
     /// (+ residual_r)`, f32 accumulation in rank order `0..W`, one rounding to `T`.
     ///
