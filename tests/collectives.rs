@@ -919,3 +919,30 @@ fn a_timeout_at_end_leaves_nan_outputs() {
         assert!(out_bufs[3].to_vec().expect("down").iter().all(|&x| x == 0.5), "{label}: rank 3 was not launched");
     }
 }
+
+/// Issue 8 (aliasing): one host vector given as a rank's input and, through a
+/// `RawDeviceSlice`, as the same rank's output. The kernel reads every input after other
+/// ranks may have written their shards, so an in-place call would read overwritten data:
+/// it must be rejected before the launch.
+#[test]
+fn a_rank_whose_output_overlaps_an_input_is_rejected() {
+    use mesa_kernels::RawDeviceSlice;
+    let device = Device::emulator();
+    let (b, h) = (2usize, 4usize);
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    let mut shared = vec![1.0f32; 6 * b * h];
+    let other = vec![2.0f32; 6 * b * h];
+    let mut out1 = vec![0.0f32; 3 * b * h];
+    // SAFETY: `shared` outlives both views and is not otherwise used until they are dropped.
+    let raw_in = unsafe { RawDeviceSlice::<f32>::new(shared.as_mut_ptr() as u64, shared.len()) };
+    let mut raw_out = unsafe { RawDeviceSlice::<f32>::new(shared.as_mut_ptr() as u64, shared.len()) };
+    let splits = SeqSplits::new(&[3, 3]).expect("splits");
+    let full = Layout::contiguous(&[6, b, h]);
+    let ins = [RankView::new(&raw_in, full.clone()), RankView::new(&other, full)];
+    let mut outs = [RankViewMut::contiguous(&mut raw_out, &[3, b, h]), RankViewMut::contiguous(&mut out1, &[3, b, h])];
+    let r = group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none());
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "rank 0's output over its input must be rejected: {r:?}");
+    drop(outs);
+    drop(ins);
+    assert!(shared.iter().all(|&x| x == 1.0), "nothing may be written when the call is rejected");
+}
