@@ -870,7 +870,7 @@ fn a_late_rank_arriving_after_the_others_gave_up_writes_nan() {
         let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
         let mut in_bufs: Vec<_> = inputs.iter().map(|x| device.upload(x).expect("upload")).collect();
         let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
-        let mut call = |group: &mut SeqParallelGroup, in_bufs: &[mesa_kernels::Buffer<f32>], out_bufs: &mut [_]| {
+        let call = |group: &mut SeqParallelGroup, in_bufs: &[mesa_kernels::Buffer<f32>], out_bufs: &mut [_]| {
             let ins: Vec<RankView<'_, f32>> = in_bufs.iter().map(|b| RankView::new(b, layout.clone())).collect();
             let mut outs: Vec<RankViewMut<'_, f32>> =
                 out_bufs.iter_mut().map(|b| RankViewMut::contiguous(b, &[2, shape.b, shape.h])).collect();
