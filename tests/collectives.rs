@@ -167,9 +167,11 @@ fn run_rs<T: Element>(
     {
         let ins: Vec<TensorRef<'_, T>> = in_bufs.iter().map(|b| TensorRef::new(b, &in_layout).expect("view")).collect();
         let mut outs: Vec<TensorMut<'_, T>> =
-            out_bufs.iter_mut().zip(&out_layouts).map(|(b, (l, _))| TensorMut::new(b, &l).expect("view")).collect();
-        let res_views: Vec<TensorRef<'_, T>> = res_bufs.iter().map(|(b, l)| TensorRef::new(b, &l).expect("view")).collect();
-        let bias_views: Vec<TensorRef<'_, T>> = bias_bufs.iter().map(|b| TensorRef::contiguous(b, &[shape.h]).expect("view")).collect();
+            out_bufs.iter_mut().zip(&out_layouts).map(|(b, (l, _))| TensorMut::new(b, l).expect("view")).collect();
+        let res_views: Vec<TensorRef<'_, T>> =
+            res_bufs.iter().map(|(b, l)| TensorRef::new(b, l).expect("view")).collect();
+        let bias_views: Vec<TensorRef<'_, T>> =
+            bias_bufs.iter().map(|b| TensorRef::contiguous(b, &[shape.h]).expect("view")).collect();
         let epilogue =
             Epilogue { bias: bias.map(|_| bias_views.as_slice()), residual: residual.map(|_| res_views.as_slice()) };
         group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &epilogue)?;
@@ -216,7 +218,7 @@ fn run_ag<T: Element>(
         (0..w).map(|_| device.upload(&vec![T::from_f64(f64::NAN); out_len]).expect("upload")).collect();
     {
         let ins: Vec<TensorRef<'_, T>> =
-            in_bufs.iter().zip(&in_layouts).map(|(b, (l, _))| TensorRef::new(b, &l).expect("view")).collect();
+            in_bufs.iter().zip(&in_layouts).map(|(b, (l, _))| TensorRef::new(b, l).expect("view")).collect();
         let mut outs: Vec<TensorMut<'_, T>> =
             out_bufs.iter_mut().map(|b| TensorMut::new(b, &out_layout).expect("view")).collect();
         group.all_gather_seq(&ins, &mut outs, &shape.splits)?;
@@ -526,7 +528,8 @@ fn a_rank_that_never_arrives_times_out_with_nan_outputs_and_no_hang() {
         let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
         let started = Instant::now();
         let result = {
-            let ins: Vec<TensorRef<'_, f32>> = in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
+            let ins: Vec<TensorRef<'_, f32>> =
+                in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
             let mut outs: Vec<TensorMut<'_, f32>> =
                 out_bufs.iter_mut().map(|b| TensorMut::contiguous(b, &[2, shape.b, shape.h]).expect("view")).collect();
             group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
@@ -633,7 +636,8 @@ fn bad_shapes_and_mismatched_splits_are_errors() {
     // all-gather: inputs must be the shards
     let mut big = [vec![0.0f32; 6 * b * h], vec![0.0f32; 6 * b * h]];
     let (g0, g1) = big.split_at_mut(1);
-    let mut o = vec![TensorMut::new(&mut g0[0], &full).expect("view"), TensorMut::new(&mut g1[0], &full).expect("view")];
+    let mut o =
+        vec![TensorMut::new(&mut g0[0], &full).expect("view"), TensorMut::new(&mut g1[0], &full).expect("view")];
     let splits = SeqSplits::new(&[3, 3]).expect("splits");
     assert!(matches!(group.all_gather_seq(&ins(&full), &mut o, &splits), Err(Error::ShapeMismatch { .. })));
     assert_eq!(group.all_gather_seq(&ins(&half), &mut o, &splits), Ok(()));
@@ -646,7 +650,8 @@ fn bad_shapes_and_mismatched_splits_are_errors() {
     wide.set_blocks_per_rank(64).expect("64 blocks per rank");
     let data: Vec<Vec<f32>> = (0..16).map(|_| vec![1.0f32; 16 * 4]).collect();
     let mut shards: Vec<Vec<f32>> = (0..16).map(|_| vec![0.0f32; 4]).collect();
-    let ins16: Vec<TensorRef<'_, f32>> = data.iter().map(|x| TensorRef::contiguous(x, &[16, 1, 4]).expect("view")).collect();
+    let ins16: Vec<TensorRef<'_, f32>> =
+        data.iter().map(|x| TensorRef::contiguous(x, &[16, 1, 4]).expect("view")).collect();
     let mut outs16: Vec<TensorMut<'_, f32>> =
         shards.iter_mut().map(|x| TensorMut::contiguous(x, &[1, 1, 4]).expect("view")).collect();
     let even = SeqSplits::even(16, 16).expect("splits");
@@ -772,7 +777,8 @@ fn nccl_backend_one_rank_communicator() {
         {
             let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
             let mut o = TensorMut::new(&mut gathered, &layout).expect("view");
-            comm.all_gather_seq(&TensorRef::new(&out, &layout).expect("view"), &mut o, &shape.splits).expect("all-gather");
+            comm.all_gather_seq(&TensorRef::new(&out, &layout).expect("view"), &mut o, &shape.splits)
+                .expect("all-gather");
         }
         assert!(gathered.to_vec().expect("down").iter().zip(&got).all(|(a, b)| same_bits(*a, *b)));
     }
@@ -883,7 +889,8 @@ fn a_late_rank_arriving_after_the_others_gave_up_writes_nan() {
         let mut in_bufs: Vec<_> = inputs.iter().map(|x| device.upload(x).expect("upload")).collect();
         let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
         let call = |group: &mut SeqParallelGroup, in_bufs: &[mesa_kernels::Buffer<f32>], out_bufs: &mut [_]| {
-            let ins: Vec<TensorRef<'_, f32>> = in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
+            let ins: Vec<TensorRef<'_, f32>> =
+                in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
             let mut outs: Vec<TensorMut<'_, f32>> =
                 out_bufs.iter_mut().map(|b| TensorMut::contiguous(b, &[2, shape.b, shape.h]).expect("view")).collect();
             group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
@@ -920,7 +927,8 @@ fn a_timeout_at_end_leaves_nan_outputs() {
         group.pretend_start_for_testing(3).expect("fake START of rank 3");
         group.set_launch_ranks_for_testing(Some(0..3));
         let result = {
-            let ins: Vec<TensorRef<'_, f32>> = in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
+            let ins: Vec<TensorRef<'_, f32>> =
+                in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
             let mut outs: Vec<TensorMut<'_, f32>> =
                 out_bufs.iter_mut().map(|b| TensorMut::contiguous(b, &[2, shape.b, shape.h]).expect("view")).collect();
             group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
@@ -951,10 +959,107 @@ fn a_rank_whose_output_overlaps_an_input_is_rejected() {
     let splits = SeqSplits::new(&[3, 3]).expect("splits");
     let full = Layout::contiguous(&[6, b, h]);
     let ins = [TensorRef::new(&raw_in, &full).expect("view"), TensorRef::new(&other, &full).expect("view")];
-    let mut outs = [TensorMut::contiguous(&mut raw_out, &[3, b, h]).expect("view"), TensorMut::contiguous(&mut out1, &[3, b, h]).expect("view")];
+    let mut outs = [
+        TensorMut::contiguous(&mut raw_out, &[3, b, h]).expect("view"),
+        TensorMut::contiguous(&mut out1, &[3, b, h]).expect("view"),
+    ];
     let r = group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none());
     assert!(matches!(r, Err(Error::Aliasing { .. })), "rank 0's output over its input must be rejected: {r:?}");
     drop(outs);
     drop(ins);
     assert!(shared.iter().all(|&x| x == 1.0), "nothing may be written when the call is rejected");
+}
+
+/// Outputs may overlap nothing else of the call: another rank's output, a residual, or the
+/// same buffer shared by two ranks' outputs are all rejected, and nothing is written.
+#[test]
+fn outputs_overlapping_other_outputs_or_residuals_are_rejected() {
+    use mesa_kernels::RawDeviceSlice;
+    let device = Device::emulator();
+    let (b, h) = (1usize, 4usize);
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    let inputs = [vec![1.0f32; 4 * b * h], vec![2.0f32; 4 * b * h]];
+    let full = Layout::contiguous(&[4, b, h]);
+    let ins: Vec<TensorRef<'_, f32>> = inputs.iter().map(|x| TensorRef::new(x, &full).expect("view")).collect();
+    let splits = SeqSplits::new(&[2, 2]).expect("splits");
+    // both ranks' outputs in one vector, overlapping by one row
+    let mut both = vec![-1.0f32; 3 * b * h];
+    let p = both.as_mut_ptr();
+    // SAFETY: `both` outlives the views and is not otherwise touched until they are dropped.
+    let (mut r0, mut r1) = unsafe {
+        (RawDeviceSlice::<f32>::new(p as u64, 2 * b * h), RawDeviceSlice::<f32>::new(p.add(b * h) as u64, 2 * b * h))
+    };
+    let mut outs = [
+        TensorMut::contiguous(&mut r0, &[2, b, h]).expect("view"),
+        TensorMut::contiguous(&mut r1, &[2, b, h]).expect("view"),
+    ];
+    let r = group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none());
+    assert!(
+        matches!(r, Err(Error::Aliasing { first: "output 0", second: "output 1" })),
+        "overlapping outputs of two ranks: {r:?}"
+    );
+    drop(outs);
+    // rank 1's residual is rank 0's output
+    let mut out0 = vec![-1.0f32; 2 * b * h];
+    let mut out1 = vec![-1.0f32; 2 * b * h];
+    // SAFETY: as above, for `out0`.
+    let res_alias = unsafe { RawDeviceSlice::<f32>::new(out0.as_mut_ptr() as u64, out0.len()) };
+    let res_other = vec![0.0f32; 2 * b * h];
+    let residual = [
+        TensorRef::contiguous(&res_other, &[2, b, h]).expect("view"),
+        TensorRef::contiguous(&res_alias, &[2, b, h]).expect("view"),
+    ];
+    let mut outs = [
+        TensorMut::contiguous(&mut out0, &[2, b, h]).expect("view"),
+        TensorMut::contiguous(&mut out1, &[2, b, h]).expect("view"),
+    ];
+    let r = group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue { bias: None, residual: Some(&residual) });
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "a residual over an output: {r:?}");
+    drop(outs);
+    assert!(both.iter().chain(&out0).chain(&out1).all(|&x| x == -1.0), "nothing may be written");
+}
+
+/// No panic on any input: empty shards next to huge other dimensions (whose products overflow
+/// usize) are handled as empty, on the wrapper and on the reference; overflowing split sizes
+/// are errors. Run once with overflow checks on (see the report of issue 8).
+#[test]
+fn empty_shards_with_huge_dims_are_empty_not_a_panic() {
+    let device = Device::emulator();
+    let huge = usize::MAX / 2;
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    // S = 0: every shard empty, B·H overflows
+    let splits = SeqSplits::new(&[0, 0]).expect("splits");
+    let empty: Vec<f32> = Vec::new();
+    let mut o0: Vec<f32> = Vec::new();
+    let mut o1: Vec<f32> = Vec::new();
+    let ins = [
+        TensorRef::contiguous(&empty, &[0, huge, huge]).expect("empty view"),
+        TensorRef::contiguous(&empty, &[0, huge, huge]).expect("empty view"),
+    ];
+    let mut outs = [
+        TensorMut::contiguous(&mut o0, &[0, huge, huge]).expect("empty view"),
+        TensorMut::contiguous(&mut o1, &[0, huge, huge]).expect("empty view"),
+    ];
+    assert_eq!(group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none()), Ok(()));
+    assert_eq!(group.all_gather_seq(&ins, &mut outs, &splits), Ok(()));
+    // H = 0 with a huge S: nothing moves
+    let splits = SeqSplits::new(&[huge, huge]).expect("splits");
+    let ins = [
+        TensorRef::contiguous(&empty, &[2 * huge, 1, 0]).expect("empty view"),
+        TensorRef::contiguous(&empty, &[2 * huge, 1, 0]).expect("empty view"),
+    ];
+    let mut outs = [
+        TensorMut::contiguous(&mut o0, &[huge, 1, 0]).expect("empty view"),
+        TensorMut::contiguous(&mut o1, &[huge, 1, 0]).expect("empty view"),
+    ];
+    assert_eq!(group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none()), Ok(()));
+    assert!(matches!(SeqSplits::new(&[huge, huge, huge]), Err(Error::TooLarge { .. })));
+    // the reference: empty results, errors for overflowing sizes or wrong lengths
+    let none: Vec<Vec<f64>> = vec![Vec::new(), Vec::new()];
+    assert_eq!(rc::reduce_scatter_seq(&none, &[0, 0], huge, huge, None, None), Ok(vec![Vec::new(), Vec::new()]));
+    assert!(matches!(rc::reduce_scatter_seq(&none, &[1, 0], huge, huge, None, None), Err(Error::TooLarge { .. })));
+    assert!(matches!(rc::split_offsets(&[usize::MAX, 1]), Err(Error::TooLarge { .. })));
+    assert!(matches!(rc::reduce_scatter_seq(&none, &[1, 0], 1, 2, None, None), Err(Error::InvalidLayout { .. })));
+    assert!(matches!(rc::all_reduce(&[vec![1.0], vec![]]), Err(Error::InvalidLayout { .. })));
+    assert_eq!(rc::all_reduce(&[vec![1.0, 2.0], vec![0.5, 0.25]]), Ok(vec![1.5, 2.25]));
 }

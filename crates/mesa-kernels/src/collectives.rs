@@ -288,10 +288,7 @@ impl SeqParallelGroup {
     /// [`Error::InvalidArgument`] below 1 µs or past `u64::MAX` nanoseconds.
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
         if timeout < Duration::from_micros(1) || u64::try_from(timeout.as_nanos()).is_err() {
-            return Err(Error::invalid_argument(
-                "timeout",
-                format!("{timeout:?} is outside 1 µs ..= u64::MAX ns"),
-            ));
+            return Err(Error::invalid_argument("timeout", format!("{timeout:?} is outside 1 µs ..= u64::MAX ns")));
         }
         self.timeout = timeout;
         Ok(())
@@ -470,7 +467,11 @@ impl SeqParallelGroup {
         if inputs.len() != w || outputs.len() != w {
             return Err(Error::invalid_argument(
                 "inputs/outputs",
-                format!("{op}: a group of {w} ranks needs {w} inputs and outputs, got {} and {}", inputs.len(), outputs.len()),
+                format!(
+                    "{op}: a group of {w} ranks needs {w} inputs and outputs, got {} and {}",
+                    inputs.len(),
+                    outputs.len()
+                ),
             ));
         }
         let seq = splits.total();

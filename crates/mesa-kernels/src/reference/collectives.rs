@@ -54,7 +54,8 @@ pub fn reduce_scatter_seq(
 ) -> Result<Vec<Vec<f64>>> {
     let offsets = split_offsets(splits)?;
     let seq = offsets[offsets.len() - 1];
-    let bh = count("B·H", &[batch, hidden])?;
+    // S = 0: every shard is empty whatever B and H are
+    let bh = if seq == 0 { 0 } else { count("B·H", &[batch, hidden])? };
     for x in inputs {
         check_len("input", x, &[seq, batch, hidden])?;
     }
