@@ -339,7 +339,8 @@ fn child(args: &[String], pos: usize) -> ExitCode {
         for v in shard.to_vec()?.into_iter().chain(gathered.to_vec()?) {
             out.extend_from_slice(&v.to_le_bytes());
         }
-        std::fs::write(dir.join(format!("rank{rank}.bin")), out).map_err(|e| format!("{e}"))
+        std::fs::write(dir.join(format!("rank{rank}.bin")), out)?;
+        Ok(())
     })();
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -23,8 +23,11 @@
 //! * `nccl::NcclSeqParallel` (cargo feature `nccl`): one rank per process on NCCL
 //!   communicators, for multi-GPU and multi-node use.
 //!
-//! Views: inputs and outputs are strided `[S, B, H]` (or `[S_r, B, H]`) [`Layout`]s; all ranks
-//! share one set of strides (offsets may differ). Dense views whose addresses are 16-byte
+//! Views: inputs and outputs are the crate's [`TensorRef`] / [`TensorMut`] (any
+//! [`DeviceMemory`](crate::DeviceMemory): buffers, cudarc slices, raw device pointers, host
+//! sub-slices), strided `[S, B, H]` (or `[S_r, B, H]`); all ranks share one set of strides
+//! (offsets may differ). In-place is not supported: an output that overlaps any input,
+//! residual, bias or another rank's output is [`Error::Aliasing`]. Dense views whose addresses are 16-byte
 //! aligned move 16-byte vectors; a view offset by one element takes a scalar dense loop; any
 //! other strides (transposed `B`/`H`, padded rows, broadcast inputs) take a strided loop with
 //! the same per-element arithmetic, so the result never depends on the path.
