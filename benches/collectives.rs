@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use mesa_kernels::{Buffer, Device, Epilogue, Layout, RankView, RankViewMut, SeqParallelGroup, SeqSplits};
+use mesa_kernels::{Buffer, Device, Epilogue, Layout, SeqParallelGroup, SeqSplits, TensorMut, TensorRef};
 
 /// H200 copy bandwidth (bytes/s), the floor's denominator (BRIEF §8).
 const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
@@ -91,10 +91,10 @@ fn bench_collectives(c: &mut Criterion) {
         g.bench_function(format!("reduce_scatter_bf16_w{w}"), |bench| {
             bench.iter_custom(|iters| {
                 timed(&device, iters, || {
-                    let ins: Vec<RankView<'_, bf16>> =
-                        inputs.iter().map(|x| RankView::new(x, full_layout.clone())).collect();
-                    let mut outs: Vec<RankViewMut<'_, bf16>> =
-                        shards.iter_mut().map(|x| RankViewMut::new(x, shard_layout.clone())).collect();
+                    let ins: Vec<TensorRef<'_, bf16>> =
+                        inputs.iter().map(|x| TensorRef::new(x, &full_layout).expect("view")).collect();
+                    let mut outs: Vec<TensorMut<'_, bf16>> =
+                        shards.iter_mut().map(|x| TensorMut::new(x, &shard_layout).expect("view")).collect();
                     group.reduce_scatter_seq(black_box(&ins), &mut outs, &splits, &Epilogue::none()).expect("rs");
                 })
             });
@@ -103,10 +103,10 @@ fn bench_collectives(c: &mut Criterion) {
         g.bench_function(format!("all_gather_bf16_w{w}"), |bench| {
             bench.iter_custom(|iters| {
                 timed(&device, iters, || {
-                    let ins: Vec<RankView<'_, bf16>> =
-                        shards.iter().map(|x| RankView::new(x, shard_layout.clone())).collect();
-                    let mut outs: Vec<RankViewMut<'_, bf16>> =
-                        full.iter_mut().map(|x| RankViewMut::new(x, full_layout.clone())).collect();
+                    let ins: Vec<TensorRef<'_, bf16>> =
+                        shards.iter().map(|x| TensorRef::new(x, &shard_layout).expect("view")).collect();
+                    let mut outs: Vec<TensorMut<'_, bf16>> =
+                        full.iter_mut().map(|x| TensorMut::new(x, &full_layout).expect("view")).collect();
                     group.all_gather_seq(black_box(&ins), &mut outs, &splits).expect("ag");
                 })
             });

@@ -26,7 +26,10 @@ use std::process::ExitCode;
 
 use half::bf16;
 use mesa_kernels::reference::collectives as rc;
-use mesa_kernels::{Device, Epilogue, Layout, RankView, RankViewMut, SeqParallelGroup, SeqSplits};
+use mesa_kernels::{Device, Epilogue, SeqParallelGroup, SeqSplits, TensorMut, TensorRef};
+
+/// Errors of this example: the crate's, and I/O and process failures around the NCCL ranks.
+type AppResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Sequence, batch, hidden (a small layer: the emulation must finish in a moment).
 const S: usize = 10; // not divisible by 4: shards 3, 3, 2, 2
@@ -64,12 +67,7 @@ fn step_data(world: usize, splits: &SeqSplits) -> Step {
 }
 
 /// The layer step through the intra-node kernel; returns (shards z_r, gathered x_r).
-fn intra_node(
-    device: &Device,
-    world: usize,
-    splits: &SeqSplits,
-    step: &Step,
-) -> mesa_kernels::Result<(PerRank, PerRank)> {
+fn intra_node(device: &Device, world: usize, splits: &SeqSplits, step: &Step) -> AppResult<(PerRank, PerRank)> {
     let mut group = SeqParallelGroup::new(device, world)?;
     let inputs = step.partial.iter().map(|x| device.upload(x)).collect::<mesa_kernels::Result<Vec<_>>>()?;
     let biases = (0..world).map(|_| device.upload(&step.bias)).collect::<mesa_kernels::Result<Vec<_>>>()?;
@@ -80,19 +78,30 @@ fn intra_node(
     let mut gathered =
         (0..world).map(|_| device.alloc_zeros::<bf16>(S * B * H)).collect::<mesa_kernels::Result<Vec<_>>>()?;
     {
-        let ins: Vec<RankView<'_, bf16>> = inputs.iter().map(|x| RankView::contiguous(x, &[S, B, H])).collect();
-        let bias: Vec<RankView<'_, bf16>> = biases.iter().map(|x| RankView::contiguous(x, &[H])).collect();
-        let res: Vec<RankView<'_, bf16>> =
-            residuals.iter().enumerate().map(|(r, x)| RankView::contiguous(x, &[splits.rows(r), B, H])).collect();
-        let mut outs: Vec<RankViewMut<'_, bf16>> =
-            shards.iter_mut().enumerate().map(|(r, x)| RankViewMut::contiguous(x, &[splits.rows(r), B, H])).collect();
+        let ins: Vec<TensorRef<'_, bf16>> =
+            inputs.iter().map(|x| TensorRef::contiguous(x, &[S, B, H])).collect::<mesa_kernels::Result<_>>()?;
+        let bias: Vec<TensorRef<'_, bf16>> =
+            biases.iter().map(|x| TensorRef::contiguous(x, &[H])).collect::<mesa_kernels::Result<_>>()?;
+        let res: Vec<TensorRef<'_, bf16>> = residuals
+            .iter()
+            .enumerate()
+            .map(|(r, x)| TensorRef::contiguous(x, &[splits.rows(r), B, H]))
+            .collect::<mesa_kernels::Result<_>>()?;
+        let mut outs: Vec<TensorMut<'_, bf16>> = shards
+            .iter_mut()
+            .enumerate()
+            .map(|(r, x)| TensorMut::contiguous(x, &[splits.rows(r), B, H]))
+            .collect::<mesa_kernels::Result<_>>()?;
         group.reduce_scatter_seq(&ins, &mut outs, splits, &Epilogue { bias: Some(&bias), residual: Some(&res) })?;
     }
     {
-        let ins: Vec<RankView<'_, bf16>> =
-            shards.iter().enumerate().map(|(r, x)| RankView::contiguous(x, &[splits.rows(r), B, H])).collect();
-        let mut outs: Vec<RankViewMut<'_, bf16>> =
-            gathered.iter_mut().map(|x| RankViewMut::new(x, Layout::contiguous(&[S, B, H]))).collect();
+        let ins: Vec<TensorRef<'_, bf16>> = shards
+            .iter()
+            .enumerate()
+            .map(|(r, x)| TensorRef::contiguous(x, &[splits.rows(r), B, H]))
+            .collect::<mesa_kernels::Result<_>>()?;
+        let mut outs: Vec<TensorMut<'_, bf16>> =
+            gathered.iter_mut().map(|x| TensorMut::contiguous(x, &[S, B, H])).collect::<mesa_kernels::Result<_>>()?;
         group.all_gather_seq(&ins, &mut outs, splits)?;
     }
     group.check()?;
@@ -126,6 +135,7 @@ fn reference(world: usize, splits: &SeqSplits, step: &Step) -> (Vec<Vec<f64>>, V
             Some(&vec![map(&step.bias); world]),
             Some(&step.residual.iter().map(|v| map(v)).collect::<Vec<_>>()),
         )
+        .expect("the reference's lengths are the step's")
     };
     (run(|x| x), run(f64::abs))
 }
@@ -144,7 +154,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run() -> mesa_kernels::Result<()> {
+fn run() -> AppResult<()> {
     println!("Megatron sequence parallelism: one layer step (reduce-scatter + bias + residual, then all-gather)");
     println!("[S, B, H] = [{S}, {B}, {H}] bf16, shards from explicit split sizes (S is not divisible by 4)\n");
     let device = Device::best_available();
@@ -164,7 +174,7 @@ fn run() -> mesa_kernels::Result<()> {
             if identical { "bitwise equals" } else { "DIFFERS from" }
         );
         if !identical || err > 1.0 {
-            return Err(mesa_kernels::Error::LegacyShape("intra-node result outside its bound".into()));
+            return Err("intra-node result outside its bound".into());
         }
     }
     let (s, b, h, a, t) = (4096.0f64, 1.0, 8192.0, 64.0, 8.0);
@@ -179,7 +189,7 @@ fn run() -> mesa_kernels::Result<()> {
 }
 
 #[cfg(not(feature = "nccl"))]
-fn nccl_part() -> mesa_kernels::Result<()> {
+fn nccl_part() -> AppResult<()> {
     println!(
         "   built without the `nccl` feature; rerun with `--features nccl` (needs >= 2 GPUs and libnccl). Skipped."
     );
@@ -205,7 +215,7 @@ fn gpu_count() -> usize {
 }
 
 #[cfg(feature = "nccl")]
-fn nccl_part() -> mesa_kernels::Result<()> {
+fn nccl_part() -> AppResult<()> {
     use mesa_kernels::collectives::nccl::NcclUniqueId;
     use std::process::Command;
     let gpus = gpu_count();
@@ -225,10 +235,10 @@ fn nccl_part() -> mesa_kernels::Result<()> {
         }
     };
     let dir = std::env::temp_dir().join(format!("mesa-seqpar-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| mesa_kernels::Error::LegacyCuda(format!("temp dir: {e}")))?;
+    std::fs::create_dir_all(&dir).map_err(|e| format!("temp dir: {e}"))?;
     let id_file = dir.join("nccl-id");
-    std::fs::write(&id_file, id.as_bytes()).map_err(|e| mesa_kernels::Error::LegacyCuda(format!("id file: {e}")))?;
-    let exe = std::env::current_exe().map_err(|e| mesa_kernels::Error::LegacyCuda(format!("current exe: {e}")))?;
+    std::fs::write(&id_file, id.as_bytes()).map_err(|e| format!("id file: {e}"))?;
+    let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
     println!("   spawning {world} ranks (one per GPU), NCCL id in {}", id_file.display());
     let children: Vec<_> = (0..world)
         .map(|r| {
@@ -249,7 +259,7 @@ fn nccl_part() -> mesa_kernels::Result<()> {
         }
     }
     if !ok {
-        return Err(mesa_kernels::Error::LegacyCuda("an NCCL rank failed".into()));
+        return Err("an NCCL rank failed".into());
     }
     let splits = SeqSplits::even(S, world)?;
     let step = step_data(world, &splits);
@@ -261,8 +271,7 @@ fn nccl_part() -> mesa_kernels::Result<()> {
     let mut nccl_shards: Vec<Vec<bf16>> = Vec::new();
     let mut nccl_gathered: Vec<Vec<bf16>> = Vec::new();
     for r in 0..world {
-        let bytes = std::fs::read(dir.join(format!("rank{r}.bin")))
-            .map_err(|e| mesa_kernels::Error::LegacyCuda(format!("{e}")))?;
+        let bytes = std::fs::read(dir.join(format!("rank{r}.bin"))).map_err(|e| format!("{e}"))?;
         let got: Vec<bf16> = bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect();
         let (shard, gathered) = got.split_at(splits.rows(r) * B * H);
         bitwise &= shard.iter().zip(&z[r]).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -285,7 +294,7 @@ fn nccl_part() -> mesa_kernels::Result<()> {
         if bitwise { "bitwise identical" } else { "not bitwise identical (NCCL sums in its own order)" }
     );
     if worst > 1.0 || !gather_ok {
-        return Err(mesa_kernels::Error::LegacyShape("NCCL result outside its bound".into()));
+        return Err("NCCL result outside its bound".into());
     }
     Ok(())
 }
@@ -293,7 +302,7 @@ fn nccl_part() -> mesa_kernels::Result<()> {
 /// A rank process: joins the communicator, runs the step on GPU `rank`, writes shard + gathered.
 #[cfg(feature = "nccl")]
 fn child(args: &[String], pos: usize) -> ExitCode {
-    use mesa_kernels::collectives::nccl::{NcclSeqParallel, NcclUniqueId};
+    use mesa_kernels::collectives::nccl::{NcclSeqParallel, NcclUniqueId, ShardEpilogue};
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     let rank: usize = args.get(pos + 1).and_then(|s| s.parse().ok()).unwrap_or(usize::MAX);
     let world: usize = arg("--world").and_then(|s| s.parse().ok()).unwrap_or(0);
@@ -301,8 +310,8 @@ fn child(args: &[String], pos: usize) -> ExitCode {
         eprintln!("rank: --dir missing");
         return ExitCode::FAILURE;
     };
-    let result = (|| -> mesa_kernels::Result<()> {
-        let bytes = std::fs::read(dir.join("nccl-id")).map_err(|e| mesa_kernels::Error::LegacyCuda(format!("{e}")))?;
+    let result = (|| -> AppResult<()> {
+        let bytes = std::fs::read(dir.join("nccl-id")).map_err(|e| format!("{e}"))?;
         let id = NcclUniqueId::from_bytes(&bytes)?;
         let device = Device::cuda(rank)?;
         let mut comm = NcclSeqParallel::new(&device, rank, world, &id)?;
@@ -314,24 +323,24 @@ fn child(args: &[String], pos: usize) -> ExitCode {
         let residual = device.upload(&step.residual[rank])?;
         let mut shard = device.alloc_zeros::<bf16>(rows * B * H)?;
         let mut gathered = device.alloc_zeros::<bf16>(S * B * H)?;
+        let (bias, residual) = (TensorRef::contiguous(&bias, &[H])?, TensorRef::contiguous(&residual, &[rows, B, H])?);
         comm.reduce_scatter_seq(
-            &RankView::contiguous(&input, &[S, B, H]),
-            &mut RankViewMut::contiguous(&mut shard, &[rows, B, H]),
+            &TensorRef::contiguous(&input, &[S, B, H])?,
+            &mut TensorMut::contiguous(&mut shard, &[rows, B, H])?,
             &splits,
-            Some(&RankView::contiguous(&bias, &[H])),
-            Some(&RankView::contiguous(&residual, &[rows, B, H])),
+            &ShardEpilogue { bias: Some(&bias), residual: Some(&residual) },
         )?;
         comm.all_gather_seq(
-            &RankView::contiguous(&shard, &[rows, B, H]),
-            &mut RankViewMut::contiguous(&mut gathered, &[S, B, H]),
+            &TensorRef::contiguous(&shard, &[rows, B, H])?,
+            &mut TensorMut::contiguous(&mut gathered, &[S, B, H])?,
             &splits,
         )?;
         let mut out: Vec<u8> = Vec::new();
         for v in shard.to_vec()?.into_iter().chain(gathered.to_vec()?) {
             out.extend_from_slice(&v.to_le_bytes());
         }
-        std::fs::write(dir.join(format!("rank{rank}.bin")), out)
-            .map_err(|e| mesa_kernels::Error::LegacyCuda(format!("{e}")))
+        std::fs::write(dir.join(format!("rank{rank}.bin")), out)?;
+        Ok(())
     })();
     match result {
         Ok(()) => ExitCode::SUCCESS,

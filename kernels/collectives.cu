@@ -19,7 +19,9 @@
 // Each call: block b of rank r (1) reads its epoch e = epoch[b] + 1, (2) meets block b of every
 // peer at START (the peers' inputs are ready), (3) moves its part of the data, (4) meets them
 // at END (every peer has finished reading r's input, so r may return and let its input be
-// overwritten), (5) stores epoch[b] = e. Block b of every rank handles the same part of its
+// overwritten), (5) stores epoch[b] = e. After each meeting it checks the group's status words
+// (a peer gave up); a block that times out or sees that replaces its part of the output with
+// NaN (timeout argument: mesa_collectives.h). Block b of every rank handles the same part of its
 // own shard, so no meeting needs more than the W counterparts of one block.
 //
 // Paths: dense views whose pointers are all 16-byte aligned move 16-byte vectors (tail
@@ -43,7 +45,9 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_c
 
 // One meeting of block `blk` of `rank` with block `blk` of every peer: thread p < W releases
 // the epoch into peer p's slot [blk][rank] and acquires its own slot [blk][p]. Returns false
-// (for every thread of the block) when some wait outlived the bound.
+// (for every thread of the block) when some wait outlived the bound, or when peer p's status
+// word is set while its flag is still missing (p gave up: its flag will not come). `s_fail` is
+// this meeting's own shared word (never reused, so no thread can reset it early).
 __device__ bool meet(const MesaSeqParArgs& a, int rank, int blk, uint32_t epoch, int region, int* s_fail) {
   if (threadIdx.x == 0) *s_fail = 0;
   __syncthreads();
@@ -51,9 +55,11 @@ __device__ bool meet(const MesaSeqParArgs& a, int rank, int blk, uint32_t epoch,
   if (p < a.world_size) {
     store_release_sys(a.ranks[p].flags + region + blk * kMaxRanks + rank, epoch);
     const uint32_t* mine = a.ranks[rank].flags + region + blk * kMaxRanks + p;
+    const uint32_t* peer_status = a.ranks[p].flags + MESA_SEQPAR_FLAG_STATUS;
     const uint64_t t0 = timer_ns();
+    uint32_t spins = 0;
     while (!epoch_reached(load_acquire_sys(mine), epoch)) {
-      if (timer_ns() - t0 > a.timeout_ns) {
+      if (timer_ns() - t0 > a.timeout_ns || ((++spins & 15u) == 0u && load_acquire_sys(peer_status) != 0u)) {
         atomicExch(s_fail, 1);
         break;
       }
@@ -62,6 +68,23 @@ __device__ bool meet(const MesaSeqParArgs& a, int rank, int blk, uint32_t epoch,
   }
   __syncthreads();
   return *s_fail == 0;
+}
+
+// True (for every thread of the block) when some rank of the group has given up: its status
+// word is set (sticky until the flags are cleared). The barrier ends this block's reads of the
+// peers' inputs and its writes; the system-scope fence orders them before the status loads,
+// so a read that saw an input already being overwritten (which only happens after its owner
+// set its status and exited) is followed by a load that sees that status.
+__device__ bool group_aborted(const MesaSeqParArgs& a, int* s_flag) {
+  if (threadIdx.x == 0) *s_flag = 0;
+  __syncthreads();
+  const int p = int(threadIdx.x);
+  if (p < a.world_size) {
+    __threadfence_system();
+    if (load_acquire_sys(a.ranks[p].flags + MESA_SEQPAR_FLAG_STATUS) != 0u) atomicExch(s_flag, 1);
+  }
+  __syncthreads();
+  return *s_flag != 0;
 }
 
 // Element offset of logical (s, b, h) = index i of a [rows, B, H] view.
@@ -190,8 +213,21 @@ __device__ void gather_shards(const MesaSeqParArgs& a, int rank, int64_t tid, in
 // The collective kernel: grid.x = rank_count × bpr, block r·bpr + b is block b of rank
 // rank_begin + r. kGather selects all-gather, else reduce-scatter.
 template <typename T, bool kDense, bool kGather>
+__device__ __forceinline__ void move_part(const MesaSeqParArgs& a, int rank, int blk, int bpr, bool poison) {
+  const int64_t tid = int64_t(blk) * blockDim.x + threadIdx.x;
+  const int64_t stride = int64_t(bpr) * blockDim.x;
+  if (kGather)
+    gather_shards<T, kDense>(a, rank, tid, stride, poison);
+  else
+    reduce_shard<T, kDense>(a, rank, tid, stride, poison);
+}
+
+// The collective kernel: grid.x = rank_count × bpr, block r·bpr + b is block b of rank
+// rank_begin + r. kGather selects all-gather, else reduce-scatter. The protocol and why a
+// timed-out call leaves NaN and never stale data: mesa_collectives.h.
+template <typename T, bool kDense, bool kGather>
 __global__ void __launch_bounds__(kBlock) seqpar_kernel(const MesaSeqParArgs a, int bpr) {
-  __shared__ int s_fail;
+  __shared__ int s_word[4];
   __shared__ uint32_t s_epoch;
   __shared__ int s_sick;
   const int rank = a.rank_begin + int(blockIdx.x) / bpr;
@@ -205,19 +241,27 @@ __global__ void __launch_bounds__(kBlock) seqpar_kernel(const MesaSeqParArgs a, 
   __syncthreads();
   const uint32_t epoch = s_epoch;
   const bool sick = s_sick != 0;
-  bool ok = !sick && meet(a, rank, blk, epoch, MESA_SEQPAR_FLAG_START, &s_fail);
-  const int64_t tid = int64_t(blk) * blockDim.x + threadIdx.x;
-  const int64_t stride = int64_t(bpr) * blockDim.x;
-  // a failed START leaves the peers' data unknown: write NaN, never stale numbers
-  if (kGather)
-    gather_shards<T, kDense>(a, rank, tid, stride, !ok);
-  else
-    reduce_shard<T, kDense>(a, rank, tid, stride, !ok);
-  if (ok) ok = meet(a, rank, blk, epoch, MESA_SEQPAR_FLAG_END, &s_fail);
-  if (threadIdx.x == 0) {
-    flags[MESA_SEQPAR_FLAG_EPOCH + blk] = epoch;
-    if (!ok && !sick) store_release_sys(flags + MESA_SEQPAR_FLAG_STATUS, uint32_t(MESA_STATUS_TIMEOUT));
+  // giving up: set the rank's (sticky) status first, so that peers still reading this
+  // rank's input see it before the input can change (after this kernel exits)
+  const auto give_up = [&] {
+    if (threadIdx.x == 0 && !sick) store_release_sys(flags + MESA_SEQPAR_FLAG_STATUS, uint32_t(MESA_STATUS_TIMEOUT));
+  };
+  // START, then: has a peer already given up (e.g. this rank is late)? Its input may be
+  // changing: do not read it
+  bool ok = !sick && meet(a, rank, blk, epoch, MESA_SEQPAR_FLAG_START, &s_word[0]) && !group_aborted(a, &s_word[1]);
+  if (!ok) give_up();
+  move_part<T, kDense, kGather>(a, rank, blk, bpr, !ok);
+  if (ok) {
+    // END, then the same question after the reads: a peer that gave up meanwhile may have
+    // changed its input under them. Either way the finite part just written is replaced.
+    ok = meet(a, rank, blk, epoch, MESA_SEQPAR_FLAG_END, &s_word[2]) && !group_aborted(a, &s_word[3]);
+    if (!ok) {
+      give_up();
+      // same partition: every thread overwrites exactly the elements it wrote
+      move_part<T, kDense, kGather>(a, rank, blk, bpr, true);
+    }
   }
+  if (threadIdx.x == 0) flags[MESA_SEQPAR_FLAG_EPOCH + blk] = epoch;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use mesa_kernels::reference::{self, collectives as rc};
 use mesa_kernels::{
-    DType, Device, Element, Epilogue, Error, Layout, RankView, RankViewMut, SeqParallelGroup, SeqSplits,
+    DType, Device, Element, Epilogue, Error, Layout, SeqParallelGroup, SeqSplits, TensorMut, TensorRef,
 };
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -165,11 +165,13 @@ fn run_rs<T: Element>(
     let bias_bufs: Vec<_> =
         bias.map(|bias| bias.iter().map(|v| device.upload(v).expect("upload")).collect()).unwrap_or_default();
     {
-        let ins: Vec<RankView<'_, T>> = in_bufs.iter().map(|b| RankView::new(b, in_layout.clone())).collect();
-        let mut outs: Vec<RankViewMut<'_, T>> =
-            out_bufs.iter_mut().zip(&out_layouts).map(|(b, (l, _))| RankViewMut::new(b, l.clone())).collect();
-        let res_views: Vec<RankView<'_, T>> = res_bufs.iter().map(|(b, l)| RankView::new(b, l.clone())).collect();
-        let bias_views: Vec<RankView<'_, T>> = bias_bufs.iter().map(|b| RankView::contiguous(b, &[shape.h])).collect();
+        let ins: Vec<TensorRef<'_, T>> = in_bufs.iter().map(|b| TensorRef::new(b, &in_layout).expect("view")).collect();
+        let mut outs: Vec<TensorMut<'_, T>> =
+            out_bufs.iter_mut().zip(&out_layouts).map(|(b, (l, _))| TensorMut::new(b, l).expect("view")).collect();
+        let res_views: Vec<TensorRef<'_, T>> =
+            res_bufs.iter().map(|(b, l)| TensorRef::new(b, l).expect("view")).collect();
+        let bias_views: Vec<TensorRef<'_, T>> =
+            bias_bufs.iter().map(|b| TensorRef::contiguous(b, &[shape.h]).expect("view")).collect();
         let epilogue =
             Epilogue { bias: bias.map(|_| bias_views.as_slice()), residual: residual.map(|_| res_views.as_slice()) };
         group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &epilogue)?;
@@ -215,10 +217,10 @@ fn run_ag<T: Element>(
     let mut out_bufs: Vec<_> =
         (0..w).map(|_| device.upload(&vec![T::from_f64(f64::NAN); out_len]).expect("upload")).collect();
     {
-        let ins: Vec<RankView<'_, T>> =
-            in_bufs.iter().zip(&in_layouts).map(|(b, (l, _))| RankView::new(b, l.clone())).collect();
-        let mut outs: Vec<RankViewMut<'_, T>> =
-            out_bufs.iter_mut().map(|b| RankViewMut::new(b, out_layout.clone())).collect();
+        let ins: Vec<TensorRef<'_, T>> =
+            in_bufs.iter().zip(&in_layouts).map(|(b, (l, _))| TensorRef::new(b, l).expect("view")).collect();
+        let mut outs: Vec<TensorMut<'_, T>> =
+            out_bufs.iter_mut().map(|b| TensorMut::new(b, &out_layout).expect("view")).collect();
         group.all_gather_seq(&ins, &mut outs, &shape.splits)?;
     }
     group.check()?;
@@ -248,14 +250,16 @@ fn check_rs<T: Element>(
     let wide_bias: Option<Vec<Vec<f64>>> = bias.map(|b| b.iter().map(|x| widen(x)).collect());
     let wide_res: Option<Vec<Vec<f64>>> = residual.map(|b| b.iter().map(|x| widen(x)).collect());
     let sizes = shape.splits.sizes();
-    let want = rc::reduce_scatter_seq(&wide, &sizes, shape.b, shape.h, wide_bias.as_deref(), wide_res.as_deref());
+    let want = rc::reduce_scatter_seq(&wide, &sizes, shape.b, shape.h, wide_bias.as_deref(), wide_res.as_deref())
+        .expect("reference");
     // Σ|terms| per element, for the bound
     let abs_in: Vec<Vec<f64>> = wide.iter().map(|x| x.iter().map(|v| v.abs()).collect()).collect();
     let abs_bias: Option<Vec<Vec<f64>>> =
         wide_bias.as_ref().map(|b| b.iter().map(|x| x.iter().map(|v| v.abs()).collect()).collect());
     let abs_res: Option<Vec<Vec<f64>>> =
         wide_res.as_ref().map(|b| b.iter().map(|x| x.iter().map(|v| v.abs()).collect()).collect());
-    let mags = rc::reduce_scatter_seq(&abs_in, &sizes, shape.b, shape.h, abs_bias.as_deref(), abs_res.as_deref());
+    let mags = rc::reduce_scatter_seq(&abs_in, &sizes, shape.b, shape.h, abs_bias.as_deref(), abs_res.as_deref())
+        .expect("reference");
     let k = shape.w() + usize::from(bias.is_some()) + usize::from(residual.is_some());
     let u = unit_roundoff(T::DTYPE);
     for r in 0..shape.w() {
@@ -343,10 +347,11 @@ fn all_gather_of_reduce_scatter_is_an_all_reduce_identical_on_every_rank() {
             let shards = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense)
                 .expect("reduce-scatter");
             let gathered = run_ag(&device, &mut group, &shape, &shards, View::Dense, View::Dense).expect("all-gather");
-            let want = rc::all_reduce(&inputs.iter().map(|x| widen(x)).collect::<Vec<_>>());
+            let want = rc::all_reduce(&inputs.iter().map(|x| widen(x)).collect::<Vec<_>>()).expect("reference");
             let mags = rc::all_reduce(
                 &inputs.iter().map(|x| x.iter().map(|v| v.to_f64().abs()).collect()).collect::<Vec<_>>(),
-            );
+            )
+            .expect("reference");
             for r in 0..w {
                 assert!(
                     gathered[r].iter().zip(&gathered[0]).all(|(a, b)| same_bits(*a, *b)),
@@ -496,12 +501,12 @@ fn epoch_counters_wrap_around_u32() {
         // At the wrap itself (epoch u32::MAX -> 0) a missing peer's slot still holds u32::MAX:
         // only a wrap-safe comparison keeps waiting (a plain `>=` would see it as arrived).
         group.set_epoch_for_testing(u32::MAX).expect("epoch");
-        group.set_timeout(Duration::from_millis(50));
+        group.set_timeout(Duration::from_millis(50)).expect("timeout");
         group.set_launch_ranks_for_testing(Some(0..2));
         let inputs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
         let result = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense);
         assert!(
-            matches!(result, Err(Error::LegacyTimeout(_))),
+            matches!(result, Err(Error::Timeout { .. })),
             "a stale u32::MAX slot passed for epoch 0: {:?}",
             result.err()
         );
@@ -515,7 +520,7 @@ fn a_rank_that_never_arrives_times_out_with_nan_outputs_and_no_hang() {
         let shape = Shape::new(&[2, 2, 2, 2], 2, 8);
         let mut group = SeqParallelGroup::new(&device, 4).expect("group");
         let bound = Duration::from_millis(100);
-        group.set_timeout(bound);
+        group.set_timeout(bound).expect("timeout");
         group.set_launch_ranks_for_testing(Some(0..3)); // rank 3's blocks are never launched
         let inputs: Vec<Vec<f32>> = (0..4).map(|_| random(&mut rng, shape.s() * shape.bh(), 1.0)).collect();
         let (layout, _) = layout_of(View::Dense, [shape.s(), shape.b, shape.h]);
@@ -523,13 +528,14 @@ fn a_rank_that_never_arrives_times_out_with_nan_outputs_and_no_hang() {
         let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
         let started = Instant::now();
         let result = {
-            let ins: Vec<RankView<'_, f32>> = in_bufs.iter().map(|b| RankView::new(b, layout.clone())).collect();
-            let mut outs: Vec<RankViewMut<'_, f32>> =
-                out_bufs.iter_mut().map(|b| RankViewMut::contiguous(b, &[2, shape.b, shape.h])).collect();
+            let ins: Vec<TensorRef<'_, f32>> =
+                in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
+            let mut outs: Vec<TensorMut<'_, f32>> =
+                out_bufs.iter_mut().map(|b| TensorMut::contiguous(b, &[2, shape.b, shape.h]).expect("view")).collect();
             group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
         };
         let elapsed = started.elapsed();
-        assert!(matches!(result, Err(Error::LegacyTimeout(_))), "expected a timeout, got {result:?}");
+        assert!(matches!(result, Err(Error::Timeout { .. })), "expected a timeout, got {result:?}");
         assert!(elapsed < bound * 50, "the timeout took {elapsed:?} (bound {bound:?})");
         for (r, buf) in out_bufs.iter().enumerate().take(3) {
             assert!(buf.to_vec().expect("down").iter().all(|x| x.is_nan()), "rank {r}: no stale data after a timeout");
@@ -537,7 +543,7 @@ fn a_rank_that_never_arrives_times_out_with_nan_outputs_and_no_hang() {
         // poisoned until reset, then healthy again
         group.set_launch_ranks_for_testing(None);
         let again = run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense);
-        assert!(matches!(again, Err(Error::LegacyTimeout(_))), "a poisoned group must refuse: {:?}", again.err());
+        assert!(matches!(again, Err(Error::Timeout { .. })), "a poisoned group must refuse: {:?}", again.err());
         group.reset().expect("reset");
         let got =
             run_rs(&device, &mut group, &shape, &inputs, None, None, View::Dense, View::Dense).expect("after reset");
@@ -573,70 +579,84 @@ fn values_near_the_bf16_range_limit_stay_finite_with_f32_accumulation() {
 #[test]
 fn bad_shapes_and_mismatched_splits_are_errors() {
     let device = Device::emulator();
-    assert!(matches!(SeqParallelGroup::new(&device, 0), Err(Error::LegacyShape(_))));
-    assert!(matches!(SeqParallelGroup::new(&device, 17), Err(Error::LegacyShape(_))));
-    assert!(matches!(SeqSplits::new(&[]), Err(Error::LegacyShape(_))));
+    let invalid_argument = |r: mesa_kernels::Result<()>| matches!(r, Err(Error::InvalidArgument { .. }));
+    assert!(invalid_argument(SeqParallelGroup::new(&device, 0).map(drop)));
+    assert!(invalid_argument(SeqParallelGroup::new(&device, 17).map(drop)));
+    assert!(invalid_argument(SeqSplits::new(&[]).map(drop)));
+    assert!(invalid_argument(SeqSplits::even(4, 0).map(drop)));
+    assert!(matches!(SeqSplits::new(&[usize::MAX, 1]), Err(Error::TooLarge { .. })));
     assert_eq!(SeqSplits::even(10, 4).expect("even").sizes(), vec![3, 3, 2, 2]);
     let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    assert!(invalid_argument(group.set_timeout(Duration::ZERO)));
+    assert!(invalid_argument(group.set_timeout(Duration::MAX)));
     let (b, h) = (2usize, 4usize);
     let inputs = [vec![1.0f32; 6 * b * h], vec![1.0f32; 6 * b * h]];
     let mut outs = [vec![0.0f32; 3 * b * h], vec![0.0f32; 3 * b * h]];
     let full = Layout::contiguous(&[6, b, h]);
     let half = Layout::contiguous(&[3, b, h]);
-    let ins = |l: &Layout| -> Vec<RankView<'_, f32>> { inputs.iter().map(|x| RankView::new(x, l.clone())).collect() };
-    let mut call = |ins: &[RankView<'_, f32>], layouts: [Layout; 2], splits: &[usize]| {
+    let ins = |l: &Layout| -> Vec<TensorRef<'_, f32>> {
+        inputs.iter().map(|x| TensorRef::new(x, l).expect("view")).collect()
+    };
+    let mut call = |ins: &[TensorRef<'_, f32>], layouts: [Layout; 2], splits: &[usize]| {
         let [l0, l1] = layouts;
         let (o0, o1) = outs.split_at_mut(1);
-        let mut o = vec![RankViewMut::new(&mut o0[0], l0), RankViewMut::new(&mut o1[0], l1)];
+        let mut o = vec![TensorMut::new(&mut o0[0], &l0)?, TensorMut::new(&mut o1[0], &l1)?];
         let splits = SeqSplits::new(splits).expect("splits");
         group.reduce_scatter_seq(ins, &mut o, &splits, &Epilogue::none())
     };
     // the baseline call is fine
     assert_eq!(call(&ins(&full), [half.clone(), half.clone()], &[3, 3]), Ok(()));
-    // split sizes that do not sum to S
-    assert!(matches!(call(&ins(&full), [half.clone(), half.clone()], &[3, 2]), Err(Error::LegacyShape(_))));
+    // split sizes that do not sum to S: the inputs are not [S, B, H]
+    assert!(matches!(
+        call(&ins(&full), [half.clone(), half.clone()], &[3, 2]),
+        Err(Error::ShapeMismatch { expected, got, .. }) if expected == [5, b, h] && got == [6, b, h]
+    ));
     // a split list of the wrong world size
-    assert!(matches!(call(&ins(&full), [half.clone(), half.clone()], &[6]), Err(Error::LegacyShape(_))));
+    assert!(invalid_argument(call(&ins(&full), [half.clone(), half.clone()], &[6])));
     // output shard of the wrong shape
-    let wrong = Layout::contiguous(&[3, b, h + 1]);
-    assert!(matches!(call(&ins(&full), [half.clone(), wrong], &[3, 3]), Err(Error::LegacyShape(_))));
+    let wrong = Layout::contiguous(&[3, b, h - 1]);
+    assert!(matches!(call(&ins(&full), [half.clone(), wrong], &[3, 3]), Err(Error::ShapeMismatch { .. })));
     // rank-2 input
     assert!(matches!(
         call(&ins(&Layout::contiguous(&[6, b * h])), [half.clone(), half.clone()], &[3, 3]),
-        Err(Error::LegacyShape(_))
+        Err(Error::InvalidLayout { .. })
     ));
     // a view past the end of its buffer
     let past = Layout::strided(&[3, b, h], &[b * h, h, 1], 1).expect("layout");
     assert!(matches!(call(&ins(&full), [half.clone(), past], &[3, 3]), Err(Error::BufferTooShort { .. })));
     // an output that overlaps itself (stride 0)
     let bcast = Layout::strided(&[3, b, h], &[0, h, 1], 0).expect("layout");
-    assert!(matches!(call(&ins(&full), [bcast.clone(), bcast], &[3, 3]), Err(Error::LegacyShape(_))));
+    assert!(matches!(call(&ins(&full), [bcast.clone(), bcast], &[3, 3]), Err(Error::InvalidLayout { .. })));
     // ranks with different strides
     let padded = Layout::strided(&[3, b, h], &[h * b, 1, b], 0).expect("layout");
-    assert!(matches!(call(&ins(&full), [half.clone(), padded], &[3, 3]), Err(Error::LegacyUnsupported(_))));
+    assert!(matches!(call(&ins(&full), [half.clone(), padded], &[3, 3]), Err(Error::Unsupported { .. })));
     // wrong number of ranks
-    let one = [RankView::new(&inputs[0], full.clone())];
-    assert!(matches!(call(&one, [half.clone(), half.clone()], &[3, 3]), Err(Error::LegacyShape(_))));
+    let one = [TensorRef::new(&inputs[0], &full).expect("view")];
+    assert!(invalid_argument(call(&one, [half.clone(), half.clone()], &[3, 3])));
     // all-gather: inputs must be the shards
     let mut big = [vec![0.0f32; 6 * b * h], vec![0.0f32; 6 * b * h]];
     let (g0, g1) = big.split_at_mut(1);
-    let mut o = vec![RankViewMut::new(&mut g0[0], full.clone()), RankViewMut::new(&mut g1[0], full.clone())];
+    let mut o =
+        vec![TensorMut::new(&mut g0[0], &full).expect("view"), TensorMut::new(&mut g1[0], &full).expect("view")];
     let splits = SeqSplits::new(&[3, 3]).expect("splits");
-    assert!(matches!(group.all_gather_seq(&ins(&full), &mut o, &splits), Err(Error::LegacyShape(_))));
+    assert!(matches!(group.all_gather_seq(&ins(&full), &mut o, &splits), Err(Error::ShapeMismatch { .. })));
     assert_eq!(group.all_gather_seq(&ins(&half), &mut o, &splits), Ok(()));
+    drop(o);
+    assert!(big.iter().all(|x| x.iter().all(|&v| v == 1.0)), "all-gather of ones");
 
     // a grid that cannot be co-resident (the emulator, like a GPU, caps cooperative launches)
     let mut wide = SeqParallelGroup::new(&device, 16).expect("group");
-    assert!(matches!(wide.set_blocks_per_rank(129), Err(Error::LegacyTooLarge(_))));
+    assert!(matches!(wide.set_blocks_per_rank(129), Err(Error::InvalidArgument { .. })));
     wide.set_blocks_per_rank(64).expect("64 blocks per rank");
     let data: Vec<Vec<f32>> = (0..16).map(|_| vec![1.0f32; 16 * 4]).collect();
     let mut shards: Vec<Vec<f32>> = (0..16).map(|_| vec![0.0f32; 4]).collect();
-    let ins16: Vec<RankView<'_, f32>> = data.iter().map(|x| RankView::contiguous(x, &[16, 1, 4])).collect();
-    let mut outs16: Vec<RankViewMut<'_, f32>> =
-        shards.iter_mut().map(|x| RankViewMut::contiguous(x, &[1, 1, 4])).collect();
+    let ins16: Vec<TensorRef<'_, f32>> =
+        data.iter().map(|x| TensorRef::contiguous(x, &[16, 1, 4]).expect("view")).collect();
+    let mut outs16: Vec<TensorMut<'_, f32>> =
+        shards.iter_mut().map(|x| TensorMut::contiguous(x, &[1, 1, 4]).expect("view")).collect();
     let even = SeqSplits::even(16, 16).expect("splits");
     let r = wide.reduce_scatter_seq(&ins16, &mut outs16, &even, &Epilogue::none());
-    assert!(matches!(r, Err(Error::LegacyTooLarge(_))), "16 x 64 blocks must not launch: {r:?}");
+    assert!(matches!(r, Err(Error::TooLarge { .. })), "16 x 64 blocks must not launch: {r:?}");
     wide.set_blocks_per_rank(0).expect("auto");
     assert_eq!(wide.reduce_scatter_seq(&ins16, &mut outs16, &even, &Epilogue::none()), Ok(()));
     drop(outs16);
@@ -707,7 +727,7 @@ fn collective_entry_point_rejects_bad_arguments() {
 #[cfg(feature = "nccl")]
 #[test]
 fn nccl_backend_one_rank_communicator() {
-    use mesa_kernels::collectives::nccl::{Accumulation, NcclSeqParallel, NcclUniqueId};
+    use mesa_kernels::collectives::nccl::{Accumulation, NcclSeqParallel, NcclUniqueId, ShardEpilogue};
     let Some(device) = common::cuda_only("nccl_backend_one_rank_communicator") else { return };
     let id = match NcclUniqueId::new() {
         Ok(id) => id,
@@ -734,15 +754,12 @@ fn nccl_backend_one_rank_communicator() {
         let mut out = device.upload(&vec![bf16::NAN; n]).expect("up");
         {
             let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
-            let mut o = RankViewMut::new(&mut out, layout.clone());
-            comm.reduce_scatter_seq(
-                &RankView::new(&xb, layout.clone()),
-                &mut o,
-                &shape.splits,
-                Some(&RankView::contiguous(&bb, &[shape.h])),
-                Some(&RankView::new(&rb, layout)),
-            )
-            .expect("reduce-scatter");
+            let mut o = TensorMut::new(&mut out, &layout).expect("view");
+            let bias_view = TensorRef::contiguous(&bb, &[shape.h]).expect("view");
+            let res_view = TensorRef::new(&rb, &layout).expect("view");
+            let epilogue = ShardEpilogue { bias: Some(&bias_view), residual: Some(&res_view) };
+            comm.reduce_scatter_seq(&TensorRef::new(&xb, &layout).expect("view"), &mut o, &shape.splits, &epilogue)
+                .expect("reduce-scatter");
         }
         let got = out.to_vec().expect("down");
         // one rank: Σ = x exactly; f32: rnd((x + bias) + res) once; input dtype: the same
@@ -759,8 +776,9 @@ fn nccl_backend_one_rank_communicator() {
         let mut gathered = device.upload(&vec![bf16::NAN; n]).expect("up");
         {
             let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
-            let mut o = RankViewMut::new(&mut gathered, layout.clone());
-            comm.all_gather_seq(&RankView::new(&out, layout), &mut o, &shape.splits).expect("all-gather");
+            let mut o = TensorMut::new(&mut gathered, &layout).expect("view");
+            comm.all_gather_seq(&TensorRef::new(&out, &layout).expect("view"), &mut o, &shape.splits)
+                .expect("all-gather");
         }
         assert!(gathered.to_vec().expect("down").iter().zip(&got).all(|(a, b)| same_bits(*a, *b)));
     }
@@ -841,4 +859,207 @@ fn nccl_path_epilogue_kernel_widens_adds_and_rounds_once() {
         unsafe { sys::mesa_emu_seqpar_epilogue(&bad, std::ptr::null_mut()) },
         sys::MESA_STATUS_INVALID_ARGUMENT as i32
     );
+}
+
+/// Issue 8: every output of a timed-out call is NaN, for every rank: asserts that `result` is
+/// a timeout and that every element of every buffer in `out_bufs` is NaN.
+fn assert_all_nan(out_bufs: &[mesa_kernels::Buffer<f32>], result: mesa_kernels::Result<()>, label: &str) {
+    assert!(matches!(result, Err(Error::Timeout { .. })), "{label}: expected a timeout, got {result:?}");
+    for (r, buf) in out_bufs.iter().enumerate() {
+        let data = buf.to_vec().expect("download");
+        let finite = data.iter().filter(|x| !x.is_nan()).count();
+        assert_eq!(finite, 0, "{label}: rank {r} holds {finite} non-NaN elements of {} after a timeout", data.len());
+    }
+}
+
+/// Issue 8 (timeout at START, late peer): ranks 0..3 publish their START flags, wait for
+/// rank 3, give up and return; their inputs then change. Rank 3 arrives after that (a
+/// separate launch, as on its own GPU, whose host has not seen the timeout): it must not read
+/// the changing inputs into finite results.
+#[test]
+fn a_late_rank_arriving_after_the_others_gave_up_writes_nan() {
+    let mut rng = common::rng("late_rank");
+    for device in common::backends() {
+        let shape = Shape::new(&[2, 2, 2, 2], 2, 8);
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        group.set_timeout(Duration::from_millis(50)).expect("timeout");
+        let n = shape.s() * shape.bh();
+        let inputs: Vec<Vec<f32>> = (0..4).map(|_| random(&mut rng, n, 1.0)).collect();
+        let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
+        let mut in_bufs: Vec<_> = inputs.iter().map(|x| device.upload(x).expect("upload")).collect();
+        let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
+        let call = |group: &mut SeqParallelGroup, in_bufs: &[mesa_kernels::Buffer<f32>], out_bufs: &mut [_]| {
+            let ins: Vec<TensorRef<'_, f32>> =
+                in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
+            let mut outs: Vec<TensorMut<'_, f32>> =
+                out_bufs.iter_mut().map(|b| TensorMut::contiguous(b, &[2, shape.b, shape.h]).expect("view")).collect();
+            group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
+        };
+        group.set_launch_ranks_for_testing(Some(0..3));
+        let first = call(&mut group, &in_bufs, &mut out_bufs);
+        assert!(matches!(first, Err(Error::Timeout { .. })), "ranks 0..3 must time out: {first:?}");
+        // the ranks that gave up go on: their inputs are overwritten by the next layer
+        for buf in &mut in_bufs[..3] {
+            device.copy_into(&vec![1.0e6f32; n], buf).expect("overwrite");
+        }
+        group.clear_poisoned_for_testing();
+        group.set_launch_ranks_for_testing(Some(3..4));
+        let late = call(&mut group, &in_bufs, &mut out_bufs);
+        assert_all_nan(&out_bufs, late, &format!("{} late rank", device.backend_name()));
+    }
+}
+
+/// Issue 8 (timeout at END): every launched rank passes START (rank 3's START flags are
+/// there, as if it had arrived) and computes its shard, then rank 3 never reaches END. The
+/// ranks time out at END: their outputs must be NaN too, not the finite shards.
+#[test]
+fn a_timeout_at_end_leaves_nan_outputs() {
+    let mut rng = common::rng("end_timeout");
+    for device in common::backends() {
+        let shape = Shape::new(&[2, 2, 2, 2], 2, 8);
+        let mut group = SeqParallelGroup::new(&device, 4).expect("group");
+        group.set_timeout(Duration::from_millis(50)).expect("timeout");
+        let n = shape.s() * shape.bh();
+        let inputs: Vec<Vec<f32>> = (0..4).map(|_| random(&mut rng, n, 1.0)).collect();
+        let layout = Layout::contiguous(&[shape.s(), shape.b, shape.h]);
+        let in_bufs: Vec<_> = inputs.iter().map(|x| device.upload(x).expect("upload")).collect();
+        let mut out_bufs: Vec<_> = (0..4).map(|_| device.upload(&vec![0.5f32; 2 * shape.bh()]).expect("up")).collect();
+        group.pretend_start_for_testing(3).expect("fake START of rank 3");
+        group.set_launch_ranks_for_testing(Some(0..3));
+        let result = {
+            let ins: Vec<TensorRef<'_, f32>> =
+                in_bufs.iter().map(|b| TensorRef::new(b, &layout).expect("view")).collect();
+            let mut outs: Vec<TensorMut<'_, f32>> =
+                out_bufs.iter_mut().map(|b| TensorMut::contiguous(b, &[2, shape.b, shape.h]).expect("view")).collect();
+            group.reduce_scatter_seq(&ins, &mut outs, &shape.splits, &Epilogue::none()).and_then(|()| group.check())
+        };
+        // rank 3 was never launched: its output keeps its 0.5s; the launched ranks' must be NaN
+        let label = format!("{} END timeout", device.backend_name());
+        assert_all_nan(&out_bufs[..3], result, &label);
+        assert!(out_bufs[3].to_vec().expect("down").iter().all(|&x| x == 0.5), "{label}: rank 3 was not launched");
+    }
+}
+
+/// Issue 8 (aliasing): one host vector given as a rank's input and, through a
+/// `RawDeviceSlice`, as the same rank's output. The kernel reads every input after other
+/// ranks may have written their shards, so an in-place call would read overwritten data:
+/// it must be rejected before the launch.
+#[test]
+fn a_rank_whose_output_overlaps_an_input_is_rejected() {
+    use mesa_kernels::RawDeviceSlice;
+    let device = Device::emulator();
+    let (b, h) = (2usize, 4usize);
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    let mut shared = vec![1.0f32; 6 * b * h];
+    let other = vec![2.0f32; 6 * b * h];
+    let mut out1 = vec![0.0f32; 3 * b * h];
+    // SAFETY: `shared` outlives both views and is not otherwise used until they are dropped.
+    let raw_in = unsafe { RawDeviceSlice::<f32>::new(shared.as_mut_ptr() as u64, shared.len()) };
+    let mut raw_out = unsafe { RawDeviceSlice::<f32>::new(shared.as_mut_ptr() as u64, shared.len()) };
+    let splits = SeqSplits::new(&[3, 3]).expect("splits");
+    let full = Layout::contiguous(&[6, b, h]);
+    let ins = [TensorRef::new(&raw_in, &full).expect("view"), TensorRef::new(&other, &full).expect("view")];
+    let mut outs = [
+        TensorMut::contiguous(&mut raw_out, &[3, b, h]).expect("view"),
+        TensorMut::contiguous(&mut out1, &[3, b, h]).expect("view"),
+    ];
+    let r = group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none());
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "rank 0's output over its input must be rejected: {r:?}");
+    drop(outs);
+    drop(ins);
+    assert!(shared.iter().all(|&x| x == 1.0), "nothing may be written when the call is rejected");
+}
+
+/// Outputs may overlap nothing else of the call: another rank's output, a residual, or the
+/// same buffer shared by two ranks' outputs are all rejected, and nothing is written.
+#[test]
+fn outputs_overlapping_other_outputs_or_residuals_are_rejected() {
+    use mesa_kernels::RawDeviceSlice;
+    let device = Device::emulator();
+    let (b, h) = (1usize, 4usize);
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    let inputs = [vec![1.0f32; 4 * b * h], vec![2.0f32; 4 * b * h]];
+    let full = Layout::contiguous(&[4, b, h]);
+    let ins: Vec<TensorRef<'_, f32>> = inputs.iter().map(|x| TensorRef::new(x, &full).expect("view")).collect();
+    let splits = SeqSplits::new(&[2, 2]).expect("splits");
+    // both ranks' outputs in one vector, overlapping by one row
+    let mut both = vec![-1.0f32; 3 * b * h];
+    let p = both.as_mut_ptr();
+    // SAFETY: `both` outlives the views and is not otherwise touched until they are dropped.
+    let (mut r0, mut r1) = unsafe {
+        (RawDeviceSlice::<f32>::new(p as u64, 2 * b * h), RawDeviceSlice::<f32>::new(p.add(b * h) as u64, 2 * b * h))
+    };
+    let mut outs = [
+        TensorMut::contiguous(&mut r0, &[2, b, h]).expect("view"),
+        TensorMut::contiguous(&mut r1, &[2, b, h]).expect("view"),
+    ];
+    let r = group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none());
+    assert!(
+        matches!(r, Err(Error::Aliasing { first: "output 0", second: "output 1" })),
+        "overlapping outputs of two ranks: {r:?}"
+    );
+    drop(outs);
+    // rank 1's residual is rank 0's output
+    let mut out0 = vec![-1.0f32; 2 * b * h];
+    let mut out1 = vec![-1.0f32; 2 * b * h];
+    // SAFETY: as above, for `out0`.
+    let res_alias = unsafe { RawDeviceSlice::<f32>::new(out0.as_mut_ptr() as u64, out0.len()) };
+    let res_other = vec![0.0f32; 2 * b * h];
+    let residual = [
+        TensorRef::contiguous(&res_other, &[2, b, h]).expect("view"),
+        TensorRef::contiguous(&res_alias, &[2, b, h]).expect("view"),
+    ];
+    let mut outs = [
+        TensorMut::contiguous(&mut out0, &[2, b, h]).expect("view"),
+        TensorMut::contiguous(&mut out1, &[2, b, h]).expect("view"),
+    ];
+    let r = group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue { bias: None, residual: Some(&residual) });
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "a residual over an output: {r:?}");
+    drop(outs);
+    assert!(both.iter().chain(&out0).chain(&out1).all(|&x| x == -1.0), "nothing may be written");
+}
+
+/// No panic on any input: empty shards next to huge other dimensions (whose products overflow
+/// usize) are handled as empty, on the wrapper and on the reference; overflowing split sizes
+/// are errors. Run once with overflow checks on (see the report of issue 8).
+#[test]
+fn empty_shards_with_huge_dims_are_empty_not_a_panic() {
+    let device = Device::emulator();
+    let huge = usize::MAX / 2;
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    // S = 0: every shard empty, B·H overflows
+    let splits = SeqSplits::new(&[0, 0]).expect("splits");
+    let empty: Vec<f32> = Vec::new();
+    let mut o0: Vec<f32> = Vec::new();
+    let mut o1: Vec<f32> = Vec::new();
+    let ins = [
+        TensorRef::contiguous(&empty, &[0, huge, huge]).expect("empty view"),
+        TensorRef::contiguous(&empty, &[0, huge, huge]).expect("empty view"),
+    ];
+    let mut outs = [
+        TensorMut::contiguous(&mut o0, &[0, huge, huge]).expect("empty view"),
+        TensorMut::contiguous(&mut o1, &[0, huge, huge]).expect("empty view"),
+    ];
+    assert_eq!(group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none()), Ok(()));
+    assert_eq!(group.all_gather_seq(&ins, &mut outs, &splits), Ok(()));
+    // H = 0 with a huge S: nothing moves
+    let splits = SeqSplits::new(&[huge, huge]).expect("splits");
+    let ins = [
+        TensorRef::contiguous(&empty, &[2 * huge, 1, 0]).expect("empty view"),
+        TensorRef::contiguous(&empty, &[2 * huge, 1, 0]).expect("empty view"),
+    ];
+    let mut outs = [
+        TensorMut::contiguous(&mut o0, &[huge, 1, 0]).expect("empty view"),
+        TensorMut::contiguous(&mut o1, &[huge, 1, 0]).expect("empty view"),
+    ];
+    assert_eq!(group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none()), Ok(()));
+    assert!(matches!(SeqSplits::new(&[huge, huge, huge]), Err(Error::TooLarge { .. })));
+    // the reference: empty results, errors for overflowing sizes or wrong lengths
+    let none: Vec<Vec<f64>> = vec![Vec::new(), Vec::new()];
+    assert_eq!(rc::reduce_scatter_seq(&none, &[0, 0], huge, huge, None, None), Ok(vec![Vec::new(), Vec::new()]));
+    assert!(matches!(rc::reduce_scatter_seq(&none, &[1, 0], huge, huge, None, None), Err(Error::TooLarge { .. })));
+    assert!(matches!(rc::split_offsets(&[usize::MAX, 1]), Err(Error::TooLarge { .. })));
+    assert!(matches!(rc::reduce_scatter_seq(&none, &[1, 0], 1, 2, None, None), Err(Error::InvalidLayout { .. })));
+    assert!(matches!(rc::all_reduce(&[vec![1.0], vec![]]), Err(Error::InvalidLayout { .. })));
+    assert_eq!(rc::all_reduce(&[vec![1.0, 2.0], vec![0.5, 0.25]]), Ok(vec![1.5, 2.25]));
 }

@@ -19,15 +19,40 @@
  * launch for all W ranks of a single device. Launches are cooperative (all blocks co-resident)
  * and every launch of one call must use the same blocks_per_rank.
  *
- * Synchronisation: block b of rank r meets block b of every peer twice per call (start: the
- * peers' inputs are ready; end: the peers finished reading r's input). A meeting is a
+ * Synchronisation: block b of rank r meets block b of every peer twice per call (START: the
+ * peers' inputs are ready; END: the peers finished reading r's input). A meeting is a
  * release-store of the call's epoch into the peer's flag slot and an acquire-spin on one's own
  * slot. Epochs are u32 counters kept per block in the rank's own flag buffer, incremented by
  * every call, never reset (wrap-safe comparison), so nothing needs clearing between calls and
- * CUDA-graph replays stay correct. Every spin is bounded by timeout_ns: on expiry the block
- * writes MESA_STATUS_TIMEOUT into its rank's status word, fills the part of the output it
- * would have written with NaN (never stale data), and exits. A rank whose status word is set
- * does nothing but write NaN (sticky) until the flag buffer is cleared again.
+ * CUDA-graph replays stay correct.
+ *
+ * Timeouts: NaN, never stale data. Every spin is bounded by timeout_ns. A block that gives up
+ * stores MESA_STATUS_TIMEOUT into its rank's status word (release, system scope) *before* it
+ * writes NaN and exits, and the status is sticky: the rank does nothing but write NaN, with no
+ * meeting, until the flag buffer is cleared. A spin also ends early when the awaited peer's
+ * status is set. Giving up happens when (1) a START or END wait expires, or (2) after START, or
+ * after END, some rank's status word is set (checked behind a block barrier and a system-scope
+ * fence, after the block's reads). The block then writes NaN over the whole part of the output
+ * it owns (again, if it had written numbers). Why no stale number survives: rank x's input may
+ * change only after x's kernel exits, and x exits either after passing its END meeting (which
+ * needs every peer's END flag, published after that peer's last read of x's input) or after
+ * setting its status. So a block that read changing data of x did so after x set its status,
+ * and its own check after the reads (behind the fence) sees it and writes NaN. A late rank
+ * that finds the START flags of peers that already gave up sees their status at (2) and writes
+ * NaN without reading their inputs; a rank that passed START but times out at END writes NaN
+ * over the numbers it had written. Hence every output of a rank that timed out, or that saw a
+ * peer's status, is NaN, and the status words report the timeout to the host.
+ * What bounded waits cannot give (two generals): a block that passed END and found every
+ * status clear keeps its numbers if the first block to give up does so only after that check.
+ * They are exact (every input it read was still stable), and this needs a wait to expire at a
+ * deadline the rest of the group had already met (a block of a running launch late by more
+ * than the bound, or a flag arriving just past it). The status words still make the call
+ * report MESA_STATUS_TIMEOUT. A call whose missing or late rank never got as far as the
+ * others' END (the failure this protects against) leaves NaN on every rank that ran.
+ *
+ * In-place: not supported (a rank's output overlapping any input, residual or bias, or another
+ * rank's output, is rejected by the safe crate with Error::Aliasing): ranks read every input
+ * while others write their outputs.
  */
 #ifndef MESA_COLLECTIVES_H
 #define MESA_COLLECTIVES_H

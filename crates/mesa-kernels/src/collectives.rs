@@ -23,21 +23,25 @@
 //! * `nccl::NcclSeqParallel` (cargo feature `nccl`): one rank per process on NCCL
 //!   communicators, for multi-GPU and multi-node use.
 //!
-//! Views: inputs and outputs are strided `[S, B, H]` (or `[S_r, B, H]`) [`Layout`]s; all ranks
-//! share one set of strides (offsets may differ). Dense views whose addresses are 16-byte
+//! Views: inputs and outputs are the crate's [`TensorRef`] / [`TensorMut`] (any
+//! [`DeviceMemory`](crate::DeviceMemory): buffers, cudarc slices, raw device pointers, host
+//! sub-slices), strided `[S, B, H]` (or `[S_r, B, H]`); all ranks share one set of strides
+//! (offsets may differ). In-place is not supported: an output that overlaps any input,
+//! residual, bias or another rank's output is [`Error::Aliasing`]. Dense views whose addresses are 16-byte
 //! aligned move 16-byte vectors; a view offset by one element takes a scalar dense loop; any
 //! other strides (transposed `B`/`H`, padded rows, broadcast inputs) take a strided loop with
 //! the same per-element arithmetic, so the result never depends on the path.
-use std::ffi::c_void;
 use std::ops::Range;
 use std::time::Duration;
 
 use mesa_kernels_sys as sys;
 
-use crate::device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef};
+use crate::device::{Buffer, Device};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
+use crate::launch::Launch;
 use crate::layout::Layout;
+use crate::tensor::{TensorMut, TensorRef};
 
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -61,16 +65,19 @@ impl SeqSplits {
     /// Explicit shard sizes, one per rank (zeros allowed, e.g. `S = 3` over 4 ranks).
     ///
     /// # Errors
-    /// [`Error::Shape`] for an empty list or a total that overflows.
+    /// [`Error::InvalidArgument`] for an empty list, [`Error::TooLarge`] for a total that
+    /// overflows.
     pub fn new(sizes: &[usize]) -> Result<Self> {
         if sizes.is_empty() {
-            return Err(Error::LegacyShape("split sizes: at least one rank".into()));
+            return Err(Error::invalid_argument("split sizes", "at least one rank, got an empty list"));
         }
         let mut offsets = Vec::with_capacity(sizes.len() + 1);
         offsets.push(0usize);
         let mut total = 0usize;
         for &s in sizes {
-            total = total.checked_add(s).ok_or_else(|| Error::LegacyTooLarge("split sizes overflow".into()))?;
+            total = total
+                .checked_add(s)
+                .ok_or_else(|| Error::too_large("split sizes", format!("their sum overflows ({sizes:?})")))?;
             offsets.push(total);
         }
         Ok(SeqSplits { offsets })
@@ -80,10 +87,10 @@ impl SeqSplits {
     /// more (`S = 10`, `W = 4` → `3, 3, 2, 2`). Megatron requires `W | S`; this does not.
     ///
     /// # Errors
-    /// [`Error::Shape`] when `world` is 0.
+    /// [`Error::InvalidArgument`] when `world` is 0.
     pub fn even(seq: usize, world: usize) -> Result<Self> {
         if world == 0 {
-            return Err(Error::LegacyShape("split sizes: at least one rank".into()));
+            return Err(Error::invalid_argument("world size", "at least one rank, got 0"));
         }
         let sizes: Vec<usize> = (0..world).map(|r| seq / world + usize::from(r < seq % world)).collect();
         SeqSplits::new(&sizes)
@@ -124,47 +131,13 @@ impl SeqSplits {
     }
 }
 
-/// A tensor one rank reads: memory and its strided view.
-pub struct RankView<'a, T> {
-    /// The buffer (any [`DeviceMemory`]: `Buffer`, cudarc slices, raw device memory, host memory).
-    pub mem: &'a dyn DeviceMemory<T>,
-    /// The view: shape, strides and offset in elements.
-    pub layout: Layout,
-}
-
-impl<'a, T> RankView<'a, T> {
-    /// A view of `mem` through `layout`.
-    #[must_use]
-    pub fn new(mem: &'a dyn DeviceMemory<T>, layout: Layout) -> Self {
-        RankView { mem, layout }
-    }
-    /// A dense row-major view of `shape` at offset 0.
-    #[must_use]
-    pub fn contiguous(mem: &'a dyn DeviceMemory<T>, shape: &[usize]) -> Self {
-        RankView { mem, layout: Layout::contiguous(shape) }
-    }
-}
-
-/// A tensor one rank writes: memory and its strided view (which must not overlap itself).
-pub struct RankViewMut<'a, T> {
-    /// The buffer.
-    pub mem: &'a mut dyn DeviceMemoryMut<T>,
-    /// The view: shape, strides and offset in elements.
-    pub layout: Layout,
-}
-
-impl<'a, T> RankViewMut<'a, T> {
-    /// A view of `mem` through `layout`.
-    #[must_use]
-    pub fn new(mem: &'a mut dyn DeviceMemoryMut<T>, layout: Layout) -> Self {
-        RankViewMut { mem, layout }
-    }
-    /// A dense row-major view of `shape` at offset 0.
-    #[must_use]
-    pub fn contiguous(mem: &'a mut dyn DeviceMemoryMut<T>, shape: &[usize]) -> Self {
-        RankViewMut { mem, layout: Layout::contiguous(shape) }
-    }
-}
+/// Transitional name of [`TensorRef`] (the crate-wide tensor view), kept only for the
+/// re-export in `lib.rs` during the port; use [`TensorRef`].
+#[doc(hidden)]
+pub type RankView<'a, T> = TensorRef<'a, T>;
+/// Transitional name of [`TensorMut`]; use [`TensorMut`].
+#[doc(hidden)]
+pub type RankViewMut<'a, T> = TensorMut<'a, T>;
 
 /// The fused epilogue of a reduce-scatter: `out = (Σ + bias[h]) + residual`, per rank.
 ///
@@ -172,11 +145,12 @@ impl<'a, T> RankViewMut<'a, T> {
 /// projection, MLP down projection); its bias and the residual add of the following
 /// bias-dropout-add belong to the sequence shard, so fusing them saves a read and a write of
 /// `[S_r, B, H]` (dropout, when used, needs its own mask and is not fused).
+#[derive(Debug)]
 pub struct Epilogue<'a, T> {
     /// Per rank: the bias `[H]` (any stride), or `None`.
-    pub bias: Option<&'a [RankView<'a, T>]>,
+    pub bias: Option<&'a [TensorRef<'a, T>]>,
     /// Per rank: the residual `[S_r, B, H]`, or `None`.
-    pub residual: Option<&'a [RankView<'a, T>]>,
+    pub residual: Option<&'a [TensorRef<'a, T>]>,
 }
 
 impl<T> Epilogue<'_, T> {
@@ -197,7 +171,8 @@ impl<T> Default for Epilogue<'_, T> {
 fn bh_of(layout: &Layout, rows: usize, what: &str) -> Result<(usize, usize)> {
     match layout.shape() {
         &[s, b, h] if s == rows => Ok((b, h)),
-        shape => Err(Error::LegacyShape(format!("{what}: expected a [{rows}, B, H] view, got {shape:?}"))),
+        &[_, b, h] => Err(Error::shape_mismatch(what, &[rows, b, h], layout.shape())),
+        shape => Err(Error::invalid_layout(what, format!("expected a [{rows}, B, H] view, got {shape:?}"))),
     }
 }
 
@@ -217,10 +192,13 @@ fn common_strides(layouts: &[&Layout], what: &str) -> Result<[i64; 3]> {
                     None => *slot = Some(l.strides()[d]),
                     Some(s) if s == l.strides()[d] => {}
                     Some(s) => {
-                        return Err(Error::LegacyUnsupported(format!(
-                            "{what}: every rank's view must have the same strides (axis {d}: {s} vs {})",
-                            l.strides()[d]
-                        )))
+                        return Err(Error::unsupported(
+                            what,
+                            format!(
+                                "every rank's view must have the same strides (axis {d}: {s} vs {})",
+                                l.strides()[d]
+                            ),
+                        ))
                     }
                 }
             }
@@ -240,12 +218,23 @@ fn common_strides(layouts: &[&Layout], what: &str) -> Result<[i64; 3]> {
 /// from call to call; the flags need no clearing between calls.
 ///
 /// **Timeouts.** Every wait of the kernel is bounded by [`SeqParallelGroup::timeout`]
-/// (default 10 s). A block whose wait expires marks its rank's status word, writes NaN over the
-/// part of the output it owns (never stale numbers) and exits; the rank's later calls write
-/// NaN only, until [`SeqParallelGroup::reset`]. The emulator backend runs synchronously and
-/// returns [`Error::Timeout`] from the call itself; on CUDA the call returns before the kernel
-/// runs, so [`SeqParallelGroup::check`] (which synchronises) reports it, and once reported every
-/// later call returns [`Error::Timeout`] until `reset`.
+/// (default 10 s). A rank that gives up — its wait expired, or it saw that a peer gave up, at
+/// START or at END — marks its status word and writes NaN over its whole output: a timed-out
+/// call leaves NaN, never stale numbers, including on a rank that arrives after the others
+/// gave up (the protocol and its one limit are in the C header `mesa_collectives.h`). Its later
+/// calls write NaN only, until [`SeqParallelGroup::reset`].
+///
+/// **When the error surfaces.** The emulator runs synchronously and returns
+/// [`Error::Timeout`] from the call itself. On CUDA a call only enqueues the kernel on the
+/// device's stream and returns `Ok(())` before it runs (an op cannot know the outcome without
+/// a host synchronisation): the timeout surfaces from [`SeqParallelGroup::check`], which
+/// synchronises the stream and reads the status words. Work enqueued after a timed-out call
+/// reads its NaN outputs. Once a timeout has been reported, every later call returns
+/// [`Error::Timeout`] until `reset`.
+///
+/// **In-place:** not supported: an output that overlaps any input, residual, bias or another
+/// rank's output is rejected with [`Error::Aliasing`] (ranks read every input while the others
+/// write their outputs).
 pub struct SeqParallelGroup {
     device: Device,
     world: usize,
@@ -260,10 +249,11 @@ impl SeqParallelGroup {
     /// A group of `world` ranks on `device`, allocating its flag buffers (zeroed).
     ///
     /// # Errors
-    /// [`Error::Shape`] for `world` outside `1..=MAX_RANKS`; CUDA allocation errors.
+    /// [`Error::InvalidArgument`] for `world` outside `1..=MAX_RANKS`; allocation errors
+    /// ([`Error::TooLarge`], [`Error::Driver`]).
     pub fn new(device: &Device, world: usize) -> Result<Self> {
         if world == 0 || world > MAX_RANKS {
-            return Err(Error::LegacyShape(format!("world size {world} outside 1..={MAX_RANKS}")));
+            return Err(Error::invalid_argument("world size", format!("{world} is outside 1..={MAX_RANKS}")));
         }
         let flags = device.alloc_zeros::<u32>(world * FLAG_WORDS)?;
         Ok(SeqParallelGroup {
@@ -295,18 +285,28 @@ impl SeqParallelGroup {
         self.timeout
     }
 
-    /// Sets the bound of every wait (wall clock, rounded to nanoseconds; at least 1 µs).
-    pub fn set_timeout(&mut self, timeout: Duration) {
-        self.timeout = timeout.max(Duration::from_micros(1));
+    /// Sets the bound of every wait (wall clock, in nanoseconds).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] below 1 µs or past `u64::MAX` nanoseconds.
+    pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
+        if timeout < Duration::from_micros(1) || u64::try_from(timeout.as_nanos()).is_err() {
+            return Err(Error::invalid_argument("timeout", format!("{timeout:?} is outside 1 µs ..= u64::MAX ns")));
+        }
+        self.timeout = timeout;
+        Ok(())
     }
 
     /// Sets the blocks per rank (0: the launcher's choice, two blocks per SM over all ranks).
     ///
     /// # Errors
-    /// [`Error::TooLarge`] above [`MAX_BLOCKS_PER_RANK`].
+    /// [`Error::InvalidArgument`] above [`MAX_BLOCKS_PER_RANK`] (the flag buffers' capacity).
     pub fn set_blocks_per_rank(&mut self, blocks: usize) -> Result<()> {
         if blocks > MAX_BLOCKS_PER_RANK {
-            return Err(Error::LegacyTooLarge(format!("{blocks} blocks per rank (at most {MAX_BLOCKS_PER_RANK})")));
+            return Err(Error::invalid_argument(
+                "blocks per rank",
+                format!("{blocks} is past the flag buffers' capacity ({MAX_BLOCKS_PER_RANK})"),
+            ));
         }
         self.blocks_per_rank = blocks;
         Ok(())
@@ -322,32 +322,31 @@ impl SeqParallelGroup {
     /// No call of this group may still be waiting on another stream.
     ///
     /// # Errors
-    /// CUDA copy errors.
+    /// CUDA copy errors ([`Error::Driver`]).
     pub fn reset(&mut self) -> Result<()> {
         self.device.copy_into(&vec![0u32; self.world * FLAG_WORDS], &mut self.flags)?;
         self.poisoned = false;
         Ok(())
     }
 
-    /// Waits for the group's work on the stream and reports an expired wait. Synchronises.
+    /// Waits for the group's work on the stream and reports an expired wait: the way a timeout
+    /// of a CUDA call surfaces (see the type's docs). Synchronises the device's stream.
     ///
     /// # Errors
-    /// [`Error::Timeout`] when some rank's status word is set (the group is then poisoned until
-    /// [`SeqParallelGroup::reset`]); CUDA errors.
+    /// [`Error::Timeout`] when some rank's status word is set (the outputs of the calls since
+    /// the last `check` that timed out hold NaN; the group is then poisoned until
+    /// [`SeqParallelGroup::reset`]); driver errors ([`Error::Driver`]).
     pub fn check(&mut self) -> Result<()> {
         self.device.synchronize()?;
         let words = self.flags.to_vec()?;
-        let bad: Vec<usize> =
-            (0..self.world).filter(|&r| words.get(r * FLAG_WORDS + FLAG_STATUS).is_some_and(|&w| w != 0)).collect();
-        if bad.is_empty() {
-            return Ok(());
-        }
-        self.poisoned = true;
-        Err(Error::LegacyTimeout(format!(
-            "sequence-parallel group: ranks {bad:?} timed out waiting for their peers (bound {:?}); their \
-             outputs hold NaN; call reset() once every rank is idle",
-            self.timeout
-        )))
+        self.report_status(&words, "sequence-parallel group")
+    }
+
+    /// `Error::Timeout` (and poisoned) when some rank's status word in `words` is set.
+    fn report_status(&mut self, words: &[u32], op: &'static str) -> Result<()> {
+        let err = status_error(self.world, words, self.timeout, op);
+        self.poisoned |= err.is_some();
+        err.map_or(Ok(()), Err)
     }
 
     /// Test hook: sets every rank's epochs (and the peers' slots) to `epoch`, as if the group had
@@ -372,23 +371,59 @@ impl SeqParallelGroup {
         self.launch_ranks = ranks;
     }
 
+    /// Test hook: forgets a reported timeout on the host side only (the flags stay as they
+    /// are), as the host of a late rank in another process would not know about it.
+    #[doc(hidden)]
+    pub fn clear_poisoned_for_testing(&mut self) {
+        self.poisoned = false;
+    }
+
+    /// Test hook: writes `rank`'s START flags for the next call into every peer's slots, as if
+    /// `rank` had arrived at START (and then never reached END).
+    #[doc(hidden)]
+    pub fn pretend_start_for_testing(&mut self, rank: usize) -> Result<()> {
+        const START: usize = sys::MESA_SEQPAR_FLAG_START as usize;
+        const RANKS: usize = sys::MESA_SEQPAR_MAX_RANKS as usize;
+        let mut words = self.flags.to_vec()?;
+        if rank >= self.world {
+            return Err(Error::invalid_argument("rank", format!("{rank} outside 0..{}", self.world)));
+        }
+        let next: Vec<u32> =
+            (0..MAX_BLOCKS_PER_RANK).map(|b| words[rank * FLAG_WORDS + FLAG_EPOCH + b].wrapping_add(1)).collect();
+        for p in (0..self.world).filter(|&p| p != rank) {
+            for (b, &e) in next.iter().enumerate() {
+                words[p * FLAG_WORDS + START + b * RANKS + rank] = e;
+            }
+        }
+        self.device.copy_into(&words, &mut self.flags)
+    }
+
     /// Reduce-scatter along the sequence: `outputs[r] = Σ_p inputs[p][rows of r] (+ bias_r)
     /// (+ residual_r)`, f32 accumulation in rank order `0..W`, one rounding to `T`.
     ///
     /// Shapes: `inputs[p]`: `[S, B, H]`; `outputs[r]`, residual `r`: `[S_r, B, H]` with
     /// `S_r = splits.rows(r)`; bias `r`: `[H]`. dtypes: f32, f16, bf16 (one `T` throughout).
+    /// Views of any [`DeviceMemory`](crate::DeviceMemory) (buffers, cudarc slices, raw device
+    /// pointers, host sub-slices on the emulator); all ranks' views share one set of strides.
     /// Bytes moved: `W·N·e` read + `N·e` written (`N = S·B·H`, `e = sizeof(T)`), plus `N·e`
-    /// read for the residual. Stream-ordered; no allocation.
+    /// read for the residual. Stream-ordered; no allocation. On CUDA a timeout surfaces from
+    /// [`SeqParallelGroup::check`], not from this call (see the type's docs).
+    ///
+    /// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]; so is
+    /// an output overlapping another rank's output, a residual or a bias).
     ///
     /// # Errors
-    /// [`Error::Shape`] (rank counts, shapes, split sizes not summing to `S`, an output view that
-    /// overlaps itself), [`Error::Unsupported`] (ranks' strides differ),
-    /// [`Error::BufferTooShort`], [`Error::TooLarge`], [`Error::WrongBackend`],
-    /// [`Error::Misaligned`], [`Error::Timeout`] (see the type's docs), CUDA errors.
+    /// [`Error::InvalidArgument`] (rank counts or split sizes that do not match the group, a
+    /// residual or bias list of the wrong length), [`Error::ShapeMismatch`] (a view of the
+    /// wrong size), [`Error::InvalidLayout`] (a view that is not `[rows, B, H]`),
+    /// [`Error::Unsupported`] (ranks' strides differ), [`Error::Aliasing`],
+    /// [`Error::WrongBackend`], [`Error::Misaligned`], [`Error::TooLarge`] (a cooperative grid
+    /// that cannot be co-resident), [`Error::Timeout`] (emulator; earlier timeouts on every
+    /// backend), [`Error::Driver`].
     pub fn reduce_scatter_seq<T: Element>(
         &mut self,
-        inputs: &[RankView<'_, T>],
-        outputs: &mut [RankViewMut<'_, T>],
+        inputs: &[TensorRef<'_, T>],
+        outputs: &mut [TensorMut<'_, T>],
         splits: &SeqSplits,
         epilogue: &Epilogue<'_, T>,
     ) -> Result<()> {
@@ -399,153 +434,123 @@ impl SeqParallelGroup {
     /// (a bit copy).
     ///
     /// Shapes: `inputs[p]`: `[S_p, B, H]`; `outputs[r]`: `[S, B, H]`. dtypes: f32, f16, bf16.
-    /// Bytes moved: `W·N·e` read + `W·N·e` written. Stream-ordered; no allocation.
+    /// Bytes moved: `W·N·e` read + `W·N·e` written. Stream-ordered; no allocation. On CUDA a
+    /// timeout surfaces from [`SeqParallelGroup::check`].
+    ///
+    /// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]).
     ///
     /// # Errors
     /// As [`SeqParallelGroup::reduce_scatter_seq`].
     pub fn all_gather_seq<T: Element>(
         &mut self,
-        inputs: &[RankView<'_, T>],
-        outputs: &mut [RankViewMut<'_, T>],
+        inputs: &[TensorRef<'_, T>],
+        outputs: &mut [TensorMut<'_, T>],
         splits: &SeqSplits,
     ) -> Result<()> {
         self.collective(inputs, outputs, splits, &Epilogue::none(), true)
     }
 
+    /// Validates every view; returns the kernel's `(B, H)`, strides and bias stride.
+    fn validate<T>(
+        &self,
+        op: &'static str,
+        inputs: &[TensorRef<'_, T>],
+        outputs: &[TensorMut<'_, T>],
+        splits: &SeqSplits,
+        epilogue: &Epilogue<'_, T>,
+        gather: bool,
+    ) -> Result<Plan> {
+        let w = self.world;
+        if splits.world_size() != w {
+            return Err(Error::invalid_argument(
+                "splits",
+                format!("{op}: {} split sizes for a group of {w} ranks", splits.world_size()),
+            ));
+        }
+        if inputs.len() != w || outputs.len() != w {
+            return Err(Error::invalid_argument(
+                "inputs/outputs",
+                format!(
+                    "{op}: a group of {w} ranks needs {w} inputs and outputs, got {} and {}",
+                    inputs.len(),
+                    outputs.len()
+                ),
+            ));
+        }
+        let seq = splits.total();
+        let in_rows = |r: usize| if gather { splits.rows(r) } else { seq };
+        let out_rows = |r: usize| if gather { seq } else { splits.rows(r) };
+        let (b, h) = bh_of(inputs[0].layout(), in_rows(0), "input 0")?;
+        for r in 0..w {
+            if bh_of(inputs[r].layout(), in_rows(r), INPUT[r])? != (b, h) {
+                return Err(Error::shape_mismatch(INPUT[r], &[in_rows(r), b, h], inputs[r].shape()));
+            }
+            if bh_of(outputs[r].layout(), out_rows(r), OUTPUT[r])? != (b, h) {
+                return Err(Error::shape_mismatch(OUTPUT[r], &[out_rows(r), b, h], outputs[r].shape()));
+            }
+        }
+        let in_strides = common_strides(&inputs.iter().map(TensorRef::layout).collect::<Vec<_>>(), "inputs")?;
+        let out_strides = common_strides(&outputs.iter().map(TensorMut::layout).collect::<Vec<_>>(), "outputs")?;
+        let mut residual_strides = [0i64; 3];
+        if let Some(res) = epilogue.residual {
+            if gather || res.len() != w {
+                return Err(Error::invalid_argument(
+                    "residual",
+                    format!("{op}: one residual per rank ({w}) for a reduce-scatter, got {}", res.len()),
+                ));
+            }
+            for (r, v) in res.iter().enumerate() {
+                if bh_of(v.layout(), splits.rows(r), RESIDUAL[r])? != (b, h) {
+                    return Err(Error::shape_mismatch(RESIDUAL[r], &[splits.rows(r), b, h], v.shape()));
+                }
+            }
+            residual_strides = common_strides(&res.iter().map(TensorRef::layout).collect::<Vec<_>>(), "residuals")?;
+        }
+        let mut bias_stride = 0i64;
+        if let Some(bias) = epilogue.bias {
+            if gather || bias.len() != w {
+                return Err(Error::invalid_argument(
+                    "bias",
+                    format!("{op}: one bias per rank ({w}) for a reduce-scatter, got {}", bias.len()),
+                ));
+            }
+            let mut stride = None;
+            for (r, v) in bias.iter().enumerate() {
+                if v.shape() != [h] {
+                    return Err(Error::shape_mismatch(BIAS[r], &[h], v.shape()));
+                }
+                let s = v.layout().strides()[0];
+                if h > 1 && stride.is_some_and(|t| t != s) {
+                    return Err(Error::unsupported(BIAS[r], "every rank's bias must have the same stride"));
+                }
+                stride = stride.or(Some(s));
+            }
+            bias_stride = stride.unwrap_or(1) as i64;
+        }
+        Ok(Plan { seq, b, h, in_strides, out_strides, residual_strides, bias_stride })
+    }
+
     fn collective<T: Element>(
         &mut self,
-        inputs: &[RankView<'_, T>],
-        outputs: &mut [RankViewMut<'_, T>],
+        inputs: &[TensorRef<'_, T>],
+        outputs: &mut [TensorMut<'_, T>],
         splits: &SeqSplits,
         epilogue: &Epilogue<'_, T>,
         gather: bool,
     ) -> Result<()> {
         let op = if gather { "seqpar_all_gather" } else { "seqpar_reduce_scatter" };
         if self.poisoned {
-            return Err(Error::LegacyTimeout(format!("{op}: the group timed out earlier; call reset() first")));
+            return Err(Error::timeout(op, "the group timed out earlier; call reset() first"));
         }
+        let plan = self.validate(op, inputs, outputs, splits, epilogue, gather)?;
         let w = self.world;
-        if splits.world_size() != w || inputs.len() != w || outputs.len() != w {
-            return Err(Error::LegacyShape(format!(
-                "{op}: group of {w} ranks, got {} split sizes, {} inputs, {} outputs",
-                splits.world_size(),
-                inputs.len(),
-                outputs.len()
-            )));
-        }
-        let seq = splits.total();
-        let in_rows = |r: usize| if gather { splits.rows(r) } else { seq };
-        let out_rows = |r: usize| if gather { seq } else { splits.rows(r) };
-        let (b, h) = bh_of(&inputs[0].layout, in_rows(0), "input 0")?;
-        for r in 0..w {
-            if bh_of(&inputs[r].layout, in_rows(r), "input")? != (b, h) {
-                return Err(Error::LegacyShape(format!("{op}: input {r} has shape {:?}", inputs[r].layout.shape())));
-            }
-            if bh_of(&outputs[r].layout, out_rows(r), "output")? != (b, h) {
-                return Err(Error::LegacyShape(format!(
-                    "{op}: output {r} must be [{}, {b}, {h}], got {:?}",
-                    out_rows(r),
-                    outputs[r].layout.shape()
-                )));
-            }
-        }
-        let in_strides = common_strides(&inputs.iter().map(|v| &v.layout).collect::<Vec<_>>(), "inputs")?;
-        let out_strides = common_strides(&outputs.iter().map(|v| &v.layout).collect::<Vec<_>>(), "outputs")?;
-        for r in 0..w {
-            inputs[r].layout.check_fits(inputs[r].mem.mem_ref().len(), "input")?;
-            outputs[r].layout.check_fits(outputs[r].mem.mem_mut().len(), "output")?;
-            outputs[r].layout.check_no_overlap("output")?;
-        }
-        let mut residual_strides = [0i64; 3];
-        if let Some(res) = epilogue.residual {
-            if gather || res.len() != w {
-                return Err(Error::LegacyShape(format!(
-                    "{op}: residual needs one view per rank ({w}), got {}",
-                    res.len()
-                )));
-            }
-            for (r, v) in res.iter().enumerate() {
-                if bh_of(&v.layout, splits.rows(r), "residual")? != (b, h) {
-                    return Err(Error::LegacyShape(format!("{op}: residual {r} has shape {:?}", v.layout.shape())));
-                }
-                v.layout.check_fits(v.mem.mem_ref().len(), "residual")?;
-            }
-            residual_strides = common_strides(&res.iter().map(|v| &v.layout).collect::<Vec<_>>(), "residuals")?;
-        }
-        let mut bias_stride = 0i64;
-        if let Some(bias) = epilogue.bias {
-            if gather || bias.len() != w {
-                return Err(Error::LegacyShape(format!(
-                    "{op}: bias needs one view per rank ({w}), got {}",
-                    bias.len()
-                )));
-            }
-            let mut stride = None;
-            for (r, v) in bias.iter().enumerate() {
-                if v.layout.shape() != [h] {
-                    return Err(Error::LegacyShape(format!(
-                        "{op}: bias {r} must be [{h}], got {:?}",
-                        v.layout.shape()
-                    )));
-                }
-                v.layout.check_fits(v.mem.mem_ref().len(), "bias")?;
-                let s = v.layout.strides()[0];
-                if h > 1 && stride.is_some_and(|t| t != s) {
-                    return Err(Error::LegacyUnsupported(format!("{op}: every rank's bias must have the same stride")));
-                }
-                stride = stride.or(Some(s));
-            }
-            bias_stride = stride.unwrap_or(1) as i64;
-        }
-        if seq == 0 || b == 0 || h == 0 {
-            return Ok(()); // nothing moves; no rank meets (consistently on every rank)
-        }
-
-        // pointers (cudarc guards record the accesses on the stream when dropped)
-        let device = &self.device;
-        let in_mems: Vec<MemRef<'_, T>> = inputs.iter().map(|v| v.mem.mem_ref()).collect();
-        let out_offsets: Vec<usize> = outputs.iter().map(|v| v.layout.offset()).collect();
-        let mut out_mems: Vec<MemMut<'_, T>> = outputs.iter_mut().map(|v| v.mem.mem_mut()).collect();
-        let res_mems: Vec<MemRef<'_, T>> =
-            epilogue.residual.map(|v| v.iter().map(|x| x.mem.mem_ref()).collect()).unwrap_or_default();
-        let bias_mems: Vec<MemRef<'_, T>> =
-            epilogue.bias.map(|v| v.iter().map(|x| x.mem.mem_ref()).collect()).unwrap_or_default();
-        let in_ptrs = in_mems
-            .iter()
-            .zip(inputs)
-            .map(|(m, v)| device.read_ptr(m, v.layout.offset(), "input"))
-            .collect::<Result<Vec<_>>>()?;
-        let out_ptrs = out_mems
-            .iter_mut()
-            .zip(&out_offsets)
-            .map(|(m, &off)| device.write_ptr(m, off, "output"))
-            .collect::<Result<Vec<_>>>()?;
-        let res_ptrs = match epilogue.residual {
-            Some(views) => res_mems
-                .iter()
-                .zip(views)
-                .map(|(m, v)| device.read_ptr(m, v.layout.offset(), "residual"))
-                .collect::<Result<Vec<_>>>()?,
-            None => Vec::new(),
-        };
-        let bias_ptrs = match epilogue.bias {
-            Some(views) => bias_mems
-                .iter()
-                .zip(views)
-                .map(|(m, v)| device.read_ptr(m, v.layout.offset(), "bias"))
-                .collect::<Result<Vec<_>>>()?,
-            None => Vec::new(),
-        };
-        let mut flags_mem = self.flags.mem_mut();
-        let flags_p = device.write_ptr(&mut flags_mem, 0, "flags")?;
-
         let mut args = sys::MesaSeqParArgs {
-            batch: b as i64,
-            hidden: h as i64,
-            in_strides,
-            out_strides,
-            residual_strides,
-            bias_stride,
+            batch: plan.b as i64,
+            hidden: plan.h as i64,
+            in_strides: plan.in_strides,
+            out_strides: plan.out_strides,
+            residual_strides: plan.residual_strides,
+            bias_stride: plan.bias_stride,
             timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
             world_size: w as i32,
             rank_begin: 0,
@@ -556,46 +561,117 @@ impl SeqParallelGroup {
         };
         if let Some(r) = &self.launch_ranks {
             if r.start >= r.end || r.end > w {
-                return Err(Error::LegacyShape(format!("launch ranks {r:?} outside 0..{w}")));
+                return Err(Error::invalid_argument("launch ranks", format!("{r:?} outside 0..{w}")));
             }
             args.rank_begin = r.start as i32;
             args.rank_count = (r.end - r.start) as i32;
         }
         for r in 0..w {
             args.split_offsets[r] = splits.offset(r) as i64;
-            args.ranks[r] = sys::MesaSeqParRank {
-                input: in_ptrs[r].addr as *const c_void,
-                output: out_ptrs[r].addr,
-                residual: res_ptrs.get(r).map_or(std::ptr::null(), |p| p.addr as *const c_void),
-                bias: bias_ptrs.get(r).map_or(std::ptr::null(), |p| p.addr as *const c_void),
-                flags: flags_p.addr.cast::<u32>().wrapping_add(r * FLAG_WORDS),
-            };
         }
-        args.split_offsets[w] = seq as i64;
-        // SAFETY: every view was checked to fit its buffer (check_fits) with the shapes the
-        // kernel walks ([S,B,H] inputs, [S_r,B,H] outputs and residuals, [H] biases, all with the
-        // strides passed), outputs do not overlap themselves, every pointer belongs to this
-        // device, and the flag buffer holds W · MESA_SEQPAR_FLAG_WORDS words.
-        let launched = unsafe {
-            if gather {
-                device.launch(op, &args, sys::mesa_seqpar_all_gather, sys::mesa_emu_seqpar_all_gather)
-            } else {
-                device.launch(op, &args, sys::mesa_seqpar_reduce_scatter, sys::mesa_emu_seqpar_reduce_scatter)
+        args.split_offsets[w] = plan.seq as i64;
+        if plan.seq == 0 || plan.b == 0 || plan.h == 0 {
+            return Ok(()); // nothing moves; no rank meets (consistently on every rank)
+        }
+
+        // every rank's tensors on one builder: outputs may overlap nothing else
+        let SeqParallelGroup { device, flags, .. } = self;
+        let mut launch = Launch::new(&*device);
+        for (r, x) in inputs.iter().enumerate() {
+            args.ranks[r].input = launch.input(x, INPUT[r])?;
+        }
+        if let Some(res) = epilogue.residual {
+            for (r, x) in res.iter().enumerate() {
+                args.ranks[r].residual = launch.input(x, RESIDUAL[r])?;
             }
-        };
-        drop((in_ptrs, out_ptrs, res_ptrs, bias_ptrs, flags_p));
-        launched?;
+        }
+        if let Some(bias) = epilogue.bias {
+            for (r, x) in bias.iter().enumerate() {
+                args.ranks[r].bias = launch.input(x, BIAS[r])?;
+            }
+        }
+        for (r, y) in outputs.iter_mut().enumerate() {
+            args.ranks[r].output = launch.output(y, OUTPUT[r])?;
+        }
+        let flags_p = launch.write_buffer(flags, "collective flags")?;
+        for r in 0..w {
+            args.ranks[r].flags = flags_p.wrapping_add(r * FLAG_WORDS);
+        }
+        // SAFETY: every pointer comes from this builder. Each view was checked at construction
+        // to fit its buffer with the shape and strides the kernel walks ([S,B,H] inputs,
+        // [S_r,B,H] outputs and residuals, [H] biases; `validate` checked the shapes against
+        // the splits and that all ranks share the strides passed), outputs do not overlap
+        // themselves (TensorMut) nor anything else registered (the builder), and the flag
+        // buffer holds W · MESA_SEQPAR_FLAG_WORDS words (allocated by `new`).
+        unsafe {
+            if gather {
+                launch.launch(op, &args, sys::mesa_seqpar_all_gather, sys::mesa_emu_seqpar_all_gather)?;
+            } else {
+                launch.launch(op, &args, sys::mesa_seqpar_reduce_scatter, sys::mesa_emu_seqpar_reduce_scatter)?;
+            }
+        }
+        launch.finish()?;
         // The emulation is synchronous: read the status words now (free). CUDA: see check().
         if let Buffer::Host(words) = &self.flags {
-            let bad: Vec<usize> = (0..w).filter(|&r| words[r * FLAG_WORDS + FLAG_STATUS] != 0).collect();
-            if !bad.is_empty() {
+            if let Some(e) = status_error(self.world, words, self.timeout, op) {
                 self.poisoned = true;
-                return Err(Error::LegacyTimeout(format!(
-                    "{op}: ranks {bad:?} timed out waiting for their peers (bound {:?}); their outputs hold NaN",
-                    self.timeout
-                )));
+                return Err(e);
             }
         }
         Ok(())
     }
 }
+
+/// The timeout error when some rank's status word in `words` is set.
+fn status_error(world: usize, words: &[u32], timeout: Duration, op: &'static str) -> Option<Error> {
+    let bad: Vec<usize> =
+        (0..world).filter(|&r| words.get(r * FLAG_WORDS + FLAG_STATUS).is_some_and(|&w| w != 0)).collect();
+    (!bad.is_empty()).then(|| {
+        Error::timeout(
+            op,
+            format!(
+                "ranks {bad:?} gave up waiting for their peers (bound {timeout:?}); the outputs of the timed-out \
+                 call hold NaN; call reset() once every rank is idle"
+            ),
+        )
+    })
+}
+
+/// What [`SeqParallelGroup::validate`] found: sizes and the kernel's strides.
+struct Plan {
+    seq: usize,
+    b: usize,
+    h: usize,
+    in_strides: [i64; 3],
+    out_strides: [i64; 3],
+    residual_strides: [i64; 3],
+    bias_stride: i64,
+}
+
+/// Per-rank names for the builder's registrations (and its errors).
+macro_rules! rank_names {
+    ($p:literal) => {
+        [
+            concat!($p, " 0"),
+            concat!($p, " 1"),
+            concat!($p, " 2"),
+            concat!($p, " 3"),
+            concat!($p, " 4"),
+            concat!($p, " 5"),
+            concat!($p, " 6"),
+            concat!($p, " 7"),
+            concat!($p, " 8"),
+            concat!($p, " 9"),
+            concat!($p, " 10"),
+            concat!($p, " 11"),
+            concat!($p, " 12"),
+            concat!($p, " 13"),
+            concat!($p, " 14"),
+            concat!($p, " 15"),
+        ]
+    };
+}
+const INPUT: [&str; MAX_RANKS] = rank_names!("input");
+const OUTPUT: [&str; MAX_RANKS] = rank_names!("output");
+const RESIDUAL: [&str; MAX_RANKS] = rank_names!("residual");
+const BIAS: [&str; MAX_RANKS] = rank_names!("bias");

@@ -24,21 +24,29 @@
 //! 16-bit data as is (NCCL's own numerics, as Megatron with NCCL gets), and the epilogue, if
 //! any, adds to the already rounded sum.
 //!
-//! Views must be contiguous (NCCL takes flat buffers); a strided view is rejected with
-//! [`Error::Unsupported`]. Offsets into a buffer are fine.
+//! Views are [`TensorRef`] / [`TensorMut`] and must be contiguous (NCCL takes flat buffers);
+//! a strided view is rejected with [`Error::Unsupported`]. Offsets into a buffer are fine.
+//! Every tensor of a call is registered on the crate's launch builder, which holds cudarc's
+//! guards until the NCCL calls and kernels are enqueued and orders buffers of other streams.
+//! In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]), except
+//! [`NcclSeqParallel::all_reduce_sum`], which is in place by definition.
 //!
 //! Timeouts: NCCL's own (`NCCL_TIMEOUT`-style watchdogs are the framework's business); this
-//! backend does not add a bound.
+//! backend does not add a bound. NCCL errors are [`Error::CudaRuntime`] with the
+//! `ncclResult_t` as `code`.
 use std::ffi::c_void;
 use std::panic::catch_unwind;
 
 use cudarc::nccl::{result as nccl, sys as nsys};
 use mesa_kernels_sys as sys;
 
-use super::{RankView, RankViewMut, SeqSplits};
+use super::SeqSplits;
 use crate::device::{Buffer, Device, DeviceMemoryMut, Kind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
+use crate::launch::Launch;
+use crate::layout::Layout;
+use crate::tensor::{TensorMut, TensorRef};
 
 /// How the NCCL backend sums 16-bit data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,24 +75,25 @@ fn nccl_present() -> Result<()> {
     if unsafe { nsys::is_culib_present() } {
         Ok(())
     } else {
-        Err(Error::LegacyUnsupported("NCCL backend: libnccl.so could not be loaded (install NCCL)".into()))
+        Err(Error::unsupported("NCCL backend", "libnccl.so could not be loaded (install NCCL)"))
     }
 }
 
-fn nccl_err(what: &str, e: nccl::NcclError) -> Error {
-    Error::LegacyCuda(format!("NCCL {what}: {:?}", e.0))
+fn nccl_err(op: &'static str, e: nccl::NcclError) -> Error {
+    Error::CudaRuntime { op, code: e.0 as i32 }
 }
 
 impl NcclUniqueId {
     /// A fresh id (`ncclGetUniqueId`), on the rank that creates the communicator.
     ///
     /// # Errors
-    /// [`Error::Unsupported`] when NCCL is not installed; NCCL errors as [`Error::Cuda`].
+    /// [`Error::Unsupported`] when NCCL is not installed; NCCL errors as
+    /// [`Error::CudaRuntime`].
     pub fn new() -> Result<Self> {
         nccl_present()?;
         let id = catch_unwind(nccl::get_uniqueid)
-            .map_err(|_| Error::LegacyUnsupported("NCCL backend: ncclGetUniqueId is missing from libnccl".into()))?
-            .map_err(|e| nccl_err("get unique id", e))?;
+            .map_err(|_| Error::unsupported("NCCL backend", "ncclGetUniqueId is missing from libnccl"))?
+            .map_err(|e| nccl_err("ncclGetUniqueId", e))?;
         let mut bytes = [0u8; 128];
         for (b, c) in bytes.iter_mut().zip(id.internal.iter()) {
             *b = *c as u8;
@@ -101,11 +110,11 @@ impl NcclUniqueId {
     /// The id from the bytes rank 0 sent.
     ///
     /// # Errors
-    /// [`Error::Shape`] unless exactly 128 bytes.
+    /// [`Error::InvalidArgument`] unless exactly 128 bytes.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let bytes: [u8; 128] = bytes
             .try_into()
-            .map_err(|_| Error::LegacyShape(format!("an NCCL id has 128 bytes, got {}", bytes.len())))?;
+            .map_err(|_| Error::invalid_argument("NCCL id", format!("128 bytes, got {}", bytes.len())))?;
         Ok(NcclUniqueId { bytes })
     }
 }
@@ -147,15 +156,38 @@ fn nccl_dtype(d: DType) -> nsys::ncclDataType_t {
     }
 }
 
-fn contiguous_bh(layout: &crate::layout::Layout, rows: usize, what: &str) -> Result<(usize, usize)> {
+fn contiguous_bh(layout: &Layout, rows: usize, what: &str) -> Result<(usize, usize)> {
     let (b, h) = super::bh_of(layout, rows, what)?;
     if !layout.is_contiguous() {
-        return Err(Error::LegacyUnsupported(format!(
-            "NCCL backend: {what} must be a contiguous view (NCCL takes flat buffers); got strides {:?}",
-            layout.strides()
-        )));
+        return Err(Error::unsupported(
+            what,
+            format!("the NCCL backend takes contiguous views (flat buffers); got strides {:?}", layout.strides()),
+        ));
     }
     Ok((b, h))
+}
+
+/// The fused epilogue of this rank's reduce-scatter shard: `out = (Σ + bias[h]) + residual`.
+#[derive(Debug)]
+pub struct ShardEpilogue<'a, T> {
+    /// The bias `[H]` (contiguous), or `None`.
+    pub bias: Option<&'a TensorRef<'a, T>>,
+    /// The residual `[S_r, B, H]` (contiguous), or `None`.
+    pub residual: Option<&'a TensorRef<'a, T>>,
+}
+
+impl<T> ShardEpilogue<'_, T> {
+    /// No epilogue.
+    #[must_use]
+    pub fn none() -> Self {
+        ShardEpilogue { bias: None, residual: None }
+    }
+}
+
+impl<T> Default for ShardEpilogue<'_, T> {
+    fn default() -> Self {
+        ShardEpilogue::none()
+    }
 }
 
 impl NcclSeqParallel {
@@ -163,14 +195,15 @@ impl NcclSeqParallel {
     /// rank has joined). `device` must be a CUDA device (one GPU per rank).
     ///
     /// # Errors
-    /// [`Error::WrongBackend`] for the emulator, [`Error::Shape`] for `rank >= world`,
-    /// [`Error::Unsupported`] without libnccl, NCCL errors as [`Error::Cuda`].
+    /// [`Error::WrongBackend`] for the emulator, [`Error::InvalidArgument`] for
+    /// `rank >= world`, [`Error::Unsupported`] without libnccl, NCCL errors as
+    /// [`Error::CudaRuntime`], driver errors as [`Error::Driver`].
     pub fn new(device: &Device, rank: usize, world: usize, id: &NcclUniqueId) -> Result<Self> {
         let Kind::Cuda(stream) = device.kind() else {
-            return Err(Error::LegacyWrongBackend("the NCCL backend needs a CUDA device".into()));
+            return Err(Error::wrong_backend("NCCL backend", "it needs a CUDA device"));
         };
         if world == 0 || rank >= world || world > i32::MAX as usize {
-            return Err(Error::LegacyShape(format!("rank {rank} of a world of {world}")));
+            return Err(Error::invalid_argument("rank", format!("rank {rank} of a world of {world}")));
         }
         nccl_present()?;
         stream.context().bind_to_thread()?;
@@ -184,8 +217,8 @@ impl NcclSeqParallel {
         catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
             nccl::comm_init_rank(&mut comm, world as i32, uid, rank as i32)
         }))
-        .map_err(|_| Error::LegacyUnsupported("NCCL backend: ncclCommInitRank is missing from libnccl".into()))?
-        .map_err(|e| nccl_err("comm init", e))?;
+        .map_err(|_| Error::unsupported("NCCL backend", "ncclCommInitRank is missing from libnccl"))?
+        .map_err(|e| nccl_err("ncclCommInitRank", e))?;
         Ok(NcclSeqParallel {
             comm,
             device: device.clone(),
@@ -223,7 +256,7 @@ impl NcclSeqParallel {
                 s.context().bind_to_thread()?;
                 Ok(s.cu_stream() as nsys::cudaStream_t)
             }
-            Kind::Emulator => Err(Error::LegacyWrongBackend("the NCCL backend needs a CUDA device".into())),
+            Kind::Emulator => Err(Error::wrong_backend("NCCL backend", "it needs a CUDA device")),
         }
     }
 
@@ -235,43 +268,44 @@ impl NcclSeqParallel {
     }
 
     /// Reduce-scatter along the sequence on this rank: `output = Σ_p input_p[rows of this rank]
-    /// (+ bias) (+ residual)`. `input`: `[S, B, H]`; `output`, `residual`: `[S_r, B, H]`;
-    /// `bias`: `[H]`; all contiguous. Every rank must call with the same `splits`.
+    /// (+ bias) (+ residual)`. `input`: `[S, B, H]`; `output`, residual: `[S_r, B, H]`;
+    /// bias: `[H]`; all contiguous. Every rank must call with the same `splits`.
+    /// Stream-ordered: the call returns once the work is enqueued.
+    ///
+    /// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]).
     ///
     /// # Errors
-    /// [`Error::Shape`], [`Error::Unsupported`] (strided views), [`Error::BufferTooShort`],
-    /// [`Error::WrongBackend`], NCCL/CUDA errors as [`Error::Cuda`].
+    /// [`Error::InvalidArgument`] (splits of another world size), [`Error::ShapeMismatch`],
+    /// [`Error::InvalidLayout`], [`Error::Unsupported`] (strided views), [`Error::Aliasing`],
+    /// [`Error::WrongBackend`], [`Error::Misaligned`], NCCL errors as [`Error::CudaRuntime`],
+    /// driver errors as [`Error::Driver`].
     pub fn reduce_scatter_seq<T: Element>(
         &mut self,
-        input: &RankView<'_, T>,
-        output: &mut RankViewMut<'_, T>,
+        input: &TensorRef<'_, T>,
+        output: &mut TensorMut<'_, T>,
         splits: &SeqSplits,
-        bias: Option<&RankView<'_, T>>,
-        residual: Option<&RankView<'_, T>>,
+        epilogue: &ShardEpilogue<'_, T>,
     ) -> Result<()> {
         self.check_world(splits)?;
         let (seq, rows) = (splits.total(), splits.rows(self.rank));
-        let (b, h) = contiguous_bh(&input.layout, seq, "input")?;
-        if contiguous_bh(&output.layout, rows, "output")? != (b, h) {
-            return Err(Error::LegacyShape(format!(
-                "output must be [{rows}, {b}, {h}], got {:?}",
-                output.layout.shape()
-            )));
+        let (b, h) = contiguous_bh(input.layout(), seq, "input")?;
+        if contiguous_bh(output.layout(), rows, "output")? != (b, h) {
+            return Err(Error::shape_mismatch("output", &[rows, b, h], output.shape()));
         }
-        input.layout.check_fits(input.mem.mem_ref().len(), "input")?;
-        output.layout.check_fits(output.mem.mem_mut().len(), "output")?;
-        if let Some(r) = residual {
-            if contiguous_bh(&r.layout, rows, "residual")? != (b, h) {
-                return Err(Error::LegacyShape(format!("residual must be [{rows}, {b}, {h}]")));
+        if let Some(r) = epilogue.residual {
+            if contiguous_bh(r.layout(), rows, "residual")? != (b, h) {
+                return Err(Error::shape_mismatch("residual", &[rows, b, h], r.shape()));
             }
-            r.layout.check_fits(r.mem.mem_ref().len(), "residual")?;
         }
-        if let Some(bv) = bias {
-            if bv.layout.shape() != [h] || (h > 1 && bv.layout.strides()[0] != 1) {
-                return Err(Error::LegacyShape(format!("bias must be a contiguous [{h}]")));
+        if let Some(bv) = epilogue.bias {
+            if bv.shape() != [h] {
+                return Err(Error::shape_mismatch("bias", &[h], bv.shape()));
             }
-            bv.layout.check_fits(bv.mem.mem_ref().len(), "bias")?;
+            if h > 1 && bv.layout().strides()[0] != 1 {
+                return Err(Error::unsupported("bias", "the NCCL backend takes a contiguous bias"));
+            }
         }
+        // the views fit their buffers (TensorRef/TensorMut), so these products do not overflow
         let bh = b * h;
         if seq == 0 || bh == 0 {
             return Ok(());
@@ -282,39 +316,32 @@ impl NcclSeqParallel {
             Self::staging(&mut self.staging_out, &self.device, rows * bh)?;
         }
         let stream = self.stream()?;
-        let device = &self.device;
-        let in_mem = input.mem.mem_ref();
-        let in_p = device.read_ptr(&in_mem, input.layout.offset(), "input")?;
-        let out_offset = output.layout.offset();
-        let mut out_mem = output.mem.mem_mut();
-        let out_p = device.write_ptr(&mut out_mem, out_offset, "output")?;
-        let res_mem = residual.map(|r| r.mem.mem_ref());
-        let res_p = match (&res_mem, residual) {
-            (Some(m), Some(r)) => Some(device.read_ptr(m, r.layout.offset(), "residual")?),
-            _ => None,
+        let NcclSeqParallel { device, comm, world, staging_in, staging_out, .. } = self;
+        let (comm, world) = (*comm, *world);
+        let mut launch = Launch::new(&*device);
+        let in_p = launch.input(input, "input")?;
+        let res_p = match epilogue.residual {
+            Some(r) => launch.input(r, "residual")?,
+            None => std::ptr::null(),
         };
-        let bias_mem = bias.map(|r| r.mem.mem_ref());
-        let bias_p = match (&bias_mem, bias) {
-            (Some(m), Some(r)) => Some(device.read_ptr(m, r.layout.offset(), "bias")?),
-            _ => None,
+        let bias_p = match epilogue.bias {
+            Some(bv) => launch.input(bv, "bias")?,
+            None => std::ptr::null(),
         };
-        let (mut sin_mem, mut sout_mem) =
-            (self.staging_in.as_mut().map(|b| b.mem_mut()), self.staging_out.as_mut().map(|b| b.mem_mut()));
-        let sin_p = match (&mut sin_mem, widen) {
-            (Some(m), true) => Some(device.write_ptr(m, 0, "staging")?),
-            _ => None,
-        };
-        let sout_p = match (&mut sout_mem, widen) {
-            (Some(m), true) => Some(device.write_ptr(m, 0, "staging")?),
+        let out_p = launch.output(output, "output")?;
+        let staging = match (widen, staging_in.as_mut(), staging_out.as_mut()) {
+            (true, Some(si), Some(so)) => {
+                Some((launch.write_buffer(si, "f32 staging input")?, launch.write_buffer(so, "f32 staging output")?))
+            }
             _ => None,
         };
 
         // 1. (widen) input -> f32 staging
-        let (send, recv, dtype) = match (&sin_p, &sout_p) {
-            (Some(si), Some(so)) => {
+        let (send, recv, dtype) = match staging {
+            Some((si, so)) => {
                 let args = sys::MesaSeqParEpilogueArgs {
-                    src: in_p.addr as *const c_void,
-                    dst: si.addr,
+                    src: in_p,
+                    dst: si.cast(),
                     bias: std::ptr::null(),
                     residual: std::ptr::null(),
                     n: (seq * bh) as i64,
@@ -322,21 +349,22 @@ impl NcclSeqParallel {
                     src_dtype: T::DTYPE.to_sys(),
                     dst_dtype: DType::F32.to_sys(),
                 };
-                // SAFETY: input holds seq·bh elements (check_fits), the staging buffer at least
-                // as many f32 (allocated above).
+                // SAFETY: registered on this builder: the input holds seq·bh elements (its
+                // checked [S, B, H] contiguous view), the staging buffer at least as many f32.
                 unsafe {
-                    device.launch("seqpar_epilogue", &args, sys::mesa_seqpar_epilogue, sys::mesa_emu_seqpar_epilogue)?
+                    launch.launch("seqpar_epilogue", &args, sys::mesa_seqpar_epilogue, sys::mesa_emu_seqpar_epilogue)?
                 };
-                (si.addr as *const c_void, so.addr, DType::F32)
+                (si.cast_const().cast::<c_void>(), so.cast::<c_void>(), DType::F32)
             }
-            _ => (in_p.addr as *const c_void, out_p.addr, T::DTYPE),
+            None => (in_p, out_p, T::DTYPE),
         };
         // 2. the reduction
         let elem = dtype.size_in_bytes();
-        let even = (0..self.world).all(|r| splits.rows(r) == rows);
-        // SAFETY: send holds seq·bh elements of `dtype`; recv holds rows·bh; every shard range
-        // [o_p·bh, (o_p + S_p)·bh) lies inside send. Pointers are device memory of this
-        // communicator's device; the calls are enqueued on its stream.
+        let even = (0..world).all(|r| splits.rows(r) == rows);
+        // SAFETY: send holds seq·bh elements of `dtype`, recv rows·bh (registered above; the
+        // builder holds their guards until `finish`, after these calls are enqueued); every
+        // shard range [o_p·bh, (o_p + S_p)·bh) lies inside send. Pointers are device memory of
+        // this communicator's device; the calls are enqueued on the builder's stream.
         unsafe {
             if even {
                 nccl::reduce_scatter(
@@ -345,19 +373,19 @@ impl NcclSeqParallel {
                     rows * bh,
                     nccl_dtype(dtype),
                     nsys::ncclRedOp_t::ncclSum,
-                    self.comm,
+                    comm,
                     stream,
                 )
-                .map_err(|e| nccl_err("reduce-scatter", e))?;
+                .map_err(|e| nccl_err("ncclReduceScatter", e))?;
             } else {
-                nccl::group_start().map_err(|e| nccl_err("group start", e))?;
+                nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
                 let mut status = Ok(());
-                for p in 0..self.world {
+                for p in 0..world {
                     let count = splits.rows(p) * bh;
                     if count == 0 {
                         continue;
                     }
-                    let src = (send as *const u8).add(splits.offset(p) * bh * elem) as *const c_void;
+                    let src = send.cast::<u8>().add(splits.offset(p) * bh * elem).cast::<c_void>();
                     let r = nccl::reduce(
                         src,
                         recv,
@@ -365,155 +393,132 @@ impl NcclSeqParallel {
                         nccl_dtype(dtype),
                         nsys::ncclRedOp_t::ncclSum,
                         p as i32,
-                        self.comm,
+                        comm,
                         stream,
                     );
                     if let Err(e) = r {
-                        status = Err(nccl_err("reduce", e));
+                        status = Err(nccl_err("ncclReduce", e));
                         break;
                     }
                 }
-                let end = nccl::group_end().map_err(|e| nccl_err("group end", e));
+                let end = nccl::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
                 status?;
                 end?;
             }
         }
         // 3. epilogue: f32 staging -> output (+ bias, + residual), or in place on the output
-        if widen || bias_p.is_some() || res_p.is_some() {
+        if widen || !bias_p.is_null() || !res_p.is_null() {
             let args = sys::MesaSeqParEpilogueArgs {
-                src: recv as *const c_void,
-                dst: out_p.addr,
-                bias: bias_p.as_ref().map_or(std::ptr::null(), |p| p.addr as *const c_void),
-                residual: res_p.as_ref().map_or(std::ptr::null(), |p| p.addr as *const c_void),
+                src: recv.cast_const(),
+                dst: out_p,
+                bias: bias_p,
+                residual: res_p,
                 n: (rows * bh) as i64,
                 hidden: h as i64,
                 src_dtype: dtype.to_sys(),
                 dst_dtype: T::DTYPE.to_sys(),
             };
-            // SAFETY: src (staging or the output itself, read then written by the same thread)
-            // and dst hold rows·bh elements, residual rows·bh, bias h (checked above).
+            // SAFETY: src (the staging output, or the output itself: the kernel reads then
+            // writes each element in the same thread, which its header allows) and dst hold
+            // rows·bh elements, residual rows·bh, bias h; all registered on this builder.
             unsafe {
-                device.launch("seqpar_epilogue", &args, sys::mesa_seqpar_epilogue, sys::mesa_emu_seqpar_epilogue)?
+                launch.launch("seqpar_epilogue", &args, sys::mesa_seqpar_epilogue, sys::mesa_emu_seqpar_epilogue)?
             };
         }
-        Ok(())
+        launch.finish()
     }
 
     /// All-gather along the sequence on this rank: `output[rows of p] = input_p` for every rank.
     /// `input`: `[S_r, B, H]`; `output`: `[S, B, H]`; contiguous. A bit copy (no arithmetic).
+    /// Stream-ordered.
+    ///
+    /// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]).
     ///
     /// # Errors
     /// As [`NcclSeqParallel::reduce_scatter_seq`].
     pub fn all_gather_seq<T: Element>(
         &mut self,
-        input: &RankView<'_, T>,
-        output: &mut RankViewMut<'_, T>,
+        input: &TensorRef<'_, T>,
+        output: &mut TensorMut<'_, T>,
         splits: &SeqSplits,
     ) -> Result<()> {
         self.check_world(splits)?;
         let (seq, rows) = (splits.total(), splits.rows(self.rank));
-        let (b, h) = contiguous_bh(&input.layout, rows, "input")?;
-        if contiguous_bh(&output.layout, seq, "output")? != (b, h) {
-            return Err(Error::LegacyShape(format!(
-                "output must be [{seq}, {b}, {h}], got {:?}",
-                output.layout.shape()
-            )));
+        let (b, h) = contiguous_bh(input.layout(), rows, "input")?;
+        if contiguous_bh(output.layout(), seq, "output")? != (b, h) {
+            return Err(Error::shape_mismatch("output", &[seq, b, h], output.shape()));
         }
-        input.layout.check_fits(input.mem.mem_ref().len(), "input")?;
-        output.layout.check_fits(output.mem.mem_mut().len(), "output")?;
         let bh = b * h;
         if seq == 0 || bh == 0 {
             return Ok(());
         }
         let stream = self.stream()?;
-        let device = &self.device;
-        let in_mem = input.mem.mem_ref();
-        let in_p = device.read_ptr(&in_mem, input.layout.offset(), "input")?;
-        let out_offset = output.layout.offset();
-        let mut out_mem = output.mem.mem_mut();
-        let out_p = device.write_ptr(&mut out_mem, out_offset, "output")?;
+        let (comm, world) = (self.comm, self.world);
+        let mut launch = Launch::new(&self.device);
+        let in_p = launch.input(input, "input")?;
+        let out_p = launch.output(output, "output")?;
         let elem = T::DTYPE.size_in_bytes();
-        let even = (0..self.world).all(|r| splits.rows(r) == rows);
-        // SAFETY: input holds rows·bh elements, output seq·bh; shard p's range lies inside it.
+        let even = (0..world).all(|r| splits.rows(r) == rows);
+        // SAFETY: input holds rows·bh elements, output seq·bh (registered above, guards held
+        // until `finish`); shard p's range lies inside the output.
         unsafe {
             if even {
-                nccl::all_gather(
-                    in_p.addr as *const c_void,
-                    out_p.addr,
-                    rows * bh,
-                    nccl_dtype(T::DTYPE),
-                    self.comm,
-                    stream,
-                )
-                .map_err(|e| nccl_err("all-gather", e))?;
+                nccl::all_gather(in_p, out_p, rows * bh, nccl_dtype(T::DTYPE), comm, stream)
+                    .map_err(|e| nccl_err("ncclAllGather", e))?;
             } else {
-                nccl::group_start().map_err(|e| nccl_err("group start", e))?;
+                nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
                 let mut status = Ok(());
-                for p in 0..self.world {
+                for p in 0..world {
                     let count = splits.rows(p) * bh;
                     if count == 0 {
                         continue;
                     }
-                    let dst = (out_p.addr as *mut u8).add(splits.offset(p) * bh * elem) as *mut c_void;
-                    let r = nccl::broadcast(
-                        in_p.addr as *const c_void,
-                        dst,
-                        count,
-                        nccl_dtype(T::DTYPE),
-                        p as i32,
-                        self.comm,
-                        stream,
-                    );
+                    let dst = out_p.cast::<u8>().add(splits.offset(p) * bh * elem).cast::<c_void>();
+                    let r = nccl::broadcast(in_p, dst, count, nccl_dtype(T::DTYPE), p as i32, comm, stream);
                     if let Err(e) = r {
-                        status = Err(nccl_err("broadcast", e));
+                        status = Err(nccl_err("ncclBroadcast", e));
                         break;
                     }
                 }
-                let end = nccl::group_end().map_err(|e| nccl_err("group end", e));
+                let end = nccl::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
                 status?;
                 end?;
             }
         }
-        Ok(())
+        launch.finish()
     }
 
     /// In-place sum over ranks of a flat buffer (`ncclAllReduce`, input dtype): the all-reduce
     /// that the gradients of sequence-parallel LayerNorm weights need (each rank saw other
-    /// tokens of the same replicated weights).
+    /// tokens of the same replicated weights). In place by definition.
     ///
     /// # Errors
-    /// [`Error::WrongBackend`], NCCL errors as [`Error::Cuda`].
+    /// [`Error::WrongBackend`], [`Error::Misaligned`], NCCL errors as [`Error::CudaRuntime`].
     pub fn all_reduce_sum<T: Element>(&mut self, data: &mut (impl DeviceMemoryMut<T> + ?Sized)) -> Result<()> {
         let stream = self.stream()?;
-        let mut mem = data.mem_mut();
-        let n = mem.len();
+        let n = data.mem_mut().len();
         if n == 0 {
             return Ok(());
         }
-        let p = self.device.write_ptr(&mut mem, 0, "data")?;
-        // SAFETY: `p` addresses n elements of T on this communicator's device.
+        let mut view = TensorMut::contiguous(data, &[n])?;
+        let comm = self.comm;
+        let mut launch = Launch::new(&self.device);
+        let p = launch.output(&mut view, "data")?;
+        // SAFETY: `p` addresses n elements of T on this communicator's device, registered on
+        // the builder (guard held until `finish`).
         unsafe {
-            nccl::all_reduce(
-                p.addr as *const c_void,
-                p.addr,
-                n,
-                nccl_dtype(T::DTYPE),
-                nsys::ncclRedOp_t::ncclSum,
-                self.comm,
-                stream,
-            )
-            .map_err(|e| nccl_err("all-reduce", e))?;
+            nccl::all_reduce(p.cast_const(), p, n, nccl_dtype(T::DTYPE), nsys::ncclRedOp_t::ncclSum, comm, stream)
+                .map_err(|e| nccl_err("ncclAllReduce", e))?;
         }
-        Ok(())
+        launch.finish()
     }
 
     fn check_world(&self, splits: &SeqSplits) -> Result<()> {
         if splits.world_size() != self.world {
-            return Err(Error::LegacyShape(format!(
-                "{} split sizes for a communicator of {} ranks",
-                splits.world_size(),
-                self.world
-            )));
+            return Err(Error::invalid_argument(
+                "splits",
+                format!("{} split sizes for a communicator of {} ranks", splits.world_size(), self.world),
+            ));
         }
         Ok(())
     }
