@@ -16,8 +16,8 @@
 mod common;
 
 use half::{bf16, f16};
-use mesa_kernels::reference::{self, quant as rq};
 use mesa_kernels::fused::SoftmaxInput;
+use mesa_kernels::reference::{self, quant as rq};
 use mesa_kernels::{
     DType, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer, Rounding, SavedActivation,
     StatsMode, TensorMut, TensorRef,
@@ -973,7 +973,7 @@ fn fused_producer_on_an_empty_tensor_with_huge_trailing_dimensions() {
         let xv = TensorRef::new(&x, &layout).expect("empty input view");
         let mut yv = TensorMut::new(&mut y, &layout).expect("empty output view");
         let saved = mesa_kernels::fused::gelu_forward(&device, &mut q, mesa_kernels::GeluForm::Erf, &xv, &mut yv)
-        .expect("empty GELU forward");
+            .expect("empty GELU forward");
         assert_eq!((saved.numel(), saved.num_groups()), (0, 0));
         assert_eq!(y, vec![5.0], "nothing written");
     }

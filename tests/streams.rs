@@ -8,7 +8,9 @@
 //! most one ulp of the largest magnitude, covered by `+ 2 ulp(max|x|)`.
 mod common;
 
-use mesa_kernels::{reference, Device, Grouping, Layout, QuantConfig, Quantizer, RawDeviceSlice, StatsMode, TensorMut, TensorRef};
+use mesa_kernels::{
+    reference, Device, Grouping, Layout, QuantConfig, Quantizer, RawDeviceSlice, StatsMode, TensorMut, TensorRef,
+};
 use rand::RngExt;
 
 fn exact_config() -> QuantConfig {

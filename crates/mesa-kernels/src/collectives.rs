@@ -131,14 +131,6 @@ impl SeqSplits {
     }
 }
 
-/// Transitional name of [`TensorRef`] (the crate-wide tensor view), kept only for the
-/// re-export in `lib.rs` during the port; use [`TensorRef`].
-#[doc(hidden)]
-pub type RankView<'a, T> = TensorRef<'a, T>;
-/// Transitional name of [`TensorMut`]; use [`TensorMut`].
-#[doc(hidden)]
-pub type RankViewMut<'a, T> = TensorMut<'a, T>;
-
 /// The fused epilogue of a reduce-scatter: `out = (Σ + bias[h]) + residual`, per rank.
 ///
 /// In a Megatron layer the reduce-scatter follows the row-parallel linear (attention output

@@ -84,6 +84,9 @@ impl Layout {
     /// (such a view is rejected by every op).
     #[must_use]
     pub fn numel(&self) -> usize {
+        if self.shape.contains(&0) {
+            return 0;
+        }
         self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).unwrap_or(usize::MAX)
     }
     /// True when the view is dense row-major (offset aside).
@@ -103,6 +106,9 @@ impl Layout {
     /// offset representable in the kernels' signed 64-bit arithmetic. Returns the number of
     /// elements.
     pub(crate) fn check_fits(&self, len: usize, what: &'static str) -> Result<usize> {
+        if self.shape.contains(&0) {
+            return Ok(0); // an empty view reaches no element, whatever its other dims
+        }
         let numel =
             self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
                 Error::too_large(what, format!("the element count of shape {:?} overflows", self.shape))

@@ -86,7 +86,7 @@ pub mod quant;
 pub mod reference;
 mod tensor;
 
-pub use collectives::{Epilogue, RankView, RankViewMut, SeqParallelGroup, SeqSplits};
+pub use collectives::{Epilogue, SeqParallelGroup, SeqSplits};
 pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

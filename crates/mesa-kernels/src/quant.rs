@@ -152,6 +152,9 @@ pub fn code_bytes(numel: usize, bits: u32) -> Result<usize> {
 
 /// The product of `shape`, or [`Error::TooLarge`] when it overflows `usize`.
 pub(crate) fn checked_numel(shape: &[usize], what: &str) -> Result<usize> {
+    if shape.contains(&0) {
+        return Ok(0);
+    }
     shape
         .iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
