@@ -1031,3 +1031,92 @@ fn feature_maps_read_and_write_strided_views() {
         assert_eq!(reference::gather(&dx, &lx), reference::gather(&dxc, &lxc), "backward on strided views differs");
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Aliasing (issue 8): an output over an input of the same call
+
+fn max_abs_diff(got: &[f32], want: &[f64]) -> f64 {
+    got.iter().zip(want).map(|(&g, &w)| (f64::from(g) - w).abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn in_place_calls_are_rejected_with_aliasing() {
+    // forward with `out` written over `v`, and backward with `dq` written over `q`, through
+    // RawDeviceSlice views of one host Vec (on the emulator a raw slice is a host address):
+    // the kernels re-read the overwritten input, so the result is wrong; the call must be
+    // rejected with Error::Aliasing.
+    let device = Device::emulator();
+    let n = Shape { b: 1, h: 2, l: 37, m: 4, d: 4 };
+    let mut rng = common::rng("in_place_calls_are_rejected_with_aliasing");
+    let q = to_t::<f32>(&random_vec(&mut rng, n.qk(), 0.05, 1.0));
+    let k = to_t::<f32>(&random_vec(&mut rng, n.qk(), 0.05, 1.0));
+    let v = to_t::<f32>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+    let g = to_t::<f32>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+    let (qw, kw, vw, gw) = (widen(&q), widen(&k), widen(&v), widen(&g));
+    let lq = Layout::contiguous(&[n.b, n.h, n.l, n.m]);
+    let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
+    let cfg = LinearAttentionConfig { chunk: 16, ..LinearAttentionConfig::causal() };
+    let (rout, _) = rla::forward(&qw, &kw, &vw, n.dims(), true, Some(1e-6));
+    let (rdq, _, _) = rla::backward(&qw, &kw, &vw, &gw, n.dims(), true, Some(1e-6));
+
+    // out over v
+    let mut vo = v.clone();
+    // SAFETY: `vo` outlives both views and the (synchronous) emulated call.
+    let raw = unsafe { mesa_kernels::RawDeviceSlice::<f32>::new(vo.as_mut_ptr() as u64, vo.len()) };
+    let mut raw_out = raw;
+    let r = forward(
+        &device,
+        &cfg,
+        TensorRef::new(&q, &lq),
+        TensorRef::new(&k, &lq),
+        TensorRef::new(&raw, &lv),
+        TensorMut::new(&mut raw_out, &lv),
+    );
+    let forward_report = format!(
+        "forward with out over v: got {:?}; max |out - reference| = {:.3e}",
+        r.as_ref().map(|_| "Ok").map_err(ToString::to_string),
+        max_abs_diff(&vo, &rout)
+    );
+    let forward_rejected = matches!(r, Err(Error::Aliasing { .. }));
+
+    // dq over q
+    let mut out = vec![0f32; n.vd()];
+    let saved = forward(
+        &device,
+        &cfg,
+        TensorRef::new(&q, &lq),
+        TensorRef::new(&k, &lq),
+        TensorRef::new(&v, &lv),
+        TensorMut::new(&mut out, &lv),
+    )
+    .expect("forward");
+    let mut qd = q.clone();
+    // SAFETY: as above.
+    let raw = unsafe { mesa_kernels::RawDeviceSlice::<f32>::new(qd.as_mut_ptr() as u64, qd.len()) };
+    let mut raw_dq = raw;
+    let (mut dk, mut dv) = (vec![0f32; n.qk()], vec![0f32; n.vd()]);
+    let r = backward(
+        &device,
+        &saved,
+        TensorRef::new(&raw, &lq),
+        TensorRef::new(&k, &lq),
+        TensorRef::new(&v, &lv),
+        Some(TensorRef::new(&out, &lv)),
+        TensorRef::new(&g, &lv),
+        TensorMut::new(&mut raw_dq, &lq),
+        TensorMut::new(&mut dk, &lq),
+        TensorMut::new(&mut dv, &lv),
+    );
+    let (_, rdk, _) = rla::backward(&qw, &kw, &vw, &gw, n.dims(), true, Some(1e-6));
+    let backward_report = format!(
+        "backward with dq over q: got {:?}; max |dq - reference| = {:.3e}, max |dk - reference| = {:.3e}",
+        r.as_ref().map(|_| "Ok").map_err(ToString::to_string),
+        max_abs_diff(&qd, &rdq),
+        max_abs_diff(&dk, &rdk)
+    );
+    let backward_rejected = matches!(r, Err(Error::Aliasing { .. }));
+    assert!(
+        forward_rejected && backward_rejected,
+        "expected Err(Aliasing) from both calls:\n  {forward_report}\n  {backward_report}"
+    );
+}
