@@ -1120,3 +1120,118 @@ fn in_place_calls_are_rejected_with_aliasing() {
         "expected Err(Aliasing) from both calls:\n  {forward_report}\n  {backward_report}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Gradients named, shapes checked (issue 8)
+
+#[test]
+fn misshaped_dq_or_dk_is_a_shape_mismatch_naming_it() {
+    let device = Device::emulator();
+    let (lq, lv) = (Layout::contiguous(&[1, 2, 8, 4]), Layout::contiguous(&[1, 2, 8, 3]));
+    let q = vec![0.5f32; 64];
+    let v = vec![0.25f32; 48];
+    let mut out = vec![0f32; 48];
+    let cfg = LinearAttentionConfig::causal();
+    let saved = forward(
+        &device,
+        &cfg,
+        TensorRef::new(&q, &lq),
+        TensorRef::new(&q, &lq),
+        TensorRef::new(&v, &lv),
+        TensorMut::new(&mut out, &lv),
+    )
+    .expect("forward");
+    // dq, then dk, given dv's shape [1, 2, 8, 3] instead of q's [1, 2, 8, 4]
+    for wrong in ["dq", "dk"] {
+        let (mut a, mut b, mut dv) = (vec![0f32; 64], vec![0f32; 64], vec![0f32; 48]);
+        let (la, lb) = if wrong == "dq" { (&lv, &lq) } else { (&lq, &lv) };
+        let r = backward(
+            &device,
+            &saved,
+            TensorRef::new(&q, &lq),
+            TensorRef::new(&q, &lq),
+            TensorRef::new(&v, &lv),
+            Some(TensorRef::new(&out, &lv)),
+            TensorRef::new(&v, &lv),
+            TensorMut::new(&mut a, la),
+            TensorMut::new(&mut b, lb),
+            TensorMut::new(&mut dv, &lv),
+        );
+        match r {
+            Err(Error::ShapeMismatch { what, expected, got }) => {
+                assert_eq!(what, wrong);
+                assert_eq!((expected, got), (vec![1, 2, 8, 4], vec![1, 2, 8, 3]));
+            }
+            other => panic!("{wrong} mis-shaped: expected ShapeMismatch naming {wrong}, got {:?}", other.err()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// No panic on any input (issue 8)
+
+#[test]
+fn empty_tensors_with_huge_other_dims_are_handled() {
+    let device = Device::emulator();
+    let none: Vec<f32> = Vec::new();
+    let mut none_out: Vec<f32> = Vec::new();
+    let big = 1usize << 62;
+    // B = 0 with H, M huge: nothing to compute, nothing to save
+    // L = 0, M = 0 with D = usize::MAX: nothing to write either
+    let empty_cases = [([0, big, 4, big], [0, big, 4, 3]), ([1, 1, 0, 0], [1, 1, 0, usize::MAX])];
+    for (sq, sv) in empty_cases {
+        let (lq, lv) = (Layout::contiguous(&sq), Layout::contiguous(&sv));
+        for cfg in configs() {
+            let r = forward(
+                &device,
+                &cfg,
+                TensorRef::new(&none, &lq),
+                TensorRef::new(&none, &lq),
+                TensorRef::new(&none, &lv),
+                TensorMut::new(&mut none_out, &lv),
+            );
+            let saved = match r {
+                Ok(s) => s,
+                Err(e) => panic!("forward {sq:?} {sv:?} {cfg:?}: expected Ok (empty), got {e:?}"),
+            };
+            assert_eq!(saved.size_in_bytes(), 0, "{sq:?} {sv:?}");
+            assert_eq!(saved.final_state().expect("state"), Vec::<f32>::new());
+            let (mut dq, mut dk, mut dv) = (Vec::<f32>::new(), Vec::<f32>::new(), Vec::<f32>::new());
+            let r = backward(
+                &device,
+                &saved,
+                TensorRef::new(&none, &lq),
+                TensorRef::new(&none, &lq),
+                TensorRef::new(&none, &lv),
+                Some(TensorRef::new(&none, &lv)),
+                TensorRef::new(&none, &lv),
+                TensorMut::new(&mut dq, &lq),
+                TensorMut::new(&mut dk, &lq),
+                TensorMut::new(&mut dv, &lv),
+            );
+            assert!(r.is_ok(), "backward {sq:?} {sv:?} {cfg:?}: expected Ok (empty), got {:?}", r.err());
+        }
+    }
+    // L = 0 but a state of B·H·M·(D+1) = 2^80·3 f32: too large, an error and not a panic
+    let (lq, lv) = (Layout::contiguous(&[1, 1 << 40, 0, 1 << 40]), Layout::contiguous(&[1, 1 << 40, 0, 2]));
+    let r = forward(
+        &device,
+        &LinearAttentionConfig::causal(),
+        TensorRef::new(&none, &lq),
+        TensorRef::new(&none, &lq),
+        TensorRef::new(&none, &lv),
+        TensorMut::new(&mut none_out, &lv),
+    );
+    assert!(matches!(r, Err(Error::TooLarge { .. })), "expected TooLarge, got {:?}", r.err());
+}
+
+#[test]
+fn reference_returns_errors_instead_of_panicking() {
+    // q shorter than the dims say: the public reference must not index out of bounds
+    let n = rla::Dims { batch: 2, heads: 1, len: 3, feat: 2, dim: 2 };
+    let (q, short, v) = (vec![0.5; 12], vec![0.5; 5], vec![0.25; 12]);
+    let r = std::panic::catch_unwind(|| rla::forward(&short, &q, &v, n, true, Some(1e-6)));
+    assert!(r.is_ok(), "reference forward panicked on a short q");
+    let r = std::panic::catch_unwind(|| rla::backward(&q, &q, &v, &short, n, true, Some(1e-6)));
+    assert!(r.is_ok(), "reference backward panicked on a short dout");
+}
