@@ -1235,3 +1235,31 @@ fn reference_returns_errors_instead_of_panicking() {
     let r = std::panic::catch_unwind(|| rla::backward(&q, &q, &v, &short, n, true, Some(1e-6)));
     assert!(r.is_ok(), "reference backward panicked on a short dout");
 }
+
+// ---------------------------------------------------------------------------------------
+// Host sub-slices (issue 8)
+
+#[test]
+fn forward_takes_q_k_v_as_sub_slices_of_one_host_vec() {
+    // q | k | v back to back in one Vec, given as `&all[a..b]` (inputs may share memory)
+    let device = Device::emulator();
+    let n = Shape { b: 1, h: 2, l: 11, m: 3, d: 2 };
+    let mut rng = common::rng("forward_takes_q_k_v_as_sub_slices_of_one_host_vec");
+    let all = to_t::<f32>(&random_vec(&mut rng, 2 * n.qk() + n.vd(), 0.05, 1.0));
+    let (lq, lv) = (Layout::contiguous(&[n.b, n.h, n.l, n.m]), Layout::contiguous(&[n.b, n.h, n.l, n.d]));
+    let mut out = vec![f32::NAN; n.vd()];
+    forward(
+        &device,
+        &LinearAttentionConfig { chunk: 4, ..LinearAttentionConfig::causal() },
+        TensorRef::new(&all[..n.qk()], &lq),
+        TensorRef::new(&all[n.qk()..2 * n.qk()], &lq),
+        TensorRef::new(&all[2 * n.qk()..], &lv),
+        TensorMut::new(&mut out[..], &lv),
+    )
+    .expect("forward");
+    let w = widen(&all);
+    let (q, k, v) = (&w[..n.qk()], &w[n.qk()..2 * n.qk()], &w[2 * n.qk()..]);
+    let (rout, _) = rla::forward(q, k, v, n.dims(), true, Some(1e-6));
+    let (mo, _, _, _) = magnitudes(q, k, v, v, n, true, Some(1e-6), false);
+    check_close("out", &widen(&out), &rout, &mo, n, DType::F32);
+}
