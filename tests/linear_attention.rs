@@ -981,8 +981,8 @@ fn favor_estimates_softmax_attention_and_improves_with_more_features() {
             q: &wide(&q),
             k: &wide(&k),
             v: &wide(&v),
-            dims: dims,
-            causal: causal,
+            dims,
+            causal,
             normalize: None,
         })
         .expect("reference");
@@ -1376,9 +1376,8 @@ fn forward_takes_q_k_v_as_sub_slices_of_one_host_vec() {
     .expect("forward");
     let w = widen(&all);
     let (q, k, v) = (&w[..n.qk()], &w[n.qk()..2 * n.qk()], &w[2 * n.qk()..]);
-    let (rout, _) =
-        rla::forward(&rla::Attention { q: q, k: k, v: v, dims: n.dims(), causal: true, normalize: Some(1e-6) })
-            .expect("reference");
+    let (rout, _) = rla::forward(&rla::Attention { q, k, v, dims: n.dims(), causal: true, normalize: Some(1e-6) })
+        .expect("reference");
     let (mo, _, _, _) = magnitudes(q, k, v, v, n, true, Some(1e-6), false);
     check_close("out", &widen(&out), &rout, &mo, n, DType::F32);
 }
