@@ -17,8 +17,11 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use mesa_kernels::linear_attention::{backward, forward, LinearAttentionConfig, MemoryMode, TensorMut, TensorRef};
+use mesa_kernels::linear_attention::{
+    backward, forward, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, MemoryMode,
+};
 use mesa_kernels::{Buffer, Device, Layout};
+use mesa_kernels::{TensorMut, TensorRef};
 
 const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
 const H200_FP32_FLOP_PER_S: f64 = 67e12;
@@ -94,23 +97,29 @@ fn bench_case(c: &mut Criterion, device: &Device, group_name: &str, case: &Case)
                     let saved = forward(
                         device,
                         &cfg,
-                        TensorRef::new(&q, &layout),
-                        TensorRef::new(&k, &layout),
-                        TensorRef::new(&v, &layout),
-                        TensorMut::new(&mut out, &layout),
+                        ForwardArgs {
+                            q: &TensorRef::new(&q, &layout).expect("view"),
+                            k: &TensorRef::new(&k, &layout).expect("view"),
+                            v: &TensorRef::new(&v, &layout).expect("view"),
+                            out: &mut TensorMut::new(&mut out, &layout).expect("view"),
+                        },
                     )
                     .expect("forward");
                     backward(
                         device,
                         &saved,
-                        TensorRef::new(&q, &layout),
-                        TensorRef::new(&k, &layout),
-                        TensorRef::new(&v, &layout),
-                        Some(TensorRef::new(&out, &layout)),
-                        TensorRef::new(&g, &layout),
-                        TensorMut::new(&mut dq, &layout),
-                        TensorMut::new(&mut dk, &layout),
-                        TensorMut::new(&mut dv, &layout),
+                        BackwardArgs {
+                            q: &TensorRef::new(&q, &layout).expect("view"),
+                            k: &TensorRef::new(&k, &layout).expect("view"),
+                            v: &TensorRef::new(&v, &layout).expect("view"),
+                            out: Some(&TensorRef::new(&out, &layout).expect("view")),
+                            dout: &TensorRef::new(&g, &layout).expect("view"),
+                            grads: Grads {
+                                dq: &mut TensorMut::new(&mut dq, &layout).expect("view"),
+                                dk: &mut TensorMut::new(&mut dk, &layout).expect("view"),
+                                dv: &mut TensorMut::new(&mut dv, &layout).expect("view"),
+                            },
+                        },
                     )
                     .expect("backward");
                     black_box(&saved);

@@ -13,9 +13,12 @@
 //! (NOT performance: they only compare the two modes' work on the same machine).
 use std::time::Instant;
 
-use mesa_kernels::linear_attention::{backward, forward, LinearAttentionConfig, MemoryMode, TensorMut, TensorRef};
+use mesa_kernels::linear_attention::{
+    backward, forward, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, MemoryMode,
+};
 use mesa_kernels::reference::linear_attention as rla;
 use mesa_kernels::{Device, Layout};
+use mesa_kernels::{TensorMut, TensorRef};
 
 fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
     let num: f64 = got.iter().zip(want).map(|(&g, &w)| (f64::from(g) - w).powi(2)).sum();
@@ -53,8 +56,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let g: Vec<f32> = (0..l * d).map(|_| next(-1.0, 1.0) as f32).collect();
         let w = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<f64>>();
         let dims = rla::Dims { batch: 1, heads: 1, len: l, feat: m, dim: d };
-        let (ro, _) = rla::forward(&w(&q), &w(&k), &w(&v), dims, true, Some(1e-6));
-        let (rdq, rdk, rdv) = rla::backward(&w(&q), &w(&k), &w(&v), &w(&g), dims, true, Some(1e-6));
+        let (ro, _) = rla::forward(&rla::Attention {
+            q: &w(&q),
+            k: &w(&k),
+            v: &w(&v),
+            dims,
+            causal: true,
+            normalize: Some(1e-6),
+        })?;
+        let (rdq, rdk, rdv) = rla::backward(
+            &rla::Attention { q: &w(&q), k: &w(&k), v: &w(&v), dims, causal: true, normalize: Some(1e-6) },
+            &w(&g),
+        )?;
         let lq = Layout::contiguous(&[1, 1, l, m]);
         let lv = Layout::contiguous(&[1, 1, l, d]);
         for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
@@ -65,22 +78,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let saved = forward(
                 &device,
                 &cfg,
-                TensorRef::new(&q, &lq),
-                TensorRef::new(&k, &lq),
-                TensorRef::new(&v, &lv),
-                TensorMut::new(&mut out, &lv),
+                ForwardArgs {
+                    q: &TensorRef::new(&q, &lq)?,
+                    k: &TensorRef::new(&k, &lq)?,
+                    v: &TensorRef::new(&v, &lv)?,
+                    out: &mut TensorMut::new(&mut out, &lv)?,
+                },
             )?;
             backward(
                 &device,
                 &saved,
-                TensorRef::new(&q, &lq),
-                TensorRef::new(&k, &lq),
-                TensorRef::new(&v, &lv),
-                Some(TensorRef::new(&out, &lv)),
-                TensorRef::new(&g, &lv),
-                TensorMut::new(&mut dq, &lq),
-                TensorMut::new(&mut dk, &lq),
-                TensorMut::new(&mut dv, &lv),
+                BackwardArgs {
+                    q: &TensorRef::new(&q, &lq)?,
+                    k: &TensorRef::new(&k, &lq)?,
+                    v: &TensorRef::new(&v, &lv)?,
+                    out: Some(&TensorRef::new(&out, &lv)?),
+                    dout: &TensorRef::new(&g, &lv)?,
+                    grads: Grads {
+                        dq: &mut TensorMut::new(&mut dq, &lq)?,
+                        dk: &mut TensorMut::new(&mut dk, &lq)?,
+                        dv: &mut TensorMut::new(&mut dv, &lv)?,
+                    },
+                },
             )?;
             let secs = start.elapsed().as_secs_f64();
             println!(

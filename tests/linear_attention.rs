@@ -20,14 +20,26 @@
 mod common;
 
 use half::{bf16, f16};
-use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureMap};
+use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
 use mesa_kernels::linear_attention::{
-    backward, forward, LinearAttentionConfig, LinearAttentionSaved, MemoryMode, TensorMut, TensorRef,
+    backward, forward, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, LinearAttentionSaved, MemoryMode,
 };
 use mesa_kernels::reference::{self, linear_attention as rla};
-use mesa_kernels::{Buffer, DType, Device, Element, Error, Layout};
+use mesa_kernels::{
+    Buffer, DType, Device, DeviceMemory, DeviceMemoryMut, Element, Error, Layout, RawDeviceSlice, TensorMut, TensorRef,
+};
 use rand::rngs::StdRng;
 use rand::RngExt;
+
+/// A checked input view (the tests' views all fit their buffers).
+fn tr<'a, T>(mem: &'a (impl DeviceMemory<T> + ?Sized), layout: &Layout) -> TensorRef<'a, T> {
+    TensorRef::new(mem, layout).expect("input view")
+}
+
+/// A checked output view.
+fn tm<'a, T>(mem: &'a mut (impl DeviceMemoryMut<T> + ?Sized), layout: &Layout) -> TensorMut<'a, T> {
+    TensorMut::new(mem, layout).expect("output view")
+}
 
 fn unit_roundoff(dtype: DType) -> f64 {
     match dtype {
@@ -181,10 +193,7 @@ fn run<T: Element>(
     let saved = forward(
         device,
         cfg,
-        TensorRef::new(&qb, &lq),
-        TensorRef::new(&kb, &lq),
-        TensorRef::new(&vb, &lv),
-        TensorMut::new(&mut ob, &lv),
+        ForwardArgs { q: &tr(&qb, &lq), k: &tr(&kb, &lq), v: &tr(&vb, &lv), out: &mut tm(&mut ob, &lv) },
     )
     .expect("forward");
     let mut dqb = up(device, &vec![nan; n.qk()]);
@@ -193,14 +202,14 @@ fn run<T: Element>(
     backward(
         device,
         &saved,
-        TensorRef::new(&qb, &lq),
-        TensorRef::new(&kb, &lq),
-        TensorRef::new(&vb, &lv),
-        Some(TensorRef::new(&ob, &lv)),
-        TensorRef::new(&gb, &lv),
-        TensorMut::new(&mut dqb, &lq),
-        TensorMut::new(&mut dkb, &lq),
-        TensorMut::new(&mut dvb, &lv),
+        BackwardArgs {
+            q: &tr(&qb, &lq),
+            k: &tr(&kb, &lq),
+            v: &tr(&vb, &lv),
+            out: Some(&tr(&ob, &lv)),
+            dout: &tr(&gb, &lv),
+            grads: Grads { dq: &mut tm(&mut dqb, &lq), dk: &mut tm(&mut dkb, &lq), dv: &mut tm(&mut dvb, &lv) },
+        },
     )
     .expect("backward");
     Outputs {
@@ -226,8 +235,14 @@ fn parity<T: Element>(device: &Device, rng: &mut StdRng, cfg: &LinearAttentionCo
     let r = run(device, cfg, n, &q, &k, &v, &dout);
     let (q, k, v, dout) = (widen(&q), widen(&k), widen(&v), widen(&dout));
     let eps = cfg.normalize.then_some(f64::from(cfg.eps));
-    let (out, _) = rla::forward(&q, &k, &v, n.dims(), cfg.causal, eps);
-    let (dq, dk, dv) = rla::backward(&q, &k, &v, &dout, n.dims(), cfg.causal, eps);
+    let (out, _) =
+        rla::forward(&rla::Attention { q: &q, k: &k, v: &v, dims: n.dims(), causal: cfg.causal, normalize: eps })
+            .expect("reference");
+    let (dq, dk, dv) = rla::backward(
+        &rla::Attention { q: &q, k: &k, v: &v, dims: n.dims(), causal: cfg.causal, normalize: eps },
+        &dout,
+    )
+    .expect("reference");
     let slim = cfg.causal && cfg.memory == MemoryMode::Slim;
     let (mo, mq, mk, mv) = magnitudes(&q, &k, &v, &dout, n, cfg.causal, eps, slim);
     check_close("out", &r.out, &out, &mo, n, T::DTYPE);
@@ -359,9 +374,21 @@ fn f16_key_sums_beyond_the_f16_range_stay_finite() {
         let cfg = LinearAttentionConfig { chunk: 16, ..LinearAttentionConfig::causal() };
         let r = run(&device, &cfg, n, &q, &k, &v, &dout);
         let (qw, kw, vw, gw) = (widen(&q), widen(&k), widen(&v), widen(&dout));
-        let (out, den) = rla::forward(&qw, &kw, &vw, n.dims(), true, Some(1e-6));
+        let (out, den) = rla::forward(&rla::Attention {
+            q: &qw,
+            k: &kw,
+            v: &vw,
+            dims: n.dims(),
+            causal: true,
+            normalize: Some(1e-6),
+        })
+        .expect("reference");
         assert!(den.iter().any(|&d| d > 65504.0), "the test must push sums past the f16 range");
-        let (dq, dk, dv) = rla::backward(&qw, &kw, &vw, &gw, n.dims(), true, Some(1e-6));
+        let (dq, dk, dv) = rla::backward(
+            &rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) },
+            &gw,
+        )
+        .expect("reference");
         let (mo, mq, mk, mv) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6), false);
         check_close("out", &r.out, &out, &mo, n, DType::F16);
         check_close("dq", &r.dq, &dq, &mq, n, DType::F16);
@@ -393,10 +420,7 @@ fn views_of_one_packed_qkv_tensor() {
             let saved = forward(
                 &device,
                 &cfg,
-                TensorRef::new(&pb, &lq),
-                TensorRef::new(&pb, &lk),
-                TensorRef::new(&pb, &lv),
-                TensorMut::new(&mut ob, &lo),
+                ForwardArgs { q: &tr(&pb, &lq), k: &tr(&pb, &lk), v: &tr(&pb, &lv), out: &mut tm(&mut ob, &lo) },
             )
             .expect("forward");
             // gradients into a packed [B, L, H, 2M + D] buffer as well
@@ -409,14 +433,14 @@ fn views_of_one_packed_qkv_tensor() {
             backward(
                 &device,
                 &saved,
-                TensorRef::new(&pb, &lq),
-                TensorRef::new(&pb, &lk),
-                TensorRef::new(&pb, &lv),
-                Some(TensorRef::new(&ob, &lo)),
-                TensorRef::new(&gb, &lo),
-                TensorMut::new(&mut dq, &lq),
-                TensorMut::new(&mut dk, &lk),
-                TensorMut::new(&mut dv, &lv),
+                BackwardArgs {
+                    q: &tr(&pb, &lq),
+                    k: &tr(&pb, &lk),
+                    v: &tr(&pb, &lv),
+                    out: Some(&tr(&ob, &lo)),
+                    dout: &tr(&gb, &lo),
+                    grads: Grads { dq: &mut tm(&mut dq, &lq), dk: &mut tm(&mut dk, &lk), dv: &mut tm(&mut dv, &lv) },
+                },
             )
             .expect("backward");
             let qv = reference::gather(&packed, &lq);
@@ -424,8 +448,20 @@ fn views_of_one_packed_qkv_tensor() {
             let vv = reference::gather(&packed, &lv);
             let gv = reference::gather(&gout, &lo);
             let eps = Some(f64::from(cfg.eps));
-            let (out, _) = rla::forward(&qv, &kv, &vv, n.dims(), cfg.causal, eps);
-            let (rdq, rdk, rdv) = rla::backward(&qv, &kv, &vv, &gv, n.dims(), cfg.causal, eps);
+            let (out, _) = rla::forward(&rla::Attention {
+                q: &qv,
+                k: &kv,
+                v: &vv,
+                dims: n.dims(),
+                causal: cfg.causal,
+                normalize: eps,
+            })
+            .expect("reference");
+            let (rdq, rdk, rdv) = rla::backward(
+                &rla::Attention { q: &qv, k: &kv, v: &vv, dims: n.dims(), causal: cfg.causal, normalize: eps },
+                &gv,
+            )
+            .expect("reference");
             let (mo, mq, mk, mv) = magnitudes(&qv, &kv, &vv, &gv, n, cfg.causal, eps, false);
             check_close("out", &reference::gather(&ob.to_vec().expect("o"), &lo), &out, &mo, n, DType::BF16);
             check_close("dq", &reference::gather(&dq.to_vec().expect("dq"), &lq), &rdq, &mq, n, DType::BF16);
@@ -496,16 +532,15 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
     let saved = forward(
         &device,
         &cfg,
-        TensorRef::new(&qbig, &lq),
-        TensorRef::new(&k, &lc),
-        TensorRef::new(&v, &lc),
-        TensorMut::new(&mut obig, &lo),
+        ForwardArgs { q: &tr(&qbig, &lq), k: &tr(&k, &lc), v: &tr(&v, &lc), out: &mut tm(&mut obig, &lo) },
     )
     .expect("forward");
     let qw: Vec<f64> = qv.iter().map(|&x| f64::from(x)).collect();
     let kw: Vec<f64> = k.iter().map(|&x| f64::from(x)).collect();
     let vw: Vec<f64> = v.iter().map(|&x| f64::from(x)).collect();
-    let (out, _) = rla::forward(&qw, &kw, &vw, n.dims(), true, Some(1e-6));
+    let (out, _) =
+        rla::forward(&rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) })
+            .expect("reference");
     let got: Vec<f64> = obig[..6].iter().chain(&obig[far..far + 6]).map(|&x| f64::from(x)).collect();
     let (mo, _, _, _) = magnitudes(&qw, &kw, &vw, &vw, n, true, Some(1e-6), false);
     check_close("out", &got, &out, &mo, n, DType::F32);
@@ -518,18 +553,22 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
     backward(
         &device,
         &saved,
-        TensorRef::new(&qbig, &lq),
-        TensorRef::new(&k, &lc),
-        TensorRef::new(&v, &lc),
-        Some(TensorRef::new(&o_small, &lc)),
-        TensorRef::new(&g, &lc),
-        TensorMut::new(&mut dqbig, &lq),
-        TensorMut::new(&mut dk, &lc),
-        TensorMut::new(&mut dv, &lc),
+        BackwardArgs {
+            q: &tr(&qbig, &lq),
+            k: &tr(&k, &lc),
+            v: &tr(&v, &lc),
+            out: Some(&tr(&o_small, &lc)),
+            dout: &tr(&g, &lc),
+            grads: Grads { dq: &mut tm(&mut dqbig, &lq), dk: &mut tm(&mut dk, &lc), dv: &mut tm(&mut dv, &lc) },
+        },
     )
     .expect("backward");
     let gw: Vec<f64> = g.iter().map(|&x| f64::from(x)).collect();
-    let (rdq, _, _) = rla::backward(&qw, &kw, &vw, &gw, n.dims(), true, Some(1e-6));
+    let (rdq, _, _) = rla::backward(
+        &rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) },
+        &gw,
+    )
+    .expect("reference");
     let (_, mq, _, _) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6), false);
     let got: Vec<f64> = dqbig[..6].iter().chain(&dqbig[far..far + 6]).map(|&x| f64::from(x)).collect();
     check_close("dq", &got, &rdq, &mq, n, DType::F32);
@@ -550,10 +589,7 @@ fn more_than_65535_heads_use_a_grid_stride_loop() {
     let saved = forward(
         &device,
         &cfg,
-        TensorRef::new(&q, &lq),
-        TensorRef::new(&k, &lq),
-        TensorRef::new(&v, &lv),
-        TensorMut::new(&mut out, &lv),
+        ForwardArgs { q: &tr(&q, &lq), k: &tr(&k, &lq), v: &tr(&v, &lv), out: &mut tm(&mut out, &lv) },
     )
     .expect("forward");
     let g: Vec<f32> = (0..n.vd()).map(|i| (i % 5) as f32 - 2.0).collect();
@@ -561,14 +597,14 @@ fn more_than_65535_heads_use_a_grid_stride_loop() {
     backward(
         &device,
         &saved,
-        TensorRef::new(&q, &lq),
-        TensorRef::new(&k, &lq),
-        TensorRef::new(&v, &lv),
-        None,
-        TensorRef::new(&g, &lv),
-        TensorMut::new(&mut dq, &lq),
-        TensorMut::new(&mut dk, &lq),
-        TensorMut::new(&mut dv, &lv),
+        BackwardArgs {
+            q: &tr(&q, &lq),
+            k: &tr(&k, &lq),
+            v: &tr(&v, &lv),
+            out: None,
+            dout: &tr(&g, &lv),
+            grads: Grads { dq: &mut tm(&mut dq, &lq), dk: &mut tm(&mut dk, &lq), dv: &mut tm(&mut dv, &lv) },
+        },
     )
     .expect("backward");
     // M = D = 1: out_0 = q0 k0 v0, out_1 = q1 (k0 v0 + k1 v1), all exact in f32 here
@@ -587,12 +623,21 @@ fn more_than_65535_heads_use_a_grid_stride_loop() {
     }
 }
 
-fn expect_shape_err<T>(r: mesa_kernels::Result<T>, what: &str) {
+/// `r` must be an error that `pred` accepts.
+fn expect_err<T>(r: mesa_kernels::Result<T>, what: &str, pred: impl Fn(&Error) -> bool) {
     match r {
-        Err(Error::LegacyShape(_)) => {}
-        Err(e) => panic!("{what}: expected Error::Shape, got {e}"),
-        Ok(_) => panic!("{what}: expected Error::Shape, got Ok"),
+        Err(e) if pred(&e) => {}
+        Err(e) => panic!("{what}: unexpected error {e:?}"),
+        Ok(_) => panic!("{what}: expected an error, got Ok"),
     }
+}
+
+fn is_shape_mismatch(of: &'static str) -> impl Fn(&Error) -> bool {
+    move |e| matches!(e, Error::ShapeMismatch { what, .. } if what == of)
+}
+
+fn is_invalid_argument(of: &'static str) -> impl Fn(&Error) -> bool {
+    move |e| matches!(e, Error::InvalidArgument { name, .. } if name == of)
 }
 
 #[test]
@@ -605,100 +650,86 @@ fn bad_inputs_are_errors() {
     let mut out = vec![0f32; 48];
     let cfg = LinearAttentionConfig::causal();
     let fwd = |cfg: &LinearAttentionConfig, lq: &Layout, lk: &Layout, lv: &Layout, lo: &Layout, out: &mut Vec<f32>| {
-        forward(
-            &device,
-            cfg,
-            TensorRef::new(&q, lq),
-            TensorRef::new(&q, lk),
-            TensorRef::new(&v, lv),
-            TensorMut::new(out, lo),
-        )
+        forward(&device, cfg, ForwardArgs { q: &tr(&q, lq), k: &tr(&q, lk), v: &tr(&v, lv), out: &mut tm(out, lo) })
     };
     // rank 3
-    expect_shape_err(fwd(&cfg, &Layout::contiguous(&[2, 8, 4]), &lq, &lv, &lv, &mut out), "rank 3");
+    expect_err(
+        fwd(&cfg, &Layout::contiguous(&[2, 8, 4]), &lq, &lv, &lv, &mut out),
+        "rank 3",
+        |e| matches!(e, Error::InvalidLayout { what, .. } if what == "q"),
+    );
     // k shape differs from q
-    expect_shape_err(fwd(&cfg, &lq, &Layout::contiguous(&[1, 2, 8, 2]), &lv, &lv, &mut out), "k");
+    expect_err(fwd(&cfg, &lq, &Layout::contiguous(&[1, 2, 8, 2]), &lv, &lv, &mut out), "k", is_shape_mismatch("k"));
     // v length differs
-    expect_shape_err(fwd(&cfg, &lq, &lq, &Layout::contiguous(&[1, 2, 4, 3]), &lv, &mut out), "v");
+    expect_err(fwd(&cfg, &lq, &lq, &Layout::contiguous(&[1, 2, 4, 3]), &lv, &mut out), "v", is_shape_mismatch("v"));
     // out shape differs from v
-    expect_shape_err(fwd(&cfg, &lq, &lq, &lv, &Layout::contiguous(&[1, 2, 8, 2]), &mut out), "out");
-    // out overlaps itself (broadcast stride)
+    expect_err(fwd(&cfg, &lq, &lq, &lv, &Layout::contiguous(&[1, 2, 8, 2]), &mut out), "out", is_shape_mismatch("out"));
+    // an output view that overlaps itself (broadcast stride) cannot be made
     let bcast = Layout::strided(&[1, 2, 8, 3], &[0, 0, 3, 1], 0).expect("layout");
-    expect_shape_err(fwd(&cfg, &lq, &lq, &lv, &bcast, &mut out), "overlapping out");
+    expect_err(TensorMut::new(&mut out, &bcast), "overlapping out", |e| matches!(e, Error::InvalidLayout { .. }));
     // buffer too short
-    match fwd(
-        &cfg,
-        &Layout::contiguous(&[1, 2, 9, 4]),
-        &Layout::contiguous(&[1, 2, 9, 4]),
-        &Layout::contiguous(&[1, 2, 9, 3]),
-        &Layout::contiguous(&[1, 2, 9, 3]),
-        &mut out,
-    ) {
-        Err(Error::BufferTooShort { .. }) => {}
-        other => panic!("expected BufferTooShort, got {:?}", other.err()),
-    }
+    expect_err(TensorRef::new(&q, &Layout::contiguous(&[1, 2, 9, 4])), "short q", |e| {
+        matches!(e, Error::BufferTooShort { needed: 72, len: 64, .. })
+    });
     // chunks outside 1..=64
     for chunk in [0, 65] {
-        match fwd(&LinearAttentionConfig { chunk, ..cfg }, &lq, &lq, &lv, &lv, &mut out) {
-            Err(Error::LegacyUnsupported(_)) => {}
-            other => panic!("chunk {chunk}: expected Unsupported, got {:?}", other.err()),
-        }
+        let r = fwd(&LinearAttentionConfig { chunk, ..cfg }, &lq, &lq, &lv, &lv, &mut out);
+        expect_err(r, "chunk", is_invalid_argument("chunk"));
     }
     // bad eps
-    expect_shape_err(fwd(&LinearAttentionConfig { eps: f32::NAN, ..cfg }, &lq, &lq, &lv, &lv, &mut out), "eps");
-    expect_shape_err(fwd(&LinearAttentionConfig { eps: 0.0, ..cfg }, &lq, &lq, &lv, &lv, &mut out), "eps 0");
+    for eps in [f32::NAN, 0.0, -1.0, f32::INFINITY] {
+        let r = fwd(&LinearAttentionConfig { eps, ..cfg }, &lq, &lq, &lv, &lv, &mut out);
+        expect_err(r, "eps", is_invalid_argument("eps"));
+    }
     // backward: normalised without out; wrong dtype
     let saved: LinearAttentionSaved = fwd(&cfg, &lq, &lq, &lv, &lv, &mut out).expect("forward");
     let (mut dq, mut dk, mut dv) = (vec![0f32; 64], vec![0f32; 64], vec![0f32; 48]);
-    expect_shape_err(
-        backward(
-            &device,
-            &saved,
-            TensorRef::new(&q, &lq),
-            TensorRef::new(&q, &lq),
-            TensorRef::new(&v, &lv),
-            None,
-            TensorRef::new(&v, &lv),
-            TensorMut::new(&mut dq, &lq),
-            TensorMut::new(&mut dk, &lq),
-            TensorMut::new(&mut dv, &lv),
-        ),
-        "missing out",
+    let (qt, vt) = (tr(&q, &lq), tr(&v, &lv));
+    let r = backward(
+        &device,
+        &saved,
+        BackwardArgs {
+            q: &qt,
+            k: &qt,
+            v: &vt,
+            out: None,
+            dout: &vt,
+            grads: Grads { dq: &mut tm(&mut dq, &lq), dk: &mut tm(&mut dk, &lq), dv: &mut tm(&mut dv, &lv) },
+        },
     );
+    expect_err(r, "missing out", is_invalid_argument("out"));
     let (qh, vh) = (vec![f16::ONE; 64], vec![f16::ONE; 48]);
     let (mut dqh, mut dkh, mut dvh) = (vec![f16::ZERO; 64], vec![f16::ZERO; 64], vec![f16::ZERO; 48]);
-    expect_shape_err(
-        backward(
-            &device,
-            &saved,
-            TensorRef::new(&qh, &lq),
-            TensorRef::new(&qh, &lq),
-            TensorRef::new(&vh, &lv),
-            Some(TensorRef::new(&vh, &lv)),
-            TensorRef::new(&vh, &lv),
-            TensorMut::new(&mut dqh, &lq),
-            TensorMut::new(&mut dkh, &lq),
-            TensorMut::new(&mut dvh, &lv),
-        ),
-        "dtype",
+    let (qht, vht) = (tr(&qh, &lq), tr(&vh, &lv));
+    let r = backward(
+        &device,
+        &saved,
+        BackwardArgs {
+            q: &qht,
+            k: &qht,
+            v: &vht,
+            out: Some(&vht),
+            dout: &vht,
+            grads: Grads { dq: &mut tm(&mut dqh, &lq), dk: &mut tm(&mut dkh, &lq), dv: &mut tm(&mut dvh, &lv) },
+        },
     );
+    expect_err(r, "dtype", is_invalid_argument("saved"));
     // backward with other dims than the forward
     let lq2 = Layout::contiguous(&[1, 2, 4, 4]);
-    expect_shape_err(
-        backward(
-            &device,
-            &saved,
-            TensorRef::new(&q, &lq2),
-            TensorRef::new(&q, &lq),
-            TensorRef::new(&v, &lv),
-            Some(TensorRef::new(&out, &lv)),
-            TensorRef::new(&v, &lv),
-            TensorMut::new(&mut dq, &lq),
-            TensorMut::new(&mut dk, &lq),
-            TensorMut::new(&mut dv, &lv),
-        ),
-        "dims",
+    let ot = tr(&out, &lv);
+    let r = backward(
+        &device,
+        &saved,
+        BackwardArgs {
+            q: &tr(&q, &lq2),
+            k: &qt,
+            v: &vt,
+            out: Some(&ot),
+            dout: &vt,
+            grads: Grads { dq: &mut tm(&mut dq, &lq), dk: &mut tm(&mut dk, &lq), dv: &mut tm(&mut dv, &lv) },
+        },
     );
+    expect_err(r, "dims", is_shape_mismatch("q"));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -723,16 +754,18 @@ fn fm_parity<T: Element>(
     let nan = T::from_f64(f64::NAN);
     let xb = up(device, &x);
     let mut pb = up(device, &vec![nan; b * h * l * m]);
-    feature_map::forward(device, map, TensorRef::new(&xb, &lx), TensorMut::new(&mut pb, &lp)).expect("forward");
+    feature_map::forward(device, map, &tr(&xb, &lx), &mut tm(&mut pb, &lp)).expect("forward");
     let gb = up(device, &dphi);
     let mut db = up(device, &vec![nan; x.len()]);
     feature_map::backward(
         device,
         map,
-        TensorRef::new(&xb, &lx),
-        Some(TensorRef::new(&pb, &lp)),
-        TensorRef::new(&gb, &lp),
-        TensorMut::new(&mut db, &lx),
+        FeatureBackwardArgs {
+            x: &tr(&xb, &lx),
+            phi: Some(&tr(&pb, &lp)),
+            dphi: &tr(&gb, &lp),
+            dx: &mut tm(&mut db, &lx),
+        },
     )
     .expect("backward");
     let (xw, gw) = (widen(&x), widen(&dphi));
@@ -766,7 +799,8 @@ fn fm_parity<T: Element>(
         }
         FeatureMap::Favor { projection, .. } => {
             let omega: Vec<f64> = projection.omega().iter().map(|&w| f64::from(w)).collect();
-            let rp = rla::favor(&xw, d, &omega, m, l, stab);
+            let rp =
+                rla::favor(&xw, &rla::Favor { omega: &omega, features: m, in_dim: d }, l, stab).expect("reference");
             // exponent u - c from a dot over d terms of |w||x'| (≤ (d+4) u32 · Σ|w_j x'_j|
             // + |x'|^2/2 terms) and expf (≤ 2 ulp): relative error of phi ≤ e_abs + 4u32
             // (+ the rounding to T)
@@ -783,7 +817,8 @@ fn fm_parity<T: Element>(
                 }
             }
             // the backward from the kernel's own phi (what it reads): Σ_i over m terms
-            let rd = rla::favor_backward(&xw, d, &omega, m, &phi, &gw);
+            let rd = rla::favor_backward(&xw, &rla::Favor { omega: &omega, features: m, in_dim: d }, &phi, &gw)
+                .expect("reference");
             for r in 0..b * h * l {
                 for j in 0..d {
                     let mag: f64 = (0..m)
@@ -861,8 +896,8 @@ fn causal_favor_keys_use_no_future_statistics() {
     let mut x2 = x.clone();
     x2[(l - 1) * 8..].iter_mut().for_each(|v| *v *= 9.0);
     let (mut p1, mut p2) = (vec![0f32; l * 16], vec![0f32; l * 16]);
-    feature_map::forward(&device, &map, TensorRef::new(&x, &lx), TensorMut::new(&mut p1, &lp)).expect("f");
-    feature_map::forward(&device, &map, TensorRef::new(&x2, &lx), TensorMut::new(&mut p2, &lp)).expect("f");
+    feature_map::forward(&device, &map, &tr(&x, &lx), &mut tm(&mut p1, &lp)).expect("f");
+    feature_map::forward(&device, &map, &tr(&x2, &lx), &mut tm(&mut p2, &lp)).expect("f");
     assert_eq!(p1[..(l - 1) * 16], p2[..(l - 1) * 16]);
     assert!(p2.iter().all(|&v| v.is_finite() && v <= 1.0 / 4.0 + 1e-6), "Bound keeps every feature <= 1/sqrt(m)");
 }
@@ -876,42 +911,56 @@ fn feature_map_bad_inputs_are_errors() {
     let lx = Layout::contiguous(&[1, 1, 5, 8]);
     // projection for d = 8 given d = 4 input
     let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::RowMax };
-    expect_shape_err(
-        feature_map::forward(
-            &device,
-            &map,
-            TensorRef::new(&x, &Layout::contiguous(&[1, 2, 5, 4])),
-            TensorMut::new(&mut phi, &Layout::contiguous(&[1, 2, 5, 16])),
-        ),
+    let r = feature_map::forward(
+        &device,
+        &map,
+        &tr(&x, &Layout::contiguous(&[1, 2, 5, 4])),
+        &mut tm(&mut phi, &Layout::contiguous(&[1, 2, 5, 16])),
+    );
+    expect_err(
+        r,
         "d",
+        |e| matches!(e, Error::ShapeMismatch { what, expected, .. } if what == "x" && expected == &[1, 2, 5, 8]),
     );
     // wrong phi width
-    expect_shape_err(
-        feature_map::forward(
-            &device,
-            &map,
-            TensorRef::new(&x, &lx),
-            TensorMut::new(&mut phi, &Layout::contiguous(&[1, 1, 5, 8])),
-        ),
-        "m",
-    );
-    // favor backward without phi
+    let r = feature_map::forward(&device, &map, &tr(&x, &lx), &mut tm(&mut phi, &Layout::contiguous(&[1, 1, 5, 8])));
+    expect_err(r, "m", is_shape_mismatch("phi"));
+    // rank 3
+    let r =
+        feature_map::forward(&device, &FeatureMap::Relu, &tr(&x, &Layout::contiguous(&[5, 8])), &mut tm(&mut phi, &lx));
+    expect_err(r, "rank", |e| matches!(e, Error::InvalidLayout { .. }));
+    // favor backward without phi; a mis-shaped dphi and dx
     let mut dx = vec![0f32; 40];
-    expect_shape_err(
-        feature_map::backward(
-            &device,
-            &map,
-            TensorRef::new(&x, &lx),
-            None,
-            TensorRef::new(&phi, &Layout::contiguous(&[1, 1, 5, 16])),
-            TensorMut::new(&mut dx, &lx),
-        ),
-        "phi",
+    let lp = Layout::contiguous(&[1, 1, 5, 16]);
+    let (xt, pt) = (tr(&x, &lx), tr(&phi, &lp));
+    let r = feature_map::backward(
+        &device,
+        &map,
+        FeatureBackwardArgs { x: &xt, phi: None, dphi: &pt, dx: &mut tm(&mut dx, &lx) },
     );
-    match FavorProjection::orthogonal(&device, 8, 2048, 1) {
-        Err(Error::LegacyUnsupported(_)) => {}
-        other => panic!("expected Unsupported, got {:?}", other.err()),
-    }
+    expect_err(r, "phi", is_invalid_argument("phi"));
+    let r = feature_map::backward(
+        &device,
+        &map,
+        FeatureBackwardArgs { x: &xt, phi: Some(&pt), dphi: &xt, dx: &mut tm(&mut dx, &lx) },
+    );
+    expect_err(r, "dphi", is_shape_mismatch("dphi"));
+    let r = feature_map::backward(
+        &device,
+        &map,
+        FeatureBackwardArgs {
+            x: &xt,
+            phi: Some(&pt),
+            dphi: &pt,
+            dx: &mut tm(&mut dx, &Layout::contiguous(&[1, 1, 4, 8])),
+        },
+    );
+    expect_err(r, "dx", is_shape_mismatch("dx"));
+    // feature counts past the limits, and a wrong-sized ω
+    expect_err(FavorProjection::orthogonal(&device, 8, 2048, 1), "d limit", is_invalid_argument("in_dim"));
+    expect_err(FavorProjection::orthogonal(&device, 5000, 8, 1), "m limit", is_invalid_argument("features"));
+    expect_err(FavorProjection::from_matrix(&device, 3, 2, &[0.0; 5]), "omega", is_invalid_argument("omega"));
+    expect_err(FavorProjection::from_matrix(&device, 1, 2, &[0.0, f32::NAN]), "omega", is_invalid_argument("omega"));
 }
 
 #[test]
@@ -928,7 +977,15 @@ fn favor_estimates_softmax_attention_and_improves_with_more_features() {
     let dims = rla::Dims { batch: 1, heads: h, len: l, feat: d, dim: d };
     let wide = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<f64>>();
     for causal in [false, true] {
-        let exact = rla::softmax_attention(&wide(&q), &wide(&k), &wide(&v), dims, causal);
+        let exact = rla::softmax_attention(&rla::Attention {
+            q: &wide(&q),
+            k: &wide(&k),
+            v: &wide(&v),
+            dims,
+            causal,
+            normalize: None,
+        })
+        .expect("reference");
         let mut errs = Vec::new();
         for m in [8, 512] {
             let proj = FavorProjection::orthogonal(&device, m, d, 11).expect("omega");
@@ -938,18 +995,15 @@ fn favor_estimates_softmax_attention_and_improves_with_more_features() {
             let kstab = if causal { FavorStabilizer::Bound } else { FavorStabilizer::SequenceMax };
             let qmap = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::RowMax };
             let kmap = FeatureMap::Favor { projection: &proj, stabilizer: kstab };
-            feature_map::forward(&device, &qmap, TensorRef::new(&q, &lx), TensorMut::new(&mut qf, &lp)).expect("q");
-            feature_map::forward(&device, &kmap, TensorRef::new(&k, &lx), TensorMut::new(&mut kf, &lp)).expect("k");
+            feature_map::forward(&device, &qmap, &tr(&q, &lx), &mut tm(&mut qf, &lp)).expect("q");
+            feature_map::forward(&device, &kmap, &tr(&k, &lx), &mut tm(&mut kf, &lp)).expect("k");
             let mut out = vec![0f32; h * l * d];
             let base = if causal { LinearAttentionConfig::causal() } else { LinearAttentionConfig::bidirectional() };
             let cfg = LinearAttentionConfig { eps: 1e-30, ..base };
             forward(
                 &device,
                 &cfg,
-                TensorRef::new(&qf, &lp),
-                TensorRef::new(&kf, &lp),
-                TensorRef::new(&v, &lx),
-                TensorMut::new(&mut out, &lx),
+                ForwardArgs { q: &tr(&qf, &lp), k: &tr(&kf, &lp), v: &tr(&v, &lx), out: &mut tm(&mut out, &lx) },
             )
             .expect("attention");
             let num: f64 = out.iter().zip(&exact).map(|(&a, &b)| (f64::from(a) - b).powi(2)).sum();
@@ -985,15 +1039,9 @@ fn feature_maps_read_and_write_strided_views() {
         let lpc = Layout::contiguous(&[b, h, l, m]);
         let mut phi = vec![f32::NAN; b * l * h * w];
         let mut phic = vec![f32::NAN; b * h * l * m];
-        feature_map::forward(&device, map, TensorRef::new(&packed, &lx), TensorMut::new(&mut phi, &lp))
-            .expect("strided");
-        feature_map::forward(
-            &device,
-            map,
-            TensorRef::new(&xc, &Layout::contiguous(&[b, h, l, d])),
-            TensorMut::new(&mut phic, &lpc),
-        )
-        .expect("contiguous");
+        feature_map::forward(&device, map, &tr(&packed, &lx), &mut tm(&mut phi, &lp)).expect("strided");
+        feature_map::forward(&device, map, &tr(&xc, &Layout::contiguous(&[b, h, l, d])), &mut tm(&mut phic, &lpc))
+            .expect("contiguous");
         let got = reference::gather(&phi, &lp);
         let want = reference::gather(&phic, &lpc);
         assert_eq!(got, want, "feature map on strided views differs");
@@ -1012,22 +1060,324 @@ fn feature_maps_read_and_write_strided_views() {
         feature_map::backward(
             &device,
             map,
-            TensorRef::new(&packed, &lx),
-            Some(TensorRef::new(&phi, &lp)),
-            TensorRef::new(&g, &lp),
-            TensorMut::new(&mut dx, &lx),
+            FeatureBackwardArgs {
+                x: &tr(&packed, &lx),
+                phi: Some(&tr(&phi, &lp)),
+                dphi: &tr(&g, &lp),
+                dx: &mut tm(&mut dx, &lx),
+            },
         )
         .expect("strided backward");
         let lxc = Layout::contiguous(&[b, h, l, d]);
         feature_map::backward(
             &device,
             map,
-            TensorRef::new(&xc, &lxc),
-            Some(TensorRef::new(&phic, &lpc)),
-            TensorRef::new(&gc, &lpc),
-            TensorMut::new(&mut dxc, &lxc),
+            FeatureBackwardArgs {
+                x: &tr(&xc, &lxc),
+                phi: Some(&tr(&phic, &lpc)),
+                dphi: &tr(&gc, &lpc),
+                dx: &mut tm(&mut dxc, &lxc),
+            },
         )
         .expect("contiguous backward");
         assert_eq!(reference::gather(&dx, &lx), reference::gather(&dxc, &lxc), "backward on strided views differs");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Aliasing (issue 8): an output over an input of the same call
+
+fn max_abs_diff(got: &[f32], want: &[f64]) -> f64 {
+    got.iter().zip(want).map(|(&g, &w)| (f64::from(g) - w).abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn in_place_calls_are_rejected_with_aliasing() {
+    // forward with `out` written over `v`, and backward with `dq` written over `q`, through
+    // RawDeviceSlice views of one host Vec (on the emulator a raw slice is a host address):
+    // the kernels re-read the overwritten input, so the result is wrong; the call must be
+    // rejected with Error::Aliasing.
+    let device = Device::emulator();
+    let n = Shape { b: 1, h: 2, l: 37, m: 4, d: 4 };
+    let mut rng = common::rng("in_place_calls_are_rejected_with_aliasing");
+    let q = to_t::<f32>(&random_vec(&mut rng, n.qk(), 0.05, 1.0));
+    let k = to_t::<f32>(&random_vec(&mut rng, n.qk(), 0.05, 1.0));
+    let v = to_t::<f32>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+    let g = to_t::<f32>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+    let (qw, kw, vw, gw) = (widen(&q), widen(&k), widen(&v), widen(&g));
+    let lq = Layout::contiguous(&[n.b, n.h, n.l, n.m]);
+    let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
+    let cfg = LinearAttentionConfig { chunk: 16, ..LinearAttentionConfig::causal() };
+    let (rout, _) =
+        rla::forward(&rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) })
+            .expect("reference");
+    let (rdq, _, _) = rla::backward(
+        &rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) },
+        &gw,
+    )
+    .expect("reference");
+
+    // out over v
+    let mut vo = v.clone();
+    // SAFETY: `vo` outlives both views and the (synchronous) emulated call.
+    let raw = unsafe { RawDeviceSlice::<f32>::new(vo.as_mut_ptr() as u64, vo.len()) };
+    let mut raw_out = raw;
+    let r = forward(
+        &device,
+        &cfg,
+        ForwardArgs { q: &tr(&q, &lq), k: &tr(&k, &lq), v: &tr(&raw, &lv), out: &mut tm(&mut raw_out, &lv) },
+    );
+    let forward_report = format!(
+        "forward with out over v: got {:?}; max |out - reference| = {:.3e}",
+        r.as_ref().map(|_| "Ok").map_err(ToString::to_string),
+        max_abs_diff(&vo, &rout)
+    );
+    let forward_rejected = matches!(r, Err(Error::Aliasing { first: "v", second: "out" }));
+
+    // dq over q
+    let mut out = vec![0f32; n.vd()];
+    let saved = forward(
+        &device,
+        &cfg,
+        ForwardArgs { q: &tr(&q, &lq), k: &tr(&k, &lq), v: &tr(&v, &lv), out: &mut tm(&mut out, &lv) },
+    )
+    .expect("forward");
+    let mut qd = q.clone();
+    // SAFETY: as above.
+    let raw = unsafe { RawDeviceSlice::<f32>::new(qd.as_mut_ptr() as u64, qd.len()) };
+    let mut raw_dq = raw;
+    let (mut dk, mut dv) = (vec![0f32; n.qk()], vec![0f32; n.vd()]);
+    let r = backward(
+        &device,
+        &saved,
+        BackwardArgs {
+            q: &tr(&raw, &lq),
+            k: &tr(&k, &lq),
+            v: &tr(&v, &lv),
+            out: Some(&tr(&out, &lv)),
+            dout: &tr(&g, &lv),
+            grads: Grads { dq: &mut tm(&mut raw_dq, &lq), dk: &mut tm(&mut dk, &lq), dv: &mut tm(&mut dv, &lv) },
+        },
+    );
+    let (_, rdk, _) = rla::backward(
+        &rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) },
+        &gw,
+    )
+    .expect("reference");
+    let backward_report = format!(
+        "backward with dq over q: got {:?}; max |dq - reference| = {:.3e}, max |dk - reference| = {:.3e}",
+        r.as_ref().map(|_| "Ok").map_err(ToString::to_string),
+        max_abs_diff(&qd, &rdq),
+        max_abs_diff(&dk, &rdk)
+    );
+    let backward_rejected = matches!(r, Err(Error::Aliasing { first: "q", second: "dq" }));
+    assert!(
+        forward_rejected && backward_rejected,
+        "expected Err(Aliasing) from both calls:\n  {forward_report}\n  {backward_report}"
+    );
+    // rejected before any kernel ran: the inputs are untouched
+    assert_eq!((vo, qd), (v, q.clone()));
+    // the feature maps: phi over x (ReLU, m = d), dx over dphi
+    let mut x = q.clone();
+    // SAFETY: as above.
+    let raw = unsafe { RawDeviceSlice::<f32>::new(x.as_mut_ptr() as u64, x.len()) };
+    let mut raw_phi = raw;
+    let r = feature_map::forward(&device, &FeatureMap::Relu, &tr(&raw, &lq), &mut tm(&mut raw_phi, &lq));
+    assert!(matches!(r, Err(Error::Aliasing { first: "x", second: "phi" })), "phi over x: {r:?}");
+    let r = feature_map::backward(
+        &device,
+        &FeatureMap::Relu,
+        FeatureBackwardArgs { x: &tr(&q, &lq), phi: None, dphi: &tr(&raw, &lq), dx: &mut tm(&mut raw_phi, &lq) },
+    );
+    assert!(matches!(r, Err(Error::Aliasing { first: "dphi", second: "dx" })), "dx over dphi: {r:?}");
+    assert_eq!(x, q);
+}
+
+// ---------------------------------------------------------------------------------------
+// Gradients named, shapes checked (issue 8)
+
+#[test]
+fn misshaped_dq_or_dk_is_a_shape_mismatch_naming_it() {
+    let device = Device::emulator();
+    let (lq, lv) = (Layout::contiguous(&[1, 2, 8, 4]), Layout::contiguous(&[1, 2, 8, 3]));
+    let q = vec![0.5f32; 64];
+    let v = vec![0.25f32; 48];
+    let mut out = vec![0f32; 48];
+    let cfg = LinearAttentionConfig::causal();
+    let saved = forward(
+        &device,
+        &cfg,
+        ForwardArgs { q: &tr(&q, &lq), k: &tr(&q, &lq), v: &tr(&v, &lv), out: &mut tm(&mut out, &lv) },
+    )
+    .expect("forward");
+    // dq, then dk, given dv's shape [1, 2, 8, 3] instead of q's [1, 2, 8, 4]
+    for wrong in ["dq", "dk"] {
+        let (mut a, mut b, mut dv) = (vec![0f32; 64], vec![0f32; 64], vec![0f32; 48]);
+        let (la, lb) = if wrong == "dq" { (&lv, &lq) } else { (&lq, &lv) };
+        let r = backward(
+            &device,
+            &saved,
+            BackwardArgs {
+                q: &tr(&q, &lq),
+                k: &tr(&q, &lq),
+                v: &tr(&v, &lv),
+                out: Some(&tr(&out, &lv)),
+                dout: &tr(&v, &lv),
+                grads: Grads { dq: &mut tm(&mut a, la), dk: &mut tm(&mut b, lb), dv: &mut tm(&mut dv, &lv) },
+            },
+        );
+        match r {
+            Err(Error::ShapeMismatch { what, expected, got }) => {
+                assert_eq!(what, wrong);
+                assert_eq!((expected, got), (vec![1, 2, 8, 4], vec![1, 2, 8, 3]));
+            }
+            other => panic!("{wrong} mis-shaped: expected ShapeMismatch naming {wrong}, got {:?}", other.err()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// No panic on any input (issue 8)
+
+#[test]
+fn empty_tensors_with_huge_other_dims_are_handled() {
+    let device = Device::emulator();
+    let none: Vec<f32> = Vec::new();
+    let mut none_out: Vec<f32> = Vec::new();
+    let big = 1usize << 62;
+    // B = 0 with H, M huge: nothing to compute, nothing to save
+    // L = 0, M = 0 with D = usize::MAX: nothing to write either
+    let empty_cases = [([0, big, 4, big], [0, big, 4, 3]), ([1, 1, 0, 0], [1, 1, 0, usize::MAX])];
+    for (sq, sv) in empty_cases {
+        let (lq, lv) = (Layout::contiguous(&sq), Layout::contiguous(&sv));
+        for cfg in configs() {
+            let r = forward(
+                &device,
+                &cfg,
+                ForwardArgs {
+                    q: &tr(&none, &lq),
+                    k: &tr(&none, &lq),
+                    v: &tr(&none, &lv),
+                    out: &mut tm(&mut none_out, &lv),
+                },
+            );
+            let saved = match r {
+                Ok(s) => s,
+                Err(e) => panic!("forward {sq:?} {sv:?} {cfg:?}: expected Ok (empty), got {e:?}"),
+            };
+            assert_eq!(saved.size_in_bytes(), 0, "{sq:?} {sv:?}");
+            assert_eq!(saved.final_state().expect("state"), Vec::<f32>::new());
+            let (mut dq, mut dk, mut dv) = (Vec::<f32>::new(), Vec::<f32>::new(), Vec::<f32>::new());
+            let r = backward(
+                &device,
+                &saved,
+                BackwardArgs {
+                    q: &tr(&none, &lq),
+                    k: &tr(&none, &lq),
+                    v: &tr(&none, &lv),
+                    out: Some(&tr(&none, &lv)),
+                    dout: &tr(&none, &lv),
+                    grads: Grads { dq: &mut tm(&mut dq, &lq), dk: &mut tm(&mut dk, &lq), dv: &mut tm(&mut dv, &lv) },
+                },
+            );
+            assert!(r.is_ok(), "backward {sq:?} {sv:?} {cfg:?}: expected Ok (empty), got {:?}", r.err());
+        }
+    }
+    // L = 0 but a state of B·H·M·(D+1) = 2^80·3 f32: too large, an error and not a panic
+    let (lq, lv) = (Layout::contiguous(&[1, 1 << 40, 0, 1 << 40]), Layout::contiguous(&[1, 1 << 40, 0, 2]));
+    let r = forward(
+        &device,
+        &LinearAttentionConfig::causal(),
+        ForwardArgs { q: &tr(&none, &lq), k: &tr(&none, &lq), v: &tr(&none, &lv), out: &mut tm(&mut none_out, &lv) },
+    );
+    assert!(matches!(r, Err(Error::TooLarge { .. })), "expected TooLarge, got {:?}", r.err());
+}
+
+#[test]
+fn reference_returns_errors_instead_of_panicking() {
+    // q shorter than the dims say: the public reference must not index out of bounds
+    let n = rla::Dims { batch: 2, heads: 1, len: 3, feat: 2, dim: 2 };
+    let short = [0.5; 5];
+    let att = |q: &'static [f64]| rla::Attention {
+        q,
+        k: &[0.5; 12],
+        v: &[0.25; 12],
+        dims: n,
+        causal: true,
+        normalize: Some(1e-6),
+    };
+    let r = rla::forward(&att(&[0.5; 5]));
+    assert!(matches!(&r, Err(Error::ShapeMismatch { what, .. }) if what == "q"), "short q: {:?}", r.err());
+    let r = rla::backward(&att(&[0.5; 12]), &short);
+    assert!(matches!(&r, Err(Error::ShapeMismatch { what, .. }) if what == "dout"), "short dout: {:?}", r.err());
+    let r = rla::softmax_attention(&att(&[0.5; 13]));
+    assert!(matches!(&r, Err(Error::ShapeMismatch { what, .. }) if what == "q"), "long q: {:?}", r.err());
+    // empty tensors whose other sizes are huge: handled as empty, or TooLarge when the
+    // outputs (here the denominators B·H·L) would not fit
+    let huge = usize::MAX;
+    let empty = |dims| rla::Attention { q: &[], k: &[], v: &[], dims, causal: false, normalize: Some(1e-6) };
+    for dims in [
+        rla::Dims { batch: 0, heads: huge, len: huge, feat: huge, dim: huge },
+        rla::Dims { batch: huge, heads: huge, len: 0, feat: huge, dim: huge },
+        rla::Dims { batch: 3, heads: 1 << 40, len: 1 << 40, feat: 0, dim: 0 },
+    ] {
+        let r = rla::forward(&empty(dims));
+        let want_ok = dims.batch == 0 || dims.len == 0;
+        match (want_ok, &r) {
+            (true, Ok((out, den))) => assert!(out.is_empty() && den.is_empty(), "{dims:?}"),
+            (false, Err(Error::TooLarge { .. })) => {}
+            _ => panic!("{dims:?}: {:?}", r.err()),
+        }
+        // backward and softmax attention have empty outputs here
+        let r = rla::backward(&empty(dims), &[]).expect("backward");
+        assert!(r.0.is_empty() && r.1.is_empty() && r.2.is_empty());
+        assert!(rla::softmax_attention(&empty(dims)).expect("softmax").is_empty());
+    }
+    // FAVOR+: ω of the wrong size, x not whole rows, rows not whole sequences
+    let proj = rla::Favor { omega: &[0.1; 6], features: 3, in_dim: 2 };
+    expect_err(
+        rla::favor(&[0.0; 4], &rla::Favor { omega: &[0.1; 5], ..proj }, 2, rla::Stabilizer::None),
+        "omega",
+        |e| matches!(e, Error::ShapeMismatch { .. }),
+    );
+    expect_err(rla::favor(&[0.0; 5], &proj, 2, rla::Stabilizer::None), "rows", is_invalid_argument("x"));
+    expect_err(rla::favor(&[0.0; 6], &proj, 2, rla::Stabilizer::SequenceMax), "seq", is_invalid_argument("seq_len"));
+    expect_err(rla::favor(&[0.0; 6], &proj, 0, rla::Stabilizer::SequenceMax), "seq 0", is_invalid_argument("seq_len"));
+    expect_err(rla::favor_backward(&[0.0; 4], &proj, &[0.0; 6], &[0.0; 5]), "dphi", is_shape_mismatch("dphi"));
+    assert_eq!(
+        rla::favor(&[], &rla::Favor { omega: &[], features: huge, in_dim: 0 }, 0, rla::Stabilizer::SequenceMax)
+            .expect("empty"),
+        Vec::<f64>::new()
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Host sub-slices (issue 8)
+
+#[test]
+fn forward_takes_q_k_v_as_sub_slices_of_one_host_vec() {
+    // q | k | v back to back in one Vec, given as `&all[a..b]` (inputs may share memory)
+    let device = Device::emulator();
+    let n = Shape { b: 1, h: 2, l: 11, m: 3, d: 2 };
+    let mut rng = common::rng("forward_takes_q_k_v_as_sub_slices_of_one_host_vec");
+    let all = to_t::<f32>(&random_vec(&mut rng, 2 * n.qk() + n.vd(), 0.05, 1.0));
+    let (lq, lv) = (Layout::contiguous(&[n.b, n.h, n.l, n.m]), Layout::contiguous(&[n.b, n.h, n.l, n.d]));
+    let mut out = vec![f32::NAN; n.vd()];
+    forward(
+        &device,
+        &LinearAttentionConfig { chunk: 4, ..LinearAttentionConfig::causal() },
+        ForwardArgs {
+            q: &tr(&all[..n.qk()], &lq),
+            k: &tr(&all[n.qk()..2 * n.qk()], &lq),
+            v: &tr(&all[2 * n.qk()..], &lv),
+            out: &mut tm(&mut out[..], &lv),
+        },
+    )
+    .expect("forward");
+    let w = widen(&all);
+    let (q, k, v) = (&w[..n.qk()], &w[n.qk()..2 * n.qk()], &w[2 * n.qk()..]);
+    let (rout, _) = rla::forward(&rla::Attention { q, k, v, dims: n.dims(), causal: true, normalize: Some(1e-6) })
+        .expect("reference");
+    let (mo, _, _, _) = magnitudes(q, k, v, v, n, true, Some(1e-6), false);
+    check_close("out", &widen(&out), &rout, &mo, n, DType::F32);
 }

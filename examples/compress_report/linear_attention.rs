@@ -16,10 +16,10 @@ use std::time::Instant;
 
 use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureMap};
 use mesa_kernels::linear_attention::{
-    backward, forward, saved_bytes, Dims, LinearAttentionConfig, MemoryMode, TensorMut, TensorRef,
+    backward, forward, saved_bytes, BackwardArgs, Dims, ForwardArgs, Grads, LinearAttentionConfig, MemoryMode,
 };
 use mesa_kernels::reference::{self, linear_attention as rla};
-use mesa_kernels::{Buffer, Device, Layout};
+use mesa_kernels::{Buffer, Device, Layout, TensorMut, TensorRef};
 use safetensors::SafeTensors;
 use serde_json::{json, Value};
 
@@ -106,8 +106,8 @@ fn features(device: &Device, map: &FeatureMap<'_>, x: &[f32], l: usize, d: usize
     feature_map::forward(
         device,
         map,
-        TensorRef::new(&xb, &Layout::contiguous(&[1, HEADS, l, d])),
-        TensorMut::new(&mut phi, &Layout::contiguous(&[1, HEADS, l, m])),
+        &TensorRef::new(&xb, &Layout::contiguous(&[1, HEADS, l, d]))?,
+        &mut TensorMut::new(&mut phi, &Layout::contiguous(&[1, HEADS, l, m]))?,
     )?;
     Ok(phi)
 }
@@ -135,10 +135,12 @@ fn attend(
     forward(
         device,
         &cfg,
-        TensorRef::new(qf, &lq),
-        TensorRef::new(kf, &lq),
-        TensorRef::new(&vb, &lv),
-        TensorMut::new(&mut out, &lv),
+        ForwardArgs {
+            q: &TensorRef::new(qf, &lq)?,
+            k: &TensorRef::new(kf, &lq)?,
+            v: &TensorRef::new(&vb, &lv)?,
+            out: &mut TensorMut::new(&mut out, &lv)?,
+        },
     )?;
     Ok(out.to_vec()?)
 }
@@ -161,7 +163,14 @@ impl Section {
             .collect();
         for s in &samples {
             for causal in [false, true] {
-                let exact = rla::softmax_attention(&wide(&s.q), &wide(&s.k), &wide(&s.v), dims, causal);
+                let exact = rla::softmax_attention(&rla::Attention {
+                    q: &wide(&s.q),
+                    k: &wide(&s.k),
+                    v: &wide(&s.v),
+                    dims,
+                    causal,
+                    normalize: None,
+                })?;
                 for (i, proj) in projections.iter().enumerate() {
                     let qmap = FeatureMap::Favor { projection: proj, stabilizer: FavorStabilizer::RowMax };
                     let kstab = if causal { FavorStabilizer::Bound } else { FavorStabilizer::SequenceMax };
@@ -320,22 +329,28 @@ fn memory_table(device: &Device, samples: &[Sample], l: usize, d: usize) -> Resu
         let saved = forward(
             device,
             &cfg,
-            TensorRef::new(&qf, &layout),
-            TensorRef::new(&kf, &layout),
-            TensorRef::new(&vb, &layout),
-            TensorMut::new(&mut out, &layout),
+            ForwardArgs {
+                q: &TensorRef::new(&qf, &layout)?,
+                k: &TensorRef::new(&kf, &layout)?,
+                v: &TensorRef::new(&vb, &layout)?,
+                out: &mut TensorMut::new(&mut out, &layout)?,
+            },
         )?;
         backward(
             device,
             &saved,
-            TensorRef::new(&qf, &layout),
-            TensorRef::new(&kf, &layout),
-            TensorRef::new(&vb, &layout),
-            Some(TensorRef::new(&out, &layout)),
-            TensorRef::new(&gb, &layout),
-            TensorMut::new(&mut dq, &layout),
-            TensorMut::new(&mut dk, &layout),
-            TensorMut::new(&mut dv, &layout),
+            BackwardArgs {
+                q: &TensorRef::new(&qf, &layout)?,
+                k: &TensorRef::new(&kf, &layout)?,
+                v: &TensorRef::new(&vb, &layout)?,
+                out: Some(&TensorRef::new(&out, &layout)?),
+                dout: &TensorRef::new(&gb, &layout)?,
+                grads: Grads {
+                    dq: &mut TensorMut::new(&mut dq, &layout)?,
+                    dk: &mut TensorMut::new(&mut dk, &layout)?,
+                    dv: &mut TensorMut::new(&mut dv, &layout)?,
+                },
+            },
         )?;
         device.synchronize()?;
         let seconds = start.elapsed().as_secs_f64();

@@ -14,6 +14,11 @@
  * State: S = sum_s k_s [v_s | 1]^T, f32, [B*H, M, W] with W = D + normalize (column D
  * holds the normaliser z = sum_s k_s). Chunked: inside a chunk of C rows a masked C x C
  * matmul, across chunks the prefix-sum state.
+ *
+ * In-place: not supported by any entry point here (the kernels re-read inputs after writing
+ * outputs; pointers are __restrict__): no output may overlap an input or another output of
+ * the same call. Inputs may overlap each other. The safe crate rejects overlapping inputs
+ * and outputs (Error::Aliasing).
  */
 #ifndef MESA_LINEAR_ATTENTION_H
 #define MESA_LINEAR_ATTENTION_H
@@ -55,7 +60,8 @@ typedef struct MesaLaShape {
   MesaLaMemory memory;
 } MesaLaShape;
 
-/* Forward. Writes out, state ([B*H, M, W] f32: the final state), boundary (causal and
+/* Forward. In-place: not supported (out, state, boundary, den overlap none of q, k, v, nor
+ * each other -> Error::Aliasing in the safe crate). Writes out, state ([B*H, M, W] f32: the final state), boundary (causal and
  * MESA_LA_BOUNDARY_STATES: [B*H, ceil(L/C), M, W], the state entering each chunk; else
  * unused, may be NULL), den (normalize: [B*H*L] f32, the guarded denominators g(.); else
  * may be NULL). */
@@ -67,7 +73,8 @@ typedef struct MesaLaForwardArgs {
   float* den;
 } MesaLaForwardArgs;
 
-/* Backward. Reads q, k, v, dout, out (normalize only), and what the forward saved (state,
+/* Backward. In-place: not supported (dq, dk, dv, work overlap no input nor each other ->
+ * Error::Aliasing in the safe crate). Reads q, k, v, dout, out (normalize only), and what the forward saved (state,
  * boundary, den); writes dq, dk, dv. work: f32 scratch of
  * B*H*(M*W) + (normalize ? B*H*L : 0) elements (contents on entry ignored). The saved
  * state is not modified. */
@@ -86,7 +93,8 @@ typedef struct MesaLaBackwardArgs {
  *   ELU1:    phi = x + 1 (x > 0), exp(x) (x <= 0)  (m = d)
  *   FAVOR+:  x' = x d^(-1/4),  u_i = w_i . x' - |x'|^2 / 2,
  *            phi_i = exp(u_i - c) / sqrt(m)        (w: [m, d] f32, row-major)
- *            c per MesaFavorStabilizer. */
+ *            c per MesaFavorStabilizer.
+ * In-place: not supported (phi must not overlap x -> Error::Aliasing in the safe crate). */
 typedef int32_t MesaFeatureMap;
 enum MesaFeatureMapCode {
   MESA_FEATURE_RELU = 0,
@@ -121,7 +129,8 @@ typedef struct MesaFeatureArgs {
   int32_t _pad2;
 } MesaFeatureArgs;
 
-/* Backward: dx from dphi. RELU, ELU1 read x; FAVOR+ reads x and phi (the forward output):
+/* Backward: dx from dphi. In-place: not supported (dx overlaps none of x, phi, dphi ->
+ * Error::Aliasing in the safe crate). RELU, ELU1 read x; FAVOR+ reads x and phi (the forward output):
  *   dx' = sum_i g_i w_i - x' sum_i g_i,  g_i = dphi_i phi_i,  dx = d^(-1/4) dx'
  * (the stabiliser c is treated as a constant: the normalised attention output does not
  * depend on it). */

@@ -36,8 +36,9 @@ use mesa_kernels_sys as sys;
 use crate::device::{Buffer, Device};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::layout::Layout;
-use crate::linear_attention::{TensorMut, TensorRef};
+use crate::launch::Launch;
+use crate::linear_attention::{la_tensor, to_i64};
+use crate::tensor::{TensorMut, TensorRef};
 
 /// Largest input dimension `d` of FAVOR+ (one row of `x'` lives in shared memory).
 pub const FAVOR_MAX_IN_DIM: usize = 1024;
@@ -70,7 +71,7 @@ impl FavorProjection {
     /// from `seed` (SplitMix64 + Box–Muller in f64, Gram–Schmidt per block of `d` rows).
     ///
     /// # Errors
-    /// [`Error::Unsupported`] for `d` or `m` above [`FAVOR_MAX_IN_DIM`] /
+    /// [`Error::InvalidArgument`] for `d` or `m` above [`FAVOR_MAX_IN_DIM`] /
     /// [`FAVOR_MAX_FEATURES`]; CUDA allocation errors.
     pub fn orthogonal(device: &Device, features: usize, in_dim: usize, seed: u64) -> Result<Self> {
         Self::check_dims(features, in_dim)?;
@@ -109,29 +110,37 @@ impl FavorProjection {
     /// A projection from an explicit row-major `[m, d]` matrix.
     ///
     /// # Errors
-    /// [`Error::Shape`] when `omega.len() != m·d` or an entry is not finite;
-    /// [`Error::Unsupported`] for sizes past the limits; CUDA errors.
+    /// [`Error::InvalidArgument`] when `omega.len() != m·d`, an entry is not finite, or the
+    /// sizes pass the limits; CUDA errors.
     pub fn from_matrix(device: &Device, features: usize, in_dim: usize, omega: &[f32]) -> Result<Self> {
         Self::check_dims(features, in_dim)?;
-        if omega.len() != features * in_dim {
-            return Err(Error::LegacyShape(format!(
-                "omega has {} entries, [{features}, {in_dim}] needs {}",
-                omega.len(),
-                features * in_dim
-            )));
+        // check_dims bounds both factors: no overflow
+        let needed = features * in_dim;
+        if omega.len() != needed {
+            return Err(Error::invalid_argument(
+                "omega",
+                format!("it has {} entries, [{features}, {in_dim}] needs {needed}", omega.len()),
+            ));
         }
         if omega.iter().any(|x| !x.is_finite()) {
-            return Err(Error::LegacyShape("omega has a non-finite entry".into()));
+            return Err(Error::invalid_argument("omega", "an entry is not finite"));
         }
         let device_copy = device.upload(if omega.is_empty() { &[0.0f32] } else { omega })?;
         Ok(FavorProjection { host: omega.to_vec(), device: device_copy, features, in_dim })
     }
 
     fn check_dims(features: usize, in_dim: usize) -> Result<()> {
-        if in_dim > FAVOR_MAX_IN_DIM || features > FAVOR_MAX_FEATURES {
-            return Err(Error::LegacyUnsupported(format!(
-                "FAVOR+ with d = {in_dim}, m = {features} (at most d = {FAVOR_MAX_IN_DIM}, m = {FAVOR_MAX_FEATURES})"
-            )));
+        if in_dim > FAVOR_MAX_IN_DIM {
+            return Err(Error::invalid_argument(
+                "in_dim",
+                format!("FAVOR+ input dimension d = {in_dim} is above {FAVOR_MAX_IN_DIM}"),
+            ));
+        }
+        if features > FAVOR_MAX_FEATURES {
+            return Err(Error::invalid_argument(
+                "features",
+                format!("FAVOR+ feature count m = {features} is above {FAVOR_MAX_FEATURES}"),
+            ));
         }
         Ok(())
     }
@@ -161,6 +170,15 @@ impl FavorProjection {
     }
 }
 
+impl std::fmt::Debug for FavorProjection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FavorProjection")
+            .field("features", &self.features)
+            .field("in_dim", &self.in_dim)
+            .finish_non_exhaustive()
+    }
+}
+
 /// SplitMix64 (Steele et al. 2014) and Box–Muller: a tiny reproducible Gaussian source.
 struct SplitMix64(u64);
 impl SplitMix64 {
@@ -182,7 +200,7 @@ impl SplitMix64 {
 }
 
 /// Which feature map.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub enum FeatureMap<'a> {
     /// `max(x, 0)`.
     Relu,
@@ -215,178 +233,176 @@ impl FeatureMap<'_> {
     }
 }
 
-fn shape4(layout: &Layout, len: usize, what: &'static str) -> Result<[usize; 4]> {
-    let s = layout.shape();
-    if s.len() != 4 {
-        return Err(Error::LegacyShape(format!("{what}: expected a rank-4 [B, H, L, F] view, got shape {s:?}")));
+fn shape4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
+    match *shape {
+        [b, h, l, f] => Ok([b, h, l, f]),
+        _ => Err(Error::invalid_layout(what, format!("expected a rank-4 [B, H, L, F] view, got shape {shape:?}"))),
     }
-    layout.check_fits(len, what)?;
-    Ok([s[0], s[1], s[2], s[3]])
 }
 
-fn la_tensor(layout: &Layout, data: *mut std::ffi::c_void) -> sys::MesaLaTensor {
-    let mut strides = [0i64; 4];
-    for (k, (&n, &s)) in layout.shape().iter().zip(layout.strides()).enumerate().take(4) {
-        strides[k] = if n > 1 { s as i64 } else { 0 };
-    }
-    sys::MesaLaTensor { data, strides }
-}
-
-fn check_favor_dims(map: &FeatureMap<'_>, d: usize) -> Result<()> {
-    if let FeatureMap::Favor { projection, .. } = map {
-        if projection.in_dim != d {
-            return Err(Error::LegacyShape(format!(
-                "FAVOR+ projection is for d = {}, input has d = {d}",
-                projection.in_dim
-            )));
-        }
-        FavorProjection::check_dims(projection.features, d)?;
+fn expect_shape(got: &[usize], want: [usize; 4], what: &str) -> Result<()> {
+    if got != want {
+        return Err(Error::shape_mismatch(what, &want, got));
     }
     Ok(())
 }
 
+/// x's shape, with its `d` checked against a FAVOR+ projection.
+fn x_shape(map: &FeatureMap<'_>, x: &[usize]) -> Result<[usize; 4]> {
+    let xs = shape4(x, "x")?;
+    if let FeatureMap::Favor { projection, .. } = map {
+        if projection.in_dim != xs[3] {
+            return Err(Error::shape_mismatch("x", &[xs[0], xs[1], xs[2], projection.in_dim], x));
+        }
+    }
+    Ok(xs)
+}
+
+fn stabilizer_code(s: FavorStabilizer) -> sys::MesaFavorStabilizer {
+    (match s {
+        FavorStabilizer::None => sys::MESA_FAVOR_NONE,
+        FavorStabilizer::RowMax => sys::MESA_FAVOR_ROW_MAX,
+        FavorStabilizer::Bound => sys::MESA_FAVOR_BOUND,
+        FavorStabilizer::SequenceMax => sys::MESA_FAVOR_SEQUENCE_MAX,
+    }) as sys::MesaFavorStabilizer
+}
+
 /// φ = map(x): `x: [B, H, L, d]` → `phi: [B, H, L, m]` (any strides; one dtype).
 ///
+/// In-place: not supported (a `phi` overlapping `x` → [`Error::Aliasing`]).
+///
 /// Bytes: `d` read + `m` written per row (+ ω, `4·m·d`, cached). FLOPs (FAVOR+): `2md` per
-/// row, twice with [`FavorStabilizer::RowMax`] / [`FavorStabilizer::SequenceMax`].
+/// row, twice with [`FavorStabilizer::RowMax`] / [`FavorStabilizer::SequenceMax`]. An empty
+/// `phi` launches nothing.
 ///
 /// # Errors
-/// [`Error::Shape`] (ranks, shapes, ω's `d`, overlapping output), [`Error::Unsupported`],
-/// [`Error::BufferTooShort`], [`Error::TooLarge`], [`Error::WrongBackend`], CUDA errors.
+/// [`Error::InvalidLayout`] (rank ≠ 4), [`Error::ShapeMismatch`] (`x`'s `d` differing from
+/// ω's, `phi` not `[B, H, L, m]`), [`Error::Aliasing`], [`Error::TooLarge`],
+/// [`Error::WrongBackend`], [`Error::Misaligned`], CUDA errors.
 pub fn forward<T: Element>(
     device: &Device,
     map: &FeatureMap<'_>,
-    x: TensorRef<'_, T>,
-    phi: TensorMut<'_, T>,
+    x: &TensorRef<'_, T>,
+    phi: &mut TensorMut<'_, T>,
 ) -> Result<()> {
-    let (xd, xl) = (x.data_ref(), x.layout());
-    let xs = shape4(xl, xd.len(), "x")?;
-    let (mut pm, pl) = phi.parts();
-    let ps = shape4(pl, pm.len(), "phi")?;
-    check_favor_dims(map, xs[3])?;
+    let xs = x_shape(map, x.shape())?;
     let m = map.out_dim(xs[3]);
-    if ps != [xs[0], xs[1], xs[2], m] {
-        return Err(Error::LegacyShape(format!("phi: shape {ps:?}, expected {:?}", [xs[0], xs[1], xs[2], m])));
+    expect_shape(phi.shape(), [xs[0], xs[1], xs[2], m], "phi")?;
+    if phi.numel() == 0 {
+        return Ok(());
     }
-    pl.check_no_overlap("phi")?;
-    let (omega_mem, stabilizer, bound) = match map {
-        FeatureMap::Favor { projection, stabilizer } => {
-            (Some(projection.device_mem()), *stabilizer, projection.bound())
-        }
+    let (omega, stabilizer, bound) = match map {
+        FeatureMap::Favor { projection, stabilizer } => (Some(&projection.device), *stabilizer, projection.bound()),
         _ => (None, FavorStabilizer::None, 0.0),
     };
-    let xp = device.read_ptr(&xd, xl.offset(), "x")?;
-    let pp = device.write_ptr(&mut pm, pl.offset(), "phi")?;
-    let wp = match omega_mem.as_ref() {
-        Some(w) => Some(device.read_ptr(w, 0, "omega")?),
-        None => None,
-    };
+    let mut launch = Launch::new(device);
     let args = sys::MesaFeatureArgs {
         map: map.code(),
-        stabilizer: (match stabilizer {
-            FavorStabilizer::None => sys::MESA_FAVOR_NONE,
-            FavorStabilizer::RowMax => sys::MESA_FAVOR_ROW_MAX,
-            FavorStabilizer::Bound => sys::MESA_FAVOR_BOUND,
-            FavorStabilizer::SequenceMax => sys::MESA_FAVOR_SEQUENCE_MAX,
-        }) as sys::MesaFavorStabilizer,
+        stabilizer: stabilizer_code(stabilizer),
         dtype: T::DTYPE.to_sys(),
         _pad: 0,
-        batch: xs[0] as i64,
-        heads: xs[1] as i64,
-        len: xs[2] as i64,
-        in_dim: xs[3] as i64,
-        out_dim: m as i64,
-        x: la_tensor(xl, xp.addr),
-        phi: la_tensor(pl, pp.addr),
-        omega: wp.as_ref().map_or(std::ptr::null(), |p| p.addr as *const f32),
+        batch: to_i64(xs[0], "batch")?,
+        heads: to_i64(xs[1], "heads")?,
+        len: to_i64(xs[2], "sequence length")?,
+        in_dim: to_i64(xs[3], "input dimension")?,
+        out_dim: to_i64(m, "feature count")?,
+        x: la_tensor(x.layout(), launch.input(x, "x")?.cast_mut()),
+        phi: la_tensor(&phi.layout().clone(), launch.output(phi, "phi")?),
+        omega: match omega {
+            Some(w) => launch.read_buffer(w, "omega")?,
+            None => std::ptr::null(),
+        },
         bound,
         _pad2: 0,
     };
-    // SAFETY: x and phi are rank-4 views inside their buffers (check_fits) with matching
-    // [B, H, L] and phi's last dim = m; phi does not overlap itself; ω holds m·d f32 (its
-    // in_dim was checked equal to x's d).
+    // SAFETY: x and phi are registered rank-4 views inside their buffers (TensorRef /
+    // TensorMut::new) with matching [B, H, L] and phi's last dim = m; phi overlaps neither
+    // itself nor x (TensorMut::new, the builder's aliasing check); ω (registered) holds m·d
+    // f32 (its in_dim was checked equal to x's d).
     unsafe {
-        device.launch("feature_map_forward", &args, sys::mesa_feature_map_forward, sys::mesa_emu_feature_map_forward)
+        launch.launch(
+            "feature_map_forward",
+            &args,
+            sys::mesa_feature_map_forward,
+            sys::mesa_emu_feature_map_forward,
+        )?;
     }
+    launch.finish()
+}
+
+/// The tensors of [`backward`]: `x, dx: [B, H, L, d]`, `phi, dphi: [B, H, L, m]`.
+#[derive(Debug)]
+pub struct FeatureBackwardArgs<'a, 'b, T> {
+    /// The forward's input.
+    pub x: &'a TensorRef<'b, T>,
+    /// The forward's output: required for FAVOR+, ignored otherwise.
+    pub phi: Option<&'a TensorRef<'b, T>>,
+    /// The upstream gradient.
+    pub dphi: &'a TensorRef<'b, T>,
+    /// The gradient of `x` (written).
+    pub dx: &'a mut TensorMut<'b, T>,
 }
 
 /// dx from dφ. ReLU and ELU+1 read `x`; FAVOR+ also reads `phi` (the forward's output),
 /// `dx' = Σ_i dφ_i φ_i (ω_i − x')`, `dx = d^(−1/4) dx'` (c constant: see the module docs).
 ///
+/// In-place: not supported (a `dx` overlapping `x`, `phi` or `dphi` → [`Error::Aliasing`]).
+///
 /// # Errors
-/// As [`forward`]; [`Error::Shape`] when FAVOR+ is given no `phi`.
-pub fn backward<T: Element>(
-    device: &Device,
-    map: &FeatureMap<'_>,
-    x: TensorRef<'_, T>,
-    phi: Option<TensorRef<'_, T>>,
-    dphi: TensorRef<'_, T>,
-    dx: TensorMut<'_, T>,
-) -> Result<()> {
-    let (xd, xl) = (x.data_ref(), x.layout());
-    let xs = shape4(xl, xd.len(), "x")?;
-    check_favor_dims(map, xs[3])?;
+/// As [`forward`] (with `dphi`, `phi` and `dx` named in [`Error::ShapeMismatch`]);
+/// [`Error::InvalidArgument`] when FAVOR+ is given no `phi`.
+pub fn backward<T: Element>(device: &Device, map: &FeatureMap<'_>, args: FeatureBackwardArgs<'_, '_, T>) -> Result<()> {
+    let FeatureBackwardArgs { x, phi, dphi, dx } = args;
+    let xs = x_shape(map, x.shape())?;
     let m = map.out_dim(xs[3]);
     let want = [xs[0], xs[1], xs[2], m];
-    let (gd, gl) = (dphi.data_ref(), dphi.layout());
-    if shape4(gl, gd.len(), "dphi")? != want {
-        return Err(Error::LegacyShape(format!("dphi: shape {:?}, expected {want:?}", gl.shape())));
-    }
-    let phi_pair = match (&phi, map) {
-        (Some(p), FeatureMap::Favor { .. }) => {
-            let d = p.data_ref();
-            if shape4(p.layout(), d.len(), "phi")? != want {
-                return Err(Error::LegacyShape(format!("phi: shape {:?}, expected {want:?}", p.layout().shape())));
-            }
-            Some((d, p.layout()))
+    expect_shape(dphi.shape(), want, "dphi")?;
+    let (phi, omega) = match (phi, map) {
+        (Some(p), FeatureMap::Favor { projection, .. }) => {
+            expect_shape(p.shape(), want, "phi")?;
+            (Some(p), Some(&projection.device))
         }
-        (None, FeatureMap::Favor { .. }) => return Err(Error::LegacyShape("FAVOR+ backward needs phi".into())),
-        _ => None,
+        (None, FeatureMap::Favor { .. }) => {
+            return Err(Error::invalid_argument("phi", "the FAVOR+ backward needs the forward output phi"))
+        }
+        _ => (None, None),
     };
-    let (mut dm, dl) = dx.parts();
-    if shape4(dl, dm.len(), "dx")? != xs {
-        return Err(Error::LegacyShape(format!("dx: shape {:?}, expected {xs:?}", dl.shape())));
+    expect_shape(dx.shape(), xs, "dx")?;
+    if dx.numel() == 0 {
+        return Ok(());
     }
-    dl.check_no_overlap("dx")?;
-    let omega_mem = match map {
-        FeatureMap::Favor { projection, .. } => Some(projection.device_mem()),
-        _ => None,
-    };
-    let xp = device.read_ptr(&xd, xl.offset(), "x")?;
-    let gp = device.read_ptr(&gd, gl.offset(), "dphi")?;
-    let pp = match phi_pair.as_ref() {
-        Some((d, l)) => Some((device.read_ptr(d, l.offset(), "phi")?, *l)),
-        None => None,
-    };
-    let wp = match omega_mem.as_ref() {
-        Some(w) => Some(device.read_ptr(w, 0, "omega")?),
-        None => None,
-    };
-    let dp = device.write_ptr(&mut dm, dl.offset(), "dx")?;
+    let mut launch = Launch::new(device);
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
     let args = sys::MesaFeatureBackwardArgs {
         map: map.code(),
         dtype: T::DTYPE.to_sys(),
-        batch: xs[0] as i64,
-        heads: xs[1] as i64,
-        len: xs[2] as i64,
-        in_dim: xs[3] as i64,
-        out_dim: m as i64,
-        x: la_tensor(xl, xp.addr),
-        phi: pp.as_ref().map_or(null, |(p, l)| la_tensor(l, p.addr)),
-        dphi: la_tensor(gl, gp.addr),
-        dx: la_tensor(dl, dp.addr),
-        omega: wp.as_ref().map_or(std::ptr::null(), |p| p.addr as *const f32),
+        batch: to_i64(xs[0], "batch")?,
+        heads: to_i64(xs[1], "heads")?,
+        len: to_i64(xs[2], "sequence length")?,
+        in_dim: to_i64(xs[3], "input dimension")?,
+        out_dim: to_i64(m, "feature count")?,
+        x: la_tensor(x.layout(), launch.input(x, "x")?.cast_mut()),
+        phi: match phi {
+            Some(p) => la_tensor(p.layout(), launch.input(p, "phi")?.cast_mut()),
+            None => null,
+        },
+        dphi: la_tensor(dphi.layout(), launch.input(dphi, "dphi")?.cast_mut()),
+        dx: la_tensor(&dx.layout().clone(), launch.output(dx, "dx")?),
+        omega: match omega {
+            Some(w) => launch.read_buffer(w, "omega")?,
+            None => std::ptr::null(),
+        },
     };
-    // SAFETY: x, dx: [B, H, L, d], dphi (and phi for FAVOR+): [B, H, L, m], each inside its
-    // buffer (check_fits); dx does not overlap itself; ω holds m·d f32.
+    // SAFETY: x, dx: [B, H, L, d], dphi (and phi for FAVOR+): [B, H, L, m], registered and
+    // inside their buffers; dx overlaps no input (the builder's aliasing check); ω
+    // (registered) holds m·d f32.
     unsafe {
-        device.launch("feature_map_backward", &args, sys::mesa_feature_map_backward, sys::mesa_emu_feature_map_backward)
+        launch.launch(
+            "feature_map_backward",
+            &args,
+            sys::mesa_feature_map_backward,
+            sys::mesa_emu_feature_map_backward,
+        )?;
     }
-}
-
-impl FavorProjection {
-    fn device_mem(&self) -> crate::device::MemRef<'_, f32> {
-        crate::device::DeviceMemory::mem_ref(&self.device)
-    }
+    launch.finish()
 }

@@ -34,9 +34,15 @@
 //! grows like `L` while the chunk terms stay O(1)); docs/linear_attention.md has the measured
 //! errors, and [`MemoryMode::default`] is therefore `BoundaryStates`.
 //!
+//! Every op checks its tensors' shapes first, then registers them with the crate's launch
+//! builder. In-place calls are not supported: an output that overlaps an input (or another
+//! output) of the same call is rejected with [`Error::Aliasing`]. Inputs may share memory
+//! (e.g. q, k, v as views of one packed tensor, or sub-slices `&buf[a..b]` of one host
+//! buffer).
+//!
 //! ```
-//! use mesa_kernels::{Device, Layout};
-//! use mesa_kernels::linear_attention::{forward, LinearAttentionConfig, TensorMut, TensorRef};
+//! use mesa_kernels::linear_attention::{forward, ForwardArgs, LinearAttentionConfig};
+//! use mesa_kernels::{Device, TensorMut, TensorRef};
 //!
 //! # fn main() -> mesa_kernels::Result<()> {
 //! let device = Device::emulator();
@@ -45,10 +51,12 @@
 //! let k = q.clone();
 //! let v: Vec<f32> = (0..b * h * l * d).map(|i| (i as f32 * 0.7).cos()).collect();
 //! let mut out = vec![0f32; b * h * l * d];
-//! let (lq, lv) = (Layout::contiguous(&[b, h, l, m]), Layout::contiguous(&[b, h, l, d]));
+//! let (qt, kt) = (TensorRef::contiguous(&q, &[b, h, l, m])?, TensorRef::contiguous(&k, &[b, h, l, m])?);
+//! let vt = TensorRef::contiguous(&v, &[b, h, l, d])?;
+//! let mut ot = TensorMut::contiguous(&mut out, &[b, h, l, d])?;
 //! let config = LinearAttentionConfig::causal();
-//! let saved = forward(&device, &config, TensorRef::new(&q, &lq), TensorRef::new(&k, &lq),
-//!                     TensorRef::new(&v, &lv), TensorMut::new(&mut out, &lv))?;
+//! let saved = forward(&device, &config, ForwardArgs { q: &qt, k: &kt, v: &vt, out: &mut ot })?;
+//! drop(ot);
 //! // the first output of each head attends to itself only: out_0 = v_0
 //! assert!((out[0] - v[0]).abs() < 1e-6);
 //! assert!(saved.state_bytes() > 0);
@@ -59,10 +67,12 @@ use std::ffi::c_void;
 
 use mesa_kernels_sys as sys;
 
-use crate::device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, Kind};
+use crate::device::{Buffer, Device, Kind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
+use crate::launch::Launch;
 use crate::layout::Layout;
+use crate::tensor::{TensorMut, TensorRef};
 
 /// Largest chunk the kernels support (rows of a chunk live in shared memory).
 pub const MAX_CHUNK: usize = sys::MESA_LA_MAX_CHUNK as usize;
@@ -110,11 +120,14 @@ impl LinearAttentionConfig {
 
     fn check(&self) -> Result<()> {
         if self.chunk == 0 || self.chunk > MAX_CHUNK {
-            return Err(Error::LegacyUnsupported(format!("chunk {} (supported: 1..={MAX_CHUNK})", self.chunk)));
+            return Err(Error::invalid_argument("chunk", format!("{} is outside 1..={MAX_CHUNK}", self.chunk)));
         }
         // eps = 0 would leave 0/0 for a query orthogonal to the key sums (e.g. signed features)
         if self.normalize && !(self.eps.is_finite() && self.eps > 0.0) {
-            return Err(Error::LegacyShape(format!("eps {} must be finite and > 0 when normalizing", self.eps)));
+            return Err(Error::invalid_argument(
+                "eps",
+                format!("{} must be finite and > 0 when normalizing", self.eps),
+            ));
         }
         Ok(())
     }
@@ -125,43 +138,46 @@ impl LinearAttentionConfig {
     }
 }
 
-/// A read-only strided view of device memory: buffer + [`Layout`].
-pub struct TensorRef<'a, T> {
-    data: &'a dyn DeviceMemory<T>,
-    layout: &'a Layout,
+/// The tensors of [`forward`]: `q, k: [B, H, L, M]`, `v, out: [B, H, L, D]`.
+#[derive(Debug)]
+pub struct ForwardArgs<'a, 'b, T> {
+    /// Feature-mapped queries `[B, H, L, M]`.
+    pub q: &'a TensorRef<'b, T>,
+    /// Feature-mapped keys `[B, H, L, M]`.
+    pub k: &'a TensorRef<'b, T>,
+    /// Values `[B, H, L, D]`.
+    pub v: &'a TensorRef<'b, T>,
+    /// The output `[B, H, L, D]` (written).
+    pub out: &'a mut TensorMut<'b, T>,
 }
 
-impl<'a, T> TensorRef<'a, T> {
-    /// `data` viewed through `layout`.
-    #[must_use]
-    pub fn new(data: &'a impl DeviceMemory<T>, layout: &'a Layout) -> Self {
-        TensorRef { data, layout }
-    }
-    /// The layout.
-    #[must_use]
-    pub fn layout(&self) -> &'a Layout {
-        self.layout
-    }
-    pub(crate) fn data_ref(&self) -> crate::device::MemRef<'_, T> {
-        self.data.mem_ref()
-    }
+/// The gradients [`backward`] writes: `dq, dk: [B, H, L, M]`, `dv: [B, H, L, D]`.
+#[derive(Debug)]
+pub struct Grads<'a, 'b, T> {
+    /// Gradient of the queries, `[B, H, L, M]`.
+    pub dq: &'a mut TensorMut<'b, T>,
+    /// Gradient of the keys, `[B, H, L, M]`.
+    pub dk: &'a mut TensorMut<'b, T>,
+    /// Gradient of the values, `[B, H, L, D]`.
+    pub dv: &'a mut TensorMut<'b, T>,
 }
 
-/// A writable strided view of device memory: buffer + [`Layout`] (must not overlap itself).
-pub struct TensorMut<'a, T> {
-    data: &'a mut dyn DeviceMemoryMut<T>,
-    layout: &'a Layout,
-}
-
-impl<'a, T> TensorMut<'a, T> {
-    /// `data` viewed through `layout`.
-    #[must_use]
-    pub fn new(data: &'a mut impl DeviceMemoryMut<T>, layout: &'a Layout) -> Self {
-        TensorMut { data, layout }
-    }
-    pub(crate) fn parts(self) -> (crate::device::MemMut<'a, T>, &'a Layout) {
-        (self.data.mem_mut(), self.layout)
-    }
+/// The tensors of [`backward`]: the forward's inputs, its output, the upstream gradient and
+/// the gradients to write.
+#[derive(Debug)]
+pub struct BackwardArgs<'a, 'b, T> {
+    /// The forward's `q`.
+    pub q: &'a TensorRef<'b, T>,
+    /// The forward's `k`.
+    pub k: &'a TensorRef<'b, T>,
+    /// The forward's `v`.
+    pub v: &'a TensorRef<'b, T>,
+    /// The forward's output: required when normalised, ignored otherwise.
+    pub out: Option<&'a TensorRef<'b, T>>,
+    /// The upstream gradient `[B, H, L, D]`.
+    pub dout: &'a TensorRef<'b, T>,
+    /// The gradients (written).
+    pub grads: Grads<'a, 'b, T>,
 }
 
 /// Sizes of one attention call.
@@ -179,14 +195,38 @@ pub struct Dims {
     pub dim: usize,
 }
 
+/// Element counts of what the forward saves (checked: they fit the kernels' arithmetic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SavedSizes {
+    /// The final state `B·H·M·W`.
+    state: usize,
+    /// The boundary states `B·H·⌈L/C⌉·M·W` (causal, boundary mode), else 0.
+    boundary: usize,
+    /// The denominators `B·H·L` (normalised), else 0.
+    den: usize,
+}
+
 /// What the forward saved for the backward (on the forward's device).
 pub struct LinearAttentionSaved {
     state: Buffer<f32>,
     boundary: Option<Buffer<f32>>,
     den: Option<Buffer<f32>>,
+    sizes: SavedSizes,
     dims: Dims,
     config: LinearAttentionConfig,
     dtype: DType,
+}
+
+impl std::fmt::Debug for LinearAttentionSaved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinearAttentionSaved")
+            .field("dims", &self.dims)
+            .field("config", &self.config)
+            .field("dtype", &self.dtype)
+            .field("state_bytes", &self.state_bytes())
+            .field("denominator_bytes", &self.denominator_bytes())
+            .finish()
+    }
 }
 
 impl LinearAttentionSaved {
@@ -204,13 +244,14 @@ impl LinearAttentionSaved {
     /// `B·H·⌈L/C⌉·M·W·4` in [`MemoryMode::BoundaryStates`] (causal).
     #[must_use]
     pub fn state_bytes(&self) -> usize {
-        self.state.size_in_bytes() + self.boundary.as_ref().map_or(0, Buffer::size_in_bytes)
+        // each count was checked to be below i64::MAX / 4 (saved_sizes)
+        (self.sizes.state + self.sizes.boundary) * 4
     }
     /// Bytes of the saved denominators (`B·H·L·4`, normalised attention only): the same
     /// order as one output column, kept so that the backward needs no recomputation.
     #[must_use]
     pub fn denominator_bytes(&self) -> usize {
-        self.den.as_ref().map_or(0, Buffer::size_in_bytes)
+        self.sizes.den * 4
     }
     /// All bytes held: [`Self::state_bytes`] + [`Self::denominator_bytes`].
     #[must_use]
@@ -223,9 +264,8 @@ impl LinearAttentionSaved {
     /// # Errors
     /// A CUDA copy error.
     pub fn final_state(&self) -> Result<Vec<f32>> {
-        let n = self.dims.batch * self.dims.heads * self.dims.feat * state_width(&self.dims, &self.config);
         let mut v = self.state.to_vec()?;
-        v.truncate(n);
+        v.truncate(self.sizes.state);
         Ok(v)
     }
     /// The guarded denominators `g(q_t · Σ k_s)`, `[B·H·L]`, if normalised. Synchronises.
@@ -236,7 +276,7 @@ impl LinearAttentionSaved {
         match &self.den {
             Some(d) => {
                 let mut v = d.to_vec()?;
-                v.truncate(self.dims.batch * self.dims.heads * self.dims.len);
+                v.truncate(self.sizes.den);
                 Ok(Some(v))
             }
             None => Ok(None),
@@ -244,68 +284,89 @@ impl LinearAttentionSaved {
     }
 }
 
-fn state_width(d: &Dims, c: &LinearAttentionConfig) -> usize {
-    d.dim + usize::from(c.normalize)
+/// The product of `factors`, or `None` on overflow; 0 when any factor is 0 (an empty axis
+/// makes the product empty whatever the other sizes are).
+fn product(factors: &[usize]) -> Option<usize> {
+    if factors.contains(&0) {
+        return Some(0);
+    }
+    factors.iter().try_fold(1usize, |a, &f| a.checked_mul(f))
+}
+
+/// `W = D + normalize`, or `None` on overflow.
+fn state_width(d: &Dims, c: &LinearAttentionConfig) -> Option<usize> {
+    d.dim.checked_add(usize::from(c.normalize))
 }
 
 /// Bytes the forward keeps for a call of `dims` (states and denominators), without running it.
 ///
 /// # Errors
-/// [`Error::TooLarge`] on overflow.
+/// [`Error::TooLarge`] when a count overflows (or passes the kernels' 64-bit indexing).
 pub fn saved_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize> {
-    let (states, den) = saved_sizes(dims, config)?;
-    Ok((states.0 + states.1 + den) * 4)
+    let s = saved_sizes(dims, config)?;
+    Ok((s.state + s.boundary + s.den) * 4)
 }
 
-/// ((final, boundary), den) element counts.
-fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<((usize, usize), usize)> {
-    let too_large = || Error::LegacyTooLarge("saved state size overflows".into());
-    let bh = d.batch.checked_mul(d.heads).ok_or_else(too_large)?;
-    let per = d.feat.checked_mul(state_width(d, c)).ok_or_else(too_large)?;
-    let fin = bh.checked_mul(per).ok_or_else(too_large)?;
-    let bnd =
-        if c.keeps_boundaries() { fin.checked_mul(d.len.div_ceil(c.chunk.max(1))).ok_or_else(too_large)? } else { 0 };
-    let den = if c.normalize { bh.checked_mul(d.len).ok_or_else(too_large)? } else { 0 };
-    if fin.max(bnd).max(den) >= i64::MAX as usize / 4 {
+fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<SavedSizes> {
+    let too_large = || Error::too_large("saved state", format!("the element counts of {d:?} overflow"));
+    let bhm = product(&[d.batch, d.heads, d.feat]).ok_or_else(too_large)?;
+    // W is only computed for a non-empty state (D may be any size when M = 0)
+    let state =
+        if bhm == 0 { 0 } else { product(&[bhm, state_width(d, c).ok_or_else(too_large)?]).ok_or_else(too_large)? };
+    let boundary = if c.keeps_boundaries() {
+        product(&[state, d.len.div_ceil(c.chunk.max(1))]).ok_or_else(too_large)?
+    } else {
+        0
+    };
+    let den = if c.normalize { product(&[d.batch, d.heads, d.len]).ok_or_else(too_large)? } else { 0 };
+    // the three buffers are summed (saved_bytes, the workspace) and indexed in bytes
+    if state.max(boundary).max(den) >= i64::MAX as usize / 16 {
         return Err(too_large());
     }
-    Ok(((fin, bnd), den))
+    Ok(SavedSizes { state, boundary, den })
 }
 
-/// Checks a rank-4 view against its buffer; returns its shape.
-fn check_view(layout: &Layout, len: usize, what: &'static str) -> Result<[usize; 4]> {
-    let s = layout.shape();
-    if s.len() != 4 {
-        return Err(Error::LegacyShape(format!("{what}: expected a rank-4 [B, H, L, F] view, got shape {s:?}")));
+/// The shape of a rank-4 view (any other rank: [`Error::InvalidLayout`]).
+fn rank4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
+    match *shape {
+        [b, h, l, f] => Ok([b, h, l, f]),
+        _ => Err(Error::invalid_layout(what, format!("expected a rank-4 [B, H, L, F] view, got shape {shape:?}"))),
     }
-    layout.check_fits(len, what)?;
-    Ok([s[0], s[1], s[2], s[3]])
 }
 
-fn expect_shape(got: [usize; 4], want: [usize; 4], what: &'static str) -> Result<()> {
+fn expect_shape(got: &[usize], want: [usize; 4], what: &str) -> Result<()> {
     if got != want {
-        return Err(Error::LegacyShape(format!("{what}: shape {got:?}, expected {want:?}")));
+        return Err(Error::shape_mismatch(what, &want, got));
     }
     Ok(())
 }
 
-/// The kernels' view of a layout (strides of size-1 dimensions zeroed: never multiplied by
-/// a nonzero index, so they cannot overflow the signed arithmetic).
-fn la_tensor(layout: &Layout, data: *mut c_void) -> sys::MesaLaTensor {
+/// `x` as the kernels' signed 64-bit size.
+pub(crate) fn to_i64(x: usize, what: &str) -> Result<i64> {
+    i64::try_from(x).map_err(|_| Error::too_large(what, format!("{x} does not fit the kernels' 64-bit indexing")))
+}
+
+/// The kernels' view of a layout (strides of size-1 dimensions, and all strides of an empty
+/// view, zeroed: never multiplied by a nonzero index). The view was checked by
+/// `TensorRef`/`TensorMut::new`, so every other stride times its extent stays below 2^63.
+pub(crate) fn la_tensor(layout: &Layout, data: *mut c_void) -> sys::MesaLaTensor {
     let mut strides = [0i64; 4];
-    for (k, (&n, &s)) in layout.shape().iter().zip(layout.strides()).enumerate().take(4) {
-        strides[k] = if n > 1 { s as i64 } else { 0 };
+    if layout.numel() > 0 {
+        for (k, (&n, &s)) in layout.shape().iter().zip(layout.strides()).enumerate().take(4) {
+            strides[k] = if n > 1 { s as i64 } else { 0 };
+        }
     }
     sys::MesaLaTensor { data, strides }
 }
 
-fn la_shape(d: &Dims, c: &LinearAttentionConfig, dtype: DType) -> sys::MesaLaShape {
-    sys::MesaLaShape {
-        batch: d.batch as i64,
-        heads: d.heads as i64,
-        len: d.len as i64,
-        feat: d.feat as i64,
-        dim: d.dim as i64,
+fn la_shape(d: &Dims, c: &LinearAttentionConfig, dtype: DType) -> Result<sys::MesaLaShape> {
+    Ok(sys::MesaLaShape {
+        batch: to_i64(d.batch, "batch")?,
+        heads: to_i64(d.heads, "heads")?,
+        len: to_i64(d.len, "sequence length")?,
+        feat: to_i64(d.feat, "feature dimension")?,
+        dim: to_i64(d.dim, "value dimension")?,
+        // check(): 1..=64
         chunk: c.chunk as i32,
         dtype: dtype.to_sys(),
         causal: i32::from(c.causal),
@@ -315,96 +376,90 @@ fn la_shape(d: &Dims, c: &LinearAttentionConfig, dtype: DType) -> sys::MesaLaSha
             MemoryMode::BoundaryStates => sys::MESA_LA_BOUNDARY_STATES,
             MemoryMode::Slim => sys::MESA_LA_SLIM,
         }) as sys::MesaLaMemory,
-    }
+    })
 }
 
 /// Forward: writes `out` and returns what the backward needs.
 ///
-/// Shapes: `q, k: [B, H, L, M]`, `v, out: [B, H, L, D]` (rank-4 views, any strides; `out`
-/// must not overlap itself or the inputs). dtypes: f32, f16, bf16 (one for all; state and
-/// accumulation f32). Any `L` (including 0 and `L < C`), `M`, `D`, `B·H`.
+/// Shapes: `q, k: [B, H, L, M]`, `v, out: [B, H, L, D]` (rank-4 views, any strides).
+/// dtypes: f32, f16, bf16 (one for all; state and accumulation f32). Any `L` (including 0
+/// and `L < C`), `M`, `D`, `B·H`; a call with nothing to write launches nothing.
+///
+/// In-place: not supported (an `out` overlapping `q`, `k` or `v` → [`Error::Aliasing`]);
+/// the inputs may share memory.
 ///
 /// Allocates (stream-ordered) the saved state: see [`LinearAttentionSaved::size_in_bytes`].
 /// Bytes moved (floor): `(2M + D)·L·sizeof(T)` read + `D·L·sizeof(T)` written per `(b, h)`,
 /// plus the boundary states written in [`MemoryMode::BoundaryStates`].
 ///
 /// # Errors
-/// [`Error::Shape`] (rank ≠ 4, shapes disagree, output overlaps itself, bad ε),
-/// [`Error::Unsupported`] (chunk outside `1..=64`), [`Error::BufferTooShort`],
-/// [`Error::TooLarge`], [`Error::WrongBackend`], [`Error::Misaligned`], CUDA errors.
+/// [`Error::InvalidArgument`] (chunk outside `1..=64`, ε not finite and > 0 when
+/// normalizing), [`Error::InvalidLayout`] (rank ≠ 4), [`Error::ShapeMismatch`] (`k`, `v`
+/// or `out` disagreeing with `q`), [`Error::Aliasing`], [`Error::TooLarge`] (saved state),
+/// [`Error::WrongBackend`], [`Error::Misaligned`], CUDA errors.
 pub fn forward<T: Element>(
     device: &Device,
     config: &LinearAttentionConfig,
-    q: TensorRef<'_, T>,
-    k: TensorRef<'_, T>,
-    v: TensorRef<'_, T>,
-    out: TensorMut<'_, T>,
+    args: ForwardArgs<'_, '_, T>,
 ) -> Result<LinearAttentionSaved> {
     config.check()?;
-    let qm = q.data.mem_ref();
-    let km = k.data.mem_ref();
-    let vm = v.data.mem_ref();
-    let mut om = out.data.mem_mut();
-    let qs = check_view(q.layout, qm.len(), "q")?;
-    let ks = check_view(k.layout, km.len(), "k")?;
-    let vs = check_view(v.layout, vm.len(), "v")?;
-    let os = check_view(out.layout, om.len(), "out")?;
-    expect_shape(ks, qs, "k")?;
-    if vs[..3] != qs[..3] {
-        return Err(Error::LegacyShape(format!("v: shape {vs:?} does not share [B, H, L] with q {qs:?}")));
-    }
-    expect_shape(os, vs, "out")?;
-    out.layout.check_no_overlap("out")?;
+    let ForwardArgs { q, k, v, out } = args;
+    let qs = rank4(q.shape(), "q")?;
+    expect_shape(k.shape(), qs, "k")?;
+    let vs = rank4(v.shape(), "v")?;
+    expect_shape(v.shape(), [qs[0], qs[1], qs[2], vs[3]], "v")?;
+    expect_shape(out.shape(), vs, "out")?;
     let dims = Dims { batch: qs[0], heads: qs[1], len: qs[2], feat: qs[3], dim: vs[3] };
-    let ((fin, bnd), den) = saved_sizes(&dims, config)?;
+    let sizes = saved_sizes(&dims, config)?;
     let mut saved = LinearAttentionSaved {
-        state: device.alloc_for_kernel::<f32>(fin.max(1))?,
-        boundary: if config.keeps_boundaries() { Some(device.alloc_for_kernel::<f32>(bnd.max(1))?) } else { None },
-        den: if config.normalize { Some(device.alloc_for_kernel::<f32>(den.max(1))?) } else { None },
+        state: device.alloc_for_kernel::<f32>(sizes.state.max(1))?,
+        boundary: if config.keeps_boundaries() {
+            Some(device.alloc_for_kernel::<f32>(sizes.boundary.max(1))?)
+        } else {
+            None
+        },
+        den: if config.normalize { Some(device.alloc_for_kernel::<f32>(sizes.den.max(1))?) } else { None },
+        sizes,
         dims,
         config: *config,
         dtype: T::DTYPE,
     };
-    {
-        let qp = device.read_ptr(&qm, q.layout.offset(), "q")?;
-        let kp = device.read_ptr(&km, k.layout.offset(), "k")?;
-        let vp = device.read_ptr(&vm, v.layout.offset(), "v")?;
-        let op = device.write_ptr(&mut om, out.layout.offset(), "out")?;
-        let mut state_mem = saved.state.mem_mut();
-        let sp = device.write_ptr(&mut state_mem, 0, "state")?;
-        let mut bnd_mem = saved.boundary.as_mut().map(DeviceMemoryMut::mem_mut);
-        let bp = match bnd_mem.as_mut() {
-            Some(m) => Some(device.write_ptr(m, 0, "boundary states")?),
-            None => None,
-        };
-        let mut den_mem = saved.den.as_mut().map(DeviceMemoryMut::mem_mut);
-        let dp = match den_mem.as_mut() {
-            Some(m) => Some(device.write_ptr(m, 0, "denominators")?),
-            None => None,
-        };
-        let args = sys::MesaLaForwardArgs {
-            shape: la_shape(&dims, config, T::DTYPE),
-            q: la_tensor(q.layout, qp.addr),
-            k: la_tensor(k.layout, kp.addr),
-            v: la_tensor(v.layout, vp.addr),
-            out: la_tensor(out.layout, op.addr),
-            state: sp.addr.cast(),
-            boundary: bp.as_ref().map_or(std::ptr::null_mut(), |p| p.addr.cast()),
-            den: dp.as_ref().map_or(std::ptr::null_mut(), |p| p.addr.cast()),
-        };
-        // SAFETY: q, k, v, out are rank-4 views whose furthest element lies inside their buffers
-        // (check_fits) with the shapes checked equal above; out does not overlap itself; the
-        // state, boundary and denominator buffers were allocated with the sizes the header
-        // documents for these dims (saved_sizes). The cudarc guards order the accesses.
-        unsafe {
-            device.launch(
-                "linear_attention_forward",
-                &args,
-                sys::mesa_linear_attention_forward,
-                sys::mesa_emu_linear_attention_forward,
-            )?;
-        }
+    if out.numel() == 0 && sizes.state == 0 && sizes.boundary == 0 && sizes.den == 0 {
+        return Ok(saved);
     }
+    let shape = la_shape(&dims, config, T::DTYPE)?;
+    let LinearAttentionSaved { state, boundary, den, .. } = &mut saved;
+    let mut launch = Launch::new(device);
+    let args = sys::MesaLaForwardArgs {
+        shape,
+        q: la_tensor(q.layout(), launch.input(q, "q")?.cast_mut()),
+        k: la_tensor(k.layout(), launch.input(k, "k")?.cast_mut()),
+        v: la_tensor(v.layout(), launch.input(v, "v")?.cast_mut()),
+        out: la_tensor(&out.layout().clone(), launch.output(out, "out")?),
+        state: launch.write_buffer(state, "saved state")?,
+        boundary: match boundary.as_mut() {
+            Some(b) => launch.write_buffer(b, "boundary states")?,
+            None => std::ptr::null_mut(),
+        },
+        den: match den.as_mut() {
+            Some(b) => launch.write_buffer(b, "denominators")?,
+            None => std::ptr::null_mut(),
+        },
+    };
+    // SAFETY: q, k, v, out are registered rank-4 views (each inside its buffer, checked by
+    // TensorRef/TensorMut::new) with the shapes checked equal above and described by their
+    // strides; out overlaps no input (the builder's aliasing check); the state, boundary and
+    // denominator buffers are registered and hold the counts the header documents for these
+    // dims (saved_sizes).
+    unsafe {
+        launch.launch(
+            "linear_attention_forward",
+            &args,
+            sys::mesa_linear_attention_forward,
+            sys::mesa_emu_linear_attention_forward,
+        )?;
+    }
+    launch.finish()?;
     Ok(saved)
 }
 
@@ -412,128 +467,108 @@ pub fn forward<T: Element>(
 ///
 /// `out` (the forward's output) is required when normalised (`dden = −(dout·out)/g`), and
 /// ignored otherwise. `q, k, v` must be the forward's inputs. `dq, dk: [B, H, L, M]`,
-/// `dv, dout: [B, H, L, D]`, one dtype; the gradient views must not overlap themselves (or
-/// each other, or the inputs). `saved` is not modified (the SLiM rebuild works on a copy).
+/// `dv, dout: [B, H, L, D]`, one dtype. `saved` is not modified (the SLiM rebuild works on a
+/// copy).
+///
+/// In-place: not supported (a gradient overlapping an input or another gradient →
+/// [`Error::Aliasing`]).
 ///
 /// Allocates a workspace of `(B·H·M·W + B·H·L)·4` bytes (stream-ordered, freed when the
 /// call's work is done).
 ///
 /// # Errors
-/// As [`forward`], plus [`Error::Shape`] when `saved` was made for other dims, dtype or
-/// config, or `out` is missing; [`Error::WrongBackend`] when `saved` is another backend's.
-#[allow(clippy::too_many_arguments)]
+/// [`Error::ShapeMismatch`] naming the tensor whose shape differs from the forward's dims
+/// (`q`, `k`, `v`, `out`, `dout`, `dq`, `dk`, `dv`); [`Error::InvalidArgument`] when `saved`
+/// was made in another dtype, or `out` is missing (normalised); [`Error::WrongBackend`] when
+/// `saved` is another backend's; [`Error::Aliasing`], [`Error::TooLarge`],
+/// [`Error::Misaligned`], CUDA errors.
 pub fn backward<T: Element>(
     device: &Device,
     saved: &LinearAttentionSaved,
-    q: TensorRef<'_, T>,
-    k: TensorRef<'_, T>,
-    v: TensorRef<'_, T>,
-    out: Option<TensorRef<'_, T>>,
-    dout: TensorRef<'_, T>,
-    dq: TensorMut<'_, T>,
-    dk: TensorMut<'_, T>,
-    dv: TensorMut<'_, T>,
+    args: BackwardArgs<'_, '_, T>,
 ) -> Result<()> {
     let config = saved.config;
     let dims = saved.dims;
     if saved.dtype != T::DTYPE {
-        return Err(Error::LegacyShape(format!(
-            "saved by a {} forward, backward in {}",
-            saved.dtype.name(),
-            T::DTYPE.name()
-        )));
+        return Err(Error::invalid_argument(
+            "saved",
+            format!("made by a {} forward, backward in {}", saved.dtype.name(), T::DTYPE.name()),
+        ));
     }
     match (device.kind(), &saved.state) {
         (Kind::Cuda(_), Buffer::Cuda(_)) | (Kind::Emulator, Buffer::Host(_)) => {}
-        _ => return Err(Error::LegacyWrongBackend("saved state belongs to another backend".into())),
+        _ => return Err(Error::wrong_backend("saved state", "it belongs to another backend than the device")),
     }
+    let BackwardArgs { q, k, v, out, dout, grads: Grads { dq, dk, dv } } = args;
     let qshape = [dims.batch, dims.heads, dims.len, dims.feat];
     let vshape = [dims.batch, dims.heads, dims.len, dims.dim];
-    let qm = q.data.mem_ref();
-    let km = k.data.mem_ref();
-    let vm = v.data.mem_ref();
-    let gm = dout.data.mem_ref();
-    expect_shape(check_view(q.layout, qm.len(), "q")?, qshape, "q")?;
-    expect_shape(check_view(k.layout, km.len(), "k")?, qshape, "k")?;
-    expect_shape(check_view(v.layout, vm.len(), "v")?, vshape, "v")?;
-    expect_shape(check_view(dout.layout, gm.len(), "dout")?, vshape, "dout")?;
-    let out_pair = match (&out, config.normalize) {
+    expect_shape(q.shape(), qshape, "q")?;
+    expect_shape(k.shape(), qshape, "k")?;
+    expect_shape(v.shape(), vshape, "v")?;
+    expect_shape(dout.shape(), vshape, "dout")?;
+    let out = match (out, config.normalize) {
         (Some(o), true) => {
-            let m = o.data.mem_ref();
-            expect_shape(check_view(o.layout, m.len(), "out")?, vshape, "out")?;
-            Some((m, o.layout))
+            expect_shape(o.shape(), vshape, "out")?;
+            Some(o)
         }
         (None, true) => {
-            return Err(Error::LegacyShape("normalised attention: backward needs the forward output `out`".into()))
+            return Err(Error::invalid_argument(
+                "out",
+                "normalised attention: the backward needs the forward output `out`",
+            ))
         }
         (_, false) => None,
     };
-    let mut dqm = dq.data.mem_mut();
-    let mut dkm = dk.data.mem_mut();
-    let mut dvm = dv.data.mem_mut();
-    expect_shape(check_view(dq.layout, dqm.len(), "dq")?, qshape, "dq")?;
-    expect_shape(check_view(dk.layout, dkm.len(), "dk")?, qshape, "dk")?;
-    expect_shape(check_view(dv.layout, dvm.len(), "dv")?, vshape, "dv")?;
-    dq.layout.check_no_overlap("dq")?;
-    dk.layout.check_no_overlap("dk")?;
-    dv.layout.check_no_overlap("dv")?;
-    let ((fin, _), den) = saved_sizes(&dims, &config)?;
-    let mut work = device.alloc_for_kernel::<f32>((fin + den).max(1))?;
-
-    let qp = device.read_ptr(&qm, q.layout.offset(), "q")?;
-    let kp = device.read_ptr(&km, k.layout.offset(), "k")?;
-    let vp = device.read_ptr(&vm, v.layout.offset(), "v")?;
-    let gp = device.read_ptr(&gm, dout.layout.offset(), "dout")?;
-    let op = match &out_pair {
-        Some((m, l)) => Some((device.read_ptr(m, l.offset(), "out")?, *l)),
-        None => None,
-    };
-    let state_mem = saved.state.mem_ref();
-    let sp = device.read_ptr(&state_mem, 0, "state")?;
-    let bnd_mem = saved.boundary.as_ref().map(DeviceMemory::mem_ref);
-    let bp = match bnd_mem.as_ref() {
-        Some(m) => Some(device.read_ptr(m, 0, "boundary states")?),
-        None => None,
-    };
-    let den_mem = saved.den.as_ref().map(DeviceMemory::mem_ref);
-    let dp = match den_mem.as_ref() {
-        Some(m) => Some(device.read_ptr(m, 0, "denominators")?),
-        None => None,
-    };
-    let dqp = device.write_ptr(&mut dqm, dq.layout.offset(), "dq")?;
-    let dkp = device.write_ptr(&mut dkm, dk.layout.offset(), "dk")?;
-    let dvp = device.write_ptr(&mut dvm, dv.layout.offset(), "dv")?;
-    let mut work_mem = work.mem_mut();
-    let wp = device.write_ptr(&mut work_mem, 0, "workspace")?;
+    expect_shape(dq.shape(), qshape, "dq")?;
+    expect_shape(dk.shape(), qshape, "dk")?;
+    expect_shape(dv.shape(), vshape, "dv")?;
+    if dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0 {
+        return Ok(());
+    }
+    let sizes = saved_sizes(&dims, &config)?;
+    let shape = la_shape(&dims, &config, T::DTYPE)?;
+    // saved_sizes: each count < i64::MAX / 16, so the sum does not overflow
+    let mut work = device.alloc_for_kernel::<f32>((sizes.state + sizes.den).max(1))?;
+    let mut launch = Launch::new(device);
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
     let args = sys::MesaLaBackwardArgs {
-        shape: la_shape(&dims, &config, T::DTYPE),
-        q: la_tensor(q.layout, qp.addr),
-        k: la_tensor(k.layout, kp.addr),
-        v: la_tensor(v.layout, vp.addr),
-        out: op.as_ref().map_or(null, |(p, l)| la_tensor(l, p.addr)),
-        dout: la_tensor(dout.layout, gp.addr),
-        dq: la_tensor(dq.layout, dqp.addr),
-        dk: la_tensor(dk.layout, dkp.addr),
-        dv: la_tensor(dv.layout, dvp.addr),
-        state: sp.addr as *const f32,
-        boundary: bp.as_ref().map_or(std::ptr::null(), |p| p.addr as *const f32),
-        den: dp.as_ref().map_or(std::ptr::null(), |p| p.addr as *const f32),
-        work: wp.addr.cast(),
+        shape,
+        q: la_tensor(q.layout(), launch.input(q, "q")?.cast_mut()),
+        k: la_tensor(k.layout(), launch.input(k, "k")?.cast_mut()),
+        v: la_tensor(v.layout(), launch.input(v, "v")?.cast_mut()),
+        out: match out {
+            Some(o) => la_tensor(o.layout(), launch.input(o, "out")?.cast_mut()),
+            None => null,
+        },
+        dout: la_tensor(dout.layout(), launch.input(dout, "dout")?.cast_mut()),
+        dq: la_tensor(&dq.layout().clone(), launch.output(dq, "dq")?),
+        dk: la_tensor(&dk.layout().clone(), launch.output(dk, "dk")?),
+        dv: la_tensor(&dv.layout().clone(), launch.output(dv, "dv")?),
+        state: launch.read_buffer(&saved.state, "saved state")?,
+        boundary: match saved.boundary.as_ref() {
+            Some(b) => launch.read_buffer(b, "boundary states")?,
+            None => std::ptr::null(),
+        },
+        den: match saved.den.as_ref() {
+            Some(b) => launch.read_buffer(b, "denominators")?,
+            None => std::ptr::null(),
+        },
+        work: launch.write_buffer(&mut work, "workspace")?,
     };
-    // SAFETY: every view is rank 4 with the forward's dims and lies inside its buffer
-    // (check_fits); the gradient views do not overlap themselves; the saved buffers were
-    // sized by the forward for these dims and config (same dtype and backend checked
-    // above); the workspace holds B·H·M·W + B·H·L f32 as the header requires.
+    // SAFETY: every view is registered, rank 4 with the forward's dims (checked above) and
+    // inside its buffer (TensorRef/TensorMut::new); no gradient overlaps an input or another
+    // gradient (the builder's aliasing check); the saved buffers were sized by the forward
+    // for these dims and config (same dtype and backend checked above); the workspace holds
+    // B·H·M·W + B·H·L f32 as the header requires.
     unsafe {
-        device.launch(
+        launch.launch(
             "linear_attention_backward",
             &args,
             sys::mesa_linear_attention_backward,
             sys::mesa_emu_linear_attention_backward,
         )?;
     }
-    drop((qp, kp, vp, gp, op, sp, bp, dp, dqp, dkp, dvp, wp));
+    launch.finish()?;
     // the workspace is freed stream-ordered (cudarc) after the kernels that use it
     drop(work);
     Ok(())
