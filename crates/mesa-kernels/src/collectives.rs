@@ -227,6 +227,7 @@ fn common_strides(layouts: &[&Layout], what: &str) -> Result<[i64; 3]> {
 /// **In-place:** not supported: an output that overlaps any input, residual, bias or another
 /// rank's output is rejected with [`Error::Aliasing`] (ranks read every input while the others
 /// write their outputs).
+#[derive(Debug)]
 pub struct SeqParallelGroup {
     device: Device,
     world: usize,

@@ -6,14 +6,10 @@
 //! emulation runs the same kernel source on host threads, synchronously, on host memory.
 //!
 //! How ops are ordered against other streams: the crate docs, "Stream contract".
-use std::ffi::c_void;
 use std::panic::catch_unwind;
 use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
-    ValidAsZeroBits,
-};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 
 use crate::error::{Error, Result};
 
@@ -486,120 +482,5 @@ impl<T> DeviceMemory<T> for Vec<T> {
 impl<T> DeviceMemoryMut<T> for Vec<T> {
     fn mem_mut(&mut self) -> MemMut<'_, T> {
         MemMut::Host(self)
-    }
-}
-
-// ---- transitional: the pre-builder pointer helpers, removed once every op uses crate::launch ----
-
-/// A pointer ready for a kernel argument struct, with the cudarc guard that records the
-/// access on the stream when dropped (after the launch).
-pub(crate) struct Ptr<'a> {
-    pub addr: *mut c_void,
-    _guard: Option<SyncOnDrop<'a>>,
-}
-
-fn check_align<T>(addr: u64, what: &'static str) -> Result<()> {
-    let align = std::mem::align_of::<T>();
-    if addr % align as u64 != 0 {
-        return Err(Error::Misaligned { what, align });
-    }
-    Ok(())
-}
-
-fn same_context(view_stream: &CudaStream, stream: &CudaStream) -> Result<()> {
-    if view_stream.context().cu_ctx() != stream.context().cu_ctx() {
-        return Err(Error::LegacyWrongBackend(
-            "buffer belongs to a different CUDA context (device) than the stream".into(),
-        ));
-    }
-    Ok(())
-}
-
-impl Device {
-    /// The address of `m` for a kernel that reads it (element `offset` onward).
-    pub(crate) fn read_ptr<'a, T>(
-        &'a self,
-        m: &'a MemRef<'a, T>,
-        offset: usize,
-        what: &'static str,
-    ) -> Result<Ptr<'a>> {
-        let elem = std::mem::size_of::<T>() as u64;
-        match (&self.kind, m) {
-            (Kind::Cuda(s), MemRef::Cuda(v)) => {
-                same_context(cudarc::driver::DeviceSlice::stream(v), s)?;
-                let (p, g) = v.device_ptr(s);
-                Ok(Ptr { addr: (p + offset as u64 * elem) as *mut c_void, _guard: Some(g) })
-            }
-            (Kind::Cuda(_) | Kind::Emulator, MemRef::Raw(r)) => {
-                check_align::<T>(r.ptr, what)?;
-                Ok(Ptr { addr: (r.ptr + offset as u64 * elem) as *mut c_void, _guard: None })
-            }
-            (Kind::Emulator, MemRef::Host(h)) => {
-                // offset <= len is checked by the caller's layout validation
-                Ok(Ptr { addr: h.as_ptr().wrapping_add(offset) as *mut c_void, _guard: None })
-            }
-            (Kind::Emulator, _) => {
-                Err(Error::LegacyWrongBackend(format!("{what}: device memory given to the emulator")))
-            }
-            (Kind::Cuda(_), MemRef::Host(_)) => {
-                Err(Error::LegacyWrongBackend(format!("{what}: host memory given to the CUDA backend")))
-            }
-        }
-    }
-
-    /// The address of `m` for a kernel that writes it (element `offset` onward).
-    pub(crate) fn write_ptr<'a, T>(
-        &'a self,
-        m: &'a mut MemMut<'a, T>,
-        offset: usize,
-        what: &'static str,
-    ) -> Result<Ptr<'a>> {
-        let elem = std::mem::size_of::<T>() as u64;
-        match (&self.kind, m) {
-            (Kind::Cuda(s), MemMut::Cuda(v)) => {
-                same_context(cudarc::driver::DeviceSlice::stream(v), s)?;
-                let (p, g) = v.device_ptr_mut(s);
-                Ok(Ptr { addr: (p + offset as u64 * elem) as *mut c_void, _guard: Some(g) })
-            }
-            (Kind::Cuda(_) | Kind::Emulator, MemMut::Raw(r)) => {
-                check_align::<T>(r.ptr, what)?;
-                Ok(Ptr { addr: (r.ptr + offset as u64 * elem) as *mut c_void, _guard: None })
-            }
-            (Kind::Emulator, MemMut::Host(h)) => {
-                Ok(Ptr { addr: h.as_mut_ptr().wrapping_add(offset) as *mut c_void, _guard: None })
-            }
-            (Kind::Emulator, _) => {
-                Err(Error::LegacyWrongBackend(format!("{what}: device memory given to the emulator")))
-            }
-            (Kind::Cuda(_), MemMut::Host(_)) => {
-                Err(Error::LegacyWrongBackend(format!("{what}: host memory given to the CUDA backend")))
-            }
-        }
-    }
-
-    /// Calls a kernel entry point of the right build: `cuda` on a CUDA device (with the
-    /// stream's context bound to this thread), `emu` for the emulation.
-    ///
-    /// # Safety
-    /// `args` must describe memory that the kernel may access as documented by its header.
-    pub(crate) unsafe fn launch<A>(
-        &self,
-        op: &'static str,
-        args: &A,
-        cuda: unsafe extern "C" fn(*const A, *mut c_void) -> mesa_kernels_sys::MesaStatus,
-        emu: unsafe extern "C" fn(*const A, *mut c_void) -> mesa_kernels_sys::MesaStatus,
-    ) -> Result<()> {
-        let status = match &self.kind {
-            Kind::Cuda(s) => {
-                // a launch from a thread whose current context is another device's would go
-                // to the wrong device: bind the stream's context first
-                s.context().bind_to_thread()?;
-                // SAFETY: forwarded from the caller's contract.
-                unsafe { cuda(args, s.cu_stream() as *mut c_void) }
-            }
-            // SAFETY: forwarded from the caller's contract.
-            Kind::Emulator => unsafe { emu(args, std::ptr::null_mut()) },
-        };
-        crate::error::check_status(op, status, if status == 0 { None } else { self.compute_capability() })
     }
 }

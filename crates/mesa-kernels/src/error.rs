@@ -131,21 +131,6 @@ pub enum Error {
         /// The kernel entry point.
         op: &'static str,
     },
-    /// Transitional (removed before this change lands).
-    #[doc(hidden)]
-    LegacyShape(String),
-    #[doc(hidden)]
-    LegacyTooLarge(String),
-    #[doc(hidden)]
-    LegacyUnsupported(String),
-    #[doc(hidden)]
-    LegacyWrongBackend(String),
-    #[doc(hidden)]
-    LegacyCuda(String),
-    #[doc(hidden)]
-    LegacyTimeout(String),
-    #[doc(hidden)]
-    LegacyNoCudaDevice(String),
 }
 
 impl Error {
@@ -210,13 +195,6 @@ impl fmt::Display for Error {
             Error::Driver { op, source } => write!(f, "CUDA driver error in {op}: {source:?}"),
             Error::CudaRuntime { op, code } => write!(f, "CUDA error in {op}: cudaError {code}"),
             Error::Timeout { op, why } => write!(f, "timeout in {op}: {why}"),
-            Error::LegacyShape(m)
-            | Error::LegacyTooLarge(m)
-            | Error::LegacyUnsupported(m)
-            | Error::LegacyWrongBackend(m)
-            | Error::LegacyCuda(m)
-            | Error::LegacyTimeout(m)
-            | Error::LegacyNoCudaDevice(m) => f.write_str(m),
             Error::KernelArgument { op } => {
                 write!(f, "kernel entry point `{op}` rejected its arguments (a bug in mesa-kernels' checks)")
             }
