@@ -210,8 +210,8 @@ __device__ void gather_shards(const MesaSeqParArgs& a, int rank, int64_t tid, in
 }
 
 // ---------------------------------------------------------------------------------------
-// The collective kernel: grid.x = rank_count × bpr, block r·bpr + b is block b of rank
-// rank_begin + r. kGather selects all-gather, else reduce-scatter.
+// Block `blk` of `rank` moves its part of the output (all-gather or reduce-scatter), or with
+// `poison` writes NaN over exactly the same elements.
 template <typename T, bool kDense, bool kGather>
 __device__ __forceinline__ void move_part(const MesaSeqParArgs& a, int rank, int blk, int bpr, bool poison) {
   const int64_t tid = int64_t(blk) * blockDim.x + threadIdx.x;
