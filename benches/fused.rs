@@ -95,7 +95,8 @@ fn bench(c: &mut Criterion) {
     // elementwise / rows: [rows, cols]
     let (rows, cols) = if cuda { (32 * 512, 3072) } else { (64, 768) };
     let (srows, scols) = if cuda { (32 * 12 * 512, 512) } else { (12 * 64, 64) };
-    let (lrows, lcols) = if cuda { (32 * 512, 1024) } else { (128, 256) };
+    // LayerNorm rows ×4 of the others: its input and output (268 MB) stay ≥ 4× the 50 MB L2
+    let (lrows, lcols) = if cuda { (128 * 512, 1024) } else { (128, 256) };
     let n = rows * cols;
     let sn = srows * scols;
     let ln = lrows * lcols;

@@ -30,8 +30,9 @@ use mesa_kernels::{Buffer, Device, Layout, QuantConfig, Quantizer, SavedActivati
 /// (docs, BRIEF §8).
 const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
 
-/// A realistic attention activation [B, N, H, D], bf16, grouped per head (axis 2).
-const CUDA_SHAPE: [usize; 4] = [32, 512, 16, 64];
+/// A realistic attention activation [B, N, H, D], bf16, grouped per head (axis 2); 134M
+/// elements, so that input and codes (402 MB) are 8× the H200's 50 MB L2.
+const CUDA_SHAPE: [usize; 4] = [256, 512, 16, 64];
 /// A small shape for the host emulation (MiniLM-like heads).
 const EMU_SHAPE: [usize; 4] = [2, 64, 12, 32];
 const HEAD_AXIS: usize = 2;
