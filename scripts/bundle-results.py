@@ -35,10 +35,9 @@ def steps(summary):
         if line.startswith(("sections ", "mode: ")):
             tail.append(line)
             continue
-        # STEP SECTION STATUS SECONDS LIMIT: step names have no spaces except in parentheses
-        m = re.match(r"^(.*?)\s{2,}(\S+)\s+(.*?)\s+(\d+)\s+(\S+)\s*$", line)
-        if m:
-            rows.append(m.groups())
+        cells = [c.strip() for c in line.split(" | ")]  # STEP SECTION STATUS SECONDS LIMIT
+        if len(cells) == 5:
+            rows.append(cells)
     return rows, tail
 
 

@@ -42,8 +42,8 @@ SECTIONS=(
     "gpu-check       core       15"   # driver and GPU, first: abort in seconds without them
     "unpack          core       15"   # payload.tar.xz into a scratch directory, checksums
     "parity-tests    core      100"   # every test executable, MESA_REQUIRE_GPU=1
-    "sanitizer       core      110"   # compute-sanitizer, four tools on small cases
-    "short-benches   core       60"   # criterion, warm-up 0.5 s, measurement 1 s
+    "sanitizer       core      100"   # compute-sanitizer, four tools on small cases
+    "short-benches   core       70"   # criterion, warm-up 0.5 s, measurement 1 s
     "gpu-only-tests  extended   90"   # tests that only a GPU runs (cross-stream, graphs, >2^31)
     "example         extended   60"   # compress_report on the fixture, JSON kept
     "peer-baselines  extended  120"   # PyTorch etc. on the same shapes (none yet)
@@ -65,7 +65,7 @@ SANITIZER_CASES=(
     "linear_attention any_length_and_chunk"
     "collectives element_counts_that_are_not_a_multiple_of_the_vector_width"
 )
-SANITIZER_TOOLS=(memcheck racecheck synccheck initcheck)
+SANITIZER_TOOLS=(memcheck racecheck synccheck initcheck)   # each gets an equal share of the rest
 # The emulator's broken-kernel suite (issue 9): run under every tool; errors are expected.
 BROKEN_KERNELS=broken_kernels
 
@@ -84,10 +84,11 @@ elapsed() { echo $(($(now) - START)); }
 
 write_summary() {
     {
-        printf '%-72s %-15s %-26s %7s %6s\n' STEP SECTION STATUS SECONDS LIMIT
+        # columns split by " | " (scripts/bundle-results.py reads them)
+        printf '%-64s | %-14s | %-26s | %7s | %5s\n' STEP SECTION STATUS SECONDS LIMIT
         local i
         for i in "${!STEP_NAMES[@]}"; do
-            printf '%-72s %-15s %-26s %7s %6s\n' "${STEP_NAMES[$i]}" "${STEP_SECTIONS[$i]}" \
+            printf '%-64s | %-14s | %-26s | %7s | %5s\n' "${STEP_NAMES[$i]}" "${STEP_SECTIONS[$i]}" \
                 "${STEP_STATUS[$i]}" "${STEP_SECS[$i]}" "${STEP_LIMITS[$i]}"
         done
         printf '\nsections (used / allowance, seconds):'
@@ -109,7 +110,7 @@ write_summary() {
 record() {  # name status seconds limit failed(0/1)
     STEP_NAMES+=("$1") STEP_SECTIONS+=("$CUR_SECTION") STEP_STATUS+=("$2") STEP_SECS+=("$3") STEP_LIMITS+=("$4")
     if [[ "$5" == 1 ]]; then FAILED=1; fi
-    printf '=== %-72s %s (%ss)\n' "$1" "$2" "$3"
+    printf '=== %-64s %s (%ss)\n' "$1" "$2" "$3"
     write_summary   # after every step: a run killed from outside still leaves its table
 }
 
@@ -234,7 +235,7 @@ sec_parity_tests() {
             # shellcheck disable=SC2086 # the filter is a list of words
             step "test:$name" 60 "$t" $DRY_TEST_FILTER "${args[@]}"
         else
-            step "test:$name" 60 env MESA_REQUIRE_GPU=1 "$t" "${args[@]}"
+            step "test:$name" 90 env MESA_REQUIRE_GPU=1 "$t" "${args[@]}"
         fi
     done
 }
@@ -245,8 +246,11 @@ sec_sanitizer() {
     local -a common=(--error-exitcode 86 --print-limit 50 --target-processes all)
     # Without a GPU the tests make no CUDA call; this keeps every flag checked (dry run).
     [[ $DRY == 1 ]] && common+=(--require-cuda-init no)
-    local tool line bin test extra
+    local tool line bin test extra tools_left=${#SANITIZER_TOOLS[@]} section_end=$SECTION_END
     for tool in "${SANITIZER_TOOLS[@]}"; do
+        # a slow tool must not take the others' time: each its share of what is left
+        SECTION_END=$(($(now) + (section_end - $(now)) / tools_left))
+        tools_left=$((tools_left - 1))
         extra=()
         [[ $tool == memcheck ]] && extra=(--padding 32 --leak-check full)
         for line in "${SANITIZER_CASES[@]}"; do
@@ -275,6 +279,7 @@ sec_sanitizer() {
     else
         skip "sanitizer:$BROKEN_KERNELS" "not in this bundle (issue 9)"
     fi
+    SECTION_END=$section_end
 }
 
 # criterion's own flags; a group's settings in the bench source win over them
@@ -286,12 +291,18 @@ bench_times() {
     fi
 }
 
+# Short tier subsets (criterion's name filter), GPU only: one sequence length of six.
+declare -A SHORT_BENCH_FILTER=([linear_attention]=_T8192_)
+
 sec_short_benches() {
-    local b
+    local b name filter
     for b in "${BENCHES[@]}"; do
+        name=$(basename "$b")
+        filter=()
+        if [[ $DRY != 1 && -n "${SHORT_BENCH_FILTER[$name]:-}" ]]; then filter=("${SHORT_BENCH_FILTER[$name]}"); fi
         # shellcheck disable=SC2046
-        step "bench-short:$(basename "$b")" 40 env MESA_REQUIRE_GPU="$((1 - DRY))" CRITERION_HOME="$SCRATCH/criterion" \
-            "$b" --bench --noplot $(bench_times short)
+        step "bench-short:$name" 45 env MESA_REQUIRE_GPU="$((1 - DRY))" CRITERION_HOME="$SCRATCH/criterion" \
+            "$b" --bench --noplot $(bench_times short) "${filter[@]}"
     done
 }
 
