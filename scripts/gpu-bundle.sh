@@ -187,6 +187,6 @@ total=$((bundle_bytes + tree_bytes))
 log "bundle/: $bundle_bytes bytes (payload $(stat -c %s "$BUNDLE/payload.tar.xz"), uncompressed $(du -sb "$STAGE" | cut -f1))"
 log "working tree that travels with it: $tree_bytes bytes; together $total of $LIMIT_BYTES"
 if (( total > LIMIT_BYTES )); then
-    die "bundle/ + working tree = $total bytes, over the 64 MiB a device run carries"
+    die "bundle/ + working tree = $total bytes, over the limit of $LIMIT_BYTES (what a device run carries)"
 fi
 log "done: run it with  bash bundle/run.sh  (device runner: carry [\"bundle\"])"
