@@ -1063,3 +1063,92 @@ fn empty_shards_with_huge_dims_are_empty_not_a_panic() {
     assert!(matches!(rc::all_reduce(&[vec![1.0], vec![]]), Err(Error::InvalidLayout { .. })));
     assert_eq!(rc::all_reduce(&[vec![1.0, 2.0], vec![0.5, 0.25]]), Ok(vec![1.5, 2.25]));
 }
+
+/// An empty shard may be given as a null pointer (what `cudaMalloc(0)` and framework
+/// allocators hand out): an all-gather input or a reduce-scatter output of 0 rows. The
+/// results are exact (bit copies; sums of two ones), as for any other shard.
+#[test]
+fn null_pointers_for_empty_shards_are_accepted() {
+    let device = Device::emulator();
+    // SAFETY: a zero-length view; the builder and the kernels never dereference it.
+    let null: mesa_kernels::RawDeviceSlice<f32> = unsafe { mesa_kernels::RawDeviceSlice::new(0, 0) };
+    let mut null_out: mesa_kernels::RawDeviceSlice<f32> = unsafe { mesa_kernels::RawDeviceSlice::new(0, 0) };
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    let splits = SeqSplits::new(&[2, 0]).expect("splits");
+    // all-gather: rank 1 contributes no rows
+    let shard0: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
+    let (mut o0, mut o1) = (vec![f32::NAN; 4], vec![f32::NAN; 4]);
+    {
+        let ins = [
+            TensorRef::contiguous(&shard0, &[2, 1, 2]).expect("view"),
+            TensorRef::contiguous(&null, &[0, 1, 2]).expect("view"),
+        ];
+        let mut outs = vec![
+            TensorMut::contiguous(&mut o0, &[2, 1, 2]).expect("view"),
+            TensorMut::contiguous(&mut o1, &[2, 1, 2]).expect("view"),
+        ];
+        let r = group.all_gather_seq(&ins, &mut outs, &splits);
+        assert!(r.is_ok(), "all-gather with a null empty shard: {r:?}");
+    }
+    assert_eq!((o0.clone(), o1.clone()), (shard0.clone(), shard0.clone()), "gathered rows");
+    // reduce-scatter: rank 1 receives no rows
+    let ones = vec![1f32; 4];
+    let mut out0 = vec![f32::NAN; 4];
+    {
+        let ins = [
+            TensorRef::contiguous(&ones, &[2, 1, 2]).expect("view"),
+            TensorRef::contiguous(&ones, &[2, 1, 2]).expect("view"),
+        ];
+        let mut outs = vec![
+            TensorMut::contiguous(&mut out0, &[2, 1, 2]).expect("view"),
+            TensorMut::contiguous(&mut null_out, &[0, 1, 2]).expect("view"),
+        ];
+        let r = group.reduce_scatter_seq(&ins, &mut outs, &splits, &Epilogue::none());
+        assert!(r.is_ok(), "reduce-scatter with a null empty output shard: {r:?}");
+    }
+    assert_eq!(out0, vec![2.0; 4], "sum of two ranks of ones");
+}
+
+/// After a timeout the group is poisoned until `reset`; a later call must not leave stale
+/// numbers in its outputs (the promise of `Error::Timeout`: every output NaN), and a call
+/// that is invalid anyway reports its own error, not the old timeout.
+#[test]
+fn a_poisoned_group_writes_nan_not_stale_numbers() {
+    let device = Device::emulator();
+    let mut group = SeqParallelGroup::new(&device, 2).expect("group");
+    group.set_timeout(Duration::from_millis(20)).expect("timeout");
+    let input = vec![1f32; 8];
+    let call = |group: &mut SeqParallelGroup, fill: f32| {
+        let (mut o0, mut o1) = (vec![fill; 4], vec![fill; 4]);
+        let r = {
+            let ins = [
+                TensorRef::contiguous(&input, &[4, 1, 2]).expect("view"),
+                TensorRef::contiguous(&input, &[4, 1, 2]).expect("view"),
+            ];
+            let mut outs = vec![
+                TensorMut::contiguous(&mut o0, &[2, 1, 2]).expect("view"),
+                TensorMut::contiguous(&mut o1, &[2, 1, 2]).expect("view"),
+            ];
+            group.reduce_scatter_seq(&ins, &mut outs, &SeqSplits::even(4, 2).expect("splits"), &Epilogue::none())
+        };
+        (r, o0, o1)
+    };
+    group.set_launch_ranks_for_testing(Some(0..1)); // rank 1 never comes: rank 0 times out
+    let (r, o0, _) = call(&mut group, 7.0);
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    assert!(o0.iter().all(|v| v.is_nan()), "first timed-out call: {o0:?}");
+    group.set_launch_ranks_for_testing(None);
+    let (r, o0, o1) = call(&mut group, 7.0);
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    assert!(o0.iter().chain(&o1).all(|v| v.is_nan()), "poisoned group left {o0:?} {o1:?}");
+    // an invalid call on a poisoned group: its own error kind
+    let mut o = vec![0f32; 8];
+    let ins = [TensorRef::contiguous(&input, &[4, 1, 2]).expect("view")];
+    let mut outs = vec![TensorMut::contiguous(&mut o, &[4, 1, 2]).expect("view")];
+    let r = group.reduce_scatter_seq(&ins, &mut outs, &SeqSplits::new(&[4]).expect("splits"), &Epilogue::none());
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    group.reset().expect("reset");
+    let (r, o0, o1) = call(&mut group, 7.0);
+    r.expect("after reset");
+    assert_eq!((o0, o1), (vec![2.0; 4], vec![2.0; 4]));
+}

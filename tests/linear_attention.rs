@@ -1381,3 +1381,20 @@ fn forward_takes_q_k_v_as_sub_slices_of_one_host_vec() {
     let (mo, _, _, _) = magnitudes(q, k, v, v, n, true, Some(1e-6), false);
     check_close("out", &widen(&out), &rout, &mo, n, DType::F32);
 }
+
+/// FAVOR+ with no input features (d = 0): x and ω are empty and may be null pointers;
+/// φ(x) = exp(ω·x − |x|²/2)/√m = 1/√m exactly for every position (Performer Eq. for the
+/// positive features, with empty sums).
+#[test]
+fn favor_with_no_input_features_takes_null_pointers() {
+    let device = Device::emulator();
+    let proj = FavorProjection::from_matrix(&device, 4, 0, &[]).expect("empty projection");
+    let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::None };
+    // SAFETY: a zero-length view; never dereferenced.
+    let null: mesa_kernels::RawDeviceSlice<f32> = unsafe { mesa_kernels::RawDeviceSlice::new(0, 0) };
+    let x = TensorRef::contiguous(&null, &[1, 1, 2, 0]).expect("view");
+    let mut phi = vec![f32::NAN; 8];
+    let r = feature_map::forward(&device, &map, &x, &mut TensorMut::contiguous(&mut phi, &[1, 1, 2, 4]).expect("view"));
+    assert!(r.is_ok(), "{r:?}");
+    assert_eq!(phi, vec![0.5; 8], "1/sqrt(4)");
+}

@@ -1045,3 +1045,15 @@ fn reference_functions_take_any_input_without_panicking() {
     let far = Layout::strided(&[2], &[usize::MAX], 1).expect("layout");
     assert_eq!(reference::offsets(&far), vec![1, usize::MAX]);
 }
+
+/// An empty handle whose other dims multiply past `usize` reports 0 elements and 0 original
+/// bytes (its element count was formed in a way that overflowed; visible with overflow checks,
+/// as in CI's checked run).
+#[test]
+fn empty_handles_with_huge_dims_report_zero_elements() {
+    let device = Device::emulator();
+    let v = vec![0f32; 4];
+    let x = TensorRef::contiguous(&v[..], &[usize::MAX, 2, 0]).expect("empty view");
+    let saved = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q").quantize(&x).expect("empty quantize");
+    assert_eq!((saved.numel(), saved.original_bytes()), (0, 0));
+}
