@@ -349,10 +349,17 @@ inline MesaStatus collective(const MesaSeqParArgs* a, bool gather, void* stream)
   for (int k = 0; k < 3; ++k)
     if (a->in_strides[k] < 0 || a->out_strides[k] < 0 || a->residual_strides[k] < 0) return MESA_STATUS_INVALID_ARGUMENT;
   if (a->bias_stride < 0) return MESA_STATUS_INVALID_ARGUMENT;
-  for (int r = 0; r < W; ++r)
-    if (a->ranks[r].flags == nullptr || a->ranks[r].input == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
-  for (int r = a->rank_begin; r < a->rank_begin + a->rank_count; ++r)
-    if (a->ranks[r].output == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
+  // an empty shard may be a null pointer (cudaMalloc(0), framework allocators): all-gather
+  // inputs and reduce-scatter outputs are shards; the others are the whole [S, B, H]
+  for (int r = 0; r < W; ++r) {
+    const bool empty_shard = a->split_offsets[r + 1] == a->split_offsets[r];
+    if (a->ranks[r].flags == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
+    if (a->ranks[r].input == nullptr && !(gather && empty_shard)) return MESA_STATUS_INVALID_ARGUMENT;
+  }
+  for (int r = a->rank_begin; r < a->rank_begin + a->rank_count; ++r) {
+    const bool empty_shard = a->split_offsets[r + 1] == a->split_offsets[r];
+    if (a->ranks[r].output == nullptr && !(!gather && empty_shard)) return MESA_STATUS_INVALID_ARGUMENT;
+  }
   switch (a->dtype) {
     case MESA_DTYPE_F32: return launch_collective<float>(*a, gather, stream);
     case MESA_DTYPE_F16: return launch_collective<__half>(*a, gather, stream);

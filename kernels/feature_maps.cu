@@ -276,7 +276,10 @@ extern "C" MesaStatus MESA_ENTRY(feature_map_forward)(const MesaFeatureArgs* a, 
   if (a->map == MESA_FEATURE_FAVOR && (a->stabilizer < MESA_FAVOR_NONE || a->stabilizer > MESA_FAVOR_SEQUENCE_MAX))
     return MESA_STATUS_INVALID_ARGUMENT;
   if (a->batch * a->heads * a->len * a->out_dim == 0) return MESA_STATUS_OK;
-  if (a->x.data == nullptr || a->phi.data == nullptr || (a->map == MESA_FEATURE_FAVOR && a->omega == nullptr))
+  // with in_dim = 0, x (and FAVOR+'s ω) are empty and may be null pointers; phi is still written
+  const bool x_empty = a->in_dim == 0;
+  if ((a->x.data == nullptr && !x_empty) || a->phi.data == nullptr ||
+      (a->map == MESA_FEATURE_FAVOR && a->omega == nullptr && !x_empty))
     return MESA_STATUS_INVALID_ARGUMENT;
   return dispatch_fm<FeatureForwardOp>(a->dtype, *a, stream);
 }

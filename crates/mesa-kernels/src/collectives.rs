@@ -532,10 +532,10 @@ impl SeqParallelGroup {
         gather: bool,
     ) -> Result<()> {
         let op = if gather { "seqpar_all_gather" } else { "seqpar_reduce_scatter" };
-        if self.poisoned {
-            return Err(Error::timeout(op, "the group timed out earlier; call reset() first"));
-        }
         let plan = self.validate(op, inputs, outputs, splits, epilogue, gather)?;
+        // A poisoned group still launches: the ranks whose status word is set write NaN over
+        // their outputs and their peers give up on them, so no output keeps stale numbers.
+        let poisoned = self.poisoned;
         let w = self.world;
         let mut args = sys::MesaSeqParArgs {
             batch: plan.b as i64,
@@ -604,6 +604,9 @@ impl SeqParallelGroup {
             }
         }
         launch.finish()?;
+        if poisoned {
+            return Err(Error::timeout(op, "the group timed out earlier (outputs are NaN); call reset() first"));
+        }
         // The emulation is synchronous: read the status words now (free). CUDA: see check().
         if let Buffer::Host(words) = &self.flags {
             if let Some(e) = status_error(self.world, words, self.timeout, op) {

@@ -143,6 +143,7 @@ impl Device {
     /// # Errors
     /// [`Error::TooLarge`] when the allocation fails (host) or a CUDA allocation error.
     pub fn alloc_zeros<T: Storage>(&self, len: usize) -> Result<Buffer<T>> {
+        check_alloc_size::<T>(len)?;
         match &self.kind {
             Kind::Cuda(s) => Ok(Buffer::Cuda(s.alloc_zeros::<T>(len)?)),
             Kind::Emulator => Ok(Buffer::Host(host_vec(len)?)),
@@ -152,6 +153,7 @@ impl Device {
     /// Allocates `len` elements whose contents are unspecified until a kernel writes them
     /// (stream-ordered `cuMemAllocAsync` on CUDA; zeroed host memory for the emulation).
     pub(crate) fn alloc_for_kernel<T: Storage>(&self, len: usize) -> Result<Buffer<T>> {
+        check_alloc_size::<T>(len)?;
         match &self.kind {
             // SAFETY: every caller hands the buffer to a kernel that writes all `len`
             // elements before anything reads them.
@@ -199,6 +201,17 @@ impl Device {
             Kind::Cuda(s) => s.context().compute_capability().ok(),
             Kind::Emulator => None,
         }
+    }
+}
+
+/// `len` elements of `T` fit in `isize::MAX` bytes (cudarc multiplies unchecked).
+fn check_alloc_size<T>(len: usize) -> Result<()> {
+    match len.checked_mul(std::mem::size_of::<T>()) {
+        Some(bytes) if bytes <= isize::MAX as usize => Ok(()),
+        _ => Err(Error::too_large(
+            "allocation",
+            format!("{len} elements of {} bytes do not fit in memory", std::mem::size_of::<T>()),
+        )),
     }
 }
 

@@ -577,8 +577,8 @@ impl SavedActivation {
     /// Number of elements.
     #[must_use]
     pub fn numel(&self) -> usize {
-        // checked when the handle was allocated
-        self.meta.shape.iter().product()
+        // checked when the handle was allocated (0 for an empty shape, whatever its other dims)
+        checked_numel(&self.meta.shape, "saved activation").unwrap_or(0)
     }
     /// Number of parameter groups.
     #[must_use]
