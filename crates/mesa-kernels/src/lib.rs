@@ -43,8 +43,10 @@
 //!   for a framework's own allocator on the same stream. Nothing for cudarc buffers. During
 //!   CUDA-graph capture, give buffers of the capturing stream (an event wait on a stream
 //!   outside the capture is not capturable).
-//! * **Aliasing**: overlapping memory between a written tensor and any other tensor of the
-//!   same call is rejected ([`Error::Aliasing`]); no op computes in place.
+//! * **Aliasing**: a written tensor whose address range (first to last element it can reach)
+//!   overlaps the range of any other tensor of the same call is rejected
+//!   ([`Error::Aliasing`]); no op computes in place. The test is conservative: two strided
+//!   views that interleave in one buffer without sharing an element are rejected too.
 //!
 //! ```
 //! use mesa_kernels::{Device, Layout, Quantizer, QuantConfig, TensorMut, TensorRef};
