@@ -125,12 +125,13 @@ pub fn sqrt_code_nearest(y: f64, scale: f64, bits: u32) -> u32 {
     t.round_ties_even().clamp(0.0, levels) as u32
 }
 
-/// Stochastic square-root companded code for `u ∈ [0, 1)`: `clamp(floor(√y / scale + u), 0, L)`.
+/// Stochastic square-root companded code for `u ∈ [0, 1)`: `clamp(floor(√y / scale + u), 0, L)`,
+/// evaluated as [`super::quant::stochastic_round`] (an on-grid `√y / scale` keeps its code).
 #[must_use]
 pub fn sqrt_code_stochastic(y: f64, scale: f64, bits: u32, u: f64) -> u32 {
     let levels = super::quant::levels(bits);
     let t = if y > 0.0 { y.sqrt() / scale } else { 0.0 };
-    (t + u).floor().clamp(0.0, levels) as u32
+    super::quant::stochastic_round(t, u).clamp(0.0, levels) as u32
 }
 
 /// Decoded square-root companded code: `(code · scale + offset)²`.
