@@ -1885,7 +1885,7 @@ fn gelu_negative_tail_keeps_its_relative_accuracy() {
                     // show the whole and half integers, where the issue quotes the errors
                     let shown: Vec<&str> = bad
                         .iter()
-                        .filter(|(x, _)| (2.0 * x).fract() == 0.0)
+                        .filter(|(x, _)| bad.len() <= 24 || (2.0 * x).fract() == 0.0)
                         .map(|(_, s)| s.as_str())
                         .take(24)
                         .collect();
