@@ -1284,7 +1284,9 @@ fn emulator_and_gpu_agree() {
     let x: Vec<bf16> = random(&mut rng, 1200, 0.0, 4.0);
     let dy: Vec<bf16> = random(&mut rng, 1200, 0.0, 1.0);
     // GELU: the codes of x are bitwise those of the quantizer (same encode, same parameters);
-    // outputs agree to a few ulps (erff differs between libdevice and glibc)
+    // outputs go through erfcf, which differs by a few f32 ulps between libdevice and glibc
+    // (every other rounding is explicit: docs/design.md), so after rounding to bf16 they
+    // differ by at most one bf16 ulp (≤ 2⁻⁷·|y|), or by subnormal-range noise below 1e-37.
     let run_gelu = |d: &Device| {
         let mut q = Quantizer::new(d, QuantConfig { bits: 4, ..QuantConfig::per_tensor() }).expect("q");
         let xb = d.upload(&x).expect("up");
@@ -1296,9 +1298,12 @@ fn emulator_and_gpu_agree() {
     let (cg, pg, yg) = run_gelu(&gpu);
     assert_eq!((ce, pe), (cg, pg), "GELU codes and parameters must be bitwise equal");
     for (a, b) in ye.iter().zip(&yg) {
-        assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(1e-3), "GELU output {a} vs {b}");
+        assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(b.abs()) + 1e-37, "GELU output {a} vs {b}");
     }
-    // softmax and LayerNorm: outputs within a few ulps, codes within one of each other
+    // softmax: expf differs by ulps -> outputs within one bf16 ulp, codes within one step.
+    // LayerNorm uses only IEEE-rounded +, ×, /, sqrt and fmaf in one fixed reduction order
+    // (the emulator runs the same warp shuffles), so its outputs, codes, statistics and
+    // gradients are bitwise equal.
     for bits in [8, 2] {
         let run = |d: &Device| {
             let xb = d.upload(&x).expect("up");
@@ -1337,18 +1342,12 @@ fn emulator_and_gpu_agree() {
             // companded codes c, c + 1 decode (c·s)², ((c + 1)·s)²: apart by (√a + √b)·s
             assert!((a - b).abs() <= (a.sqrt() + b.sqrt()) * step * 1.0001, "softmax codes differ by more than one");
         }
-        for (a, b) in e.1.iter().zip(&g.1).chain(e.3.iter().zip(&g.3)) {
-            assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(1e-3), "output {a} vs {b}");
+        for (a, b) in e.1.iter().zip(&g.1) {
+            assert!((a - b).abs() <= 2f64.powi(-7) * a.abs().max(b.abs()) + 1e-37, "softmax output {a} vs {b}");
         }
-        for (a, b) in e.4.iter().zip(&g.4) {
-            assert!((a - b).abs() <= 1e-3 * (1.0 + a.abs()), "dweight {a} vs {b}");
-        }
-        // x̂ codes: parameters from f32 statistics that may differ by ulps, codes by one
-        let (lo, hi) = e.2.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), &v| (l.min(v), h.max(v)));
-        let xstep = (hi - lo) / rq::levels(bits);
-        for (a, b) in e.2.iter().zip(&g.2) {
-            assert!((a - b).abs() <= 1.01 * xstep + 1e-5, "x^ codes differ by more than one step: {a} vs {b}");
-        }
+        assert_eq!(e.3, g.3, "LayerNorm outputs must be bitwise equal");
+        assert_eq!(e.4, g.4, "LayerNorm dweight must be bitwise equal");
+        assert_eq!(e.2, g.2, "LayerNorm x^ codes (decoded with their parameters) must be bitwise equal");
     }
 }
 
@@ -1866,7 +1865,7 @@ fn gelu_negative_tail_keeps_its_relative_accuracy() {
                     for i in 0..n {
                         let (r, rd) = (rf::gelu(xs[i], form), rf::gelu_derivative(xs[i], form));
                         let (t, td) = (gelu_tail_tol(xs[i], form, false, u), gelu_tail_tol(xs[i], form, true, u));
-                        if !((yh[i] - r).abs() <= t) || yfh[i].to_bits() != yh[i].to_bits() {
+                        if (yh[i] - r).abs().is_nan() || (yh[i] - r).abs() > t || yfh[i].to_bits() != yh[i].to_bits() {
                             bad.push((
                                 xs[i],
                                 format!(
@@ -1875,7 +1874,7 @@ fn gelu_negative_tail_keeps_its_relative_accuracy() {
                                 ),
                             ));
                         }
-                        if !((dxh[i] - rd).abs() <= td) {
+                        if (dxh[i] - rd).abs().is_nan() || (dxh[i] - rd).abs() > td {
                             bad.push((
                                 xs[i],
                                 format!("{form:?} {dtype:?} gelu'({}) = {:e}, reference {rd:e}", xs[i], dxh[i]),
