@@ -43,11 +43,14 @@ __device__ __forceinline__ float tanh_arg(float x) {
 // σ(2u) and σ(−2u) from one e = e^{−2|u|} ∈ (0, 1] (never overflows): r = 1/(1 + e) is the
 // larger of the two, e·r the smaller. In the negative tail σ(2u) = e·r, and the factor e is
 // applied last, so nothing underflows before the result does.
-__device__ __forceinline__ float gelu_value(float x, int form) {
+// Not inlined: inlined 8 times per unit next to the f16/bf16 conversions, erfcf made nvcc 13
+// spill 4 bytes on sm_90 (scripts/check-resources.sh); the call costs a few instructions of an
+// elementwise, memory-bound kernel.
+__device__ __noinline__ float gelu_value(float x, int form) {
   if (form == MESA_GELU_TANH) {
     const float u = tanh_arg(x);
     const float e = expf(-2.0f * fabsf(u));
-    const float r = 1.0f / (1.0f + e);
+    const float r = reciprocal(1.0f + e);  // 1 + e in [1, 2]: Newton, no division slow path
     return u >= 0.0f ? x * r : (x * r) * e;
   }
   return 0.5f * x * erfcf(-x * kInvSqrt2);
@@ -57,7 +60,7 @@ __device__ __forceinline__ float gelu_derivative(float x, int form) {
   if (form == MESA_GELU_TANH) {
     const float u = tanh_arg(x);
     const float e = expf(-2.0f * fabsf(u));
-    const float r = 1.0f / (1.0f + e);
+    const float r = reciprocal(1.0f + e);  // 1 + e in [1, 2]: Newton, no division slow path
     const float sm = u >= 0.0f ? e * r : r;  // σ(−2u)
     const float du = kSqrt2OverPi * __fadd_rn(1.0f, __fmul_rn(3.0f * kTanhCoef * x, x));
     // a factor that underflowed to 0 makes its term exactly 0, even where du overflows (|x| > 1e19)
