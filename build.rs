@@ -15,6 +15,10 @@
 //!   spellings `90`, `9.0`, `sm_90`, `compute_90`, `90a` (arch-specific, SASS only).
 //!   PTX is embedded for the highest non-`a` entry.
 //! * `MESA_CUDA_DISABLE=1`: build the emulation only, even if nvcc is present.
+//! * `MESA_EMU_FP_CONTRACT=fast`: compile the emulation with FMA contraction on
+//!   (`-ffp-contract=fast`, plus `-mfma` on x86-64) instead of off — a check, not a mode: the
+//!   kernels write every rounding that matters explicitly (`fmaf`, `__fmul_rn`, `__fadd_rn`),
+//!   so both builds must give bitwise the same results (`.ci/run` compares `tests/digests.rs`).
 //! * feature `regenerate-bindings`: run bindgen on `kernels/include/mesa_kernels.h` and
 //!   fail if `src/bindings.rs` differs (`MESA_WRITE_BINDINGS=1` rewrites it instead).
 use std::env;
@@ -29,12 +33,25 @@ fn main() {
     let kernels = manifest.join("kernels");
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=kernels");
-    for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "MESA_CUDA_ARCHS", "MESA_CUDA_DISABLE", "MESA_WRITE_BINDINGS"] {
+    for var in [
+        "NVCC",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "MESA_CUDA_ARCHS",
+        "MESA_CUDA_DISABLE",
+        "MESA_WRITE_BINDINGS",
+        "MESA_EMU_FP_CONTRACT",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
     let sources = kernel_sources(&kernels);
-    build_emulation(&kernels, &sources);
+    let contract = match env::var("MESA_EMU_FP_CONTRACT").as_deref() {
+        Err(_) | Ok("") | Ok("off") => "off",
+        Ok("fast") => "fast",
+        Ok(other) => fail(&format!("MESA_EMU_FP_CONTRACT=`{other}`: expected `off` (default) or `fast`")),
+    };
+    build_emulation(&kernels, &sources, contract);
 
     let cuda = if env::var("MESA_CUDA_DISABLE").is_ok_and(|v| v == "1") { None } else { find_nvcc() };
     let (cuda_built, archs_text) = match cuda {
@@ -61,7 +78,9 @@ fn main() {
             "/// True when the CUDA kernels were compiled (nvcc was found at build time).\n\
              pub const CUDA_BUILT: bool = {cuda_built};\n\
              /// The architectures compiled into the CUDA library (`sm_XX` = SASS, `compute_XX` = PTX).\n\
-             pub const CUDA_ARCHS: &str = \"{archs_text}\";\n"
+             pub const CUDA_ARCHS: &str = \"{archs_text}\";\n\
+             /// FMA contraction of the emulation build (`MESA_EMU_FP_CONTRACT`): \"off\" or \"fast\".\n\
+             pub const EMU_FP_CONTRACT: &str = \"{contract}\";\n"
         ),
     )
     .unwrap_or_else(|e| fail(&format!("cannot write build_info.rs: {e}")));
@@ -85,7 +104,7 @@ fn kernel_sources(kernels: &Path) -> Vec<PathBuf> {
     v
 }
 
-fn build_emulation(kernels: &Path, sources: &[PathBuf]) {
+fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str) {
     let mut b = cc::Build::new();
     b.cpp(true)
         .std("c++20")
@@ -97,10 +116,13 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf]) {
         // type-based aliasing (16-byte vector access reinterprets element arrays).
         .debug(false)
         .opt_level(2)
-        .flag("-ffp-contract=off")
+        .flag(if contract == "fast" { "-ffp-contract=fast" } else { "-ffp-contract=off" })
         .flag("-fno-strict-aliasing")
         .flag("-pthread")
         .warnings(false);
+    if contract == "fast" && env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|a| a == "x86_64") {
+        b.flag("-mfma"); // FMA instructions, so contraction really fuses (aarch64 always has them)
+    }
     b.file(kernels.join("emu").join("emu_runtime.cpp"));
     // The .cu files are C++ to the host compiler; the emulation header is force-included.
     let emu_header = kernels.join("emu").join("cuda_emu.h");

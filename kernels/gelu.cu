@@ -3,10 +3,16 @@
 // the backward decodes x inside the kernel.
 //
 // Math (f32):
-//   erf form:   gelu(x)  = x/2 · (1 + erf(x/√2))
-//               gelu'(x) = (1 + erf(x/√2))/2 + x · exp(−x²/2)/√(2π)
-//   tanh form:  u = √(2/π)·(x + 0.044715·x³),  gelu(x) = x/2 · (1 + tanh u)
-//               gelu'(x) = (1 + tanh u)/2 + x/2 · (1 − tanh² u) · √(2/π)·(1 + 3·0.044715·x²)
+//   erf form:   gelu(x)  = x/2 · (1 + erf(x/√2))  evaluated as  x/2 · erfc(−x/√2)
+//               gelu'(x) = erfc(−x/√2)/2 + x · exp(−x²/2)/√(2π)
+//   tanh form:  u = √(2/π)·(x + 0.044715·x³),  gelu(x) = x/2 · (1 + tanh u)  evaluated as  x·σ(2u)
+//               gelu'(x) = σ(2u) · (1 + 2x·σ(−2u)·√(2/π)·(1 + 3·0.044715·x²))
+//   σ(z) = 1/(1 + e^{−z}). `1 + erf` and `1 + tanh` cancel for x below about −5 (every digit
+//   lost from −6 with erf, −5.5 with tanh); erfc and σ keep full relative accuracy down to
+//   underflow: the relative error is that of the argument times its condition number,
+//   ≈ x²·2⁻²³ (erf form) and 12·|u|·2⁻²⁴ (tanh form) — tests/fused.rs, gelu_tail_tol.
+//   Sums of products are written with __fmul_rn/__fadd_rn: no FMA contraction on either
+//   build, so the only GPU-vs-emulator difference left is that of erfcf/expf (docs/design.md).
 //   codes of x: quant_common.cuh (encode with the Quantizer's parameters; statistics reduced in
 //   the same pass for the running estimate).
 //
@@ -29,21 +35,40 @@ constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 constexpr float kSqrt2OverPi = 0.79788456080286536f;
 constexpr float kTanhCoef = 0.044715f;
 
-__device__ __forceinline__ float gelu_value(float x, int form) {
+// u = √(2/π)·(x + 0.044715·x³) of the tanh form
+__device__ __forceinline__ float tanh_arg(float x) {
+  return kSqrt2OverPi * __fadd_rn(x, __fmul_rn(kTanhCoef * x * x, x));
+}
+
+// σ(2u) and σ(−2u) from one e = e^{−2|u|} ∈ (0, 1] (never overflows): r = 1/(1 + e) is the
+// larger of the two, e·r the smaller. In the negative tail σ(2u) = e·r, and the factor e is
+// applied last, so nothing underflows before the result does.
+// Not inlined: inlined 8 times per unit next to the f16/bf16 conversions, erfcf made nvcc 13
+// spill 4 bytes on sm_90 (scripts/check-resources.sh); the call costs a few instructions of an
+// elementwise, memory-bound kernel.
+__device__ __noinline__ float gelu_value(float x, int form) {
   if (form == MESA_GELU_TANH) {
-    const float u = kSqrt2OverPi * (x + kTanhCoef * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(u));
+    const float u = tanh_arg(x);
+    const float e = expf(-2.0f * fabsf(u));
+    const float r = reciprocal(1.0f + e);  // 1 + e in [1, 2]: Newton, no division slow path
+    return u >= 0.0f ? x * r : (x * r) * e;
   }
-  return 0.5f * x * (1.0f + erff(x * kInvSqrt2));
+  return 0.5f * x * erfcf(-x * kInvSqrt2);
 }
 
 __device__ __forceinline__ float gelu_derivative(float x, int form) {
   if (form == MESA_GELU_TANH) {
-    const float u = kSqrt2OverPi * (x + kTanhCoef * x * x * x);
-    const float t = tanhf(u);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kTanhCoef * x * x);
+    const float u = tanh_arg(x);
+    const float e = expf(-2.0f * fabsf(u));
+    const float r = reciprocal(1.0f + e);  // 1 + e in [1, 2]: Newton, no division slow path
+    const float sm = u >= 0.0f ? e * r : r;  // σ(−2u)
+    const float du = kSqrt2OverPi * __fadd_rn(1.0f, __fmul_rn(3.0f * kTanhCoef * x, x));
+    // a factor that underflowed to 0 makes its term exactly 0, even where du overflows (|x| > 1e19)
+    const float g = __fadd_rn(1.0f, sm > 0.0f ? __fmul_rn(2.0f * x * sm, du) : 0.0f);
+    if (u >= 0.0f) return r * g;
+    return e == 0.0f ? 0.0f : (r * g) * e;  // NaN stays NaN
   }
-  return 0.5f * (1.0f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+  return __fadd_rn(0.5f * erfcf(-x * kInvSqrt2), __fmul_rn(x * kInvSqrt2Pi, expf(-0.5f * x * x)));
 }
 
 // Forward: y = gelu(x) (y == nullptr: statistics pass only), codes of x into the sink.

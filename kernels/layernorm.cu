@@ -34,6 +34,28 @@ constexpr int kRowBlock = 256;
 constexpr int kLongBlock = 512;
 constexpr int kColBlock = 256;  // dw/db: one column per thread, 256 columns per block
 
+// Rows whose max|x| reaches 2^44 are normalised in a power-of-two scaled copy, x·2^-e with
+// 2^e <= max|x| < 2^(e+1): (x − mean)² of a finite row near 1e20 would overflow f32 (its sum
+// over C <= 2^31 elements can only overflow once max|x| > 2^47). The scaling is exact (up to
+// parts below 2^-126·max|x|, which do not change any f32 result), so x̂ is the same number,
+// and mean = mean_s·2^e, rstd = rstd_s·2^-e are exact too. Smaller rows take the plain
+// formulas (sc = 1: bitwise the unscaled computation).
+constexpr float kHugeRow = 17592186044416.0f;  // 2^44
+struct RowScale {
+  float sc;      // 2^-e (1 for ordinary rows)
+  float inv_sc;  // 2^e
+};
+__device__ __forceinline__ RowScale row_scale(float max_abs) {
+  if (!(max_abs >= kHugeRow) || !is_finite(max_abs)) return RowScale{1.0f, 1.0f};
+  const unsigned e = (__float_as_uint(max_abs) >> 23) & 0xffu;  // biased exponent, 171..254
+  return RowScale{__uint_as_float((254u - e) << 23), __uint_as_float(e << 23)};
+}
+
+// rstd_s = 1/sqrt(Σd²/C + eps·sc²), the sum of products written out (no FMA contraction).
+__device__ __forceinline__ float row_rstd(float sum_sq, float inv_cols, float eps, RowScale rs) {
+  return 1.0f / sqrtf(__fadd_rn(__fmul_rn(sum_sq, inv_cols), eps * rs.sc * rs.sc));
+}
+
 struct LnParams {
   const void* weight;
   const void* bias;
@@ -81,11 +103,12 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
   for (int64_t r = team_index<kTeam>(); r < rows; r += team_count<kTeam>()) {
     const T* xrow = x + xr.row(r);
     float mean, rstd;
+    RowScale rsc;
     if (kChunks > 0) {
       constexpr int K = kChunks > 0 ? kChunks : 1;
       float v[K][kUnit];
       int live[K];
-      float s = 0.0f;
+      float s = 0.0f, amax = 0.0f;
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int64_t c0 = (int64_t(k) * kTeam + rank) * kUnit;
@@ -97,9 +120,25 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
           for (int j = 0; j < kUnit; ++j) v[k][j] = 0.0f;
         }
 #pragma unroll
-        for (int j = 0; j < kUnit; ++j) s += v[k][j];
+        for (int j = 0; j < kUnit; ++j) {
+          s += v[k][j];
+          amax = fmaxf(amax, fabsf(v[k][j]));
+        }
       }
-      mean = team_sum<kTeam>(s, scratch) * inv_cols;
+      s = team_sum<kTeam>(s, scratch);
+      rsc = row_scale(team_max<kTeam>(amax, scratch));
+      if (rsc.sc != 1.0f) {  // huge row: the values held in registers are scaled in place
+        s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+          for (int j = 0; j < kUnit; ++j) {
+            v[k][j] *= rsc.sc;
+            s += v[k][j];
+          }
+        s = team_sum<kTeam>(s, scratch);
+      }
+      mean = s * inv_cols;  // of the scaled row; unscaled when stored
       float q = 0.0f;
 #pragma unroll
       for (int k = 0; k < K; ++k)
@@ -108,7 +147,7 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
           const float d = j < live[k] ? v[k][j] - mean : 0.0f;
           q = fmaf(d, d, q);
         }
-      rstd = 1.0f / sqrtf(team_sum<kTeam>(q, scratch) * inv_cols + p.eps);
+      rstd = row_rstd(team_sum<kTeam>(q, scratch), inv_cols, p.eps, rsc);
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (live[k] <= 0) continue;
@@ -123,15 +162,31 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
         if (sink.codes != nullptr || with_stats) sink_unit(sink, r * cols + c0, v[k], live[k], run, stats.target());
       }
     } else {
-      float s = 0.0f;
+      float s = 0.0f, amax = 0.0f;
       for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
         const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
         float v[kUnit];
         load_unit(xrow + c0 * xr.col_stride, xr.col_stride, live, v, 0.0f);
 #pragma unroll
-        for (int j = 0; j < kUnit; ++j) s += v[j];
+        for (int j = 0; j < kUnit; ++j) {
+          s += v[j];
+          amax = fmaxf(amax, fabsf(v[j]));
+        }
       }
-      mean = team_sum<kTeam>(s, scratch) * inv_cols;
+      s = team_sum<kTeam>(s, scratch);
+      rsc = row_scale(team_max<kTeam>(amax, scratch));
+      if (rsc.sc != 1.0f) {  // huge row: one more read, summing the scaled values
+        s = 0.0f;
+        for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
+          const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+          float v[kUnit];
+          load_unit(xrow + c0 * xr.col_stride, xr.col_stride, live, v, 0.0f);
+#pragma unroll
+          for (int j = 0; j < kUnit; ++j) s += v[j] * rsc.sc;
+        }
+        s = team_sum<kTeam>(s, scratch);
+      }
+      mean = s * inv_cols;  // of the scaled row; unscaled when stored
       float q = 0.0f;
       for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
         const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
@@ -139,17 +194,17 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
         load_unit(xrow + c0 * xr.col_stride, xr.col_stride, live, v, 0.0f);
 #pragma unroll
         for (int j = 0; j < kUnit; ++j) {
-          const float d = j < live ? v[j] - mean : 0.0f;
+          const float d = j < live ? v[j] * rsc.sc - mean : 0.0f;
           q = fmaf(d, d, q);
         }
       }
-      rstd = 1.0f / sqrtf(team_sum<kTeam>(q, scratch) * inv_cols + p.eps);
+      rstd = row_rstd(team_sum<kTeam>(q, scratch), inv_cols, p.eps, rsc);
       for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
         const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
         float v[kUnit];
         load_unit(xrow + c0 * xr.col_stride, xr.col_stride, live, v, 0.0f);
 #pragma unroll
-        for (int j = 0; j < kUnit; ++j) v[j] = (v[j] - mean) * rstd;
+        for (int j = 0; j < kUnit; ++j) v[j] = (v[j] * rsc.sc - mean) * rstd;
         if (y != nullptr) {
           float out[kUnit];
           affine_unit(w, b, c0, live, v, out);
@@ -158,9 +213,9 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
         if (sink.codes != nullptr || with_stats) sink_unit(sink, r * cols + c0, v, live, run, stats.target());
       }
     }
-    if (rank == 0) {
-      if (p.mean != nullptr) p.mean[r] = mean;
-      if (p.rstd != nullptr) p.rstd[r] = rstd;
+    if (rank == 0) {  // back to the row's own scale (exact: powers of two)
+      if (p.mean != nullptr) p.mean[r] = mean * rsc.inv_sc;
+      if (p.rstd != nullptr) p.rstd[r] = rstd * rsc.sc;
     }
   }
   if (with_stats) {
@@ -240,7 +295,7 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
       }
 #pragma unroll
       for (int j = 0; j < kUnit; ++j) {
-        const float gj = g[j] * wv[j];
+        const float gj = __fmul_rn(g[j], wv[j]);
         sg += gj;
         sgx = fmaf(gj, xv[j], sgx);
       }
@@ -260,7 +315,7 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
         for (int j = 0; j < kUnit; ++j) wv[j] = 1.0f;
       }
 #pragma unroll
-      for (int j = 0; j < kUnit; ++j) g[j] = rs * (g[j] * wv[j] - a - xv[j] * bq);
+      for (int j = 0; j < kUnit; ++j) g[j] = rs * __fsub_rn(__fsub_rn(__fmul_rn(g[j], wv[j]), a), __fmul_rn(xv[j], bq));
       store_unit(dx + dr.row(r) + c0 * dr.col_stride, dr.col_stride, live, g);
     }
   }

@@ -74,9 +74,20 @@ __device__ __forceinline__ float code_position(float x, CodeParams p) {
   return twice * __fmul_rn(d * p.prescale, p.inv_scale);
 }
 
+// Stochastic rounding is floor(t) + (u < frac(t)), never floorf(t + u): t + u rounded to f32
+// moves an on-grid t (frac 0) up one code when u >= 1 - ulp(t)/2 (t in [128, 256): one element
+// in 2^17) and biases every t by up to half an ulp. floor(t) and t - floor(t) are exact in f32
+// (|t| < 2^24 once clamped; NaN and huge t clamp below), so P(code = floor(t) + 1) = frac(t)
+// up to the 2^-24 grid of u, in both builds.
 __device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
   const float t = code_position(x, p);
-  const float r = stochastic ? floorf(t + u) : rintf(t);
+  float r;
+  if (stochastic) {
+    const float fl = floorf(t);
+    r = (u < t - fl) ? fl + 1.0f : fl;  // t - fl: exact (Sterbenz); fl + 1: exact below 2^24
+  } else {
+    r = rintf(t);
+  }
   return unsigned(fminf(fmaxf(r, 0.0f), levels));  // fmaxf(NaN, 0) = 0
 }
 

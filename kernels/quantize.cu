@@ -5,7 +5,8 @@
 //   scale_g  = range_g / L                      (range = max - min)
 //   t        = (x - offset_g) * inv_scale_g     (inv_scale = 1/scale, 0 for a constant group)
 //   nearest:    code = clamp(rint(t), 0, L)     (round half to even)
-//   stochastic: code = clamp(floor(t + u), 0, L),  u = Philox4x32-10(seed, i) in [0,1)
+//   stochastic: code = clamp(floor(t) + (u < t - floor(t)), 0, L),  u = Philox4x32-10(seed, i) in [0,1)
+//               (= floor(t + u) without rounding t + u: see encode() in quant_common.cuh)
 //   decode:     x^ = fmaf(code, scale_g, offset_g)
 //   companded (MESA_CODE_MAP_SQRT, fixed parameters, no statistics): the same with x replaced
 //   by sqrtf(x), and decode q = fmaf(code, scale_g, offset_g), x^ = q * q (__fmul_rn)

@@ -50,12 +50,15 @@ __device__ __forceinline__ float exp_shifted(float v, float m) {
   return (v == kNegInf) ? 0.0f : expf(v - m);
 }
 
-// Writes one unit of y (and its codes); counts non-finite outputs.
+// Writes one unit of y (and its codes); counts non-finite outputs and poisons their group
+// whenever the output is saved (sink.params set) — also when the codes come from the separate
+// pass over y (rows that do not start on a byte: sink.codes null here, quantize.cu after),
+// so both passes give the same count and the same NaN group.
 template <typename T>
 __device__ __forceinline__ void emit_unit(T* y, int64_t ys, int live, float (&out)[kUnit], const CodeSink& sink,
                                           int64_t i0, unsigned* nonfinite) {
   store_unit(y, ys, live, out);
-  if (sink.codes == nullptr) return;
+  if (sink.params == nullptr) return;  // plain softmax: nothing saved
   unsigned bad = 0u;
 #pragma unroll
   for (int j = 0; j < kUnit; ++j) {
@@ -68,8 +71,10 @@ __device__ __forceinline__ void emit_unit(T* y, int64_t ys, int live, float (&ou
       atomicExch(reinterpret_cast<unsigned*>(&params[sink.groups.group(i0 + j)].scale), 0x7fc00000u);
     }
   }
-  RunStats unused;
-  sink_unit(sink, i0, out, live, unused, nullptr, sink.sqrt_map);
+  if (sink.codes != nullptr) {
+    RunStats unused;
+    sink_unit(sink, i0, out, live, unused, nullptr, sink.sqrt_map);
+  }
   if (bad != 0u && nonfinite != nullptr) atomicAdd(nonfinite, bad);
 }
 

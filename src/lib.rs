@@ -22,4 +22,4 @@ pub use bindings::*;
 mod build_info {
     include!(concat!(env!("OUT_DIR"), "/build_info.rs"));
 }
-pub use build_info::{CUDA_ARCHS, CUDA_BUILT};
+pub use build_info::{CUDA_ARCHS, CUDA_BUILT, EMU_FP_CONTRACT};

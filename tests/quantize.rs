@@ -1057,3 +1057,80 @@ fn empty_handles_with_huge_dims_report_zero_elements() {
     let saved = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q").quantize(&x).expect("empty quantize");
     assert_eq!((saved.numel(), saved.original_bytes()), (0, 0));
 }
+
+/// Issue 10, stochastic rounding: a value that lies exactly on a code level must get that
+/// code whatever the uniform `u` (`floor(t + u) = t` for an integer `t` and `u < 1`), and
+/// so decode exactly. `floor(t + u)` evaluated in f32 rounds `t + u` up to `t + 1` when
+/// `u ≥ 1 − ulp(t)/2` (for `t ∈ [128, 256)`: `u ≥ 1 − 2⁻¹⁷`, one element in 2¹⁷).
+///
+/// The data are the integers 0…255 (offset 0, scale 1: every value on a level, `t` exact in
+/// f32); at the indices whose uniform is ≥ 1 − 2⁻¹⁷ the value is in [128, 255]. Tolerance:
+/// none — the codes must equal the values (the reference, `floor(t) + (u < t − floor t)`,
+/// gives `t` for every `u`), through the quantizer and through a fused producer (GELU's
+/// codes of x), on every backend.
+#[test]
+fn stochastic_rounding_keeps_on_grid_values_on_their_code() {
+    const SEED: u64 = 0x5eed_0010;
+    let n = 1usize << 20;
+    let near_one = 1.0 - 2f64.powi(-17);
+    let mut risky = 0usize;
+    let data: Vec<f32> = (0..n)
+        .map(|i| {
+            if rq::uniform(SEED, i as u64) >= near_one {
+                risky += 1;
+                (128 + i % 128) as f32
+            } else {
+                (i % 256) as f32
+            }
+        })
+        .collect();
+    assert!(risky > 0, "the seed must give some uniforms >= 1 - 2^-17 (found {risky})");
+    for &x in &data {
+        let t = x as f64;
+        for u in [0.0, 0.5, near_one, 1.0 - 2f64.powi(-24)] {
+            assert_eq!(rq::encode_stochastic(t, 0.0, 1.0, 8, u), t as u32, "reference keeps t = {t} for u = {u}");
+        }
+    }
+    let layout = Layout::contiguous(&[n]);
+    let config = QuantConfig {
+        rounding: Rounding::Stochastic { seed: SEED },
+        stats: StatsMode::Exact,
+        ..QuantConfig::per_tensor()
+    };
+    for device in common::backends() {
+        let buf = device.upload(&data).expect("upload");
+        let mut q = Quantizer::new(&device, config).expect("quantizer");
+        let saved = q.quantize(&TensorRef::new(&buf, &layout).expect("view")).expect("quantize");
+        let p = saved.params().expect("params")[0];
+        assert_eq!((p.offset, p.scale), (0.0, 1.0), "integers 0..255: offset 0, scale 1");
+        let codes = saved.codes().to_vec().expect("codes");
+        let moved: Vec<String> = (0..n)
+            .filter(|&i| f32::from(codes[i]) != data[i])
+            .take(8)
+            .map(|i| format!("x[{i}] = {} -> code {} (u = {})", data[i], codes[i], rq::uniform(SEED, i as u64)))
+            .collect();
+        assert!(
+            moved.is_empty(),
+            "quantize: on-grid values moved off their code ({risky} risky):\n{}",
+            moved.join("\n")
+        );
+        // the same through a fused producer (sink_unit): GELU saving the codes of x
+        let mut y = device.alloc_zeros::<f32>(n).expect("alloc");
+        let mut q = Quantizer::new(&device, config).expect("quantizer");
+        let saved = mesa_kernels::fused::gelu_forward(
+            &device,
+            &mut q,
+            mesa_kernels::GeluForm::Erf,
+            &TensorRef::new(&buf, &layout).expect("view"),
+            &mut TensorMut::new(&mut y, &layout).expect("view"),
+        )
+        .expect("gelu_forward");
+        let codes = saved.codes().to_vec().expect("codes");
+        let moved: Vec<String> = (0..n)
+            .filter(|&i| f32::from(codes[i]) != data[i])
+            .take(8)
+            .map(|i| format!("x[{i}] = {} -> code {}", data[i], codes[i]))
+            .collect();
+        assert!(moved.is_empty(), "gelu_forward: on-grid values moved off their code:\n{}", moved.join("\n"));
+    }
+}

@@ -169,9 +169,32 @@ template <typename T> inline T atomicCAS(T* p, T expected, T desired) {
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
+// __fmul_rn/__fadd_rn/__fsub_rn are never contracted into an FMA on the GPU. Here they are
+// inlined, and a host compiler that contracts (-ffp-contract=fast: GCC fuses across
+// statements and inlined calls) could fuse a*b with a later +c; an empty asm that "modifies"
+// the value in its register is a barrier no optimiser looks through (no instruction emitted).
+#if defined(__x86_64__) || defined(__i386__)
+#define MESA_EMU_FP_BARRIER(v) asm("" : "+x"(v))
+#elif defined(__aarch64__)
+#define MESA_EMU_FP_BARRIER(v) asm("" : "+w"(v))
+#else
+#define MESA_EMU_FP_BARRIER(v) asm("" : "+m"(v))
+#endif
+inline float __fmul_rn(float a, float b) {
+  float r = a * b;
+  MESA_EMU_FP_BARRIER(r);
+  return r;
+}
+inline float __fadd_rn(float a, float b) {
+  MESA_EMU_FP_BARRIER(a);
+  MESA_EMU_FP_BARRIER(b);
+  return a + b;
+}
+inline float __fsub_rn(float a, float b) {
+  MESA_EMU_FP_BARRIER(a);
+  MESA_EMU_FP_BARRIER(b);
+  return a - b;
+}
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : (x == x ? x : 0.0f)); }
 inline float __expf(float x) { return std::exp(x); }

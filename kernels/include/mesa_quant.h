@@ -27,7 +27,7 @@ extern "C" {
 typedef int32_t MesaRounding;
 enum MesaRoundingCode {
   MESA_ROUND_NEAREST = 0,    /* round half to even */
-  MESA_ROUND_STOCHASTIC = 1  /* floor(t + u), u ~ U[0,1) from Philox4x32-10(seed, element index) */
+  MESA_ROUND_STOCHASTIC = 1  /* floor(t) + (u < t - floor(t)), u ~ U[0,1) from Philox4x32-10(seed, element index) */
 };
 
 /* How codes map to values. IDENTITY: the codes are of x itself. SQRT (companded, for

@@ -74,7 +74,8 @@ const _: () = {
 pub enum Rounding {
     /// Round to nearest, ties to even. Deterministic; error ≤ scale / 2.
     Nearest,
-    /// `floor(t + u)` with `u ∈ [0, 1)` from Philox4x32-10 keyed by the seed and counted by
+    /// `floor(t + u)` (evaluated as `floor(t) + (u < t − floor(t))`, so a value on a code
+    /// level keeps its code) with `u ∈ [0, 1)` from Philox4x32-10 keyed by the seed and counted by
     /// the element's logical index: unbiased (`E[x̂] = x` inside the range), error < scale,
     /// identical on the GPU and the emulation. Batch `k` of a [`Quantizer`] uses the key
     /// `seed + k · 0x9E3779B97F4A7C15` (wrapping).

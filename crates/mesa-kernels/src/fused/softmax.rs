@@ -113,8 +113,8 @@ impl<'a, T> SoftmaxInput<'a, T> {
 /// Shapes: rank ≥ 1, rows along the last axis, any strides. Bytes moved: `numel·sizeof(T)`
 /// read (+ the mask), `numel·(sizeof(T) + bits/8)` written. When `row length · bits` is not a
 /// multiple of 8 (rows would not start on a byte: odd rows at 4 bits, e.g. ViT's 197), the
-/// codes come from a second pass over `y` (same codes; `numel·sizeof(T)` more read) and the
-/// non-finite count stays 0. An empty tensor (also one whose grouped axis or rows have
+/// codes come from a second pass over `y` (same codes; `numel·sizeof(T)` more read), with the
+/// same non-finite count and NaN groups as the fused pass. An empty tensor (also one whose grouped axis or rows have
 /// length 0) launches nothing and returns an empty handle (its groups hold the fixed
 /// parameters).
 ///

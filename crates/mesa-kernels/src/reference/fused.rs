@@ -8,35 +8,15 @@
 //! and 0.
 use crate::fused::GeluForm;
 
-/// `erf(x)` in f64: Maclaurin series below |x| = 3, continued fraction of `erfc` above
-/// (both accurate to ~1e-14 absolute).
+/// `erf(x)` in f64: Maclaurin series below |x| = 3, `1 − erfc` above (both accurate to
+/// ~1e-14 absolute).
 #[must_use]
 pub fn erf(x: f64) -> f64 {
     if x.is_nan() {
         return f64::NAN;
     }
     let a = x.abs();
-    let r = if a < 3.0 {
-        // erf(a) = 2/√π Σ (−1)^n a^(2n+1) / (n! (2n+1))
-        let mut term = a; // a^(2n+1)/n!
-        let mut sum = a;
-        for n in 1..200 {
-            term *= -a * a / f64::from(n);
-            let t = term / f64::from(2 * n + 1);
-            sum += t;
-            if t.abs() < 1e-17 * sum.abs() {
-                break;
-            }
-        }
-        sum * 2.0 / std::f64::consts::PI.sqrt()
-    } else {
-        // erfc(a) = exp(−a²)/√π · 1/(a + (1/2)/(a + 1/(a + (3/2)/(a + …))))
-        let mut t = a;
-        for k in (1..=80).rev() {
-            t = a + (f64::from(k) / 2.0) / t;
-        }
-        1.0 - (-a * a).exp() / (std::f64::consts::PI.sqrt() * t)
-    };
+    let r = if a < 3.0 { erf_series(a) } else { 1.0 - erfc_fraction(a) };
     if x < 0.0 {
         -r
     } else {
@@ -44,29 +24,87 @@ pub fn erf(x: f64) -> f64 {
     }
 }
 
-const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
-const TANH_COEF: f64 = 0.044_715;
-
-/// `gelu(x)` (erf or tanh form).
+/// `erfc(x) = 1 − erf(x)` in f64 with *relative* accuracy ~1e-13 for every x (down to the
+/// underflow near x = 27): `1 − erf` only below |x| = 3 (where erfc(|x|) ≥ 2e-5, so the
+/// cancellation costs < 5 digits of 16), the continued fraction above; `2 − erfc(−x)` for
+/// x ≤ −3. `1 + erf(x)` for x ≪ 0 (GELU's negative tail) is `erfc(−x)`.
 #[must_use]
-pub fn gelu(x: f64, form: GeluForm) -> f64 {
-    match form {
-        GeluForm::Erf => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
-        GeluForm::Tanh => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + TANH_COEF * x * x * x)).tanh()),
+pub fn erfc(x: f64) -> f64 {
+    if x.is_nan() {
+        return f64::NAN;
+    }
+    let a = x.abs();
+    if a < 3.0 {
+        1.0 - if x < 0.0 { -erf_series(a) } else { erf_series(a) }
+    } else if x > 0.0 {
+        erfc_fraction(a)
+    } else {
+        2.0 - erfc_fraction(a)
     }
 }
 
-/// `gelu'(x)`.
+/// `erf(a)`, `0 ≤ a < 3`: `2/√π Σ (−1)^n a^(2n+1) / (n! (2n+1))`.
+fn erf_series(a: f64) -> f64 {
+    let mut term = a; // a^(2n+1)/n!
+    let mut sum = a;
+    for n in 1..200 {
+        term *= -a * a / f64::from(n);
+        let t = term / f64::from(2 * n + 1);
+        sum += t;
+        if t.abs() < 1e-17 * sum.abs() {
+            break;
+        }
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+/// `erfc(a)`, `a ≥ 3`: `exp(−a²)/√π · 1/(a + (1/2)/(a + 1/(a + (3/2)/(a + …))))`.
+fn erfc_fraction(a: f64) -> f64 {
+    let mut t = a;
+    for k in (1..=80).rev() {
+        t = a + (f64::from(k) / 2.0) / t;
+    }
+    (-a * a).exp() / (std::f64::consts::PI.sqrt() * t)
+}
+
+/// `σ(z) = 1/(1 + e^{−z})` (0 for z → −∞, 1 for z → ∞; no cancellation either way).
+fn sigmoid(z: f64) -> f64 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const TANH_COEF: f64 = 0.044_715;
+
+/// `gelu(x)` (erf or tanh form), with full relative accuracy in the negative tail:
+/// `x/2 · erfc(−x/√2)` for `x/2 · (1 + erf(x/√2))`, and `x · σ(2u)` for
+/// `x/2 · (1 + tanh u)`, `u = √(2/π)(x + 0.044715x³)` (`1 + tanh u = 2σ(2u)`).
+#[must_use]
+pub fn gelu(x: f64, form: GeluForm) -> f64 {
+    match form {
+        GeluForm::Erf => 0.5 * x * erfc(-x / std::f64::consts::SQRT_2),
+        GeluForm::Tanh => x * sigmoid(2.0 * SQRT_2_OVER_PI * (x + TANH_COEF * x * x * x)),
+    }
+}
+
+/// `gelu'(x)`: `Φ(x) + x·φ(x)` (erf form, `Φ = erfc(−x/√2)/2`);
+/// `σ(2u) + 2x·σ(2u)·σ(−2u)·u'` (tanh form, `(1 − tanh² u)/2 = 2σ(2u)σ(−2u)`), a term that is
+/// exactly 0 counting as 0 even where `u'` overflows.
 #[must_use]
 pub fn gelu_derivative(x: f64, form: GeluForm) -> f64 {
     match form {
         GeluForm::Erf => {
-            0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2))
-                + x * (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
+            0.5 * erfc(-x / std::f64::consts::SQRT_2) + x * (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
         }
         GeluForm::Tanh => {
-            let t = (SQRT_2_OVER_PI * (x + TANH_COEF * x * x * x)).tanh();
-            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_COEF * x * x)
+            let u = SQRT_2_OVER_PI * (x + TANH_COEF * x * x * x);
+            let (s, sm) = (sigmoid(2.0 * u), sigmoid(-2.0 * u));
+            let du = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_COEF * x * x);
+            let t = if sm > 0.0 { 2.0 * x * sm * du } else { 0.0 };
+            if s > 0.0 {
+                s * (1.0 + t)
+            } else {
+                0.0
+            }
         }
     }
 }
@@ -125,12 +163,13 @@ pub fn sqrt_code_nearest(y: f64, scale: f64, bits: u32) -> u32 {
     t.round_ties_even().clamp(0.0, levels) as u32
 }
 
-/// Stochastic square-root companded code for `u ∈ [0, 1)`: `clamp(floor(√y / scale + u), 0, L)`.
+/// Stochastic square-root companded code for `u ∈ [0, 1)`: `clamp(floor(√y / scale + u), 0, L)`,
+/// evaluated as [`super::quant::stochastic_round`] (an on-grid `√y / scale` keeps its code).
 #[must_use]
 pub fn sqrt_code_stochastic(y: f64, scale: f64, bits: u32, u: f64) -> u32 {
     let levels = super::quant::levels(bits);
     let t = if y > 0.0 { y.sqrt() / scale } else { 0.0 };
-    (t + u).floor().clamp(0.0, levels) as u32
+    super::quant::stochastic_round(t, u).clamp(0.0, levels) as u32
 }
 
 /// Decoded square-root companded code: `(code · scale + offset)²`.

@@ -102,11 +102,24 @@ pub fn encode_nearest(x: f64, offset: f64, scale: f64, bits: u32) -> u32 {
     t.round_ties_even().clamp(0.0, levels(bits)) as u32
 }
 
-/// Stochastic code for uniform `u ∈ [0, 1)`: `clamp(floor(t + u), 0, levels)`.
+/// Stochastic code for uniform `u ∈ [0, 1)`: `clamp(floor(t) + [u < t − floor(t)], 0, levels)`
+/// — mathematically `floor(t + u)`, written so that no rounding of `t + u` can move a `t`
+/// that lies on a level (`t − floor(t)` is exact; `P(code = floor(t) + 1) = frac(t)`).
 #[must_use]
 pub fn encode_stochastic(x: f64, offset: f64, scale: f64, bits: u32, u: f64) -> u32 {
-    let t = position(x, offset, scale);
-    (t + u).floor().clamp(0.0, levels(bits)) as u32
+    stochastic_round(position(x, offset, scale), u).clamp(0.0, levels(bits)) as u32
+}
+
+/// `floor(t) + [u < t − floor(t)]`: stochastic rounding of `t` with uniform `u ∈ [0, 1)`
+/// (NaN stays NaN and clamps to 0 in the encoders).
+#[must_use]
+pub fn stochastic_round(t: f64, u: f64) -> f64 {
+    let fl = t.floor();
+    if u < t - fl {
+        fl + 1.0
+    } else {
+        fl
+    }
 }
 
 /// Decoded value `code · scale + offset`.
