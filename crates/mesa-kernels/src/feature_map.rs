@@ -37,7 +37,7 @@ use crate::device::{Buffer, Device};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
-use crate::linear_attention::{la_tensor, to_i64};
+use crate::linear_attention::{expect_shape, la_tensor, rank4, to_i64};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// Largest input dimension `d` of FAVOR+ (one row of `x'` lives in shared memory).
@@ -233,23 +233,9 @@ impl FeatureMap<'_> {
     }
 }
 
-fn shape4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
-    match *shape {
-        [b, h, l, f] => Ok([b, h, l, f]),
-        _ => Err(Error::invalid_layout(what, format!("expected a rank-4 [B, H, L, F] view, got shape {shape:?}"))),
-    }
-}
-
-fn expect_shape(got: &[usize], want: [usize; 4], what: &str) -> Result<()> {
-    if got != want {
-        return Err(Error::shape_mismatch(what, &want, got));
-    }
-    Ok(())
-}
-
 /// x's shape, with its `d` checked against a FAVOR+ projection.
 fn x_shape(map: &FeatureMap<'_>, x: &[usize]) -> Result<[usize; 4]> {
-    let xs = shape4(x, "x")?;
+    let xs = rank4(x, "x")?;
     if let FeatureMap::Favor { projection, .. } = map {
         if projection.in_dim != xs[3] {
             return Err(Error::shape_mismatch("x", &[xs[0], xs[1], xs[2], projection.in_dim], x));

@@ -327,14 +327,15 @@ fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<SavedSizes> {
 }
 
 /// The shape of a rank-4 view (any other rank: [`Error::InvalidLayout`]).
-fn rank4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
+pub(crate) fn rank4(shape: &[usize], what: &str) -> Result<[usize; 4]> {
     match *shape {
         [b, h, l, f] => Ok([b, h, l, f]),
         _ => Err(Error::invalid_layout(what, format!("expected a rank-4 [B, H, L, F] view, got shape {shape:?}"))),
     }
 }
 
-fn expect_shape(got: &[usize], want: [usize; 4], what: &str) -> Result<()> {
+/// `got` must be `want` ([`Error::ShapeMismatch`] naming `what` otherwise).
+pub(crate) fn expect_shape(got: &[usize], want: [usize; 4], what: &str) -> Result<()> {
     if got != want {
         return Err(Error::shape_mismatch(what, &want, got));
     }
