@@ -1052,7 +1052,7 @@ fn reference_functions_take_any_input_without_panicking() {
 #[test]
 fn empty_handles_with_huge_dims_report_zero_elements() {
     let device = Device::emulator();
-    let v = vec![0f32; 4];
+    let v = [0f32; 4];
     let x = TensorRef::contiguous(&v[..], &[usize::MAX, 2, 0]).expect("empty view");
     let saved = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q").quantize(&x).expect("empty quantize");
     assert_eq!((saved.numel(), saved.original_bytes()), (0, 0));
