@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use mesa_kernels_sys as sys;
 
-use super::{code_source_map, empty_rows_desc, row_desc, row_len, same_shape};
+use super::{check_saved, code_source, empty_rows_desc, row_desc, row_len, same_shape};
 use crate::device::{Buffer, Device};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
@@ -383,7 +383,7 @@ fn backward<T: Element>(
     check_vector(dbias.layout(), cols, "dbias")?;
     match &xhat {
         Xhat::Codes(saved, rstd) => {
-            code_source_map(saved, device, dy.shape())?;
+            check_saved(saved, device, dy.shape())?;
             if rstd.len() != rows {
                 return Err(Error::shape_mismatch("saved rstd", &[rows], &[rstd.len()]));
             }
@@ -414,16 +414,7 @@ fn backward<T: Element>(
         // no rows: nothing is read; the kernel only zeroes dweight and dbias
         _ if empty => (sys::MesaCodeSource::default(), std::ptr::null(), dy_desc, std::ptr::null()),
         Xhat::Codes(saved, rstd) => {
-            let (run, count) = saved.group_map()?;
-            let (codes, params) = saved.parts();
-            let source = sys::MesaCodeSource {
-                codes: launch.read_buffer(codes, "saved codes")?,
-                params: launch.read_buffer(params, "saved parameters")?.cast(),
-                group_run: run as i64,
-                group_count: count as i64,
-                bits: saved.bits() as i32,
-                map: saved.companding().sys(),
-            };
+            let source = code_source(&mut launch, saved)?;
             (source, std::ptr::null(), sys::MesaTensorDesc::default(), launch.read_buffer(rstd, "saved rstd")?)
         }
         Xhat::Plain(h, rstd) => {

@@ -89,6 +89,7 @@ use mesa_kernels_sys as sys;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::launch::Launch;
 use crate::layout::{kernel_view, Grouping, Layout, MAX_DIMS};
 #[allow(unused_imports)] // intra-doc links
 use crate::quant::Quantizer;
@@ -162,12 +163,25 @@ fn empty_rows_desc(cols: usize, dtype: DType) -> sys::MesaTensorDesc {
     desc
 }
 
-/// Checks that the codes of `saved` describe a tensor of shape `expect` on `device`'s
-/// backend; returns the group map (run, count).
-fn code_source_map(saved: &SavedActivation, device: &Device, expect: &[usize]) -> Result<(usize, usize)> {
+/// Registers a saved handle's codes and parameters on `launch` for a kernel that decodes them
+/// (the backwards of GELU, softmax and LayerNorm).
+fn code_source<'a>(launch: &mut Launch<'a>, saved: &'a SavedActivation) -> Result<sys::MesaCodeSource> {
+    let (run, count) = saved.group_map()?;
+    let (codes, params) = saved.parts();
+    Ok(sys::MesaCodeSource {
+        codes: launch.read_buffer(codes, "saved codes")?,
+        params: launch.read_buffer(params, "saved parameters")?.cast(),
+        group_run: run as i64,
+        group_count: count as i64,
+        bits: saved.bits() as i32,
+        map: saved.companding().sys(),
+    })
+}
+
+/// A saved handle can be decoded for a gradient of shape `expect` on `device`.
+fn check_saved(saved: &SavedActivation, device: &Device, expect: &[usize]) -> Result<()> {
     saved.check_backend(device)?;
-    same_shape(saved.shape(), expect, "gradient (vs the saved activation)")?;
-    saved.group_map()
+    same_shape(saved.shape(), expect, "gradient (vs the saved activation)")
 }
 
 /// Shorthand: a [`QuantConfig`] for the inputs of GELU and LayerNorm in a transformer of

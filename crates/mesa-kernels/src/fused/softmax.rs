@@ -2,7 +2,7 @@
 //! statistics), plain forward, backward from codes or from a full-precision output.
 use mesa_kernels_sys as sys;
 
-use super::{code_source_map, row_desc, row_len, same_shape};
+use super::{check_saved, code_source, row_desc, row_len, same_shape};
 use crate::device::Device;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
@@ -295,22 +295,14 @@ pub fn softmax_backward<T: Element>(
     dy: &TensorRef<'_, T>,
     dx: &mut TensorMut<'_, T>,
 ) -> Result<()> {
-    let (run, count) = code_source_map(saved, device, dy.shape())?;
+    check_saved(saved, device, dy.shape())?;
     row_len(dy.shape(), "dy")?;
     same_shape(dy.shape(), dx.shape(), "dx")?;
     if dy.numel() == 0 {
         return Ok(());
     }
-    let (codes, params) = saved.parts();
     let mut launch = Launch::new(device);
-    let source = sys::MesaCodeSource {
-        codes: launch.read_buffer(codes, "saved codes")?,
-        params: launch.read_buffer(params, "saved parameters")?.cast(),
-        group_run: run as i64,
-        group_count: count as i64,
-        bits: saved.bits() as i32,
-        map: saved.companding().sys(),
-    };
+    let source = code_source(&mut launch, saved)?;
     let args = sys::MesaSoftmaxBackwardArgs {
         dy_desc: row_desc(dy.layout(), T::DTYPE, "dy")?,
         dx_desc: row_desc(dx.layout(), T::DTYPE, "dx")?,
