@@ -41,6 +41,7 @@ fn main() {
         "MESA_CUDA_DISABLE",
         "MESA_WRITE_BINDINGS",
         "MESA_EMU_FP_CONTRACT",
+        "MESA_EMU_SANITIZE",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -51,7 +52,7 @@ fn main() {
         Ok("fast") => "fast",
         Ok(other) => fail(&format!("MESA_EMU_FP_CONTRACT=`{other}`: expected `off` (default) or `fast`")),
     };
-    build_emulation(&kernels, &sources, contract);
+    build_emulation(&kernels, &sources, contract, &out);
 
     let cuda = if env::var("MESA_CUDA_DISABLE").is_ok_and(|v| v == "1") { None } else { find_nvcc() };
     let (cuda_built, archs_text) = match cuda {
@@ -104,35 +105,252 @@ fn kernel_sources(kernels: &Path) -> Vec<PathBuf> {
     v
 }
 
-fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str) {
-    let mut b = cc::Build::new();
-    b.cpp(true)
-        .std("c++20")
-        .include(kernels.join("include"))
-        .include(kernels)
-        .include(kernels.join("emu"))
-        // Kernel semantics must not depend on the profile: always optimised, no contraction of
-        // a*b+c into FMA (kernels write fmaf where they want one, as on the GPU), no
-        // type-based aliasing (16-byte vector access reinterprets element arrays).
-        .debug(false)
-        .opt_level(2)
-        .flag(if contract == "fast" { "-ffp-contract=fast" } else { "-ffp-contract=off" })
-        .flag("-fno-strict-aliasing")
-        .flag("-pthread")
-        .warnings(false);
-    if contract == "fast" && env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|a| a == "x86_64") {
-        b.flag("-mfma"); // FMA instructions, so contraction really fuses (aarch64 always has them)
+fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Path) {
+    // The emulator's copy of the sources: every `.cu`/`.cuh` with its shared-memory
+    // declarations and launch bounds made visible to the checks (emu_rewrite).
+    let emu_src = out.join("emu_src");
+    let broken_dir = kernels.join("broken");
+    for dir in [kernels, broken_dir.as_path()] {
+        let Ok(entries) = fs::read_dir(dir) else { continue };
+        let target = if dir == kernels { emu_src.clone() } else { emu_src.join("broken") };
+        fs::create_dir_all(&target).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", target.display())));
+        for e in entries.filter_map(|e| e.ok()) {
+            let p = e.path();
+            if !p.extension().is_some_and(|x| x == "cu" || x == "cuh") {
+                continue;
+            }
+            let text = fs::read_to_string(&p).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", p.display())));
+            let rewritten = format!("#line 1 \"{}\"\n{}", p.display(), emu_rewrite(&text));
+            let dst = target.join(p.file_name().unwrap_or_default());
+            if fs::read_to_string(&dst).ok().as_deref() != Some(rewritten.as_str()) {
+                fs::write(&dst, rewritten).unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", dst.display())));
+            }
+        }
     }
+    let base = |b: &mut cc::Build| {
+        b.cpp(true)
+            .std("c++20")
+            .include(&emu_src)
+            .include(kernels.join("include"))
+            .include(kernels)
+            .include(kernels.join("emu"))
+            // Kernel semantics must not depend on the profile: always optimised, no contraction of
+            // a*b+c into FMA (kernels write fmaf where they want one, as on the GPU), no
+            // type-based aliasing (16-byte vector access reinterprets element arrays).
+            .debug(false)
+            .opt_level(2)
+            .flag(if contract == "fast" { "-ffp-contract=fast" } else { "-ffp-contract=off" })
+            .flag("-fno-strict-aliasing")
+            .flag("-pthread")
+            .warnings(false);
+        if contract == "fast" && env::var("CARGO_CFG_TARGET_ARCH").is_ok_and(|a| a == "x86_64") {
+            b.flag("-mfma"); // FMA instructions, so contraction really fuses (aarch64 always has them)
+        }
+        if let Some(flags) = sanitizer_flags() {
+            for f in flags {
+                b.flag(f);
+            }
+        }
+    };
+    let emu_header = kernels.join("emu").join("cuda_emu.h");
+    let emu_header = emu_header.to_str().unwrap_or_else(|| fail("non-UTF-8 path")).to_string();
+    let mut b = cc::Build::new();
+    base(&mut b);
     b.file(kernels.join("emu").join("emu_runtime.cpp"));
     // The .cu files are C++ to the host compiler; the emulation header is force-included.
-    let emu_header = kernels.join("emu").join("cuda_emu.h");
-    b.flag("-include").flag(emu_header.to_str().unwrap_or_else(|| fail("non-UTF-8 path")));
+    b.flag("-include").flag(&emu_header);
     b.flag("-x").flag("c++");
     for s in sources {
-        b.file(s);
+        b.file(emu_src.join(s.file_name().unwrap_or_default()));
     }
     b.compile("mesa_kernels_emu");
+
+    // The deliberately broken kernels of tests/sanitizer.rs (kernels/broken/): compiled for the
+    // emulator only; the linker takes them only into the binary that declares them.
+    let broken = kernel_sources(&broken_dir);
+    if !broken.is_empty() {
+        let mut b = cc::Build::new();
+        base(&mut b);
+        b.flag("-include").flag(&emu_header);
+        b.flag("-x").flag("c++");
+        for s in &broken {
+            b.file(emu_src.join("broken").join(s.file_name().unwrap_or_default()));
+        }
+        b.compile("mesa_broken_emu");
+    }
     println!("cargo:rustc-link-lib=pthread");
+}
+
+/// `MESA_EMU_SANITIZE=address`: the emulation compiled with AddressSanitizer (the fibers
+/// announce their stack switches to it); the final link needs `-fsanitize=address` too
+/// (`RUSTFLAGS=-Clink-arg=-fsanitize=address`, as `.ci/run` does).
+fn sanitizer_flags() -> Option<Vec<&'static str>> {
+    match env::var("MESA_EMU_SANITIZE").as_deref() {
+        Err(_) | Ok("") => None,
+        Ok("address") => Some(vec!["-fsanitize=address", "-fno-omit-frame-pointer", "-DMESA_EMU_ASAN=1"]),
+        Ok(other) => fail(&format!("MESA_EMU_SANITIZE=`{other}`: expected `address` or nothing")),
+    }
+}
+
+/// The emulator's view of a kernel source: `MESA_EMU_SHARED_POINT(name);` after every
+/// `__shared__` declaration (poisoned when a block first passes it), and a kernel's
+/// `__launch_bounds__(args)` moved into its body as `MESA_EMU_LAUNCH_BOUNDS(args);` (checked
+/// against the block size). Comments and literals are left alone; line numbers are kept.
+fn emu_rewrite(src: &str) -> String {
+    let b = src.as_bytes();
+    let mut out = String::with_capacity(src.len() + 256);
+    let mut i = 0;
+    let mut last_ident = String::new();
+    let mut pending_bounds: Option<String> = None;
+    let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
+    while i < b.len() {
+        let c = b[i];
+        // comments and literals: copied as they are
+        if c == b'/' && b.get(i + 1) == Some(&b'/') {
+            let end = src[i..].find('\n').map_or(b.len(), |k| i + k);
+            out.push_str(&src[i..end]);
+            i = end;
+            continue;
+        }
+        if c == b'/' && b.get(i + 1) == Some(&b'*') {
+            let end = src[i + 2..].find("*/").map_or(b.len(), |k| i + 2 + k + 2);
+            out.push_str(&src[i..end]);
+            i = end;
+            continue;
+        }
+        if c == b'"' || c == b'\'' {
+            let mut j = i + 1;
+            while j < b.len() && b[j] != c {
+                j += if b[j] == b'\\' { 2 } else { 1 };
+            }
+            let end = (j + 1).min(b.len());
+            out.push_str(&src[i..end]);
+            i = end;
+            continue;
+        }
+        if is_ident(c) && (i == 0 || !is_ident(b[i - 1])) {
+            let mut j = i;
+            while j < b.len() && is_ident(b[j]) {
+                j += 1;
+            }
+            let word = &src[i..j];
+            if word == "__shared__" && last_ident != "extern" {
+                // the declaration runs to the next `;` outside brackets
+                let (end, names) = shared_declarators(src, j);
+                out.push_str(&src[i..end]);
+                for n in names {
+                    out.push_str(&format!(" MESA_EMU_SHARED_POINT({n});"));
+                }
+                i = end;
+                last_ident.clear();
+                continue;
+            }
+            if word == "__launch_bounds__" {
+                if let Some(close) = matching_paren(src, j) {
+                    pending_bounds = Some(src[j + 1..close].to_string());
+                    i = close + 1;
+                    continue;
+                }
+            }
+            last_ident = word.to_string();
+            out.push_str(word);
+            i = j;
+            continue;
+        }
+        if c == b'(' && pending_bounds.is_some() {
+            // the kernel's parameter list, then its body
+            if let Some(close) = matching_paren(src, i) {
+                out.push_str(&src[i..=close]);
+                i = close + 1;
+                let rest = &src[i..];
+                let brace = rest.find('{');
+                let semi = rest.find(';');
+                if let (Some(br), true) = (brace, semi.is_none_or(|s| brace.is_some_and(|br| br < s))) {
+                    out.push_str(&rest[..=br]);
+                    let args = pending_bounds.take().unwrap_or_default();
+                    out.push_str(&format!(" MESA_EMU_LAUNCH_BOUNDS({args});"));
+                    i += br + 1;
+                } else {
+                    pending_bounds = None;
+                }
+                continue;
+            }
+        }
+        out.push(c as char);
+        i += 1;
+    }
+    out
+}
+
+/// From just after `__shared__` at `from`: the index after the declaration's `;` and the
+/// names it declares.
+fn shared_declarators(src: &str, from: usize) -> (usize, Vec<String>) {
+    let b = src.as_bytes();
+    let mut depth = 0i32;
+    let mut j = from;
+    let mut parts = vec![String::new()];
+    let mut seen_bracket_or_init = false;
+    while j < b.len() {
+        let c = b[j];
+        match c {
+            b'(' | b'[' | b'{' => {
+                if depth == 0 && (c == b'[' || c == b'{') {
+                    seen_bracket_or_init = true;
+                }
+                depth += 1;
+            }
+            b')' | b']' | b'}' => depth -= 1,
+            b'=' if depth == 0 => seen_bracket_or_init = true,
+            b',' if depth == 0 => {
+                parts.push(String::new());
+                seen_bracket_or_init = false;
+                j += 1;
+                continue;
+            }
+            b';' if depth == 0 => break,
+            _ => {}
+        }
+        if depth == 0 && !seen_bracket_or_init && c != b')' {
+            if let Some(p) = parts.last_mut() {
+                p.push(c as char);
+            }
+        } else if depth == 1 && c == b'(' {
+            if let Some(p) = parts.last_mut() {
+                p.push(' ');
+            }
+        }
+        j += 1;
+    }
+    let names = parts
+        .iter()
+        .filter_map(|p| {
+            p.split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
+                .filter(|w| !w.is_empty() && !w.as_bytes()[0].is_ascii_digit())
+                .next_back()
+                .map(str::to_string)
+        })
+        .collect();
+    ((j + 1).min(b.len()), names)
+}
+
+/// The index of the `)` that closes the `(` at or after `open`.
+fn matching_paren(src: &str, open: usize) -> Option<usize> {
+    let b = src.as_bytes();
+    let start = open + src[open..].find('(')?;
+    let mut depth = 0i32;
+    for (k, &c) in b.iter().enumerate().skip(start) {
+        match c {
+            b'(' => depth += 1,
+            b')' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(k);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
 }
 
 fn find_nvcc() -> Option<PathBuf> {

@@ -36,9 +36,9 @@ __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { ret
 // MesaStatus and never synchronise.
 #ifdef MESA_EMU
 #define MESA_LAUNCH(kernel, grid, block, smem, stream, ...) \
-  ::mesa_emu::launch((grid), (block), (smem), false, [&]() { kernel(__VA_ARGS__); })
+  ::mesa_emu::launch(#kernel, (grid), (block), (smem), false, [&]() { kernel(__VA_ARGS__); })
 #define MESA_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream, ...) \
-  ::mesa_emu::launch((grid), (block), (smem), true, [&]() { kernel(__VA_ARGS__); })
+  ::mesa_emu::launch(#kernel, (grid), (block), (smem), true, [&]() { kernel(__VA_ARGS__); })
 #else
 #define MESA_LAUNCH(kernel, grid, block, smem, stream, ...) \
   (kernel<<<(grid), (block), (smem), (cudaStream_t)(stream)>>>(__VA_ARGS__), cudaGetLastError())
@@ -143,6 +143,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
+// A point where the emulator's shuffled schedule (MESA_EMU_CHECK=schedule) may switch to
+// another thread of the block: every global load and store helper has one.
+#ifdef MESA_EMU
+#define MESA_MEMORY_POINT() ::mesa_emu::memory_point()
+#else
+#define MESA_MEMORY_POINT() ((void)0)
+#endif
+
 // 16 bytes of T: the unit of vectorised global memory access (LDG.128 / STG.128).
 template <typename T>
 struct alignas(16) Vec16 {
@@ -152,12 +160,14 @@ struct alignas(16) Vec16 {
 
 template <typename T>
 __device__ __forceinline__ Vec16<T> load16(const T* p) {
+  MESA_MEMORY_POINT();
   Vec16<T> r;
   *reinterpret_cast<int4*>(&r) = *reinterpret_cast<const int4*>(p);
   return r;
 }
 template <typename T>
 __device__ __forceinline__ void store16(T* p, const Vec16<T>& r) {
+  MESA_MEMORY_POINT();
   *reinterpret_cast<int4*>(p) = *reinterpret_cast<const int4*>(&r);
 }
 

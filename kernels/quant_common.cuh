@@ -169,6 +169,7 @@ struct StatsSink {
 template <int kCodesPerCall>
 __device__ __forceinline__ void store_codes(uint8_t* dst, const unsigned* codes, int bits) {
   // Packs kCodesPerCall codes (first in the low bits) and stores the bytes they fill.
+  MESA_MEMORY_POINT();
   uint64_t packed = 0;
 #pragma unroll
   for (int j = 0; j < kCodesPerCall; ++j) packed |= uint64_t(codes[j]) << (j * bits);
@@ -313,6 +314,7 @@ inline bool code_source_valid(const MesaCodeSource& s) {
 // Decodes elements [i0, i0 + live), live <= 8, any bit position: one 8-byte word when the unit
 // is a whole aligned 8-bit unit, else the (at most 5) bytes that hold the codes.
 __device__ __forceinline__ void source_unit(const CodeSource& s, int64_t i0, int live, float (&out)[kUnit]) {
+  MESA_MEMORY_POINT();
   const int64_t bit0 = i0 * s.bits;
   const uint8_t* src = s.codes + bit0 / 8;
   const int shift = int(bit0 % 8);

@@ -23,3 +23,36 @@ mod build_info {
     include!(concat!(env!("OUT_DIR"), "/build_info.rs"));
 }
 pub use build_info::{CUDA_ARCHS, CUDA_BUILT, EMU_FP_CONTRACT};
+
+/// The host emulation's checks and allocations (`kernels/emu/emu_checks.h`): emulator-only,
+/// so written by hand rather than generated from the CUDA ABI header.
+pub mod emu {
+    use core::ffi::{c_char, c_void};
+
+    /// Threads of a block in a shuffled order, switches at loads and stores, blocks shuffled.
+    pub const MESA_EMU_CHECK_SCHEDULE: u32 = 1;
+    /// `__shared__` poisoned at each block start; non-zeroed allocations poisoned.
+    pub const MESA_EMU_CHECK_INIT: u32 = 2;
+    /// Canaries and a guard page after every emulator allocation.
+    pub const MESA_EMU_CHECK_MEM: u32 = 4;
+    /// Partial barriers, two barriers in one generation, shuffle/ballot mask mismatches.
+    pub const MESA_EMU_CHECK_SYNC: u32 = 8;
+    /// Blocks larger than the kernel's `__launch_bounds__`.
+    pub const MESA_EMU_CHECK_BOUNDS: u32 = 32;
+    /// Every check.
+    pub const MESA_EMU_CHECK_ALL: u32 = 1 | 2 | 4 | 8 | 32;
+
+    extern "C" {
+        /// Replaces the configuration (a set of `MESA_EMU_CHECK_*` bits and the base seed).
+        pub fn mesa_emu_set_checks(checks: u32, seed: u64);
+        /// The configuration in force; either pointer may be null.
+        pub fn mesa_emu_get_checks(checks: *mut u32, seed: *mut u64);
+        /// Copies (NUL-terminated, at most `cap` bytes) and clears the calling thread's report
+        /// of a failed check; returns its full length, 0 when there is none.
+        pub fn mesa_emu_take_report(out: *mut c_char, cap: usize) -> usize;
+        /// `bytes` bytes aligned to 16, zeroed if `zeroed != 0`; null when out of memory.
+        pub fn mesa_emu_alloc(bytes: usize, zeroed: i32) -> *mut c_void;
+        /// Frees what [`mesa_emu_alloc`] returned.
+        pub fn mesa_emu_free(p: *mut c_void);
+    }
+}

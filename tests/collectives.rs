@@ -578,7 +578,7 @@ fn values_near_the_bf16_range_limit_stay_finite_with_f32_accumulation() {
 
 #[test]
 fn bad_shapes_and_mismatched_splits_are_errors() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let invalid_argument = |r: mesa_kernels::Result<()>| matches!(r, Err(Error::InvalidArgument { .. }));
     assert!(invalid_argument(SeqParallelGroup::new(&device, 0).map(drop)));
     assert!(invalid_argument(SeqParallelGroup::new(&device, 17).map(drop)));
@@ -947,7 +947,7 @@ fn a_timeout_at_end_leaves_nan_outputs() {
 #[test]
 fn a_rank_whose_output_overlaps_an_input_is_rejected() {
     use mesa_kernels::RawDeviceSlice;
-    let device = Device::emulator();
+    let device = common::emulator();
     let (b, h) = (2usize, 4usize);
     let mut group = SeqParallelGroup::new(&device, 2).expect("group");
     let mut shared = vec![1.0f32; 6 * b * h];
@@ -975,7 +975,7 @@ fn a_rank_whose_output_overlaps_an_input_is_rejected() {
 #[test]
 fn outputs_overlapping_other_outputs_or_residuals_are_rejected() {
     use mesa_kernels::RawDeviceSlice;
-    let device = Device::emulator();
+    let device = common::emulator();
     let (b, h) = (1usize, 4usize);
     let mut group = SeqParallelGroup::new(&device, 2).expect("group");
     let inputs = [vec![1.0f32; 4 * b * h], vec![2.0f32; 4 * b * h]];
@@ -1024,7 +1024,7 @@ fn outputs_overlapping_other_outputs_or_residuals_are_rejected() {
 /// are errors. Run once with overflow checks on (see the report of issue 8).
 #[test]
 fn empty_shards_with_huge_dims_are_empty_not_a_panic() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let huge = usize::MAX / 2;
     let mut group = SeqParallelGroup::new(&device, 2).expect("group");
     // S = 0: every shard empty, B·H overflows
@@ -1069,7 +1069,7 @@ fn empty_shards_with_huge_dims_are_empty_not_a_panic() {
 /// results are exact (bit copies; sums of two ones), as for any other shard.
 #[test]
 fn null_pointers_for_empty_shards_are_accepted() {
-    let device = Device::emulator();
+    let device = common::emulator();
     // SAFETY: a zero-length view; the builder and the kernels never dereference it.
     let null: mesa_kernels::RawDeviceSlice<f32> = unsafe { mesa_kernels::RawDeviceSlice::new(0, 0) };
     let mut null_out: mesa_kernels::RawDeviceSlice<f32> = unsafe { mesa_kernels::RawDeviceSlice::new(0, 0) };
@@ -1114,7 +1114,7 @@ fn null_pointers_for_empty_shards_are_accepted() {
 /// that is invalid anyway reports its own error, not the old timeout.
 #[test]
 fn a_poisoned_group_writes_nan_not_stale_numbers() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let mut group = SeqParallelGroup::new(&device, 2).expect("group");
     group.set_timeout(Duration::from_millis(20)).expect("timeout");
     let input = vec![1f32; 8];

@@ -247,14 +247,14 @@ fn cases<T: Element + Storage>(device: &Device, r: &mut Recorder) {
 
 #[test]
 fn digests_of_every_compression_kernel_result() {
-    let emu = run_all(&Device::emulator());
+    let emu = run_all(&common::emulator());
     let text: String = emu.iter().map(|d| format!("{} {:016x}\n", d.name, d.hash)).collect();
     eprintln!("emulator built with FMA contraction {}: {} digests", mesa_kernels_sys::EMU_FP_CONTRACT, emu.len());
     if let Some(path) = std::env::var_os("MESA_DIGEST_FILE") {
         std::fs::write(&path, &text).expect("write MESA_DIGEST_FILE");
     }
     // the same twice: nothing in these results depends on scheduling
-    let again = run_all(&Device::emulator());
+    let again = run_all(&common::emulator());
     assert!(emu.iter().zip(&again).all(|(a, b)| a.hash == b.hash), "emulator results are not reproducible");
     if let Some(gpu) = common::cuda_only("digests_of_every_compression_kernel_result (GPU vs emulator)") {
         let g = run_all(&gpu);

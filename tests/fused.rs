@@ -1248,7 +1248,7 @@ fn bad_input_is_an_error_not_a_panic() {
         let r = gelu_forward(&device, &mut qg, GeluForm::Erf, &xv, &mut tmut(&mut y, &l));
         assert!(r.as_ref().err().is_some_and(layout_error), "{r:?}");
         // a quantizer of another device
-        let other_dev = Device::emulator();
+        let other_dev = common::emulator();
         if device.is_cuda() {
             let mut qo = Quantizer::new(&other_dev, QuantConfig::per_tensor()).expect("q");
             let r = gelu_forward(&device, &mut qo, GeluForm::Erf, &xv, &mut tmut(&mut y, &l));
@@ -1277,7 +1277,7 @@ fn bad_input_is_an_error_not_a_panic() {
 #[test]
 fn emulator_and_gpu_agree() {
     let Some(gpu) = common::cuda_only("fused emulator_and_gpu_agree") else { return };
-    let emu = Device::emulator();
+    let emu = common::emulator();
     let mut rng = common::rng("fused_emu_vs_gpu");
     let shape = [6, 200];
     let l = Layout::contiguous(&shape);
@@ -1399,7 +1399,7 @@ fn raw_over<T>(v: &mut [T]) -> RawDeviceSlice<T> {
 
 #[test]
 fn in_place_gelu_forward_with_saving_is_rejected() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let mut rng = common::rng("alias_gelu_forward");
     let l = Layout::contiguous(&[4, 64]);
     let x0: Vec<f32> = random(&mut rng, 256, 0.0, 3.0);
@@ -1417,7 +1417,7 @@ fn in_place_gelu_forward_with_saving_is_rejected() {
 
 #[test]
 fn in_place_layer_norm_forward_with_saving_is_rejected() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let mut rng = common::rng("alias_ln_forward");
     // C·bits not a multiple of 8: the codes come from a second pass that re-reads x
     let (rows, cols) = (5, 31);
@@ -1447,7 +1447,7 @@ fn in_place_layer_norm_forward_with_saving_is_rejected() {
 
 #[test]
 fn layer_norm_backward_with_dx_over_dy_is_rejected() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let mut rng = common::rng("alias_ln_backward");
     let (rows, cols) = (6, 32);
     let l = Layout::contiguous(&[rows, cols]);
@@ -1627,7 +1627,7 @@ fn huge_empty_tensors_are_never_a_panic() {
 #[test]
 fn every_input_output_pair_that_overlaps_is_rejected() {
     // One host vector seen as two raw slices: every op, every (input, output) pair in turn.
-    let device = Device::emulator();
+    let device = common::emulator();
     let mut rng = common::rng("alias_pairs");
     let (rows, cols) = (4, 16);
     let n = rows * cols;

@@ -494,7 +494,7 @@ fn zero_length_and_empty_dimensions() {
 
 #[test]
 fn slim_state_is_independent_of_length_and_boundary_states_are_not() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let mut sizes = Vec::new();
     for l in [64, 256] {
         let n = Shape { b: 1, h: 1, l, m: 4, d: 4 };
@@ -513,7 +513,7 @@ fn slim_state_is_independent_of_length_and_boundary_states_are_not() {
 fn offsets_past_2_pow_31_use_64_bit_indexing() {
     // q and out of batch 1 start 2^31 + 5 elements into their buffers (lazily committed
     // zero pages: only the touched ones cost memory).
-    let device = Device::emulator();
+    let device = common::emulator();
     let n = Shape { b: 2, h: 1, l: 3, m: 2, d: 2 };
     let far = (1usize << 31) + 5;
     let lq = Layout::strided(&[2, 1, 3, 2], &[far, 6, 2, 1], 0).expect("layout");
@@ -578,7 +578,7 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
 fn more_than_65535_heads_use_a_grid_stride_loop() {
     // B*H = 2 * 32769 = 65538 > 65535 (the grid.y/z limit): L = 2, M = D = 1
     let n = Shape { b: 2, h: 32769, l: 2, m: 1, d: 1 };
-    let device = Device::emulator();
+    let device = common::emulator();
     let q: Vec<f32> = (0..n.qk()).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
     let k: Vec<f32> = (0..n.qk()).map(|i| 1.0 + (i % 3) as f32).collect();
     let v: Vec<f32> = (0..n.vd()).map(|i| (i % 11) as f32 - 5.0).collect();
@@ -642,7 +642,7 @@ fn is_invalid_argument(of: &'static str) -> impl Fn(&Error) -> bool {
 
 #[test]
 fn bad_inputs_are_errors() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let lq = Layout::contiguous(&[1, 2, 8, 4]);
     let lv = Layout::contiguous(&[1, 2, 8, 3]);
     let q = vec![0.5f32; 64];
@@ -862,7 +862,7 @@ fn feature_maps_match_the_reference() {
 
 #[test]
 fn orthogonal_projection_is_reproducible_and_orthogonal_in_blocks() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let a = FavorProjection::orthogonal(&device, 20, 8, 42).expect("a");
     let b = FavorProjection::orthogonal(&device, 20, 8, 42).expect("b");
     let c = FavorProjection::orthogonal(&device, 20, 8, 43).expect("c");
@@ -886,7 +886,7 @@ fn orthogonal_projection_is_reproducible_and_orthogonal_in_blocks() {
 #[test]
 fn causal_favor_keys_use_no_future_statistics() {
     // with the Bound stabiliser, a key's features depend on that key only
-    let device = Device::emulator();
+    let device = common::emulator();
     let proj = FavorProjection::orthogonal(&device, 16, 8, 3).expect("omega");
     let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::Bound };
     let l = 10;
@@ -904,7 +904,7 @@ fn causal_favor_keys_use_no_future_statistics() {
 
 #[test]
 fn feature_map_bad_inputs_are_errors() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let proj = FavorProjection::orthogonal(&device, 16, 8, 3).expect("omega");
     let x = vec![0f32; 40];
     let mut phi = vec![0f32; 160];
@@ -968,7 +968,7 @@ fn favor_estimates_softmax_attention_and_improves_with_more_features() {
     // small logits (|q|, |k| ~ 0.4·√d): the regime where FAVOR+ is accurate (Performer §2.3,
     // Lemma 2: the variance grows with exp(|x'_q + x'_k|²)). The estimator is random, so the
     // bounds are loose: m = 512 must beat m = 8 and land within 15% of softmax attention.
-    let device = Device::emulator();
+    let device = common::emulator();
     let (h, l, d) = (2, 24, 16);
     let mut rng = common::rng("favor_estimates_softmax_attention_and_improves_with_more_features");
     let q: Vec<f32> = (0..h * l * d).map(|_| (rng.random::<f32>() - 0.5) * 0.8).collect();
@@ -1019,7 +1019,7 @@ fn favor_estimates_softmax_attention_and_improves_with_more_features() {
 fn feature_maps_read_and_write_strided_views() {
     // x = the q part of a packed [B, L, H, 2d] tensor, phi written into a packed
     // [B, L, H, m + 3] buffer: results equal those of contiguous copies, element for element
-    let device = Device::emulator();
+    let device = common::emulator();
     let mut rng = common::rng("feature_maps_read_and_write_strided_views");
     let (b, h, l, d) = (2, 3, 7, 8);
     let packed: Vec<f32> = random_vec(&mut rng, b * l * h * 2 * d, -1.5, 1.5).iter().map(|&x| x as f32).collect();
@@ -1097,7 +1097,7 @@ fn in_place_calls_are_rejected_with_aliasing() {
     // RawDeviceSlice views of one host Vec (on the emulator a raw slice is a host address):
     // the kernels re-read the overwritten input, so the result is wrong; the call must be
     // rejected with Error::Aliasing.
-    let device = Device::emulator();
+    let device = common::emulator();
     let n = Shape { b: 1, h: 2, l: 37, m: 4, d: 4 };
     let mut rng = common::rng("in_place_calls_are_rejected_with_aliasing");
     let q = to_t::<f32>(&random_vec(&mut rng, n.qk(), 0.05, 1.0));
@@ -1198,7 +1198,7 @@ fn in_place_calls_are_rejected_with_aliasing() {
 
 #[test]
 fn misshaped_dq_or_dk_is_a_shape_mismatch_naming_it() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let (lq, lv) = (Layout::contiguous(&[1, 2, 8, 4]), Layout::contiguous(&[1, 2, 8, 3]));
     let q = vec![0.5f32; 64];
     let v = vec![0.25f32; 48];
@@ -1241,7 +1241,7 @@ fn misshaped_dq_or_dk_is_a_shape_mismatch_naming_it() {
 
 #[test]
 fn empty_tensors_with_huge_other_dims_are_handled() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let none: Vec<f32> = Vec::new();
     let mut none_out: Vec<f32> = Vec::new();
     let big = 1usize << 62;
@@ -1357,7 +1357,7 @@ fn reference_returns_errors_instead_of_panicking() {
 #[test]
 fn forward_takes_q_k_v_as_sub_slices_of_one_host_vec() {
     // q | k | v back to back in one Vec, given as `&all[a..b]` (inputs may share memory)
-    let device = Device::emulator();
+    let device = common::emulator();
     let n = Shape { b: 1, h: 2, l: 11, m: 3, d: 2 };
     let mut rng = common::rng("forward_takes_q_k_v_as_sub_slices_of_one_host_vec");
     let all = to_t::<f32>(&random_vec(&mut rng, 2 * n.qk() + n.vd(), 0.05, 1.0));
@@ -1387,7 +1387,7 @@ fn forward_takes_q_k_v_as_sub_slices_of_one_host_vec() {
 /// positive features, with empty sums).
 #[test]
 fn favor_with_no_input_features_takes_null_pointers() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let proj = FavorProjection::from_matrix(&device, 4, 0, &[]).expect("empty projection");
     let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::None };
     // SAFETY: a zero-length view; never dereferenced.

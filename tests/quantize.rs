@@ -633,7 +633,7 @@ fn every_output_byte_is_written_over_poison() {
 fn offsets_past_2_pow_31_use_64_bit_indexing() {
     // A view whose second row starts 2^31 + 3 elements into the buffer. Zeroed host vectors
     // of f32 are allocated lazily by the OS, so only the touched pages cost memory.
-    let device = Device::emulator();
+    let device = common::emulator();
     let row = (1usize << 31) + 3;
     let len = row + 8;
     let mut input = vec![0f32; len];
@@ -701,7 +701,7 @@ fn real_activations_from_the_fixture() {
 #[test]
 fn emulator_and_gpu_give_identical_codes() {
     let Some(gpu) = common::cuda_only("emulator_and_gpu_give_identical_codes") else { return };
-    let emu = Device::emulator();
+    let emu = common::emulator();
     let mut rng = common::rng("emu_vs_gpu");
     for rounding in [Rounding::Nearest, Rounding::Stochastic { seed: 42 }] {
         for bits in [8, 4, 2] {
@@ -807,7 +807,7 @@ fn bad_input_is_an_error_not_a_panic() {
 #[test]
 fn memory_of_the_wrong_backend_is_rejected() {
     let Some(gpu) = common::cuda_only("memory_of_the_wrong_backend_is_rejected") else { return };
-    let emu = Device::emulator();
+    let emu = common::emulator();
     let host = vec![1f32; 16];
     let l = Layout::contiguous(&[16]);
     let mut q = Quantizer::new(&gpu, QuantConfig::per_tensor()).expect("q");
@@ -1051,7 +1051,7 @@ fn reference_functions_take_any_input_without_panicking() {
 /// as in CI's checked run).
 #[test]
 fn empty_handles_with_huge_dims_report_zero_elements() {
-    let device = Device::emulator();
+    let device = common::emulator();
     let v = [0f32; 4];
     let x = TensorRef::contiguous(&v[..], &[usize::MAX, 2, 0]).expect("empty view");
     let saved = Quantizer::new(&device, QuantConfig::per_head(1)).expect("q").quantize(&x).expect("empty quantize");
@@ -1132,5 +1132,30 @@ fn stochastic_rounding_keeps_on_grid_values_on_their_code() {
             .map(|i| format!("x[{i}] = {} -> code {}", data[i], codes[i]))
             .collect();
         assert!(moved.is_empty(), "gelu_forward: on-grid values moved off their code:\n{}", moved.join("\n"));
+    }
+}
+
+/// Regression (issue 9): the strided path stored a whole unit's code bytes for the last
+/// partial unit — 4/2/1 bytes past the end of the codes at 8/4/2 bits for a `[4,37]` view at
+/// offset 1 (148 codes). The emulator's memcheck puts canaries right after the codes
+/// allocation, so any byte written past it fails the launch.
+#[test]
+fn strided_tail_writes_no_byte_past_the_codes() {
+    let mut rng = common::rng("strided_tail");
+    let device = common::emulator();
+    let (checks, seed) = mesa_kernels::emulator::checks();
+    mesa_kernels::emulator::set_checks(checks.with(mesa_kernels::emulator::Checks::MEM), seed);
+    let data: Vec<bf16> = random_data(&mut rng, 1 + 4 * 40, -1.0, 3.0);
+    let layout = Layout::strided(&[4, 37], &[40, 1], 1).expect("layout");
+    let x = reference::gather(&data, &layout);
+    let input = device.upload(&data).expect("up");
+    for bits in [8u32, 4, 2] {
+        let config = QuantConfig { bits, stats: StatsMode::Exact, ..QuantConfig::per_head(0) };
+        let mut q = Quantizer::new(&device, config).expect("q");
+        let saved = q
+            .quantize(&TensorRef::new(&input, &layout).expect("view"))
+            .unwrap_or_else(|e| panic!("{bits} bits: {e}"));
+        assert_eq!(saved.codes().len(), (148 * bits as usize).div_ceil(8));
+        verify::<bf16>(&device, &saved, &x, Grouping::Heads { axis: 0 }, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
     }
 }

@@ -95,7 +95,7 @@ fn buffer_of_another_stream_is_ordered_and_dropped_safely() {
 #[test]
 fn every_kind_of_memory_is_one_view() {
     let mut rng = common::rng("every_kind_of_memory_is_one_view");
-    let device = Device::emulator();
+    let device = common::emulator();
     let full: Vec<f32> = (0..3 + 4 * 37).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let layout = Layout::contiguous(&[4, 37]);
     let sub = &full[3..];

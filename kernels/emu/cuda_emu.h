@@ -12,6 +12,10 @@
 //     OS thread, so blocks that wait on each other through global memory make progress;
 //   * launches are synchronous: the stream argument is ignored and the entry point returns
 //     after the grid finished.
+// Checks (docs/emulator.md): MESA_EMU_CHECK switches on, at run time, a shuffled schedule,
+// poisoned shared memory and allocations, canaries and guard pages, barrier and shuffle
+// checks and the __launch_bounds__ check; a failed check ends the launch with an error that
+// names the kernel and the seed (mesa_emu_take_report, emu_checks.h).
 // Only what the kernels use is provided; anything else fails to compile, which is the point.
 #pragma once
 
@@ -32,11 +36,15 @@
 #define __host__
 #define __forceinline__ inline
 #define __noinline__
+// build.rs moves a kernel's bounds into its body (MESA_EMU_LAUNCH_BOUNDS), where the check
+// sees the block size; a file compiled without that rewrite just loses the check.
 #define __launch_bounds__(...)
 #define __grid_constant__
 // One block runs on one OS thread at a time, so thread-local static storage is exactly
 // "one copy per resident block". Kernels must not rely on its contents at block start
-// (the GPU does not clear shared memory either).
+// (the GPU does not clear shared memory either). build.rs follows every `__shared__`
+// declaration with MESA_EMU_SHARED_POINT(name), which poisons the variable the first time a
+// block passes it (initcheck).
 #define __shared__ static thread_local
 #define __align__(n) alignas(n)
 
@@ -56,19 +64,47 @@ extern thread_local dim3 tl_block_dim;
 extern thread_local dim3 tl_grid_dim;
 extern thread_local ThreadState* tl_current;  // the fiber (CUDA thread) now running
 const uint3& thread_idx();
-void syncthreads();
-void syncwarp();
-void warp_exchange(const void* value, void* out, unsigned size, unsigned src_lane);
-unsigned warp_ballot(bool pred);
+void syncthreads(const char* file, int line);
+void syncwarp(unsigned mask);
+void warp_exchange(unsigned mask, const void* value, void* out, unsigned size, unsigned src_lane);
+unsigned warp_ballot(unsigned mask, bool pred);
 void yield_thread();
 unsigned char* dynamic_smem();
 int worker_count();
 
+// The checks of the running block (a bit set of MESA_EMU_CHECK_*, emu_checks.h), copied from
+// the configuration at block start.
+extern thread_local unsigned tl_checks;
+constexpr unsigned kCheckSchedule = 1u, kCheckInit = 2u, kCheckMem = 4u, kCheckSync = 8u, kCheckBounds = 32u;
+// A point where the shuffled schedule may switch threads (global loads and stores).
+void memory_point_slow();
+inline void memory_point() {
+  if (tl_checks & kCheckSchedule) memory_point_slow();
+}
+// First pass of this block through a __shared__ declaration: poison it (initcheck).
+extern thread_local uint64_t tl_block_epoch;
+void shared_first_pass(void* p, size_t bytes);
+inline void shared_point(void* p, size_t bytes, uint64_t* epoch) {
+  if (*epoch != tl_block_epoch) {
+    *epoch = tl_block_epoch;
+    shared_first_pass(p, bytes);
+  }
+}
+// __launch_bounds__(max_threads, ...): a larger block fails the launch, as on a GPU.
+void launch_bounds(unsigned max_threads, const char* kernel);
+
 // A kernel launch: `body` runs once per CUDA thread. Returns a cudaError_t-like code
-// (0 = success, 9 = invalid configuration).
-int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
+// (0 = success, 9 = invalid configuration, 719 = a check failed: mesa_emu_take_report).
+int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
            const std::function<void()>& body);
 }  // namespace mesa_emu
+
+#define MESA_EMU_SHARED_POINT(name)                                        \
+  do {                                                                     \
+    static thread_local uint64_t mesa_emu_epoch_ = 0;                      \
+    ::mesa_emu::shared_point(&(name), sizeof(name), &mesa_emu_epoch_);     \
+  } while (0)
+#define MESA_EMU_LAUNCH_BOUNDS(max_threads, ...) ::mesa_emu::launch_bounds((max_threads), __func__)
 
 #define threadIdx (::mesa_emu::thread_idx())
 #define blockIdx (::mesa_emu::tl_block_idx)
@@ -76,53 +112,56 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
 #define gridDim (::mesa_emu::tl_grid_dim)
 #define warpSize 32
 
-inline void __syncthreads() { ::mesa_emu::syncthreads(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { ::mesa_emu::syncwarp(); }
+// The call site (file, line) lets synccheck tell two different barriers apart.
+inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  ::mesa_emu::syncthreads(file, line);
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::mesa_emu::syncwarp(mask); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __nanosleep(unsigned) { ::mesa_emu::yield_thread(); }
 
 // ---------------------------------------------------------------------------------------
-// Warp shuffles. Every lane of the warp must take part (our kernels only use full masks
-// on fully populated warps); the lane exchange is a warp-wide rendezvous.
+// Warp shuffles: a rendezvous of the lanes of `mask` (synccheck: the lanes that arrive must
+// be exactly the mask's; without it, of the warp's live lanes).
 template <typename T>
-inline T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
   const unsigned lane = threadIdx.x % 32u;
   const unsigned base = lane - lane % unsigned(width);
   T out;
-  ::mesa_emu::warp_exchange(&v, &out, sizeof(T), base + unsigned(src_lane) % unsigned(width));
+  ::mesa_emu::warp_exchange(mask, &v, &out, sizeof(T), base + unsigned(src_lane) % unsigned(width));
   return out;
 }
 template <typename T>
-inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   const unsigned lane = threadIdx.x % 32u;
   const unsigned base = lane - lane % unsigned(width);
   const unsigned src = (lane ^ unsigned(lane_mask));
   T out;
-  ::mesa_emu::warp_exchange(&v, &out, sizeof(T), src < base + unsigned(width) ? src : lane);
+  ::mesa_emu::warp_exchange(mask, &v, &out, sizeof(T), src < base + unsigned(width) ? src : lane);
   return out;
 }
 template <typename T>
-inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   const unsigned lane = threadIdx.x % 32u;
   const unsigned base = lane - lane % unsigned(width);
   const unsigned src = lane + delta;
   T out;
-  ::mesa_emu::warp_exchange(&v, &out, sizeof(T), src < base + unsigned(width) ? src : lane);
+  ::mesa_emu::warp_exchange(mask, &v, &out, sizeof(T), src < base + unsigned(width) ? src : lane);
   return out;
 }
 template <typename T>
-inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32) {
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   const unsigned lane = threadIdx.x % 32u;
   const unsigned base = lane - lane % unsigned(width);
   const unsigned src = (lane >= base + delta) ? lane - delta : lane;
   T out;
-  ::mesa_emu::warp_exchange(&v, &out, sizeof(T), src);
+  ::mesa_emu::warp_exchange(mask, &v, &out, sizeof(T), src);
   return out;
 }
-inline unsigned __ballot_sync(unsigned, int pred) { return ::mesa_emu::warp_ballot(pred != 0); }
+inline unsigned __ballot_sync(unsigned mask, int pred) { return ::mesa_emu::warp_ballot(mask, pred != 0); }
 inline bool __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0u; }
-inline bool __all_sync(unsigned m, int pred) { return __ballot_sync(m, pred) == 0xffffffffu; }
+inline bool __all_sync(unsigned m, int pred) { return (__ballot_sync(m, pred) & m) == m; }
 
 // ---------------------------------------------------------------------------------------
 // Atomics (device scope; blocks really run concurrently on the worker pool).

@@ -12,6 +12,9 @@
 // A cooperative launch gives every block its own OS thread at once, so that blocks that
 // wait for each other through global memory (the collectives) all make progress.
 #include "cuda_emu.h"
+#include "emu_checks.h"
+
+#include <signal.h>
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -24,7 +27,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <memory>
+#include <numeric>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -120,6 +126,8 @@ thread_local uint3 tl_block_idx{0, 0, 0};
 thread_local dim3 tl_block_dim{1, 1, 1};
 thread_local dim3 tl_grid_dim{1, 1, 1};
 thread_local ThreadState* tl_current = nullptr;
+thread_local unsigned tl_checks = 0;
+thread_local uint64_t tl_block_epoch = 0;
 
 namespace {
 
@@ -128,8 +136,78 @@ constexpr unsigned kMaxThreadsPerBlock = 1024;
 constexpr unsigned kMaxGridYZ = 65535;
 constexpr unsigned long long kMaxGridX = 2147483647ull;
 constexpr unsigned long long kMaxCooperativeBlocks = 512;
+constexpr int kLaunchFailure = 719;  // cudaErrorLaunchFailure: a check failed
 
 struct Block;
+
+// ---------------------------------------------------------------------------------------
+// Configuration: MESA_EMU_CHECK / MESA_EMU_SEED, read once, unless mesa_emu_set_checks ran.
+std::once_flag g_env_once;
+std::atomic<uint32_t> g_checks{0};
+std::atomic<uint64_t> g_seed{0};
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint32_t parse_checks(const char* s) {
+  std::string v(s);
+  if (v.empty() || v == "0" || v == "off" || v == "none") return 0;
+  if (v == "1" || v == "all" || v == "on") return MESA_EMU_CHECK_ALL;
+  uint32_t bits = 0;
+  size_t at = 0;
+  while (at <= v.size()) {
+    size_t end = v.find(',', at);
+    if (end == std::string::npos) end = v.size();
+    const std::string name = v.substr(at, end - at);
+    if (name == "schedule") bits |= MESA_EMU_CHECK_SCHEDULE;
+    else if (name == "initcheck" || name == "init") bits |= MESA_EMU_CHECK_INIT;
+    else if (name == "memcheck" || name == "mem") bits |= MESA_EMU_CHECK_MEM;
+    else if (name == "synccheck" || name == "sync") bits |= MESA_EMU_CHECK_SYNC;
+    else if (name == "bounds") bits |= MESA_EMU_CHECK_BOUNDS;
+    else if (!name.empty()) std::fprintf(stderr, "mesa emulator: MESA_EMU_CHECK: unknown check `%s` ignored\n", name.c_str());
+    at = end + 1;
+  }
+  return bits;
+}
+
+void read_env() {
+  std::call_once(g_env_once, [] {
+    const char* c = std::getenv("MESA_EMU_CHECK");
+    if (c != nullptr) g_checks.store(parse_checks(c));
+    const char* s = std::getenv("MESA_EMU_SEED");
+    if (s != nullptr && *s != '\0') {
+      g_seed.store(std::strtoull(s, nullptr, 0));
+    } else {
+      g_seed.store(splitmix64(uint64_t(std::chrono::steady_clock::now().time_since_epoch().count())) >> 16);
+    }
+  });
+}
+
+uint32_t config_checks() {
+  read_env();
+  return g_checks.load(std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------
+// One launch: what its workers share, and the first failure of a check.
+struct LaunchCtx {
+  const char* kernel = "";
+  uint32_t checks = 0;
+  uint64_t base_seed = 0;
+  uint64_t seed = 0;  // of this launch: base seed and launch shape
+  unsigned char poison = 0xff;
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  std::string report;
+};
+thread_local LaunchCtx* tl_launch = nullptr;
+
+// Pending report of the launching thread (mesa_emu_take_report).
+thread_local std::string tl_report;
 
 }  // namespace
 
@@ -141,14 +219,25 @@ struct ThreadState {
   void* sp = nullptr;  // saved stack pointer while switched out
 #endif
   bool done = false;
+  // 0 running, 1 waiting at __syncthreads, 2 waiting at a warp rendezvous
+  int wait = 0;
+  uint64_t barriers = 0;  // __syncthreads passed (synccheck)
+  const char* site_file = "";
+  int site_line = 0;
   Block* block = nullptr;
 };
 
 namespace {
 
+struct KernelAbort {};  // thrown inside a fiber when a check fails: ends the thread
+
 struct Warp {
   unsigned live = 0;
+  unsigned live_mask = 0;  // lanes that exist and have not exited
   unsigned arrived = 0;
+  unsigned arrived_mask = 0;
+  unsigned mask = 0;  // of the rendezvous in progress (synccheck)
+  const char* what = "";
   uint64_t generation = 0;
   alignas(16) unsigned char slot[32][16];
 };
@@ -213,20 +302,107 @@ struct Block {
 #endif
   std::vector<ThreadState> threads;
   std::vector<Warp> warps;
+  std::vector<unsigned> order;  // scheduling order of one round
   std::vector<unsigned char> dynamic_smem;
   unsigned live = 0;
   unsigned barrier_arrived = 0;
   uint64_t barrier_generation = 0;
+  const char* barrier_file = "";  // call site of the barrier generation in progress
+  int barrier_line = 0;
+  uint64_t progress = 0;  // bumped by every arrival, release, exit and voluntary yield
+  uint64_t rng = 0;       // the schedule's generator (xorshift64*)
+  bool abort = false;     // a check failed: stop running this block
   const std::function<void()>* body = nullptr;
+
+  uint64_t next_random() {
+    rng ^= rng >> 12;
+    rng ^= rng << 25;
+    rng ^= rng >> 27;
+    return rng * 0x2545f4914f6cdd1dull;
+  }
 };
 
 thread_local Block* tl_block = nullptr;
 
+unsigned linear_tid(const ThreadState* t) {
+  return t->idx.x + t->idx.y * tl_block_dim.x + t->idx.z * tl_block_dim.x * tl_block_dim.y;
+}
+
+const char* check_name(uint32_t bit) {
+  switch (bit) {
+    case MESA_EMU_CHECK_SCHEDULE: return "schedule";
+    case MESA_EMU_CHECK_INIT: return "initcheck";
+    case MESA_EMU_CHECK_MEM: return "memcheck";
+    case MESA_EMU_CHECK_SYNC: return "synccheck";
+    case MESA_EMU_CHECK_BOUNDS: return "bounds";
+    default: return "emulator";
+  }
+}
+
+// Records the first failure of the launch: "<check>: kernel `k` [block (x,y,z) thread (x,y,z)]:
+// what; seed". Safe from any worker.
+void record_failure(LaunchCtx& l, uint32_t check, const std::string& what, bool in_block) {
+  char where[160] = "";
+  if (in_block) {
+    if (tl_current != nullptr) {
+      std::snprintf(where, sizeof where, " block (%u,%u,%u) thread (%u,%u,%u)", tl_block_idx.x, tl_block_idx.y,
+                    tl_block_idx.z, tl_current->idx.x, tl_current->idx.y, tl_current->idx.z);
+    } else {
+      std::snprintf(where, sizeof where, " block (%u,%u,%u)", tl_block_idx.x, tl_block_idx.y, tl_block_idx.z);
+    }
+  }
+  char seed[160];
+  std::snprintf(seed, sizeof seed, " [replay: MESA_EMU_SEED=%llu MESA_EMU_THREADS=1; launch seed 0x%016llx]",
+                (unsigned long long)l.base_seed, (unsigned long long)l.seed);
+  std::string msg = std::string("mesa emulator ") + check_name(check) + ": kernel `" + l.kernel + "`" + where + ": " +
+                    what + seed;
+  std::lock_guard<std::mutex> lock(l.mutex);
+  if (!l.failed.load()) {
+    l.report = msg;
+    l.failed.store(true);
+  }
+}
+
+// A check failed inside a block: record it, stop the block, end the calling thread.
+[[noreturn]] void fail_in_block(uint32_t check, const std::string& what) {
+  if (tl_launch != nullptr) record_failure(*tl_launch, check, what, true);
+  if (tl_block != nullptr) tl_block->abort = true;
+  throw KernelAbort{};
+}
+
+std::string lanes_text(unsigned mask) {
+  std::string s;
+  for (unsigned l = 0; l < 32;) {
+    if (!((mask >> l) & 1u)) {
+      ++l;
+      continue;
+    }
+    unsigned e = l;
+    while (e + 1 < 32 && ((mask >> (e + 1)) & 1u)) ++e;
+    if (!s.empty()) s += ",";
+    s += std::to_string(l);
+    if (e > l) s += "-" + std::to_string(e);
+    l = e + 1;
+  }
+  return s.empty() ? "none" : s;
+}
+
+std::string hex32(unsigned v) {
+  char b[16];
+  std::snprintf(b, sizeof b, "0x%08x", v);
+  return b;
+}
+
 void fiber_body() {
   ThreadState* self = tl_current;
-  (*self->block->body)();
+  try {
+    (*self->block->body)();
+  } catch (const KernelAbort&) {
+    // a check failed; the block is abandoned
+  }
   self->done = true;
   self->block->live -= 1;
+  self->block->progress += 1;
 }
 
 #ifdef MESA_EMU_UCONTEXT
@@ -262,28 +438,53 @@ void* prepare_stack(unsigned char* base, size_t bytes) {
 }
 #endif
 
-unsigned linear_tid(const ThreadState* t) {
-  return t->idx.x + t->idx.y * tl_block_dim.x + t->idx.z * tl_block_dim.x * tl_block_dim.y;
+// The deadlock report: every live thread waits and a whole round changed nothing.
+std::string deadlock_text(const Block& b) {
+  std::string s = "deadlock: every live thread waits and none can proceed:";
+  unsigned at_block = 0;
+  for (const ThreadState& t : b.threads)
+    if (!t.done && t.wait == 1) ++at_block;
+  if (at_block > 0)
+    s += " " + std::to_string(at_block) + " thread(s) at __syncthreads (" + b.barrier_file + ":" +
+         std::to_string(b.barrier_line) + ") of " + std::to_string(b.live) + " live;";
+  for (size_t w = 0; w < b.warps.size(); ++w) {
+    const Warp& wp = b.warps[w];
+    if (wp.arrived == 0) continue;
+    s += " warp " + std::to_string(w) + ": lanes " + lanes_text(wp.arrived_mask) + " in " + wp.what + " with mask " +
+         hex32(wp.mask) + ", lanes " + lanes_text(wp.mask & ~wp.arrived_mask) + " of the mask elsewhere;";
+  }
+  return s;
 }
 
 // Runs one block to completion on the calling OS thread.
-bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
+void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long linear, bool cooperative) {
+  LaunchCtx& l = *tl_launch;
   tl_block_idx = block_idx;
   tl_block = &b;
+  tl_checks = l.checks;
+  tl_block_epoch += 1;
   const unsigned n = unsigned(b.threads.size());
   b.live = n;
   b.barrier_arrived = 0;
+  b.abort = false;
+  b.rng = splitmix64(l.seed ^ splitmix64(linear)) | 1u;
   for (unsigned w = 0; w < b.warps.size(); ++w) {
-    b.warps[w].live = std::min(32u, n - w * 32u);
-    b.warps[w].arrived = 0;
+    Warp& wp = b.warps[w];
+    wp.live = std::min(32u, n - w * 32u);
+    wp.live_mask = wp.live == 32 ? 0xffffffffu : ((1u << wp.live) - 1u);
+    wp.arrived = 0;
+    wp.arrived_mask = 0;
   }
+  if ((l.checks & kCheckInit) && !b.dynamic_smem.empty())
+    std::memset(b.dynamic_smem.data(), l.poison, b.dynamic_smem.size());
   stacks.arm(n);
   for (unsigned i = 0; i < n; ++i) {
     ThreadState& t = b.threads[i];
     t.done = false;
+    t.wait = 0;
+    t.barriers = 0;
     t.block = &b;
-    t.idx = uint3{i % tl_block_dim.x, (i / tl_block_dim.x) % tl_block_dim.y,
-                  i / (tl_block_dim.x * tl_block_dim.y)};
+    t.idx = uint3{i % tl_block_dim.x, (i / tl_block_dim.x) % tl_block_dim.y, i / (tl_block_dim.x * tl_block_dim.y)};
 #ifdef MESA_EMU_UCONTEXT
     getcontext(&t.ctx);
     t.ctx.uc_stack.ss_sp = stacks.stack(i);
@@ -293,9 +494,16 @@ bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
 #else
     t.sp = prepare_stack(stacks.stack(i), kStackBytes);
 #endif
+    b.order[i] = i;
   }
-  while (b.live > 0) {
-    for (unsigned i = 0; i < n; ++i) {
+  const bool shuffle = (l.checks & kCheckSchedule) != 0;
+  while (b.live > 0 && !b.abort) {
+    if (shuffle) {
+      for (unsigned i = n - 1; i > 0; --i) std::swap(b.order[i], b.order[b.next_random() % (i + 1)]);
+    }
+    const uint64_t progress = b.progress;
+    for (unsigned k = 0; k < n && !b.abort; ++k) {
+      const unsigned i = b.order[k];
       ThreadState& t = b.threads[i];
       if (t.done) continue;
       tl_current = &t;
@@ -306,18 +514,52 @@ bool run_block(Block& b, StackSet& stacks, uint3 block_idx, bool cooperative) {
 #endif
       if (t.done) {
         // a finished thread no longer counts towards its warp's exchanges
-        b.warps[i / 32].live -= 1;
+        Warp& wp = b.warps[i / 32];
+        wp.live -= 1;
+        wp.live_mask &= ~(1u << (i % 32));
+      }
+    }
+    tl_current = nullptr;
+    if (b.abort) break;
+    if (b.live > 0 && b.progress == progress) {
+      bool all_wait = true;
+      for (const ThreadState& t : b.threads)
+        if (!t.done && t.wait == 0) all_wait = false;
+      if (all_wait) {
+        record_failure(l, MESA_EMU_CHECK_SYNC, deadlock_text(b), true);
+        b.abort = true;
+        break;
       }
     }
     if (cooperative) std::this_thread::yield();
+  }
+  tl_current = nullptr;
+  if (!b.abort && (l.checks & kCheckSync)) {
+    // every thread passes the same number of __syncthreads (CUDA: a barrier in conditional
+    // code only if the condition is the same for the whole block)
+    const ThreadState& t0 = b.threads[0];
+    for (unsigned i = 1; i < n; ++i) {
+      const ThreadState& t = b.threads[i];
+      if (t.barriers != t0.barriers) {
+        record_failure(l,
+                       MESA_EMU_CHECK_SYNC,
+                       "__syncthreads reached by part of the block: thread (" + std::to_string(t0.idx.x) + "," +
+                           std::to_string(t0.idx.y) + "," + std::to_string(t0.idx.z) + ") passed " +
+                           std::to_string(t0.barriers) + " barrier(s), thread (" + std::to_string(t.idx.x) + "," +
+                           std::to_string(t.idx.y) + "," + std::to_string(t.idx.z) + ") passed " +
+                           std::to_string(t.barriers),
+                       true);
+        b.abort = true;
+        break;
+      }
+    }
   }
   if (!stacks.intact(n)) {
     std::fprintf(stderr, "mesa emulator: a kernel overflowed its %zu-byte fiber stack\n", kStackBytes);
     std::abort();
   }
-  tl_current = nullptr;
   tl_block = nullptr;
-  return true;
+  tl_checks = 0;
 }
 
 void yield_to_scheduler() {
@@ -354,71 +596,154 @@ int worker_count() {
 const uint3& thread_idx() { return tl_current->idx; }
 
 void yield_thread() {
-  if (tl_current != nullptr) yield_to_scheduler();
+  if (tl_current != nullptr) {
+    tl_block->progress += 1;
+    yield_to_scheduler();
+  }
 }
 
-void syncthreads() {
+void memory_point_slow() {
+  if (tl_current == nullptr) return;
   Block& b = *tl_block;
+  if ((b.next_random() & 3u) == 0) {
+    b.progress += 1;
+    yield_to_scheduler();
+  }
+}
+
+void shared_first_pass(void* p, size_t bytes) {
+  if ((tl_checks & kCheckInit) && tl_launch != nullptr) std::memset(p, tl_launch->poison, bytes);
+}
+
+void launch_bounds(unsigned max_threads, const char* kernel) {
+  if (!(tl_checks & kCheckBounds)) return;
+  const unsigned n = tl_block_dim.x * tl_block_dim.y * tl_block_dim.z;
+  if (n > max_threads)
+    fail_in_block(MESA_EMU_CHECK_BOUNDS, std::string(kernel) + " launched with " + std::to_string(n) +
+                                             " threads per block; its __launch_bounds__ allows " +
+                                             std::to_string(max_threads) +
+                                             " (a GPU refuses the launch: too many resources requested)");
+}
+
+void syncthreads(const char* file, int line) {
+  Block& b = *tl_block;
+  ThreadState& self = *tl_current;
+  if (tl_checks & kCheckSync) {
+    if (b.barrier_arrived == 0) {
+      b.barrier_file = file;
+      b.barrier_line = line;
+    } else if (line != b.barrier_line || std::strcmp(file, b.barrier_file) != 0) {
+      fail_in_block(MESA_EMU_CHECK_SYNC, std::string("two different __syncthreads in one barrier generation: ") +
+                                             file + ":" + std::to_string(line) + " while others wait at " +
+                                             b.barrier_file + ":" + std::to_string(b.barrier_line));
+    }
+  }
+  self.barriers += 1;
   const uint64_t gen = b.barrier_generation;
   b.barrier_arrived += 1;
+  b.progress += 1;
   for (;;) {
-    if (b.barrier_generation != gen) return;
+    if (b.barrier_generation != gen) break;
     if (b.barrier_arrived >= b.live) {  // everyone still running has arrived
       b.barrier_arrived = 0;
       b.barrier_generation += 1;
-      return;
+      break;
     }
+    self.wait = 1;
     yield_to_scheduler();
+    self.wait = 0;
   }
+  b.progress += 1;
 }
 
 namespace {
-void warp_barrier(Warp& w) {
+// A rendezvous of the lanes of `mask` (synccheck) or of the warp's live lanes.
+void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what) {
+  ThreadState& self = *tl_current;
+  Block& b = *tl_block;
+  const bool check = (tl_checks & kCheckSync) != 0;
+  if (check) {
+    if (!((mask >> lane) & 1u))
+      fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " by lane " + std::to_string(lane) +
+                                             ", which is not in its mask " + hex32(mask));
+    if (w.arrived == 0) {
+      w.mask = mask;
+      w.what = what;
+    } else if (w.mask != mask) {
+      fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " with mask " + hex32(mask) + " while lanes " +
+                                             lanes_text(w.arrived_mask) + " wait in " + w.what + " with mask " +
+                                             hex32(w.mask));
+    }
+  } else if (w.arrived == 0) {
+    w.mask = mask;
+    w.what = what;
+  }
   const uint64_t gen = w.generation;
   w.arrived += 1;
+  w.arrived_mask |= 1u << lane;
+  b.progress += 1;
   for (;;) {
-    if (w.generation != gen) return;
-    if (w.arrived >= w.live) {
+    if (w.generation != gen) break;
+    if (check && (w.mask & ~w.live_mask) != 0)
+      fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " with mask " + hex32(w.mask) + ": lanes " +
+                                             lanes_text(w.mask & ~w.live_mask) +
+                                             " of the mask have exited or do not exist; lanes " +
+                                             lanes_text(w.arrived_mask) + " arrived");
+    const unsigned expected = check ? unsigned(__builtin_popcount(w.mask)) : w.live;
+    if (w.arrived >= expected) {
       w.arrived = 0;
+      w.arrived_mask = 0;
       w.generation += 1;
-      return;
+      break;
     }
+    self.wait = 2;
     yield_to_scheduler();
+    self.wait = 0;
   }
+  b.progress += 1;
 }
 }  // namespace
 
-void syncwarp() {
+void syncwarp(unsigned mask) {
   Block& b = *tl_block;
-  warp_barrier(b.warps[linear_tid(tl_current) / 32]);
+  const unsigned tid = linear_tid(tl_current);
+  warp_barrier(b.warps[tid / 32], tid % 32, mask, "__syncwarp");
 }
 
-void warp_exchange(const void* value, void* out, unsigned size, unsigned src_lane) {
+void warp_exchange(unsigned mask, const void* value, void* out, unsigned size, unsigned src_lane) {
   Block& b = *tl_block;
   const unsigned tid = linear_tid(tl_current);
   Warp& w = b.warps[tid / 32];
   std::memcpy(w.slot[tid % 32], value, size);
-  warp_barrier(w);
+  warp_barrier(w, tid % 32, mask, "a shuffle");
+  if ((tl_checks & kCheckSync) && !((mask >> (src_lane % 32)) & 1u))
+    fail_in_block(MESA_EMU_CHECK_SYNC, "a shuffle with mask " + hex32(mask) + " reads lane " +
+                                           std::to_string(src_lane % 32) + ", which is not in the mask");
   std::memcpy(out, w.slot[src_lane % 32], size);
-  warp_barrier(w);
+  warp_barrier(w, tid % 32, mask, "a shuffle");
 }
 
-unsigned warp_ballot(bool pred) {
+unsigned warp_ballot(unsigned mask, bool pred) {
   Block& b = *tl_block;
   const unsigned tid = linear_tid(tl_current);
   Warp& w = b.warps[tid / 32];
   w.slot[tid % 32][0] = pred ? 1 : 0;
-  warp_barrier(w);
-  unsigned mask = 0;
+  warp_barrier(w, tid % 32, mask, "a ballot/vote");
+  unsigned bits = 0;
   const unsigned lanes = std::min(32u, unsigned(b.threads.size()) - (tid / 32) * 32);
-  for (unsigned l = 0; l < lanes; ++l) mask |= unsigned(w.slot[l][0]) << l;
-  warp_barrier(w);
-  return mask;
+  for (unsigned l = 0; l < lanes; ++l) bits |= unsigned(w.slot[l][0]) << l;
+  if (tl_checks & kCheckSync) bits &= mask;
+  warp_barrier(w, tid % 32, mask, "a ballot/vote");
+  return bits;
 }
 
 unsigned char* dynamic_smem() { return tl_block->dynamic_smem.data(); }
 
-int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
+namespace {
+void check_allocations(LaunchCtx& l);
+}
+
+int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
            const std::function<void()>& body) {
   const unsigned long long threads = 1ull * block.x * block.y * block.z;
   if (threads == 0 || threads > kMaxThreadsPerBlock || block.z > 64) return cudaErrorInvalidConfiguration;
@@ -428,6 +753,31 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
   const unsigned long long blocks = 1ull * grid.x * grid.y * grid.z;
   if (cooperative && blocks > kMaxCooperativeBlocks) return cudaErrorCooperativeLaunchTooLarge;
 
+  LaunchCtx ctx;
+  ctx.kernel = kernel;
+  ctx.checks = config_checks();
+  ctx.base_seed = g_seed.load(std::memory_order_relaxed);
+  {
+    // the launch's seed depends on the base seed and the launch itself, not on what ran
+    // before it: a failing launch replays under the same MESA_EMU_SEED in any test order
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const char* c = kernel; *c != '\0'; ++c) h = (h ^ uint64_t((unsigned char)*c)) * 0x100000001b3ull;
+    h ^= splitmix64(grid.x ^ (uint64_t(grid.y) << 32)) ^ splitmix64(grid.z ^ (uint64_t(block.x) << 20) ^
+                                                                  (uint64_t(block.y) << 40) ^ (uint64_t(block.z) << 52));
+    h ^= splitmix64(dynamic_smem_bytes);
+    ctx.seed = splitmix64(ctx.base_seed ^ h);
+  }
+  ctx.poison = (ctx.base_seed & 1u) ? 0x7f : 0xff;  // NaN in every float type, or huge finite/NaN
+  // blocks in the order of a seeded affine permutation i -> (a i + c) mod blocks
+  unsigned long long perm_a = 1, perm_c = 0;
+  if ((ctx.checks & kCheckSchedule) && blocks > 1) {
+    perm_a = 1 + splitmix64(ctx.seed ^ 0xa11ce) % (blocks - 1);
+    while (std::gcd(perm_a, blocks) != 1) perm_a = perm_a % (blocks - 1) + 1;
+    perm_c = splitmix64(ctx.seed ^ 0xb0b) % blocks;
+  }
+  auto permuted = [&](unsigned long long i) {
+    return (unsigned long long)(((unsigned __int128)perm_a * i + perm_c) % blocks);
+  };
   auto decode = [&](unsigned long long linear) {
     return uint3{unsigned(linear % grid.x), unsigned((linear / grid.x) % grid.y),
                  unsigned(linear / (1ull * grid.x * grid.y))};
@@ -437,30 +787,38 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
   auto worker = [&](bool coop_single, unsigned long long only) {
     tl_grid_dim = grid;
     tl_block_dim = block;
+    LaunchCtx* outer = tl_launch;  // the caller's, when a launch runs inside a launch
+    tl_launch = &ctx;
     std::unique_ptr<StackSet> stacks = take_stacks();
     if (!stacks->reserve(threads)) {
       // no fiber stacks: this worker runs nothing; the launch reports the failure
       out_of_memory = true;
       give_stacks(std::move(stacks));
+      tl_launch = outer;
       return;
     }
     Block b;
     b.threads.resize(threads);
     b.warps.resize((threads + 31) / 32);
+    b.order.resize(threads);
     b.dynamic_smem.assign(dynamic_smem_bytes + 16, 0);
     b.body = &body;
     if (coop_single) {
-      run_block(b, *stacks, decode(only), true);
+      run_block(b, *stacks, decode(only), only, true);
     } else {
       for (;;) {
+        if (ctx.failed.load(std::memory_order_relaxed)) break;
         const unsigned long long i = next.fetch_add(1);
         if (i >= blocks) break;
-        run_block(b, *stacks, decode(i), false);
+        const unsigned long long linear = permuted(i);
+        run_block(b, *stacks, decode(linear), linear, false);
       }
     }
     give_stacks(std::move(stacks));
+    tl_launch = outer;
   };
 
+  int status = cudaSuccess;
   if (cooperative) {
     // every block needs its own OS thread; if the system refuses one, the blocks already
     // started cannot meet their missing peers: their bounded waits expire, they finish, and
@@ -476,25 +834,224 @@ int launch(dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
       }
     }
     for (auto& t : pool) t.join();
-    if (spawn_failed) return cudaErrorCooperativeLaunchTooLarge;
-    return out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
-  }
-  const unsigned long long helpers =
-      std::min<unsigned long long>(blocks, (unsigned long long)worker_count()) - 1;
-  std::vector<std::thread> pool;
-  pool.reserve(helpers);
-  for (unsigned long long i = 0; i < helpers; ++i) {
-    try {
-      pool.emplace_back(worker, false, 0ull);
-    } catch (const std::exception&) {
-      break;  // fewer helpers: the blocks still all run, on the threads that exist
+    if (spawn_failed) status = cudaErrorCooperativeLaunchTooLarge;
+    else status = out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
+  } else {
+    const unsigned long long helpers =
+        std::min<unsigned long long>(blocks, (unsigned long long)worker_count()) - 1;
+    std::vector<std::thread> pool;
+    pool.reserve(helpers);
+    for (unsigned long long i = 0; i < helpers; ++i) {
+      try {
+        pool.emplace_back(worker, false, 0ull);
+      } catch (const std::exception&) {
+        break;  // fewer helpers: the blocks still all run, on the threads that exist
+      }
     }
+    worker(false, 0ull);
+    for (auto& t : pool) t.join();
+    // a worker without stacks ran nothing; the others may have covered its blocks, but the
+    // launch is reported as failed either way
+    status = out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
   }
-  worker(false, 0ull);
-  for (auto& t : pool) t.join();
-  // a worker without stacks ran nothing; the others may have covered its blocks, but the
-  // launch is reported as failed either way
-  return out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
+  if (ctx.checks & kCheckMem) check_allocations(ctx);
+  if (ctx.failed.load()) {
+    if (tl_report.empty()) tl_report = ctx.report;  // the first failure since the last take
+    return kLaunchFailure;
+  }
+  return status;
 }
 
+// ---------------------------------------------------------------------------------------
+// Emulator allocations. Under memcheck each one ends 16..31 bytes before a no-access guard
+// page, the bytes between holding canaries; the registry finds an address's allocation (for
+// the after-launch check and for a fault in a guard page).
+namespace {
+
+constexpr size_t kPage = 4096;
+constexpr size_t kCanaryMin = 16;
+
+struct Guarded {
+  unsigned char* map = nullptr;
+  size_t map_bytes = 0;
+  size_t bytes = 0;    // the caller's
+  size_t canary = 0;   // canary bytes after them (alignment slack + kCanaryMin)
+  std::thread::id owner;
+};
+
+std::mutex g_alloc_mutex;
+std::map<uintptr_t, Guarded> g_allocs;  // by user address
+
+unsigned char canary_byte(size_t k) { return (unsigned char)(0xa5u ^ (k * 0x3bu)); }
+
+void arm_canary(unsigned char* end, size_t n) {
+  for (size_t k = 0; k < n; ++k) end[k] = canary_byte(k);
+}
+
+void check_allocations(LaunchCtx& l) {
+  const std::thread::id me = std::this_thread::get_id();
+  std::lock_guard<std::mutex> lock(g_alloc_mutex);
+  for (auto& [addr, g] : g_allocs) {
+    if (g.owner != me) continue;
+    unsigned char* end = reinterpret_cast<unsigned char*>(addr) + g.bytes;
+    size_t first = g.canary, last = 0;
+    for (size_t k = 0; k < g.canary; ++k) {
+      if (end[k] != canary_byte(k)) {
+        first = std::min(first, k);
+        last = k;
+      }
+    }
+    if (first < g.canary) {
+      record_failure(l, MESA_EMU_CHECK_MEM,
+                     "wrote past the end of a " + std::to_string(g.bytes) + "-byte emulator allocation: bytes +" +
+                         std::to_string(first) + "..+" + std::to_string(last) + " after its end changed",
+                     false);
+      arm_canary(end, g.canary);
+    }
+  }
+}
+
+// A touch of a guard page inside a kernel: report it and leave the thread (the block is
+// abandoned, as with any failed check); any other fault goes to the previous handler.
+struct sigaction g_previous_segv;
+std::once_flag g_segv_once;
+
+void on_segv(int sig, siginfo_t* info, void* uctx) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(info->si_addr);
+  bool ours = false;
+  size_t bytes = 0;
+  uintptr_t user = 0;
+  if (tl_current != nullptr && tl_launch != nullptr && g_alloc_mutex.try_lock()) {
+    auto it = g_allocs.upper_bound(a);
+    if (it != g_allocs.begin()) {
+      --it;
+      const Guarded& g = it->second;
+      const uintptr_t guard = reinterpret_cast<uintptr_t>(g.map) + g.map_bytes - kPage;
+      if (a >= guard && a < guard + kPage) {
+        ours = true;
+        bytes = g.bytes;
+        user = it->first;
+      }
+    }
+    g_alloc_mutex.unlock();
+  }
+  if (!ours) {
+    if (g_previous_segv.sa_flags & SA_SIGINFO) {
+      g_previous_segv.sa_sigaction(sig, info, uctx);
+    } else if (g_previous_segv.sa_handler == SIG_DFL || g_previous_segv.sa_handler == SIG_IGN) {
+      signal(sig, SIG_DFL);  // returning re-executes the access: the default action
+    } else {
+      g_previous_segv.sa_handler(sig);
+    }
+    return;
+  }
+  record_failure(*tl_launch, MESA_EMU_CHECK_MEM,
+                 "touched the guard page " + std::to_string(a - (user + bytes)) + " bytes past the end of a " +
+                     std::to_string(bytes) + "-byte emulator allocation",
+                 true);
+  ThreadState* self = tl_current;
+  tl_block->abort = true;
+  self->done = true;
+  self->block->live -= 1;
+  // leave the faulting fiber for good (SA_NODEFER: the signal stays unblocked)
+#ifdef MESA_EMU_UCONTEXT
+  setcontext(&self->block->scheduler);
+#else
+  void* dead_sp = nullptr;
+  mesa_emu_switch(&dead_sp, self->block->scheduler_sp);
+#endif
+}
+
+void install_segv_handler() {
+  std::call_once(g_segv_once, [] {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_segv;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_previous_segv);
+  });
+}
+
+}  // namespace
 }  // namespace mesa_emu
+
+extern "C" {
+
+void mesa_emu_set_checks(uint32_t checks, uint64_t seed) {
+  mesa_emu::read_env();
+  mesa_emu::g_checks.store(checks & MESA_EMU_CHECK_ALL);
+  mesa_emu::g_seed.store(seed);
+}
+
+void mesa_emu_get_checks(uint32_t* checks, uint64_t* seed) {
+  mesa_emu::read_env();
+  if (checks != nullptr) *checks = mesa_emu::g_checks.load();
+  if (seed != nullptr) *seed = mesa_emu::g_seed.load();
+}
+
+size_t mesa_emu_take_report(char* out, size_t cap) {
+  std::string& r = mesa_emu::tl_report;
+  const size_t n = r.size();
+  if (out != nullptr && cap > 0) {
+    const size_t k = std::min(n, cap - 1);
+    std::memcpy(out, r.data(), k);
+    out[k] = '\0';
+  }
+  r.clear();
+  return n;
+}
+
+void* mesa_emu_alloc(size_t bytes, int zeroed) {
+  using namespace mesa_emu;
+  if (bytes == 0) bytes = 1;
+  const uint32_t checks = config_checks();
+  const unsigned char fill = zeroed ? 0 : ((checks & kCheckInit) ? ((g_seed.load() & 1u) ? 0x7f : 0xff) : 0);
+  if (!(checks & kCheckMem)) {
+    void* p = nullptr;
+    if (bytes > SIZE_MAX - 64 || posix_memalign(&p, 64, bytes) != 0) return nullptr;
+    std::memset(p, fill, bytes);
+    return p;
+  }
+  install_segv_handler();
+  const size_t body = ((bytes + 15) & ~size_t(15)) + kCanaryMin;
+  if (body < bytes || body > SIZE_MAX - 2 * kPage) return nullptr;
+  const size_t data_pages = (body + kPage - 1) / kPage;
+  const size_t map_bytes = (data_pages + 1) * kPage;
+  void* m = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  unsigned char* map = static_cast<unsigned char*>(m);
+  if (mprotect(map + data_pages * kPage, kPage, PROT_NONE) != 0) {
+    munmap(m, map_bytes);
+    return nullptr;
+  }
+  unsigned char* user = map + data_pages * kPage - body;
+  if (fill != 0) std::memset(user, fill, bytes);  // fresh anonymous pages are zero
+  Guarded g;
+  g.map = map;
+  g.map_bytes = map_bytes;
+  g.bytes = bytes;
+  g.canary = body - bytes;
+  g.owner = std::this_thread::get_id();
+  arm_canary(user + bytes, g.canary);
+  std::lock_guard<std::mutex> lock(g_alloc_mutex);
+  g_allocs[reinterpret_cast<uintptr_t>(user)] = g;
+  return user;
+}
+
+void mesa_emu_free(void* p) {
+  using namespace mesa_emu;
+  if (p == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_alloc_mutex);
+    auto it = g_allocs.find(reinterpret_cast<uintptr_t>(p));
+    if (it != g_allocs.end()) {
+      munmap(it->second.map, it->second.map_bytes);
+      g_allocs.erase(it);
+      return;
+    }
+  }
+  std::free(p);
+}
+
+}  // extern "C"

@@ -13,10 +13,18 @@ pub fn require_gpu() -> bool {
     std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }
 
-/// The emulator always; CUDA device 0 when one is usable. A missing GPU is reported on
+/// The emulator, with its checks on (shuffled schedules, poisoned and guarded memory, barrier,
+/// shuffle and launch-bounds checks) unless `MESA_EMU_CHECK` says otherwise: see
+/// `docs/emulator.md`. A failed check is an `Error::EmulatorCheck` from the launch.
+pub fn emulator() -> Device {
+    mesa_kernels::emulator::enable_for_tests();
+    Device::emulator()
+}
+
+/// The emulator always (checks on, [`emulator`]); CUDA device 0 when one is usable. A missing GPU is reported on
 /// stderr as a skip, or fails the test under `MESA_REQUIRE_GPU=1`.
 pub fn backends() -> Vec<Device> {
-    let mut v = vec![Device::emulator()];
+    let mut v = vec![emulator()];
     match Device::cuda(0) {
         Ok(d) => v.push(d),
         Err(e) => {

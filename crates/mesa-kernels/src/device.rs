@@ -12,6 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 
 use crate::error::{Error, Result};
+use crate::host_buffer::HostBuffer;
 
 /// Plain data a [`Buffer`] can hold (element types, codes, per-group parameters).
 pub trait Storage: Copy + Default + Send + Sync + DeviceRepr + ValidAsZeroBits + 'static {}
@@ -146,19 +147,20 @@ impl Device {
         check_alloc_size::<T>(len)?;
         match &self.kind {
             Kind::Cuda(s) => Ok(Buffer::Cuda(s.alloc_zeros::<T>(len)?)),
-            Kind::Emulator => Ok(Buffer::Host(host_vec(len)?)),
+            Kind::Emulator => Ok(Buffer::Host(HostBuffer::zeroed(len)?)),
         }
     }
 
     /// Allocates `len` elements whose contents are unspecified until a kernel writes them
-    /// (stream-ordered `cuMemAllocAsync` on CUDA; zeroed host memory for the emulation).
+    /// (stream-ordered `cuMemAllocAsync` on CUDA; host memory for the emulation, poisoned
+    /// under its initcheck, zeroed otherwise).
     pub(crate) fn alloc_for_kernel<T: Storage>(&self, len: usize) -> Result<Buffer<T>> {
         check_alloc_size::<T>(len)?;
         match &self.kind {
             // SAFETY: every caller hands the buffer to a kernel that writes all `len`
             // elements before anything reads them.
             Kind::Cuda(s) => Ok(Buffer::Cuda(unsafe { s.alloc::<T>(len) }?)),
-            Kind::Emulator => Ok(Buffer::Host(host_vec(len)?)),
+            Kind::Emulator => Ok(Buffer::Host(HostBuffer::for_kernel(len)?)),
         }
     }
 
@@ -169,7 +171,7 @@ impl Device {
     pub fn upload<T: Storage>(&self, data: &[T]) -> Result<Buffer<T>> {
         match &self.kind {
             Kind::Cuda(s) => Ok(Buffer::Cuda(s.clone_htod(data)?)),
-            Kind::Emulator => Ok(Buffer::Host(data.to_vec())),
+            Kind::Emulator => Ok(Buffer::Host(HostBuffer::from_slice(data)?)),
         }
     }
 
@@ -215,26 +217,13 @@ fn check_alloc_size<T>(len: usize) -> Result<()> {
     }
 }
 
-/// A zeroed host vector, or an error instead of an abort when the memory cannot be had.
-fn host_vec<T: Storage>(len: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|_| {
-        Error::too_large(
-            "host allocation",
-            format!("cannot allocate {len} elements of {} bytes", std::mem::size_of::<T>()),
-        )
-    })?;
-    v.resize(len, T::default());
-    Ok(v)
-}
-
 /// An owned buffer of one backend: device memory (a cudarc `CudaSlice`) or host memory
-/// for the emulation.
+/// for the emulation (from the emulator's allocator, which its memory checks guard).
 pub enum Buffer<T> {
     /// CUDA device memory.
     Cuda(CudaSlice<T>),
     /// Host memory (emulation backend).
-    Host(Vec<T>),
+    Host(HostBuffer<T>),
 }
 
 impl<T> std::fmt::Debug for Buffer<T> {
@@ -287,7 +276,7 @@ impl<T: Storage> Buffer<T> {
     pub fn to_vec(&self) -> Result<Vec<T>> {
         match self {
             Buffer::Cuda(s) => Ok(s.stream().clone_dtoh(s)?),
-            Buffer::Host(v) => Ok(v.clone()),
+            Buffer::Host(v) => Ok(v.to_vec()),
         }
     }
 }

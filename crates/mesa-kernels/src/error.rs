@@ -126,6 +126,15 @@ pub enum Error {
         /// Which wait, or which earlier call, timed out.
         why: String,
     },
+    /// A check of the emulator failed during a launch (`MESA_EMU_CHECK`, the
+    /// [`emulator`](crate::emulator) module): a kernel wrote past an allocation, a barrier or
+    /// shuffle was reached by part of its threads, a block exceeded the launch bounds.
+    EmulatorCheck {
+        /// The kernel entry point.
+        op: &'static str,
+        /// The emulator's report: the check, the kernel, where, and the seed that replays it.
+        report: String,
+    },
     /// A kernel entry point rejected its arguments (a bug in this crate's checks if seen).
     KernelArgument {
         /// The kernel entry point.
@@ -195,6 +204,7 @@ impl fmt::Display for Error {
             Error::Driver { op, source } => write!(f, "CUDA driver error in {op}: {source:?}"),
             Error::CudaRuntime { op, code } => write!(f, "CUDA error in {op}: cudaError {code}"),
             Error::Timeout { op, why } => write!(f, "timeout in {op}: {why}"),
+            Error::EmulatorCheck { op, report } => write!(f, "emulator check failed in {op}: {report}"),
             Error::KernelArgument { op } => {
                 write!(f, "kernel entry point `{op}` rejected its arguments (a bug in mesa-kernels' checks)")
             }

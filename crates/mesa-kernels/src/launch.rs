@@ -243,8 +243,14 @@ impl<'a> Launch<'a> {
                 // registered buffer are held by `self` until after this call.
                 unsafe { cuda(args, s.cu_stream() as *mut c_void) }
             }
-            // SAFETY: forwarded from the caller's contract.
-            Kind::Emulator => unsafe { emu(args, std::ptr::null_mut()) },
+            Kind::Emulator => {
+                // SAFETY: forwarded from the caller's contract.
+                let status = unsafe { emu(args, std::ptr::null_mut()) };
+                if let Some(report) = crate::emulator::take_report() {
+                    return Err(Error::EmulatorCheck { op: kernel, report });
+                }
+                status
+            }
         };
         let cc = if status == 0 { None } else { self.device.compute_capability() };
         crate::error::check_status(kernel, status, cc)

@@ -1,0 +1,175 @@
+//! The emulator as a sanitizer: each deliberately broken kernel of `kernels/broken/` is
+//! reported by the check that exists to find it (docs/emulator.md).
+//!
+//! Checks that report an error assert the error: its check, its kernel, its seed. The
+//! schedule and poison checks change what a racy or uninitialised read sees; their cases
+//! assert the wrong result, which without the checks would be right.
+use mesa_kernels::emulator::{self, Checks};
+use mesa_kernels::{Buffer, Device};
+
+/// The arguments of every broken case (`kernels/broken/broken.cu`).
+#[repr(C)]
+struct BrokenArgs {
+    out: *mut f32,
+    input: *const f32,
+    n: i64,
+}
+
+type Case = unsafe extern "C" fn(*const BrokenArgs) -> i32;
+
+extern "C" {
+    fn mesa_emu_broken_broadcast_without_barrier(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_reductions_share_scratch(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_shuffle_half_warp(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_row_without_syncwarp(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_partial_barrier(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_barrier_per_branch(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_ballot_mask_mismatch(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_tail_unit_overrun(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_far_overrun(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_uninitialised_shared(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_bounded_128(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_unsynchronised_count(a: *const BrokenArgs) -> i32;
+}
+
+/// cudaErrorLaunchFailure: what a launch with a failed check returns.
+const LAUNCH_FAILURE: i32 = 719;
+
+/// One run of a case: its status, its report, its output.
+struct Run {
+    status: i32,
+    report: Option<String>,
+    out: Vec<f32>,
+}
+
+/// Runs `case` with `checks` and `seed` on `input` (an emulator allocation, so memcheck
+/// guards it) and an output of `out_len` elements (`n` = `input.len()`).
+///
+/// The configuration is process-wide: the tests of this file hold one lock while they use it.
+fn run(case: Case, checks: Checks, seed: u64, input: &[f32], out_len: usize) -> Run {
+    let _guard = CONFIG.lock().unwrap_or_else(|e| e.into_inner());
+    emulator::set_checks(checks, seed);
+    let device = Device::emulator();
+    let inp = device.upload(input).expect("upload");
+    let mut out = device.upload(&vec![0.0f32; out_len]).expect("upload");
+    let (Buffer::Host(i), Buffer::Host(o)) = (&inp, &mut out) else { panic!("emulator buffers are host buffers") };
+    let args = BrokenArgs { out: o.as_mut_ptr(), input: i.as_ptr(), n: input.len() as i64 };
+    // SAFETY: `out` holds `out_len` elements and `input` `n`; the cases write past `out` only
+    // where the test says so, into the canaries or the guard page the memcheck set up.
+    let status = unsafe { case(&args) };
+    let report = emulator::take_report();
+    Run { status, report, out: out.to_vec().expect("download") }
+}
+
+static CONFIG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn ramp(n: usize) -> Vec<f32> {
+    (0..n).map(|i| 1.0 + i as f32).collect()
+}
+
+/// Asserts a reported failure of `check` naming `kernel`, with the seed.
+fn assert_reported(r: &Run, check: &str, kernel: &str, seed: u64) {
+    let report = r.report.as_deref().unwrap_or_else(|| panic!("no report (status {})", r.status));
+    assert_eq!(r.status, LAUNCH_FAILURE, "{report}");
+    assert!(report.contains(&format!("mesa emulator {check}:")), "{report}");
+    assert!(report.contains(kernel), "{report}");
+    assert!(report.contains(&format!("MESA_EMU_SEED={seed} ")), "{report}");
+    eprintln!("reported: {report}");
+}
+
+/// Runs with every check for `seeds` seeds; true when some run's output differs from `good`.
+fn wrong_under_some_seed(case: Case, input: &[f32], good: &[f32], seeds: u64) -> bool {
+    (1..=seeds).any(|seed| {
+        let r = run(case, Checks::ALL, seed, input, good.len());
+        assert!(r.report.is_none(), "{:?}", r.report);
+        r.out != good
+    })
+}
+
+#[test]
+fn shuffle_reached_by_half_the_warp() {
+    let x = ramp(256);
+    let r = run(mesa_emu_broken_shuffle_half_warp, Checks::ALL, 7, &x, 256);
+    assert_reported(&r, "synccheck", "shuffle_half_warp", 7);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("mask 0xffffffff")));
+}
+
+#[test]
+fn barrier_reached_by_part_of_the_block() {
+    let x = ramp(256);
+    let r = run(mesa_emu_broken_partial_barrier, Checks::ALL, 3, &x, 256);
+    assert_reported(&r, "synccheck", "partial_barrier", 3);
+    // without the check the launch "passes"
+    let r = run(mesa_emu_broken_partial_barrier, Checks::NONE, 3, &x, 256);
+    assert!(r.report.is_none() && r.status == 0);
+}
+
+#[test]
+fn two_barriers_in_one_generation() {
+    let x = ramp(256);
+    let r = run(mesa_emu_broken_barrier_per_branch, Checks::SYNC, 5, &x, 256);
+    assert_reported(&r, "synccheck", "barrier_per_branch", 5);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("two different __syncthreads")));
+}
+
+#[test]
+fn ballot_lanes_disagree_on_the_mask() {
+    let x = ramp(256);
+    let r = run(mesa_emu_broken_ballot_mask_mismatch, Checks::ALL, 11, &x, 256);
+    assert_reported(&r, "synccheck", "ballot_mask_mismatch", 11);
+}
+
+#[test]
+fn tail_unit_written_past_the_end() {
+    // 37 elements: the last unit of 4 stores 3 floats (12 bytes) past the end
+    let x = ramp(37);
+    let r = run(mesa_emu_broken_tail_unit_overrun, Checks::MEM, 13, &x, 37);
+    assert_reported(&r, "memcheck", "tail_unit_overrun", 13);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("148-byte emulator allocation")));
+    // the elements in range are right all the same: only the canaries see the bug
+    assert!(r.out.iter().zip(&x).all(|(o, i)| *o == 2.0 * i));
+}
+
+#[test]
+fn guard_page_touched() {
+    let x = ramp(256);
+    let r = run(mesa_emu_broken_far_overrun, Checks::MEM, 17, &x, 256);
+    assert_reported(&r, "memcheck", "far_overrun", 17);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("guard page")));
+}
+
+#[test]
+fn launch_bounds_exceeded() {
+    let x = ramp(256);
+    let r = run(mesa_emu_broken_bounded_128, Checks::BOUNDS, 19, &x, 256);
+    assert_reported(&r, "bounds", "bounded_128", 19);
+}
+
+#[test]
+fn uninitialised_shared_read() {
+    // 200 of 256 entries written: the sum reads 56 poisoned ones
+    let x = ramp(200);
+    let good: f32 = x.iter().sum();
+    for seed in [2u64, 3] {
+        // both poisons: 0xff bytes (NaN) and 0x7f bytes (3.4e38)
+        let r = run(mesa_emu_broken_uninitialised_shared, Checks::INIT, seed, &x, 1);
+        assert!(r.report.is_none());
+        assert_ne!(r.out[0], good, "seed {seed}: the poisoned entries went unnoticed");
+    }
+}
+
+#[test]
+fn broadcast_without_barrier() {
+    let x = ramp(256);
+    assert!(wrong_under_some_seed(mesa_emu_broken_broadcast_without_barrier, &x, &[1.0; 256], 4));
+}
+
+#[test]
+fn reductions_sharing_scratch() {
+    let x = ramp(256);
+    let sum: f32 = x.iter().sum();
+    let sq: f32 = x.iter().map(|v| v * v).sum();
+    let r = run(mesa_emu_broken_reductions_share_scratch, Checks::NONE, 1, &x, 2);
+    assert_eq!(r.out, [sum, sq], "the unchecked emulator runs it in one fixed order, which hides the bug");
+    assert!(wrong_under_some_seed(mesa_emu_broken_reductions_share_scratch, &x, &[sum, sq], 8));
+}
