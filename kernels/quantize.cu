@@ -122,7 +122,17 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       codes[j] = live ? encode(code_domain(xs[j], cfg.sqrt_map), p, levels, cfg.stochastic, us[j]) : 0u;
       if (with_stats && live) accumulate(run, g, xs[j], sink.target());
     }
-    store_codes<N>(cfg.codes + i0 * cfg.bits / 8, codes, cfg.bits);
+    if (kDense || i0 + N <= n) {
+      store_codes<N>(cfg.codes + i0 * cfg.bits / 8, codes, cfg.bits);
+    } else {
+      // the strided path's last, partial unit: only the bytes its codes fill (a whole unit
+      // would write up to `bits` bytes past the end of the codes)
+      uint64_t packed = 0;
+#pragma unroll
+      for (int j = 0; j < N; ++j) packed |= uint64_t(codes[j]) << (j * cfg.bits);
+      const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
+      for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
+    }
   }
   if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n) {
     // tail of fewer than 8 elements: one thread, one (partial) code unit
