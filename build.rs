@@ -154,12 +154,26 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
     };
     let emu_header = kernels.join("emu").join("cuda_emu.h");
     let emu_header = emu_header.to_str().unwrap_or_else(|| fail("non-UTF-8 path")).to_string();
+    // The runtime, uninstrumented: it implements the racecheck callbacks the kernels call.
+    let mut rt = cc::Build::new();
+    base(&mut rt);
+    rt.file(kernels.join("emu").join("emu_runtime.cpp"));
+    let runtime = rt.compile_intermediates();
+    // The kernels: GCC's -fsanitize=thread instrumentation of every memory access (no
+    // ThreadSanitizer runtime: the emulator's own callbacks, a test of one flag when
+    // racecheck is off). Not with AddressSanitizer, which excludes it.
+    let instrument = |b: &mut cc::Build| {
+        if sanitizer_flags().is_none() {
+            b.flag("-fsanitize=thread").flag("--param=tsan-instrument-func-entry-exit=0");
+        }
+        // The .cu files are C++ to the host compiler; the emulation header is force-included.
+        b.flag("-include").flag(&emu_header);
+        b.flag("-x").flag("c++");
+    };
     let mut b = cc::Build::new();
     base(&mut b);
-    b.file(kernels.join("emu").join("emu_runtime.cpp"));
-    // The .cu files are C++ to the host compiler; the emulation header is force-included.
-    b.flag("-include").flag(&emu_header);
-    b.flag("-x").flag("c++");
+    instrument(&mut b);
+    b.objects(&runtime);
     for s in sources {
         b.file(emu_src.join(s.file_name().unwrap_or_default()));
     }
@@ -171,8 +185,7 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
     if !broken.is_empty() {
         let mut b = cc::Build::new();
         base(&mut b);
-        b.flag("-include").flag(&emu_header);
-        b.flag("-x").flag("c++");
+        instrument(&mut b);
         for s in &broken {
             b.file(emu_src.join("broken").join(s.file_name().unwrap_or_default()));
         }

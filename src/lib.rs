@@ -37,10 +37,12 @@ pub mod emu {
     pub const MESA_EMU_CHECK_MEM: u32 = 4;
     /// Partial barriers, two barriers in one generation, shuffle/ballot mask mismatches.
     pub const MESA_EMU_CHECK_SYNC: u32 = 8;
+    /// Conflicting `__shared__` accesses of two threads with no barrier between them.
+    pub const MESA_EMU_CHECK_RACE: u32 = 16;
     /// Blocks larger than the kernel's `__launch_bounds__`.
     pub const MESA_EMU_CHECK_BOUNDS: u32 = 32;
     /// Every check.
-    pub const MESA_EMU_CHECK_ALL: u32 = 1 | 2 | 4 | 8 | 32;
+    pub const MESA_EMU_CHECK_ALL: u32 = 1 | 2 | 4 | 8 | 16 | 32;
 
     extern "C" {
         /// Replaces the configuration (a set of `MESA_EMU_CHECK_*` bits and the base seed).

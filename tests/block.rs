@@ -14,7 +14,7 @@ use block::{Mode, GRAD_NAMES};
 
 #[test]
 fn block_on_compressed_activations() {
-    let device = mesa_kernels::common::emulator();
+    let device = common::emulator();
     let report = block::run(&device, &common::fixture_dir().join("minilm_block.safetensors")).expect("block");
     report.print();
     // the harness's forward reproduces the numpy forward of the fixture (float16-stored:

@@ -1152,9 +1152,8 @@ fn strided_tail_writes_no_byte_past_the_codes() {
     for bits in [8u32, 4, 2] {
         let config = QuantConfig { bits, stats: StatsMode::Exact, ..QuantConfig::per_head(0) };
         let mut q = Quantizer::new(&device, config).expect("q");
-        let saved = q
-            .quantize(&TensorRef::new(&input, &layout).expect("view"))
-            .unwrap_or_else(|e| panic!("{bits} bits: {e}"));
+        let saved =
+            q.quantize(&TensorRef::new(&input, &layout).expect("view")).unwrap_or_else(|e| panic!("{bits} bits: {e}"));
         assert_eq!(saved.codes().len(), (148 * bits as usize).div_ceil(8));
         verify::<bf16>(&device, &saved, &x, Grouping::Heads { axis: 0 }, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
     }

@@ -69,18 +69,27 @@ fn ramp(n: usize) -> Vec<f32> {
 
 /// Asserts a reported failure of `check` naming `kernel`, with the seed.
 fn assert_reported(r: &Run, check: &str, kernel: &str, seed: u64) {
+    assert_reported_by(r, &[check], kernel, seed);
+}
+
+/// Asserts a reported failure of one of `checks` naming `kernel`, with the seed.
+fn assert_reported_by(r: &Run, checks: &[&str], kernel: &str, seed: u64) {
     let report = r.report.as_deref().unwrap_or_else(|| panic!("no report (status {})", r.status));
     assert_eq!(r.status, LAUNCH_FAILURE, "{report}");
-    assert!(report.contains(&format!("mesa emulator {check}:")), "{report}");
+    assert!(checks.iter().any(|c| report.contains(&format!("mesa emulator {c}:"))), "{report}");
     assert!(report.contains(kernel), "{report}");
     assert!(report.contains(&format!("MESA_EMU_SEED={seed} ")), "{report}");
     eprintln!("reported: {report}");
 }
 
-/// Runs with every check for `seeds` seeds; true when some run's output differs from `good`.
+/// The checks that change what a kernel sees without reporting: shuffled schedule, poison.
+const SCHEDULE_AND_POISON: Checks = Checks::SCHEDULE.with(Checks::INIT);
+
+/// Runs with the shuffled schedule and poison for `seeds` seeds; true when some run's output
+/// differs from `good`.
 fn wrong_under_some_seed(case: Case, input: &[f32], good: &[f32], seeds: u64) -> bool {
     (1..=seeds).any(|seed| {
-        let r = run(case, Checks::ALL, seed, input, good.len());
+        let r = run(case, SCHEDULE_AND_POISON, seed, input, good.len());
         assert!(r.report.is_none(), "{:?}", r.report);
         r.out != good
     })
@@ -156,12 +165,45 @@ fn uninitialised_shared_read() {
         assert!(r.report.is_none());
         assert_ne!(r.out[0], good, "seed {seed}: the poisoned entries went unnoticed");
     }
+    // with racecheck's shadow, the first read of an unwritten entry is reported
+    let r = run(mesa_emu_broken_uninitialised_shared, Checks::ALL, 23, &x, 1);
+    assert_reported(&r, "initcheck", "uninitialised_shared", 23);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("__shared__ `s`")));
+    // and a full array is fine
+    let full = ramp(256);
+    let r = run(mesa_emu_broken_uninitialised_shared, Checks::ALL, 23, &full, 1);
+    assert!(r.report.is_none(), "{:?}", r.report);
+    assert_eq!(r.out[0], full.iter().sum::<f32>());
 }
 
 #[test]
 fn broadcast_without_barrier() {
     let x = ramp(256);
+    let r = run(mesa_emu_broken_broadcast_without_barrier, Checks::NONE, 1, &x, 256);
+    assert_eq!(r.out, [1.0; 256], "the unchecked emulator runs thread 0 first, which hides the bug");
     assert!(wrong_under_some_seed(mesa_emu_broken_broadcast_without_barrier, &x, &[1.0; 256], 4));
+    for seed in [1u64, 2, 3] {
+        // thread 0's write before the read: a race; after it: an uninitialised read
+        let r = run(mesa_emu_broken_broadcast_without_barrier, Checks::ALL, seed, &x, 256);
+        assert_reported_by(&r, &["racecheck", "initcheck"], "broadcast_without_barrier", seed);
+    }
+}
+
+#[test]
+fn row_read_without_syncwarp() {
+    let x = ramp(256);
+    let r = run(mesa_emu_broken_row_without_syncwarp, Checks::ALL, 29, &x, 256);
+    assert_reported_by(&r, &["racecheck", "initcheck"], "row_without_syncwarp", 29);
+    let r = run(mesa_emu_broken_row_without_syncwarp, Checks::RACE, 29, &x, 256);
+    assert_reported(&r, "racecheck", "row_without_syncwarp", 29);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("read-after-write race on __shared__ `row`")));
+}
+
+#[test]
+fn shared_counter_without_atomics() {
+    let x = ramp(256);
+    let r = run(mesa_emu_broken_unsynchronised_count, Checks::RACE, 31, &x, 256);
+    assert_reported(&r, "racecheck", "unsynchronised_count", 31);
 }
 
 #[test]
@@ -172,4 +214,41 @@ fn reductions_sharing_scratch() {
     let r = run(mesa_emu_broken_reductions_share_scratch, Checks::NONE, 1, &x, 2);
     assert_eq!(r.out, [sum, sq], "the unchecked emulator runs it in one fixed order, which hides the bug");
     assert!(wrong_under_some_seed(mesa_emu_broken_reductions_share_scratch, &x, &[sum, sq], 8));
+    let r = run(mesa_emu_broken_reductions_share_scratch, Checks::ALL, 37, &x, 2);
+    assert_reported(&r, "racecheck", "reductions_share_scratch", 37);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("write-after-read race on __shared__ `scratch`")));
+}
+
+// Three more broken kernels, written fresh after the checks (kernels/broken/fresh.cu).
+extern "C" {
+    fn mesa_emu_fresh_tile_transpose(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_fresh_shifted_scan(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_fresh_shuffle_early_exit(a: *const BrokenArgs) -> i32;
+}
+
+#[test]
+fn fresh_transpose_with_misplaced_barrier() {
+    let x = ramp(256);
+    let r = run(mesa_emu_fresh_tile_transpose, Checks::ALL, 41, &x, 256);
+    assert_reported_by(&r, &["racecheck", "initcheck"], "tile_transpose_misplaced_barrier", 41);
+}
+
+#[test]
+fn fresh_scan_writes_one_past_the_end() {
+    let x = ramp(100);
+    let r = run(mesa_emu_fresh_shifted_scan, Checks::ALL, 43, &x, 100);
+    assert_reported(&r, "memcheck", "shifted_scan", 43);
+    // the 100 elements in range are the right exclusive scan: only the canaries see it
+    let mut acc = 0.0f32;
+    for (i, o) in r.out.iter().enumerate() {
+        assert_eq!(*o, acc, "element {i}");
+        acc += x[i];
+    }
+}
+
+#[test]
+fn fresh_shuffle_loop_with_early_exit() {
+    let x = ramp(64);
+    let r = run(mesa_emu_fresh_shuffle_early_exit, Checks::ALL, 47, &x, 2);
+    assert_reported(&r, "synccheck", "shuffle_loop_early_exit", 47);
 }

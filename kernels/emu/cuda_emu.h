@@ -75,19 +75,21 @@ int worker_count();
 // The checks of the running block (a bit set of MESA_EMU_CHECK_*, emu_checks.h), copied from
 // the configuration at block start.
 extern thread_local unsigned tl_checks;
-constexpr unsigned kCheckSchedule = 1u, kCheckInit = 2u, kCheckMem = 4u, kCheckSync = 8u, kCheckBounds = 32u;
+constexpr unsigned kCheckSchedule = 1u, kCheckInit = 2u, kCheckMem = 4u, kCheckSync = 8u, kCheckRace = 16u,
+                   kCheckBounds = 32u;
 // A point where the shuffled schedule may switch threads (global loads and stores).
 void memory_point_slow();
 inline void memory_point() {
   if (tl_checks & kCheckSchedule) memory_point_slow();
 }
-// First pass of this block through a __shared__ declaration: poison it (initcheck).
+// First pass of this block through a __shared__ declaration: poison it (initcheck), track
+// its accesses (racecheck).
 extern thread_local uint64_t tl_block_epoch;
-void shared_first_pass(void* p, size_t bytes);
-inline void shared_point(void* p, size_t bytes, uint64_t* epoch) {
+void shared_first_pass(void* p, size_t bytes, const char* name);
+inline void shared_point(void* p, size_t bytes, uint64_t* epoch, const char* name) {
   if (*epoch != tl_block_epoch) {
     *epoch = tl_block_epoch;
-    shared_first_pass(p, bytes);
+    shared_first_pass(p, bytes, name);
   }
 }
 // __launch_bounds__(max_threads, ...): a larger block fails the launch, as on a GPU.
@@ -102,7 +104,7 @@ int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes,
 #define MESA_EMU_SHARED_POINT(name)                                        \
   do {                                                                     \
     static thread_local uint64_t mesa_emu_epoch_ = 0;                      \
-    ::mesa_emu::shared_point(&(name), sizeof(name), &mesa_emu_epoch_);     \
+    ::mesa_emu::shared_point(&(name), sizeof(name), &mesa_emu_epoch_, #name); \
   } while (0)
 #define MESA_EMU_LAUNCH_BOUNDS(max_threads, ...) ::mesa_emu::launch_bounds((max_threads), __func__)
 

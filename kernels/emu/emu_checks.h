@@ -33,9 +33,12 @@ enum MesaEmuCheck {
   MESA_EMU_CHECK_MEM = 4,
   /* partial barriers, two barriers in one generation, shuffle/ballot mask mismatch, deadlock */
   MESA_EMU_CHECK_SYNC = 8,
+  /* conflicting __shared__ accesses of two threads with no barrier between them; reads of
+   * shared bytes no thread of the block wrote (with initcheck) */
+  MESA_EMU_CHECK_RACE = 16,
   /* blocks larger than the kernel's __launch_bounds__ */
   MESA_EMU_CHECK_BOUNDS = 32,
-  MESA_EMU_CHECK_ALL = 1 | 2 | 4 | 8 | 32
+  MESA_EMU_CHECK_ALL = 1 | 2 | 4 | 8 | 16 | 32
 };
 
 /* Replaces the configuration (checks: a set of MesaEmuCheck bits; seed: the base seed). */

@@ -120,6 +120,18 @@ mesa_emu_switch:
 )");
 #endif
 
+// AddressSanitizer build (MESA_EMU_SANITIZE=address): every switch between the scheduler's
+// stack and a fiber's is announced, so that ASan's view of "the current stack" follows.
+#ifdef MESA_EMU_ASAN
+extern "C" void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
+extern "C" void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, size_t* size_old);
+#define MESA_ASAN_START(save, bottom, size) __sanitizer_start_switch_fiber((save), (bottom), (size))
+#define MESA_ASAN_FINISH(save, bottom_old, size_old) __sanitizer_finish_switch_fiber((save), (bottom_old), (size_old))
+#else
+#define MESA_ASAN_START(save, bottom, size) ((void)0)
+#define MESA_ASAN_FINISH(save, bottom_old, size_old) ((void)0)
+#endif
+
 namespace mesa_emu {
 
 thread_local uint3 tl_block_idx{0, 0, 0};
@@ -128,6 +140,7 @@ thread_local dim3 tl_grid_dim{1, 1, 1};
 thread_local ThreadState* tl_current = nullptr;
 thread_local unsigned tl_checks = 0;
 thread_local uint64_t tl_block_epoch = 0;
+void race_track(void* p, size_t bytes, const char* name);
 
 namespace {
 
@@ -167,6 +180,7 @@ uint32_t parse_checks(const char* s) {
     else if (name == "initcheck" || name == "init") bits |= MESA_EMU_CHECK_INIT;
     else if (name == "memcheck" || name == "mem") bits |= MESA_EMU_CHECK_MEM;
     else if (name == "synccheck" || name == "sync") bits |= MESA_EMU_CHECK_SYNC;
+    else if (name == "racecheck" || name == "race") bits |= MESA_EMU_CHECK_RACE;
     else if (name == "bounds") bits |= MESA_EMU_CHECK_BOUNDS;
     else if (!name.empty()) std::fprintf(stderr, "mesa emulator: MESA_EMU_CHECK: unknown check `%s` ignored\n", name.c_str());
     at = end + 1;
@@ -224,6 +238,7 @@ struct ThreadState {
   uint64_t barriers = 0;  // __syncthreads passed (synccheck)
   const char* site_file = "";
   int site_line = 0;
+  void* asan_fake = nullptr;  // AddressSanitizer's fake stack while switched out
   Block* block = nullptr;
 };
 
@@ -239,6 +254,8 @@ struct Warp {
   unsigned mask = 0;  // of the rendezvous in progress (synccheck)
   const char* what = "";
   uint64_t generation = 0;
+  uint32_t speed = 0;  // shuffled schedule: runs in a round when (random & speed) == 0
+  uint32_t sync_generation = 0;  // __syncwarp releases only: what orders memory (racecheck)
   alignas(16) unsigned char slot[32][16];
 };
 
@@ -313,6 +330,10 @@ struct Block {
   uint64_t rng = 0;       // the schedule's generator (xorshift64*)
   bool abort = false;     // a check failed: stop running this block
   const std::function<void()>* body = nullptr;
+  // AddressSanitizer: the scheduler's stack and fake stack, and the fiber stacks' base
+  const void* sched_bottom = nullptr;
+  size_t sched_size = 0;
+  void* sched_fake = nullptr;
 
   uint64_t next_random() {
     rng ^= rng >> 12;
@@ -334,6 +355,7 @@ const char* check_name(uint32_t bit) {
     case MESA_EMU_CHECK_INIT: return "initcheck";
     case MESA_EMU_CHECK_MEM: return "memcheck";
     case MESA_EMU_CHECK_SYNC: return "synccheck";
+    case MESA_EMU_CHECK_RACE: return "racecheck";
     case MESA_EMU_CHECK_BOUNDS: return "bounds";
     default: return "emulator";
   }
@@ -409,9 +431,11 @@ void fiber_body() {
 void fiber_entry() { fiber_body(); }  // returning resumes the scheduler through uc_link
 #else
 [[noreturn]] void fiber_start() {
+  MESA_ASAN_FINISH(nullptr, &tl_current->block->sched_bottom, &tl_current->block->sched_size);
   fiber_body();
   ThreadState* self = tl_current;
   void* dead_sp = nullptr;
+  MESA_ASAN_START(nullptr, self->block->sched_bottom, self->block->sched_size);  // this stack is done
   mesa_emu_switch(&dead_sp, self->block->scheduler_sp);
   std::abort();  // a finished fiber is never resumed
 }
@@ -497,20 +521,33 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
     b.order[i] = i;
   }
   const bool shuffle = (l.checks & kCheckSchedule) != 0;
+  // shuffled schedule: each warp gets a speed (runs in every round, or in about one of 2, 4
+  // or 16), so that some threads lag far behind others, as a GPU's warps may
+  if (shuffle) {
+    for (size_t w = 0; w < b.warps.size(); ++w) {
+      static constexpr uint32_t kSpeeds[4] = {0u, 1u, 3u, 15u};
+      b.warps[w].speed = kSpeeds[b.next_random() % 4];
+    }
+  }
+  bool full_round = true;  // every live thread runs (after a round without progress)
   while (b.live > 0 && !b.abort) {
     if (shuffle) {
       for (unsigned i = n - 1; i > 0; --i) std::swap(b.order[i], b.order[b.next_random() % (i + 1)]);
     }
     const uint64_t progress = b.progress;
+    const bool full = full_round || !shuffle;
     for (unsigned k = 0; k < n && !b.abort; ++k) {
       const unsigned i = b.order[k];
       ThreadState& t = b.threads[i];
       if (t.done) continue;
+      if (!full && (b.next_random() & b.warps[i / 32].speed) != 0) continue;
       tl_current = &t;
 #ifdef MESA_EMU_UCONTEXT
       swapcontext(&b.scheduler, &t.ctx);
 #else
+      MESA_ASAN_START(&b.sched_fake, stacks.stack(i), kStackBytes);
       mesa_emu_switch(&b.scheduler_sp, t.sp);
+      MESA_ASAN_FINISH(b.sched_fake, nullptr, nullptr);
 #endif
       if (t.done) {
         // a finished thread no longer counts towards its warp's exchanges
@@ -521,7 +558,8 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
     }
     tl_current = nullptr;
     if (b.abort) break;
-    if (b.live > 0 && b.progress == progress) {
+    full_round = b.progress == progress;
+    if (full && b.live > 0 && b.progress == progress) {
       bool all_wait = true;
       for (const ThreadState& t : b.threads)
         if (!t.done && t.wait == 0) all_wait = false;
@@ -567,7 +605,10 @@ void yield_to_scheduler() {
 #ifdef MESA_EMU_UCONTEXT
   swapcontext(&self->ctx, &self->block->scheduler);
 #else
-  mesa_emu_switch(&self->sp, self->block->scheduler_sp);
+  Block& b = *self->block;
+  MESA_ASAN_START(&self->asan_fake, b.sched_bottom, b.sched_size);
+  mesa_emu_switch(&self->sp, b.scheduler_sp);
+  MESA_ASAN_FINISH(self->asan_fake, &b.sched_bottom, &b.sched_size);
 #endif
 }
 
@@ -579,6 +620,137 @@ int env_threads() {
   }
   const unsigned hw = std::thread::hardware_concurrency();
   return hw == 0 ? 1 : int(hw);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// racecheck: the kernels are compiled with GCC's -fsanitize=thread instrumentation, whose
+// callbacks (__tsan_read4, __tsan_write8, ... below) this runtime implements itself — no
+// ThreadSanitizer runtime is linked. Outside a block with racecheck on they return at once.
+// Inside, an access to a tracked __shared__ variable updates a shadow word per 4 bytes: the
+// last writer and reader (thread, block barrier generation, warp __syncwarp generation) and
+// which bytes a thread of this block wrote. Two accesses of different threads, one a write,
+// conflict unless a __syncthreads lies between them, or, in one warp, a __syncwarp. Shuffles
+// and ballots order no memory, as on the GPU.
+namespace {
+
+struct Shadow {
+  uint64_t epoch = 0;  // tl_block_epoch of the entry; older entries count as empty
+  uint64_t w_gen = 0, r_gen = 0;
+  uint32_t w_wgen = 0, r_wgen = 0;
+  uint16_t w_tid = 0, r_tid = 0, r_warp = 0;
+  uint8_t written = 0;  // bytes of the granule written in this block
+  bool has_writer = false, has_reader = false;
+  bool r_multi_warp = false;  // readers of this generation in more than one warp
+  bool r_many = false;        // another reader than r_tid at (r_warp, r_wgen)
+};
+
+struct Tracked {
+  uintptr_t lo = 0, hi = 0;
+  const char* name = "";
+  std::vector<Shadow>* shadow = nullptr;
+};
+
+constexpr int kMaxTracked = 16;
+thread_local Tracked tl_tracked[kMaxTracked];
+thread_local int tl_ntracked = 0;
+thread_local uint64_t tl_tracked_epoch = 0;
+thread_local std::map<uintptr_t, std::vector<Shadow>>* tl_shadow_store = nullptr;
+
+}  // namespace
+
+void race_track(void* p, size_t bytes, const char* name) {
+  if (tl_tracked_epoch != tl_block_epoch) {
+    tl_tracked_epoch = tl_block_epoch;
+    tl_ntracked = 0;
+  }
+  if (tl_ntracked == kMaxTracked) return;  // more variables than tracked: the rest go unseen
+  if (tl_shadow_store == nullptr) tl_shadow_store = new std::map<uintptr_t, std::vector<Shadow>>();
+  std::vector<Shadow>& sh = (*tl_shadow_store)[reinterpret_cast<uintptr_t>(p)];
+  const size_t granules = (bytes + 3) / 4;
+  if (sh.size() < granules) sh.resize(granules);
+  tl_tracked[tl_ntracked++] = Tracked{reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + bytes, name, &sh};
+}
+
+namespace {
+
+std::string tid_text(unsigned tid) {
+  const unsigned x = tl_block_dim.x, y = tl_block_dim.y;
+  return "(" + std::to_string(tid % x) + "," + std::to_string((tid / x) % y) + "," + std::to_string(tid / (x * y)) + ")";
+}
+
+[[noreturn]] void race_report(const Tracked& t, uintptr_t a, const char* kind, unsigned other, bool now_write) {
+  fail_in_block(MESA_EMU_CHECK_RACE, std::string(kind) + " on __shared__ `" + t.name + "` (byte " +
+                                         std::to_string(a - t.lo) + " of " + std::to_string(t.hi - t.lo) + "): this thread " +
+                                         (now_write ? "writes" : "reads") + ", thread " + tid_text(other) +
+                                         " accessed it with no barrier between");
+}
+
+void race_access(uintptr_t a, size_t size, bool write) {
+  if (tl_tracked_epoch != tl_block_epoch) return;
+  const Tracked* t = nullptr;
+  for (int k = 0; k < tl_ntracked; ++k)
+    if (a >= tl_tracked[k].lo && a < tl_tracked[k].hi) {
+      t = &tl_tracked[k];
+      break;
+    }
+  if (t == nullptr) return;
+  Block& b = *tl_block;
+  const unsigned tid = linear_tid(tl_current);
+  const unsigned warp = tid / 32;
+  const uint64_t gen = b.barrier_generation;
+  const uint32_t wgen = b.warps[warp].sync_generation;
+  auto unordered = [&](unsigned other, uint64_t ogen, uint32_t owgen) {
+    return other != tid && ogen == gen && (other / 32 != warp || owgen == wgen);
+  };
+  const uintptr_t end = std::min<uintptr_t>(a + size, t->hi);
+  for (uintptr_t g = (a - t->lo) / 4; t->lo + g * 4 < end; ++g) {
+    Shadow& s = (*t->shadow)[g];
+    if (s.epoch != tl_block_epoch) s = Shadow{tl_block_epoch};
+    const uintptr_t glo = t->lo + g * 4;
+    uint8_t bytes = 0;
+    for (uintptr_t k = std::max(glo, a); k < std::min(glo + 4, end); ++k) bytes |= uint8_t(1u << (k - glo));
+    if (write) {
+      if (s.has_writer && unordered(s.w_tid, s.w_gen, s.w_wgen)) race_report(*t, a, "write-after-write race", s.w_tid, true);
+      if (s.has_reader && s.r_gen == gen &&
+          (s.r_multi_warp || s.r_warp != warp || (s.r_wgen == wgen && (s.r_many || s.r_tid != tid))))
+        race_report(*t, a, "write-after-read race", s.r_tid, true);
+      s.has_writer = true;
+      s.w_tid = uint16_t(tid);
+      s.w_gen = gen;
+      s.w_wgen = wgen;
+      s.has_reader = false;
+      s.written |= bytes;
+    } else {
+      if ((tl_checks & kCheckInit) && (s.written & bytes) != bytes)
+        fail_in_block(MESA_EMU_CHECK_INIT, std::string("reads byte ") + std::to_string(a - t->lo) + " of __shared__ `" +
+                                               t->name + "`, which no thread of this block has written");
+      if (s.has_writer && unordered(s.w_tid, s.w_gen, s.w_wgen)) race_report(*t, a, "read-after-write race", s.w_tid, false);
+      if (!s.has_reader || s.r_gen != gen) {
+        s.has_reader = true;
+        s.r_gen = gen;
+        s.r_multi_warp = false;
+        s.r_warp = uint16_t(warp);
+        s.r_wgen = wgen;
+        s.r_tid = uint16_t(tid);
+        s.r_many = false;
+      } else if (warp != s.r_warp) {
+        s.r_multi_warp = true;
+      } else if (wgen != s.r_wgen) {  // a later __syncwarp generation of the same warp
+        s.r_wgen = wgen;
+        s.r_tid = uint16_t(tid);
+        s.r_many = false;
+      } else if (tid != s.r_tid) {
+        s.r_many = true;
+      }
+    }
+  }
+}
+
+inline void on_access(const volatile void* p, size_t size, bool write) {
+  if (__builtin_expect((tl_checks & kCheckRace) == 0, 1) || tl_current == nullptr) return;
+  race_access(reinterpret_cast<uintptr_t>(const_cast<const void*>(p)), size, write);
 }
 
 }  // namespace
@@ -611,8 +783,9 @@ void memory_point_slow() {
   }
 }
 
-void shared_first_pass(void* p, size_t bytes) {
+void shared_first_pass(void* p, size_t bytes, const char* name) {
   if ((tl_checks & kCheckInit) && tl_launch != nullptr) std::memset(p, tl_launch->poison, bytes);
+  if (tl_checks & kCheckRace) race_track(p, bytes, name);
 }
 
 void launch_bounds(unsigned max_threads, const char* kernel) {
@@ -658,7 +831,7 @@ void syncthreads(const char* file, int line) {
 
 namespace {
 // A rendezvous of the lanes of `mask` (synccheck) or of the warp's live lanes.
-void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what) {
+void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool orders_memory = false) {
   ThreadState& self = *tl_current;
   Block& b = *tl_block;
   const bool check = (tl_checks & kCheckSync) != 0;
@@ -694,6 +867,7 @@ void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what) {
       w.arrived = 0;
       w.arrived_mask = 0;
       w.generation += 1;
+      if (orders_memory) w.sync_generation += 1;
       break;
     }
     self.wait = 2;
@@ -707,7 +881,7 @@ void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what) {
 void syncwarp(unsigned mask) {
   Block& b = *tl_block;
   const unsigned tid = linear_tid(tl_current);
-  warp_barrier(b.warps[tid / 32], tid % 32, mask, "__syncwarp");
+  warp_barrier(b.warps[tid / 32], tid % 32, mask, "__syncwarp", true);
 }
 
 void warp_exchange(unsigned mask, const void* value, void* out, unsigned size, unsigned src_lane) {
@@ -975,6 +1149,59 @@ void install_segv_handler() {
 
 }  // namespace
 }  // namespace mesa_emu
+
+
+// The -fsanitize=thread callbacks of the kernel objects (racecheck above). Atomics are done
+// here, sequentially consistent whatever order was asked (never weaker than the kernel's).
+extern "C" {
+void __tsan_init() {}
+void __tsan_func_entry(void*) {}
+void __tsan_func_exit() {}
+void __tsan_vptr_update(void**, void*) {}
+void __tsan_vptr_read(void**) {}
+void __tsan_read_range(void* p, unsigned long n) { mesa_emu::on_access(p, n, false); }
+void __tsan_write_range(void* p, unsigned long n) { mesa_emu::on_access(p, n, true); }
+#define MESA_TSAN_RW(N)                                                                          \
+  void __tsan_read##N(void* p) { mesa_emu::on_access(p, N, false); }                           \
+  void __tsan_write##N(void* p) { mesa_emu::on_access(p, N, true); }                           \
+  void __tsan_unaligned_read##N(void* p) { mesa_emu::on_access(p, N, false); }                 \
+  void __tsan_unaligned_write##N(void* p) { mesa_emu::on_access(p, N, true); }                 \
+  void __tsan_volatile_read##N(void* p) { mesa_emu::on_access(p, N, false); }                  \
+  void __tsan_volatile_write##N(void* p) { mesa_emu::on_access(p, N, true); }
+MESA_TSAN_RW(1)
+MESA_TSAN_RW(2)
+MESA_TSAN_RW(4)
+MESA_TSAN_RW(8)
+MESA_TSAN_RW(16)
+#undef MESA_TSAN_RW
+#define MESA_TSAN_ATOMIC(N, T)                                                                   \
+  T __tsan_atomic##N##_load(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); } \
+  void __tsan_atomic##N##_store(volatile T* a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_exchange(volatile T* a, T v, int) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) { return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
+  int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {        \
+    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);   \
+  }                                                                                              \
+  int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {          \
+    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);   \
+  }                                                                                              \
+  T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {              \
+    __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);          \
+    return c;                                                                                    \
+  }
+MESA_TSAN_ATOMIC(8, unsigned char)
+MESA_TSAN_ATOMIC(16, unsigned short)
+MESA_TSAN_ATOMIC(32, unsigned int)
+MESA_TSAN_ATOMIC(64, unsigned long long)
+#undef MESA_TSAN_ATOMIC
+void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+}  // extern "C"
 
 extern "C" {
 

@@ -33,6 +33,10 @@ impl Checks {
     /// `__syncthreads` reached by part of a block or from two call sites in one generation;
     /// shuffles, ballots and `__syncwarp` whose arriving lanes differ from their mask.
     pub const SYNC: Checks = Checks(sys::MESA_EMU_CHECK_SYNC);
+    /// Conflicting `__shared__` accesses of two threads of a block with no barrier between
+    /// them (read-after-write, write-after-read, write-after-write), and, with
+    /// [`INIT`](Checks::INIT), reads of shared bytes no thread of the block wrote.
+    pub const RACE: Checks = Checks(sys::MESA_EMU_CHECK_RACE);
     /// A block larger than the kernel's `__launch_bounds__`.
     pub const BOUNDS: Checks = Checks(sys::MESA_EMU_CHECK_BOUNDS);
     /// Every check.

@@ -33,7 +33,8 @@ impl<T: Storage> HostBuffer<T> {
         if std::mem::align_of::<T>() > 16 {
             return Err(Error::unsupported("host allocation", "element alignment above 16 bytes"));
         }
-        let bytes = len.checked_mul(std::mem::size_of::<T>()).filter(|&b| b <= isize::MAX as usize).ok_or_else(too_large)?;
+        let bytes =
+            len.checked_mul(std::mem::size_of::<T>()).filter(|&b| b <= isize::MAX as usize).ok_or_else(too_large)?;
         // SAFETY: returns null or `bytes` (at least 1) bytes aligned to 16.
         let p = unsafe { sys::mesa_emu_alloc(bytes, i32::from(zeroed)) };
         let ptr = NonNull::new(p.cast::<T>()).ok_or_else(too_large)?;
