@@ -113,7 +113,8 @@ __device__ __forceinline__ float load_operand(const Operand& p, int64_t b, int64
 }
 
 // dst[f][r] = operand(t0 + r, f0 + f) for r < rows (0 past the operand's width). Rows
-// past `rows` are left as they are: no written output and no state update reads them.
+// past `rows` are left as they are (zero or an earlier chunk's): no output or state update
+// uses them.
 template <typename T>
 __device__ void load_rows_t(float (*dst)[kChunk + 1], const Operand& p, int64_t b, int64_t h, int64_t bh, int64_t L,
                             int64_t t0, int rows, int64_t f0) {
@@ -281,6 +282,13 @@ __device__ void init_state(const Product& p, int64_t bh, int64_t d0, const State
 template <typename T, typename TO>
 __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
   __shared__ Tiles tl;
+  // chunk_outputs' 4x4 products read every row of the a/b tiles, also the rows past a short
+  // chunk's last row, which load_rows_t leaves as they are (and whose results are dropped):
+  // zeroed once, so that no read sees shared memory this block never wrote
+  for (int i = threadIdx.x; i < kTF * (kChunk + 1); i += kThreads) {
+    tl.a[i / (kChunk + 1)][i % (kChunk + 1)] = 0.0f;
+    tl.b[i / (kChunk + 1)][i % (kChunk + 1)] = 0.0f;
+  }
   const int64_t ndt = ceil_div(p.dc, kTD);
   const int64_t nchunks = ceil_div(p.L, p.chunk);
   const int64_t per_bh = p.mode == kReadChunk ? ndt * nchunks : ndt;
