@@ -274,15 +274,31 @@ sec_sanitizer() {
             fi
         done
     done
-    if [[ -x "$SCRATCH/tests/$BROKEN_KERNELS" ]]; then
-        for tool in "${SANITIZER_TOOLS[@]}"; do
-            # each broken kernel must be reported: exit status 86 is the pass here
-            step "$tool:$BROKEN_KERNELS (errors expected)" 30 bash -c \
-                '"$@"; rc=$?; [[ $rc == 86 ]] && { echo "reported, as expected"; exit 0; }; echo "NOT reported (exit $rc)"; exit 1' \
-                _ "$san" --tool "$tool" "${common[@]}" "$SCRATCH/tests/$BROKEN_KERNELS"
-        done
+    local bk="$SCRATCH/tests/$BROKEN_KERNELS" case want
+    if [[ -x "$bk" ]]; then
+        # each case under the tool meant to report it: exit status 86 (an error reported) is
+        # the pass here; "launch" cases must fail their launch without any tool (exit 3)
+        while read -r case want; do
+            if [[ $DRY == 1 ]]; then
+                # no GPU: the case must start and say so (exit 2), under its tool's flags
+                if [[ $want == launch ]]; then
+                    step "broken:$case (no GPU)" 30 bash -c '"$@"; [[ $? == 2 ]]' _ "$bk" "$case"
+                else
+                    step "$want:broken:$case (no GPU)" 30 bash -c '"$@"; [[ $? == 2 ]]' _ \
+                        "$san" --tool "$want" "${common[@]}" "$bk" "$case"
+                fi
+            elif [[ $want == launch ]]; then
+                step "broken:$case (launch must fail)" 30 bash -c \
+                    '"$@"; rc=$?; [[ $rc == 3 ]] && { echo "launch failed, as expected"; exit 0; }; echo "launch NOT refused (exit $rc)"; exit 1' \
+                    _ "$bk" "$case"
+            else
+                step "$want:broken:$case (error expected)" 30 bash -c \
+                    '"$@"; rc=$?; [[ $rc == 86 ]] && { echo "reported, as expected"; exit 0; }; echo "NOT reported (exit $rc)"; exit 1' \
+                    _ "$san" --tool "$want" "${common[@]}" "$bk" "$case"
+            fi
+        done < <("$bk" --list)
     else
-        skip "sanitizer:$BROKEN_KERNELS" "not in this bundle (issue 9)"
+        skip "sanitizer:$BROKEN_KERNELS" "not in this bundle (built without nvcc)"
     fi
     SECTION_END=$section_end
 }

@@ -123,6 +123,16 @@ fi
 [[ -n "$(ls "$STAGE/tests")" && -n "$(ls "$STAGE/benches")" ]] || die "no test or bench executables in cargo's output"
 cp fixtures/*.safetensors "$STAGE/fixtures/"
 
+# The deliberately broken kernels (kernels/broken/, issue 9) as a GPU executable, for the
+# compute-sanitizer section: whether it reports what the emulator's checks report.
+if [[ -n "$nvcc" ]]; then
+    log "nvcc: kernels/broken -> tests/broken_kernels"
+    "$nvcc" -std=c++17 -O2 -lineinfo -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
+        -Ikernels/include -Ikernels kernels/broken/*.cu scripts/broken-main.cu -cudart static \
+        -L"$(dirname "$(dirname "$nvcc")")/lib" -L"$(dirname "$(dirname "$nvcc")")/lib64" \
+        -o "$STAGE/tests/broken_kernels" || die "nvcc failed on kernels/broken"
+fi
+
 # compute-sanitizer: the wheel's bin/ and lib/ (not its headers), with its licence.
 wheel=$(ls "$CACHE"/nvidia_cuda_sanitizer_api-13.0.85-*.whl 2>/dev/null | head -n1 || true)
 if [[ -z "$wheel" ]]; then

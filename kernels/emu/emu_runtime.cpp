@@ -235,6 +235,7 @@ struct ThreadState {
   bool done = false;
   // 0 running, 1 waiting at __syncthreads, 2 waiting at a warp rendezvous
   int wait = 0;
+  uint64_t wait_gen = 0;  // the generation of the barrier or rendezvous waited for
   uint64_t barriers = 0;  // __syncthreads passed (synccheck)
   const char* site_file = "";
   int site_line = 0;
@@ -319,7 +320,6 @@ struct Block {
 #endif
   std::vector<ThreadState> threads;
   std::vector<Warp> warps;
-  std::vector<unsigned> order;  // scheduling order of one round
   std::vector<unsigned char> dynamic_smem;
   unsigned live = 0;
   unsigned barrier_arrived = 0;
@@ -480,6 +480,19 @@ std::string deadlock_text(const Block& b) {
   return s;
 }
 
+// True when thread i of b waits and its barrier or rendezvous cannot have completed: then
+// resuming it would only make it yield again.
+bool still_waiting(const Block& b, const ThreadState& t, unsigned i) {
+  if (t.wait == 1) return b.barrier_generation == t.wait_gen && b.barrier_arrived < b.live;
+  const Warp& w = b.warps[i / 32];
+  if (w.generation != t.wait_gen) return false;
+  if (tl_checks & kCheckSync) {
+    if ((w.mask & ~w.live_mask) != 0) return false;  // to be reported by the waiter
+    return w.arrived < unsigned(__builtin_popcount(w.mask));
+  }
+  return w.arrived < w.live;
+}
+
 // Runs one block to completion on the calling OS thread.
 void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long linear, bool cooperative) {
   LaunchCtx& l = *tl_launch;
@@ -518,29 +531,37 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
 #else
     t.sp = prepare_stack(stacks.stack(i), kStackBytes);
 #endif
-    b.order[i] = i;
   }
   const bool shuffle = (l.checks & kCheckSchedule) != 0;
-  // shuffled schedule: each warp gets a speed (runs in every round, or in about one of 2, 4
-  // or 16), so that some threads lag far behind others, as a GPU's warps may
+  // shuffled schedule: each warp gets a speed (runs in every round, or in about one of 2 or
+  // 4), so that some threads lag behind others, as a GPU's warps may
   if (shuffle) {
     for (size_t w = 0; w < b.warps.size(); ++w) {
-      static constexpr uint32_t kSpeeds[4] = {0u, 1u, 3u, 15u};
+      static constexpr uint32_t kSpeeds[4] = {0u, 0u, 1u, 3u};
       b.warps[w].speed = kSpeeds[b.next_random() % 4];
     }
   }
   bool full_round = true;  // every live thread runs (after a round without progress)
+  // the strides coprime with n: a round visits thread (start + k * stride) % n, k = 0..n-1
+  unsigned strides[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+  if (shuffle) {
+    unsigned found = 0;
+    for (unsigned c = 1; c < 4 * n + 8 && found < 8; c += 2 + 2 * unsigned(b.next_random() % 8))
+      if (std::gcd(c % n == 0 ? 1u : c % n, n) == 1) strides[found++] = c % n == 0 ? 1u : c % n;
+  }
   while (b.live > 0 && !b.abort) {
-    if (shuffle) {
-      for (unsigned i = n - 1; i > 0; --i) std::swap(b.order[i], b.order[b.next_random() % (i + 1)]);
-    }
-    const uint64_t progress = b.progress;
+    const uint64_t r = shuffle ? b.next_random() : 0;
+    const unsigned start = unsigned((r >> 32) % n), stride = strides[r & 7u];
     const bool full = full_round || !shuffle;
-    for (unsigned k = 0; k < n && !b.abort; ++k) {
-      const unsigned i = b.order[k];
+    // one random word decides which warps sit this round out (2 bits per warp)
+    const uint64_t skip_bits = full ? 0 : b.next_random();
+    const uint64_t progress = b.progress;
+    unsigned i = start;
+    for (unsigned k = 0; k < n && !b.abort; ++k, i = (i + stride) % n) {
       ThreadState& t = b.threads[i];
       if (t.done) continue;
-      if (!full && (b.next_random() & b.warps[i / 32].speed) != 0) continue;
+      if (!full && ((skip_bits >> (2 * ((i / 32) % 32))) & b.warps[i / 32].speed) != 0) continue;
+      if (t.wait != 0 && still_waiting(b, t, i)) continue;  // nothing it waits for changed
       tl_current = &t;
 #ifdef MESA_EMU_UCONTEXT
       swapcontext(&b.scheduler, &t.ctx);
@@ -823,6 +844,7 @@ void syncthreads(const char* file, int line) {
       break;
     }
     self.wait = 1;
+    self.wait_gen = gen;
     yield_to_scheduler();
     self.wait = 0;
   }
@@ -871,6 +893,7 @@ void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool 
       break;
     }
     self.wait = 2;
+    self.wait_gen = gen;
     yield_to_scheduler();
     self.wait = 0;
   }
@@ -974,7 +997,6 @@ int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes,
     Block b;
     b.threads.resize(threads);
     b.warps.resize((threads + 31) / 32);
-    b.order.resize(threads);
     b.dynamic_smem.assign(dynamic_smem_bytes + 16, 0);
     b.body = &body;
     if (coop_single) {
