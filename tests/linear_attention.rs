@@ -1398,3 +1398,73 @@ fn favor_with_no_input_features_takes_null_pointers() {
     assert!(r.is_ok(), "{r:?}");
     assert_eq!(phi, vec![0.5; 8], "1/sqrt(4)");
 }
+
+/// The issue-13 measure of causality of `dq`: max |dq − dq_ref| over positions `t < t0`
+/// (all heads, all features) divided by the largest |dq_ref| there.
+fn early_dq_error(dq: &[f64], dq_ref: &[f64], n: Shape, t0: usize) -> f64 {
+    let (mut err, mut big) = (0.0f64, 0.0f64);
+    for bh in 0..n.b * n.h {
+        for t in 0..t0 {
+            for i in 0..n.m {
+                let j = (bh * n.l + t) * n.m + i;
+                err = err.max((dq[j] - dq_ref[j]).abs());
+                big = big.max(dq_ref[j].abs());
+            }
+        }
+    }
+    err / big
+}
+
+#[test]
+fn slim_dq_at_earlier_positions_ignores_large_later_keys_and_values() {
+    // Issue 13's finding: L = 16, the keys and values of the last positions multiplied by
+    // 1e3, 1e4, 1e5. In exact arithmetic dq_t for t < t0 does not depend on them (dq_t sums
+    // over s ≤ t only). SLiM's error at those positions must stay within 10x the boundary
+    // mode's on the same input; both within the derived f32 bound of the module docs (chain
+    // M + D + 2L + 8 roundings times the causal magnitude of dq_t).
+    let mut rng = common::rng("slim_dq_at_earlier_positions_ignores_large_later_keys_and_values");
+    let n = Shape { b: 1, h: 2, l: 16, m: 6, d: 5 };
+    let device = Device::emulator();
+    for (chunk, t0) in [(4, 12), (4, 15), (8, 8), (5, 13)] {
+        let q = random_vec(&mut rng, n.qk(), 0.05, 1.0);
+        let k0 = random_vec(&mut rng, n.qk(), 0.05, 1.0);
+        let v0 = random_vec(&mut rng, n.vd(), -1.0, 1.0);
+        let g = random_vec(&mut rng, n.vd(), -1.0, 1.0);
+        for scale in [1e3, 1e4, 1e5] {
+            let (mut k, mut v) = (k0.clone(), v0.clone());
+            for bh in 0..n.b * n.h {
+                for t in t0..n.l {
+                    k[(bh * n.l + t) * n.m..(bh * n.l + t + 1) * n.m].iter_mut().for_each(|x| *x *= scale);
+                    v[(bh * n.l + t) * n.d..(bh * n.l + t + 1) * n.d].iter_mut().for_each(|x| *x *= scale);
+                }
+            }
+            let (qt, kt, vt, gt) = (to_t::<f32>(&q), to_t::<f32>(&k), to_t::<f32>(&v), to_t::<f32>(&g));
+            let (qw, kw, vw, gw) = (widen(&qt), widen(&kt), widen(&vt), widen(&gt));
+            let att = rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) };
+            let (rdq, _, _) = rla::backward(&att, &gw).expect("reference");
+            let (_, mq, _, _) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6), false);
+            let modes = [MemoryMode::BoundaryStates, MemoryMode::Slim];
+            let dqs: Vec<Vec<f64>> = modes
+                .iter()
+                .map(|&memory| {
+                    let cfg = LinearAttentionConfig { chunk, memory, ..LinearAttentionConfig::causal() };
+                    run(&device, &cfg, n, &qt, &kt, &vt, &gt).dq
+                })
+                .collect();
+            let (boundary, slim) = (early_dq_error(&dqs[0], &rdq, n, t0), early_dq_error(&dqs[1], &rdq, n, t0));
+            eprintln!("chunk {chunk}, t0 {t0}, x{scale:e}: early-dq error boundary {boundary:.3e}, slim {slim:.3e}");
+            assert!(
+                slim <= 10.0 * boundary,
+                "chunk {chunk}, rows {t0}.. x{scale:e}: SLiM's early-dq error {slim:.3e} > 10x the boundary mode's \
+                 {boundary:.3e}"
+            );
+            let early = |x: &[f64]| -> Vec<f64> {
+                (0..n.b * n.h).flat_map(|bh| x[bh * n.l * n.m..(bh * n.l + t0) * n.m].to_vec()).collect()
+            };
+            for (memory, dq) in modes.iter().zip(&dqs) {
+                let what = format!("dq before {t0}, {memory:?}, x{scale:e}");
+                check_close(&what, &early(dq), &early(&rdq), &early(&mq), Shape { l: t0, ..n }, DType::F32);
+            }
+        }
+    }
+}
