@@ -48,10 +48,16 @@ constexpr int kTD = 32;
 
 enum Mask { kMaskNone = 0, kMaskLE = 1, kMaskGE = 2 };
 enum Mode {
-  kAccumulate = 0,  // S from 0 (+ optional boundary write), walk in the mask's direction
+  kAccumulate = 0,  // S from `init` (base NULL: 0), walk in the mask's direction (+ boundary write)
   kReadChunk = 1,   // S of chunk c read from `init` (per-chunk states): chunks independent
-  kRebuild = 2,     // S from init (the total), walk backwards, S -= B_c^T C_c before each chunk
-  kBidir = 3        // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
+  kBidir = 2        // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
+};
+
+// Virtual column of an operand (index nfeat).
+enum Extra {
+  kExtraNone = 0,
+  kExtraOnes = 1,  // 1
+  kExtraDden = 2   // dden_t = -(x_t . y_t) / row_div_t, x = this operand's stored row, y = `dot`
 };
 
 // One row operand [B, H, L, nfeat] (+ a virtual column at index nfeat).
@@ -60,9 +66,10 @@ struct Operand {
   int64_t sb, sh, sl, sf;
   int64_t nfeat;
   const float* row_div;  // NULL or [B*H*L]: stored columns divided by it
-  const float* extra;    // extra_kind 2: [B*H*L] values of the virtual column
-  int extra_kind;        // 0 none, 1 ones, 2 from `extra`
-  __host__ __device__ int64_t width() const { return nfeat + (extra_kind != 0 ? 1 : 0); }
+  const void* dot;       // kExtraDden: the forward output [B, H, L, nfeat] (strides db..df)
+  int64_t db, dh, dl, df;
+  int extra_kind;        // Extra
+  __host__ __device__ int64_t width() const { return nfeat + (extra_kind != kExtraNone ? 1 : 0); }
 };
 
 struct OutView {
@@ -93,7 +100,8 @@ struct Product {
   int mask;
   int mode;
   StateView state;     // working / final state [B*H, ma, dc]
-  StateView init;      // kReadChunk: per-chunk states; kRebuild, kBidir: total state (or base NULL)
+  StateView init;      // kAccumulate: initial state; kReadChunk: per-chunk states; kBidir: total
+                       // state (base NULL: 0, none, summed)
   StateView boundary;  // kAccumulate: write the state entering each chunk (base NULL: no)
 };
 
@@ -106,8 +114,15 @@ __device__ __forceinline__ float load_operand(const Operand& p, int64_t b, int64
     return x;
   }
   if (f == p.nfeat) {
-    if (p.extra_kind == 1) return 1.0f;
-    if (p.extra_kind == 2) return p.extra[bh * L + t];
+    if (p.extra_kind == kExtraOnes) return 1.0f;
+    if (p.extra_kind == kExtraDden) {
+      // recomputed where it is loaded (no [B*H*L] scratch): one dot over D per row and tile
+      const T* x = static_cast<const T*>(p.data) + b * p.sb + h * p.sh + t * p.sl;
+      const T* y = static_cast<const T*>(p.dot) + b * p.db + h * p.dh + t * p.dl;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < p.nfeat; ++d) acc = fmaf(to_float(x[d * p.sf]), to_float(y[d * p.df]), acc);
+      return -acc / p.row_div[bh * L + t];
+    }
   }
   return 0.0f;
 }
@@ -144,11 +159,11 @@ struct Tiles {
   float c[kChunk][kTD];
 };
 
-// S[:, d0:d0+kTD] += sign * B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
+// S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
 // elements per feature tile, so the read-modify-write of the global state has one writer.
 template <typename T>
 __device__ void update_state(Tiles& tl, const Product& p, int64_t b, int64_t h, int64_t bh, int64_t t0, int rows,
-                             int64_t d0, float sign) {
+                             int64_t d0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
@@ -165,7 +180,7 @@ __device__ void update_state(Tiles& tl, const Product& p, int64_t b, int64_t h, 
       for (int j = 0; j < 4; ++j) {
         if (d0 + dcol + j >= p.dc) continue;
         float* s = p.state.at(bh, 0, f0 + fr, d0 + dcol + j);
-        *s = sign > 0.0f ? *s + u[j] : *s - u[j];
+        *s = *s + u[j];
       }
     }
   }
@@ -294,31 +309,20 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
     auto rows_of = [&](int64_t c) { return int(p.L - c * p.chunk < p.chunk ? p.L - c * p.chunk : p.chunk); };
     switch (p.mode) {
       case kAccumulate: {
-        init_state(p, bh, d0, none);
+        init_state(p, bh, d0, p.init);
         const bool save = p.boundary.base != nullptr;
         for (int64_t i = 0; i < nchunks; ++i) {
           const int64_t c = p.mask == kMaskGE ? nchunks - 1 - i : i;
           const int64_t t0 = c * p.chunk;
           chunk_outputs<T, TO>(tl, p, b, h, bh, t0, rows_of(c), d0, p.state, 0, true, save ? &p.boundary : nullptr,
                                c);
-          update_state<T>(tl, p, b, h, bh, t0, rows_of(c), d0, 1.0f);
+          update_state<T>(tl, p, b, h, bh, t0, rows_of(c), d0);
         }
         break;
       }
       case kReadChunk: {
         const int64_t c = rest / ndt;
         chunk_outputs<T, TO>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0, p.init, c, true, nullptr, 0);
-        break;
-      }
-      case kRebuild: {
-        init_state(p, bh, d0, p.init);
-        for (int64_t c = nchunks - 1; c >= 0; --c) {
-          const int64_t t0 = c * p.chunk;
-          __syncthreads();
-          load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, t0, rows_of(c), d0);
-          update_state<T>(tl, p, b, h, bh, t0, rows_of(c), d0, -1.0f);
-          chunk_outputs<T, TO>(tl, p, b, h, bh, t0, rows_of(c), d0, p.state, 0, true, nullptr, 0);
-        }
         break;
       }
       case kBidir: {
@@ -328,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
           for (int64_t c = 0; c < nchunks; ++c) {
             __syncthreads();
             load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, c * p.chunk, rows_of(c), d0);
-            update_state<T>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0, 1.0f);
+            update_state<T>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0);
           }
         }
         for (int64_t c = 0; c < nchunks; ++c)
@@ -342,35 +346,19 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
   }
 }
 
-// dden_t = -(dout_t . out_t) / den_t (f32), one warp per row.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) la_dden_kernel(MesaLaTensor dout, MesaLaTensor out, const float* den,
-                                                          float* dden, int64_t B, int64_t H, int64_t L, int64_t D) {
-  const int64_t rows = B * H * L;
-  const int64_t warps = int64_t(gridDim.x) * (kThreads / kWarpSize);
-  const int lane = threadIdx.x % kWarpSize;
-  const T* po = static_cast<const T*>(out.data);
-  const T* pd = static_cast<const T*>(dout.data);
-  for (int64_t row = int64_t(blockIdx.x) * (kThreads / kWarpSize) + threadIdx.x / kWarpSize; row < rows;
-       row += warps) {
-    const int64_t t = row % L, bh = row / L, b = bh / H, h = bh % H;
-    float acc = 0.0f;
-    for (int64_t d = lane; d < D; d += kWarpSize) {
-      const float x = to_float(pd[b * dout.strides[0] + h * dout.strides[1] + t * dout.strides[2] + d * dout.strides[3]]);
-      const float y = to_float(po[b * out.strides[0] + h * out.strides[1] + t * out.strides[2] + d * out.strides[3]]);
-      acc = fmaf(x, y, acc);
-    }
-    acc = warp_reduce_sum(acc);
-    if (lane == 0) dden[row] = -acc / den[row];
-  }
+// dst[i] = src[i], i < n (the initial state kept for a SLiM backward).
+__global__ void __launch_bounds__(kThreads) la_copy_kernel(float* dst, const float* src, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    dst[i] = src[i];
 }
 
 // ---------------------------------------------------------------------------------------
 // Launch policy (host).
 inline Operand operand(const MesaLaTensor& t, int64_t nfeat) {
-  return Operand{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], nfeat, nullptr, nullptr, 0};
+  return Operand{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], nfeat, nullptr,
+                 nullptr, 0, 0, 0, 0, kExtraNone};
 }
-inline Operand ones_only() { return Operand{nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, 1}; }
+inline Operand ones_only() { return Operand{nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, 0, 0, 0, 0, kExtraOnes}; }
 inline OutView out_view(const MesaLaTensor& t, int64_t width) {
   return OutView{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], width, nullptr, 0, 0.0f};
 }
@@ -402,19 +390,29 @@ template <typename T>
 MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   const MesaLaShape& s = a.shape;
   const int64_t M = s.feat, D = s.dim, W = D + (s.normalize ? 1 : 0);
+  const int64_t BH = s.batch * s.heads;
   const int64_t nchunks = ceil_div(s.len, s.chunk);
   const bool boundary = s.causal && s.memory == MESA_LA_BOUNDARY_STATES;
-  // The state S' [bh, M, W]; the normaliser's launch owns column D.
+  // The state S' [bh, M, W]; the normaliser's launch owns column D. It starts from the
+  // caller's initial state (causal) or 0.
   const StateView state{a.state, M * W, 0, W, 1};
   const StateView bnd{a.boundary, nchunks * M * W, M * W, W, 1};
   const StateView none{nullptr, 0, 0, 0, 0};
+  const float* s0 = a.init_state;
+  if (s0 != nullptr && a.init_copy != nullptr && BH * M * W > 0) {
+    // SLiM: the backward's dq walk starts from it again
+    const int64_t n = BH * M * W;
+    const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
+    const MesaStatus st = status_from(MESA_LAUNCH(la_copy_kernel, dim3(unsigned(want < cap ? want : cap)),
+                                                  dim3(kThreads), 0, stream, a.init_copy, s0, n));
+    if (st != MESA_STATUS_OK) return st;
+  }
   Product p = base_product(s);
   p.a = operand(a.q, M);
   p.b = operand(a.k, M);
   p.ma = M;
   p.mask = s.causal ? kMaskLE : kMaskNone;
   p.mode = s.causal ? kAccumulate : kBidir;
-  p.init = none;
   if (s.normalize) {
     Product z = p;
     z.c = ones_only();
@@ -424,6 +422,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     z.o.guard = 1;
     z.o.eps = s.eps;
     z.state = StateView{a.state + D, M * W, 0, W, 1};
+    z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
     z.boundary = boundary ? StateView{a.boundary + D, nchunks * M * W, M * W, W, 1} : none;
     const MesaStatus st = run_product<T, float>(z, stream);
     if (st != MESA_STATUS_OK) return st;
@@ -433,6 +432,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   p.o = out_view(a.out, D);
   p.o.row_div = s.normalize ? a.den : nullptr;
   p.state = state;
+  p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
   p.boundary = boundary ? bnd : none;
   if (D == 0) return MESA_STATUS_OK;
   return run_product<T, T>(p, stream);
@@ -442,34 +442,31 @@ template <typename T>
 MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
   const MesaLaShape& s = a.shape;
   const int64_t M = s.feat, D = s.dim, W = D + (s.normalize ? 1 : 0);
-  const int64_t BH = s.batch * s.heads;
   const int64_t nchunks = ceil_div(s.len, s.chunk);
   const StateView none{nullptr, 0, 0, 0, 0};
-  float* dden = s.normalize ? a.work + BH * M * W : nullptr;
-  if (s.normalize) {
-    // one warp per row; D = 0 gives dden = -0 (out is empty)
-    const int64_t rows = BH * s.len;
-    const int64_t want = ceil_div(rows, kThreads / kWarpSize);
-    const int64_t cap = int64_t(sm_count()) * 8;
-    const unsigned grid = unsigned(want < 1 ? 1 : (want < cap ? want : cap));
-    const MesaStatus st = status_from(MESA_LAUNCH((la_dden_kernel<T>), dim3(grid), dim3(kThreads), 0, stream, a.dout,
-                                                  a.out, a.den, dden, s.batch, s.heads, s.len, D));
-    if (st != MESA_STATUS_OK) return st;
-  }
-  // dO' = [dout / den | dden] and c' = [v | 1]
+  // dO' = [dout / den | dden] and c' = [v | 1]; dden_t = -(dout_t . out_t) / den_t is
+  // recomputed where it is loaded (kExtraDden), so the scratch does not grow with L.
   Operand dO = operand(a.dout, D);
   Operand cv = operand(a.v, D);
   if (s.normalize) {
     dO.row_div = a.den;
-    dO.extra = dden;
-    dO.extra_kind = 2;
-    cv.extra_kind = 1;
+    dO.dot = a.out.data;
+    dO.db = a.out.strides[0];
+    dO.dh = a.out.strides[1];
+    dO.dl = a.out.strides[2];
+    dO.df = a.out.strides[3];
+    dO.extra_kind = kExtraDden;
+    cv.extra_kind = kExtraOnes;
   }
   const int mask_fwd = s.causal ? kMaskLE : kMaskNone;
   const int mask_rev = s.causal ? kMaskGE : kMaskNone;
-  const StateView work{a.work, W * M, 0, M, 1};  // [bh, W, M] or [bh, M, W] by the launch
+  // the [bh, W, M] view (row w, column f) of a [bh, M, W] state
+  auto transposed = [&](const float* base) { return StateView{const_cast<float*>(base), M * W, 0, 1, W}; };
+  const StateView work{a.work, W * M, 0, M, 1};
 
-  // dq = product(dO', c', k): state sum c'_s k_s^T = S'^T, read through transposed strides.
+  // dq = product(dO', c', k), LE: state sum c'_s k_s^T = S'^T, the forward's states read
+  // through transposed strides (boundary mode) or accumulated again from the initial state
+  // (SLiM: the same forward walk as the forward's, so dq_t never sees a row s > t).
   {
     Product p = base_product(s);
     p.a = dO;
@@ -479,25 +476,25 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.dc = M;
     p.o = out_view(a.dq, M);
     p.mask = mask_fwd;
-    p.state = StateView{a.work, W * M, 0, M, 1};
+    p.state = work;
     p.boundary = none;
-    float* saved = const_cast<float*>(a.state);  // read only: kRebuild copies it into `work`
     if (!s.causal) {
       p.mode = kBidir;
-      p.init = StateView{saved, M * W, 0, 1, W};
+      p.init = transposed(a.state);
     } else if (s.memory == MESA_LA_BOUNDARY_STATES) {
       p.mode = kReadChunk;
       p.init = StateView{const_cast<float*>(a.boundary), nchunks * M * W, M * W, 1, W};
     } else {
-      p.mode = kRebuild;
-      p.init = StateView{saved, M * W, 0, 1, W};
+      p.mode = kAccumulate;
+      p.init = a.init_state != nullptr ? transposed(a.init_state) : none;
     }
     if (M > 0) {
       const MesaStatus st = run_product<T, T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
-  // dk = product(c', dO', q), reverse: state sum dO'_s q_s^T [bh, W, M].
+  // dk = product(c', dO', q), reverse: state dS'_final^T + sum dO'_s q_s^T [bh, W, M]; its
+  // value after the walk is the initial state's gradient (written to d_init when given).
   {
     Product p = base_product(s);
     p.a = cv;
@@ -508,15 +505,16 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.o = out_view(a.dk, M);
     p.mask = mask_rev;
     p.mode = s.causal ? kAccumulate : kBidir;
-    p.state = work;
-    p.init = none;
+    p.state = a.d_init != nullptr ? transposed(a.d_init) : work;
+    p.init = a.d_final != nullptr ? transposed(a.d_final) : none;
     p.boundary = none;
     if (M > 0) {
       const MesaStatus st = run_product<T, T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
-  // dv = product(k, q, dout / den), reverse: state sum q_s (dout_s/den_s)^T [bh, M, D].
+  // dv = product(k, q, dout / den), reverse: state dS_final[:, :D] + sum q_s (dout_s/den_s)^T
+  // [bh, M, D].
   {
     Operand g = operand(a.dout, D);
     g.row_div = s.normalize ? a.den : nullptr;
@@ -530,7 +528,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.mask = mask_rev;
     p.mode = s.causal ? kAccumulate : kBidir;
     p.state = StateView{a.work, M * D, 0, D, 1};
-    p.init = none;
+    p.init = a.d_final != nullptr ? StateView{const_cast<float*>(a.d_final), M * W, 0, W, 1} : none;
     p.boundary = none;
     if (D > 0) {
       const MesaStatus st = run_product<T, T>(p, stream);
@@ -579,6 +577,10 @@ extern "C" MesaStatus MESA_ENTRY(linear_attention_forward)(const MesaLaForwardAr
   if (has_state && s.causal && s.memory == MESA_LA_BOUNDARY_STATES && s.len > 0 && a->boundary == nullptr)
     return MESA_STATUS_INVALID_ARGUMENT;
   if (s.normalize && s.len > 0 && a->den == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
+  // an initial state: causal only; SLiM keeps a copy for the backward
+  if (a->init_state != nullptr && !s.causal) return MESA_STATUS_INVALID_ARGUMENT;
+  if (has_state && a->init_state != nullptr && s.memory == MESA_LA_SLIM && a->init_copy == nullptr)
+    return MESA_STATUS_INVALID_ARGUMENT;
   if (s.len > 0 && ((s.feat > 0 && (a->q.data == nullptr || a->k.data == nullptr)) ||
                     (s.dim > 0 && (a->v.data == nullptr || a->out.data == nullptr))))
     return MESA_STATUS_INVALID_ARGUMENT;
@@ -592,8 +594,12 @@ extern "C" MesaStatus MESA_ENTRY(linear_attention_forward)(const MesaLaForwardAr
 extern "C" MesaStatus MESA_ENTRY(linear_attention_backward)(const MesaLaBackwardArgs* a, void* stream) {
   if (a == nullptr || !shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
   const MesaLaShape& s = a->shape;
-  if (is_empty(s) || s.len == 0) return MESA_STATUS_OK;
   const bool has_state = s.feat > 0 && (s.dim > 0 || s.normalize);
+  // state gradients: causal only
+  if (!s.causal && (a->init_state != nullptr || a->d_final != nullptr || a->d_init != nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  // L = 0: nothing to write but d_init (= d_final, or 0)
+  if (is_empty(s) || (s.len == 0 && (a->d_init == nullptr || !has_state))) return MESA_STATUS_OK;
   if ((s.feat > 0 || s.dim > 0) && a->work == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   if (has_state && a->state == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   if (has_state && s.causal && s.memory == MESA_LA_BOUNDARY_STATES && a->boundary == nullptr)

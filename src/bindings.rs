@@ -849,10 +849,12 @@ pub struct MesaLaForwardArgs {
     pub state: *mut f32,
     pub boundary: *mut f32,
     pub den: *mut f32,
+    pub init_state: *const f32,
+    pub init_copy: *mut f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLaForwardArgs"][::core::mem::size_of::<MesaLaForwardArgs>() - 248usize];
+    ["Size of MesaLaForwardArgs"][::core::mem::size_of::<MesaLaForwardArgs>() - 264usize];
     ["Alignment of MesaLaForwardArgs"][::core::mem::align_of::<MesaLaForwardArgs>() - 8usize];
     ["Offset of field: MesaLaForwardArgs::shape"][::core::mem::offset_of!(MesaLaForwardArgs, shape) - 0usize];
     ["Offset of field: MesaLaForwardArgs::q"][::core::mem::offset_of!(MesaLaForwardArgs, q) - 64usize];
@@ -862,6 +864,9 @@ const _: () = {
     ["Offset of field: MesaLaForwardArgs::state"][::core::mem::offset_of!(MesaLaForwardArgs, state) - 224usize];
     ["Offset of field: MesaLaForwardArgs::boundary"][::core::mem::offset_of!(MesaLaForwardArgs, boundary) - 232usize];
     ["Offset of field: MesaLaForwardArgs::den"][::core::mem::offset_of!(MesaLaForwardArgs, den) - 240usize];
+    ["Offset of field: MesaLaForwardArgs::init_state"]
+        [::core::mem::offset_of!(MesaLaForwardArgs, init_state) - 248usize];
+    ["Offset of field: MesaLaForwardArgs::init_copy"][::core::mem::offset_of!(MesaLaForwardArgs, init_copy) - 256usize];
 };
 impl Default for MesaLaForwardArgs {
     fn default() -> Self {
@@ -887,11 +892,14 @@ pub struct MesaLaBackwardArgs {
     pub state: *const f32,
     pub boundary: *const f32,
     pub den: *const f32,
+    pub init_state: *const f32,
+    pub d_final: *const f32,
+    pub d_init: *mut f32,
     pub work: *mut f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLaBackwardArgs"][::core::mem::size_of::<MesaLaBackwardArgs>() - 416usize];
+    ["Size of MesaLaBackwardArgs"][::core::mem::size_of::<MesaLaBackwardArgs>() - 440usize];
     ["Alignment of MesaLaBackwardArgs"][::core::mem::align_of::<MesaLaBackwardArgs>() - 8usize];
     ["Offset of field: MesaLaBackwardArgs::shape"][::core::mem::offset_of!(MesaLaBackwardArgs, shape) - 0usize];
     ["Offset of field: MesaLaBackwardArgs::q"][::core::mem::offset_of!(MesaLaBackwardArgs, q) - 64usize];
@@ -905,7 +913,11 @@ const _: () = {
     ["Offset of field: MesaLaBackwardArgs::state"][::core::mem::offset_of!(MesaLaBackwardArgs, state) - 384usize];
     ["Offset of field: MesaLaBackwardArgs::boundary"][::core::mem::offset_of!(MesaLaBackwardArgs, boundary) - 392usize];
     ["Offset of field: MesaLaBackwardArgs::den"][::core::mem::offset_of!(MesaLaBackwardArgs, den) - 400usize];
-    ["Offset of field: MesaLaBackwardArgs::work"][::core::mem::offset_of!(MesaLaBackwardArgs, work) - 408usize];
+    ["Offset of field: MesaLaBackwardArgs::init_state"]
+        [::core::mem::offset_of!(MesaLaBackwardArgs, init_state) - 408usize];
+    ["Offset of field: MesaLaBackwardArgs::d_final"][::core::mem::offset_of!(MesaLaBackwardArgs, d_final) - 416usize];
+    ["Offset of field: MesaLaBackwardArgs::d_init"][::core::mem::offset_of!(MesaLaBackwardArgs, d_init) - 424usize];
+    ["Offset of field: MesaLaBackwardArgs::work"][::core::mem::offset_of!(MesaLaBackwardArgs, work) - 432usize];
 };
 impl Default for MesaLaBackwardArgs {
     fn default() -> Self {

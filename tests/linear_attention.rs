@@ -7,13 +7,15 @@
 //! * Inputs are exact in their dtype T (the reference reads the same values widened to
 //!   f64), so all error comes from f32 arithmetic and the final rounding to T.
 //! * Every output element is a sum of products whose longest accumulation chain has at most
-//!   `M + D + 2L + 8` f32 roundings (a dot over M or D+1 features, a prefix sum over ≤ L
-//!   rows, in SLiM mode the reverse subtraction over ≤ L more rows, a division by the
-//!   denominator). The classical bound |fl(Σ) − Σ| ≤ n·u·Σ|terms| (u = 2⁻²⁴) gives
-//!   `n·u·mag`, where `mag` is the same sum with every term replaced by its absolute value
-//!   (for normalised outputs also the denominator's error times |out|, for gradients the
-//!   |dnum|, |dden| terms) — computed in f64 below. In SLiM mode the rebuilt state carries
-//!   the error of the *whole* sequence's sum, so `dq`'s magnitude sums over all s.
+//!   `M + D + 2L + 8` f32 roundings (a dot over M or D+1 features, the dot over D of `dden`,
+//!   a prefix sum over ≤ L rows — for a sequence split into calls, the state carried from
+//!   the first call continues the same chain, so ≤ L rows in all; the second L covers any
+//!   regrouping of the rows into chunks — and a division by the denominator). The classical
+//!   bound |fl(Σ) − Σ| ≤ n·u·Σ|terms| (u = 2⁻²⁴) gives `n·u·mag`, where `mag` is the same sum
+//!   with every term replaced by its absolute value (for normalised outputs also the
+//!   denominator's error times |out|, for gradients the |dnum|, |dden| terms) — computed in
+//!   f64 below. Both memory modes sum only visible rows (`dq_t`: s ≤ t), so the magnitude is
+//!   the causal one in both.
 //! * The backward reads the forward output `out` rounded to T: `dden` is off by u_T
 //!   relatively, covered by `4·u_T·mag`; the final rounding to T adds `u_T·|ref|`
 //!   (u_T = 2⁻²⁴, 2⁻¹¹, 2⁻⁸ for f32, f16, bf16).
@@ -80,7 +82,6 @@ fn magnitudes(
     n: Shape,
     causal: bool,
     eps: Option<f64>,
-    dq_over_all: bool,
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
     let (l, m, d) = (n.l, n.m, n.d);
     let mut mo = vec![0.0; n.vd()];
@@ -119,21 +120,15 @@ fn magnitudes(
                 mo[(bh * l + t) * d + j] =
                     anum[j] / g.abs() + if eps.is_some() { out.abs() * aden / g.abs() } else { 0.0 };
             }
-            for s in 0..l {
+            for s in (0..l).filter(|&s| vis(s)) {
                 let da: f64 = (0..d).map(|j| dnum[j] * v[(bh * l + s) * d + j].abs()).sum::<f64>() + dden;
-                if vis(s) || dq_over_all {
-                    for i in 0..m {
-                        mq[(bh * l + t) * m + i] += da * k[(bh * l + s) * m + i].abs();
-                    }
+                for i in 0..m {
+                    mq[(bh * l + t) * m + i] += da * k[(bh * l + s) * m + i].abs();
+                    mk[(bh * l + s) * m + i] += da * q[(bh * l + t) * m + i].abs();
                 }
-                if vis(s) {
-                    for i in 0..m {
-                        mk[(bh * l + s) * m + i] += da * q[(bh * l + t) * m + i].abs();
-                    }
-                    let aa = absdot(t, s);
-                    for j in 0..d {
-                        mv[(bh * l + s) * d + j] += aa * dnum[j];
-                    }
+                let aa = absdot(t, s);
+                for j in 0..d {
+                    mv[(bh * l + s) * d + j] += aa * dnum[j];
                 }
             }
         }
@@ -243,8 +238,7 @@ fn parity<T: Element>(device: &Device, rng: &mut StdRng, cfg: &LinearAttentionCo
         &dout,
     )
     .expect("reference");
-    let slim = cfg.causal && cfg.memory == MemoryMode::Slim;
-    let (mo, mq, mk, mv) = magnitudes(&q, &k, &v, &dout, n, cfg.causal, eps, slim);
+    let (mo, mq, mk, mv) = magnitudes(&q, &k, &v, &dout, n, cfg.causal, eps);
     check_close("out", &r.out, &out, &mo, n, T::DTYPE);
     check_close("dq", &r.dq, &dq, &mq, n, T::DTYPE);
     check_close("dk", &r.dk, &dk, &mk, n, T::DTYPE);
@@ -389,7 +383,7 @@ fn f16_key_sums_beyond_the_f16_range_stay_finite() {
             &gw,
         )
         .expect("reference");
-        let (mo, mq, mk, mv) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6), false);
+        let (mo, mq, mk, mv) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6));
         check_close("out", &r.out, &out, &mo, n, DType::F16);
         check_close("dq", &r.dq, &dq, &mq, n, DType::F16);
         check_close("dk", &r.dk, &dk, &mk, n, DType::F16);
@@ -462,7 +456,7 @@ fn views_of_one_packed_qkv_tensor() {
                 &gv,
             )
             .expect("reference");
-            let (mo, mq, mk, mv) = magnitudes(&qv, &kv, &vv, &gv, n, cfg.causal, eps, false);
+            let (mo, mq, mk, mv) = magnitudes(&qv, &kv, &vv, &gv, n, cfg.causal, eps);
             check_close("out", &reference::gather(&ob.to_vec().expect("o"), &lo), &out, &mo, n, DType::BF16);
             check_close("dq", &reference::gather(&dq.to_vec().expect("dq"), &lq), &rdq, &mq, n, DType::BF16);
             check_close("dk", &reference::gather(&dk.to_vec().expect("dk"), &lk), &rdk, &mk, n, DType::BF16);
@@ -542,7 +536,7 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
         rla::forward(&rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) })
             .expect("reference");
     let got: Vec<f64> = obig[..6].iter().chain(&obig[far..far + 6]).map(|&x| f64::from(x)).collect();
-    let (mo, _, _, _) = magnitudes(&qw, &kw, &vw, &vw, n, true, Some(1e-6), false);
+    let (mo, _, _, _) = magnitudes(&qw, &kw, &vw, &vw, n, true, Some(1e-6));
     check_close("out", &got, &out, &mo, n, DType::F32);
     drop(obig);
     // gradients: dq written past 2^31 as well
@@ -569,7 +563,7 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
         &gw,
     )
     .expect("reference");
-    let (_, mq, _, _) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6), false);
+    let (_, mq, _, _) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6));
     let got: Vec<f64> = dqbig[..6].iter().chain(&dqbig[far..far + 6]).map(|&x| f64::from(x)).collect();
     check_close("dq", &got, &rdq, &mq, n, DType::F32);
 }
@@ -1378,7 +1372,7 @@ fn forward_takes_q_k_v_as_sub_slices_of_one_host_vec() {
     let (q, k, v) = (&w[..n.qk()], &w[n.qk()..2 * n.qk()], &w[2 * n.qk()..]);
     let (rout, _) = rla::forward(&rla::Attention { q, k, v, dims: n.dims(), causal: true, normalize: Some(1e-6) })
         .expect("reference");
-    let (mo, _, _, _) = magnitudes(q, k, v, v, n, true, Some(1e-6), false);
+    let (mo, _, _, _) = magnitudes(q, k, v, v, n, true, Some(1e-6));
     check_close("out", &widen(&out), &rout, &mo, n, DType::F32);
 }
 
@@ -1430,6 +1424,7 @@ fn slim_dq_at_earlier_positions_ignores_large_later_keys_and_values() {
         let k0 = random_vec(&mut rng, n.qk(), 0.05, 1.0);
         let v0 = random_vec(&mut rng, n.vd(), -1.0, 1.0);
         let g = random_vec(&mut rng, n.vd(), -1.0, 1.0);
+        let mut first_early: Option<Vec<Vec<f64>>> = None;
         for scale in [1e3, 1e4, 1e5] {
             let (mut k, mut v) = (k0.clone(), v0.clone());
             for bh in 0..n.b * n.h {
@@ -1442,7 +1437,7 @@ fn slim_dq_at_earlier_positions_ignores_large_later_keys_and_values() {
             let (qw, kw, vw, gw) = (widen(&qt), widen(&kt), widen(&vt), widen(&gt));
             let att = rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: Some(1e-6) };
             let (rdq, _, _) = rla::backward(&att, &gw).expect("reference");
-            let (_, mq, _, _) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6), false);
+            let (_, mq, _, _) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6));
             let modes = [MemoryMode::BoundaryStates, MemoryMode::Slim];
             let dqs: Vec<Vec<f64>> = modes
                 .iter()
@@ -1464,6 +1459,20 @@ fn slim_dq_at_earlier_positions_ignores_large_later_keys_and_values() {
             for (memory, dq) in modes.iter().zip(&dqs) {
                 let what = format!("dq before {t0}, {memory:?}, x{scale:e}");
                 check_close(&what, &early(dq), &early(&rdq), &early(&mq), Shape { l: t0, ..n }, DType::F32);
+            }
+            // stronger: both modes read only rows s <= t, so the early dq is bitwise the same
+            // whatever the later rows hold
+            let now: Vec<Vec<f64>> = dqs.iter().map(|dq| early(dq)).collect();
+            match &first_early {
+                None => first_early = Some(now),
+                Some(first) => {
+                    for (m, (a, b)) in modes.iter().zip(first.iter().zip(&now)) {
+                        assert!(
+                            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{m:?}: dq before {t0} changed with the later rows' scale (x{scale:e})"
+                        );
+                    }
+                }
             }
         }
     }

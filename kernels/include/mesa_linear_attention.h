@@ -36,7 +36,8 @@ typedef int32_t MesaLaMemory;
 enum MesaLaMemoryCode {
   /* forward keeps the state entering every chunk: [B*H, ceil(L/C), M, W] f32 */
   MESA_LA_BOUNDARY_STATES = 0,
-  /* forward keeps only the final state; backward rebuilds earlier ones by subtraction */
+  /* forward keeps only the final state (and a copy of the initial one, if given); the
+   * backward's dq walks the chunks forward again from the initial state */
   MESA_LA_SLIM = 1
 };
 
@@ -60,30 +61,40 @@ typedef struct MesaLaShape {
   MesaLaMemory memory;
 } MesaLaShape;
 
-/* Forward. In-place: not supported (out, state, boundary, den overlap none of q, k, v, nor
- * each other -> Error::Aliasing in the safe crate). Writes out, state ([B*H, M, W] f32: the final state), boundary (causal and
- * MESA_LA_BOUNDARY_STATES: [B*H, ceil(L/C), M, W], the state entering each chunk; else
- * unused, may be NULL), den (normalize: [B*H*L] f32, the guarded denominators g(.); else
- * may be NULL). */
+/* Forward. In-place: not supported (out, state, boundary, den, init_copy overlap none of
+ * q, k, v, init_state, nor each other -> Error::Aliasing in the safe crate). Reads
+ * init_state (causal only; NULL: 0): [B*H, M, W] f32, the state before row 0 (column D:
+ * the normaliser's z). Writes out, state ([B*H, M, W] f32: the final state, init_state
+ * included), boundary (causal and MESA_LA_BOUNDARY_STATES: [B*H, ceil(L/C), M, W], the
+ * state entering each chunk; else unused, may be NULL), den (normalize: [B*H*L] f32, the
+ * guarded denominators g(.); else may be NULL), init_copy (MESA_LA_SLIM with an
+ * init_state: [B*H, M, W], a copy of it for the backward; else may be NULL). */
 typedef struct MesaLaForwardArgs {
   MesaLaShape shape;
   MesaLaTensor q, k, v, out;
   float* state;
   float* boundary;
   float* den;
+  const float* init_state;
+  float* init_copy;
 } MesaLaForwardArgs;
 
-/* Backward. In-place: not supported (dq, dk, dv, work overlap no input nor each other ->
- * Error::Aliasing in the safe crate). Reads q, k, v, dout, out (normalize only), and what the forward saved (state,
- * boundary, den); writes dq, dk, dv. work: f32 scratch of
- * B*H*(M*W) + (normalize ? B*H*L : 0) elements (contents on entry ignored). The saved
- * state is not modified. */
+/* Backward. In-place: not supported (dq, dk, dv, d_init, work overlap no input nor each
+ * other -> Error::Aliasing in the safe crate). Reads q, k, v, dout, out (normalize only),
+ * what the forward saved (state, boundary, den, init_state = the forward's init_copy, NULL
+ * when it had no initial state), d_final ([B*H, M, W] f32, the gradient of the final state;
+ * NULL: 0; causal only); writes dq, dk, dv and d_init ([B*H, M, W] f32, the gradient of the
+ * initial state; NULL: not wanted; causal only). work: f32 scratch of B*H*M*W elements,
+ * independent of L (contents on entry ignored). The saved state is not modified. */
 typedef struct MesaLaBackwardArgs {
   MesaLaShape shape;
   MesaLaTensor q, k, v, out, dout, dq, dk, dv;
   const float* state;
   const float* boundary;
   const float* den;
+  const float* init_state;
+  const float* d_final;
+  float* d_init;
   float* work;
 } MesaLaBackwardArgs;
 
