@@ -24,7 +24,8 @@ mod common;
 use half::{bf16, f16};
 use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
 use mesa_kernels::linear_attention::{
-    backward, forward, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, LinearAttentionSaved, MemoryMode,
+    backward, backward_with_state, forward, forward_with_state, BackwardArgs, ForwardArgs, Grads,
+    LinearAttentionConfig, LinearAttentionSaved, MemoryMode, StateGrads,
 };
 use mesa_kernels::reference::{self, linear_attention as rla};
 use mesa_kernels::{
@@ -1476,4 +1477,287 @@ fn slim_dq_at_earlier_positions_ignores_large_later_keys_and_values() {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// State in / out (issue 13 item 4)
+
+/// The rows `t0..t1` of a contiguous `[B, H, L, F]` buffer as a strided view.
+fn rows_view(n: Shape, f: usize, t0: usize, t1: usize) -> Layout {
+    Layout::strided(&[n.b, n.h, t1 - t0, f], &[n.h * n.l * f, n.l * f, f, 1], t0 * f).expect("rows view")
+}
+
+/// f64 reference of the state terms: the final state `Σ_s k_s [v_s | 1]ᵀ` `[B·H, M, W]`, the
+/// initial state's gradient `dS_L' + Σ_t q_t dO'_tᵀ`, and the final-state gradient's part of
+/// dk and dv; each with its magnitude (terms replaced by their absolute values).
+struct StateRef {
+    fin: Vec<f64>,
+    fin_mag: Vec<f64>,
+    d_init: Vec<f64>,
+    d_init_mag: Vec<f64>,
+    dk: Vec<f64>,
+    dk_mag: Vec<f64>,
+    dv: Vec<f64>,
+    dv_mag: Vec<f64>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn state_reference(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dout: &[f64],
+    d_final: &[f64],
+    n: Shape,
+    eps: Option<f64>,
+) -> StateRef {
+    let (l, m, d) = (n.l, n.m, n.d);
+    let w = d + usize::from(eps.is_some());
+    let att = rla::Attention { q, k, v, dims: n.dims(), causal: true, normalize: eps };
+    let (out, den) = rla::forward(&att).expect("reference");
+    let bhs = n.b * n.h;
+    let mut r = StateRef {
+        fin: vec![0.0; bhs * m * w],
+        fin_mag: vec![0.0; bhs * m * w],
+        d_init: d_final.to_vec(),
+        d_init_mag: d_final.iter().map(|x| x.abs()).collect(),
+        dk: vec![0.0; n.qk()],
+        dk_mag: vec![0.0; n.qk()],
+        dv: vec![0.0; n.vd()],
+        dv_mag: vec![0.0; n.vd()],
+    };
+    for bh in 0..bhs {
+        for t in 0..l {
+            let row = bh * l + t;
+            let g = den[row];
+            // c'_t = [v_t | 1], dO'_t = [dout_t / g | dden_t] (and their magnitudes)
+            let c: Vec<f64> = (0..w).map(|j| if j < d { v[row * d + j] } else { 1.0 }).collect();
+            let dden = -(0..d).map(|j| dout[row * d + j] * out[row * d + j]).sum::<f64>() / g;
+            let ddmag = (0..d).map(|j| (dout[row * d + j] * out[row * d + j]).abs()).sum::<f64>() / g.abs();
+            let dz: Vec<f64> = (0..w).map(|j| if j < d { dout[row * d + j] / g } else { dden }).collect();
+            let dzm: Vec<f64> = (0..w).map(|j| if j < d { (dout[row * d + j] / g).abs() } else { ddmag }).collect();
+            for i in 0..m {
+                let (kf, qf) = (k[row * m + i], q[row * m + i]);
+                for j in 0..w {
+                    let s = (bh * m + i) * w + j;
+                    r.fin[s] += kf * c[j];
+                    r.fin_mag[s] += (kf * c[j]).abs();
+                    r.d_init[s] += qf * dz[j];
+                    r.d_init_mag[s] += (qf * dzm[j]).abs();
+                    r.dk[row * m + i] += d_final[s] * c[j];
+                    r.dk_mag[row * m + i] += (d_final[s] * c[j]).abs();
+                }
+                for j in 0..d {
+                    let s = (bh * m + i) * w + j;
+                    r.dv[row * d + j] += kf * d_final[s];
+                    r.dv_mag[row * d + j] += (kf * d_final[s]).abs();
+                }
+            }
+        }
+    }
+    r
+}
+
+/// One piece `t0..t1` of the sequence: forward from `initial`, returning what it saved.
+#[allow(clippy::too_many_arguments)]
+fn forward_piece<T: Element>(
+    device: &Device,
+    cfg: &LinearAttentionConfig,
+    n: Shape,
+    (t0, t1): (usize, usize),
+    (qb, kb, vb): (&Buffer<T>, &Buffer<T>, &Buffer<T>),
+    ob: &mut Buffer<T>,
+    initial: Option<&TensorRef<'_, f32>>,
+) -> LinearAttentionSaved {
+    let (lq, lv) = (rows_view(n, n.m, t0, t1), rows_view(n, n.d, t0, t1));
+    forward_with_state(
+        device,
+        cfg,
+        ForwardArgs { q: &tr(qb, &lq), k: &tr(kb, &lq), v: &tr(vb, &lv), out: &mut tm(ob, &lv) },
+        initial,
+    )
+    .expect("forward piece")
+}
+
+#[test]
+fn a_sequence_split_in_two_calls_gives_the_one_call_results() {
+    // Outputs, gradients, the final state and the initial state's gradient of two calls
+    // (the second starting from the first's final state; backward in reverse, passing the
+    // state gradient back) against the f64 reference of one call, with the module's bound:
+    // the carried f32 state continues the same accumulation chain (≤ L rows in all), so the
+    // split adds no term to it. A final-state gradient dS_L' enters the second call.
+    let mut rng = common::rng("a_sequence_split_in_two_calls_gives_the_one_call_results");
+    let n = Shape { b: 2, h: 2, l: 37, m: 6, d: 5 };
+    for device in common::backends() {
+        for cfg in configs().into_iter().filter(|c| c.causal) {
+            for split in [0, 13, 16, 37] {
+                split_case::<f32>(&device, &mut rng, &cfg, n, split);
+            }
+            split_case::<bf16>(&device, &mut rng, &cfg, n, 21);
+        }
+    }
+}
+
+fn split_case<T: Element>(device: &Device, rng: &mut StdRng, cfg: &LinearAttentionConfig, n: Shape, split: usize) {
+    let lo = if cfg.normalize { 0.05 } else { -1.0 };
+    let w = n.d + usize::from(cfg.normalize);
+    let (q, k) = (to_t::<T>(&random_vec(rng, n.qk(), lo, 1.0)), to_t::<T>(&random_vec(rng, n.qk(), lo, 1.0)));
+    let v = to_t::<T>(&random_vec(rng, n.vd(), -1.0, 1.0));
+    let dout = to_t::<T>(&random_vec(rng, n.vd(), -1.0, 1.0));
+    let d_final: Vec<f32> = random_vec(rng, n.b * n.h * n.m * w, -1.0, 1.0).iter().map(|&x| x as f32).collect();
+    let nan = T::from_f64(f64::NAN);
+    let (qb, kb, vb, gb) = (up(device, &q), up(device, &k), up(device, &v), up(device, &dout));
+    let mut ob = up(device, &vec![nan; n.vd()]);
+    let first = forward_piece(device, cfg, n, (0, split), (&qb, &kb, &vb), &mut ob, None);
+    let s1 = first.final_state_tensor().expect("state view");
+    let second = forward_piece(device, cfg, n, (split, n.l), (&qb, &kb, &vb), &mut ob, Some(&s1));
+    // backward: the second piece first, its d_initial is the first piece's d_final
+    let sshape = [n.b, n.h, n.m, w];
+    let dfb = up(device, &d_final);
+    let mut dmid = up(device, &vec![f32::NAN; d_final.len()]);
+    let mut dinit = up(device, &vec![f32::NAN; d_final.len()]);
+    let (mut dqb, mut dkb, mut dvb) =
+        (up(device, &vec![nan; n.qk()]), up(device, &vec![nan; n.qk()]), up(device, &vec![nan; n.vd()]));
+    for (saved, (t0, t1), piece) in [(&second, (split, n.l), 1), (&first, (0, split), 0)] {
+        let (lq, lv) = (rows_view(n, n.m, t0, t1), rows_view(n, n.d, t0, t1));
+        let (dfin, dini) = if piece == 1 { (&dfb, &mut dmid) } else { (&dmid, &mut dinit) };
+        let dfin_t = TensorRef::contiguous(dfin, &sshape).expect("d_final");
+        let mut dini_t = TensorMut::contiguous(dini, &sshape).expect("d_initial");
+        backward_with_state(
+            device,
+            saved,
+            BackwardArgs {
+                q: &tr(&qb, &lq),
+                k: &tr(&kb, &lq),
+                v: &tr(&vb, &lv),
+                out: Some(&tr(&ob, &lv)),
+                dout: &tr(&gb, &lv),
+                grads: Grads { dq: &mut tm(&mut dqb, &lq), dk: &mut tm(&mut dkb, &lq), dv: &mut tm(&mut dvb, &lv) },
+            },
+            StateGrads { d_final: Some(&dfin_t), d_initial: Some(&mut dini_t) },
+        )
+        .expect("backward piece");
+    }
+    // the reference of one call, plus the final state's terms
+    let (qw, kw, vw, gw) = (widen(&q), widen(&k), widen(&v), widen(&dout));
+    let dfw: Vec<f64> = d_final.iter().map(|&x| f64::from(x)).collect();
+    let eps = cfg.normalize.then_some(f64::from(cfg.eps));
+    let att = rla::Attention { q: &qw, k: &kw, v: &vw, dims: n.dims(), causal: true, normalize: eps };
+    let (out, _) = rla::forward(&att).expect("reference");
+    let (rdq, mut rdk, mut rdv) = rla::backward(&att, &gw).expect("reference");
+    let (mo, mq, mut mk, mut mv) = magnitudes(&qw, &kw, &vw, &gw, n, true, eps);
+    let st = state_reference(&qw, &kw, &vw, &gw, &dfw, n, eps);
+    for i in 0..rdk.len() {
+        rdk[i] += st.dk[i];
+        mk[i] += st.dk_mag[i];
+    }
+    for i in 0..rdv.len() {
+        rdv[i] += st.dv[i];
+        mv[i] += st.dv_mag[i];
+    }
+    let what = |x: &str| format!("{x}, split at {split}, {:?}", cfg);
+    check_close(&what("out"), &widen(&ob.to_vec().expect("out")), &out, &mo, n, T::DTYPE);
+    check_close(&what("dq"), &widen(&dqb.to_vec().expect("dq")), &rdq, &mq, n, T::DTYPE);
+    check_close(&what("dk"), &widen(&dkb.to_vec().expect("dk")), &rdk, &mk, n, T::DTYPE);
+    check_close(&what("dv"), &widen(&dvb.to_vec().expect("dv")), &rdv, &mv, n, T::DTYPE);
+    // the states are f32 (the rounding to T of check_close's last term is then conservative)
+    let f32s = |x: Vec<f32>| x.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
+    check_close(&what("final state"), &f32s(second.final_state().expect("state")), &st.fin, &st.fin_mag, n, T::DTYPE);
+    check_close(&what("d_initial"), &f32s(dinit.to_vec().expect("d_init")), &st.d_init, &st.d_init_mag, n, T::DTYPE);
+}
+
+#[test]
+fn bad_states_are_errors() {
+    let device = Device::emulator();
+    let n = Shape { b: 1, h: 2, l: 8, m: 4, d: 3 };
+    let (lq, lv) = (Layout::contiguous(&[1, 2, 8, 4]), Layout::contiguous(&[1, 2, 8, 3]));
+    let (q, v) = (vec![0.5f32; n.qk()], vec![0.5f32; n.vd()]);
+    let mut out = vec![0f32; n.vd()];
+    // normalised: W = D + 1 = 4
+    let good = vec![0f32; 2 * 4 * 4];
+    let s_ok = TensorRef::contiguous(&good, &[1, 2, 4, 4]).expect("state");
+    let s_narrow = TensorRef::contiguous(&good, &[1, 2, 4, 3]).expect("state");
+    let s_strided =
+        TensorRef::new(&good, &Layout::contiguous(&[1, 2, 4, 4]).transpose(2, 3).expect("t")).expect("state");
+    let fwd = |cfg: &LinearAttentionConfig, s: &TensorRef<'_, f32>, out: &mut Vec<f32>| {
+        forward_with_state(
+            &device,
+            cfg,
+            ForwardArgs { q: &tr(&q, &lq), k: &tr(&q, &lq), v: &tr(&v, &lv), out: &mut tm(out, &lv) },
+            Some(s),
+        )
+    };
+    let causal = LinearAttentionConfig::causal();
+    expect_err(
+        fwd(&LinearAttentionConfig::bidirectional(), &s_ok, &mut out),
+        "bidir",
+        is_invalid_argument("initial_state"),
+    );
+    expect_err(fwd(&causal, &s_narrow, &mut out), "W", is_shape_mismatch("initial_state"));
+    expect_err(
+        fwd(&causal, &s_strided, &mut out),
+        "strided",
+        |e| matches!(e, Error::InvalidLayout { what, .. } if what == "initial_state"),
+    );
+    let saved = fwd(&causal, &s_ok, &mut out).expect("forward");
+    let bidir = forward(
+        &device,
+        &LinearAttentionConfig::bidirectional(),
+        ForwardArgs { q: &tr(&q, &lq), k: &tr(&q, &lq), v: &tr(&v, &lv), out: &mut tm(&mut out, &lv) },
+    )
+    .expect("forward");
+    let (mut dq, mut dk, mut dv) = (vec![0f32; n.qk()], vec![0f32; n.qk()], vec![0f32; n.vd()]);
+    let mut dinit = vec![0f32; good.len()];
+    let (qt, vt, ot) = (tr(&q, &lq), tr(&v, &lv), tr(&out, &lv));
+    let mut bwd = |saved: &LinearAttentionSaved, states: StateGrads<'_, '_>| {
+        backward_with_state(
+            &device,
+            saved,
+            BackwardArgs {
+                q: &qt,
+                k: &qt,
+                v: &vt,
+                out: Some(&ot),
+                dout: &vt,
+                grads: Grads { dq: &mut tm(&mut dq, &lq), dk: &mut tm(&mut dk, &lq), dv: &mut tm(&mut dv, &lv) },
+            },
+            states,
+        )
+    };
+    expect_err(
+        bwd(&saved, StateGrads { d_final: Some(&s_narrow), d_initial: None }),
+        "d_final W",
+        is_shape_mismatch("d_final"),
+    );
+    expect_err(
+        bwd(&saved, StateGrads { d_final: Some(&s_strided), d_initial: None }),
+        "d_final strided",
+        |e| matches!(e, Error::InvalidLayout { what, .. } if what == "d_final"),
+    );
+    let mut di = TensorMut::contiguous(&mut dinit, &[1, 2, 4, 3]).expect("d_init");
+    expect_err(
+        bwd(&saved, StateGrads { d_final: None, d_initial: Some(&mut di) }),
+        "d_initial W",
+        is_shape_mismatch("d_initial"),
+    );
+    expect_err(
+        bwd(&bidir, StateGrads { d_final: Some(&s_ok), d_initial: None }),
+        "bidir",
+        is_invalid_argument("d_final"),
+    );
+    let mut di = TensorMut::contiguous(&mut dinit, &[1, 2, 4, 4]).expect("d_init");
+    expect_err(
+        bwd(&bidir, StateGrads { d_final: None, d_initial: Some(&mut di) }),
+        "bidir",
+        is_invalid_argument("d_initial"),
+    );
+    // d_initial over d_final (one host Vec through RawDeviceSlice): rejected as aliasing
+    let mut shared = vec![0f32; good.len()];
+    // SAFETY: `shared` outlives both views and the (synchronous) emulated call.
+    let raw = unsafe { RawDeviceSlice::<f32>::new(shared.as_mut_ptr() as u64, shared.len()) };
+    let mut raw_out = raw;
+    let df = TensorRef::contiguous(&raw, &[1, 2, 4, 4]).expect("d_final");
+    let mut di = TensorMut::contiguous(&mut raw_out, &[1, 2, 4, 4]).expect("d_initial");
+    let r = bwd(&saved, StateGrads { d_final: Some(&df), d_initial: Some(&mut di) });
+    expect_err(r, "in place", |e| matches!(e, Error::Aliasing { .. }));
 }
