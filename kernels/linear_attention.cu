@@ -15,17 +15,22 @@
 //   den = product(q, k, 1)       -> guarded g(den), f32        (normalize only)
 //   out = product(q, k, v) / den
 // the state column D holds z = sum k_s, so S' = sum k_s c'_s^T.
-// Backward, with dO' = [dout / den | dden], dden_t = -(dout_t . out_t) / den_t:
-//   dq = product(dO', c', k)  LE   state  sum c'_s k_s^T = S'^T   (saved or rebuilt)
-//   dk = product(c', dO', q)  GE   state  sum dO'_s q_s^T         (reverse accumulation)
-//   dv = product(k, q, dout/den) GE   state sum q_s (dout_s/den_s)^T
-// (bidirectional: the same with W = all; dq reads the saved final state.)
+// Backward, with dO' = [dout / den | dden], dden_t = -(dout_t . out_t) / den_t (recomputed
+// where it is loaded: no per-row scratch):
+//   dq = product(dO', c', k)  LE   state  S0'^T + sum c'_s k_s^T = S'^T   (saved or re-walked)
+//   dk = product(c', dO', q)  GE   state  dSL'^T + sum dO'_s q_s^T  -> dS0'^T at the end
+//   dv = product(k, q, dout/den) GE   state dSL + sum q_s (dout_s/den_s)^T
+// (bidirectional: the same with W = all; dq reads the saved final state.) S0' is the
+// caller's initial state, dSL' the final state's gradient (causal; both optional).
 //
 // Memory modes (causal):
 //   BOUNDARY_STATES: the forward writes the state entering every chunk; dq reads it, so
 //                    its chunks are independent (parallel over chunks).
-//   SLIM:            only the final state is kept; dq walks the chunks in reverse,
-//                    S <- S - B_c^T C_c before each chunk (SLiM's reversal by subtraction).
+//   SLIM:            only the final state is kept (and a copy of S0'); dq walks the chunks
+//                    forward again from S0', so dq_t reads rows s <= t only. (SLiM's own
+//                    reversal by subtraction, S <- S - B_c^T C_c, loses the early states to
+//                    cancellation when later rows are large: not used.)
+// Scratch of the backward: one state per (b, h), M*W f32, in both modes.
 //
 // Work per chunk and (b,h), Ma = M, Dc = D (FLOPs, f32 FMA = 2):
 //   intra  2 C^2 M (per D-tile of 32: recomputed for each of ceil(D/32) tiles)  + 2 C^2 D

@@ -1461,6 +1461,11 @@ fn slim_dq_at_earlier_positions_ignores_large_later_keys_and_values() {
                 let what = format!("dq before {t0}, {memory:?}, x{scale:e}");
                 check_close(&what, &early(dq), &early(&rdq), &early(&mq), Shape { l: t0, ..n }, DType::F32);
             }
+            // both modes do the same f32 operations in the same order (docs): bitwise equal
+            assert!(
+                dqs[0].iter().zip(&dqs[1]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "chunk {chunk}, x{scale:e}: the modes' dq differ"
+            );
             // stronger: both modes read only rows s <= t, so the early dq is bitwise the same
             // whatever the later rows hold
             let now: Vec<Vec<f64>> = dqs.iter().map(|dq| early(dq)).collect();

@@ -346,6 +346,16 @@ pub fn saved_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize>
     Ok((s.state + s.boundary + s.den) * 4)
 }
 
+/// Bytes of the scratch [`backward`] allocates for a call of `dims`: `B·H·M·W·4` (one state),
+/// independent of `L` in both memory modes.
+///
+/// # Errors
+/// [`Error::TooLarge`] when a count overflows.
+pub fn backward_workspace_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize> {
+    // saved_sizes: the state count is below i64::MAX / 16
+    Ok(saved_sizes(dims, config)?.state.max(1) * 4)
+}
+
 fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<SavedSizes> {
     let too_large = || Error::too_large("saved state", format!("the element counts of {d:?} overflow"));
     let bhm = product(&[d.batch, d.heads, d.feat]).ok_or_else(too_large)?;
