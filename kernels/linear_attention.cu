@@ -108,7 +108,42 @@ struct Product {
   StateView init;      // kAccumulate: initial state; kReadChunk: per-chunk states; kBidir: total
                        // state (base NULL: 0, none, summed)
   StateView boundary;  // kAccumulate: write the state entering each chunk (base NULL: no)
+  // Packed sequences (seq_off != NULL): B = 1 physically; sequence n is rows
+  // seq_off[n]..seq_off[n+1] of every head, its state index n*H + h, its chunks the global
+  // chunks chunk_off[n]..chunk_off[n+1] (boundary states [nchunks_total, H, ma, dc]).
+  const int64_t* seq_off;
+  const int64_t* chunk_off;
+  int64_t nseq;
+  int64_t nchunks_total;
 };
+
+// One (sequence, head) of a call: where its rows and states are.
+struct Seq {
+  int64_t b, h;   // physical batch and head of its rows
+  int64_t bh;     // b*H + h: index of its per-row arrays (den) as [B*H, L]
+  int64_t sidx;   // its state [sidx, ma, dc]
+  int64_t t0;     // physical row of its row 0
+  int64_t len;    // its rows
+  int64_t bidx;   // boundary states: (bidx, cbase + c)
+  int64_t cbase;
+};
+
+__device__ __forceinline__ Seq seq_of(const Product& p, int64_t sidx) {
+  if (p.seq_off == nullptr) return Seq{sidx / p.H, sidx % p.H, sidx, sidx, 0, p.L, sidx, 0};
+  const int64_t n = sidx / p.H, h = sidx % p.H;
+  const int64_t t0 = p.seq_off[n];
+  return Seq{0, h, h, sidx, t0, p.seq_off[n + 1] - t0, h, p.chunk_off[n]};
+}
+
+// The sequence holding global chunk g (packed sequences): the last n with chunk_off[n] <= g.
+__device__ __forceinline__ int64_t seq_of_chunk(const Product& p, int64_t g) {
+  int64_t lo = 0, hi = p.nseq - 1;  // chunk_off[0] = 0 <= g < chunk_off[nseq]
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (p.chunk_off[mid] <= g) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
 
 template <typename T>
 __device__ __forceinline__ float load_operand(const Operand& p, int64_t b, int64_t h, int64_t bh, int64_t L,
@@ -167,12 +202,11 @@ struct Tiles {
 // S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
 // elements per feature tile, so the read-modify-write of the global state has one writer.
 template <typename T>
-__device__ void update_state(Tiles& tl, const Product& p, int64_t b, int64_t h, int64_t bh, int64_t t0, int rows,
-                             int64_t d0) {
+__device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
-    load_rows_t<T>(tl.b, p.b, b, h, bh, p.L, t0, rows, f0);
+    load_rows_t<T>(tl.b, p.b, sq.b, sq.h, sq.bh, p.L, t0, rows, f0);
     __syncthreads();
     float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < rows; ++r) {
@@ -184,7 +218,7 @@ __device__ void update_state(Tiles& tl, const Product& p, int64_t b, int64_t h, 
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (d0 + dcol + j >= p.dc) continue;
-        float* s = p.state.at(bh, 0, f0 + fr, d0 + dcol + j);
+        float* s = p.state.at(sq.sidx, 0, f0 + fr, d0 + dcol + j);
         *s = *s + u[j];
       }
     }
@@ -192,12 +226,14 @@ __device__ void update_state(Tiles& tl, const Product& p, int64_t b, int64_t h, 
   __syncthreads();
 }
 
-// Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv`/`chunk_idx`
-// name the state to read (nullptr base: no inter-chunk term). Leaves C_c in tiles.c.
+// Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv` at
+// (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term); `save`, if
+// given, receives it at (sq.bidx, save_chunk). Leaves C_c in tiles.c.
 template <typename T, typename TO>
-__device__ void chunk_outputs(Tiles& tl, const Product& p, int64_t b, int64_t h, int64_t bh, int64_t t0, int rows,
-                              int64_t d0, const StateView& sv, int64_t chunk_idx, bool intra, const StateView* save,
-                              int64_t save_chunk) {
+__device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                              const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra,
+                              const StateView* save, int64_t save_chunk) {
+  const int64_t b = sq.b, h = sq.h, bh = sq.bh;
   const int py = threadIdx.x / 16, px = threadIdx.x % 16;  // P: rows py*4.., cols px*4..
   const int oy = (threadIdx.x / 8) * 2, ox = (threadIdx.x % 8) * 4;  // O: rows oy, oy+1; cols ox..
   float acc_p[4][4] = {};
@@ -213,8 +249,8 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, int64_t b, int64_t h,
         const int f = i / kTD, d = i % kTD;
         float v = 0.0f;
         if (f0 + f < p.ma && d0 + d < p.dc) {
-          v = *sv.at(bh, chunk_idx, f0 + f, d0 + d);
-          if (save != nullptr) *save->at(bh, save_chunk, f0 + f, d0 + d) = v;
+          v = *sv.at(sv_bh, sv_chunk, f0 + f, d0 + d);
+          if (save != nullptr) *save->at(sq.bidx, save_chunk, f0 + f, d0 + d) = v;
         }
         tl.s[f][d] = v;
       }
@@ -286,63 +322,84 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, int64_t b, int64_t h,
 }
 
 // Sets the block's state tile [ma, d0:d0+kTD] to `src` (base NULL: zero).
-__device__ void init_state(const Product& p, int64_t bh, int64_t d0, const StateView& src) {
+__device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const StateView& src) {
   __syncthreads();
   for (int64_t i = threadIdx.x; i < p.ma * kTD; i += kThreads) {
     const int64_t f = i / kTD, d = d0 + i % kTD;
     if (d >= p.dc) continue;
-    *p.state.at(bh, 0, f, d) = src.base != nullptr ? *src.at(bh, 0, f, d) : 0.0f;
+    *p.state.at(sidx, 0, f, d) = src.base != nullptr ? *src.at(sidx, 0, f, d) : 0.0f;
   }
   __syncthreads();
 }
 
-// One block per work item (b*h, D-tile[, chunk]), grid-stride over items (grid.x only, so
-// B*H is never limited by grid.y/z).
+// Work items of a launch: (state index, D-tile), or with per-chunk states (state index,
+// chunk, D-tile); packed sequences number their chunks globally (head, global chunk, tile).
+__host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
+  const int64_t ndt = ceil_div(p.dc, kTD);
+  const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
+  if (p.mode != kReadChunk) return nstates * ndt;
+  return p.seq_off != nullptr ? p.H * p.nchunks_total * ndt : nstates * ceil_div(p.L, p.chunk) * ndt;
+}
+
+// One block per work item, grid-stride over items (grid.x only, so B*H is never limited by
+// grid.y/z).
 template <typename T, typename TO>
 __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
   __shared__ Tiles tl;
   const int64_t ndt = ceil_div(p.dc, kTD);
-  const int64_t nchunks = ceil_div(p.L, p.chunk);
-  const int64_t per_bh = p.mode == kReadChunk ? ndt * nchunks : ndt;
-  const int64_t items = p.B * p.H * per_bh;
+  const int64_t items = product_items(p);
   const StateView none{nullptr, 0, 0, 0, 0};
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t bh = item / per_bh;
-    const int64_t rest = item % per_bh;
-    const int64_t d0 = (rest % ndt) * kTD;
-    const int64_t b = bh / p.H, h = bh % p.H;
-    auto rows_of = [&](int64_t c) { return int(p.L - c * p.chunk < p.chunk ? p.L - c * p.chunk : p.chunk); };
+    const int64_t d0 = (item % ndt) * kTD;
+    const int64_t r = item / ndt;
+    // kReadChunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
+    int64_t sidx = r, c_read = 0;
+    if (p.mode == kReadChunk) {
+      if (p.seq_off != nullptr) {
+        const int64_t g = r % p.nchunks_total, h = r / p.nchunks_total;
+        const int64_t n = seq_of_chunk(p, g);
+        sidx = n * p.H + h;
+        c_read = g - p.chunk_off[n];
+      } else {
+        const int64_t nc = ceil_div(p.L, p.chunk);
+        sidx = r / nc;
+        c_read = r % nc;
+      }
+    }
+    const Seq sq = seq_of(p, sidx);
+    const int64_t nchunks = ceil_div(sq.len, p.chunk);
+    auto rows_of = [&](int64_t c) { return int(sq.len - c * p.chunk < p.chunk ? sq.len - c * p.chunk : p.chunk); };
     switch (p.mode) {
       case kAccumulate: {
-        init_state(p, bh, d0, p.init);
+        init_state(p, sidx, d0, p.init);
         const bool save = p.boundary.base != nullptr;
         for (int64_t i = 0; i < nchunks; ++i) {
           const int64_t c = p.mask == kMaskGE ? nchunks - 1 - i : i;
-          const int64_t t0 = c * p.chunk;
-          chunk_outputs<T, TO>(tl, p, b, h, bh, t0, rows_of(c), d0, p.state, 0, true, save ? &p.boundary : nullptr,
-                               c);
-          update_state<T>(tl, p, b, h, bh, t0, rows_of(c), d0);
+          const int64_t t0 = sq.t0 + c * p.chunk;
+          chunk_outputs<T, TO>(tl, p, sq, t0, rows_of(c), d0, p.state, sidx, 0, true,
+                               save ? &p.boundary : nullptr, sq.cbase + c);
+          update_state<T>(tl, p, sq, t0, rows_of(c), d0);
         }
         break;
       }
       case kReadChunk: {
-        const int64_t c = rest / ndt;
-        chunk_outputs<T, TO>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0, p.init, c, true, nullptr, 0);
+        chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c_read * p.chunk, rows_of(c_read), d0, p.init, sq.bidx,
+                             sq.cbase + c_read, true, nullptr, 0);
         break;
       }
       case kBidir: {
         const bool given = p.init.base != nullptr;
         if (!given) {
-          init_state(p, bh, d0, none);
+          init_state(p, sidx, d0, none);
           for (int64_t c = 0; c < nchunks; ++c) {
             __syncthreads();
-            load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, c * p.chunk, rows_of(c), d0);
-            update_state<T>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0);
+            load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.L, sq.t0 + c * p.chunk, rows_of(c), d0);
+            update_state<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0);
           }
         }
         for (int64_t c = 0; c < nchunks; ++c)
-          chunk_outputs<T, TO>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0, given ? p.init : p.state, 0, false,
-                               nullptr, 0);
+          chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0, given ? p.init : p.state, sidx, 0,
+                               false, nullptr, 0);
         break;
       }
       default: break;
@@ -376,9 +433,7 @@ inline unsigned grid_for_items(int64_t items) {
 
 template <typename T, typename TO>
 MesaStatus run_product(const Product& p, void* stream) {
-  const int64_t ndt = ceil_div(p.dc, kTD);
-  const int64_t per_bh = p.mode == kReadChunk ? ndt * ceil_div(p.L, p.chunk) : ndt;
-  return status_from(MESA_LAUNCH((la_product_kernel<T, TO>), dim3(grid_for_items(p.B * p.H * per_bh)),
+  return status_from(MESA_LAUNCH((la_product_kernel<T, TO>), dim3(grid_for_items(product_items(p))),
                                  dim3(kThreads), 0, stream, p));
 }
 
@@ -388,20 +443,38 @@ inline Product base_product(const MesaLaShape& s) {
   p.H = s.heads;
   p.L = s.len;
   p.chunk = s.chunk;
+  p.seq_off = s.packing.seq_offsets;
+  p.chunk_off = s.packing.chunk_offsets;
+  p.nseq = s.packing.nseq;
+  p.nchunks_total = s.packing.nchunks;
   return p;
+}
+
+// The boundary states [B*H, ceil(L/C), M, W], or packed [nchunks, H, M, W], as (bidx, chunk)
+// at column `col`; `transposed` reads element (r, c) as (c, r).
+inline StateView boundary_view(const MesaLaShape& s, const float* base, int64_t M, int64_t W, int64_t col,
+                               bool transposed) {
+  const bool packed = s.packing.seq_offsets != nullptr;
+  const int64_t s_bh = packed ? M * W : ceil_div(s.len, s.chunk) * M * W;
+  const int64_t s_chunk = packed ? s.heads * M * W : M * W;
+  float* b = const_cast<float*>(base) + col;
+  return transposed ? StateView{b, s_bh, s_chunk, 1, W} : StateView{b, s_bh, s_chunk, W, 1};
+}
+
+// States [nstates, M, W]: one per (b, h), or per (sequence, head) when packed.
+inline int64_t state_count(const MesaLaShape& s) {
+  return (s.packing.seq_offsets != nullptr ? s.packing.nseq : s.batch) * s.heads;
 }
 
 template <typename T>
 MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   const MesaLaShape& s = a.shape;
   const int64_t M = s.feat, D = s.dim, W = D + (s.normalize ? 1 : 0);
-  const int64_t BH = s.batch * s.heads;
-  const int64_t nchunks = ceil_div(s.len, s.chunk);
+  const int64_t BH = state_count(s);
   const bool boundary = s.causal && s.memory == MESA_LA_BOUNDARY_STATES;
   // The state S' [bh, M, W]; the normaliser's launch owns column D. It starts from the
   // caller's initial state (causal) or 0.
   const StateView state{a.state, M * W, 0, W, 1};
-  const StateView bnd{a.boundary, nchunks * M * W, M * W, W, 1};
   const StateView none{nullptr, 0, 0, 0, 0};
   const float* s0 = a.init_state;
   if (s0 != nullptr && a.init_copy != nullptr && BH * M * W > 0) {
@@ -428,7 +501,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     z.o.eps = s.eps;
     z.state = StateView{a.state + D, M * W, 0, W, 1};
     z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
-    z.boundary = boundary ? StateView{a.boundary + D, nchunks * M * W, M * W, W, 1} : none;
+    z.boundary = boundary ? boundary_view(s, a.boundary, M, W, D, false) : none;
     const MesaStatus st = run_product<T, float>(z, stream);
     if (st != MESA_STATUS_OK) return st;
   }
@@ -438,7 +511,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   p.o.row_div = s.normalize ? a.den : nullptr;
   p.state = state;
   p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
-  p.boundary = boundary ? bnd : none;
+  p.boundary = boundary ? boundary_view(s, a.boundary, M, W, 0, false) : none;
   if (D == 0) return MESA_STATUS_OK;
   return run_product<T, T>(p, stream);
 }
@@ -447,7 +520,6 @@ template <typename T>
 MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
   const MesaLaShape& s = a.shape;
   const int64_t M = s.feat, D = s.dim, W = D + (s.normalize ? 1 : 0);
-  const int64_t nchunks = ceil_div(s.len, s.chunk);
   const StateView none{nullptr, 0, 0, 0, 0};
   // dO' = [dout / den | dden] and c' = [v | 1]; dden_t = -(dout_t . out_t) / den_t is
   // recomputed where it is loaded (kExtraDden), so the scratch does not grow with L.
@@ -488,7 +560,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
       p.init = transposed(a.state);
     } else if (s.memory == MESA_LA_BOUNDARY_STATES) {
       p.mode = kReadChunk;
-      p.init = StateView{const_cast<float*>(a.boundary), nchunks * M * W, M * W, 1, W};
+      p.init = boundary_view(s, a.boundary, M, W, 0, true);
     } else {
       p.mode = kAccumulate;
       p.init = a.init_state != nullptr ? transposed(a.init_state) : none;
@@ -561,10 +633,16 @@ inline bool shape_valid(const MesaLaShape& s) {
   if (s.dtype != MESA_DTYPE_F32 && s.dtype != MESA_DTYPE_F16 && s.dtype != MESA_DTYPE_BF16) return false;
   if (s.memory != MESA_LA_BOUNDARY_STATES && s.memory != MESA_LA_SLIM) return false;
   if (s.normalize && !(s.eps >= 0.0f)) return false;
+  const MesaLaPacking& k = s.packing;
+  if (k.seq_offsets != nullptr &&
+      (s.batch != 1 || k.chunk_offsets == nullptr || k.nseq < 0 || k.nchunks < 0 || (k.nseq == 0 && s.len != 0)))
+    return false;
   return true;
 }
 
-inline bool is_empty(const MesaLaShape& s) { return s.batch == 0 || s.heads == 0; }
+inline bool is_empty(const MesaLaShape& s) {
+  return s.batch == 0 || s.heads == 0 || (s.packing.seq_offsets != nullptr && s.packing.nseq == 0);
+}
 
 }  // namespace MESA_NS
 

@@ -24,7 +24,7 @@ mod common;
 use half::{bf16, f16};
 use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
 use mesa_kernels::linear_attention::{
-    backward, backward_with_state, forward, forward_with_state, BackwardArgs, ForwardArgs, Grads,
+    backward, backward_with_state, forward, forward_packed, forward_with_state, BackwardArgs, ForwardArgs, Grads,
     LinearAttentionConfig, LinearAttentionSaved, MemoryMode, StateGrads,
 };
 use mesa_kernels::reference::{self, linear_attention as rla};
@@ -276,10 +276,10 @@ fn parity_every_dtype_mode_and_direction() {
 }
 
 #[test]
-fn m_and_d_differ_above_256_in_both_orders() {
-    let mut rng = common::rng("m_and_d_differ_above_256_in_both_orders");
+fn m_and_d_differ_up_to_512_in_both_orders() {
+    let mut rng = common::rng("m_and_d_differ_up_to_512_in_both_orders");
     for device in common::backends() {
-        for (m, d) in [(33, 300), (300, 33)] {
+        for (m, d) in [(33, 300), (300, 33), (512, 24), (24, 512)] {
             let n = Shape { b: 1, h: 1, l: 19, m, d };
             for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
                 let cfg = LinearAttentionConfig { chunk: 8, memory, ..LinearAttentionConfig::causal() };
@@ -571,7 +571,13 @@ fn offsets_past_2_pow_31_use_64_bit_indexing() {
 
 #[test]
 fn more_than_65535_heads_use_a_grid_stride_loop() {
-    // B*H = 2 * 32769 = 65538 > 65535 (the grid.y/z limit): L = 2, M = D = 1
+    // B*H = 2 * 32769 = 65538 > 65535 (the grid.y/z limit): L = 2, M = D = 1. The boundary
+    // mode has the three kinds of launch (per-chunk items for dq; per (b, h) accumulation
+    // for the forward, dk, dv, which is SLiM's dq too); ~25-100 s on the emulator, so once.
+    many_heads_case(MemoryMode::BoundaryStates);
+}
+
+fn many_heads_case(memory: MemoryMode) {
     let n = Shape { b: 2, h: 32769, l: 2, m: 1, d: 1 };
     let device = Device::emulator();
     let q: Vec<f32> = (0..n.qk()).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
@@ -580,7 +586,7 @@ fn more_than_65535_heads_use_a_grid_stride_loop() {
     let lq = Layout::contiguous(&[n.b, n.h, n.l, n.m]);
     let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
     let mut out = vec![f32::NAN; n.vd()];
-    let cfg = LinearAttentionConfig { normalize: false, ..LinearAttentionConfig::causal() };
+    let cfg = LinearAttentionConfig { normalize: false, memory, ..LinearAttentionConfig::causal() };
     let saved = forward(
         &device,
         &cfg,
@@ -1765,4 +1771,190 @@ fn bad_states_are_errors() {
     let mut di = TensorMut::contiguous(&mut raw_out, &[1, 2, 4, 4]).expect("d_initial");
     let r = bwd(&saved, StateGrads { d_final: Some(&df), d_initial: Some(&mut di) });
     expect_err(r, "in place", |e| matches!(e, Error::Aliasing { .. }));
+}
+
+// ---------------------------------------------------------------------------------------
+// Packed variable-length sequences (issue 13 item 5)
+
+/// Everything one causal/bidirectional call writes, as f64 (gradients, states).
+struct CallResult {
+    out: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    fin: Vec<f64>,
+    d_init: Vec<f64>,
+}
+
+/// One call on rows `t0..t1` of the `[1, H, L, ·]` buffers, or (with `offsets`) one packed
+/// call on all rows; initial states / final-state gradients given for causal attention.
+#[allow(clippy::too_many_arguments)]
+fn state_call(
+    device: &Device,
+    cfg: &LinearAttentionConfig,
+    n: Shape,
+    (t0, t1): (usize, usize),
+    offsets: Option<&[usize]>,
+    x: (&[f32], &[f32], &[f32], &[f32]),
+    s0: Option<&[f32]>,
+    dfin: Option<&[f32]>,
+) -> CallResult {
+    let (q, k, v, g) = x;
+    let (lq, lv) = (rows_view(n, n.m, t0, t1), rows_view(n, n.d, t0, t1));
+    let (mut ob, mut dq, mut dk, mut dv) =
+        (vec![f32::NAN; n.vd()], vec![f32::NAN; n.qk()], vec![f32::NAN; n.qk()], vec![f32::NAN; n.vd()]);
+    let nst = offsets.map_or(n.b, |o| o.len() - 1);
+    let sshape = [nst, n.h, n.m, n.d + usize::from(cfg.normalize)];
+    let s0t = s0.map(|s| TensorRef::contiguous(s, &sshape).expect("s0"));
+    let args = ForwardArgs { q: &tr(q, &lq), k: &tr(k, &lq), v: &tr(v, &lv), out: &mut tm(&mut ob, &lv) };
+    let saved = match offsets {
+        Some(o) => forward_packed(device, cfg, args, o, s0t.as_ref()),
+        None => forward_with_state(device, cfg, args, s0t.as_ref()),
+    }
+    .expect("forward");
+    let mut d_init = vec![f32::NAN; sshape.iter().product()];
+    {
+        let dft = dfin.map(|s| TensorRef::contiguous(s, &sshape).expect("d_final"));
+        let mut dit = TensorMut::contiguous(&mut d_init, &sshape).expect("d_initial");
+        let states = if cfg.causal {
+            StateGrads { d_final: dft.as_ref(), d_initial: Some(&mut dit) }
+        } else {
+            StateGrads::default()
+        };
+        backward_with_state(
+            device,
+            &saved,
+            BackwardArgs {
+                q: &tr(q, &lq),
+                k: &tr(k, &lq),
+                v: &tr(v, &lv),
+                out: Some(&tr(&ob, &lv)),
+                dout: &tr(g, &lv),
+                grads: Grads { dq: &mut tm(&mut dq, &lq), dk: &mut tm(&mut dk, &lq), dv: &mut tm(&mut dv, &lv) },
+            },
+            states,
+        )
+        .expect("backward");
+    }
+    let w = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<f64>>();
+    CallResult {
+        out: w(&ob),
+        dq: w(&dq),
+        dk: w(&dk),
+        dv: w(&dv),
+        fin: w(&saved.final_state().expect("state")),
+        d_init: if cfg.causal { w(&d_init) } else { Vec::new() },
+    }
+}
+
+#[test]
+fn packed_sequences_equal_one_call_per_sequence() {
+    // N = 6 sequences of lengths 5, 0, 17, 16, 1, 33 (an empty one, L < chunk, L = chunk,
+    // L not a multiple of the chunk) in one [1, H, 72, ·] batch. Each sequence's rows are
+    // computed from its own rows only, chunked from its own start, with the same f32
+    // operations as a separate call on a view of them: the results must be bitwise equal
+    // (outputs, gradients, final states, initial-state gradients).
+    let mut rng = common::rng("packed_sequences_equal_one_call_per_sequence");
+    let lens = [5usize, 0, 17, 16, 1, 33];
+    let mut offsets = vec![0usize];
+    for l in lens {
+        offsets.push(offsets.last().copied().unwrap_or(0) + l);
+    }
+    let n = Shape { b: 1, h: 2, l: offsets[lens.len()], m: 6, d: 5 };
+    let device = Device::emulator();
+    for cfg in configs() {
+        let cfg = LinearAttentionConfig { chunk: 8, ..cfg };
+        let lo = if cfg.normalize { 0.05 } else { -1.0 };
+        let f = |rng: &mut StdRng, len: usize, lo: f64| to_t::<f32>(&random_vec(rng, len, lo, 1.0));
+        let (q, k, v, g) =
+            (f(&mut rng, n.qk(), lo), f(&mut rng, n.qk(), lo), f(&mut rng, n.vd(), -1.0), f(&mut rng, n.vd(), -1.0));
+        let w = n.d + usize::from(cfg.normalize);
+        let per_seq = n.h * n.m * w;
+        let (s0, dfin) = (f(&mut rng, lens.len() * per_seq, 0.0), f(&mut rng, lens.len() * per_seq, -1.0));
+        let causal = cfg.causal;
+        let packed = state_call(
+            &device,
+            &cfg,
+            n,
+            (0, n.l),
+            Some(&offsets),
+            (&q, &k, &v, &g),
+            causal.then_some(&s0[..]),
+            causal.then_some(&dfin[..]),
+        );
+        for (i, win) in offsets.windows(2).enumerate() {
+            let (a, b) = (win[0], win[1]);
+            let st = i * per_seq..(i + 1) * per_seq;
+            let one = state_call(
+                &device,
+                &cfg,
+                n,
+                (a, b),
+                None,
+                (&q, &k, &v, &g),
+                causal.then_some(&s0[st.clone()]),
+                causal.then_some(&dfin[st.clone()]),
+            );
+            let same = |what: &str, x: &[f64], y: &[f64]| {
+                assert!(
+                    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{what} of sequence {i} (rows {a}..{b}) differs from its own call, {cfg:?}"
+                );
+            };
+            for h in 0..n.h {
+                let rows = |x: &[f64], f: usize| x[(h * n.l + a) * f..(h * n.l + b) * f].to_vec();
+                same("out", &rows(&packed.out, n.d), &rows(&one.out, n.d));
+                same("dq", &rows(&packed.dq, n.m), &rows(&one.dq, n.m));
+                same("dk", &rows(&packed.dk, n.m), &rows(&one.dk, n.m));
+                same("dv", &rows(&packed.dv, n.d), &rows(&one.dv, n.d));
+            }
+            same("final state", &packed.fin[st.clone()], &one.fin);
+            if causal {
+                same("d_initial", &packed.d_init[st.clone()], &one.d_init);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_sequence_offsets_are_errors() {
+    let device = Device::emulator();
+    let q = vec![0.5f32; 2 * 2 * 8 * 4];
+    let v = vec![0.5f32; 2 * 2 * 8 * 3];
+    let mut out = vec![0f32; v.len()];
+    let cfg = LinearAttentionConfig::causal();
+    let mut call = |b: usize, offsets: &[usize]| {
+        let (lq, lv) = (Layout::contiguous(&[b, 2, 8, 4]), Layout::contiguous(&[b, 2, 8, 3]));
+        forward_packed(
+            &device,
+            &cfg,
+            ForwardArgs { q: &tr(&q, &lq), k: &tr(&q, &lq), v: &tr(&v, &lv), out: &mut tm(&mut out, &lv) },
+            offsets,
+            None,
+        )
+        .map(|s| s.sequences())
+    };
+    for (b, offsets, what) in [
+        (2, &[0, 4, 8][..], "B = 2"),
+        (1, &[][..], "no offsets"),
+        (1, &[0][..], "one offset"),
+        (1, &[1, 8][..], "not from 0"),
+        (1, &[0, 4, 7][..], "not to L"),
+        (1, &[0, 5, 3, 8][..], "decreasing"),
+        (1, &[0, 4, 9][..], "past L"),
+    ] {
+        expect_err(call(b, offsets), what, is_invalid_argument("seq_offsets"));
+    }
+    assert_eq!(call(1, &[0, 3, 3, 8]).expect("valid"), Some(3));
+    // a state of [B, H, M, W] instead of [N, H, M, W] is a shape mismatch
+    let (lq, lv) = (Layout::contiguous(&[1, 2, 8, 4]), Layout::contiguous(&[1, 2, 8, 3]));
+    let s = vec![0f32; 2 * 4 * 4];
+    let r = forward_packed(
+        &device,
+        &cfg,
+        ForwardArgs { q: &tr(&q, &lq), k: &tr(&q, &lq), v: &tr(&v, &lv), out: &mut tm(&mut out, &lv) },
+        &[0, 3, 8],
+        Some(&TensorRef::contiguous(&s, &[1, 2, 4, 4]).expect("s")),
+    );
+    expect_err(r, "state shape", is_shape_mismatch("initial_state"));
 }

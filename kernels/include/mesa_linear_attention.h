@@ -13,7 +13,8 @@
  *
  * State: S = sum_s k_s [v_s | 1]^T, f32, [B*H, M, W] with W = D + normalize (column D
  * holds the normaliser z = sum_s k_s). Chunked: inside a chunk of C rows a masked C x C
- * matmul, across chunks the prefix-sum state.
+ * matmul, across chunks the prefix-sum state. With packed sequences (MesaLaPacking) every
+ * "B*H" of a state below is N*H, and the boundary states are [nchunks, H, M, W].
  *
  * In-place: not supported by any entry point here (the kernels re-read inputs after writing
  * outputs; pointers are __restrict__): no output may overlap an input or another output of
@@ -47,6 +48,19 @@ typedef struct MesaLaTensor {
   int64_t strides[4];
 } MesaLaTensor;
 
+/* Packed variable-length sequences (flash-linear-attention's cu_seqlens). seq_offsets NULL:
+ * none. Otherwise B = 1, nseq = N, and two [N+1] int64 arrays in device memory, validated by
+ * the caller: seq_offsets 0 = o_0 <= o_1 <= ... <= o_N = L (sequence n is rows o_n..o_{n+1}
+ * of every head; no state crosses from one to the next), chunk_offsets c_n = sum_{m<n}
+ * ceil((o_{m+1} - o_m) / C), nchunks = c_N. States are then per (sequence, head),
+ * [N*H, M, W], and the boundary states [nchunks, H, M, W]. */
+typedef struct MesaLaPacking {
+  const int64_t* seq_offsets;
+  const int64_t* chunk_offsets;
+  int64_t nseq;
+  int64_t nchunks;
+} MesaLaPacking;
+
 typedef struct MesaLaShape {
   int64_t batch;   /* B */
   int64_t heads;   /* H */
@@ -59,6 +73,7 @@ typedef struct MesaLaShape {
   int32_t normalize;
   float eps;       /* guard of the denominator (normalize) */
   MesaLaMemory memory;
+  MesaLaPacking packing;
 } MesaLaShape;
 
 /* Forward. In-place: not supported (out, state, boundary, den, init_copy overlap none of

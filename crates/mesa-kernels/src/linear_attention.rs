@@ -80,6 +80,7 @@ use crate::launch::Launch;
 use crate::layout::Layout;
 use crate::tensor::{TensorMut, TensorRef};
 
+mod packing;
 pub mod state;
 
 pub use state::StateGrads;
@@ -236,6 +237,8 @@ pub struct LinearAttentionSaved {
     den: Option<Buffer<f32>>,
     /// SLiM mode with an initial state: a copy of it (the backward's dq walk starts there).
     init: Option<Buffer<f32>>,
+    /// Packed sequences: their offsets on the device.
+    packing: Option<packing::Packing>,
     sizes: SavedSizes,
     dims: Dims,
     config: LinearAttentionConfig,
@@ -285,8 +288,8 @@ impl LinearAttentionSaved {
     pub fn size_in_bytes(&self) -> usize {
         self.state_bytes() + self.denominator_bytes()
     }
-    /// The final state `[B·H, M, W]` (row-major; column `D` is `z = Σ k_s` when
-    /// normalised). Synchronises.
+    /// The final state `[B·H, M, W]` (`[N·H, M, W]` when packed; row-major; column `D` is
+    /// `z = Σ k_s` when normalised). Synchronises.
     ///
     /// # Errors
     /// A CUDA copy error.
@@ -301,10 +304,19 @@ impl LinearAttentionSaved {
     /// # Errors
     /// None in practice (the buffer holds `B·H·M·W` elements); a layout error otherwise.
     pub fn final_state_tensor(&self) -> Result<TensorRef<'_, f32>> {
+        TensorRef::contiguous(&self.state, &self.state_shape()?)
+    }
+    /// `N` when the forward ran on packed sequences ([`forward_packed`]), else `None`.
+    #[must_use]
+    pub fn sequences(&self) -> Option<usize> {
+        self.packing.as_ref().map(|p| p.n)
+    }
+    /// The shape of a state of this call: `[B, H, M, W]`, or `[N, H, M, W]` when packed.
+    fn state_shape(&self) -> Result<[usize; 4]> {
         let d = &self.dims;
         let w = state_width(d, &self.config)
-            .ok_or_else(|| Error::too_large("final state", format!("D + 1 overflows for {d:?}")))?;
-        TensorRef::contiguous(&self.state, &state::state_shape(d.batch, d.heads, d.feat, w))
+            .ok_or_else(|| Error::too_large("state", format!("D + 1 overflows for {d:?}")))?;
+        Ok(state::state_shape(self.sequences().unwrap_or(d.batch), d.heads, d.feat, w))
     }
     /// The guarded denominators `g(q_t · Σ k_s)`, `[B·H·L]`, if normalised. Synchronises.
     ///
@@ -356,16 +368,24 @@ pub fn backward_workspace_bytes(dims: &Dims, config: &LinearAttentionConfig) -> 
     Ok(saved_sizes(dims, config)?.state.max(1) * 4)
 }
 
+/// Element counts for `d` (and, for packed sequences, `(N, Σ_n ⌈len_n/C⌉)`).
 fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<SavedSizes> {
+    saved_sizes_packed(d, c, None)
+}
+
+fn saved_sizes_packed(d: &Dims, c: &LinearAttentionConfig, seqs: Option<(usize, usize)>) -> Result<SavedSizes> {
     let too_large = || Error::too_large("saved state", format!("the element counts of {d:?} overflow"));
-    let bhm = product(&[d.batch, d.heads, d.feat]).ok_or_else(too_large)?;
+    let nst = seqs.map_or(d.batch, |s| s.0);
+    let nhm = product(&[nst, d.heads, d.feat]).ok_or_else(too_large)?;
     // W is only computed for a non-empty state (D may be any size when M = 0)
     let state =
-        if bhm == 0 { 0 } else { product(&[bhm, state_width(d, c).ok_or_else(too_large)?]).ok_or_else(too_large)? };
-    let boundary = if c.keeps_boundaries() {
-        product(&[state, d.len.div_ceil(c.chunk.max(1))]).ok_or_else(too_large)?
-    } else {
-        0
+        if nhm == 0 { 0 } else { product(&[nhm, state_width(d, c).ok_or_else(too_large)?]).ok_or_else(too_large)? };
+    // H·M·W, exact (nst > 0 when state > 0)
+    let hmw = if state == 0 { 0 } else { state / nst };
+    let boundary = match (c.keeps_boundaries(), seqs) {
+        (false, _) => 0,
+        (true, None) => product(&[state, d.len.div_ceil(c.chunk.max(1))]).ok_or_else(too_large)?,
+        (true, Some((_, nchunks))) => product(&[hmw, nchunks]).ok_or_else(too_large)?,
     };
     let den = if c.normalize { product(&[d.batch, d.heads, d.len]).ok_or_else(too_large)? } else { 0 };
     // the three buffers are summed (saved_bytes, the workspace) and indexed in bytes
@@ -409,8 +429,26 @@ pub(crate) fn la_tensor(layout: &Layout, data: *mut c_void) -> sys::MesaLaTensor
     sys::MesaLaTensor { data, strides }
 }
 
-fn la_shape(d: &Dims, c: &LinearAttentionConfig, dtype: DType) -> Result<sys::MesaLaShape> {
+fn la_shape<'a>(
+    d: &Dims,
+    c: &LinearAttentionConfig,
+    dtype: DType,
+    packing: Option<&'a packing::Packing>,
+    launch: &mut Launch<'a>,
+) -> Result<sys::MesaLaShape> {
+    let packing = match packing {
+        Some(p) => sys::MesaLaPacking {
+            seq_offsets: launch.read_buffer(&p.offsets, "seq_offsets")?,
+            chunk_offsets: launch.read_buffer(&p.chunks, "chunk offsets")?,
+            nseq: to_i64(p.n, "sequences")?,
+            nchunks: to_i64(p.nchunks, "chunks")?,
+        },
+        None => {
+            sys::MesaLaPacking { seq_offsets: std::ptr::null(), chunk_offsets: std::ptr::null(), nseq: 0, nchunks: 0 }
+        }
+    };
     Ok(sys::MesaLaShape {
+        packing,
         batch: to_i64(d.batch, "batch")?,
         heads: to_i64(d.heads, "heads")?,
         len: to_i64(d.len, "sequence length")?,
@@ -472,6 +510,36 @@ pub fn forward_with_state<T: Element>(
     args: ForwardArgs<'_, '_, T>,
     initial: Option<&TensorRef<'_, f32>>,
 ) -> Result<LinearAttentionSaved> {
+    forward_impl(device, config, args, initial, None)
+}
+
+/// [`forward_with_state`] on `N` variable-length sequences packed into one batch
+/// (flash-linear-attention's `cu_seqlens`; module `packing`): `B = 1`, and `seq_offsets`
+/// (`N + 1` entries, `0 = o_0 ≤ o_1 ≤ … ≤ o_N = L`, on the host) makes rows `o_n..o_{n+1}`
+/// of every head sequence `n`. No state crosses from one sequence to the next: the outputs,
+/// and the gradients of [`backward`] / [`backward_with_state`] on the returned value, equal
+/// one call per sequence. States (initial, final and their gradients) are `[N, H, M, W]`.
+///
+/// # Errors
+/// As [`forward_with_state`], and [`Error::InvalidArgument`] naming `"seq_offsets"` (`B ≠
+/// 1`, fewer than 2 offsets, not starting at 0 or not ending at `L`, decreasing).
+pub fn forward_packed<T: Element>(
+    device: &Device,
+    config: &LinearAttentionConfig,
+    args: ForwardArgs<'_, '_, T>,
+    seq_offsets: &[usize],
+    initial: Option<&TensorRef<'_, f32>>,
+) -> Result<LinearAttentionSaved> {
+    forward_impl(device, config, args, initial, Some(seq_offsets))
+}
+
+fn forward_impl<T: Element>(
+    device: &Device,
+    config: &LinearAttentionConfig,
+    args: ForwardArgs<'_, '_, T>,
+    initial: Option<&TensorRef<'_, f32>>,
+    seq_offsets: Option<&[usize]>,
+) -> Result<LinearAttentionSaved> {
     config.check()?;
     let ForwardArgs { q, k, v, out } = args;
     let qs = rank4(q.shape(), "q")?;
@@ -480,11 +548,16 @@ pub fn forward_with_state<T: Element>(
     expect_shape(v.shape(), [qs[0], qs[1], qs[2], vs[3]], "v")?;
     expect_shape(out.shape(), vs, "out")?;
     let dims = Dims { batch: qs[0], heads: qs[1], len: qs[2], feat: qs[3], dim: vs[3] };
-    let sizes = saved_sizes(&dims, config)?;
+    let packing = match seq_offsets {
+        Some(o) => Some(packing::pack(device, o, dims.batch, dims.len, config.chunk)?),
+        None => None,
+    };
+    let sizes = saved_sizes_packed(&dims, config, packing.as_ref().map(|p| (p.n, p.nchunks)))?;
     if let Some(s0) = initial {
         state::require_causal(config.causal, "initial_state")?;
         let w = state_width(&dims, config).ok_or_else(|| Error::too_large("initial_state", "D + 1 overflows"))?;
-        let want = state::state_shape(dims.batch, dims.heads, dims.feat, w);
+        let nst = packing.as_ref().map_or(dims.batch, |p| p.n);
+        let want = state::state_shape(nst, dims.heads, dims.feat, w);
         state::check_state(s0.shape(), s0.layout().is_contiguous(), want, "initial_state")?;
     }
     let init_copy = sizes.init_copy(config, initial.is_some());
@@ -497,6 +570,7 @@ pub fn forward_with_state<T: Element>(
         },
         den: if config.normalize { Some(device.alloc_for_kernel::<f32>(sizes.den.max(1))?) } else { None },
         init: if init_copy > 0 { Some(device.alloc_for_kernel::<f32>(init_copy)?) } else { None },
+        packing,
         sizes,
         dims,
         config: *config,
@@ -505,9 +579,9 @@ pub fn forward_with_state<T: Element>(
     if out.numel() == 0 && sizes.state == 0 && sizes.boundary == 0 && sizes.den == 0 {
         return Ok(saved);
     }
-    let shape = la_shape(&dims, config, T::DTYPE)?;
-    let LinearAttentionSaved { state, boundary, den, init, .. } = &mut saved;
+    let LinearAttentionSaved { state, boundary, den, init, packing, .. } = &mut saved;
     let mut launch = Launch::new(device);
+    let shape = la_shape(&dims, config, T::DTYPE, packing.as_ref(), &mut launch)?;
     let args = sys::MesaLaForwardArgs {
         shape,
         q: la_tensor(q.layout(), launch.input(q, "q")?.cast_mut()),
@@ -629,10 +703,7 @@ pub fn backward_with_state<T: Element>(
     expect_shape(dv.shape(), vshape, "dv")?;
     let StateGrads { d_final, d_initial } = states;
     // W is only computed when a state tensor is given (D may be any size when M = 0)
-    let sshape = || -> Result<[usize; 4]> {
-        let w = state_width(&dims, &config).ok_or_else(|| Error::too_large("state", "D + 1 overflows"))?;
-        Ok(state::state_shape(dims.batch, dims.heads, dims.feat, w))
-    };
+    let sshape = || saved.state_shape();
     if let Some(t) = d_final {
         state::require_causal(config.causal, "d_final")?;
         state::check_state(t.shape(), t.layout().is_contiguous(), sshape()?, "d_final")?;
@@ -645,10 +716,10 @@ pub fn backward_with_state<T: Element>(
     if dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0 && !wants_state {
         return Ok(());
     }
-    let sizes = saved_sizes(&dims, &config)?;
-    let shape = la_shape(&dims, &config, T::DTYPE)?;
+    let sizes = saved.sizes;
     let mut work = device.alloc_for_kernel::<f32>(sizes.state.max(1))?;
     let mut launch = Launch::new(device);
+    let shape = la_shape(&dims, &config, T::DTYPE, saved.packing.as_ref(), &mut launch)?;
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
     let args = sys::MesaLaBackwardArgs {
         shape,
