@@ -50,6 +50,9 @@ struct Run {
 
 type Inputs<'a> = (&'a [f32], &'a [f32], &'a [f32], &'a [f32]);
 
+/// The reference's output and gradients `(out, (dq, dk, dv))`.
+type Reference = (Vec<f64>, (Vec<f64>, Vec<f64>, Vec<f64>));
+
 fn run(
     device: &Device,
     cfg: &LinearAttentionConfig,
@@ -129,7 +132,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let vb: Vec<f32> = v.iter().enumerate().map(|(i, &x)| if i >= t0 * d { x * 1e4 } else { x }).collect();
         let w = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<f64>>();
         let dims = rla::Dims { batch: 1, heads: 1, len: l, feat: m, dim: d };
-        let att = |k: &[f32], v: &[f32]| -> mesa_kernels::Result<(Vec<f64>, (Vec<f64>, Vec<f64>, Vec<f64>))> {
+        let att = |k: &[f32], v: &[f32]| -> mesa_kernels::Result<Reference> {
             let (qw, kw, vw) = (w(&q), w(k), w(v));
             let a = rla::Attention { q: &qw, k: &kw, v: &vw, dims, causal: true, normalize: Some(1e-6) };
             Ok((rla::forward(&a)?.0, rla::backward(&a, &w(&g))?))
