@@ -15,17 +15,22 @@
 //   den = product(q, k, 1)       -> guarded g(den), f32        (normalize only)
 //   out = product(q, k, v) / den
 // the state column D holds z = sum k_s, so S' = sum k_s c'_s^T.
-// Backward, with dO' = [dout / den | dden], dden_t = -(dout_t . out_t) / den_t:
-//   dq = product(dO', c', k)  LE   state  sum c'_s k_s^T = S'^T   (saved or rebuilt)
-//   dk = product(c', dO', q)  GE   state  sum dO'_s q_s^T         (reverse accumulation)
-//   dv = product(k, q, dout/den) GE   state sum q_s (dout_s/den_s)^T
-// (bidirectional: the same with W = all; dq reads the saved final state.)
+// Backward, with dO' = [dout / den | dden], dden_t = -(dout_t . out_t) / den_t (recomputed
+// where it is loaded: no per-row scratch):
+//   dq = product(dO', c', k)  LE   state  S0'^T + sum c'_s k_s^T = S'^T   (saved or re-walked)
+//   dk = product(c', dO', q)  GE   state  dSL'^T + sum dO'_s q_s^T  -> dS0'^T at the end
+//   dv = product(k, q, dout/den) GE   state dSL + sum q_s (dout_s/den_s)^T
+// (bidirectional: the same with W = all; dq reads the saved final state.) S0' is the
+// caller's initial state, dSL' the final state's gradient (causal; both optional).
 //
 // Memory modes (causal):
 //   BOUNDARY_STATES: the forward writes the state entering every chunk; dq reads it, so
 //                    its chunks are independent (parallel over chunks).
-//   SLIM:            only the final state is kept; dq walks the chunks in reverse,
-//                    S <- S - B_c^T C_c before each chunk (SLiM's reversal by subtraction).
+//   SLIM:            only the final state is kept (and a copy of S0'); dq walks the chunks
+//                    forward again from S0', so dq_t reads rows s <= t only. (SLiM's own
+//                    reversal by subtraction, S <- S - B_c^T C_c, loses the early states to
+//                    cancellation when later rows are large: not used.)
+// Scratch of the backward: one state per (b, h), M*W f32, in both modes.
 //
 // Work per chunk and (b,h), Ma = M, Dc = D (FLOPs, f32 FMA = 2):
 //   intra  2 C^2 M (per D-tile of 32: recomputed for each of ceil(D/32) tiles)  + 2 C^2 D
@@ -48,10 +53,16 @@ constexpr int kTD = 32;
 
 enum Mask { kMaskNone = 0, kMaskLE = 1, kMaskGE = 2 };
 enum Mode {
-  kAccumulate = 0,  // S from 0 (+ optional boundary write), walk in the mask's direction
+  kAccumulate = 0,  // S from `init` (base NULL: 0), walk in the mask's direction (+ boundary write)
   kReadChunk = 1,   // S of chunk c read from `init` (per-chunk states): chunks independent
-  kRebuild = 2,     // S from init (the total), walk backwards, S -= B_c^T C_c before each chunk
-  kBidir = 3        // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
+  kBidir = 2        // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
+};
+
+// Virtual column of an operand (index nfeat).
+enum Extra {
+  kExtraNone = 0,
+  kExtraOnes = 1,  // 1
+  kExtraDden = 2   // dden_t = -(x_t . y_t) / row_div_t, x = this operand's stored row, y = `dot`
 };
 
 // One row operand [B, H, L, nfeat] (+ a virtual column at index nfeat).
@@ -60,9 +71,10 @@ struct Operand {
   int64_t sb, sh, sl, sf;
   int64_t nfeat;
   const float* row_div;  // NULL or [B*H*L]: stored columns divided by it
-  const float* extra;    // extra_kind 2: [B*H*L] values of the virtual column
-  int extra_kind;        // 0 none, 1 ones, 2 from `extra`
-  __host__ __device__ int64_t width() const { return nfeat + (extra_kind != 0 ? 1 : 0); }
+  const void* dot;       // kExtraDden: the forward output [B, H, L, nfeat] (strides db..df)
+  int64_t db, dh, dl, df;
+  int extra_kind;        // Extra
+  __host__ __device__ int64_t width() const { return nfeat + (extra_kind != kExtraNone ? 1 : 0); }
 };
 
 struct OutView {
@@ -93,9 +105,45 @@ struct Product {
   int mask;
   int mode;
   StateView state;     // working / final state [B*H, ma, dc]
-  StateView init;      // kReadChunk: per-chunk states; kRebuild, kBidir: total state (or base NULL)
+  StateView init;      // kAccumulate: initial state; kReadChunk: per-chunk states; kBidir: total
+                       // state (base NULL: 0, none, summed)
   StateView boundary;  // kAccumulate: write the state entering each chunk (base NULL: no)
+  // Packed sequences (seq_off != NULL): B = 1 physically; sequence n is rows
+  // seq_off[n]..seq_off[n+1] of every head, its state index n*H + h, its chunks the global
+  // chunks chunk_off[n]..chunk_off[n+1] (boundary states [nchunks_total, H, ma, dc]).
+  const int64_t* seq_off;
+  const int64_t* chunk_off;
+  int64_t nseq;
+  int64_t nchunks_total;
 };
+
+// One (sequence, head) of a call: where its rows and states are.
+struct Seq {
+  int64_t b, h;   // physical batch and head of its rows
+  int64_t bh;     // b*H + h: index of its per-row arrays (den) as [B*H, L]
+  int64_t sidx;   // its state [sidx, ma, dc]
+  int64_t t0;     // physical row of its row 0
+  int64_t len;    // its rows
+  int64_t bidx;   // boundary states: (bidx, cbase + c)
+  int64_t cbase;
+};
+
+__device__ __forceinline__ Seq seq_of(const Product& p, int64_t sidx) {
+  if (p.seq_off == nullptr) return Seq{sidx / p.H, sidx % p.H, sidx, sidx, 0, p.L, sidx, 0};
+  const int64_t n = sidx / p.H, h = sidx % p.H;
+  const int64_t t0 = p.seq_off[n];
+  return Seq{0, h, h, sidx, t0, p.seq_off[n + 1] - t0, h, p.chunk_off[n]};
+}
+
+// The sequence holding global chunk g (packed sequences): the last n with chunk_off[n] <= g.
+__device__ __forceinline__ int64_t seq_of_chunk(const Product& p, int64_t g) {
+  int64_t lo = 0, hi = p.nseq - 1;  // chunk_off[0] = 0 <= g < chunk_off[nseq]
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (p.chunk_off[mid] <= g) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
 
 template <typename T>
 __device__ __forceinline__ float load_operand(const Operand& p, int64_t b, int64_t h, int64_t bh, int64_t L,
@@ -106,8 +154,15 @@ __device__ __forceinline__ float load_operand(const Operand& p, int64_t b, int64
     return x;
   }
   if (f == p.nfeat) {
-    if (p.extra_kind == 1) return 1.0f;
-    if (p.extra_kind == 2) return p.extra[bh * L + t];
+    if (p.extra_kind == kExtraOnes) return 1.0f;
+    if (p.extra_kind == kExtraDden) {
+      // recomputed where it is loaded (no [B*H*L] scratch): one dot over D per row and tile
+      const T* x = static_cast<const T*>(p.data) + b * p.sb + h * p.sh + t * p.sl;
+      const T* y = static_cast<const T*>(p.dot) + b * p.db + h * p.dh + t * p.dl;
+      float acc = 0.0f;
+      for (int64_t d = 0; d < p.nfeat; ++d) acc = fmaf(to_float(x[d * p.sf]), to_float(y[d * p.df]), acc);
+      return -acc / p.row_div[bh * L + t];
+    }
   }
   return 0.0f;
 }
@@ -145,15 +200,14 @@ struct Tiles {
   float c[kChunk][kTD];
 };
 
-// S[:, d0:d0+kTD] += sign * B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
+// S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
 // elements per feature tile, so the read-modify-write of the global state has one writer.
 template <typename T>
-__device__ void update_state(Tiles& tl, const Product& p, int64_t b, int64_t h, int64_t bh, int64_t t0, int rows,
-                             int64_t d0, float sign) {
+__device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
-    load_rows_t<T>(tl.b, p.b, b, h, bh, p.L, t0, rows, f0);
+    load_rows_t<T>(tl.b, p.b, sq.b, sq.h, sq.bh, p.L, t0, rows, f0);
     __syncthreads();
     float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < rows; ++r) {
@@ -165,20 +219,22 @@ __device__ void update_state(Tiles& tl, const Product& p, int64_t b, int64_t h, 
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (d0 + dcol + j >= p.dc) continue;
-        float* s = p.state.at(bh, 0, f0 + fr, d0 + dcol + j);
-        *s = sign > 0.0f ? *s + u[j] : *s - u[j];
+        float* s = p.state.at(sq.sidx, 0, f0 + fr, d0 + dcol + j);
+        *s = *s + u[j];
       }
     }
   }
   __syncthreads();
 }
 
-// Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv`/`chunk_idx`
-// name the state to read (nullptr base: no inter-chunk term). Leaves C_c in tiles.c.
+// Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv` at
+// (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term); `save`, if
+// given, receives it at (sq.bidx, save_chunk). Leaves C_c in tiles.c.
 template <typename T, typename TO>
-__device__ void chunk_outputs(Tiles& tl, const Product& p, int64_t b, int64_t h, int64_t bh, int64_t t0, int rows,
-                              int64_t d0, const StateView& sv, int64_t chunk_idx, bool intra, const StateView* save,
-                              int64_t save_chunk) {
+__device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                              const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra,
+                              const StateView* save, int64_t save_chunk) {
+  const int64_t b = sq.b, h = sq.h, bh = sq.bh;
   const int py = threadIdx.x / 16, px = threadIdx.x % 16;  // P: rows py*4.., cols px*4..
   const int oy = (threadIdx.x / 8) * 2, ox = (threadIdx.x % 8) * 4;  // O: rows oy, oy+1; cols ox..
   float acc_p[4][4] = {};
@@ -194,8 +250,8 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, int64_t b, int64_t h,
         const int f = i / kTD, d = i % kTD;
         float v = 0.0f;
         if (f0 + f < p.ma && d0 + d < p.dc) {
-          v = *sv.at(bh, chunk_idx, f0 + f, d0 + d);
-          if (save != nullptr) *save->at(bh, save_chunk, f0 + f, d0 + d) = v;
+          v = *sv.at(sv_bh, sv_chunk, f0 + f, d0 + d);
+          if (save != nullptr) *save->at(sq.bidx, save_chunk, f0 + f, d0 + d) = v;
         }
         tl.s[f][d] = v;
       }
@@ -267,18 +323,27 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, int64_t b, int64_t h,
 }
 
 // Sets the block's state tile [ma, d0:d0+kTD] to `src` (base NULL: zero).
-__device__ void init_state(const Product& p, int64_t bh, int64_t d0, const StateView& src) {
+__device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const StateView& src) {
   __syncthreads();
   for (int64_t i = threadIdx.x; i < p.ma * kTD; i += kThreads) {
     const int64_t f = i / kTD, d = d0 + i % kTD;
     if (d >= p.dc) continue;
-    *p.state.at(bh, 0, f, d) = src.base != nullptr ? *src.at(bh, 0, f, d) : 0.0f;
+    *p.state.at(sidx, 0, f, d) = src.base != nullptr ? *src.at(sidx, 0, f, d) : 0.0f;
   }
   __syncthreads();
 }
 
-// One block per work item (b*h, D-tile[, chunk]), grid-stride over items (grid.x only, so
-// B*H is never limited by grid.y/z).
+// Work items of a launch: (state index, D-tile), or with per-chunk states (state index,
+// chunk, D-tile); packed sequences number their chunks globally (head, global chunk, tile).
+__host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
+  const int64_t ndt = ceil_div(p.dc, kTD);
+  const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
+  if (p.mode != kReadChunk) return nstates * ndt;
+  return p.seq_off != nullptr ? p.H * p.nchunks_total * ndt : nstates * ceil_div(p.L, p.chunk) * ndt;
+}
+
+// One block per work item, grid-stride over items (grid.x only, so B*H is never limited by
+// grid.y/z).
 template <typename T, typename TO>
 __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
   __shared__ Tiles tl;
@@ -290,58 +355,59 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
     tl.b[i / (kChunk + 1)][i % (kChunk + 1)] = 0.0f;
   }
   const int64_t ndt = ceil_div(p.dc, kTD);
-  const int64_t nchunks = ceil_div(p.L, p.chunk);
-  const int64_t per_bh = p.mode == kReadChunk ? ndt * nchunks : ndt;
-  const int64_t items = p.B * p.H * per_bh;
+  const int64_t items = product_items(p);
   const StateView none{nullptr, 0, 0, 0, 0};
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t bh = item / per_bh;
-    const int64_t rest = item % per_bh;
-    const int64_t d0 = (rest % ndt) * kTD;
-    const int64_t b = bh / p.H, h = bh % p.H;
-    auto rows_of = [&](int64_t c) { return int(p.L - c * p.chunk < p.chunk ? p.L - c * p.chunk : p.chunk); };
+    const int64_t d0 = (item % ndt) * kTD;
+    const int64_t r = item / ndt;
+    // kReadChunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
+    int64_t sidx = r, c_read = 0;
+    if (p.mode == kReadChunk) {
+      if (p.seq_off != nullptr) {
+        const int64_t g = r % p.nchunks_total, h = r / p.nchunks_total;
+        const int64_t n = seq_of_chunk(p, g);
+        sidx = n * p.H + h;
+        c_read = g - p.chunk_off[n];
+      } else {
+        const int64_t nc = ceil_div(p.L, p.chunk);
+        sidx = r / nc;
+        c_read = r % nc;
+      }
+    }
+    const Seq sq = seq_of(p, sidx);
+    const int64_t nchunks = ceil_div(sq.len, p.chunk);
+    auto rows_of = [&](int64_t c) { return int(sq.len - c * p.chunk < p.chunk ? sq.len - c * p.chunk : p.chunk); };
     switch (p.mode) {
       case kAccumulate: {
-        init_state(p, bh, d0, none);
+        init_state(p, sidx, d0, p.init);
         const bool save = p.boundary.base != nullptr;
         for (int64_t i = 0; i < nchunks; ++i) {
           const int64_t c = p.mask == kMaskGE ? nchunks - 1 - i : i;
-          const int64_t t0 = c * p.chunk;
-          chunk_outputs<T, TO>(tl, p, b, h, bh, t0, rows_of(c), d0, p.state, 0, true, save ? &p.boundary : nullptr,
-                               c);
-          update_state<T>(tl, p, b, h, bh, t0, rows_of(c), d0, 1.0f);
+          const int64_t t0 = sq.t0 + c * p.chunk;
+          chunk_outputs<T, TO>(tl, p, sq, t0, rows_of(c), d0, p.state, sidx, 0, true,
+                               save ? &p.boundary : nullptr, sq.cbase + c);
+          update_state<T>(tl, p, sq, t0, rows_of(c), d0);
         }
         break;
       }
       case kReadChunk: {
-        const int64_t c = rest / ndt;
-        chunk_outputs<T, TO>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0, p.init, c, true, nullptr, 0);
-        break;
-      }
-      case kRebuild: {
-        init_state(p, bh, d0, p.init);
-        for (int64_t c = nchunks - 1; c >= 0; --c) {
-          const int64_t t0 = c * p.chunk;
-          __syncthreads();
-          load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, t0, rows_of(c), d0);
-          update_state<T>(tl, p, b, h, bh, t0, rows_of(c), d0, -1.0f);
-          chunk_outputs<T, TO>(tl, p, b, h, bh, t0, rows_of(c), d0, p.state, 0, true, nullptr, 0);
-        }
+        chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c_read * p.chunk, rows_of(c_read), d0, p.init, sq.bidx,
+                             sq.cbase + c_read, true, nullptr, 0);
         break;
       }
       case kBidir: {
         const bool given = p.init.base != nullptr;
         if (!given) {
-          init_state(p, bh, d0, none);
+          init_state(p, sidx, d0, none);
           for (int64_t c = 0; c < nchunks; ++c) {
             __syncthreads();
-            load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, c * p.chunk, rows_of(c), d0);
-            update_state<T>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0, 1.0f);
+            load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.L, sq.t0 + c * p.chunk, rows_of(c), d0);
+            update_state<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0);
           }
         }
         for (int64_t c = 0; c < nchunks; ++c)
-          chunk_outputs<T, TO>(tl, p, b, h, bh, c * p.chunk, rows_of(c), d0, given ? p.init : p.state, 0, false,
-                               nullptr, 0);
+          chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0, given ? p.init : p.state, sidx, 0,
+                               false, nullptr, 0);
         break;
       }
       default: break;
@@ -350,35 +416,19 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
   }
 }
 
-// dden_t = -(dout_t . out_t) / den_t (f32), one warp per row.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) la_dden_kernel(MesaLaTensor dout, MesaLaTensor out, const float* den,
-                                                          float* dden, int64_t B, int64_t H, int64_t L, int64_t D) {
-  const int64_t rows = B * H * L;
-  const int64_t warps = int64_t(gridDim.x) * (kThreads / kWarpSize);
-  const int lane = threadIdx.x % kWarpSize;
-  const T* po = static_cast<const T*>(out.data);
-  const T* pd = static_cast<const T*>(dout.data);
-  for (int64_t row = int64_t(blockIdx.x) * (kThreads / kWarpSize) + threadIdx.x / kWarpSize; row < rows;
-       row += warps) {
-    const int64_t t = row % L, bh = row / L, b = bh / H, h = bh % H;
-    float acc = 0.0f;
-    for (int64_t d = lane; d < D; d += kWarpSize) {
-      const float x = to_float(pd[b * dout.strides[0] + h * dout.strides[1] + t * dout.strides[2] + d * dout.strides[3]]);
-      const float y = to_float(po[b * out.strides[0] + h * out.strides[1] + t * out.strides[2] + d * out.strides[3]]);
-      acc = fmaf(x, y, acc);
-    }
-    acc = warp_reduce_sum(acc);
-    if (lane == 0) dden[row] = -acc / den[row];
-  }
+// dst[i] = src[i], i < n (the initial state kept for a SLiM backward).
+__global__ void __launch_bounds__(kThreads) la_copy_kernel(float* dst, const float* src, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    dst[i] = src[i];
 }
 
 // ---------------------------------------------------------------------------------------
 // Launch policy (host).
 inline Operand operand(const MesaLaTensor& t, int64_t nfeat) {
-  return Operand{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], nfeat, nullptr, nullptr, 0};
+  return Operand{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], nfeat, nullptr,
+                 nullptr, 0, 0, 0, 0, kExtraNone};
 }
-inline Operand ones_only() { return Operand{nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, 1}; }
+inline Operand ones_only() { return Operand{nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, 0, 0, 0, 0, kExtraOnes}; }
 inline OutView out_view(const MesaLaTensor& t, int64_t width) {
   return OutView{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], width, nullptr, 0, 0.0f};
 }
@@ -391,9 +441,7 @@ inline unsigned grid_for_items(int64_t items) {
 
 template <typename T, typename TO>
 MesaStatus run_product(const Product& p, void* stream) {
-  const int64_t ndt = ceil_div(p.dc, kTD);
-  const int64_t per_bh = p.mode == kReadChunk ? ndt * ceil_div(p.L, p.chunk) : ndt;
-  return status_from(MESA_LAUNCH((la_product_kernel<T, TO>), dim3(grid_for_items(p.B * p.H * per_bh)),
+  return status_from(MESA_LAUNCH((la_product_kernel<T, TO>), dim3(grid_for_items(product_items(p))),
                                  dim3(kThreads), 0, stream, p));
 }
 
@@ -403,26 +451,54 @@ inline Product base_product(const MesaLaShape& s) {
   p.H = s.heads;
   p.L = s.len;
   p.chunk = s.chunk;
+  p.seq_off = s.packing.seq_offsets;
+  p.chunk_off = s.packing.chunk_offsets;
+  p.nseq = s.packing.nseq;
+  p.nchunks_total = s.packing.nchunks;
   return p;
+}
+
+// The boundary states [B*H, ceil(L/C), M, W], or packed [nchunks, H, M, W], as (bidx, chunk)
+// at column `col`; `transposed` reads element (r, c) as (c, r).
+inline StateView boundary_view(const MesaLaShape& s, const float* base, int64_t M, int64_t W, int64_t col,
+                               bool transposed) {
+  const bool packed = s.packing.seq_offsets != nullptr;
+  const int64_t s_bh = packed ? M * W : ceil_div(s.len, s.chunk) * M * W;
+  const int64_t s_chunk = packed ? s.heads * M * W : M * W;
+  float* b = const_cast<float*>(base) + col;
+  return transposed ? StateView{b, s_bh, s_chunk, 1, W} : StateView{b, s_bh, s_chunk, W, 1};
+}
+
+// States [nstates, M, W]: one per (b, h), or per (sequence, head) when packed.
+inline int64_t state_count(const MesaLaShape& s) {
+  return (s.packing.seq_offsets != nullptr ? s.packing.nseq : s.batch) * s.heads;
 }
 
 template <typename T>
 MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   const MesaLaShape& s = a.shape;
   const int64_t M = s.feat, D = s.dim, W = D + (s.normalize ? 1 : 0);
-  const int64_t nchunks = ceil_div(s.len, s.chunk);
+  const int64_t BH = state_count(s);
   const bool boundary = s.causal && s.memory == MESA_LA_BOUNDARY_STATES;
-  // The state S' [bh, M, W]; the normaliser's launch owns column D.
+  // The state S' [bh, M, W]; the normaliser's launch owns column D. It starts from the
+  // caller's initial state (causal) or 0.
   const StateView state{a.state, M * W, 0, W, 1};
-  const StateView bnd{a.boundary, nchunks * M * W, M * W, W, 1};
   const StateView none{nullptr, 0, 0, 0, 0};
+  const float* s0 = a.init_state;
+  if (s0 != nullptr && a.init_copy != nullptr && BH * M * W > 0) {
+    // SLiM: the backward's dq walk starts from it again
+    const int64_t n = BH * M * W;
+    const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
+    const MesaStatus st = status_from(MESA_LAUNCH(la_copy_kernel, dim3(unsigned(want < cap ? want : cap)),
+                                                  dim3(kThreads), 0, stream, a.init_copy, s0, n));
+    if (st != MESA_STATUS_OK) return st;
+  }
   Product p = base_product(s);
   p.a = operand(a.q, M);
   p.b = operand(a.k, M);
   p.ma = M;
   p.mask = s.causal ? kMaskLE : kMaskNone;
   p.mode = s.causal ? kAccumulate : kBidir;
-  p.init = none;
   if (s.normalize) {
     Product z = p;
     z.c = ones_only();
@@ -432,7 +508,8 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     z.o.guard = 1;
     z.o.eps = s.eps;
     z.state = StateView{a.state + D, M * W, 0, W, 1};
-    z.boundary = boundary ? StateView{a.boundary + D, nchunks * M * W, M * W, W, 1} : none;
+    z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
+    z.boundary = boundary ? boundary_view(s, a.boundary, M, W, D, false) : none;
     const MesaStatus st = run_product<T, float>(z, stream);
     if (st != MESA_STATUS_OK) return st;
   }
@@ -441,7 +518,8 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   p.o = out_view(a.out, D);
   p.o.row_div = s.normalize ? a.den : nullptr;
   p.state = state;
-  p.boundary = boundary ? bnd : none;
+  p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
+  p.boundary = boundary ? boundary_view(s, a.boundary, M, W, 0, false) : none;
   if (D == 0) return MESA_STATUS_OK;
   return run_product<T, T>(p, stream);
 }
@@ -450,34 +528,30 @@ template <typename T>
 MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
   const MesaLaShape& s = a.shape;
   const int64_t M = s.feat, D = s.dim, W = D + (s.normalize ? 1 : 0);
-  const int64_t BH = s.batch * s.heads;
-  const int64_t nchunks = ceil_div(s.len, s.chunk);
   const StateView none{nullptr, 0, 0, 0, 0};
-  float* dden = s.normalize ? a.work + BH * M * W : nullptr;
-  if (s.normalize) {
-    // one warp per row; D = 0 gives dden = -0 (out is empty)
-    const int64_t rows = BH * s.len;
-    const int64_t want = ceil_div(rows, kThreads / kWarpSize);
-    const int64_t cap = int64_t(sm_count()) * 8;
-    const unsigned grid = unsigned(want < 1 ? 1 : (want < cap ? want : cap));
-    const MesaStatus st = status_from(MESA_LAUNCH((la_dden_kernel<T>), dim3(grid), dim3(kThreads), 0, stream, a.dout,
-                                                  a.out, a.den, dden, s.batch, s.heads, s.len, D));
-    if (st != MESA_STATUS_OK) return st;
-  }
-  // dO' = [dout / den | dden] and c' = [v | 1]
+  // dO' = [dout / den | dden] and c' = [v | 1]; dden_t = -(dout_t . out_t) / den_t is
+  // recomputed where it is loaded (kExtraDden), so the scratch does not grow with L.
   Operand dO = operand(a.dout, D);
   Operand cv = operand(a.v, D);
   if (s.normalize) {
     dO.row_div = a.den;
-    dO.extra = dden;
-    dO.extra_kind = 2;
-    cv.extra_kind = 1;
+    dO.dot = a.out.data;
+    dO.db = a.out.strides[0];
+    dO.dh = a.out.strides[1];
+    dO.dl = a.out.strides[2];
+    dO.df = a.out.strides[3];
+    dO.extra_kind = kExtraDden;
+    cv.extra_kind = kExtraOnes;
   }
   const int mask_fwd = s.causal ? kMaskLE : kMaskNone;
   const int mask_rev = s.causal ? kMaskGE : kMaskNone;
-  const StateView work{a.work, W * M, 0, M, 1};  // [bh, W, M] or [bh, M, W] by the launch
+  // the [bh, W, M] view (row w, column f) of a [bh, M, W] state
+  auto transposed = [&](const float* base) { return StateView{const_cast<float*>(base), M * W, 0, 1, W}; };
+  const StateView work{a.work, W * M, 0, M, 1};
 
-  // dq = product(dO', c', k): state sum c'_s k_s^T = S'^T, read through transposed strides.
+  // dq = product(dO', c', k), LE: state sum c'_s k_s^T = S'^T, the forward's states read
+  // through transposed strides (boundary mode) or accumulated again from the initial state
+  // (SLiM: the same forward walk as the forward's, so dq_t never sees a row s > t).
   {
     Product p = base_product(s);
     p.a = dO;
@@ -487,25 +561,25 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.dc = M;
     p.o = out_view(a.dq, M);
     p.mask = mask_fwd;
-    p.state = StateView{a.work, W * M, 0, M, 1};
+    p.state = work;
     p.boundary = none;
-    float* saved = const_cast<float*>(a.state);  // read only: kRebuild copies it into `work`
     if (!s.causal) {
       p.mode = kBidir;
-      p.init = StateView{saved, M * W, 0, 1, W};
+      p.init = transposed(a.state);
     } else if (s.memory == MESA_LA_BOUNDARY_STATES) {
       p.mode = kReadChunk;
-      p.init = StateView{const_cast<float*>(a.boundary), nchunks * M * W, M * W, 1, W};
+      p.init = boundary_view(s, a.boundary, M, W, 0, true);
     } else {
-      p.mode = kRebuild;
-      p.init = StateView{saved, M * W, 0, 1, W};
+      p.mode = kAccumulate;
+      p.init = a.init_state != nullptr ? transposed(a.init_state) : none;
     }
     if (M > 0) {
       const MesaStatus st = run_product<T, T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
-  // dk = product(c', dO', q), reverse: state sum dO'_s q_s^T [bh, W, M].
+  // dk = product(c', dO', q), reverse: state dS'_final^T + sum dO'_s q_s^T [bh, W, M]; its
+  // value after the walk is the initial state's gradient (written to d_init when given).
   {
     Product p = base_product(s);
     p.a = cv;
@@ -516,15 +590,16 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.o = out_view(a.dk, M);
     p.mask = mask_rev;
     p.mode = s.causal ? kAccumulate : kBidir;
-    p.state = work;
-    p.init = none;
+    p.state = a.d_init != nullptr ? transposed(a.d_init) : work;
+    p.init = a.d_final != nullptr ? transposed(a.d_final) : none;
     p.boundary = none;
     if (M > 0) {
       const MesaStatus st = run_product<T, T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
-  // dv = product(k, q, dout / den), reverse: state sum q_s (dout_s/den_s)^T [bh, M, D].
+  // dv = product(k, q, dout / den), reverse: state dS_final[:, :D] + sum q_s (dout_s/den_s)^T
+  // [bh, M, D].
   {
     Operand g = operand(a.dout, D);
     g.row_div = s.normalize ? a.den : nullptr;
@@ -538,7 +613,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.mask = mask_rev;
     p.mode = s.causal ? kAccumulate : kBidir;
     p.state = StateView{a.work, M * D, 0, D, 1};
-    p.init = none;
+    p.init = a.d_final != nullptr ? StateView{const_cast<float*>(a.d_final), M * W, 0, W, 1} : none;
     p.boundary = none;
     if (D > 0) {
       const MesaStatus st = run_product<T, T>(p, stream);
@@ -566,10 +641,16 @@ inline bool shape_valid(const MesaLaShape& s) {
   if (s.dtype != MESA_DTYPE_F32 && s.dtype != MESA_DTYPE_F16 && s.dtype != MESA_DTYPE_BF16) return false;
   if (s.memory != MESA_LA_BOUNDARY_STATES && s.memory != MESA_LA_SLIM) return false;
   if (s.normalize && !(s.eps >= 0.0f)) return false;
+  const MesaLaPacking& k = s.packing;
+  if (k.seq_offsets != nullptr &&
+      (s.batch != 1 || k.chunk_offsets == nullptr || k.nseq < 0 || k.nchunks < 0 || (k.nseq == 0 && s.len != 0)))
+    return false;
   return true;
 }
 
-inline bool is_empty(const MesaLaShape& s) { return s.batch == 0 || s.heads == 0; }
+inline bool is_empty(const MesaLaShape& s) {
+  return s.batch == 0 || s.heads == 0 || (s.packing.seq_offsets != nullptr && s.packing.nseq == 0);
+}
 
 }  // namespace MESA_NS
 
@@ -587,6 +668,10 @@ extern "C" MesaStatus MESA_ENTRY(linear_attention_forward)(const MesaLaForwardAr
   if (has_state && s.causal && s.memory == MESA_LA_BOUNDARY_STATES && s.len > 0 && a->boundary == nullptr)
     return MESA_STATUS_INVALID_ARGUMENT;
   if (s.normalize && s.len > 0 && a->den == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
+  // an initial state: causal only; SLiM keeps a copy for the backward
+  if (a->init_state != nullptr && !s.causal) return MESA_STATUS_INVALID_ARGUMENT;
+  if (has_state && a->init_state != nullptr && s.memory == MESA_LA_SLIM && a->init_copy == nullptr)
+    return MESA_STATUS_INVALID_ARGUMENT;
   if (s.len > 0 && ((s.feat > 0 && (a->q.data == nullptr || a->k.data == nullptr)) ||
                     (s.dim > 0 && (a->v.data == nullptr || a->out.data == nullptr))))
     return MESA_STATUS_INVALID_ARGUMENT;
@@ -600,8 +685,12 @@ extern "C" MesaStatus MESA_ENTRY(linear_attention_forward)(const MesaLaForwardAr
 extern "C" MesaStatus MESA_ENTRY(linear_attention_backward)(const MesaLaBackwardArgs* a, void* stream) {
   if (a == nullptr || !shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
   const MesaLaShape& s = a->shape;
-  if (is_empty(s) || s.len == 0) return MESA_STATUS_OK;
   const bool has_state = s.feat > 0 && (s.dim > 0 || s.normalize);
+  // state gradients: causal only
+  if (!s.causal && (a->init_state != nullptr || a->d_final != nullptr || a->d_init != nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  // L = 0: nothing to write but d_init (= d_final, or 0)
+  if (is_empty(s) || (s.len == 0 && (a->d_init == nullptr || !has_state))) return MESA_STATUS_OK;
   if ((s.feat > 0 || s.dim > 0) && a->work == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   if (has_state && a->state == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   if (has_state && s.causal && s.memory == MESA_LA_BOUNDARY_STATES && a->boundary == nullptr)

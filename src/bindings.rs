@@ -808,7 +808,33 @@ impl Default for MesaLaTensor {
     }
 }
 #[repr(C)]
-#[derive(Debug, Default, Copy, Clone)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaLaPacking {
+    pub seq_offsets: *const i64,
+    pub chunk_offsets: *const i64,
+    pub nseq: i64,
+    pub nchunks: i64,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaLaPacking"][::core::mem::size_of::<MesaLaPacking>() - 32usize];
+    ["Alignment of MesaLaPacking"][::core::mem::align_of::<MesaLaPacking>() - 8usize];
+    ["Offset of field: MesaLaPacking::seq_offsets"][::core::mem::offset_of!(MesaLaPacking, seq_offsets) - 0usize];
+    ["Offset of field: MesaLaPacking::chunk_offsets"][::core::mem::offset_of!(MesaLaPacking, chunk_offsets) - 8usize];
+    ["Offset of field: MesaLaPacking::nseq"][::core::mem::offset_of!(MesaLaPacking, nseq) - 16usize];
+    ["Offset of field: MesaLaPacking::nchunks"][::core::mem::offset_of!(MesaLaPacking, nchunks) - 24usize];
+};
+impl Default for MesaLaPacking {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
 pub struct MesaLaShape {
     pub batch: i64,
     pub heads: i64,
@@ -821,10 +847,11 @@ pub struct MesaLaShape {
     pub normalize: i32,
     pub eps: f32,
     pub memory: MesaLaMemory,
+    pub packing: MesaLaPacking,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLaShape"][::core::mem::size_of::<MesaLaShape>() - 64usize];
+    ["Size of MesaLaShape"][::core::mem::size_of::<MesaLaShape>() - 96usize];
     ["Alignment of MesaLaShape"][::core::mem::align_of::<MesaLaShape>() - 8usize];
     ["Offset of field: MesaLaShape::batch"][::core::mem::offset_of!(MesaLaShape, batch) - 0usize];
     ["Offset of field: MesaLaShape::heads"][::core::mem::offset_of!(MesaLaShape, heads) - 8usize];
@@ -837,7 +864,17 @@ const _: () = {
     ["Offset of field: MesaLaShape::normalize"][::core::mem::offset_of!(MesaLaShape, normalize) - 52usize];
     ["Offset of field: MesaLaShape::eps"][::core::mem::offset_of!(MesaLaShape, eps) - 56usize];
     ["Offset of field: MesaLaShape::memory"][::core::mem::offset_of!(MesaLaShape, memory) - 60usize];
+    ["Offset of field: MesaLaShape::packing"][::core::mem::offset_of!(MesaLaShape, packing) - 64usize];
 };
+impl Default for MesaLaShape {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct MesaLaForwardArgs {
@@ -849,19 +886,24 @@ pub struct MesaLaForwardArgs {
     pub state: *mut f32,
     pub boundary: *mut f32,
     pub den: *mut f32,
+    pub init_state: *const f32,
+    pub init_copy: *mut f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLaForwardArgs"][::core::mem::size_of::<MesaLaForwardArgs>() - 248usize];
+    ["Size of MesaLaForwardArgs"][::core::mem::size_of::<MesaLaForwardArgs>() - 296usize];
     ["Alignment of MesaLaForwardArgs"][::core::mem::align_of::<MesaLaForwardArgs>() - 8usize];
     ["Offset of field: MesaLaForwardArgs::shape"][::core::mem::offset_of!(MesaLaForwardArgs, shape) - 0usize];
-    ["Offset of field: MesaLaForwardArgs::q"][::core::mem::offset_of!(MesaLaForwardArgs, q) - 64usize];
-    ["Offset of field: MesaLaForwardArgs::k"][::core::mem::offset_of!(MesaLaForwardArgs, k) - 104usize];
-    ["Offset of field: MesaLaForwardArgs::v"][::core::mem::offset_of!(MesaLaForwardArgs, v) - 144usize];
-    ["Offset of field: MesaLaForwardArgs::out"][::core::mem::offset_of!(MesaLaForwardArgs, out) - 184usize];
-    ["Offset of field: MesaLaForwardArgs::state"][::core::mem::offset_of!(MesaLaForwardArgs, state) - 224usize];
-    ["Offset of field: MesaLaForwardArgs::boundary"][::core::mem::offset_of!(MesaLaForwardArgs, boundary) - 232usize];
-    ["Offset of field: MesaLaForwardArgs::den"][::core::mem::offset_of!(MesaLaForwardArgs, den) - 240usize];
+    ["Offset of field: MesaLaForwardArgs::q"][::core::mem::offset_of!(MesaLaForwardArgs, q) - 96usize];
+    ["Offset of field: MesaLaForwardArgs::k"][::core::mem::offset_of!(MesaLaForwardArgs, k) - 136usize];
+    ["Offset of field: MesaLaForwardArgs::v"][::core::mem::offset_of!(MesaLaForwardArgs, v) - 176usize];
+    ["Offset of field: MesaLaForwardArgs::out"][::core::mem::offset_of!(MesaLaForwardArgs, out) - 216usize];
+    ["Offset of field: MesaLaForwardArgs::state"][::core::mem::offset_of!(MesaLaForwardArgs, state) - 256usize];
+    ["Offset of field: MesaLaForwardArgs::boundary"][::core::mem::offset_of!(MesaLaForwardArgs, boundary) - 264usize];
+    ["Offset of field: MesaLaForwardArgs::den"][::core::mem::offset_of!(MesaLaForwardArgs, den) - 272usize];
+    ["Offset of field: MesaLaForwardArgs::init_state"]
+        [::core::mem::offset_of!(MesaLaForwardArgs, init_state) - 280usize];
+    ["Offset of field: MesaLaForwardArgs::init_copy"][::core::mem::offset_of!(MesaLaForwardArgs, init_copy) - 288usize];
 };
 impl Default for MesaLaForwardArgs {
     fn default() -> Self {
@@ -887,25 +929,32 @@ pub struct MesaLaBackwardArgs {
     pub state: *const f32,
     pub boundary: *const f32,
     pub den: *const f32,
+    pub init_state: *const f32,
+    pub d_final: *const f32,
+    pub d_init: *mut f32,
     pub work: *mut f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLaBackwardArgs"][::core::mem::size_of::<MesaLaBackwardArgs>() - 416usize];
+    ["Size of MesaLaBackwardArgs"][::core::mem::size_of::<MesaLaBackwardArgs>() - 472usize];
     ["Alignment of MesaLaBackwardArgs"][::core::mem::align_of::<MesaLaBackwardArgs>() - 8usize];
     ["Offset of field: MesaLaBackwardArgs::shape"][::core::mem::offset_of!(MesaLaBackwardArgs, shape) - 0usize];
-    ["Offset of field: MesaLaBackwardArgs::q"][::core::mem::offset_of!(MesaLaBackwardArgs, q) - 64usize];
-    ["Offset of field: MesaLaBackwardArgs::k"][::core::mem::offset_of!(MesaLaBackwardArgs, k) - 104usize];
-    ["Offset of field: MesaLaBackwardArgs::v"][::core::mem::offset_of!(MesaLaBackwardArgs, v) - 144usize];
-    ["Offset of field: MesaLaBackwardArgs::out"][::core::mem::offset_of!(MesaLaBackwardArgs, out) - 184usize];
-    ["Offset of field: MesaLaBackwardArgs::dout"][::core::mem::offset_of!(MesaLaBackwardArgs, dout) - 224usize];
-    ["Offset of field: MesaLaBackwardArgs::dq"][::core::mem::offset_of!(MesaLaBackwardArgs, dq) - 264usize];
-    ["Offset of field: MesaLaBackwardArgs::dk"][::core::mem::offset_of!(MesaLaBackwardArgs, dk) - 304usize];
-    ["Offset of field: MesaLaBackwardArgs::dv"][::core::mem::offset_of!(MesaLaBackwardArgs, dv) - 344usize];
-    ["Offset of field: MesaLaBackwardArgs::state"][::core::mem::offset_of!(MesaLaBackwardArgs, state) - 384usize];
-    ["Offset of field: MesaLaBackwardArgs::boundary"][::core::mem::offset_of!(MesaLaBackwardArgs, boundary) - 392usize];
-    ["Offset of field: MesaLaBackwardArgs::den"][::core::mem::offset_of!(MesaLaBackwardArgs, den) - 400usize];
-    ["Offset of field: MesaLaBackwardArgs::work"][::core::mem::offset_of!(MesaLaBackwardArgs, work) - 408usize];
+    ["Offset of field: MesaLaBackwardArgs::q"][::core::mem::offset_of!(MesaLaBackwardArgs, q) - 96usize];
+    ["Offset of field: MesaLaBackwardArgs::k"][::core::mem::offset_of!(MesaLaBackwardArgs, k) - 136usize];
+    ["Offset of field: MesaLaBackwardArgs::v"][::core::mem::offset_of!(MesaLaBackwardArgs, v) - 176usize];
+    ["Offset of field: MesaLaBackwardArgs::out"][::core::mem::offset_of!(MesaLaBackwardArgs, out) - 216usize];
+    ["Offset of field: MesaLaBackwardArgs::dout"][::core::mem::offset_of!(MesaLaBackwardArgs, dout) - 256usize];
+    ["Offset of field: MesaLaBackwardArgs::dq"][::core::mem::offset_of!(MesaLaBackwardArgs, dq) - 296usize];
+    ["Offset of field: MesaLaBackwardArgs::dk"][::core::mem::offset_of!(MesaLaBackwardArgs, dk) - 336usize];
+    ["Offset of field: MesaLaBackwardArgs::dv"][::core::mem::offset_of!(MesaLaBackwardArgs, dv) - 376usize];
+    ["Offset of field: MesaLaBackwardArgs::state"][::core::mem::offset_of!(MesaLaBackwardArgs, state) - 416usize];
+    ["Offset of field: MesaLaBackwardArgs::boundary"][::core::mem::offset_of!(MesaLaBackwardArgs, boundary) - 424usize];
+    ["Offset of field: MesaLaBackwardArgs::den"][::core::mem::offset_of!(MesaLaBackwardArgs, den) - 432usize];
+    ["Offset of field: MesaLaBackwardArgs::init_state"]
+        [::core::mem::offset_of!(MesaLaBackwardArgs, init_state) - 440usize];
+    ["Offset of field: MesaLaBackwardArgs::d_final"][::core::mem::offset_of!(MesaLaBackwardArgs, d_final) - 448usize];
+    ["Offset of field: MesaLaBackwardArgs::d_init"][::core::mem::offset_of!(MesaLaBackwardArgs, d_init) - 456usize];
+    ["Offset of field: MesaLaBackwardArgs::work"][::core::mem::offset_of!(MesaLaBackwardArgs, work) - 464usize];
 };
 impl Default for MesaLaBackwardArgs {
     fn default() -> Self {

@@ -13,7 +13,8 @@
  *
  * State: S = sum_s k_s [v_s | 1]^T, f32, [B*H, M, W] with W = D + normalize (column D
  * holds the normaliser z = sum_s k_s). Chunked: inside a chunk of C rows a masked C x C
- * matmul, across chunks the prefix-sum state.
+ * matmul, across chunks the prefix-sum state. With packed sequences (MesaLaPacking) every
+ * "B*H" of a state below is N*H, and the boundary states are [nchunks, H, M, W].
  *
  * In-place: not supported by any entry point here (the kernels re-read inputs after writing
  * outputs; pointers are __restrict__): no output may overlap an input or another output of
@@ -36,7 +37,8 @@ typedef int32_t MesaLaMemory;
 enum MesaLaMemoryCode {
   /* forward keeps the state entering every chunk: [B*H, ceil(L/C), M, W] f32 */
   MESA_LA_BOUNDARY_STATES = 0,
-  /* forward keeps only the final state; backward rebuilds earlier ones by subtraction */
+  /* forward keeps only the final state (and a copy of the initial one, if given); the
+   * backward's dq walks the chunks forward again from the initial state */
   MESA_LA_SLIM = 1
 };
 
@@ -45,6 +47,19 @@ typedef struct MesaLaTensor {
   void* data;
   int64_t strides[4];
 } MesaLaTensor;
+
+/* Packed variable-length sequences (flash-linear-attention's cu_seqlens). seq_offsets NULL:
+ * none. Otherwise B = 1, nseq = N, and two [N+1] int64 arrays in device memory, validated by
+ * the caller: seq_offsets 0 = o_0 <= o_1 <= ... <= o_N = L (sequence n is rows o_n..o_{n+1}
+ * of every head; no state crosses from one to the next), chunk_offsets c_n = sum_{m<n}
+ * ceil((o_{m+1} - o_m) / C), nchunks = c_N. States are then per (sequence, head),
+ * [N*H, M, W], and the boundary states [nchunks, H, M, W]. */
+typedef struct MesaLaPacking {
+  const int64_t* seq_offsets;
+  const int64_t* chunk_offsets;
+  int64_t nseq;
+  int64_t nchunks;
+} MesaLaPacking;
 
 typedef struct MesaLaShape {
   int64_t batch;   /* B */
@@ -58,32 +73,43 @@ typedef struct MesaLaShape {
   int32_t normalize;
   float eps;       /* guard of the denominator (normalize) */
   MesaLaMemory memory;
+  MesaLaPacking packing;
 } MesaLaShape;
 
-/* Forward. In-place: not supported (out, state, boundary, den overlap none of q, k, v, nor
- * each other -> Error::Aliasing in the safe crate). Writes out, state ([B*H, M, W] f32: the final state), boundary (causal and
- * MESA_LA_BOUNDARY_STATES: [B*H, ceil(L/C), M, W], the state entering each chunk; else
- * unused, may be NULL), den (normalize: [B*H*L] f32, the guarded denominators g(.); else
- * may be NULL). */
+/* Forward. In-place: not supported (out, state, boundary, den, init_copy overlap none of
+ * q, k, v, init_state, nor each other -> Error::Aliasing in the safe crate). Reads
+ * init_state (causal only; NULL: 0): [B*H, M, W] f32, the state before row 0 (column D:
+ * the normaliser's z). Writes out, state ([B*H, M, W] f32: the final state, init_state
+ * included), boundary (causal and MESA_LA_BOUNDARY_STATES: [B*H, ceil(L/C), M, W], the
+ * state entering each chunk; else unused, may be NULL), den (normalize: [B*H*L] f32, the
+ * guarded denominators g(.); else may be NULL), init_copy (MESA_LA_SLIM with an
+ * init_state: [B*H, M, W], a copy of it for the backward; else may be NULL). */
 typedef struct MesaLaForwardArgs {
   MesaLaShape shape;
   MesaLaTensor q, k, v, out;
   float* state;
   float* boundary;
   float* den;
+  const float* init_state;
+  float* init_copy;
 } MesaLaForwardArgs;
 
-/* Backward. In-place: not supported (dq, dk, dv, work overlap no input nor each other ->
- * Error::Aliasing in the safe crate). Reads q, k, v, dout, out (normalize only), and what the forward saved (state,
- * boundary, den); writes dq, dk, dv. work: f32 scratch of
- * B*H*(M*W) + (normalize ? B*H*L : 0) elements (contents on entry ignored). The saved
- * state is not modified. */
+/* Backward. In-place: not supported (dq, dk, dv, d_init, work overlap no input nor each
+ * other -> Error::Aliasing in the safe crate). Reads q, k, v, dout, out (normalize only),
+ * what the forward saved (state, boundary, den, init_state = the forward's init_copy, NULL
+ * when it had no initial state), d_final ([B*H, M, W] f32, the gradient of the final state;
+ * NULL: 0; causal only); writes dq, dk, dv and d_init ([B*H, M, W] f32, the gradient of the
+ * initial state; NULL: not wanted; causal only). work: f32 scratch of B*H*M*W elements,
+ * independent of L (contents on entry ignored). The saved state is not modified. */
 typedef struct MesaLaBackwardArgs {
   MesaLaShape shape;
   MesaLaTensor q, k, v, out, dout, dq, dk, dv;
   const float* state;
   const float* boundary;
   const float* den;
+  const float* init_state;
+  const float* d_final;
+  float* d_init;
   float* work;
 } MesaLaBackwardArgs;
 

@@ -27,12 +27,18 @@
 //! ```
 //!
 //! [`MemoryMode`] chooses how `dq` gets the forward states: the forward keeps every chunk
-//! boundary's state ([`MemoryMode::BoundaryStates`], `B·H·⌈L/C⌉·M·(D+1)·4` bytes), or only
-//! the final one ([`MemoryMode::Slim`], `B·H·M·(D+1)·4` bytes, independent of `L`) and the
-//! backward rebuilds earlier states in reverse by subtraction, `S_{c} = S_{c+1} − K_cᵀ V_c`
-//! (SLiM §3, Alg. 1). The subtraction loses accuracy as `L` grows (cancellation: the state
-//! grows like `L` while the chunk terms stay O(1)); docs/linear_attention.md has the measured
-//! errors, and [`MemoryMode::default`] is therefore `BoundaryStates`.
+//! boundary's state ([`MemoryMode::BoundaryStates`], `B·H·⌈L/C⌉·M·(D+1)·4` bytes; `dq` is
+//! parallel over chunks), or only the final one ([`MemoryMode::Slim`], `B·H·M·(D+1)·4`
+//! bytes, independent of `L`; `dq` walks the chunks forward again from the initial state,
+//! sequentially). SLiM §3 (Alg. 1) rebuilds the earlier states in reverse by subtraction,
+//! `S_c = S_{c+1} − K_cᵀ V_c`; that loses the early states' digits to cancellation when later
+//! keys and values are large (the future changes the past), so this crate does not: its `dq_t`
+//! reads only rows `s ≤ t`, with the boundary mode's accuracy (docs/linear_attention.md has
+//! the error against memory of both modes).
+//!
+//! [`forward_with_state`] / [`backward_with_state`] take an initial state and the final
+//! state's gradient and return the initial state's gradient (module [`state`]): a sequence
+//! processed in pieces gives the one-call results.
 //!
 //! Every op checks its tensors' shapes first, then registers them with the crate's launch
 //! builder. In-place calls are not supported: an output that overlaps an input (or another
@@ -74,6 +80,11 @@ use crate::launch::Launch;
 use crate::layout::Layout;
 use crate::tensor::{TensorMut, TensorRef};
 
+mod packing;
+pub mod state;
+
+pub use state::StateGrads;
+
 /// Largest chunk the kernels support (rows of a chunk live in shared memory).
 pub const MAX_CHUNK: usize = sys::MESA_LA_MAX_CHUNK as usize;
 
@@ -86,8 +97,10 @@ pub enum MemoryMode {
     /// forward. The default: see docs/linear_attention.md for the measured errors.
     #[default]
     BoundaryStates,
-    /// Only the final state, `B·H·M·W` f32, independent of `L` (SLiM §3). The backward
-    /// rebuilds the earlier states in reverse by subtraction; their error grows with `L`.
+    /// Only the final state, `B·H·M·W` f32, independent of `L` (SLiM §3), plus a copy of
+    /// the initial state when one is given. The backward's `dq` walks the chunks forward
+    /// again from the initial state (sequential over chunks, as accurate as
+    /// `BoundaryStates`); its scratch is `B·H·M·W` f32 as well.
     Slim,
 }
 
@@ -206,11 +219,26 @@ struct SavedSizes {
     den: usize,
 }
 
+impl SavedSizes {
+    /// Elements of the copy of an initial state (SLiM mode keeps it for the backward).
+    fn init_copy(&self, config: &LinearAttentionConfig, has_initial: bool) -> usize {
+        if has_initial && config.causal && config.memory == MemoryMode::Slim {
+            self.state
+        } else {
+            0
+        }
+    }
+}
+
 /// What the forward saved for the backward (on the forward's device).
 pub struct LinearAttentionSaved {
     state: Buffer<f32>,
     boundary: Option<Buffer<f32>>,
     den: Option<Buffer<f32>>,
+    /// SLiM mode with an initial state: a copy of it (the backward's dq walk starts there).
+    init: Option<Buffer<f32>>,
+    /// Packed sequences: their offsets on the device.
+    packing: Option<packing::Packing>,
     sizes: SavedSizes,
     dims: Dims,
     config: LinearAttentionConfig,
@@ -241,11 +269,13 @@ impl LinearAttentionSaved {
         &self.config
     }
     /// Bytes of saved states: the final state `B·H·M·W·4`, plus the boundary states
-    /// `B·H·⌈L/C⌉·M·W·4` in [`MemoryMode::BoundaryStates`] (causal).
+    /// `B·H·⌈L/C⌉·M·W·4` in [`MemoryMode::BoundaryStates`] (causal), or in
+    /// [`MemoryMode::Slim`] the copy of the initial state (`B·H·M·W·4`, when one was given).
     #[must_use]
     pub fn state_bytes(&self) -> usize {
-        // each count was checked to be below i64::MAX / 4 (saved_sizes)
-        (self.sizes.state + self.sizes.boundary) * 4
+        // each count was checked to be below i64::MAX / 16 (saved_sizes)
+        let init = if self.init.is_some() { self.sizes.state } else { 0 };
+        (self.sizes.state + self.sizes.boundary + init) * 4
     }
     /// Bytes of the saved denominators (`B·H·L·4`, normalised attention only): the same
     /// order as one output column, kept so that the backward needs no recomputation.
@@ -258,8 +288,8 @@ impl LinearAttentionSaved {
     pub fn size_in_bytes(&self) -> usize {
         self.state_bytes() + self.denominator_bytes()
     }
-    /// The final state `[B·H, M, W]` (row-major; column `D` is `z = Σ k_s` when
-    /// normalised). Synchronises.
+    /// The final state `[B·H, M, W]` (`[N·H, M, W]` when packed; row-major; column `D` is
+    /// `z = Σ k_s` when normalised). Synchronises.
     ///
     /// # Errors
     /// A CUDA copy error.
@@ -267,6 +297,26 @@ impl LinearAttentionSaved {
         let mut v = self.state.to_vec()?;
         v.truncate(self.sizes.state);
         Ok(v)
+    }
+    /// The final state as a `[B, H, M, W]` f32 view on the forward's device (the initial
+    /// state of the next piece of the sequence: [`forward_with_state`]). No copy.
+    ///
+    /// # Errors
+    /// None in practice (the buffer holds `B·H·M·W` elements); a layout error otherwise.
+    pub fn final_state_tensor(&self) -> Result<TensorRef<'_, f32>> {
+        TensorRef::contiguous(&self.state, &self.state_shape()?)
+    }
+    /// `N` when the forward ran on packed sequences ([`forward_packed`]), else `None`.
+    #[must_use]
+    pub fn sequences(&self) -> Option<usize> {
+        self.packing.as_ref().map(|p| p.n)
+    }
+    /// The shape of a state of this call: `[B, H, M, W]`, or `[N, H, M, W]` when packed.
+    fn state_shape(&self) -> Result<[usize; 4]> {
+        let d = &self.dims;
+        let w = state_width(d, &self.config)
+            .ok_or_else(|| Error::too_large("state", format!("D + 1 overflows for {d:?}")))?;
+        Ok(state::state_shape(self.sequences().unwrap_or(d.batch), d.heads, d.feat, w))
     }
     /// The guarded denominators `g(q_t · Σ k_s)`, `[B·H·L]`, if normalised. Synchronises.
     ///
@@ -298,7 +348,8 @@ fn state_width(d: &Dims, c: &LinearAttentionConfig) -> Option<usize> {
     d.dim.checked_add(usize::from(c.normalize))
 }
 
-/// Bytes the forward keeps for a call of `dims` (states and denominators), without running it.
+/// Bytes the forward keeps for a call of `dims` (states and denominators), without running it
+/// (no initial state; one adds `B·H·M·W·4` bytes in [`MemoryMode::Slim`]).
 ///
 /// # Errors
 /// [`Error::TooLarge`] when a count overflows (or passes the kernels' 64-bit indexing).
@@ -307,16 +358,34 @@ pub fn saved_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize>
     Ok((s.state + s.boundary + s.den) * 4)
 }
 
+/// Bytes of the scratch [`backward`] allocates for a call of `dims`: `B·H·M·W·4` (one state),
+/// independent of `L` in both memory modes.
+///
+/// # Errors
+/// [`Error::TooLarge`] when a count overflows.
+pub fn backward_workspace_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize> {
+    // saved_sizes: the state count is below i64::MAX / 16
+    Ok(saved_sizes(dims, config)?.state.max(1) * 4)
+}
+
+/// Element counts for `d` (and, for packed sequences, `(N, Σ_n ⌈len_n/C⌉)`).
 fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<SavedSizes> {
+    saved_sizes_packed(d, c, None)
+}
+
+fn saved_sizes_packed(d: &Dims, c: &LinearAttentionConfig, seqs: Option<(usize, usize)>) -> Result<SavedSizes> {
     let too_large = || Error::too_large("saved state", format!("the element counts of {d:?} overflow"));
-    let bhm = product(&[d.batch, d.heads, d.feat]).ok_or_else(too_large)?;
+    let nst = seqs.map_or(d.batch, |s| s.0);
+    let nhm = product(&[nst, d.heads, d.feat]).ok_or_else(too_large)?;
     // W is only computed for a non-empty state (D may be any size when M = 0)
     let state =
-        if bhm == 0 { 0 } else { product(&[bhm, state_width(d, c).ok_or_else(too_large)?]).ok_or_else(too_large)? };
-    let boundary = if c.keeps_boundaries() {
-        product(&[state, d.len.div_ceil(c.chunk.max(1))]).ok_or_else(too_large)?
-    } else {
-        0
+        if nhm == 0 { 0 } else { product(&[nhm, state_width(d, c).ok_or_else(too_large)?]).ok_or_else(too_large)? };
+    // H·M·W, exact (nst > 0 when state > 0)
+    let hmw = if state == 0 { 0 } else { state / nst };
+    let boundary = match (c.keeps_boundaries(), seqs) {
+        (false, _) => 0,
+        (true, None) => product(&[state, d.len.div_ceil(c.chunk.max(1))]).ok_or_else(too_large)?,
+        (true, Some((_, nchunks))) => product(&[hmw, nchunks]).ok_or_else(too_large)?,
     };
     let den = if c.normalize { product(&[d.batch, d.heads, d.len]).ok_or_else(too_large)? } else { 0 };
     // the three buffers are summed (saved_bytes, the workspace) and indexed in bytes
@@ -360,8 +429,26 @@ pub(crate) fn la_tensor(layout: &Layout, data: *mut c_void) -> sys::MesaLaTensor
     sys::MesaLaTensor { data, strides }
 }
 
-fn la_shape(d: &Dims, c: &LinearAttentionConfig, dtype: DType) -> Result<sys::MesaLaShape> {
+fn la_shape<'a>(
+    d: &Dims,
+    c: &LinearAttentionConfig,
+    dtype: DType,
+    packing: Option<&'a packing::Packing>,
+    launch: &mut Launch<'a>,
+) -> Result<sys::MesaLaShape> {
+    let packing = match packing {
+        Some(p) => sys::MesaLaPacking {
+            seq_offsets: launch.read_buffer(&p.offsets, "seq_offsets")?,
+            chunk_offsets: launch.read_buffer(&p.chunks, "chunk offsets")?,
+            nseq: to_i64(p.n, "sequences")?,
+            nchunks: to_i64(p.nchunks, "chunks")?,
+        },
+        None => {
+            sys::MesaLaPacking { seq_offsets: std::ptr::null(), chunk_offsets: std::ptr::null(), nseq: 0, nchunks: 0 }
+        }
+    };
     Ok(sys::MesaLaShape {
+        packing,
         batch: to_i64(d.batch, "batch")?,
         heads: to_i64(d.heads, "heads")?,
         len: to_i64(d.len, "sequence length")?,
@@ -403,6 +490,56 @@ pub fn forward<T: Element>(
     config: &LinearAttentionConfig,
     args: ForwardArgs<'_, '_, T>,
 ) -> Result<LinearAttentionSaved> {
+    forward_with_state(device, config, args, None)
+}
+
+/// [`forward`] starting from an initial state (causal; module [`state`]): `initial` is an f32
+/// `[B, H, M, W]` contiguous tensor (`W = D + normalize`, column `D` the normaliser's `z`),
+/// e.g. the previous piece's [`LinearAttentionSaved::final_state_tensor`]; `None` is the zero
+/// state. The saved final state includes it. In [`MemoryMode::Slim`] the forward keeps a
+/// copy of it (`B·H·M·W·4` bytes) for the backward.
+///
+/// # Errors
+/// As [`forward`], and [`Error::InvalidArgument`] (an initial state for bidirectional
+/// attention), [`Error::ShapeMismatch`] / [`Error::InvalidLayout`] naming
+/// `"initial_state"` (not `[B, H, M, W]`, not contiguous), [`Error::Aliasing`] (it overlaps
+/// `out`).
+pub fn forward_with_state<T: Element>(
+    device: &Device,
+    config: &LinearAttentionConfig,
+    args: ForwardArgs<'_, '_, T>,
+    initial: Option<&TensorRef<'_, f32>>,
+) -> Result<LinearAttentionSaved> {
+    forward_impl(device, config, args, initial, None)
+}
+
+/// [`forward_with_state`] on `N` variable-length sequences packed into one batch
+/// (flash-linear-attention's `cu_seqlens`; module `packing`): `B = 1`, and `seq_offsets`
+/// (`N + 1` entries, `0 = o_0 ≤ o_1 ≤ … ≤ o_N = L`, on the host) makes rows `o_n..o_{n+1}`
+/// of every head sequence `n`. No state crosses from one sequence to the next: the outputs,
+/// and the gradients of [`backward`] / [`backward_with_state`] on the returned value, equal
+/// one call per sequence. States (initial, final and their gradients) are `[N, H, M, W]`.
+///
+/// # Errors
+/// As [`forward_with_state`], and [`Error::InvalidArgument`] naming `"seq_offsets"` (`B ≠
+/// 1`, fewer than 2 offsets, not starting at 0 or not ending at `L`, decreasing).
+pub fn forward_packed<T: Element>(
+    device: &Device,
+    config: &LinearAttentionConfig,
+    args: ForwardArgs<'_, '_, T>,
+    seq_offsets: &[usize],
+    initial: Option<&TensorRef<'_, f32>>,
+) -> Result<LinearAttentionSaved> {
+    forward_impl(device, config, args, initial, Some(seq_offsets))
+}
+
+fn forward_impl<T: Element>(
+    device: &Device,
+    config: &LinearAttentionConfig,
+    args: ForwardArgs<'_, '_, T>,
+    initial: Option<&TensorRef<'_, f32>>,
+    seq_offsets: Option<&[usize]>,
+) -> Result<LinearAttentionSaved> {
     config.check()?;
     let ForwardArgs { q, k, v, out } = args;
     let qs = rank4(q.shape(), "q")?;
@@ -411,7 +548,19 @@ pub fn forward<T: Element>(
     expect_shape(v.shape(), [qs[0], qs[1], qs[2], vs[3]], "v")?;
     expect_shape(out.shape(), vs, "out")?;
     let dims = Dims { batch: qs[0], heads: qs[1], len: qs[2], feat: qs[3], dim: vs[3] };
-    let sizes = saved_sizes(&dims, config)?;
+    let packing = match seq_offsets {
+        Some(o) => Some(packing::pack(device, o, dims.batch, dims.len, config.chunk)?),
+        None => None,
+    };
+    let sizes = saved_sizes_packed(&dims, config, packing.as_ref().map(|p| (p.n, p.nchunks)))?;
+    if let Some(s0) = initial {
+        state::require_causal(config.causal, "initial_state")?;
+        let w = state_width(&dims, config).ok_or_else(|| Error::too_large("initial_state", "D + 1 overflows"))?;
+        let nst = packing.as_ref().map_or(dims.batch, |p| p.n);
+        let want = state::state_shape(nst, dims.heads, dims.feat, w);
+        state::check_state(s0.shape(), s0.layout().is_contiguous(), want, "initial_state")?;
+    }
+    let init_copy = sizes.init_copy(config, initial.is_some());
     let mut saved = LinearAttentionSaved {
         state: device.alloc_for_kernel::<f32>(sizes.state.max(1))?,
         boundary: if config.keeps_boundaries() {
@@ -420,6 +569,8 @@ pub fn forward<T: Element>(
             None
         },
         den: if config.normalize { Some(device.alloc_for_kernel::<f32>(sizes.den.max(1))?) } else { None },
+        init: if init_copy > 0 { Some(device.alloc_for_kernel::<f32>(init_copy)?) } else { None },
+        packing,
         sizes,
         dims,
         config: *config,
@@ -428,9 +579,9 @@ pub fn forward<T: Element>(
     if out.numel() == 0 && sizes.state == 0 && sizes.boundary == 0 && sizes.den == 0 {
         return Ok(saved);
     }
-    let shape = la_shape(&dims, config, T::DTYPE)?;
-    let LinearAttentionSaved { state, boundary, den, .. } = &mut saved;
+    let LinearAttentionSaved { state, boundary, den, init, packing, .. } = &mut saved;
     let mut launch = Launch::new(device);
+    let shape = la_shape(&dims, config, T::DTYPE, packing.as_ref(), &mut launch)?;
     let args = sys::MesaLaForwardArgs {
         shape,
         q: la_tensor(q.layout(), launch.input(q, "q")?.cast_mut()),
@@ -446,12 +597,21 @@ pub fn forward<T: Element>(
             Some(b) => launch.write_buffer(b, "denominators")?,
             None => std::ptr::null_mut(),
         },
+        init_state: match initial {
+            Some(s0) => launch.input(s0, "initial_state")?.cast(),
+            None => std::ptr::null(),
+        },
+        init_copy: match init.as_mut() {
+            Some(b) => launch.write_buffer(b, "initial state copy")?,
+            None => std::ptr::null_mut(),
+        },
     };
     // SAFETY: q, k, v, out are registered rank-4 views (each inside its buffer, checked by
     // TensorRef/TensorMut::new) with the shapes checked equal above and described by their
-    // strides; out overlaps no input (the builder's aliasing check); the state, boundary and
-    // denominator buffers are registered and hold the counts the header documents for these
-    // dims (saved_sizes).
+    // strides; out overlaps no input (the builder's aliasing check); the state, boundary,
+    // denominator and initial-state-copy buffers are registered and hold the counts the
+    // header documents for these dims (saved_sizes, init_copy); the initial state is a
+    // registered contiguous [B, H, M, W] f32 view (checked above).
     unsafe {
         launch.launch(
             "linear_attention_forward",
@@ -474,8 +634,8 @@ pub fn forward<T: Element>(
 /// In-place: not supported (a gradient overlapping an input or another gradient →
 /// [`Error::Aliasing`]).
 ///
-/// Allocates a workspace of `(B·H·M·W + B·H·L)·4` bytes (stream-ordered, freed when the
-/// call's work is done).
+/// Allocates a workspace of `B·H·M·W·4` bytes, independent of `L` (stream-ordered, freed
+/// when the call's work is done).
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] naming the tensor whose shape differs from the forward's dims
@@ -487,6 +647,24 @@ pub fn backward<T: Element>(
     device: &Device,
     saved: &LinearAttentionSaved,
     args: BackwardArgs<'_, '_, T>,
+) -> Result<()> {
+    backward_with_state(device, saved, args, StateGrads::default())
+}
+
+/// [`backward`] with the state gradients of a call that is one piece of a longer sequence
+/// (causal; module [`state`]): `d_final` is the gradient of the saved final state (from the
+/// next piece's `d_initial`, or `None` for zero), `d_initial` receives the gradient of the
+/// initial state. Both `[B, H, M, W]` f32, contiguous. Pieces are run in reverse order.
+///
+/// # Errors
+/// As [`backward`], and [`Error::InvalidArgument`] (state gradients of bidirectional
+/// attention), [`Error::ShapeMismatch`] / [`Error::InvalidLayout`] naming `"d_final"` or
+/// `"d_initial"`, [`Error::Aliasing`] (`d_initial` overlapping an input or a gradient).
+pub fn backward_with_state<T: Element>(
+    device: &Device,
+    saved: &LinearAttentionSaved,
+    args: BackwardArgs<'_, '_, T>,
+    states: StateGrads<'_, '_>,
 ) -> Result<()> {
     let config = saved.config;
     let dims = saved.dims;
@@ -523,14 +701,25 @@ pub fn backward<T: Element>(
     expect_shape(dq.shape(), qshape, "dq")?;
     expect_shape(dk.shape(), qshape, "dk")?;
     expect_shape(dv.shape(), vshape, "dv")?;
-    if dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0 {
+    let StateGrads { d_final, d_initial } = states;
+    // W is only computed when a state tensor is given (D may be any size when M = 0)
+    let sshape = || saved.state_shape();
+    if let Some(t) = d_final {
+        state::require_causal(config.causal, "d_final")?;
+        state::check_state(t.shape(), t.layout().is_contiguous(), sshape()?, "d_final")?;
+    }
+    if let Some(t) = d_initial.as_ref() {
+        state::require_causal(config.causal, "d_initial")?;
+        state::check_state(t.shape(), t.layout().is_contiguous(), sshape()?, "d_initial")?;
+    }
+    let wants_state = d_initial.as_ref().is_some_and(|t| t.numel() > 0);
+    if dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0 && !wants_state {
         return Ok(());
     }
-    let sizes = saved_sizes(&dims, &config)?;
-    let shape = la_shape(&dims, &config, T::DTYPE)?;
-    // saved_sizes: each count < i64::MAX / 16, so the sum does not overflow
-    let mut work = device.alloc_for_kernel::<f32>((sizes.state + sizes.den).max(1))?;
+    let sizes = saved.sizes;
+    let mut work = device.alloc_for_kernel::<f32>(sizes.state.max(1))?;
     let mut launch = Launch::new(device);
+    let shape = la_shape(&dims, &config, T::DTYPE, saved.packing.as_ref(), &mut launch)?;
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
     let args = sys::MesaLaBackwardArgs {
         shape,
@@ -554,13 +743,26 @@ pub fn backward<T: Element>(
             Some(b) => launch.read_buffer(b, "denominators")?,
             None => std::ptr::null(),
         },
+        init_state: match saved.init.as_ref() {
+            Some(b) => launch.read_buffer(b, "initial state copy")?,
+            None => std::ptr::null(),
+        },
+        d_final: match d_final {
+            Some(t) => launch.input(t, "d_final")?.cast(),
+            None => std::ptr::null(),
+        },
+        d_init: match d_initial {
+            Some(t) => launch.output(t, "d_initial")?.cast(),
+            None => std::ptr::null_mut(),
+        },
         work: launch.write_buffer(&mut work, "workspace")?,
     };
     // SAFETY: every view is registered, rank 4 with the forward's dims (checked above) and
     // inside its buffer (TensorRef/TensorMut::new); no gradient overlaps an input or another
     // gradient (the builder's aliasing check); the saved buffers were sized by the forward
-    // for these dims and config (same dtype and backend checked above); the workspace holds
-    // B·H·M·W + B·H·L f32 as the header requires.
+    // for these dims and config (same dtype and backend checked above); d_final and
+    // d_initial are registered contiguous [B, H, M, W] f32 views (checked above); the
+    // workspace holds B·H·M·W f32 as the header requires.
     unsafe {
         launch.launch(
             "linear_attention_backward",
