@@ -30,6 +30,16 @@ struct GroupMap {
   __device__ __forceinline__ int64_t group(int64_t i) const { return (i / run) % count; }
 };
 
+// The same map for dense hot loops (logical index below 2^31), by 32-bit fast division.
+struct GroupMap32 {
+  FastDiv run, count;
+  __device__ __forceinline__ uint32_t group(uint32_t i) const { return count.mod(run.div(i)); }
+};
+inline bool group_map32_ok(const GroupMap& g, int64_t n) {
+  return n < (int64_t(1) << 31) && g.run < (int64_t(1) << 31) && g.count < (int64_t(1) << 31);
+}
+inline GroupMap32 group_map32(const GroupMap& g) { return GroupMap32{fast_div(uint32_t(g.run)), fast_div(uint32_t(g.count))}; }
+
 struct CodeParams {
   float offset;
   float inv_scale;  // ~1 / (scale * prescale); 0 for a zero or NaN scale
@@ -79,16 +89,19 @@ __device__ __forceinline__ float code_position(float x, CodeParams p) {
 // in 2^17) and biases every t by up to half an ulp. floor(t) and t - floor(t) are exact in f32
 // (|t| < 2^24 once clamped; NaN and huge t clamp below), so P(code = floor(t) + 1) = frac(t)
 // up to the 2^-24 grid of u, in both builds.
-__device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
-  const float t = code_position(x, p);
-  float r;
+// The code of position t. Nearest: clamp, then round (the same as rounding first: the bounds
+// are integers), in one F2I.RNE. fmaxf(NaN, 0) = 0.
+__device__ __forceinline__ unsigned round_code(float t, float levels, bool stochastic, float u) {
   if (stochastic) {
     const float fl = floorf(t);
-    r = (u < t - fl) ? fl + 1.0f : fl;  // t - fl: exact (Sterbenz); fl + 1: exact below 2^24
-  } else {
-    r = rintf(t);
+    const float r = (u < t - fl) ? fl + 1.0f : fl;  // t - fl: exact (Sterbenz); fl + 1: exact below 2^24
+    return unsigned(fminf(fmaxf(r, 0.0f), levels));
   }
-  return unsigned(fminf(fmaxf(r, 0.0f), levels));  // fmaxf(NaN, 0) = 0
+  return __float2uint_rn(fminf(fmaxf(t, 0.0f), levels));
+}
+
+__device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
+  return round_code(code_position(x, p), levels, stochastic, u);
 }
 
 // Companded codes (MESA_CODE_MAP_SQRT): the value encoded is u = sqrt(x) (IEEE sqrtf, the

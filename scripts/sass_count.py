@@ -50,15 +50,19 @@ RECIPROCAL = r"0x7ef311c3"  # seed of reciprocal(): code_params of a group with 
 # fraction of the budget (0.70 round-to-nearest; 1.00 for GELU's accurate tail and
 # stochastic rounding).
 SPECS = [
+    # quantize and dequantize: the dense kernels, two units of 8 per iteration
     dict(name="quantize, running (codes + stats)", file="quantize",
-         func=r"::quantize_kernel<__nv_bfloat16, true>", loops=[(r"LDG\.E\.128", 8)],
-         bytes=3, avoid=[PHILOX, SQRT], require=[(RECIPROCAL, 1), (r"VIMNMX", 16)], limit=0.70),
+         func=r"::quantize_dense_kernel<__nv_bfloat16, 8, false, true>", loops=[(r"LDG\.E\.128", 16)],
+         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], limit=0.70),
     dict(name="quantize, codes only", file="quantize",
-         func=r"::quantize_kernel<__nv_bfloat16, true>", loops=[(r"LDG\.E\.128", 8)],
-         bytes=3, avoid=[PHILOX, SQRT], require=[(RECIPROCAL, 1)], limit=0.70),
+         func=r"::quantize_dense_kernel<__nv_bfloat16, 8, false, false>", loops=[(r"LDG\.E\.128", 16)],
+         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], limit=0.70),
+    dict(name="quantize, running, stochastic", file="quantize",
+         func=r"::quantize_dense_kernel<__nv_bfloat16, 8, true, true>", loops=[(r"LDG\.E\.128", 16)],
+         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], limit=1.00),
     dict(name="dequantize -> bf16", file="quantize",
-         func=r"::dequantize_kernel<__nv_bfloat16, true>", loops=[(r"STG\.E\.128", 8)],
-         bytes=3, avoid=[SQRT], limit=0.70),
+         func=r"::dequantize_dense_kernel<__nv_bfloat16, 8, false>", loops=[(r"STG\.E\.128", 16)],
+         bytes=3, avoid=[], require=[(r"LDG\.E\.64", 2), (r"STG\.E\.128", 2)], limit=0.70),
     dict(name="statistics pass (exact mode)", file="quantize",
          func=r"::quant_stats_kernel<__nv_bfloat16, true>", loops=[(r"LDG\.E\.128", 8)],
          bytes=2, avoid=[], require=[(r"VIMNMX", 16)], limit=0.70),
