@@ -183,9 +183,13 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
                                                     MesaGroupStats* stats_target) {
   constexpr float kLevels = float((1u << kBits) - 1u);
   const uint32_t g = q.groups.group(i0);
-  if (g != cached_group) {
+  if (g != cached_group) {  // a new group: its parameters, and the statistics of the last one out
     p = code_params(q.params[g]);
     cached_group = g;
+    if (kStats && int64_t(g) != run.group) {
+      flush(run, stats_target);
+      run.group = g;
+    }
   }
   float us[kUnit];
 #pragma unroll
@@ -197,14 +201,14 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
     us[4] = uniform01(b.x); us[5] = uniform01(b.y); us[6] = uniform01(b.z); us[7] = uniform01(b.w);
   }
   float d[kUnit];
-  float probe = 0.0f;  // NaN when some x - offset is not finite (x non-finite, or overflow)
+  float probe = 0.0f;  // +-0 while every x - offset is finite, NaN otherwise (x non-finite, or overflow)
 #pragma unroll
   for (int j = 0; j < kUnit; ++j) {
     d[j] = xs[j] - p.offset;
     probe = fmaf(d[j], 0.0f, probe);
   }
   unsigned codes[kUnit];
-  if (is_finite(probe) && p.prescale == 1.0f) {
+  if (probe == 0.0f && p.prescale == 1.0f) {
     // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale)
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) codes[j] = round_code(__fmul_rn(d[j], p.inv_scale), kLevels, kStochastic, us[j]);
@@ -215,11 +219,7 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
         lo = fminf(lo, xs[j]);
         hi = fmaxf(hi, xs[j]);
       }
-      if (lo != 0.0f && hi != 0.0f) {  // all finite: d finite implies x finite
-        if (int64_t(g) != run.group) {
-          flush(run, stats_target);
-          run.group = g;
-        }
+      if (lo != 0.0f && hi != 0.0f) {  // all finite: d finite implies x finite; run.group == g
         const unsigned klo = float_key(lo), khi = float_key(hi);
         run.min_key = klo < run.min_key ? klo : run.min_key;
         run.max_key = khi > run.max_key ? khi : run.max_key;
@@ -235,7 +235,7 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
       if (kStats) accumulate(run, g, xs[j], stats_target);
     }
   }
-  store_codes<kUnit>(q.codes + size_t(i0) * kBits / 8, codes, kBits);
+  store_unit_codes<kBits>(q.codes + size_t(i0) * kBits / 8, codes);
 }
 
 // A unit of 8 as loaded (one or two 16-byte vectors), converted to f32 where it is encoded.

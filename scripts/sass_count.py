@@ -20,7 +20,7 @@ Method (docs/kernels.md, "Static instruction budget"):
     instructions per element; per-row or per-block work outside the loops is not counted.
 Budget: 33.4 T thread-instructions/s (132 SMs x 4 x 32 x 1.98 GHz) over 4.3 TB/s = 7.77 per
 byte, so a kernel moving B bytes per element may issue 7.77 B per element. The line of each
-kernel carries the word `budget`; the exit status is 1 when one is over its limit.
+kernel carries the word `budget`; the exit status is 1 when one is over its gate.
 
     scripts/sass_count.py DIR          # DIR holds <file>.sm_90.sass (check-resources.sh)
     scripts/sass_count.py DIR --markdown
@@ -46,55 +46,57 @@ RECIPROCAL = r"0x7ef311c3"  # seed of reciprocal(): code_params of a group with 
 
 # One spec per memory-bound kernel: the kernel instance (demangled-name pattern), its loops
 # (marker = an instruction of the dense path, elems = elements per iteration), bytes per
-# element moved, extra patterns of code the configuration does not run, and the limit as a
-# fraction of the budget (0.70 round-to-nearest; 1.00 for GELU's accurate tail and
-# stochastic rounding).
+# element moved, patterns of code the configuration does not run (avoid) or must run
+# (require: at least n matching instructions on the path), the target as a fraction of the
+# budget (issue 12: 0.70 round-to-nearest; 1.00 for GELU's accurate tail and stochastic
+# rounding) and the gate that fails the check: the target once a kernel meets it; until
+# then its count when the gate was set, rounded up, so that nothing gets slower unnoticed.
 SPECS = [
     # quantize and dequantize: the dense kernels, two units of 8 per iteration
     dict(name="quantize, running (codes + stats)", file="quantize",
          func=r"::quantize_dense_kernel<__nv_bfloat16, 8, false, true>", loops=[(r"LDG\.E\.128", 16)],
-         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], limit=0.70),
+         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], target=0.70),
     dict(name="quantize, codes only", file="quantize",
          func=r"::quantize_dense_kernel<__nv_bfloat16, 8, false, false>", loops=[(r"LDG\.E\.128", 16)],
-         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], limit=0.70),
+         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], target=0.70),
     dict(name="quantize, running, stochastic", file="quantize",
          func=r"::quantize_dense_kernel<__nv_bfloat16, 8, true, true>", loops=[(r"LDG\.E\.128", 16)],
-         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], limit=1.00),
+         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], target=1.00),
     dict(name="dequantize -> bf16", file="quantize",
          func=r"::dequantize_dense_kernel<__nv_bfloat16, 8, false>", loops=[(r"STG\.E\.128", 16)],
-         bytes=3, avoid=[], require=[(r"LDG\.E\.64", 2), (r"STG\.E\.128", 2)], limit=0.70),
+         bytes=3, avoid=[], require=[(r"LDG\.E\.64", 2), (r"STG\.E\.128", 2)], target=0.70),
     dict(name="statistics pass (exact mode)", file="quantize",
          func=r"::quant_stats_kernel<__nv_bfloat16, true>", loops=[(r"LDG\.E\.128", 8)],
-         bytes=2, avoid=[], require=[(r"VIMNMX", 16)], limit=0.70),
+         bytes=2, avoid=[], require=[(r"VIMNMX", 16)], target=0.70),
     dict(name="GELU fwd saving codes + stats (erf)", file="gelu",
          func=r"::gelu_forward_kernel<__nv_bfloat16>", loops=[(r"LDG\.E\.128", 8)],
          bytes=5, avoid=[PHILOX],
          require=[(r"STG\.E\.128", 1), (r"^CALL", 8), (RECIPROCAL, 1), (r"VIMNMX", 16)],
-         callee_require=[(ERF, 1)], limit=1.00),
+         callee_require=[(ERF, 1)], target=1.00),
     dict(name="GELU bwd from codes (erf)", file="gelu",
          func=r"::gelu_backward_kernel<__nv_bfloat16, true>", loops=[(r"LDG\.E\.128", 8)],
-         bytes=5, avoid=[SQRT], require=[(r"STG\.E\.128", 1), (ERF, 8)], limit=1.00),
+         bytes=5, avoid=[SQRT], require=[(r"STG\.E\.128", 1), (ERF, 8)], target=1.00),
     dict(name="softmax fwd saving sqrt codes (1024 cols)", file="softmax",
          func=r"::softmax_forward_kernel<__nv_bfloat16, 32, 4>", loops=[(r"LDG\.E\.128", 32)],
          bytes=5, avoid=[PHILOX],
-         require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (SQRT, 32)], limit=0.70),
+         require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (SQRT, 32)], target=0.70),
     dict(name="LayerNorm fwd saving + stats (1024 cols)", file="layernorm",
          func=r"::layernorm_forward_kernel<__nv_bfloat16, 32, 4>", loops=[(r"LDG\.E\.128", 32)],
          bytes=5, avoid=[PHILOX],
          require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (RECIPROCAL, 4),
-                  (r"VIMNMX", 64)], limit=0.70),
+                  (r"VIMNMX", 64)], target=0.70),
     dict(name="ReLU feature map fwd", file="feature_maps",
          func=r"::elementwise_forward_kernel<__nv_bfloat16, 0>", loops=[(r"LDG\.E\.U16", 1)],
-         bytes=4, avoid=[], limit=0.70),
+         bytes=4, avoid=[], target=0.70),
     dict(name="ELU+1 feature map fwd", file="feature_maps",
          func=r"::elementwise_forward_kernel<__nv_bfloat16, 1>", loops=[(r"LDG\.E\.U16", 1)],
-         bytes=4, avoid=[], limit=0.70),
+         bytes=4, avoid=[], target=0.70),
     dict(name="ReLU feature map bwd", file="feature_maps",
          func=r"::elementwise_backward_kernel<__nv_bfloat16, 0>", loops=[(r"LDG\.E\.U16", 1)],
-         bytes=6, avoid=[], limit=0.70),
+         bytes=6, avoid=[], target=0.70),
     dict(name="ELU+1 feature map bwd", file="feature_maps",
          func=r"::elementwise_backward_kernel<__nv_bfloat16, 1>", loops=[(r"LDG\.E\.U16", 1)],
-         bytes=6, avoid=[], limit=0.70),
+         bytes=6, avoid=[], target=0.70),
 ]
 
 
@@ -383,35 +385,41 @@ def main():
     ap.add_argument("--markdown", action="store_true", help="print the table for docs/kernels.md")
     args = ap.parse_args()
     rows = evaluate(args.sass_dir, args.arch)
-    over, missing = [], []
+    over, missing, open_targets = [], [], []
     if args.markdown:
-        print("| kernel (bf16, dense) | bytes/element | instructions per element | per 8 | budget per 8 | fraction | limit |")
-        print("|---|---|---|---|---|---|---|")
+        print("| kernel (bf16, dense) | B/element | instructions per element | per 8 | budget per 8 | fraction | target | gate |")
+        print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["spec"]
         budget = PER_BYTE * s["bytes"]
+        target = s["target"]
+        gate = s.get("gate", target)
         if r["per_elem"] is None:
             missing.append(f"{s['name']}: {r['note']}")
-            print(f"sass budget  {s['name']:<38} not counted: {r['note']}")
+            print(f"sass budget  {s['name']:<42} not counted: {r['note']}")
             continue
         frac = r["per_elem"] / budget
-        ok = frac <= s["limit"]
-        if not ok:
+        if frac > gate:
             over.append(s["name"])
+        if frac > target:
+            open_targets.append(s["name"])
+        verdict = "meets target" if frac <= target else ("target NOT met" if frac <= gate else "OVER the gate")
         if args.markdown:
             print(f"| {s['name']} | {s['bytes']} | {r['per_elem']:.1f} | {8 * r['per_elem']:.0f} | {8 * budget:.0f} "
-                  f"| {100 * frac:.0f} % | {100 * s['limit']:.0f} % |")
+                  f"| {100 * frac:.0f} % | {100 * target:.0f} % | {100 * gate:.0f} % |")
         else:
-            print(f"sass budget  {s['name']:<38} {r['per_elem']:6.1f} instr/element  budget {budget:5.1f} "
-                  f"({s['bytes']} B/element)  {100 * frac:4.0f} % of budget  limit {100 * s['limit']:.0f} %"
-                  f"  {'ok' if ok else 'OVER'}   [{r['note']}]")
+            print(f"sass budget  {s['name']:<42} {r['per_elem']:6.1f} instr/element of {budget:5.1f} "
+                  f"({s['bytes']} B/element)  {100 * frac:4.0f} % of budget  target {100 * target:3.0f} %  "
+                  f"gate {100 * gate:3.0f} %  {verdict}   [{r['note']}]")
+    if open_targets:
+        print("note: target not met yet (gated at today's count instead): " + ", ".join(open_targets))
     if missing:
         print("FAIL: kernels not counted: " + "; ".join(missing))
         return 1
     if over:
-        print("FAIL: over the instruction budget: " + ", ".join(over))
+        print("FAIL: over the instruction-budget gate: " + ", ".join(over))
         return 1
-    print(f"OK: {len(rows)} dense hot paths within their instruction budgets")
+    print(f"OK: {len(rows)} dense hot paths within their gates, {len(rows) - len(open_targets)} within their targets")
     return 0
 
 
