@@ -29,6 +29,45 @@
 namespace MESA_NS {
 
 constexpr int kBlock = 256;
+// A unit of 8 as loaded (one or two 16-byte vectors), converted to f32 where it is encoded.
+template <typename T>
+struct RawUnit {
+  Vec16<T> v[kUnit / Vec16<T>::N];
+  __device__ __forceinline__ void load(const T* x, uint32_t i0) {
+#pragma unroll
+    for (int h = 0; h < kUnit / Vec16<T>::N; ++h) v[h] = load16(x + i0 + h * Vec16<T>::N);
+  }
+  __device__ __forceinline__ void to_floats(float (&xs)[kUnit]) const {
+    constexpr int V = Vec16<T>::N;
+#pragma unroll
+    for (int h = 0; h < kUnit / V; ++h)
+#pragma unroll
+      for (int j = 0; j < V; ++j) xs[h * V + j] = to_float(v[h].v[j]);
+  }
+};
+
+// Unit statistics without a key per element: when every x of the unit is finite (`finite`:
+// the probe sum of x * 0 stayed +-0) and neither its min nor its max is a zero (keys tell -0 from +0,
+// fminf does not), the unit's min and max in f32 give the keys of its extremes; otherwise the
+// per-element accumulate. `run` must already be on the unit's group.
+__device__ __forceinline__ void accumulate_unit(RunStats& run, int64_t g, const float (&xs)[kUnit], bool finite,
+                                                MesaGroupStats* stats_target) {
+  float lo = xs[0], hi = xs[0];
+#pragma unroll
+  for (int j = 1; j < kUnit; ++j) {
+    lo = fminf(lo, xs[j]);
+    hi = fmaxf(hi, xs[j]);
+  }
+  if (finite && lo != 0.0f && hi != 0.0f) {
+    const unsigned klo = float_key(lo), khi = float_key(hi);
+    run.min_key = klo < run.min_key ? klo : run.min_key;
+    run.max_key = khi > run.max_key ? khi : run.max_key;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) accumulate(run, g, xs[j], stats_target);
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Statistics pass (exact mode).
 template <typename T, bool kDense>
@@ -57,6 +96,46 @@ __global__ void __launch_bounds__(kBlock) quant_stats_kernel(const T* __restrict
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
       accumulate(run, groups.group(i), to_float(x[view.offset(i)]), sink.target());
   }
+  flush(run, sink.target());
+  sink.end();
+}
+
+// Dense fast path of the statistics pass: x dense and 16-byte aligned, n < 2^31, units of 8
+// in one group; two units in flight per thread, the group by 32-bit fast division and the
+// unit reduced by accumulate_unit. The tail (n % 8) by one thread, element by element.
+template <typename T>
+__global__ void __launch_bounds__(kBlock) quant_stats_dense_kernel(const T* __restrict__ x, int64_t n,
+                                                                   GroupMap32 groups, GroupMap groups64,
+                                                                   MesaGroupStats* stats) {
+  __shared__ MesaGroupStats staged[kSharedGroups];
+  StatsSink sink{stats, groups64.count <= kSharedGroups ? staged : nullptr, groups64.count};
+  sink.begin();
+  RunStats run;
+  const uint32_t nunits = uint32_t(n / kUnit);
+  const uint32_t stride = gridDim.x * blockDim.x;
+  auto unit = [&](uint32_t i0, const RawUnit<T>& raw) {
+    float xs[kUnit];
+    raw.to_floats(xs);
+    float probe = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) probe = fmaf(xs[j], 0.0f, probe);
+    const int64_t g = groups.group(i0);
+    if (g != run.group) {
+      flush(run, sink.target());
+      run.group = g;
+    }
+    accumulate_unit(run, g, xs, probe == 0.0f, sink.target());
+  };
+  for (uint32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < nunits; u += 2 * stride) {
+    const bool second = u + stride < nunits;
+    RawUnit<T> a, b;
+    a.load(x, u * kUnit);
+    if (second) b.load(x, (u + stride) * kUnit);
+    unit(u * kUnit, a);
+    if (second) unit((u + stride) * kUnit, b);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    for (int64_t i = int64_t(nunits) * kUnit; i < n; ++i) accumulate(run, groups64.group(i), to_float(x[i]), sink.target());
   flush(run, sink.target());
   sink.end();
 }
@@ -212,22 +291,7 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
     // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale)
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) codes[j] = round_code(__fmul_rn(d[j], p.inv_scale), kLevels, kStochastic, us[j]);
-    if (kStats) {
-      float lo = xs[0], hi = xs[0];
-#pragma unroll
-      for (int j = 1; j < kUnit; ++j) {
-        lo = fminf(lo, xs[j]);
-        hi = fmaxf(hi, xs[j]);
-      }
-      if (lo != 0.0f && hi != 0.0f) {  // all finite: d finite implies x finite; run.group == g
-        const unsigned klo = float_key(lo), khi = float_key(hi);
-        run.min_key = klo < run.min_key ? klo : run.min_key;
-        run.max_key = khi > run.max_key ? khi : run.max_key;
-      } else {
-#pragma unroll
-        for (int j = 0; j < kUnit; ++j) accumulate(run, g, xs[j], stats_target);
-      }
-    }
+    if (kStats) accumulate_unit(run, g, xs, true, stats_target);  // d, so x, all finite
   } else {
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) {
@@ -237,23 +301,6 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
   }
   store_unit_codes<kBits>(q.codes + size_t(i0) * kBits / 8, codes);
 }
-
-// A unit of 8 as loaded (one or two 16-byte vectors), converted to f32 where it is encoded.
-template <typename T>
-struct RawUnit {
-  Vec16<T> v[kUnit / Vec16<T>::N];
-  __device__ __forceinline__ void load(const T* x, uint32_t i0) {
-#pragma unroll
-    for (int h = 0; h < kUnit / Vec16<T>::N; ++h) v[h] = load16(x + i0 + h * Vec16<T>::N);
-  }
-  __device__ __forceinline__ void to_floats(float (&xs)[kUnit]) const {
-    constexpr int V = Vec16<T>::N;
-#pragma unroll
-    for (int h = 0; h < kUnit / V; ++h)
-#pragma unroll
-      for (int j = 0; j < V; ++j) xs[h * V + j] = to_float(v[h].v[j]);
-  }
-};
 
 template <typename T, int kBits, bool kStochastic, bool kStats>
 __global__ void __launch_bounds__(kBlock) quantize_dense_kernel(const T* __restrict__ x, int64_t n, DenseQuantize q,
@@ -471,6 +518,11 @@ MesaStatus launch_stats(const MesaQuantStatsArgs& a, void* stream) {
   const GroupMap gm = group_map(a.grouping, a.x_desc);
   const T* x = static_cast<const T*>(a.x);
   const Strided view = strided_from(a.x_desc);
+  if (vector_ok(a.x, a.x_desc) && gm.run % kUnit == 0 && group_map32_ok(gm, n)) {
+    const auto kernel = quant_stats_dense_kernel<T>;
+    return status_from(MESA_LAUNCH(kernel, dim3(resident_grid(kernel, ceil_div(ceil_div(n, kUnit), 2), kBlock)),
+                                   dim3(kBlock), 0, stream, x, n, group_map32(gm), gm, a.stats));
+  }
   if (vector_ok(a.x, a.x_desc))
     return status_from(MESA_LAUNCH((quant_stats_kernel<T, true>), dim3(grid_for(n / Vec16<T>::N + 1)), dim3(kBlock),
                                    0, stream, x, view, n, gm, a.stats));

@@ -42,6 +42,7 @@ COLD = [r"^ATOM", r"^RED\b", r"^RED\."]
 PHILOX = r"0x2daee0ad|0xd2511f53"  # Philox4x32 multiplier, as nvcc prints it (-0x2daee0ad)
 SQRT = r"^MUFU\.RSQ"
 ERF = r"-0\.707106"  # -x/sqrt(2): the argument of erfcf, GELU's erf form
+EXP = r"^MUFU\.EX2"  # expf
 RECIPROCAL = r"0x7ef311c3"  # seed of reciprocal(): code_params of a group with a normal scale
 
 # One spec per memory-bound kernel: the kernel instance (demangled-name pattern), its loops
@@ -66,8 +67,8 @@ SPECS = [
          func=r"::dequantize_dense_kernel<__nv_bfloat16, 8, false>", loops=[(r"STG\.E\.128", 16)],
          bytes=3, avoid=[], require=[(r"LDG\.E\.64", 2), (r"STG\.E\.128", 2)], target=0.70),
     dict(name="statistics pass (exact mode)", file="quantize",
-         func=r"::quant_stats_kernel<__nv_bfloat16, true>", loops=[(r"LDG\.E\.128", 8)],
-         bytes=2, avoid=[], require=[(r"VIMNMX", 16)], target=0.70),
+         func=r"::quant_stats_dense_kernel<__nv_bfloat16>", loops=[(r"LDG\.E\.128", 16)],
+         bytes=2, avoid=[], require=[(r"LDG\.E\.128", 2)], target=0.70),
     dict(name="GELU fwd saving codes + stats (erf)", file="gelu",
          func=r"::gelu_forward_kernel<__nv_bfloat16>", loops=[(r"LDG\.E\.128", 8)],
          bytes=5, avoid=[PHILOX],
@@ -85,18 +86,20 @@ SPECS = [
          bytes=5, avoid=[PHILOX],
          require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (RECIPROCAL, 4),
                   (r"VIMNMX", 64)], target=0.70),
+    # feature maps: the dense kernel, two 16-byte vectors (16 bf16) per iteration; ELU+1 with
+    # every element on its exp side (the costlier one)
     dict(name="ReLU feature map fwd", file="feature_maps",
-         func=r"::elementwise_forward_kernel<__nv_bfloat16, 0>", loops=[(r"LDG\.E\.U16", 1)],
-         bytes=4, avoid=[], target=0.70),
+         func=r"::elementwise_dense_kernel<__nv_bfloat16, 0, false>", loops=[(r"STG\.E\.128", 16)],
+         bytes=4, avoid=[], require=[(r"STG\.E\.128", 2)], target=0.70),
     dict(name="ELU+1 feature map fwd", file="feature_maps",
-         func=r"::elementwise_forward_kernel<__nv_bfloat16, 1>", loops=[(r"LDG\.E\.U16", 1)],
-         bytes=4, avoid=[], target=0.70),
+         func=r"::elementwise_dense_kernel<__nv_bfloat16, 1, false>", loops=[(r"STG\.E\.128", 16)],
+         bytes=4, avoid=[], require=[(r"STG\.E\.128", 2), (EXP, 16)], target=0.70),
     dict(name="ReLU feature map bwd", file="feature_maps",
-         func=r"::elementwise_backward_kernel<__nv_bfloat16, 0>", loops=[(r"LDG\.E\.U16", 1)],
-         bytes=6, avoid=[], target=0.70),
+         func=r"::elementwise_dense_kernel<__nv_bfloat16, 0, true>", loops=[(r"STG\.E\.128", 16)],
+         bytes=6, avoid=[], require=[(r"STG\.E\.128", 2)], target=0.70),
     dict(name="ELU+1 feature map bwd", file="feature_maps",
-         func=r"::elementwise_backward_kernel<__nv_bfloat16, 1>", loops=[(r"LDG\.E\.U16", 1)],
-         bytes=6, avoid=[], target=0.70),
+         func=r"::elementwise_dense_kernel<__nv_bfloat16, 1, true>", loops=[(r"STG\.E\.128", 16)],
+         bytes=6, avoid=[], require=[(r"STG\.E\.128", 2), (EXP, 16)], target=0.70),
 ]
 
 
