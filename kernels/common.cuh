@@ -67,6 +67,25 @@ inline int sm_count() {
 #endif
 }
 
+// Grid of a grid-stride kernel: enough blocks for the work, at most as many as the device
+// holds at once (the occupancy API, at this block size and dynamic shared memory, times the
+// SM count), so a grid never runs in a second, partial wave. The emulation has no
+// occupancy: its stand-in is 8 blocks per worker thread.
+template <typename Kernel>
+inline unsigned resident_grid(Kernel kernel, int64_t work_items, int block, size_t smem = 0) {
+  int per_sm = 8;
+#ifndef MESA_EMU
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, smem) != cudaSuccess || per_sm < 1)
+    per_sm = 1;
+#else
+  (void)kernel;
+  (void)smem;
+#endif
+  const int64_t want = ceil_div(work_items, block);
+  const int64_t cap = int64_t(sm_count()) * per_sm;
+  return unsigned(want < 1 ? 1 : (want < cap ? want : cap));
+}
+
 // ---------------------------------------------------------------------------------------
 // Cooperative launch (CUDA build; the emulation runs every block of such a launch on its own
 // OS thread). All blocks of the grid are guaranteed co-resident, so blocks may wait for each
@@ -228,6 +247,25 @@ inline bool desc_valid(const MesaTensorDesc& d) {
 }
 
 inline int dtype_size(MesaDType t) { return t == MESA_DTYPE_F32 ? 4 : 2; }
+
+// ---------------------------------------------------------------------------------------
+// Division by a divisor fixed for a launch, for dividends below 2^31 (dense hot loops index
+// in 32 bits): q = (umulhi(n, m) + n) >> s with s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1
+// (Granlund & Montgomery, PLDI 1994, §4); n + umulhi(n, m) < 2^32 because n < 2^31. Exact for
+// every n < 2^31 and 1 <= d < 2^31 (tests/quantize.rs checks the host constructor's results
+// through the kernels' outputs; the arithmetic is the same in both builds).
+struct FastDiv {
+  uint32_t d, m, s;
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }
+  __device__ __forceinline__ uint32_t mod(uint32_t n) const { return n - div(n) * d; }
+};
+
+inline FastDiv fast_div(uint32_t d) {
+  uint32_t s = 0;
+  while ((uint64_t(1) << s) < d) ++s;
+  const uint64_t m = ((uint64_t(1) << 32) * ((uint64_t(1) << s) - d)) / d + 1;
+  return FastDiv{d, uint32_t(m), s};
+}
 
 // ---------------------------------------------------------------------------------------
 // Reductions.

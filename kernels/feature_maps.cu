@@ -41,6 +41,55 @@ struct Dims {
 };
 
 // ---------------------------------------------------------------------------------------
+// Elementwise maps (m = d): the value and the slope, one definition for both paths.
+template <int kMap>
+__device__ __forceinline__ float feature_value(float v) {
+  return kMap == MESA_FEATURE_RELU ? fmaxf(v, 0.0f) : (v > 0.0f ? v + 1.0f : expf(v));
+}
+template <int kMap>
+__device__ __forceinline__ float feature_slope(float v) {
+  return kMap == MESA_FEATURE_RELU ? (v > 0.0f ? 1.0f : 0.0f) : (v > 0.0f ? 1.0f : expf(v));
+}
+
+// Dense path: every tensor contiguous [B,H,L,D] and 16-byte aligned, so the map runs over one
+// flat array of `total` elements in 16-byte vectors, two per thread in flight, without index
+// arithmetic (the strided kernels below divide the logical index per element). The last
+// total % N elements by one thread.
+template <typename T, int kMap, bool kBackward>
+__global__ void __launch_bounds__(kFmThreads) elementwise_dense_kernel(const T* __restrict__ x,
+                                                                       const T* __restrict__ dphi,
+                                                                       T* __restrict__ out, int64_t total) {
+  constexpr int N = Vec16<T>::N;
+  const int64_t nvec = total / N;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  auto apply = [&](int64_t v, const Vec16<T>& in, const Vec16<T>& g) {
+    Vec16<T> o;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float xv = to_float(in.v[j]);
+      o.v[j] = from_float<T>(kBackward ? to_float(g.v[j]) * feature_slope<kMap>(xv) : feature_value<kMap>(xv));
+    }
+    store16(out + v * N, o);
+  };
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < nvec; v += 2 * stride) {
+    const bool second = v + stride < nvec;
+    Vec16<T> a = load16(x + v * N), b = a, ga = a, gb = a;
+    if (second) b = load16(x + (v + stride) * N);
+    if (kBackward) {
+      ga = load16(dphi + v * N);
+      if (second) gb = load16(dphi + (v + stride) * N);
+    }
+    apply(v, a, ga);
+    if (second) apply(v + stride, b, gb);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    for (int64_t i = nvec * N; i < total; ++i) {
+      const float xv = to_float(x[i]);
+      out[i] = from_float<T>(kBackward ? to_float(dphi[i]) * feature_slope<kMap>(xv) : feature_value<kMap>(xv));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Elementwise maps (m = d), grid-stride over the logical elements.
 template <typename T, int kMap>
 __global__ void __launch_bounds__(kFmThreads) elementwise_forward_kernel(Tensor4 x, Tensor4 phi, Dims n) {
@@ -49,9 +98,7 @@ __global__ void __launch_bounds__(kFmThreads) elementwise_forward_kernel(Tensor4
   T* py = static_cast<T*>(phi.data);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t f = i % n.din, r = i / n.din, l = r % n.L, bh = r / n.L, h = bh % n.H, b = bh / n.H;
-    const float v = to_float(px[x.off(b, h, l, f)]);
-    const float y = kMap == MESA_FEATURE_RELU ? fmaxf(v, 0.0f) : (v > 0.0f ? v + 1.0f : expf(v));
-    py[phi.off(b, h, l, f)] = from_float<T>(y);
+    py[phi.off(b, h, l, f)] = from_float<T>(feature_value<kMap>(to_float(px[x.off(b, h, l, f)])));
   }
 }
 
@@ -64,9 +111,7 @@ __global__ void __launch_bounds__(kFmThreads) elementwise_backward_kernel(Tensor
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t f = i % n.din, r = i / n.din, l = r % n.L, bh = r / n.L, h = bh % n.H, b = bh / n.H;
     const float v = to_float(px[x.off(b, h, l, f)]);
-    const float g = to_float(pg[dphi.off(b, h, l, f)]);
-    const float slope = kMap == MESA_FEATURE_RELU ? (v > 0.0f ? 1.0f : 0.0f) : (v > 0.0f ? 1.0f : expf(v));
-    pd[dx.off(b, h, l, f)] = from_float<T>(g * slope);
+    pd[dx.off(b, h, l, f)] = from_float<T>(to_float(pg[dphi.off(b, h, l, f)]) * feature_slope<kMap>(v));
   }
 }
 
@@ -203,10 +248,36 @@ inline unsigned fm_grid(int64_t items, int per_sm) {
 
 inline float favor_xscale(int64_t d) { return float(1.0 / std::sqrt(std::sqrt(double(d)))); }
 
+// Contiguous row-major [B,H,L,D] (any stride on an axis of size 1) and 16-byte aligned.
+inline bool dense4(const MesaLaTensor& t, const Dims& n) {
+  const int64_t shape[4] = {n.B, n.H, n.L, n.din};
+  int64_t expect = 1;
+  for (int k = 3; k >= 0; --k) {
+    if (shape[k] != 1 && t.strides[k] != expect) return false;
+    expect *= shape[k];
+  }
+  return reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+}
+
+// The dense elementwise kernel of a map, forward or backward: one launch site.
+template <typename T, bool kBackward>
+MesaStatus launch_elementwise_dense(int32_t map, const void* x, const void* dphi, void* out, int64_t total,
+                                    void* stream) {
+  auto go = [&](auto kernel) {
+    const unsigned grid = resident_grid(kernel, ceil_div(ceil_div(total, Vec16<T>::N), 2), kFmThreads);
+    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kFmThreads), 0, stream, static_cast<const T*>(x),
+                                   static_cast<const T*>(dphi), static_cast<T*>(out), total));
+  };
+  if (map == MESA_FEATURE_RELU) return go(elementwise_dense_kernel<T, MESA_FEATURE_RELU, kBackward>);
+  return go(elementwise_dense_kernel<T, MESA_FEATURE_ELU1, kBackward>);
+}
+
 template <typename T>
 MesaStatus feature_forward(const MesaFeatureArgs& a, void* stream) {
   const Dims n{a.batch, a.heads, a.len, a.in_dim, a.out_dim};
   const Tensor4 x = tensor4(a.x), phi = tensor4(a.phi);
+  if ((a.map == MESA_FEATURE_RELU || a.map == MESA_FEATURE_ELU1) && dense4(a.x, n) && dense4(a.phi, n))
+    return launch_elementwise_dense<T, false>(a.map, a.x.data, nullptr, a.phi.data, n.B * n.H * n.L * n.din, stream);
   switch (a.map) {
     case MESA_FEATURE_RELU:
       return status_from(MESA_LAUNCH((elementwise_forward_kernel<T, MESA_FEATURE_RELU>),
@@ -231,6 +302,10 @@ template <typename T>
 MesaStatus feature_backward(const MesaFeatureBackwardArgs& a, void* stream) {
   const Dims n{a.batch, a.heads, a.len, a.in_dim, a.out_dim};
   const Tensor4 x = tensor4(a.x), dphi = tensor4(a.dphi), dx = tensor4(a.dx);
+  if ((a.map == MESA_FEATURE_RELU || a.map == MESA_FEATURE_ELU1) && dense4(a.x, n) && dense4(a.dphi, n) &&
+      dense4(a.dx, n))
+    return launch_elementwise_dense<T, true>(a.map, a.x.data, a.dphi.data, a.dx.data, n.B * n.H * n.L * n.din,
+                                             stream);
   const unsigned grid = fm_grid(ceil_div(n.B * n.H * n.L * n.din, kFmThreads), 8);
   switch (a.map) {
     case MESA_FEATURE_RELU:

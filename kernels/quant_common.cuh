@@ -30,6 +30,16 @@ struct GroupMap {
   __device__ __forceinline__ int64_t group(int64_t i) const { return (i / run) % count; }
 };
 
+// The same map for dense hot loops (logical index below 2^31), by 32-bit fast division.
+struct GroupMap32 {
+  FastDiv run, count;
+  __device__ __forceinline__ uint32_t group(uint32_t i) const { return count.mod(run.div(i)); }
+};
+inline bool group_map32_ok(const GroupMap& g, int64_t n) {
+  return n < (int64_t(1) << 31) && g.run < (int64_t(1) << 31) && g.count < (int64_t(1) << 31);
+}
+inline GroupMap32 group_map32(const GroupMap& g) { return GroupMap32{fast_div(uint32_t(g.run)), fast_div(uint32_t(g.count))}; }
+
 struct CodeParams {
   float offset;
   float inv_scale;  // ~1 / (scale * prescale); 0 for a zero or NaN scale
@@ -79,16 +89,31 @@ __device__ __forceinline__ float code_position(float x, CodeParams p) {
 // in 2^17) and biases every t by up to half an ulp. floor(t) and t - floor(t) are exact in f32
 // (|t| < 2^24 once clamped; NaN and huge t clamp below), so P(code = floor(t) + 1) = frac(t)
 // up to the 2^-24 grid of u, in both builds.
-__device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
-  const float t = code_position(x, p);
-  float r;
+// The nearest code of position t: rint(t) clamped to [0, levels], NaN to 0. On the GPU one
+// F2I.U32.RNE (a float-to-unsigned conversion saturates: negative and NaN give 0, PTX ISA
+// `cvt`) and one integer min; the emulation spells the clamp out (its conversion of an
+// out-of-range float would be undefined). The same code in both builds for every t.
+__device__ __forceinline__ unsigned nearest_code(float t, unsigned levels) {
+#ifdef MESA_EMU
+  return t > 0.0f ? (t < float(levels) ? unsigned(rintf(t)) : levels) : 0u;
+#else
+  const unsigned c = __float2uint_rn(t);
+  return c < levels ? c : levels;
+#endif
+}
+
+// The code of position t. fmaxf(NaN, 0) = 0.
+__device__ __forceinline__ unsigned round_code(float t, float levels, bool stochastic, float u) {
   if (stochastic) {
     const float fl = floorf(t);
-    r = (u < t - fl) ? fl + 1.0f : fl;  // t - fl: exact (Sterbenz); fl + 1: exact below 2^24
-  } else {
-    r = rintf(t);
+    const float r = (u < t - fl) ? fl + 1.0f : fl;  // t - fl: exact (Sterbenz); fl + 1: exact below 2^24
+    return unsigned(fminf(fmaxf(r, 0.0f), levels));
   }
-  return unsigned(fminf(fmaxf(r, 0.0f), levels));  // fmaxf(NaN, 0) = 0
+  return nearest_code(t, unsigned(levels));
+}
+
+__device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
+  return round_code(code_position(x, p), levels, stochastic, u);
 }
 
 // Companded codes (MESA_CODE_MAP_SQRT): the value encoded is u = sqrt(x) (IEEE sqrtf, the
@@ -183,6 +208,19 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, const unsigned* codes,
   } else {
     for (int b = 0; b < nbytes; ++b) dst[b] = uint8_t(packed >> (8 * b));
   }
+}
+
+// The 8 codes of a unit at a width fixed at compile time, packed into 32-bit words (no 64-bit
+// shifts) and stored as kBits bytes: the bytes store_codes<8> writes.
+template <int kBits>
+__device__ __forceinline__ void store_unit_codes(uint8_t* dst, const unsigned (&codes)[kUnit]) {
+  constexpr int kPerWord = 32 / kBits;
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) w[j / kPerWord] |= codes[j] << ((j % kPerWord) * kBits);
+  if (kBits == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  if (kBits == 4) *reinterpret_cast<unsigned*>(dst) = w[0];
+  if (kBits == 2) *reinterpret_cast<unsigned short*>(dst) = (unsigned short)w[0];
 }
 
 // ---------------------------------------------------------------------------------------

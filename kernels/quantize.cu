@@ -24,9 +24,50 @@
 // Reference: crates/mesa-kernels/src/reference/quant.rs.  Floor on an H200: docs/kernels.md.
 #include "quant_common.cuh"
 
+#include <type_traits>
+
 namespace MESA_NS {
 
 constexpr int kBlock = 256;
+// A unit of 8 as loaded (one or two 16-byte vectors), converted to f32 where it is encoded.
+template <typename T>
+struct RawUnit {
+  Vec16<T> v[kUnit / Vec16<T>::N];
+  __device__ __forceinline__ void load(const T* x, uint32_t i0) {
+#pragma unroll
+    for (int h = 0; h < kUnit / Vec16<T>::N; ++h) v[h] = load16(x + i0 + h * Vec16<T>::N);
+  }
+  __device__ __forceinline__ void to_floats(float (&xs)[kUnit]) const {
+    constexpr int V = Vec16<T>::N;
+#pragma unroll
+    for (int h = 0; h < kUnit / V; ++h)
+#pragma unroll
+      for (int j = 0; j < V; ++j) xs[h * V + j] = to_float(v[h].v[j]);
+  }
+};
+
+// Unit statistics without a key per element: when every x of the unit is finite (`finite`:
+// the probe sum of x * 0 stayed +-0) and neither its min nor its max is a zero (keys tell -0 from +0,
+// fminf does not), the unit's min and max in f32 give the keys of its extremes; otherwise the
+// per-element accumulate. `run` must already be on the unit's group.
+__device__ __forceinline__ void accumulate_unit(RunStats& run, int64_t g, const float (&xs)[kUnit], bool finite,
+                                                MesaGroupStats* stats_target) {
+  float lo = xs[0], hi = xs[0];
+#pragma unroll
+  for (int j = 1; j < kUnit; ++j) {
+    lo = fminf(lo, xs[j]);
+    hi = fmaxf(hi, xs[j]);
+  }
+  if (finite && lo != 0.0f && hi != 0.0f) {
+    const unsigned klo = float_key(lo), khi = float_key(hi);
+    run.min_key = klo < run.min_key ? klo : run.min_key;
+    run.max_key = khi > run.max_key ? khi : run.max_key;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) accumulate(run, g, xs[j], stats_target);
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Statistics pass (exact mode).
 template <typename T, bool kDense>
@@ -59,6 +100,46 @@ __global__ void __launch_bounds__(kBlock) quant_stats_kernel(const T* __restrict
   sink.end();
 }
 
+// Dense fast path of the statistics pass: x dense and 16-byte aligned, n < 2^31, units of 8
+// in one group; two units in flight per thread, the group by 32-bit fast division and the
+// unit reduced by accumulate_unit. The tail (n % 8) by one thread, element by element.
+template <typename T>
+__global__ void __launch_bounds__(kBlock) quant_stats_dense_kernel(const T* __restrict__ x, int64_t n,
+                                                                   GroupMap32 groups, GroupMap groups64,
+                                                                   MesaGroupStats* stats) {
+  __shared__ MesaGroupStats staged[kSharedGroups];
+  StatsSink sink{stats, groups64.count <= kSharedGroups ? staged : nullptr, groups64.count};
+  sink.begin();
+  RunStats run;
+  const uint32_t nunits = uint32_t(n / kUnit);
+  const uint32_t stride = gridDim.x * blockDim.x;
+  auto unit = [&](uint32_t i0, const RawUnit<T>& raw) {
+    float xs[kUnit];
+    raw.to_floats(xs);
+    float probe = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) probe = fmaf(xs[j], 0.0f, probe);
+    const int64_t g = groups.group(i0);
+    if (g != run.group) {
+      flush(run, sink.target());
+      run.group = g;
+    }
+    accumulate_unit(run, g, xs, probe == 0.0f, sink.target());
+  };
+  for (uint32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < nunits; u += 2 * stride) {
+    const bool second = u + stride < nunits;
+    RawUnit<T> a, b;
+    a.load(x, u * kUnit);
+    if (second) b.load(x, (u + stride) * kUnit);
+    unit(u * kUnit, a);
+    if (second) unit((u + stride) * kUnit, b);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    for (int64_t i = int64_t(nunits) * kUnit; i < n; ++i) accumulate(run, groups64.group(i), to_float(x[i]), sink.target());
+  flush(run, sink.target());
+  sink.end();
+}
+
 // ---------------------------------------------------------------------------------------
 // Quantize pass, optionally reducing the batch statistics in the same read of x.
 struct QuantizeConfig {
@@ -70,6 +151,32 @@ struct QuantizeConfig {
   bool stochastic;
   bool sqrt_map;  // companded codes of sqrt(x) (MESA_CODE_MAP_SQRT; no statistics then)
 };
+
+// Tail of a dense quantize pass: the last n - i0 < 8 elements, one thread, one partial unit.
+template <typename T>
+__device__ void quantize_tail(const T* x, int64_t n, int64_t i0, const QuantizeConfig& cfg, bool with_stats,
+                              RunStats& run, MesaGroupStats* stats_target) {
+  constexpr int N = kUnit;
+  const float levels = float((1u << cfg.bits) - 1u);
+  unsigned codes[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int64_t i = i0 + j;
+    codes[j] = 0u;
+    if (i >= n) continue;
+    const float xv = to_float(x[i]);
+    // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
+    const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
+    const int64_t g = cfg.groups.group(i);
+    codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
+    if (with_stats) accumulate(run, g, xv, stats_target);
+  }
+  const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
+  uint64_t packed = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) packed |= uint64_t(codes[j]) << (j * cfg.bits);
+  for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
+}
 
 template <typename T, bool kDense>
 __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ x, Strided view, int64_t n,
@@ -134,29 +241,105 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
     }
   }
-  if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n) {
-    // tail of fewer than 8 elements: one thread, one (partial) code unit
-    const int64_t i0 = nunits * N;
-    unsigned codes[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int64_t i = i0 + j;
-      codes[j] = 0u;
-      if (i >= n) continue;
-      const float xv = to_float(x[i]);
-      // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
-      const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
-      const int64_t g = cfg.groups.group(i);
-      codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
-      if (with_stats) accumulate(run, g, xv, sink.target());
-    }
-    const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
-    uint64_t packed = 0;
-#pragma unroll
-    for (int j = 0; j < N; ++j) packed |= uint64_t(codes[j]) << (j * cfg.bits);
-    for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
-  }
+  if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n)
+    quantize_tail(x, n, nunits * N, cfg, with_stats, run, sink.target());
   if (with_stats) {
+    flush(run, sink.target());
+    sink.end();
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Dense fast path of the quantize pass: x dense and 16-byte aligned, n < 2^31, every unit of 8
+// in one group (run % 8 == 0), identity code map. Bits, rounding and statistics are fixed per
+// launch (template parameters), the group of a unit comes from 32-bit fast division and its
+// code parameters are reused while the group stays the same. Two units in flight per thread
+// (both loads issued before either is encoded). A unit whose every x - offset is finite and
+// whose scale needs no prescale (the common case) is encoded without the overflow guard of
+// code_position, and its statistics are reduced in f32 (fminf/fmaxf, then one key each),
+// unless its min or max is a zero (keys tell -0 from +0, fminf does not); any other unit
+// takes the per-element code of quantize_kernel. Same codes, same statistics, bit for bit.
+struct DenseQuantize {
+  GroupMap32 groups;
+  const MesaGroupParams* params;
+  uint8_t* codes;
+  uint64_t seed;
+};
+
+template <int kBits, bool kStochastic, bool kStats>
+__device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint32_t i0, const float (&xs)[kUnit],
+                                                    uint32_t& cached_group, CodeParams& p, RunStats& run,
+                                                    MesaGroupStats* stats_target) {
+  constexpr float kLevels = float((1u << kBits) - 1u);
+  const uint32_t g = q.groups.group(i0);
+  if (g != cached_group) {  // a new group: its parameters, and the statistics of the last one out
+    p = code_params(q.params[g]);
+    cached_group = g;
+    if (kStats && int64_t(g) != run.group) {
+      flush(run, stats_target);
+      run.group = g;
+    }
+  }
+  float us[kUnit];
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) us[j] = 0.0f;
+  if (kStochastic) {  // Philox once per 4 elements: the words of counters i0/4 and i0/4 + 1
+    const Philox4 a = philox4x32_10(uint64_t(i0) / 4, q.seed);
+    const Philox4 b = philox4x32_10(uint64_t(i0) / 4 + 1, q.seed);
+    us[0] = uniform01(a.x); us[1] = uniform01(a.y); us[2] = uniform01(a.z); us[3] = uniform01(a.w);
+    us[4] = uniform01(b.x); us[5] = uniform01(b.y); us[6] = uniform01(b.z); us[7] = uniform01(b.w);
+  }
+  float d[kUnit];
+  float probe = 0.0f;  // +-0 while every x - offset is finite, NaN otherwise (x non-finite, or overflow)
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) {
+    d[j] = xs[j] - p.offset;
+    probe = fmaf(d[j], 0.0f, probe);
+  }
+  unsigned codes[kUnit];
+  if (probe == 0.0f && p.prescale == 1.0f) {
+    // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale)
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) codes[j] = round_code(__fmul_rn(d[j], p.inv_scale), kLevels, kStochastic, us[j]);
+    if (kStats) accumulate_unit(run, g, xs, true, stats_target);  // d, so x, all finite
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) {
+      codes[j] = encode(xs[j], p, kLevels, kStochastic, us[j]);
+      if (kStats) accumulate(run, g, xs[j], stats_target);
+    }
+  }
+  store_unit_codes<kBits>(q.codes + size_t(i0) * kBits / 8, codes);
+}
+
+template <typename T, int kBits, bool kStochastic, bool kStats>
+__global__ void __launch_bounds__(kBlock) quantize_dense_kernel(const T* __restrict__ x, int64_t n, DenseQuantize q,
+                                                                QuantizeConfig cfg, MesaGroupStats* stats) {
+  __shared__ MesaGroupStats staged[kStats ? kSharedGroups : 1];
+  StatsSink sink{stats, kStats && cfg.groups.count <= kSharedGroups ? staged : nullptr, cfg.groups.count};
+  if (kStats) sink.begin();
+  RunStats run;
+  uint32_t cached_group = 0xffffffffu;
+  CodeParams p{0.0f, 0.0f, 1.0f};
+  const uint32_t nunits = uint32_t(n / kUnit);
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < nunits; u += 2 * stride) {
+    const bool second = u + stride < nunits;
+    RawUnit<T> a, b;
+    a.load(x, u * kUnit);
+    if (second) b.load(x, (u + stride) * kUnit);
+    float xs[kUnit];
+    a.to_floats(xs);
+    quantize_dense_unit<kBits, kStochastic, kStats>(q, u * kUnit, xs, cached_group, p, run, sink.target());
+    if (second) {
+      b.to_floats(xs);
+      quantize_dense_unit<kBits, kStochastic, kStats>(q, (u + stride) * kUnit, xs, cached_group, p, run,
+                                                      sink.target());
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0 && int64_t(nunits) * kUnit < n)
+    quantize_tail(x, n, int64_t(nunits) * kUnit, cfg, kStats, run, sink.target());
+  if (kStats) {
     flush(run, sink.target());
     sink.end();
   }
@@ -269,6 +452,65 @@ __global__ void __launch_bounds__(kBlock) dequantize_kernel(const uint8_t* __res
   }
 }
 
+// Dense fast path of dequantize: y dense and 16-byte aligned, n < 2^31, every unit of 8 in one
+// group. Bits and code map fixed per launch; the unit's codes in one load (8, 4 or 2 bytes),
+// its group by 32-bit fast division, two units in flight per thread. The last partial unit
+// (n % 8 elements) is decoded by one thread as dequantize_kernel does.
+template <typename T, int kBits, bool kSqrt>
+__device__ __forceinline__ void dequantize_dense_unit(const uint8_t* codes, const MesaGroupParams* params,
+                                                      const GroupMap32& groups, uint32_t i0, uint64_t packed,
+                                                      T* y) {
+  const MesaGroupParams p = params[groups.group(i0)];
+  float out[kUnit];
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) out[j] = decode(unsigned(packed >> (j * kBits)) & ((1u << kBits) - 1u), p, kSqrt);
+  constexpr int V = Vec16<T>::N;
+#pragma unroll
+  for (int h = 0; h < kUnit / V; ++h) {
+    Vec16<T> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(out[h * V + j]);
+    store16(y + i0 + h * V, o);
+  }
+}
+
+template <int kBits>
+__device__ __forceinline__ uint64_t load_unit_codes(const uint8_t* codes, uint32_t i0) {
+  const uint8_t* src = codes + size_t(i0) * kBits / 8;
+  if (kBits == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(src);
+    return uint64_t(w.x) | (uint64_t(w.y) << 32);
+  }
+  if (kBits == 4) return *reinterpret_cast<const unsigned*>(src);
+  return *reinterpret_cast<const unsigned short*>(src);
+}
+
+template <typename T, int kBits, bool kSqrt>
+__global__ void __launch_bounds__(kBlock) dequantize_dense_kernel(const uint8_t* __restrict__ codes,
+                                                                  const MesaGroupParams* __restrict__ params,
+                                                                  GroupMap32 groups, GroupMap groups64,
+                                                                  T* __restrict__ y, int64_t n) {
+  const uint32_t nunits = uint32_t(n / kUnit);
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < nunits; u += 2 * stride) {
+    const bool second = u + stride < nunits;
+    const uint64_t a = load_unit_codes<kBits>(codes, u * kUnit);
+    const uint64_t b = second ? load_unit_codes<kBits>(codes, (u + stride) * kUnit) : 0u;
+    dequantize_dense_unit<T, kBits, kSqrt>(codes, params, groups, u * kUnit, a, y);
+    if (second) dequantize_dense_unit<T, kBits, kSqrt>(codes, params, groups, (u + stride) * kUnit, b, y);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0 && int64_t(nunits) * kUnit < n) {
+    const int64_t i0 = int64_t(nunits) * kUnit;
+    const uint8_t* src = codes + i0 * kBits / 8;
+    const int64_t nbytes = ceil_div((n - i0) * kBits, 8);
+    uint64_t packed = 0;
+    for (int64_t b = 0; b < nbytes; ++b) packed |= uint64_t(src[b]) << (8 * b);
+    for (int j = 0; i0 + j < n; ++j)
+      y[i0 + j] = from_float<T>(
+          decode(unsigned(packed >> (j * kBits)) & ((1u << kBits) - 1u), params[groups64.group(i0 + j)], kSqrt));
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Launch policy (host).
 // Grid-stride grid: enough blocks to fill the machine, no more. 8 blocks of 256 threads per
@@ -286,12 +528,48 @@ MesaStatus launch_stats(const MesaQuantStatsArgs& a, void* stream) {
   const GroupMap gm = group_map(a.grouping, a.x_desc);
   const T* x = static_cast<const T*>(a.x);
   const Strided view = strided_from(a.x_desc);
+  if (vector_ok(a.x, a.x_desc) && gm.run % kUnit == 0 && group_map32_ok(gm, n)) {
+    const auto kernel = quant_stats_dense_kernel<T>;
+    return status_from(MESA_LAUNCH(kernel, dim3(resident_grid(kernel, ceil_div(ceil_div(n, kUnit), 2), kBlock)),
+                                   dim3(kBlock), 0, stream, x, n, group_map32(gm), gm, a.stats));
+  }
   if (vector_ok(a.x, a.x_desc))
     return status_from(MESA_LAUNCH((quant_stats_kernel<T, true>), dim3(grid_for(n / Vec16<T>::N + 1)), dim3(kBlock),
                                    0, stream, x, view, n, gm, a.stats));
   return status_from(MESA_LAUNCH((quant_stats_kernel<T, false>), dim3(grid_for(n)), dim3(kBlock), 0, stream, x, view,
                                  n, gm, a.stats));
 }
+
+// Bits (8, 4, 2) and booleans as template arguments: F::template run<kBits, kA, kB>().
+template <typename F>
+MesaStatus dispatch_bits_flags(int bits, bool a, bool b, const F& f) {
+  auto with_bits = [&](auto kb) {
+    if (a) return b ? f.template run<decltype(kb)::value, true, true>() : f.template run<decltype(kb)::value, true, false>();
+    return b ? f.template run<decltype(kb)::value, false, true>() : f.template run<decltype(kb)::value, false, false>();
+  };
+  switch (bits) {
+    case 8: return with_bits(std::integral_constant<int, 8>{});
+    case 4: return with_bits(std::integral_constant<int, 4>{});
+    case 2: return with_bits(std::integral_constant<int, 2>{});
+    default: return MESA_STATUS_INVALID_ARGUMENT;
+  }
+}
+
+template <typename T>
+struct QuantizeDenseLaunch {
+  const T* x;
+  int64_t n;
+  DenseQuantize q;
+  QuantizeConfig cfg;
+  MesaGroupStats* stats;
+  void* stream;
+  template <int kBits, bool kStochastic, bool kStats>
+  MesaStatus run() const {
+    const auto kernel = quantize_dense_kernel<T, kBits, kStochastic, kStats>;
+    const unsigned grid = resident_grid(kernel, ceil_div(ceil_div(n, kUnit), 2), kBlock);
+    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kBlock), 0, stream, x, n, q, cfg, stats));
+  }
+};
 
 template <typename T>
 MesaStatus launch_quantize(const MesaQuantizeArgs& a, void* stream) {
@@ -300,13 +578,35 @@ MesaStatus launch_quantize(const MesaQuantizeArgs& a, void* stream) {
                            a.rounding == MESA_ROUND_STOCHASTIC, a.map == MESA_CODE_MAP_SQRT};
   const T* x = static_cast<const T*>(a.x);
   const Strided view = strided_from(a.x_desc);
+  const bool dense = vector_ok(a.x, a.x_desc);
+  // the fast path: dense, identity codes, units in one group, 32-bit indices
+  if (dense && !cfg.sqrt_map && cfg.groups.run % kUnit == 0 && group_map32_ok(cfg.groups, n)) {
+    const QuantizeDenseLaunch<T> l{x, n, DenseQuantize{group_map32(cfg.groups), a.params, a.codes, a.seed}, cfg,
+                                   a.stats, stream};
+    return dispatch_bits_flags(a.bits, cfg.stochastic, a.stats != nullptr, l);
+  }
   const unsigned grid = grid_for(ceil_div(n, kUnit));
-  if (vector_ok(a.x, a.x_desc))
+  if (dense)
     return status_from(
         MESA_LAUNCH((quantize_kernel<T, true>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, a.stats));
   return status_from(
       MESA_LAUNCH((quantize_kernel<T, false>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, a.stats));
 }
+
+template <typename T>
+struct DequantizeDenseLaunch {
+  const MesaDequantizeArgs& a;
+  GroupMap gm;
+  int64_t n;
+  void* stream;
+  template <int kBits, bool kSqrt, bool>
+  MesaStatus run() const {
+    const auto kernel = dequantize_dense_kernel<T, kBits, kSqrt>;
+    const unsigned grid = resident_grid(kernel, ceil_div(ceil_div(n, kUnit), 2), kBlock);
+    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kBlock), 0, stream, a.codes, a.params, group_map32(gm),
+                                   gm, static_cast<T*>(a.y), n));
+  }
+};
 
 template <typename T>
 MesaStatus launch_dequantize(const MesaDequantizeArgs& a, void* stream) {
@@ -316,6 +616,8 @@ MesaStatus launch_dequantize(const MesaDequantizeArgs& a, void* stream) {
   const Strided view = strided_from(a.y_desc);
   const unsigned grid = grid_for(ceil_div(n, kUnit));
   const bool sqrt_map = a.map == MESA_CODE_MAP_SQRT;
+  if (vector_ok(a.y, a.y_desc) && gm.run % kUnit == 0 && group_map32_ok(gm, n))
+    return dispatch_bits_flags(a.bits, sqrt_map, false, DequantizeDenseLaunch<T>{a, gm, n, stream});
   if (vector_ok(a.y, a.y_desc))
     return status_from(MESA_LAUNCH((dequantize_kernel<T, true>), dim3(grid), dim3(kBlock), 0, stream, a.codes,
                                    a.params, gm, a.bits, sqrt_map, y, view, n));

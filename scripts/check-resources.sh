@@ -7,8 +7,10 @@
 #
 # When cuobjdump (+ nvdisasm) is available it also reads the SASS and counts global loads
 # and stores by width: LDG128/STG128 = 16-byte accesses (LDG.E.128 / STG.E.128), the
-# widest load/store, so one can see that the dense paths use 16-byte vectors. The SASS part
-# is informational; it never fails the check.
+# widest load/store, so one can see that the dense paths use 16-byte vectors. On sm_90 it
+# then counts the instructions each memory-bound kernel's dense hot path issues per element
+# (scripts/sass_count.py: one line per kernel with the word `budget`) and fails when one is
+# over its limit (the method: docs/kernels.md, "Static instruction budget").
 #
 #   scripts/check-resources.sh              # sm_90
 #   scripts/check-resources.sh 80 90        # or MESA_RESOURCE_ARCHS="80 90"
@@ -202,6 +204,12 @@ if bad:
 print(f"\nOK: {len(rows)} kernels, no spills, no stack frame, no local memory")
 PY
 status=$?
+if [[ -n "$CUOBJ" && " ${ARCHS[*]} " == *" 90 "* ]]; then
+    echo
+    python3 scripts/sass_count.py "$WORK" || status=1
+else
+    echo "note: the instruction budget is counted on sm_90 SASS (cuobjdump and arch 90 needed)"
+fi
 set -e
 if (( compile_failed )); then echo "FAIL: some kernel files did not compile" >&2; exit 1; fi
 exit "$status"
