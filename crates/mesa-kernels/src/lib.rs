@@ -84,6 +84,7 @@ pub mod fused;
 mod launch;
 mod layout;
 pub mod linear_attention;
+mod probe;
 pub mod quant;
 pub mod reference;
 mod tensor;

@@ -1,0 +1,13 @@
+//! # mesa-candle
+//!
+//! mesa-kernels inside candle.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod attach;
+mod bridge;
+mod error;
+pub mod ops;
+
+pub use bridge::{kernel_device, kernel_layout, KernelFloat, Output, View};
+pub use error::{as_mesa_error, Error};
