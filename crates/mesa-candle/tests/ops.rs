@@ -272,3 +272,76 @@ fn coded_linear_weight_gradient_is_within_the_input_code_step() {
         assert_within(&format!("linear {dtype:?} db"), &g[2], &g_ref[2], &db_bound);
     }
 }
+
+/// The reference of [`LinearAttention`]: `φ` by candle's ops, `A = φ(q)φ(k)ᵀ` masked
+/// (causal), `out = A·v / g(A·1)` with `g(x) = x + ε` (the features are non-negative).
+fn linear_attention_ref(t: &[Tensor], map: &FeatureKind, causal: bool, eps: f64) -> candle_core::Result<Tensor> {
+    let phi = |x: &Tensor, query: bool| -> candle_core::Result<Tensor> {
+        match map {
+            FeatureKind::Relu => x.relu(),
+            FeatureKind::Elu1 => x.elu(1.0)? + 1.0,
+            FeatureKind::Favor(p) => {
+                let (m, d) = (p.features(), p.in_dim());
+                let omega = Tensor::from_vec(p.omega().to_vec(), (m, d), x.device())?.to_dtype(DType::F64)?;
+                let xs = (x * (d as f64).powf(-0.25))?;
+                let u = xs.broadcast_matmul(&omega.t()?)?.broadcast_sub(&(xs.sqr()?.sum_keepdim(D::Minus1)? * 0.5)?)?;
+                // the kernels' stabilisers, constants in backward: queries their row maximum,
+                // causal keys the projection's bound max|ω_i|²/2, bidirectional keys the
+                // maximum over the (b, h) sequence (they cancel up to the ε guard)
+                let c = if query {
+                    u.max_keepdim(D::Minus1)?.detach()
+                } else if causal {
+                    (u.max_keepdim(D::Minus1)?.zeros_like()? + f64::from(p.bound()))?
+                } else {
+                    u.max_keepdim(D::Minus1)?.max_keepdim(2)?.detach()
+                };
+                u.broadcast_sub(&c)?.exp()? / (m as f64).sqrt()
+            }
+        }
+    };
+    let (q, k, v) = (phi(&t[0], true)?, phi(&t[1], false)?, &t[2]);
+    let l = q.dim(2)?;
+    let mut a = q.matmul(&k.t()?)?;
+    if causal {
+        let mask: Vec<f64> = (0..l * l).map(|i| if i % l <= i / l { 1.0 } else { 0.0 }).collect();
+        a = a.broadcast_mul(&Tensor::from_vec(mask, (l, l), q.device())?)?;
+    }
+    let den = (a.sum_keepdim(D::Minus1)? + eps)?;
+    a.matmul(v)?.broadcast_div(&den)
+}
+
+#[test]
+fn linear_attention_gradients_match_f64_candle() {
+    let mut rng = Rng::new("linear_attention");
+    let (b, h, l, d, dv) = (1, 2, 45, 8, 6);
+    let favor = LinearAttention::favor(&candle_core::Device::Cpu, 16, d, 7).unwrap();
+    for map in [FeatureKind::Relu, FeatureKind::Elu1, favor] {
+        for (causal, memory) in [(true, MemoryMode::BoundaryStates), (true, MemoryMode::Slim), (false, MemoryMode::BoundaryStates)] {
+            for dtype in DTYPES {
+                let config = LinearAttentionConfig { causal, normalize: true, eps: 1e-6, chunk: 16, memory };
+                let (mean, std) = if matches!(map, FeatureKind::Relu) { (0.6, 1.0) } else { (0.0, 0.7) };
+                let q = rng.tensor(&[b, h, l, d], mean, std, dtype);
+                let k = rng.tensor(&[b, h, l, d], mean, std, dtype);
+                let v = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
+                let dy = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
+                let op = LinearAttention::new(config, map.clone());
+                let inputs = [q, k, v];
+                let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1], &t[2]));
+                let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| linear_attention_ref(t, &map, causal, 1e-6));
+                // f32 accumulation over n = L·(d + D) terms in at most three chained
+                // reductions (γ_n each, constant 16 with the feature map's exp), plus the
+                // stored intermediates (φ, dφ, out) rounded to the dtype, four times
+                // at most per path (8u): componentwise and relative to the tensor's largest
+                // entry (the sums mix signs, so no componentwise bound alone holds).
+                let n = (l * (d + dv)) as f64;
+                let c = 16.0 * n * U32 + 8.0 * unit(dtype);
+                let what = format!("linear attention {map:?} causal={causal} {memory:?} {dtype:?}");
+                for (name, got, want) in [("out", &y, &y_ref), ("dq", &g[0], &g_ref[0]), ("dk", &g[1], &g_ref[1]), ("dv", &g[2], &g_ref[2])] {
+                    let top = want.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+                    let bound: Vec<f64> = want.iter().map(|w| c * (w.abs() + top)).collect();
+                    assert_within(&format!("{what} {name}"), got, want, &bound);
+                }
+            }
+        }
+    }
+}
