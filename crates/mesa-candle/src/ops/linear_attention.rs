@@ -78,7 +78,7 @@ impl LinearAttention {
     /// [`Error::Shape`] (ranks, disagreeing `B`, `H`, `L`, `d`), [`Error::UnsupportedDType`],
     /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, h, l, d) = q.dims4()?;
+        let (b, h, l, _) = q.dims4()?;
         if k.dims() != q.dims() {
             return Err(Error::Shape { what: "keys".into(), expected: q.dims().to_vec(), got: k.dims().to_vec() }.into());
         }
@@ -86,19 +86,69 @@ impl LinearAttention {
         if v.dims() != [b, h, l, dv] {
             return Err(Error::Shape { what: "values".into(), expected: vec![b, h, l, dv], got: v.dims().to_vec() }.into());
         }
-        let _ = d;
         let kernels = common_device("linear attention", &[q, k, v])?;
-        let out_shape = Shape::from((b, h, l, dv));
         dispatch_float!(q.dtype(), "linear attention", T => {
-            let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-            let (phi_q, phi_k) = self.features::<T>(&kernels, &qd, &kd)?;
-            let mut out = Output::<T>::zeros(q.device(), &kernels, &out_shape)?;
-            let saved = {
-                let (pq, pk, vv) = (View::of(&phi_q)?, View::of(&phi_k)?, View::of(&vd)?);
-                la_forward(&kernels, &self.config, &pq.tensor_ref::<T>()?, &pk.tensor_ref::<T>()?, &vv.tensor_ref::<T>()?, &mut out.tensor_mut()?)?
-            };
+            let (out, saved) = self.forward_detached::<T>(&kernels, &q.detach(), &k.detach(), &v.detach())?;
             attach(&[q, k, v], out.into_storage()?, LinearAttentionGrad { op: self.clone(), saved, kernels })
         })
+    }
+
+    /// The forward on tensors outside any graph: the output (not yet a tensor) and the
+    /// attention's saved states.
+    pub(crate) fn forward_detached<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> candle_core::Result<(Output<T>, LinearAttentionSaved)> {
+        let (b, h, l, _) = q.dims4()?;
+        let out_shape = Shape::from((b, h, l, v.dim(3)?));
+        let (phi_q, phi_k) = self.features::<T>(kernels, q, k)?;
+        let mut out = Output::<T>::zeros(q.device(), kernels, &out_shape)?;
+        let saved = {
+            let (pq, pk, vv) = (View::of(&phi_q)?, View::of(&phi_k)?, View::of(v)?);
+            la_forward(kernels, &self.config, &pq.tensor_ref::<T>()?, &pk.tensor_ref::<T>()?, &vv.tensor_ref::<T>()?, &mut out.tensor_mut()?)?
+        };
+        Ok((out, saved))
+    }
+
+    /// The backward on tensors outside any graph: `(dq, dk, dv)` from the forward's inputs
+    /// and output (`φ` recomputed) and the saved states.
+    pub(crate) fn backward_detached<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        saved: &LinearAttentionSaved,
+        qkv: [&Tensor; 3],
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> candle_core::Result<[Tensor; 3]> {
+        let [q, k, v] = qkv;
+        let (phi_q, phi_k) = self.features::<T>(kernels, q, k)?;
+        let mut dphi_q = Output::<T>::zeros(q.device(), kernels, phi_q.shape())?;
+        let mut dphi_k = Output::<T>::zeros(q.device(), kernels, phi_k.shape())?;
+        let mut dv = Output::<T>::zeros(q.device(), kernels, v.shape())?;
+        {
+            let views = [View::of(&phi_q)?, View::of(&phi_k)?, View::of(v)?, View::of(out)?, View::of(dout)?];
+            let [pq, pk, vv, o, d] = [0, 1, 2, 3, 4].map(|i| views[i].tensor_ref::<T>());
+            let (pq, pk, vv, o, d) = (pq?, pk?, vv?, o?, d?);
+            let args = LaBackward { q: &pq, k: &pk, v: &vv, out: &o, dout: &d };
+            let grads = Grads { dq: &mut dphi_q.tensor_mut()?, dk: &mut dphi_k.tensor_mut()?, dv: &mut dv.tensor_mut()? };
+            la_backward(kernels, saved, args, grads)?;
+        }
+        let (dphi_q, dphi_k) = (dphi_q.into_tensor()?, dphi_k.into_tensor()?);
+        let (map_q, map_k) = self.maps();
+        let dx = |x: &Tensor, phi: &Tensor, dphi: &Tensor, map: &FeatureMap<'_>| -> candle_core::Result<Tensor> {
+            let mut dx = Output::<T>::zeros(x.device(), kernels, x.shape())?;
+            {
+                let (xv, pv, dv) = (View::of(x)?, View::of(phi)?, View::of(dphi)?);
+                let (xr, pr, dr) = (xv.tensor_ref::<T>()?, pv.tensor_ref::<T>()?, dv.tensor_ref::<T>()?);
+                let args = FeatureBackwardArgs { x: &xr, phi: Some(&pr), dphi: &dr, dx: &mut dx.tensor_mut()? };
+                feature_map::backward(kernels, map, args).k()?;
+            }
+            dx.into_tensor()
+        };
+        Ok([dx(q, &phi_q, &dphi_q, &map_q)?, dx(k, &phi_k, &dphi_k, &map_k)?, dv.into_tensor()?])
     }
 
     /// `φ(q)`, `φ(k)` by the feature-map kernel.
@@ -160,34 +210,9 @@ impl Backward for LinearAttentionGrad {
     }
     fn backward(&self, args: &[&Tensor], res: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (args[0].detach(), args[1].detach(), args[2].detach());
-        let kernels = &self.kernels;
         dispatch_float!(q.dtype(), "linear attention backward", T => {
-            let (phi_q, phi_k) = self.op.features::<T>(kernels, &q, &k)?;
-            let mut dphi_q = Output::<T>::zeros(q.device(), kernels, phi_q.shape())?;
-            let mut dphi_k = Output::<T>::zeros(q.device(), kernels, phi_k.shape())?;
-            let mut dv = Output::<T>::zeros(q.device(), kernels, v.shape())?;
-            {
-                let views = [View::of(&phi_q)?, View::of(&phi_k)?, View::of(&v)?, View::of(res)?, View::of(grad)?];
-                let [pq, pk, vv, out, dout] = [0, 1, 2, 3, 4].map(|i| views[i].tensor_ref::<T>());
-                let (pq, pk, vv, out, dout) = (pq?, pk?, vv?, out?, dout?);
-                let args = LaBackward { q: &pq, k: &pk, v: &vv, out: &out, dout: &dout };
-                let grads = Grads { dq: &mut dphi_q.tensor_mut()?, dk: &mut dphi_k.tensor_mut()?, dv: &mut dv.tensor_mut()? };
-                la_backward(kernels, &self.saved, args, grads)?;
-            }
-            let (dphi_q, dphi_k) = (dphi_q.into_tensor()?, dphi_k.into_tensor()?);
-            let (map_q, map_k) = self.op.maps();
-            let dx = |x: &Tensor, phi: &Tensor, dphi: &Tensor, map: &FeatureMap<'_>| -> candle_core::Result<Tensor> {
-                let mut dx = Output::<T>::zeros(x.device(), kernels, x.shape())?;
-                let (xv, pv, dv) = (View::of(x)?, View::of(phi)?, View::of(dphi)?);
-                let (xr, pr, dr) = (xv.tensor_ref::<T>()?, pv.tensor_ref::<T>()?, dv.tensor_ref::<T>()?);
-                let args = FeatureBackwardArgs { x: &xr, phi: Some(&pr), dphi: &dr, dx: &mut dx.tensor_mut()? };
-                feature_map::backward(kernels, map, args).k()?;
-                drop((xr, pr, dr));
-                dx.into_tensor()
-            };
-            let dq = dx(&q, &phi_q, &dphi_q, &map_q)?;
-            let dk = dx(&k, &phi_k, &dphi_k, &map_k)?;
-            Ok(vec![Some(dq), Some(dk), Some(dv.into_tensor()?)])
+            let [dq, dk, dv] = self.op.backward_detached::<T>(&self.kernels, &self.saved, [&q, &k, &v], res, grad)?;
+            Ok(vec![Some(dq), Some(dk), Some(dv)])
         })
     }
 }

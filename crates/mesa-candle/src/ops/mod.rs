@@ -24,7 +24,7 @@ use crate::error::{Error, KernelResult};
 
 mod gelu;
 mod layer_norm;
-mod linear;
+pub(crate) mod linear;
 mod linear_attention;
 mod rms_norm;
 mod softmax;
