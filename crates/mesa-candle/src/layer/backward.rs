@@ -125,13 +125,17 @@ fn layer_backward(
     let d_o = plan.split_heads(&d_a)?;
     drop(d_a);
     let (q, k, v) = (ctx.decode(&c.q)?, ctx.decode(&c.k)?, ctx.decode(&c.v)?);
-    let (dq, dk, dv) = match (&plan.linear, &c.la) {
-        (Some(op), Some(la)) => {
-            let o_hat = plan.split_heads(&a_hat)?;
-            let [dq, dk, dv] = op.backward_detached::<f32>(&ctx.kernels, la, [&q, &k, &v], &o_hat, &d_o)?;
+    let (dq, dk, dv) = match &plan.linear {
+        Some(op) => {
+            // the attention core recomputed from the decoded Q, K, V (O(N): states and output
+            // of the same inputs the backward differentiates, so the normaliser's gradient
+            // sees the output that belongs to them)
+            let (o_hat, la) = op.forward_detached::<f32>(&ctx.kernels, &q, &k, &v)?;
+            let o_hat = o_hat.into_tensor()?;
+            let [dq, dk, dv] = op.backward_detached::<f32>(&ctx.kernels, &la, [&q, &k, &v], &o_hat, &d_o)?;
             (dq, dk, dv)
         }
-        _ => {
+        None => {
             // P from its codes, or recomputed from the Q, K codes (selective)
             let recomputed;
             let source = match &c.p {

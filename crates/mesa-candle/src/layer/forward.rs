@@ -151,8 +151,9 @@ pub(crate) fn run(plan: &Plan, x: &Tensor, params: &Tensor, policy: Recompute) -
             (o, p_s, None)
         }
         Some(op) => {
-            let (o, la) = op.forward_detached::<f32>(&ctx.kernels, &q, &k, &v)?;
-            (o.into_tensor()?, None, Some(la))
+            // its states are not kept: the backward reruns the O(N) core from the codes
+            let (o, _states) = op.forward_detached::<f32>(&ctx.kernels, &q, &k, &v)?;
+            (o.into_tensor()?, None, None)
         }
     };
     drop((q, k, v));

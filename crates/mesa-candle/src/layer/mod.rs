@@ -25,7 +25,7 @@
 //! | `P` `[B,H,N,N]` (softmax attention, [`Recompute::None`] only) | codes of `√P` (fixed range) | softmax backward, `dV` |
 //! | attention output before `W_o` | codes | `dW_o`; linear attention's backward |
 //! | FFN pre-activation `u` | codes | GELU backward; `GELU(û)` for `dW₂` |
-//! | linear attention | its states (per chunk, or the final one in SLiM mode) | its backward |
+//! | linear attention | nothing more: its `O(N)` core is rerun in backward from the Q, K, V codes | its backward |
 //! | dropout masks | nothing: a Philox key (8 bytes) | regenerated ([`dropout`]) |
 //!
 //! [`Recompute::Selective`] (Korthikanti et al. 2022, §4.2) keeps no `P`: the backward
@@ -46,6 +46,7 @@ mod backward;
 pub mod dropout;
 mod forward;
 mod kernels;
+pub mod measure;
 mod params;
 pub mod reference;
 

@@ -7,6 +7,7 @@ use candle_core::{DType, Tensor, Var, D};
 
 use super::dropout::{self, DropoutSite};
 use super::{Attention, LayerConfig, NormPlacement};
+use crate::ops::FeatureKind;
 
 /// One variable per parameter name, in `dtype`, from a flat f32 tensor laid out as `layout`.
 ///
@@ -29,15 +30,13 @@ fn linear(x: &Tensor, p: &HashMap<&'static str, Var>, name: &str) -> candle_core
     x.broadcast_matmul(&w.t()?)?.broadcast_add(b)
 }
 
-/// The plain-candle forward of `config` (softmax attention only) with dropout seed `seed`;
-/// `x: [B, N, C]` of the variables' dtype.
+/// The plain-candle forward of `config` with dropout seed `seed`; `x: [B, N, C]` of the
+/// variables' dtype. Linear attention: ReLU and ELU+1 maps, written as the masked quadratic
+/// form `A = φ(Q)φ(K)ᵀ`, `out = A·V / (A·1 + ε)` (non-negative features).
 ///
 /// # Errors
-/// candle's errors; linear attention is not written here ([`crate::Error::InvalidArgument`]).
+/// candle's errors; FAVOR+ is not written here ([`crate::Error::InvalidArgument`]).
 pub fn forward(config: &LayerConfig, p: &HashMap<&'static str, Var>, x: &Tensor, seed: u64) -> candle_core::Result<Tensor> {
-    let Attention::Softmax { causal } = config.attention else {
-        return Err(crate::Error::InvalidArgument { name: "attention", why: "the reference layer has softmax attention only".into() }.into());
-    };
     let (b, n, c) = x.dims3()?;
     let (h, d) = (config.heads, config.head_dim());
     let dtype = x.dtype();
@@ -53,15 +52,34 @@ pub fn forward(config: &LayerConfig, p: &HashMap<&'static str, Var>, x: &Tensor,
     let q = heads(linear(&attn_in, p, "attn.q_proj")?)?;
     let k = heads(linear(&attn_in, p, "attn.k_proj")?)?;
     let v = heads(linear(&attn_in, p, "attn.v_proj")?)?;
-    let mut s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
-    if causal {
-        let m: Vec<f64> = (0..n * n).map(|i| if i % n > i / n { f64::NEG_INFINITY } else { 0.0 }).collect();
-        s = s.broadcast_add(&Tensor::from_vec(m, (n, n), x.device())?.to_dtype(dtype)?)?;
-    }
-    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
-    let prob = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    let prob = dropout::apply(&prob, mask(DropoutSite::Attention, prob.dims())?.as_ref())?;
-    let o = prob.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, n, c))?;
+    let o = match &config.attention {
+        Attention::Softmax { causal } => {
+            let mut s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+            if *causal {
+                let m: Vec<f64> = (0..n * n).map(|i| if i % n > i / n { f64::NEG_INFINITY } else { 0.0 }).collect();
+                s = s.broadcast_add(&Tensor::from_vec(m, (n, n), x.device())?.to_dtype(dtype)?)?;
+            }
+            let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
+            let prob = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+            let prob = dropout::apply(&prob, mask(DropoutSite::Attention, prob.dims())?.as_ref())?;
+            prob.matmul(&v)?
+        }
+        Attention::Linear { config: la, map } => {
+            let phi = |t: &Tensor| match map {
+                FeatureKind::Relu => t.relu(),
+                FeatureKind::Elu1 => t.elu(1.0)? + 1.0,
+                FeatureKind::Favor(_) => Err(crate::Error::InvalidArgument { name: "map", why: "FAVOR+ is not in the reference layer".into() }.into()),
+            };
+            let mut a = phi(&q)?.matmul(&phi(&k)?.t()?)?;
+            if la.causal {
+                let m: Vec<f64> = (0..n * n).map(|i| if i % n > i / n { 0.0 } else { 1.0 }).collect();
+                a = a.broadcast_mul(&Tensor::from_vec(m, (n, n), x.device())?.to_dtype(dtype)?)?;
+            }
+            let den = (a.sum_keepdim(D::Minus1)? + f64::from(la.eps))?;
+            a.matmul(&v)?.broadcast_div(&den)?
+        }
+    };
+    let o = o.transpose(1, 2)?.contiguous()?.reshape((b, n, c))?;
     let r = dropout::apply(&linear(&o, p, "attn.out_proj")?, mask(DropoutSite::AttentionResidual, &[b, n, c])?.as_ref())?;
     let x2 = if pre { (x + r)? } else { ln(&(x + r)?, "ln_1")? };
     let ffn_in = if pre { ln(&x2, "ln_2")? } else { x2.clone() };
