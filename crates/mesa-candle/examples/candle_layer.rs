@@ -39,7 +39,10 @@ fn main() -> candle_core::Result<()> {
         dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
         ..LayerConfig::new(c, h, f)
     };
-    println!("# one pre-LN causal softmax-attention layer, B={b} N={n} C={c} H={h} F={f}, f32, dropout 0.1, {}", if device.is_cpu() { "CPU (kernels: host emulation)" } else { "CUDA" });
+    println!(
+        "# one pre-LN causal softmax-attention layer, B={b} N={n} C={c} H={h} F={f}, f32, dropout 0.1, {}",
+        if device.is_cpu() { "CPU (kernels: host emulation)" } else { "CUDA" }
+    );
     let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, n, c), &device)?)?;
     let dy = Tensor::randn(0f32, 1.0, (b, n, c), &device)?;
     let input_bytes = b * n * c * 4;
@@ -57,9 +60,15 @@ fn main() -> candle_core::Result<()> {
     let (plain, plain_grads) = plain_run()?;
 
     println!();
-    println!("| layer | bits | recompute | alive after forward (MiB) | × plain | peak during backward (MiB) | × plain |");
+    println!(
+        "| layer | bits | recompute | alive after forward (MiB) | × plain | peak during backward (MiB) | × plain |"
+    );
     println!("|---|---|---|---|---|---|---|");
-    println!("| plain candle f32 | — | — | {:.2} | 1.00 | {:.2} | 1.00 |", mib(plain.alive_after_forward), mib(plain.peak_during_backward));
+    println!(
+        "| plain candle f32 | — | — | {:.2} | 1.00 | {:.2} | 1.00 |",
+        mib(plain.alive_after_forward),
+        mib(plain.peak_during_backward)
+    );
     let mut parity: Vec<(String, HashMap<&'static str, (f64, f64)>)> = Vec::new();
     for bits in [8, 4, 2] {
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
@@ -79,15 +88,26 @@ fn main() -> candle_core::Result<()> {
                 mib(m.peak_during_backward),
                 m.peak_during_backward as f64 / plain.peak_during_backward as f64
             );
-            let flat = grads.get(layer.params().as_tensor()).ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?;
+            let flat =
+                grads.get(layer.params().as_tensor()).ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?;
             let mut per = HashMap::new();
             for (name, g) in layer.layout().unflatten(flat)? {
-                let want = plain_grads.get(vars[name].as_tensor()).ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?;
+                let want = plain_grads
+                    .get(vars[name].as_tensor())
+                    .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?;
                 let (g, want) = (g.flatten_all()?.to_vec1::<f32>()?, want.flatten_all()?.to_vec1::<f32>()?);
                 per.insert(name, (cosine(&g, &want), rel(&g, &want)));
             }
-            let dx = grads.get(x.as_tensor()).ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?.flatten_all()?.to_vec1::<f32>()?;
-            let dx_ref = plain_grads.get(x.as_tensor()).ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?.flatten_all()?.to_vec1::<f32>()?;
+            let dx = grads
+                .get(x.as_tensor())
+                .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let dx_ref = plain_grads
+                .get(x.as_tensor())
+                .ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             per.insert("x (layer input)", (cosine(&dx, &dx_ref), rel(&dx, &dx_ref)));
             parity.push((format!("{bits}-bit {recompute:?}"), per));
         }
@@ -97,7 +117,8 @@ fn main() -> candle_core::Result<()> {
     println!("gradient parity against the plain-candle f32 layer: cosine / relative error per parameter");
     println!("(attn.k_proj.bias: its true gradient is 0 — softmax ignores a shift of a whole row of scores — reported, not counted)");
     println!();
-    let names: Vec<&'static str> = std::iter::once("x (layer input)").chain(ours.layout().entries().iter().map(|e| e.name)).collect();
+    let names: Vec<&'static str> =
+        std::iter::once("x (layer input)").chain(ours.layout().entries().iter().map(|e| e.name)).collect();
     print!("| parameter |");
     for (label, _) in &parity {
         print!(" {label} |");

@@ -34,7 +34,11 @@ impl<B: Backward> Carrier<B> {
     fn take_cpu(&self) -> candle_core::Result<(CpuStorage, Shape)> {
         match self.take()? {
             (Storage::Cpu(s), shape) => Ok((s, shape)),
-            (other, _) => Err(Error::UnsupportedDevice { op: self.backward.name(), device: format!("{:?}", other.device().location()) }.into()),
+            (other, _) => Err(Error::UnsupportedDevice {
+                op: self.backward.name(),
+                device: format!("{:?}", other.device().location()),
+            }
+            .into()),
         }
     }
 
@@ -42,11 +46,20 @@ impl<B: Backward> Carrier<B> {
     fn take_cuda(&self) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         match self.take()? {
             (Storage::Cuda(s), shape) => Ok((s, shape)),
-            (other, _) => Err(Error::UnsupportedDevice { op: self.backward.name(), device: format!("{:?}", other.device().location()) }.into()),
+            (other, _) => Err(Error::UnsupportedDevice {
+                op: self.backward.name(),
+                device: format!("{:?}", other.device().location()),
+            }
+            .into()),
         }
     }
 
-    fn grads<const N: usize>(&self, args: [&Tensor; N], res: &Tensor, grad: &Tensor) -> candle_core::Result<[Option<Tensor>; N]> {
+    fn grads<const N: usize>(
+        &self,
+        args: [&Tensor; N],
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<[Option<Tensor>; N]> {
         let mut grads = self.backward.backward(&args, res, grad)?.into_iter();
         Ok(std::array::from_fn(|_| grads.next().flatten()))
     }
@@ -60,7 +73,11 @@ impl<B: Backward> CustomOp1 for Carrier<B> {
         self.take_cpu()
     }
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         self.take_cuda()
     }
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -73,7 +90,13 @@ impl<B: Backward> CustomOp2 for Carrier<B> {
     fn name(&self) -> &'static str {
         self.backward.name()
     }
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         self.take_cpu()
     }
     #[cfg(feature = "cuda")]
@@ -86,7 +109,13 @@ impl<B: Backward> CustomOp2 for Carrier<B> {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         self.take_cuda()
     }
-    fn bwd(&self, a: &Tensor, b: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let [ga, gb] = self.grads([a, b], res, grad)?;
         Ok((ga, gb))
     }
@@ -134,7 +163,11 @@ impl<B: Backward> CustomOp3 for Carrier<B> {
 
 /// `result` (computed from detached `args`) as a node of candle's graph over `args`, whose
 /// gradient is `backward`'s. One to three arguments.
-pub(crate) fn attach<B: Backward>(args: &[&Tensor], result: (Storage, Shape), backward: B) -> candle_core::Result<Tensor> {
+pub(crate) fn attach<B: Backward>(
+    args: &[&Tensor],
+    result: (Storage, Shape),
+    backward: B,
+) -> candle_core::Result<Tensor> {
     let carrier = Carrier { result: Mutex::new(Some(result)), backward };
     match *args {
         [a] => a.apply_op1(carrier),

@@ -61,7 +61,9 @@ pub fn kernel_device(device: &candle_core::Device) -> candle_core::Result<mesa_k
         candle_core::Device::Cpu => Ok(mesa_kernels::Device::emulator()),
         #[cfg(feature = "cuda")]
         candle_core::Device::Cuda(d) => mesa_kernels::Device::from_stream(d.cuda_stream()).k(),
-        other => Err(Error::UnsupportedDevice { op: "kernel_device", device: format!("{:?}", other.location()) }.into()),
+        other => {
+            Err(Error::UnsupportedDevice { op: "kernel_device", device: format!("{:?}", other.location()) }.into())
+        }
     }
 }
 
@@ -114,7 +116,9 @@ impl<'a> View<'a> {
             Storage::Cpu(s) => TensorRef::new(s.as_slice::<T>()?, &self.layout).k(),
             #[cfg(feature = "cuda")]
             Storage::Cuda(s) => TensorRef::new(s.as_cuda_slice::<T>()?, &self.layout).k(),
-            other => Err(Error::UnsupportedDevice { op: "view", device: format!("{:?}", other.device().location()) }.into()),
+            other => {
+                Err(Error::UnsupportedDevice { op: "view", device: format!("{:?}", other.device().location()) }.into())
+            }
         }
     }
 }
@@ -133,7 +137,11 @@ impl<T: KernelFloat> Output<T> {
     ///
     /// # Errors
     /// Allocation errors as [`Error::Kernel`].
-    pub fn zeros(device: &candle_core::Device, kernels: &mesa_kernels::Device, shape: &Shape) -> candle_core::Result<Self> {
+    pub fn zeros(
+        device: &candle_core::Device,
+        kernels: &mesa_kernels::Device,
+        shape: &Shape,
+    ) -> candle_core::Result<Self> {
         let buffer = kernels.alloc_zeros::<T>(shape.elem_count()).k()?;
         Ok(Output { buffer, shape: shape.clone(), device: device.clone() })
     }
@@ -157,7 +165,9 @@ impl<T: KernelFloat> Output<T> {
             (Buffer::Cuda(s), candle_core::Device::Cuda(d)) => {
                 Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(s, d.clone()))
             }
-            (_, d) => return Err(Error::UnsupportedDevice { op: "output", device: format!("{:?}", d.location()) }.into()),
+            (_, d) => {
+                return Err(Error::UnsupportedDevice { op: "output", device: format!("{:?}", d.location()) }.into())
+            }
         };
         Ok((storage, self.shape))
     }

@@ -63,7 +63,9 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Kernel(e) => write!(f, "mesa-kernels: {e}"),
-            Error::UnsupportedDType { op, dtype } => write!(f, "{op}: dtype {dtype:?} is not supported (f32, f16, bf16)"),
+            Error::UnsupportedDType { op, dtype } => {
+                write!(f, "{op}: dtype {dtype:?} is not supported (f32, f16, bf16)")
+            }
             Error::UnsupportedDevice { op, device } => write!(f, "{op}: device {device} is not supported"),
             Error::DeviceMismatch { op } => write!(f, "{op}: tensors on different devices"),
             Error::Shape { what, expected, got } => write!(f, "{what}: expected shape {expected:?}, got {got:?}"),

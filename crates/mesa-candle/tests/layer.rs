@@ -6,7 +6,9 @@ mod common;
 
 use candle_core::{DType, Device, Module, Tensor};
 use common::{flat, Rng};
-use mesa_candle::layer::{reference, Attention, DropoutConfig, LayerConfig, NormPlacement, Recompute, TransformerLayer};
+use mesa_candle::layer::{
+    reference, Attention, DropoutConfig, LayerConfig, NormPlacement, Recompute, TransformerLayer,
+};
 use mesa_candle::ops::FeatureKind;
 use mesa_candle::{as_mesa_error, Error};
 use mesa_kernels::linear_attention::LinearAttentionConfig;
@@ -25,7 +27,12 @@ fn norm(a: &[f64]) -> f64 {
 /// Gradients of `Σ y ⊙ dy` for our layer and for the f64 reference with the same
 /// parameters and seed: `(y, y_ref, [(name, ours, reference)] with "x" first)`.
 #[allow(clippy::type_complexity)]
-fn both(config: &LayerConfig, x: &Tensor, dy: &Tensor, seed: u64) -> (Vec<f64>, Vec<f64>, Vec<(String, Vec<f64>, Vec<f64>)>) {
+fn both(
+    config: &LayerConfig,
+    x: &Tensor,
+    dy: &Tensor,
+    seed: u64,
+) -> (Vec<f64>, Vec<f64>, Vec<(String, Vec<f64>, Vec<f64>)>) {
     let layer = TransformerLayer::new(config.clone(), &Device::Cpu).unwrap();
     let xv = candle_core::Var::from_tensor(x).unwrap();
     let y = layer.forward_seeded(xv.as_tensor(), seed).unwrap();
@@ -34,7 +41,8 @@ fn both(config: &LayerConfig, x: &Tensor, dy: &Tensor, seed: u64) -> (Vec<f64>, 
     let x64 = candle_core::Var::from_tensor(&x.to_dtype(DType::F64).unwrap()).unwrap();
     let y_ref = reference::forward(config, &vars, x64.as_tensor(), seed).unwrap();
     let g_ref = (&y_ref * dy.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
-    let mut out = vec![("x".to_string(), flat(g.get(xv.as_tensor()).unwrap()), flat(g_ref.get(x64.as_tensor()).unwrap()))];
+    let mut out =
+        vec![("x".to_string(), flat(g.get(xv.as_tensor()).unwrap()), flat(g_ref.get(x64.as_tensor()).unwrap()))];
     let flat_grad = g.get(layer.params().as_tensor()).unwrap();
     for (name, ours) in layer.layout().unflatten(flat_grad).unwrap() {
         out.push((name.to_string(), flat(&ours), flat(g_ref.get(vars[name].as_tensor()).unwrap())));
@@ -61,7 +69,11 @@ fn check(config: &LayerConfig, what: &str) {
     let largest = grads.iter().map(|(_, _, w)| norm(w)).fold(0.0, f64::max);
     for (name, ours, want) in &grads {
         if norm(want) <= 1e-9 * largest {
-            eprintln!("{what} {name}: true gradient is zero (|g_ref| = {:.1e}; ours {:.1e}), not counted", norm(want), norm(ours));
+            eprintln!(
+                "{what} {name}: true gradient is zero (|g_ref| = {:.1e}; ours {:.1e}), not counted",
+                norm(want),
+                norm(ours)
+            );
             continue;
         }
         let cos = cosine(ours, want);
@@ -122,7 +134,11 @@ fn full_recomputation_gives_the_same_gradients_as_keeping_the_codes() {
         let xv = candle_core::Var::from_tensor(&x).unwrap();
         let y = layer.forward_seeded(xv.as_tensor(), 9).unwrap();
         let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
-        (layer.params().as_tensor().to_vec1::<f32>().unwrap(), flat(g.get(layer.params().as_tensor()).unwrap()), flat(g.get(xv.as_tensor()).unwrap()))
+        (
+            layer.params().as_tensor().to_vec1::<f32>().unwrap(),
+            flat(g.get(layer.params().as_tensor()).unwrap()),
+            flat(g.get(xv.as_tensor()).unwrap()),
+        )
     };
     let (p_none, g_none, dx_none) = run(Recompute::None);
     // same parameters: candle's CPU generator is seeded per device; make the second layer
@@ -135,7 +151,8 @@ fn full_recomputation_gives_the_same_gradients_as_keeping_the_codes() {
     for (name, t) in l0.layout().unflatten(&params).unwrap() {
         map.insert(name.to_string(), t);
     }
-    let full = TransformerLayer::from_tensors(config(NormPlacement::Pre, Recompute::Full), &map, "", &Device::Cpu).unwrap();
+    let full =
+        TransformerLayer::from_tensors(config(NormPlacement::Pre, Recompute::Full), &map, "", &Device::Cpu).unwrap();
     let xv = candle_core::Var::from_tensor(&x).unwrap();
     let y = full.forward_seeded(xv.as_tensor(), 9).unwrap();
     let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
@@ -189,7 +206,10 @@ fn bad_configurations_and_inputs_are_typed_errors() {
         LayerConfig { heads: 3, ..LayerConfig::new(16, 2, 32) },
         LayerConfig { bits: 3, ..LayerConfig::new(16, 2, 32) },
         LayerConfig { eps: 0.0, ..LayerConfig::new(16, 2, 32) },
-        LayerConfig { dropout: DropoutConfig { attention: 1.0, residual: 0.0, seed: 0 }, ..LayerConfig::new(16, 2, 32) },
+        LayerConfig {
+            dropout: DropoutConfig { attention: 1.0, residual: 0.0, seed: 0 },
+            ..LayerConfig::new(16, 2, 32)
+        },
     ];
     for cfg in bad {
         let e = TransformerLayer::new(cfg.clone(), &Device::Cpu).unwrap_err();

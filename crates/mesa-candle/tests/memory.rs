@@ -34,10 +34,18 @@ fn alive(config: &LayerConfig, params: &HashMap<String, Tensor>, n: usize, plain
 
 #[test]
 fn eight_bit_layer_keeps_under_thirty_percent_and_selective_nothing_quadratic() {
-    let base = LayerConfig { dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 }, ..LayerConfig::new(64, 4, 256) };
+    let base = LayerConfig {
+        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+        ..LayerConfig::new(64, 4, 256)
+    };
     let init = TransformerLayer::new(base.clone(), &Device::Cpu).unwrap();
-    let params: HashMap<String, Tensor> =
-        init.layout().unflatten(init.params().as_tensor()).unwrap().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    let params: HashMap<String, Tensor> = init
+        .layout()
+        .unflatten(init.params().as_tensor())
+        .unwrap()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
     let n = 64;
     let plain = alive(&base, &params, n, true);
     for recompute in [Recompute::None, Recompute::Selective] {

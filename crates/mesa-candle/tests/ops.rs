@@ -74,8 +74,9 @@ fn gelu_gradients_match_f64_candle_within_the_code_step() {
             assert_within(&format!("gelu {form:?} {dtype:?} y"), &y, &y_ref, &fwd);
             // backward: |dy|·max|gelu''|·h from decoding, plus the same arithmetic terms
             let h = 0.5 * step(&xs, 8) + U32 * 4.0;
-            let bound: Vec<f64> =
-                (0..xs.len()).map(|i| dys[i].abs() * (lip * h + 8.0 * U32 * (1.0 + xs[i].abs())) + u * g_ref[0][i].abs()).collect();
+            let bound: Vec<f64> = (0..xs.len())
+                .map(|i| dys[i].abs() * (lip * h + 8.0 * U32 * (1.0 + xs[i].abs())) + u * g_ref[0][i].abs())
+                .collect();
             assert_within(&format!("gelu {form:?} {dtype:?} dx"), &g[0], &g_ref[0], &bound);
         }
     }
@@ -95,8 +96,9 @@ fn softmax_with_mask_gradients_match_f64_candle_within_the_code_step() {
         let x = rng.tensor(&[b, h, n, m], 0.0, 2.0, dtype);
         // a key-padding mask [B, 1, 1, N]: −inf on the last 4 keys of batch 1, small
         // additive biases elsewhere; broadcast by stride 0
-        let mask: Vec<f64> =
-            (0..b * m).map(|i| if i / m == 1 && i % m >= m - 4 { f64::NEG_INFINITY } else { 0.3 * rng.gauss() }).collect();
+        let mask: Vec<f64> = (0..b * m)
+            .map(|i| if i / m == 1 && i % m >= m - 4 { f64::NEG_INFINITY } else { 0.3 * rng.gauss() })
+            .collect();
         let mask = Tensor::from_vec(mask, (b, 1, 1, m), &candle_core::Device::Cpu).unwrap().to_dtype(dtype).unwrap();
         let dy = rng.tensor(&[b, h, n, m], 0.0, 1.0, dtype);
         let op = Softmax::new(8);
@@ -114,12 +116,14 @@ fn softmax_with_mask_gradients_match_f64_candle_within_the_code_step() {
         let mut bound = vec![0.0; y_ref.len()];
         for row in 0..(b * h * n) {
             let r = row * m..(row + 1) * m;
-            let e: Vec<f64> = r.clone().map(|j| ((y_ref[j].sqrt() + s / 4.0) * s + u * y_ref[j]) * (1.0 + 1e-6)).collect();
+            let e: Vec<f64> =
+                r.clone().map(|j| ((y_ref[j].sqrt() + s / 4.0) * s + u * y_ref[j]) * (1.0 + 1e-6)).collect();
             let c: f64 = r.clone().map(|j| dys[j] * y_ref[j]).sum();
             let big_e: f64 = r.clone().zip(&e).map(|(j, ej)| dys[j].abs() * ej).sum();
             let arith = 4.0 * m as f64 * U32 * r.clone().map(|j| dys[j].abs()).sum::<f64>();
             for (k, j) in r.enumerate() {
-                bound[j] = e[k] * (dys[j].abs() + c.abs() + big_e) + (y_ref[j] + e[k]) * big_e + arith + u * g_ref[0][j].abs();
+                bound[j] =
+                    e[k] * (dys[j].abs() + c.abs() + big_e) + (y_ref[j] + e[k]) * big_e + arith + u * g_ref[0][j].abs();
             }
         }
         assert_within(&format!("softmax {dtype:?} dx"), &g[0], &g_ref[0], &bound);
@@ -229,7 +233,8 @@ fn rms_norm_gradients_match_f64_candle_within_the_code_step() {
         assert_within(&format!("rms norm {dtype:?} y"), &y, &y_ref, &fwd);
         let h = 0.5 * step(&xhat, 8) * (1.0 + 1e-4) + 8.0 * U32 * xhat.iter().fold(0.0f64, |a, v| a.max(v.abs()));
         let nb = norm_bounds(&xhat, &rstd, &ws, &dys, h);
-        let with_u = |b: &[f64], r: &[f64]| -> Vec<f64> { b.iter().zip(r).map(|(b, r)| b + 2.0 * u * r.abs()).collect() };
+        let with_u =
+            |b: &[f64], r: &[f64]| -> Vec<f64> { b.iter().zip(r).map(|(b, r)| b + 2.0 * u * r.abs()).collect() };
         assert_within(&format!("rms norm {dtype:?} dx"), &g[0], &g_ref[0], &with_u(&nb.dx, &g_ref[0]));
         assert_within(&format!("rms norm {dtype:?} dw"), &g[1], &g_ref[1], &with_u(&nb.dw, &g_ref[1]));
     }
@@ -252,8 +257,19 @@ fn coded_linear_weight_gradient_is_within_the_input_code_step() {
         let (xs, ws, dys) = (flat(&x), flat(&w), flat(&dy));
         // products accumulated over n terms (candle's gemm; in the dtype's precision at worst):
         // n·u·Σ|a||b|, plus the result's rounding
-        let mag = |a: &[f64], b: &[f64], ni: usize, nj: usize, nk: usize, ai: &dyn Fn(usize, usize) -> usize, bj: &dyn Fn(usize, usize) -> usize| -> Vec<f64> {
-            (0..ni * nj).map(|ij| (0..nk).map(|k| (a[ai(ij / nj, k)] * b[bj(ij % nj, k)]).abs()).sum::<f64>() * (nk as f64 + 2.0) * u).collect()
+        let mag = |a: &[f64],
+                   b: &[f64],
+                   ni: usize,
+                   nj: usize,
+                   nk: usize,
+                   ai: &dyn Fn(usize, usize) -> usize,
+                   bj: &dyn Fn(usize, usize) -> usize|
+         -> Vec<f64> {
+            (0..ni * nj)
+                .map(|ij| {
+                    (0..nk).map(|k| (a[ai(ij / nj, k)] * b[bj(ij % nj, k)]).abs()).sum::<f64>() * (nk as f64 + 2.0) * u
+                })
+                .collect()
         };
         let y_mag = mag(&xs, &ws, rows, n_out, n_in, &|i, k| i * n_in + k, &|j, k| j * n_in + k);
         let fwd: Vec<f64> = y_ref.iter().zip(&y_mag).map(|(v, m)| m + u * v.abs() + u * 8.0).collect();
@@ -264,11 +280,14 @@ fn coded_linear_weight_gradient_is_within_the_input_code_step() {
         let h = 0.5 * step(&xs, 8) * (1.0 + 1e-4) + 4.0 * U32 * xs.iter().fold(0.0f64, |a, v| a.max(v.abs()));
         let dw_mag = mag(&dys, &xs, n_out, n_in, rows, &|i, r| r * n_out + i, &|j, r| r * n_in + j);
         let dw_bound: Vec<f64> = (0..n_out * n_in)
-            .map(|ij| dw_mag[ij] + (0..rows).map(|r| dys[r * n_out + ij / n_in].abs()).sum::<f64>() * h * (1.0 + 2.0 * u))
+            .map(|ij| {
+                dw_mag[ij] + (0..rows).map(|r| dys[r * n_out + ij / n_in].abs()).sum::<f64>() * h * (1.0 + 2.0 * u)
+            })
             .collect();
         assert_within(&format!("linear {dtype:?} dw"), &g[1], &g_ref[1], &dw_bound);
-        let db_bound: Vec<f64> =
-            (0..n_out).map(|j| (0..rows).map(|r| dys[r * n_out + j].abs()).sum::<f64>() * (rows as f64 + 2.0) * u).collect();
+        let db_bound: Vec<f64> = (0..n_out)
+            .map(|j| (0..rows).map(|r| dys[r * n_out + j].abs()).sum::<f64>() * (rows as f64 + 2.0) * u)
+            .collect();
         assert_within(&format!("linear {dtype:?} db"), &g[2], &g_ref[2], &db_bound);
     }
 }
@@ -316,7 +335,9 @@ fn linear_attention_gradients_match_f64_candle() {
     let (b, h, l, d, dv) = (1, 2, 45, 8, 6);
     let favor = LinearAttention::favor(&candle_core::Device::Cpu, 16, d, 7).unwrap();
     for map in [FeatureKind::Relu, FeatureKind::Elu1, favor] {
-        for (causal, memory) in [(true, MemoryMode::BoundaryStates), (true, MemoryMode::Slim), (false, MemoryMode::BoundaryStates)] {
+        for (causal, memory) in
+            [(true, MemoryMode::BoundaryStates), (true, MemoryMode::Slim), (false, MemoryMode::BoundaryStates)]
+        {
             for dtype in DTYPES {
                 let config = LinearAttentionConfig { causal, normalize: true, eps: 1e-6, chunk: 16, memory };
                 let (mean, std) = if matches!(map, FeatureKind::Relu) { (0.6, 1.0) } else { (0.0, 0.7) };
@@ -336,7 +357,9 @@ fn linear_attention_gradients_match_f64_candle() {
                 let n = (l * (d + dv)) as f64;
                 let c = 16.0 * n * U32 + 8.0 * unit(dtype);
                 let what = format!("linear attention {map:?} causal={causal} {memory:?} {dtype:?}");
-                for (name, got, want) in [("out", &y, &y_ref), ("dq", &g[0], &g_ref[0]), ("dk", &g[1], &g_ref[1]), ("dv", &g[2], &g_ref[2])] {
+                for (name, got, want) in
+                    [("out", &y, &y_ref), ("dq", &g[0], &g_ref[0]), ("dk", &g[1], &g_ref[1]), ("dv", &g[2], &g_ref[2])]
+                {
                     let top = want.iter().fold(0.0f64, |a, v| a.max(v.abs()));
                     let bound: Vec<f64> = want.iter().map(|w| c * (w.abs() + top)).collect();
                     assert_within(&format!("{what} {name}"), got, want, &bound);

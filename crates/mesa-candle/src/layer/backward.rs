@@ -38,14 +38,25 @@ impl Backward for LayerGrad {
             .layout
             .entries()
             .iter()
-            .map(|e| grads.get(e.name).map(Tensor::flatten_all).unwrap_or_else(|| Tensor::zeros(e.numel(), DType::F32, x.device())))
+            .map(|e| {
+                grads
+                    .get(e.name)
+                    .map(Tensor::flatten_all)
+                    .unwrap_or_else(|| Tensor::zeros(e.numel(), DType::F32, x.device()))
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(vec![Some(dx), Some(Tensor::cat(&flat, 0)?)])
     }
 }
 
 /// Gradients of a projection `y = t·Wᵀ + b` given `dy`: `(dt, dW, db)`.
-fn proj_backward(plan: &Plan, params: &Tensor, name: &str, t: &Tensor, dy: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+fn proj_backward(
+    plan: &Plan,
+    params: &Tensor,
+    name: &str,
+    t: &Tensor,
+    dy: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let w = plan.w(params, &format!("{name}.weight"))?;
     let (out_f, in_f) = w.dims2()?;
     let dy2 = dy.reshape(((), out_f))?;
@@ -101,7 +112,8 @@ fn layer_backward(
     drop(d_g);
     // the FFN input: LN₂'s output (pre) or LN₁'s (post), decoded from its codes
     let (ffn_ln, ffn_ln_name) = if pre { (&c.ln2, "ln_2") } else { (&c.ln1, "ln_1") };
-    let ffn_in = ctx.layer_norm_output(ffn_ln, &w(&format!("{ffn_ln_name}.weight"))?, &w(&format!("{ffn_ln_name}.bias"))?)?;
+    let ffn_in =
+        ctx.layer_norm_output(ffn_ln, &w(&format!("{ffn_ln_name}.weight"))?, &w(&format!("{ffn_ln_name}.bias"))?)?;
     let (d_h2, dw1, db1) = proj_backward(plan, params, "mlp.fc_in", &ffn_in, &d_u)?;
     drop((ffn_in, d_u));
     insert(&mut grads, "mlp.fc_in", dw1, db1);

@@ -31,7 +31,13 @@ pub fn site_key(seed: u64, site: DropoutSite) -> u64 {
 ///
 /// # Errors
 /// candle's errors; `p` outside `[0, 1)` is rejected by the layer's configuration.
-pub fn mask(seed: u64, site: DropoutSite, p: f32, shape: &[usize], device: &candle_core::Device) -> candle_core::Result<Option<Tensor>> {
+pub fn mask(
+    seed: u64,
+    site: DropoutSite,
+    p: f32,
+    shape: &[usize],
+    device: &candle_core::Device,
+) -> candle_core::Result<Option<Tensor>> {
     if p == 0.0 {
         return Ok(None);
     }

@@ -1,7 +1,9 @@
 //! The layer's forward on detached tensors, and what it keeps.
 use candle_core::Tensor;
 use mesa_kernels::linear_attention::LinearAttentionSaved;
-use mesa_kernels::{Grouping, QuantConfig, Rounding, SavedActivation, SavedLayerNorm, SoftmaxCodes, SoftmaxSave, StatsMode};
+use mesa_kernels::{
+    Grouping, QuantConfig, Rounding, SavedActivation, SavedLayerNorm, SoftmaxCodes, SoftmaxSave, StatsMode,
+};
 
 use super::dropout::{self, DropoutSite};
 use super::kernels::Ctx;
@@ -64,7 +66,13 @@ impl Plan {
     }
 
     fn codes(&self, grouping: Grouping) -> QuantConfig {
-        QuantConfig { bits: self.config.bits, grouping, rounding: Rounding::Nearest, momentum: 0.9, stats: StatsMode::Exact }
+        QuantConfig {
+            bits: self.config.bits,
+            grouping,
+            rounding: Rounding::Nearest,
+            momentum: 0.9,
+            stats: StatsMode::Exact,
+        }
     }
 
     /// Token tensors `[B, N, C or F]`: one group per head-sized channel slice.
@@ -78,7 +86,12 @@ impl Plan {
     }
 
     pub fn softmax_save(&self) -> SoftmaxSave {
-        SoftmaxSave { bits: self.config.bits, codes: SoftmaxCodes::Sqrt, grouping: Grouping::Heads { axis: 1 }, rounding: Rounding::Nearest }
+        SoftmaxSave {
+            bits: self.config.bits,
+            codes: SoftmaxCodes::Sqrt,
+            grouping: Grouping::Heads { axis: 1 },
+            rounding: Rounding::Nearest,
+        }
     }
 
     /// `[B, N, C]` → `[B, H, N, d]` (contiguous).
@@ -113,7 +126,12 @@ impl Plan {
     }
 
     /// `softmax(QKᵀ/√d + mask)` by our softmax kernel; its codes when `save`.
-    pub fn probabilities(&self, q: &Tensor, k: &Tensor, save: bool) -> candle_core::Result<(Tensor, Option<SavedActivation>)> {
+    pub fn probabilities(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        save: bool,
+    ) -> candle_core::Result<(Tensor, Option<SavedActivation>)> {
         let scale = 1.0 / (self.config.head_dim() as f64).sqrt();
         let s = (q.matmul(&k.t()?)? * scale)?;
         let mask = self.causal_mask(q.dim(2)?)?;

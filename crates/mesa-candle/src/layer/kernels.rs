@@ -38,7 +38,14 @@ impl Ctx {
     }
 
     /// LayerNorm forward saving `x̂` codes and statistics.
-    pub fn layer_norm(&self, x: &Tensor, w: &Tensor, b: &Tensor, eps: f32, config: QuantConfig) -> candle_core::Result<(Tensor, SavedLayerNorm)> {
+    pub fn layer_norm(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        eps: f32,
+        config: QuantConfig,
+    ) -> candle_core::Result<(Tensor, SavedLayerNorm)> {
         let mut q = Quantizer::new(&self.kernels, config).k()?;
         let mut y = self.out(x.shape())?;
         let (wc, bc) = (w.contiguous()?, b.contiguous()?);
@@ -52,7 +59,12 @@ impl Ctx {
     }
 
     /// LayerNorm backward: `(dx, dw, db)`.
-    pub fn layer_norm_backward(&self, saved: &SavedLayerNorm, w: &Tensor, dy: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    pub fn layer_norm_backward(
+        &self,
+        saved: &SavedLayerNorm,
+        w: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let cols = candle_core::Shape::from(w.dims());
         let (mut dx, mut dw, mut db) = (self.out(dy.shape())?, self.out(&cols)?, self.out(&cols)?);
         let wc = w.contiguous()?;
@@ -60,7 +72,11 @@ impl Ctx {
             let (gv, wv) = (View::of(dy)?, View::of(&wc)?);
             let (gr, wr) = (gv.tensor_ref::<f32>()?, wv.tensor_ref::<f32>()?);
             let args = LayerNormBackward { saved, weight: Some(&wr), dy: &gr };
-            let grads = LayerNormGrads { dx: &mut dx.tensor_mut()?, dweight: &mut dw.tensor_mut()?, dbias: &mut db.tensor_mut()? };
+            let grads = LayerNormGrads {
+                dx: &mut dx.tensor_mut()?,
+                dweight: &mut dw.tensor_mut()?,
+                dbias: &mut db.tensor_mut()?,
+            };
             layer_norm_backward(&self.kernels, &args, grads).k()?;
         }
         Ok((dx.into_tensor()?, dw.into_tensor()?, db.into_tensor()?))
@@ -72,7 +88,12 @@ impl Ctx {
     }
 
     /// Softmax over the last axis with an additive mask; codes of the output when `save`.
-    pub fn softmax(&self, s: &Tensor, mask: Option<&Tensor>, save: Option<&SoftmaxSave>) -> candle_core::Result<(Tensor, Option<SavedActivation>)> {
+    pub fn softmax(
+        &self,
+        s: &Tensor,
+        mask: Option<&Tensor>,
+        save: Option<&SoftmaxSave>,
+    ) -> candle_core::Result<(Tensor, Option<SavedActivation>)> {
         let mut y = self.out(s.shape())?;
         let mask = mask.map(|m| m.broadcast_as(s.shape())).transpose()?;
         let saved = {
@@ -99,11 +120,18 @@ impl Ctx {
             let dv = View::of(dp)?;
             let dr = dv.tensor_ref::<f32>()?;
             match p {
-                SoftmaxSource::Codes(saved) => softmax_backward(&self.kernels, saved, &dr, &mut ds.tensor_mut()?).k()?,
+                SoftmaxSource::Codes(saved) => {
+                    softmax_backward(&self.kernels, saved, &dr, &mut ds.tensor_mut()?).k()?
+                }
                 SoftmaxSource::Plain(y) => {
                     let yv = View::of(y)?;
                     let yr = yv.tensor_ref::<f32>()?;
-                    softmax_backward_plain(&self.kernels, &SoftmaxBackwardPlain { y: &yr, dy: &dr }, &mut ds.tensor_mut()?).k()?;
+                    softmax_backward_plain(
+                        &self.kernels,
+                        &SoftmaxBackwardPlain { y: &yr, dy: &dr },
+                        &mut ds.tensor_mut()?,
+                    )
+                    .k()?;
                 }
             }
         }

@@ -160,7 +160,13 @@ impl LayerConfig {
             return bad("heads", format!("hidden {} must be a positive multiple of heads {}", self.hidden, self.heads));
         }
         if self.ffn == 0 || self.ffn % self.heads != 0 {
-            return bad("ffn", format!("{} must be a positive multiple of heads {} (codes are grouped per head)", self.ffn, self.heads));
+            return bad(
+                "ffn",
+                format!(
+                    "{} must be a positive multiple of heads {} (codes are grouped per head)",
+                    self.ffn, self.heads
+                ),
+            );
         }
         if !matches!(self.bits, 2 | 4 | 8) {
             return bad("bits", format!("{} (supported: 8, 4, 2)", self.bits));
@@ -253,14 +259,28 @@ impl TransformerLayer {
     pub fn forward_seeded(&self, x: &Tensor, seed: u64) -> candle_core::Result<Tensor> {
         let (_, _, c) = x.dims3()?;
         if c != self.config.hidden {
-            return Err(Error::Shape { what: "layer input".into(), expected: vec![0, 0, self.config.hidden], got: x.dims().to_vec() }.into());
+            return Err(Error::Shape {
+                what: "layer input".into(),
+                expected: vec![0, 0, self.config.hidden],
+                got: x.dims().to_vec(),
+            }
+            .into());
         }
         if x.dtype() != DType::F32 {
             return Err(Error::UnsupportedDType { op: "transformer layer", dtype: x.dtype() }.into());
         }
         let params = self.params.as_tensor();
-        let ctx = kernels::Ctx { candle: x.device().clone(), kernels: crate::bridge::common_device("transformer layer", &[x, params])? };
-        let plan = Arc::new(forward::Plan { config: self.config.clone(), layout: self.layout.clone(), ctx, seed, linear: self.linear() });
+        let ctx = kernels::Ctx {
+            candle: x.device().clone(),
+            kernels: crate::bridge::common_device("transformer layer", &[x, params])?,
+        };
+        let plan = Arc::new(forward::Plan {
+            config: self.config.clone(),
+            layout: self.layout.clone(),
+            ctx,
+            seed,
+            linear: self.linear(),
+        });
         let (y, saved) = forward::run(&plan, &x.detach(), &params.detach(), self.config.recompute)?;
         let result = crate::ops::tensor_result(&y)?;
         drop(y);

@@ -103,7 +103,12 @@ impl ParamLayout {
     ///
     /// # Errors
     /// [`Error::MissingParameter`] for an absent name, [`Error::Shape`] for a wrong shape.
-    pub fn flatten(&self, tensors: &HashMap<String, Tensor>, prefix: &str, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+    pub fn flatten(
+        &self,
+        tensors: &HashMap<String, Tensor>,
+        prefix: &str,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Tensor> {
         let mut parts = Vec::with_capacity(self.entries.len());
         for e in &self.entries {
             let key = format!("{prefix}{}", e.name);

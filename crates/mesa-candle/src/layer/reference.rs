@@ -13,8 +13,16 @@ use crate::ops::FeatureKind;
 ///
 /// # Errors
 /// candle's errors.
-pub fn variables(layout: &super::ParamLayout, flat: &Tensor, dtype: DType) -> candle_core::Result<HashMap<&'static str, Var>> {
-    layout.unflatten(flat)?.into_iter().map(|(n, t)| Ok((n, Var::from_tensor(&t.to_dtype(dtype)?.contiguous()?)?))).collect()
+pub fn variables(
+    layout: &super::ParamLayout,
+    flat: &Tensor,
+    dtype: DType,
+) -> candle_core::Result<HashMap<&'static str, Var>> {
+    layout
+        .unflatten(flat)?
+        .into_iter()
+        .map(|(n, t)| Ok((n, Var::from_tensor(&t.to_dtype(dtype)?.contiguous()?)?)))
+        .collect()
 }
 
 fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
@@ -36,7 +44,12 @@ fn linear(x: &Tensor, p: &HashMap<&'static str, Var>, name: &str) -> candle_core
 ///
 /// # Errors
 /// candle's errors; FAVOR+ is not written here ([`crate::Error::InvalidArgument`]).
-pub fn forward(config: &LayerConfig, p: &HashMap<&'static str, Var>, x: &Tensor, seed: u64) -> candle_core::Result<Tensor> {
+pub fn forward(
+    config: &LayerConfig,
+    p: &HashMap<&'static str, Var>,
+    x: &Tensor,
+    seed: u64,
+) -> candle_core::Result<Tensor> {
     let (b, n, c) = x.dims3()?;
     let (h, d) = (config.heads, config.head_dim());
     let dtype = x.dtype();
@@ -45,7 +58,14 @@ pub fn forward(config: &LayerConfig, p: &HashMap<&'static str, Var>, x: &Tensor,
         let prob = if site == DropoutSite::Attention { config.dropout.attention } else { config.dropout.residual };
         dropout::mask(seed, site, prob, shape, x.device())?.map(|m| m.to_dtype(dtype)).transpose()
     };
-    let ln = |t: &Tensor, name: &str| layer_norm(t, p[format!("{name}.weight").as_str()].as_tensor(), p[format!("{name}.bias").as_str()].as_tensor(), eps);
+    let ln = |t: &Tensor, name: &str| {
+        layer_norm(
+            t,
+            p[format!("{name}.weight").as_str()].as_tensor(),
+            p[format!("{name}.bias").as_str()].as_tensor(),
+            eps,
+        )
+    };
     let pre = config.norm == NormPlacement::Pre;
     let attn_in = if pre { ln(x, "ln_1")? } else { x.clone() };
     let heads = |t: Tensor| t.reshape((b, n, h, d))?.transpose(1, 2)?.contiguous();
@@ -68,7 +88,11 @@ pub fn forward(config: &LayerConfig, p: &HashMap<&'static str, Var>, x: &Tensor,
             let phi = |t: &Tensor| match map {
                 FeatureKind::Relu => t.relu(),
                 FeatureKind::Elu1 => t.elu(1.0)? + 1.0,
-                FeatureKind::Favor(_) => Err(crate::Error::InvalidArgument { name: "map", why: "FAVOR+ is not in the reference layer".into() }.into()),
+                FeatureKind::Favor(_) => Err(crate::Error::InvalidArgument {
+                    name: "map",
+                    why: "FAVOR+ is not in the reference layer".into(),
+                }
+                .into()),
             };
             let mut a = phi(&q)?.matmul(&phi(&k)?.t()?)?;
             if la.causal {
@@ -80,7 +104,8 @@ pub fn forward(config: &LayerConfig, p: &HashMap<&'static str, Var>, x: &Tensor,
         }
     };
     let o = o.transpose(1, 2)?.contiguous()?.reshape((b, n, c))?;
-    let r = dropout::apply(&linear(&o, p, "attn.out_proj")?, mask(DropoutSite::AttentionResidual, &[b, n, c])?.as_ref())?;
+    let r =
+        dropout::apply(&linear(&o, p, "attn.out_proj")?, mask(DropoutSite::AttentionResidual, &[b, n, c])?.as_ref())?;
     let x2 = if pre { (x + r)? } else { ln(&(x + r)?, "ln_1")? };
     let ffn_in = if pre { ln(&x2, "ln_2")? } else { x2.clone() };
     let g = linear(&ffn_in, p, "mlp.fc_in")?.gelu_erf()?;

@@ -1,6 +1,8 @@
 //! LayerNorm over the last axis keeping the codes of `x̂` and per-row statistics.
 use candle_core::{DType, Tensor};
-use mesa_kernels::fused::{layer_norm_backward, layer_norm_forward, LayerNormBackward, LayerNormForward, LayerNormGrads};
+use mesa_kernels::fused::{
+    layer_norm_backward, layer_norm_forward, LayerNormBackward, LayerNormForward, LayerNormGrads,
+};
 use mesa_kernels::{QuantConfig, SavedLayerNorm};
 
 use super::QuantSlot;

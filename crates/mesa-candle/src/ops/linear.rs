@@ -34,11 +34,15 @@ impl CodedLinear {
         let (out_f, in_f) = weight.dims2()?;
         let x_in = x.dims().last().copied().unwrap_or(0);
         if x_in != in_f || x.rank() < 1 {
-            return Err(Error::Shape { what: "linear input".into(), expected: vec![in_f], got: x.dims().to_vec() }.into());
+            return Err(
+                Error::Shape { what: "linear input".into(), expected: vec![in_f], got: x.dims().to_vec() }.into()
+            );
         }
         if let Some(b) = bias {
             if b.dims() != [out_f] {
-                return Err(Error::Shape { what: "linear bias".into(), expected: vec![out_f], got: b.dims().to_vec() }.into());
+                return Err(
+                    Error::Shape { what: "linear bias".into(), expected: vec![out_f], got: b.dims().to_vec() }.into()
+                );
             }
         }
         let mut args = vec![x, weight];

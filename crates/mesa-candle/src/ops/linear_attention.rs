@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use candle_core::{Shape, Tensor};
 use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
-use mesa_kernels::linear_attention::{self, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, LinearAttentionSaved};
+use mesa_kernels::linear_attention::{
+    self, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, LinearAttentionSaved,
+};
 use mesa_kernels::{TensorMut, TensorRef};
 
 use crate::attach::{attach, Backward};
@@ -53,7 +55,12 @@ impl LinearAttention {
     ///
     /// # Errors
     /// As `FavorProjection::orthogonal`, as [`Error::Kernel`].
-    pub fn favor(device: &candle_core::Device, features: usize, in_dim: usize, seed: u64) -> candle_core::Result<FeatureKind> {
+    pub fn favor(
+        device: &candle_core::Device,
+        features: usize,
+        in_dim: usize,
+        seed: u64,
+    ) -> candle_core::Result<FeatureKind> {
         let kernels = kernel_device(device)?;
         Ok(FeatureKind::Favor(Arc::new(FavorProjection::orthogonal(&kernels, features, in_dim, seed).k()?)))
     }
@@ -80,11 +87,15 @@ impl LinearAttention {
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
         let (b, h, l, _) = q.dims4()?;
         if k.dims() != q.dims() {
-            return Err(Error::Shape { what: "keys".into(), expected: q.dims().to_vec(), got: k.dims().to_vec() }.into());
+            return Err(
+                Error::Shape { what: "keys".into(), expected: q.dims().to_vec(), got: k.dims().to_vec() }.into()
+            );
         }
         let dv = v.dims().get(3).copied().unwrap_or(0);
         if v.dims() != [b, h, l, dv] {
-            return Err(Error::Shape { what: "values".into(), expected: vec![b, h, l, dv], got: v.dims().to_vec() }.into());
+            return Err(
+                Error::Shape { what: "values".into(), expected: vec![b, h, l, dv], got: v.dims().to_vec() }.into()
+            );
         }
         let kernels = common_device("linear attention", &[q, k, v])?;
         dispatch_float!(q.dtype(), "linear attention", T => {
@@ -108,7 +119,14 @@ impl LinearAttention {
         let mut out = Output::<T>::zeros(q.device(), kernels, &out_shape)?;
         let saved = {
             let (pq, pk, vv) = (View::of(&phi_q)?, View::of(&phi_k)?, View::of(v)?);
-            la_forward(kernels, &self.config, &pq.tensor_ref::<T>()?, &pk.tensor_ref::<T>()?, &vv.tensor_ref::<T>()?, &mut out.tensor_mut()?)?
+            la_forward(
+                kernels,
+                &self.config,
+                &pq.tensor_ref::<T>()?,
+                &pk.tensor_ref::<T>()?,
+                &vv.tensor_ref::<T>()?,
+                &mut out.tensor_mut()?,
+            )?
         };
         Ok((out, saved))
     }
@@ -133,7 +151,8 @@ impl LinearAttention {
             let [pq, pk, vv, o, d] = [0, 1, 2, 3, 4].map(|i| views[i].tensor_ref::<T>());
             let (pq, pk, vv, o, d) = (pq?, pk?, vv?, o?, d?);
             let args = LaBackward { q: &pq, k: &pk, v: &vv, out: &o, dout: &d };
-            let grads = Grads { dq: &mut dphi_q.tensor_mut()?, dk: &mut dphi_k.tensor_mut()?, dv: &mut dv.tensor_mut()? };
+            let grads =
+                Grads { dq: &mut dphi_q.tensor_mut()?, dk: &mut dphi_k.tensor_mut()?, dv: &mut dv.tensor_mut()? };
             la_backward(kernels, saved, args, grads)?;
         }
         let (dphi_q, dphi_k) = (dphi_q.into_tensor()?, dphi_k.into_tensor()?);
@@ -152,7 +171,12 @@ impl LinearAttention {
     }
 
     /// `φ(q)`, `φ(k)` by the feature-map kernel.
-    fn features<T: KernelFloat>(&self, kernels: &mesa_kernels::Device, q: &Tensor, k: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    fn features<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        q: &Tensor,
+        k: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
         let (map_q, map_k) = self.maps();
         let phi = |x: &Tensor, map: &FeatureMap<'_>| -> candle_core::Result<Tensor> {
             let mut dims = x.dims().to_vec();

@@ -83,7 +83,9 @@ pub(crate) fn tensor_result(t: &Tensor) -> candle_core::Result<(Storage, Shape)>
         }
         other => {
             let _ = layout;
-            return Err(Error::UnsupportedDevice { op: "result", device: format!("{:?}", other.device().location()) }.into());
+            return Err(
+                Error::UnsupportedDevice { op: "result", device: format!("{:?}", other.device().location()) }.into()
+            );
         }
     };
     Ok((copy, t.shape().clone()))

@@ -38,10 +38,19 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor, weight: &Tensor) -> candle_core::Result<Tensor> {
         let cols = x.dims().last().copied().unwrap_or(0);
         if weight.dims() != [cols] || cols == 0 {
-            return Err(Error::Shape { what: "rms norm weight".into(), expected: vec![cols.max(1)], got: weight.dims().to_vec() }.into());
+            return Err(Error::Shape {
+                what: "rms norm weight".into(),
+                expected: vec![cols.max(1)],
+                got: weight.dims().to_vec(),
+            }
+            .into());
         }
         if !(self.eps > 0.0 && self.eps.is_finite()) {
-            return Err(Error::InvalidArgument { name: "eps", why: format!("must be positive and finite, got {}", self.eps) }.into());
+            return Err(Error::InvalidArgument {
+                name: "eps",
+                why: format!("must be positive and finite, got {}", self.eps),
+            }
+            .into());
         }
         if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
             return Err(Error::UnsupportedDType { op: "rms norm", dtype: x.dtype() }.into());

@@ -31,7 +31,12 @@ impl Softmax {
     #[must_use]
     pub fn new(bits: u32) -> Self {
         Softmax {
-            save: SoftmaxSave { bits, codes: SoftmaxCodes::Sqrt, grouping: Grouping::Tensor, rounding: Rounding::Nearest },
+            save: SoftmaxSave {
+                bits,
+                codes: SoftmaxCodes::Sqrt,
+                grouping: Grouping::Tensor,
+                rounding: Rounding::Nearest,
+            },
         }
     }
 

@@ -49,7 +49,11 @@ pub fn unit(dtype: DType) -> f64 {
 
 /// Gradients of `Σ f(inputs) ⊙ dy` with respect to every input, by candle's autograd.
 /// `inputs` are made variables of their own dtype; the results are f64 host vectors.
-pub fn grads(inputs: &[Tensor], dy: &Tensor, f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>) -> (Vec<f64>, Vec<Vec<f64>>) {
+pub fn grads(
+    inputs: &[Tensor],
+    dy: &Tensor,
+    f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+) -> (Vec<f64>, Vec<Vec<f64>>) {
     let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let y = f(&ts).unwrap();
