@@ -15,6 +15,9 @@ use mesa_candle::CountingAllocator;
 #[global_allocator]
 static COUNTER: CountingAllocator = CountingAllocator::new();
 
+/// Cosine and relative error per parameter name.
+type Parity = HashMap<&'static str, (f64, f64)>;
+
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
@@ -69,7 +72,7 @@ fn main() -> candle_core::Result<()> {
         mib(plain.alive_after_forward),
         mib(plain.peak_during_backward)
     );
-    let mut parity: Vec<(String, HashMap<&'static str, (f64, f64)>)> = Vec::new();
+    let mut parity: Vec<(String, Parity)> = Vec::new();
     for bits in [8, 4, 2] {
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
             let config = LayerConfig { bits, recompute, ..base.clone() };

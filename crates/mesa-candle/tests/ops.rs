@@ -61,8 +61,8 @@ fn gelu_gradients_match_f64_candle_within_the_code_step() {
             let x = rng.tensor(&[37, 6], 0.0, 2.0, dtype).t().unwrap();
             let dy = rng.tensor(&[6, 37], 0.0, 1.0, dtype);
             let op = Gelu::new(form, exact(8));
-            let (y, g) = grads(&[x.clone()], &dy, |t| op.forward(&t[0]));
-            let (y_ref, g_ref) = grads(&to_f64(&[x.clone()]), &dy, |t| match form {
+            let (y, g) = grads(std::slice::from_ref(&x), &dy, |t| op.forward(&t[0]));
+            let (y_ref, g_ref) = grads(&to_f64(std::slice::from_ref(&x)), &dy, |t| match form {
                 GeluForm::Erf => t[0].gelu_erf(),
                 GeluForm::Tanh => t[0].gelu(),
             });
@@ -102,9 +102,10 @@ fn softmax_with_mask_gradients_match_f64_candle_within_the_code_step() {
         let mask = Tensor::from_vec(mask, (b, 1, 1, m), &candle_core::Device::Cpu).unwrap().to_dtype(dtype).unwrap();
         let dy = rng.tensor(&[b, h, n, m], 0.0, 1.0, dtype);
         let op = Softmax::new(8);
-        let (y, g) = grads(&[x.clone()], &dy, |t| op.forward(&t[0], Some(&mask)));
+        let (y, g) = grads(std::slice::from_ref(&x), &dy, |t| op.forward(&t[0], Some(&mask)));
         let mask64 = mask.to_dtype(DType::F64).unwrap();
-        let (y_ref, g_ref) = grads(&to_f64(&[x.clone()]), &dy, |t| softmax_ref(&t[0].broadcast_add(&mask64)?));
+        let (y_ref, g_ref) =
+            grads(&to_f64(std::slice::from_ref(&x)), &dy, |t| softmax_ref(&t[0].broadcast_add(&mask64)?));
         let u = unit(dtype);
         let fwd: Vec<f64> = y_ref.iter().map(|v| u * v + 16.0 * U32).collect();
         assert_within(&format!("softmax {dtype:?} y"), &y, &y_ref, &fwd);
@@ -163,6 +164,7 @@ struct NormBounds {
     db: Vec<f64>,
 }
 
+#[allow(clippy::needless_range_loop)] // rows and columns index four arrays at once
 fn norm_bounds(xhat: &[f64], rstd: &[f64], w: &[f64], dy: &[f64], h: f64) -> NormBounds {
     let cols = w.len();
     let rows = xhat.len() / cols;
