@@ -370,3 +370,35 @@ fn linear_attention_gradients_match_f64_candle() {
         }
     }
 }
+
+#[test]
+fn bad_inputs_are_typed_errors_not_panics() {
+    use mesa_candle::{as_mesa_error, Error};
+    let cpu = candle_core::Device::Cpu;
+    let x64 = Tensor::zeros((4, 8), DType::F64, &cpu).unwrap();
+    let e = Gelu::erf().forward(&x64).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::UnsupportedDType { dtype: DType::F64, .. })), "{e}");
+    let x = Tensor::zeros((4, 8), DType::F32, &cpu).unwrap();
+    let w7 = Tensor::ones(7, DType::F32, &cpu).unwrap();
+    let e = LayerNorm::new(1e-5, exact(8)).forward(&x, &w7, &w7).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    let w8 = Tensor::ones(8, DType::F32, &cpu).unwrap();
+    // eps ≤ 0: rejected by the kernel's checks, carried as the kernels' typed error
+    let e = LayerNorm::new(0.0, exact(8)).forward(&x, &w8, &w8).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Kernel(mesa_kernels::Error::InvalidArgument { .. }))), "{e}");
+    let e = RmsNorm::new(-1.0, exact(8)).forward(&x, &w8).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "eps", .. })), "{e}");
+    // 3-bit codes: the kernels support 8, 4 and 2
+    let e = Gelu::new(GeluForm::Erf, exact(3)).forward(&x).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Kernel(mesa_kernels::Error::Unsupported { .. }))), "{e}");
+    let e =
+        CodedLinear::new(exact(8)).forward(&x, &Tensor::zeros((3, 5), DType::F32, &cpu).unwrap(), None).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    let q = Tensor::zeros((1, 2, 5, 4), DType::F32, &cpu).unwrap();
+    let k = Tensor::zeros((1, 2, 6, 4), DType::F32, &cpu).unwrap();
+    let la = LinearAttention::new(LinearAttentionConfig::causal(), FeatureKind::Elu1);
+    let e = la.forward(&q, &k, &q).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    // a mask that does not broadcast is candle's own shape error
+    assert!(Softmax::default().forward(&x, Some(&Tensor::zeros((3, 8), DType::F32, &cpu).unwrap())).is_err());
+}
