@@ -6,6 +6,10 @@
 //! keyed by `k ⊕ s·φ64` at counter `i` is `≥ p`; kept elements are scaled by `1/(1 − p)`.
 //! The forward and the backward (and a recomputed forward) call the same function with the
 //! same seed: the same mask, zero bytes kept for it.
+//!
+//! The masks are generated on the host (and copied to the device for CUDA tensors): `O(n)`
+//! host work per use. A device kernel over the same counter would avoid the copy; it is not
+//! written.
 
 use candle_core::Tensor;
 
