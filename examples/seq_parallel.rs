@@ -204,8 +204,7 @@ fn child(_args: &[String], _pos: usize) -> ExitCode {
 
 #[cfg(feature = "nccl")]
 fn gpu_count() -> usize {
-    // SAFETY: only probes whether the driver library can be loaded.
-    if !mesa_kernels::build::CUDA_BUILT || !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !mesa_kernels::build::CUDA_BUILT || !mesa_kernels::Device::driver_library_present() {
         return 0;
     }
     std::panic::catch_unwind(cudarc::driver::CudaContext::device_count)

@@ -54,8 +54,7 @@ impl Device {
         if !mesa_kernels_sys::CUDA_BUILT {
             return Err(Error::CudaNotBuilt);
         }
-        // SAFETY: only probes whether the driver library can be loaded.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        if !Device::driver_library_present() {
             return Err(Error::NoCudaDevice {
                 why: "the CUDA driver library (libcuda) is not installed".into(),
                 source: None,
@@ -80,6 +79,14 @@ impl Device {
             return Err(Error::CudaNotBuilt);
         }
         Ok(Device { kind: Kind::Cuda(stream) })
+    }
+
+    /// True when the CUDA driver library (libcuda) can be loaded. Asks the dynamic loader,
+    /// so it answers whichever way cudarc links the driver (its `dynamic-loading` or, in a
+    /// graph with candle-core's `cuda`, `dynamic-linking`).
+    #[must_use]
+    pub fn driver_library_present() -> bool {
+        crate::probe::library_present(crate::probe::DRIVER)
     }
 
     /// CUDA device 0 if it can be used, otherwise the emulation.

@@ -86,6 +86,7 @@ mod host_buffer;
 mod launch;
 mod layout;
 pub mod linear_attention;
+mod probe;
 pub mod quant;
 pub mod reference;
 mod tensor;

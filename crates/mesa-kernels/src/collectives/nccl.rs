@@ -71,8 +71,7 @@ impl std::fmt::Debug for NcclUniqueId {
 }
 
 fn nccl_present() -> Result<()> {
-    // SAFETY: only probes whether libnccl can be loaded.
-    if unsafe { nsys::is_culib_present() } {
+    if crate::probe::library_present(crate::probe::NCCL) {
         Ok(())
     } else {
         Err(Error::unsupported("NCCL backend", "libnccl.so could not be loaded (install NCCL)"))

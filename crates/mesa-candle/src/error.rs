@@ -1,0 +1,125 @@
+//! The crate's typed error, carried through candle as `candle_core::Error::Wrapped`.
+use std::fmt;
+
+/// What can go wrong in the bridge and the ops, before or instead of a kernel's own
+/// [`mesa_kernels::Error`] (kept as [`Error::Kernel`]). Ops return `candle_core::Result`
+/// (they run inside candle's autograd): this value travels inside it as
+/// `candle_core::Error::WrappedContext` and [`as_mesa_error`] gets it back.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Error {
+    /// A kernel rejected its arguments or failed.
+    Kernel(mesa_kernels::Error),
+    /// The op does not take this candle dtype (the kernels take f32, f16 and bf16).
+    UnsupportedDType {
+        /// The op.
+        op: &'static str,
+        /// The dtype given.
+        dtype: candle_core::DType,
+    },
+    /// The tensor lives on a candle device the bridge cannot serve (Metal; CUDA without the
+    /// `cuda` feature).
+    UnsupportedDevice {
+        /// The op.
+        op: &'static str,
+        /// The device, as candle names it.
+        device: String,
+    },
+    /// Tensors of one call on different devices.
+    DeviceMismatch {
+        /// The op.
+        op: &'static str,
+    },
+    /// A shape that does not fit the op or the layer's configuration.
+    Shape {
+        /// The tensor.
+        what: String,
+        /// The shape needed.
+        expected: Vec<usize>,
+        /// The shape given.
+        got: Vec<usize>,
+    },
+    /// A configuration value outside its domain.
+    InvalidArgument {
+        /// The argument.
+        name: &'static str,
+        /// Its domain and the value given.
+        why: String,
+    },
+    /// A checkpoint lacks a parameter of the layer.
+    MissingParameter {
+        /// The parameter's name (with the caller's prefix).
+        name: String,
+    },
+    /// Candle called the forward of an op twice, or its backward after its saved state was
+    /// released (a bug in this crate if seen).
+    StateConsumed {
+        /// The op.
+        op: &'static str,
+    },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Kernel(e) => write!(f, "mesa-kernels: {e}"),
+            Error::UnsupportedDType { op, dtype } => {
+                write!(f, "{op}: dtype {dtype:?} is not supported (f32, f16, bf16)")
+            }
+            Error::UnsupportedDevice { op, device } => write!(f, "{op}: device {device} is not supported"),
+            Error::DeviceMismatch { op } => write!(f, "{op}: tensors on different devices"),
+            Error::Shape { what, expected, got } => write!(f, "{what}: expected shape {expected:?}, got {got:?}"),
+            Error::InvalidArgument { name, why } => write!(f, "{name}: {why}"),
+            Error::MissingParameter { name } => write!(f, "checkpoint has no parameter {name}"),
+            Error::StateConsumed { op } => write!(f, "{op}: saved state already consumed"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Kernel(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<mesa_kernels::Error> for Error {
+    fn from(e: mesa_kernels::Error) -> Self {
+        Error::Kernel(e)
+    }
+}
+
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        candle_core::Error::WrappedContext { wrapped: Box::new(e), context: "mesa-candle".into() }
+    }
+}
+
+/// A kernel's error as a candle error (`?` on a `mesa_kernels::Result` inside this crate).
+pub(crate) fn kernel(e: mesa_kernels::Error) -> candle_core::Error {
+    Error::Kernel(e).into()
+}
+
+/// Extension: `.k()?` turns a `mesa_kernels::Result` into a `candle_core::Result`.
+pub(crate) trait KernelResult<T> {
+    fn k(self) -> candle_core::Result<T>;
+}
+
+impl<T> KernelResult<T> for mesa_kernels::Result<T> {
+    fn k(self) -> candle_core::Result<T> {
+        self.map_err(kernel)
+    }
+}
+
+/// The mesa-candle error inside a candle error, if that is what it is (tests match on it).
+#[must_use]
+pub fn as_mesa_error(e: &candle_core::Error) -> Option<&Error> {
+    match e {
+        candle_core::Error::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<Error>(),
+        candle_core::Error::WithBacktrace { inner, .. } => as_mesa_error(inner),
+        candle_core::Error::Context { inner, .. } => as_mesa_error(inner),
+        _ => None,
+    }
+}

@@ -1,0 +1,197 @@
+//! The layer's backward: every gradient from the saved codes, our kernels and candle's
+//! matrix products.
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use super::dropout::{self, DropoutSite};
+use super::forward::{self, Codes, Plan, Saved};
+use super::kernels::SoftmaxSource;
+use super::{NormPlacement, Recompute};
+use crate::attach::Backward;
+
+pub(crate) struct LayerGrad {
+    pub plan: Arc<Plan>,
+    pub saved: Saved,
+}
+
+impl Backward for LayerGrad {
+    fn name(&self) -> &'static str {
+        "mesa-transformer-layer"
+    }
+
+    fn backward(&self, args: &[&Tensor], _: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+        let (x, params) = (args[0].detach(), args[1].detach());
+        let recomputed;
+        let codes = match &self.saved.inner {
+            Some(c) => c,
+            None => {
+                // full recomputation: the forward again, same seed, keeping its codes
+                recomputed = forward::run(&self.plan, &x, &params, Recompute::None)?.1;
+                recomputed.inner.as_ref().ok_or(crate::Error::StateConsumed { op: "transformer layer" })?
+            }
+        };
+        let (dx, grads) = layer_backward(&self.plan, codes, &x, &params, &grad.to_dtype(DType::F32)?)?;
+        let flat = self
+            .plan
+            .layout
+            .entries()
+            .iter()
+            .map(|e| {
+                grads
+                    .get(e.name)
+                    .map(Tensor::flatten_all)
+                    .unwrap_or_else(|| Tensor::zeros(e.numel(), DType::F32, x.device()))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(vec![Some(dx), Some(Tensor::cat(&flat, 0)?)])
+    }
+}
+
+/// Gradients of a projection `y = t·Wᵀ + b` given `dy`: `(dt, dW, db)`.
+fn proj_backward(
+    plan: &Plan,
+    params: &Tensor,
+    name: &str,
+    t: &Tensor,
+    dy: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let w = plan.w(params, &format!("{name}.weight"))?;
+    let (out_f, in_f) = w.dims2()?;
+    let dy2 = dy.reshape(((), out_f))?;
+    let dt = dy2.matmul(&w)?.reshape(t.shape())?;
+    let dw = dy2.t()?.matmul(&t.reshape(((), in_f))?)?;
+    Ok((dt, dw, dy2.sum(0)?))
+}
+
+fn insert(grads: &mut HashMap<&'static str, Tensor>, name: &'static str, w: Tensor, b: Tensor) {
+    let (wn, bn) = match name {
+        "attn.q_proj" => ("attn.q_proj.weight", "attn.q_proj.bias"),
+        "attn.k_proj" => ("attn.k_proj.weight", "attn.k_proj.bias"),
+        "attn.v_proj" => ("attn.v_proj.weight", "attn.v_proj.bias"),
+        "attn.out_proj" => ("attn.out_proj.weight", "attn.out_proj.bias"),
+        "mlp.fc_in" => ("mlp.fc_in.weight", "mlp.fc_in.bias"),
+        "mlp.fc_out" => ("mlp.fc_out.weight", "mlp.fc_out.bias"),
+        "ln_1" => ("ln_1.weight", "ln_1.bias"),
+        _ => ("ln_2.weight", "ln_2.bias"),
+    };
+    grads.insert(wn, w);
+    grads.insert(bn, b);
+}
+
+fn layer_backward(
+    plan: &Plan,
+    c: &Codes,
+    x: &Tensor,
+    params: &Tensor,
+    dy: &Tensor,
+) -> candle_core::Result<(Tensor, HashMap<&'static str, Tensor>)> {
+    let (b, n, hidden) = x.dims3()?;
+    let (cfg, ctx) = (&plan.config, &plan.ctx);
+    let w = |name: &str| plan.w(params, name);
+    let pre = cfg.norm == NormPlacement::Pre;
+    let mut grads = HashMap::new();
+    // FFN block: y = x₂ + D₂(f) (pre) or y = LN₂(x₂ + D₂(f)) (post)
+    let (d_res, d_f) = if pre {
+        (dy.clone(), dy.clone())
+    } else {
+        let (dz, dw, db) = ctx.layer_norm_backward(&c.ln2, &w("ln_2.weight")?, dy)?;
+        insert(&mut grads, "ln_2", dw, db);
+        (dz.clone(), dz)
+    };
+    let m2 = plan.dropout_mask(DropoutSite::FfnResidual, &[b, n, hidden])?;
+    let d_f = dropout::apply(&d_f, m2.as_ref())?;
+    let u_hat = ctx.decode(&c.u)?;
+    let g_hat = u_hat.gelu_erf()?;
+    drop(u_hat);
+    let (d_g, dw2, db2) = proj_backward(plan, params, "mlp.fc_out", &g_hat, &d_f)?;
+    drop(g_hat);
+    insert(&mut grads, "mlp.fc_out", dw2, db2);
+    let d_u = ctx.gelu_backward(&c.u, &d_g)?;
+    drop(d_g);
+    // the FFN input: LN₂'s output (pre) or LN₁'s (post), decoded from its codes
+    let (ffn_ln, ffn_ln_name) = if pre { (&c.ln2, "ln_2") } else { (&c.ln1, "ln_1") };
+    let ffn_in =
+        ctx.layer_norm_output(ffn_ln, &w(&format!("{ffn_ln_name}.weight"))?, &w(&format!("{ffn_ln_name}.bias"))?)?;
+    let (d_h2, dw1, db1) = proj_backward(plan, params, "mlp.fc_in", &ffn_in, &d_u)?;
+    drop((ffn_in, d_u));
+    insert(&mut grads, "mlp.fc_in", dw1, db1);
+    // through the norm between the blocks: d x₂ (pre: LN₂ backward + residual; post: the
+    // FFN input is LN₁'s output, then LN₁ backward)
+    let d_x2 = if pre {
+        let (dx_ln, dw, db) = ctx.layer_norm_backward(&c.ln2, &w("ln_2.weight")?, &d_h2)?;
+        insert(&mut grads, "ln_2", dw, db);
+        (d_res + dx_ln)?
+    } else {
+        let (dz1, dw, db) = ctx.layer_norm_backward(&c.ln1, &w("ln_1.weight")?, &(d_res + d_h2)?)?;
+        insert(&mut grads, "ln_1", dw, db);
+        dz1
+    };
+    // attention block: r = D₁(a·W_oᵀ + b_o)
+    let m1 = plan.dropout_mask(DropoutSite::AttentionResidual, &[b, n, hidden])?;
+    let d_r = dropout::apply(&d_x2, m1.as_ref())?;
+    let a_hat = ctx.decode(&c.attn_out)?;
+    let (d_a, dwo, dbo) = proj_backward(plan, params, "attn.out_proj", &a_hat, &d_r)?;
+    insert(&mut grads, "attn.out_proj", dwo, dbo);
+    let d_o = plan.split_heads(&d_a)?;
+    drop(d_a);
+    let (q, k, v) = (ctx.decode(&c.q)?, ctx.decode(&c.k)?, ctx.decode(&c.v)?);
+    let (dq, dk, dv) = match &plan.linear {
+        Some(op) => {
+            // the attention core recomputed from the decoded Q, K, V (O(N): states and output
+            // of the same inputs the backward differentiates, so the normaliser's gradient
+            // sees the output that belongs to them)
+            let (o_hat, la) = op.forward_detached::<f32>(&ctx.kernels, &q, &k, &v)?;
+            let o_hat = o_hat.into_tensor()?;
+            let [dq, dk, dv] = op.backward_detached::<f32>(&ctx.kernels, &la, [&q, &k, &v], &o_hat, &d_o)?;
+            (dq, dk, dv)
+        }
+        None => {
+            // P from its codes, or recomputed from the Q, K codes (selective)
+            let recomputed;
+            let source = match &c.p {
+                Some(p) => SoftmaxSource::Codes(p),
+                None => {
+                    recomputed = plan.probabilities(&q, &k, false)?.0;
+                    SoftmaxSource::Plain(&recomputed)
+                }
+            };
+            let p_hat = match &source {
+                SoftmaxSource::Codes(p) => ctx.decode(p)?,
+                SoftmaxSource::Plain(p) => (*p).clone(),
+            };
+            let ma = plan.dropout_mask(DropoutSite::Attention, p_hat.dims())?;
+            let dv = dropout::apply(&p_hat, ma.as_ref())?.t()?.matmul(&d_o)?;
+            drop(p_hat);
+            let d_p = dropout::apply(&d_o.matmul(&v.t()?)?, ma.as_ref())?;
+            let d_s = ctx.softmax_backward(source, &d_p)?;
+            drop(d_p);
+            let scale = 1.0 / (cfg.head_dim() as f64).sqrt();
+            let dq = (d_s.matmul(&k)? * scale)?;
+            let dk = (d_s.t()?.matmul(&q)? * scale)?;
+            (dq, dk, dv)
+        }
+    };
+    drop((q, k, v, a_hat));
+    // the projections' input: LN₁'s output (pre, decoded) or the layer input itself (post)
+    let attn_in = if pre { ctx.layer_norm_output(&c.ln1, &w("ln_1.weight")?, &w("ln_1.bias")?)? } else { x.clone() };
+    let mut d_in: Option<Tensor> = None;
+    for (name, d) in [("attn.q_proj", dq), ("attn.k_proj", dk), ("attn.v_proj", dv)] {
+        let (dt, dw, db) = proj_backward(plan, params, name, &attn_in, &plan.merge_heads(&d)?)?;
+        insert(&mut grads, name, dw, db);
+        d_in = Some(match d_in {
+            Some(acc) => (acc + dt)?,
+            None => dt,
+        });
+    }
+    let d_in = d_in.ok_or(crate::Error::StateConsumed { op: "transformer layer" })?;
+    let dx = if pre {
+        let (dx_ln, dw, db) = ctx.layer_norm_backward(&c.ln1, &w("ln_1.weight")?, &d_in)?;
+        insert(&mut grads, "ln_1", dw, db);
+        (d_x2 + dx_ln)?
+    } else {
+        (d_x2 + d_in)?
+    };
+    Ok((dx, grads))
+}

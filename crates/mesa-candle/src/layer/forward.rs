@@ -1,0 +1,211 @@
+//! The layer's forward on detached tensors, and what it keeps.
+use candle_core::Tensor;
+use mesa_kernels::linear_attention::LinearAttentionSaved;
+use mesa_kernels::{
+    Grouping, QuantConfig, Rounding, SavedActivation, SavedLayerNorm, SoftmaxCodes, SoftmaxSave, StatsMode,
+};
+
+use super::dropout::{self, DropoutSite};
+use super::kernels::Ctx;
+use super::{Attention, LayerConfig, NormPlacement, ParamLayout, Recompute};
+use crate::ops::linear::linear_forward;
+use crate::ops::LinearAttention;
+
+/// Everything fixed for one call: configuration, parameter names, device, dropout seed.
+#[derive(Debug)]
+pub(crate) struct Plan {
+    pub config: LayerConfig,
+    pub layout: ParamLayout,
+    pub ctx: Ctx,
+    pub seed: u64,
+    pub linear: Option<LinearAttention>,
+}
+
+/// What one forward keeps for its backward (the module docs' table).
+#[derive(Debug)]
+pub struct Saved {
+    pub(crate) inner: Option<Codes>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Codes {
+    pub ln1: SavedLayerNorm,
+    pub ln2: SavedLayerNorm,
+    pub q: SavedActivation,
+    pub k: SavedActivation,
+    pub v: SavedActivation,
+    pub p: Option<SavedActivation>,
+    pub attn_out: SavedActivation,
+    pub u: SavedActivation,
+    pub la: Option<LinearAttentionSaved>,
+}
+
+impl Saved {
+    /// Bytes held (codes, their parameters, statistics, linear-attention states); 0 under
+    /// [`Recompute::Full`].
+    #[must_use]
+    pub fn size_in_bytes(&self) -> usize {
+        self.inner.as_ref().map_or(0, |c| {
+            let acts = [&c.q, &c.k, &c.v, &c.attn_out, &c.u].iter().map(|s| s.size_in_bytes()).sum::<usize>();
+            acts + c.ln1.size_in_bytes()
+                + c.ln2.size_in_bytes()
+                + c.p.as_ref().map_or(0, SavedActivation::size_in_bytes)
+                + c.la.as_ref().map_or(0, LinearAttentionSaved::size_in_bytes)
+        })
+    }
+}
+
+impl Plan {
+    pub fn w(&self, params: &Tensor, name: &str) -> candle_core::Result<Tensor> {
+        self.layout.view(params, name)
+    }
+
+    /// `t·Wᵀ + b` of the projection `name`.
+    pub fn proj(&self, params: &Tensor, t: &Tensor, name: &str) -> candle_core::Result<Tensor> {
+        linear_forward(t, &self.w(params, &format!("{name}.weight"))?, Some(&self.w(params, &format!("{name}.bias"))?))
+    }
+
+    fn codes(&self, grouping: Grouping) -> QuantConfig {
+        QuantConfig {
+            bits: self.config.bits,
+            grouping,
+            rounding: Rounding::Nearest,
+            momentum: 0.9,
+            stats: StatsMode::Exact,
+        }
+    }
+
+    /// Token tensors `[B, N, C or F]`: one group per head-sized channel slice.
+    pub fn token_codes(&self) -> QuantConfig {
+        self.codes(Grouping::Channels { axis: 2, groups: self.config.heads })
+    }
+
+    /// Head tensors `[B, H, N, d]`: one group per head.
+    pub fn head_codes(&self) -> QuantConfig {
+        self.codes(Grouping::Heads { axis: 1 })
+    }
+
+    pub fn softmax_save(&self) -> SoftmaxSave {
+        SoftmaxSave {
+            bits: self.config.bits,
+            codes: SoftmaxCodes::Sqrt,
+            grouping: Grouping::Heads { axis: 1 },
+            rounding: Rounding::Nearest,
+        }
+    }
+
+    /// `[B, N, C]` → `[B, H, N, d]` (contiguous).
+    pub fn split_heads(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, n, _) = t.dims3()?;
+        t.reshape((b, n, self.config.heads, self.config.head_dim()))?.transpose(1, 2)?.contiguous()
+    }
+
+    /// `[B, H, N, d]` → `[B, N, C]` (contiguous).
+    pub fn merge_heads(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, _, n, _) = t.dims4()?;
+        t.transpose(1, 2)?.contiguous()?.reshape((b, n, self.config.hidden))
+    }
+
+    /// The additive causal mask `[N, N]` (−∞ above the diagonal), or none.
+    pub fn causal_mask(&self, n: usize) -> candle_core::Result<Option<Tensor>> {
+        match self.config.attention {
+            Attention::Softmax { causal: true } => {
+                let m: Vec<f32> = (0..n * n).map(|i| if i % n > i / n { f32::NEG_INFINITY } else { 0.0 }).collect();
+                Ok(Some(Tensor::from_vec(m, (n, n), &self.ctx.candle)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    pub fn dropout_mask(&self, site: DropoutSite, shape: &[usize]) -> candle_core::Result<Option<Tensor>> {
+        let p = match site {
+            DropoutSite::Attention => self.config.dropout.attention,
+            _ => self.config.dropout.residual,
+        };
+        dropout::mask(self.seed, site, p, shape, &self.ctx.candle)
+    }
+
+    /// `softmax(QKᵀ/√d + mask)` by our softmax kernel; its codes when `save`.
+    pub fn probabilities(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        save: bool,
+    ) -> candle_core::Result<(Tensor, Option<SavedActivation>)> {
+        let scale = 1.0 / (self.config.head_dim() as f64).sqrt();
+        let s = (q.matmul(&k.t()?)? * scale)?;
+        let mask = self.causal_mask(q.dim(2)?)?;
+        let save = save.then(|| self.softmax_save());
+        self.ctx.softmax(&s, mask.as_ref(), save.as_ref())
+    }
+}
+
+/// The forward of `x: [B, N, C]` with parameters `params` (both detached): the output and,
+/// unless `policy` is [`Recompute::Full`], what the backward needs.
+pub(crate) fn run(plan: &Plan, x: &Tensor, params: &Tensor, policy: Recompute) -> candle_core::Result<(Tensor, Saved)> {
+    let (b, n, _) = x.dims3()?;
+    let (cfg, ctx) = (&plan.config, &plan.ctx);
+    let w = |name: &str| plan.w(params, name);
+    let tok = plan.token_codes();
+    let pre = cfg.norm == NormPlacement::Pre;
+    // attention block input
+    let (attn_in, ln1_pre) = if pre {
+        let (h1, s) = ctx.layer_norm(x, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, tok)?;
+        (h1, Some(s))
+    } else {
+        (x.clone(), None)
+    };
+    let q = plan.split_heads(&plan.proj(params, &attn_in, "attn.q_proj")?)?;
+    let k = plan.split_heads(&plan.proj(params, &attn_in, "attn.k_proj")?)?;
+    let v = plan.split_heads(&plan.proj(params, &attn_in, "attn.v_proj")?)?;
+    drop(attn_in);
+    let head = plan.head_codes();
+    let (q_s, k_s, v_s) = (ctx.quantize(&q, head)?, ctx.quantize(&k, head)?, ctx.quantize(&v, head)?);
+    let (o, p_s, la) = match &plan.linear {
+        None => {
+            let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;
+            let mask = plan.dropout_mask(DropoutSite::Attention, p.dims())?;
+            let o = dropout::apply(&p, mask.as_ref())?.matmul(&v)?;
+            (o, p_s, None)
+        }
+        Some(op) => {
+            // its states are not kept: the backward reruns the O(N) core from the codes
+            let (o, _states) = op.forward_detached::<f32>(&ctx.kernels, &q, &k, &v)?;
+            (o.into_tensor()?, None, None)
+        }
+    };
+    drop((q, k, v));
+    let a = plan.merge_heads(&o)?;
+    drop(o);
+    let a_s = ctx.quantize(&a, tok)?;
+    let r = plan.proj(params, &a, "attn.out_proj")?;
+    drop(a);
+    let r = dropout::apply(&r, plan.dropout_mask(DropoutSite::AttentionResidual, &[b, n, cfg.hidden])?.as_ref())?;
+    let (x2, ffn_in, ln1, ln2_pre) = if pre {
+        let x2 = (x + r)?;
+        let (h2, s2) = ctx.layer_norm(&x2, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, tok)?;
+        (x2, h2, ln1_pre, Some(s2))
+    } else {
+        let (x2n, s1) = ctx.layer_norm(&(x + r)?, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, tok)?;
+        (x2n.clone(), x2n, Some(s1), None)
+    };
+    let u = plan.proj(params, &ffn_in, "mlp.fc_in")?;
+    drop(ffn_in);
+    let (g, u_s) = ctx.gelu(&u, tok)?;
+    drop(u);
+    let f = plan.proj(params, &g, "mlp.fc_out")?;
+    drop(g);
+    let f = dropout::apply(&f, plan.dropout_mask(DropoutSite::FfnResidual, &[b, n, cfg.hidden])?.as_ref())?;
+    let (y, ln2) = if pre {
+        ((x2 + f)?, ln2_pre)
+    } else {
+        let (y, s2) = ctx.layer_norm(&(x2 + f)?, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, tok)?;
+        (y, Some(s2))
+    };
+    let (Some(ln1), Some(ln2)) = (ln1, ln2) else {
+        return Err(crate::Error::StateConsumed { op: "transformer layer" }.into());
+    };
+    let codes = Codes { ln1, ln2, q: q_s, k: k_s, v: v_s, p: p_s, attn_out: a_s, u: u_s, la };
+    let inner = (policy != Recompute::Full).then_some(codes);
+    Ok((y, Saved { inner }))
+}

@@ -1,0 +1,169 @@
+//! Tensor-level calls of our kernels for the layer (f32 tensors of one device).
+use candle_core::Tensor;
+use mesa_kernels::fused::{
+    gelu_backward, gelu_forward, layer_norm_backward, layer_norm_forward, softmax, softmax_backward,
+    softmax_backward_plain, softmax_forward, LayerNormBackward, LayerNormForward, LayerNormGrads, SoftmaxBackwardPlain,
+    SoftmaxInput,
+};
+use mesa_kernels::{GeluForm, QuantConfig, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave};
+
+use crate::bridge::{Output, View};
+use crate::error::KernelResult;
+
+/// What the layer's kernels run on: the candle device and its kernel device.
+#[derive(Debug, Clone)]
+pub(crate) struct Ctx {
+    pub candle: candle_core::Device,
+    pub kernels: mesa_kernels::Device,
+}
+
+impl Ctx {
+    fn out(&self, shape: &candle_core::Shape) -> candle_core::Result<Output<f32>> {
+        Output::<f32>::zeros(&self.candle, &self.kernels, shape)
+    }
+
+    /// Codes of `x` with `config` (fresh quantizer: the layer's codes use this batch's exact
+    /// statistics, so a recomputed forward gives the same codes).
+    pub fn quantize(&self, x: &Tensor, config: QuantConfig) -> candle_core::Result<SavedActivation> {
+        let mut q = Quantizer::new(&self.kernels, config).k()?;
+        let view = View::of(x)?;
+        q.quantize(&view.tensor_ref::<f32>()?).k()
+    }
+
+    /// The decoded tensor of `saved` (shape of the original).
+    pub fn decode(&self, saved: &SavedActivation) -> candle_core::Result<Tensor> {
+        let mut out = self.out(&candle_core::Shape::from(saved.shape()))?;
+        saved.dequantize(&self.kernels, &mut out.tensor_mut()?).k()?;
+        out.into_tensor()
+    }
+
+    /// LayerNorm forward saving `x̂` codes and statistics.
+    pub fn layer_norm(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        eps: f32,
+        config: QuantConfig,
+    ) -> candle_core::Result<(Tensor, SavedLayerNorm)> {
+        let mut q = Quantizer::new(&self.kernels, config).k()?;
+        let mut y = self.out(x.shape())?;
+        let (wc, bc) = (w.contiguous()?, b.contiguous()?);
+        let saved = {
+            let (xv, wv, bv) = (View::of(x)?, View::of(&wc)?, View::of(&bc)?);
+            let (xr, wr, br) = (xv.tensor_ref::<f32>()?, wv.tensor_ref::<f32>()?, bv.tensor_ref::<f32>()?);
+            let args = LayerNormForward { x: &xr, weight: Some(&wr), bias: Some(&br), eps };
+            layer_norm_forward(&self.kernels, &mut q, &args, &mut y.tensor_mut()?).k()?
+        };
+        Ok((y.into_tensor()?, saved))
+    }
+
+    /// LayerNorm backward: `(dx, dw, db)`.
+    pub fn layer_norm_backward(
+        &self,
+        saved: &SavedLayerNorm,
+        w: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let cols = candle_core::Shape::from(w.dims());
+        let (mut dx, mut dw, mut db) = (self.out(dy.shape())?, self.out(&cols)?, self.out(&cols)?);
+        let wc = w.contiguous()?;
+        {
+            let (gv, wv) = (View::of(dy)?, View::of(&wc)?);
+            let (gr, wr) = (gv.tensor_ref::<f32>()?, wv.tensor_ref::<f32>()?);
+            let args = LayerNormBackward { saved, weight: Some(&wr), dy: &gr };
+            let grads = LayerNormGrads {
+                dx: &mut dx.tensor_mut()?,
+                dweight: &mut dw.tensor_mut()?,
+                dbias: &mut db.tensor_mut()?,
+            };
+            layer_norm_backward(&self.kernels, &args, grads).k()?;
+        }
+        Ok((dx.into_tensor()?, dw.into_tensor()?, db.into_tensor()?))
+    }
+
+    /// `x̂·w + b` from the saved codes of a LayerNorm: its output, decoded.
+    pub fn layer_norm_output(&self, saved: &SavedLayerNorm, w: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+        self.decode(saved.xhat())?.broadcast_mul(w)?.broadcast_add(b)
+    }
+
+    /// Softmax over the last axis with an additive mask; codes of the output when `save`.
+    pub fn softmax(
+        &self,
+        s: &Tensor,
+        mask: Option<&Tensor>,
+        save: Option<&SoftmaxSave>,
+    ) -> candle_core::Result<(Tensor, Option<SavedActivation>)> {
+        let mut y = self.out(s.shape())?;
+        let mask = mask.map(|m| m.broadcast_as(s.shape())).transpose()?;
+        let saved = {
+            let sv = View::of(s)?;
+            let mv = mask.as_ref().map(View::of).transpose()?;
+            let sr = sv.tensor_ref::<f32>()?;
+            let mr = mv.as_ref().map(|m| m.tensor_ref::<f32>()).transpose()?;
+            let input = SoftmaxInput { x: &sr, mask: mr.as_ref() };
+            match save {
+                Some(save) => Some(softmax_forward(&self.kernels, save, &input, &mut y.tensor_mut()?).k()?),
+                None => {
+                    softmax(&self.kernels, &input, &mut y.tensor_mut()?).k()?;
+                    None
+                }
+            }
+        };
+        Ok((y.into_tensor()?, saved))
+    }
+
+    /// Softmax backward from codes, or from a full-precision (recomputed) output.
+    pub fn softmax_backward(&self, p: SoftmaxSource<'_>, dp: &Tensor) -> candle_core::Result<Tensor> {
+        let mut ds = self.out(dp.shape())?;
+        {
+            let dv = View::of(dp)?;
+            let dr = dv.tensor_ref::<f32>()?;
+            match p {
+                SoftmaxSource::Codes(saved) => {
+                    softmax_backward(&self.kernels, saved, &dr, &mut ds.tensor_mut()?).k()?
+                }
+                SoftmaxSource::Plain(y) => {
+                    let yv = View::of(y)?;
+                    let yr = yv.tensor_ref::<f32>()?;
+                    softmax_backward_plain(
+                        &self.kernels,
+                        &SoftmaxBackwardPlain { y: &yr, dy: &dr },
+                        &mut ds.tensor_mut()?,
+                    )
+                    .k()?;
+                }
+            }
+        }
+        ds.into_tensor()
+    }
+
+    /// GELU (erf) forward saving the codes of its input.
+    pub fn gelu(&self, u: &Tensor, config: QuantConfig) -> candle_core::Result<(Tensor, SavedActivation)> {
+        let mut q = Quantizer::new(&self.kernels, config).k()?;
+        let mut y = self.out(u.shape())?;
+        let saved = {
+            let uv = View::of(u)?;
+            gelu_forward(&self.kernels, &mut q, GeluForm::Erf, &uv.tensor_ref::<f32>()?, &mut y.tensor_mut()?).k()?
+        };
+        Ok((y.into_tensor()?, saved))
+    }
+
+    /// GELU backward from the codes of its input.
+    pub fn gelu_backward(&self, saved: &SavedActivation, dy: &Tensor) -> candle_core::Result<Tensor> {
+        let mut dx = self.out(dy.shape())?;
+        {
+            let dv = View::of(dy)?;
+            gelu_backward(&self.kernels, GeluForm::Erf, saved, &dv.tensor_ref::<f32>()?, &mut dx.tensor_mut()?).k()?;
+        }
+        dx.into_tensor()
+    }
+}
+
+/// Where the softmax backward gets the probabilities.
+pub(crate) enum SoftmaxSource<'a> {
+    /// The forward's codes.
+    Codes(&'a SavedActivation),
+    /// Recomputed at full precision (selective recomputation).
+    Plain(&'a Tensor),
+}

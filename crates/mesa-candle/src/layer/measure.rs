@@ -1,0 +1,37 @@
+//! Measuring what a layer keeps alive for backward, with the [`CountingAllocator`].
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+
+use crate::memory::CountingAllocator;
+
+/// Bytes measured around one forward and backward (module docs of [`crate::memory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Measured {
+    /// Heap bytes alive after the forward minus before it, plus the layer input's bytes:
+    /// what candle's graph and the op keep for backward, the output included (parameters
+    /// and the input were allocated before).
+    pub alive_after_forward: usize,
+    /// The peak during backward above the level before the forward, plus the input's bytes:
+    /// decoded temporaries and the gradients being built included.
+    pub peak_during_backward: usize,
+}
+
+/// Runs `forward`, then the backward of `Σ y ⊙ dy`, measuring with `counter` (which must be
+/// the process's global allocator). `input_bytes` is the layer input's size.
+///
+/// # Errors
+/// The forward's and backward's errors.
+pub fn measure(
+    counter: &CountingAllocator,
+    input_bytes: usize,
+    dy: &Tensor,
+    forward: impl FnOnce() -> candle_core::Result<Tensor>,
+) -> candle_core::Result<(Measured, GradStore)> {
+    let before = counter.current();
+    let y = forward()?;
+    let alive = counter.current().saturating_sub(before) + input_bytes;
+    counter.reset_peak();
+    let grads = (y * dy)?.sum_all()?.backward()?;
+    let peak = counter.peak().saturating_sub(before) + input_bytes;
+    Ok((Measured { alive_after_forward: alive, peak_during_backward: peak }, grads))
+}

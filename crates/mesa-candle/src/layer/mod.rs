@@ -1,0 +1,304 @@
+//! A transformer layer as **one** candle op over the layer input and one flat parameter
+//! tensor, whose forward keeps only what its backward needs — as codes plus small
+//! statistics — and whose backward computes every gradient with our kernels and candle's
+//! matrix products.
+//!
+//! Candle's autograd keeps a clone of every argument of an op until backward (candle-core
+//! `op.rs`, `BackpropOp`): for this op that is the layer input `x` and the parameters,
+//! which the caller holds anyway. Nothing of the layer's internals is a node of candle's
+//! graph: the forward runs on detached tensors and the op holds [`Saved`].
+//!
+//! ```text
+//! pre-LN:  h = LN₁(x);  x₂ = x + D₁(Attn(h));         y = x₂ + D₂(FFN(LN₂(x₂)))
+//! post-LN: x₂ = LN₁(x + D₁(Attn(x)));                 y = LN₂(x₂ + D₂(FFN(x₂)))
+//! Attn(h) = merge(softmax(QKᵀ/√d + causal) ⊙ D_P · V)·W_oᵀ + b_o,  Q = hW_qᵀ + b_q, …
+//!           (or chunked linear attention over φ(Q), φ(K), V)
+//! FFN(h)  = GELU_erf(hW₁ᵀ + b₁)·W₂ᵀ + b₂
+//! ```
+//!
+//! What the forward keeps ([`Recompute`]):
+//!
+//! | tensor | kept as | used by |
+//! |---|---|---|
+//! | `x̂` of LN₁ and LN₂ | codes + per-row mean, rstd | LN backwards; the decoded LN output for the next projection's `dW` |
+//! | Q, K, V `[B,H,N,d]` | codes (per head) | `dQ = dS·K̂`, `dK = dSᵀ·Q̂`, `dV = P̂ᵀ·dO`; selective recomputation of `P` |
+//! | `P` `[B,H,N,N]` (softmax attention, [`Recompute::None`] only) | codes of `√P` (fixed range) | softmax backward, `dV` |
+//! | attention output before `W_o` | codes | `dW_o`; linear attention's backward |
+//! | FFN pre-activation `u` | codes | GELU backward; `GELU(û)` for `dW₂` |
+//! | linear attention | nothing more: its `O(N)` core is rerun in backward from the Q, K, V codes | its backward |
+//! | dropout masks | nothing: a Philox key (8 bytes) | regenerated ([`dropout`]) |
+//!
+//! [`Recompute::Selective`] (Korthikanti et al. 2022, §4.2) keeps no `P`: the backward
+//! recomputes `QKᵀ`, softmax and the dropout mask from the saved Q and K codes, so nothing of
+//! size `N²` is kept. [`Recompute::Full`] keeps nothing: the backward reruns the forward
+//! (same dropout seed) from `x`, which candle holds as the op's argument.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Module, Tensor, Var};
+use mesa_kernels::linear_attention::LinearAttentionConfig;
+
+use crate::attach::attach;
+use crate::error::Error;
+use crate::ops::{FeatureKind, LinearAttention};
+
+mod backward;
+pub mod dropout;
+mod forward;
+mod kernels;
+pub mod measure;
+mod params;
+pub mod reference;
+
+pub use forward::Saved;
+pub use params::{ParamEntry, ParamLayout};
+
+/// Where the LayerNorms sit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormPlacement {
+    /// Before each block, inside the residual branch (GPT-2).
+    Pre,
+    /// After each residual add (BERT, the original transformer).
+    Post,
+}
+
+/// The attention of the layer.
+#[derive(Debug, Clone)]
+pub enum Attention {
+    /// Softmax attention, optionally causal.
+    Softmax {
+        /// Mask `s > t`.
+        causal: bool,
+    },
+    /// Chunked linear attention over feature-mapped Q and K (no attention probabilities,
+    /// hence no attention dropout).
+    Linear {
+        /// Causality, chunk, normalisation, memory mode of the kernels.
+        config: LinearAttentionConfig,
+        /// The feature map.
+        map: FeatureKind,
+    },
+}
+
+/// What the forward keeps and the backward recomputes (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recompute {
+    /// Keep every code the backward needs.
+    None,
+    /// Megatron's selective recomputation: recompute the attention core from Q, K codes.
+    Selective,
+    /// Keep only the layer input; recompute the whole forward in backward.
+    Full,
+}
+
+/// Dropout probabilities and the seed of their masks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DropoutConfig {
+    /// On the attention probabilities (softmax attention only), in `[0, 1)`.
+    pub attention: f32,
+    /// On each block's output before its residual add, in `[0, 1)`.
+    pub residual: f32,
+    /// Philox seed; call `k` of [`Module::forward`] uses `seed + k` ([`TransformerLayer::forward_seeded`] takes one).
+    pub seed: u64,
+}
+
+impl DropoutConfig {
+    /// No dropout.
+    #[must_use]
+    pub fn none() -> Self {
+        DropoutConfig { attention: 0.0, residual: 0.0, seed: 0 }
+    }
+}
+
+/// The configuration of a [`TransformerLayer`].
+#[derive(Debug, Clone)]
+pub struct LayerConfig {
+    /// Model width `C`.
+    pub hidden: usize,
+    /// Heads `H` (`C = H·d`).
+    pub heads: usize,
+    /// FFN width `F`.
+    pub ffn: usize,
+    /// LayerNorm placement.
+    pub norm: NormPlacement,
+    /// Softmax or linear attention.
+    pub attention: Attention,
+    /// What backward recomputes.
+    pub recompute: Recompute,
+    /// Dropout.
+    pub dropout: DropoutConfig,
+    /// Bits of every code: 8, 4 or 2.
+    pub bits: u32,
+    /// LayerNorm ε.
+    pub eps: f32,
+}
+
+impl LayerConfig {
+    /// A pre-LN, causal softmax-attention layer, 8-bit codes, no recomputation, no dropout.
+    #[must_use]
+    pub fn new(hidden: usize, heads: usize, ffn: usize) -> Self {
+        LayerConfig {
+            hidden,
+            heads,
+            ffn,
+            norm: NormPlacement::Pre,
+            attention: Attention::Softmax { causal: true },
+            recompute: Recompute::None,
+            dropout: DropoutConfig::none(),
+            bits: 8,
+            eps: 1e-5,
+        }
+    }
+
+    /// Checks the configuration.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the field.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |name, why: String| Err(Error::InvalidArgument { name, why });
+        if self.hidden == 0 || self.heads == 0 || self.hidden % self.heads != 0 {
+            return bad("heads", format!("hidden {} must be a positive multiple of heads {}", self.hidden, self.heads));
+        }
+        if self.ffn == 0 || self.ffn % self.heads != 0 {
+            return bad(
+                "ffn",
+                format!(
+                    "{} must be a positive multiple of heads {} (codes are grouped per head)",
+                    self.ffn, self.heads
+                ),
+            );
+        }
+        if !matches!(self.bits, 2 | 4 | 8) {
+            return bad("bits", format!("{} (supported: 8, 4, 2)", self.bits));
+        }
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            return bad("eps", format!("must be positive and finite, got {}", self.eps));
+        }
+        for (name, p) in [("dropout.attention", self.dropout.attention), ("dropout.residual", self.dropout.residual)] {
+            if !(0.0..1.0).contains(&p) {
+                return bad(name, format!("{p} is outside [0, 1)"));
+            }
+        }
+        if matches!(self.attention, Attention::Linear { .. }) && self.dropout.attention != 0.0 {
+            return bad("dropout.attention", "linear attention has no probabilities to drop".into());
+        }
+        Ok(())
+    }
+
+    /// Head dimension `d = C / H`.
+    #[must_use]
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads.max(1)
+    }
+}
+
+/// A transformer layer whose parameters are one flat f32 variable with named views
+/// ([`ParamLayout`]); its forward is one node of candle's graph (module docs).
+#[derive(Debug)]
+pub struct TransformerLayer {
+    config: LayerConfig,
+    layout: ParamLayout,
+    params: Var,
+    calls: AtomicU64,
+}
+
+impl TransformerLayer {
+    /// A layer with freshly initialised parameters on `device` ([`ParamLayout::init`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] from [`LayerConfig::validate`]; candle's errors.
+    pub fn new(config: LayerConfig, device: &candle_core::Device) -> candle_core::Result<Self> {
+        config.validate()?;
+        let layout = ParamLayout::new(config.hidden, config.ffn);
+        let params = layout.init(device)?;
+        Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0) })
+    }
+
+    /// A layer whose parameters are loaded from per-weight tensors named `prefix + name`
+    /// (e.g. `"h.0."` + `"attn.q_proj.weight"`), e.g. from `candle_core::safetensors::load`.
+    ///
+    /// # Errors
+    /// As [`TransformerLayer::new`]; [`Error::MissingParameter`], [`Error::Shape`].
+    pub fn from_tensors(
+        config: LayerConfig,
+        tensors: &std::collections::HashMap<String, Tensor>,
+        prefix: &str,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Self> {
+        config.validate()?;
+        let layout = ParamLayout::new(config.hidden, config.ffn);
+        let params = Var::from_tensor(&layout.flatten(tensors, prefix, device)?)?;
+        Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0) })
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &LayerConfig {
+        &self.config
+    }
+
+    /// The names and offsets of the parameters.
+    #[must_use]
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// The flat parameter variable `[total]` (f32): hand it to an optimiser; its gradient is
+    /// flat too ([`ParamLayout::unflatten`] names the pieces).
+    #[must_use]
+    pub fn params(&self) -> &Var {
+        &self.params
+    }
+
+    /// The forward with an explicit dropout seed (the backward and a recomputation reuse it).
+    /// `x: [B, N, C]` f32 → `[B, N, C]`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] (`x` not `[B, N, C]`), [`Error::UnsupportedDType`] (not f32),
+    /// [`Error::DeviceMismatch`], the kernels' errors.
+    pub fn forward_seeded(&self, x: &Tensor, seed: u64) -> candle_core::Result<Tensor> {
+        let (_, _, c) = x.dims3()?;
+        if c != self.config.hidden {
+            return Err(Error::Shape {
+                what: "layer input".into(),
+                expected: vec![0, 0, self.config.hidden],
+                got: x.dims().to_vec(),
+            }
+            .into());
+        }
+        if x.dtype() != DType::F32 {
+            return Err(Error::UnsupportedDType { op: "transformer layer", dtype: x.dtype() }.into());
+        }
+        let params = self.params.as_tensor();
+        let ctx = kernels::Ctx {
+            candle: x.device().clone(),
+            kernels: crate::bridge::common_device("transformer layer", &[x, params])?,
+        };
+        let plan = Arc::new(forward::Plan {
+            config: self.config.clone(),
+            layout: self.layout.clone(),
+            ctx,
+            seed,
+            linear: self.linear(),
+        });
+        let (y, saved) = forward::run(&plan, &x.detach(), &params.detach(), self.config.recompute)?;
+        let result = crate::ops::tensor_result(&y)?;
+        drop(y);
+        attach(&[x, params], result, backward::LayerGrad { plan, saved })
+    }
+
+    fn linear(&self) -> Option<LinearAttention> {
+        match &self.config.attention {
+            Attention::Linear { config, map } => Some(LinearAttention::new(*config, map.clone())),
+            Attention::Softmax { .. } => None,
+        }
+    }
+}
+
+impl Module for TransformerLayer {
+    /// [`TransformerLayer::forward_seeded`] with seed `dropout.seed + k` for the `k`-th call.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let k = self.calls.fetch_add(1, Ordering::Relaxed);
+        self.forward_seeded(x, self.config.dropout.seed.wrapping_add(k))
+    }
+}

@@ -1,0 +1,151 @@
+//! The layer's parameters: one flat f32 tensor with named views in a fixed order.
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor, Var};
+
+use crate::error::Error;
+
+/// Names, shapes and offsets (in elements) of the parameters inside the flat tensor, in the
+/// usual per-weight names of a pre-/post-LN block (GPT-J / NeoX style): `ln_1`, `attn.q_proj`,
+/// `attn.k_proj`, `attn.v_proj`, `attn.out_proj`, `ln_2`, `mlp.fc_in`, `mlp.fc_out`, each
+/// with `.weight` (`[out, in]` for the projections, as candle-nn's `Linear`) and `.bias`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamLayout {
+    entries: Vec<ParamEntry>,
+    total: usize,
+}
+
+/// One named view.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamEntry {
+    /// The checkpoint name (without prefix).
+    pub name: &'static str,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Offset of its first element in the flat tensor.
+    pub offset: usize,
+}
+
+impl ParamEntry {
+    /// Number of elements.
+    #[must_use]
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+impl ParamLayout {
+    /// The layout of a layer of width `hidden` and FFN width `ffn`.
+    #[must_use]
+    pub fn new(hidden: usize, ffn: usize) -> Self {
+        let (c, f) = (hidden, ffn);
+        let specs: [(&'static str, Vec<usize>); 16] = [
+            ("ln_1.weight", vec![c]),
+            ("ln_1.bias", vec![c]),
+            ("attn.q_proj.weight", vec![c, c]),
+            ("attn.q_proj.bias", vec![c]),
+            ("attn.k_proj.weight", vec![c, c]),
+            ("attn.k_proj.bias", vec![c]),
+            ("attn.v_proj.weight", vec![c, c]),
+            ("attn.v_proj.bias", vec![c]),
+            ("attn.out_proj.weight", vec![c, c]),
+            ("attn.out_proj.bias", vec![c]),
+            ("ln_2.weight", vec![c]),
+            ("ln_2.bias", vec![c]),
+            ("mlp.fc_in.weight", vec![f, c]),
+            ("mlp.fc_in.bias", vec![f]),
+            ("mlp.fc_out.weight", vec![c, f]),
+            ("mlp.fc_out.bias", vec![c]),
+        ];
+        let mut offset = 0;
+        let entries = specs
+            .into_iter()
+            .map(|(name, shape)| {
+                let e = ParamEntry { name, offset, shape };
+                offset += e.numel();
+                e
+            })
+            .collect();
+        ParamLayout { entries, total: offset }
+    }
+
+    /// The views, in order.
+    #[must_use]
+    pub fn entries(&self) -> &[ParamEntry] {
+        &self.entries
+    }
+
+    /// Elements of the flat tensor.
+    #[must_use]
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// The entry called `name`.
+    ///
+    /// # Errors
+    /// [`Error::MissingParameter`] for a name the layer does not have.
+    pub fn entry(&self, name: &str) -> Result<&ParamEntry, Error> {
+        self.entries.iter().find(|e| e.name == name).ok_or_else(|| Error::MissingParameter { name: name.into() })
+    }
+
+    /// The view `name` of `flat` (a narrow and a reshape: no copy).
+    ///
+    /// # Errors
+    /// [`Error::MissingParameter`]; candle's errors when `flat` is not `[total]`.
+    pub fn view(&self, flat: &Tensor, name: &str) -> candle_core::Result<Tensor> {
+        let e = self.entry(name)?;
+        flat.narrow(0, e.offset, e.numel())?.reshape(e.shape.as_slice())
+    }
+
+    /// A flat tensor from per-weight tensors named `prefix + name` (a checkpoint, e.g. from
+    /// `candle_core::safetensors::load`), converted to f32 on `device`.
+    ///
+    /// # Errors
+    /// [`Error::MissingParameter`] for an absent name, [`Error::Shape`] for a wrong shape.
+    pub fn flatten(
+        &self,
+        tensors: &HashMap<String, Tensor>,
+        prefix: &str,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<Tensor> {
+        let mut parts = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            let key = format!("{prefix}{}", e.name);
+            let t = tensors.get(&key).ok_or(Error::MissingParameter { name: key.clone() })?;
+            if t.dims() != e.shape.as_slice() {
+                return Err(Error::Shape { what: key, expected: e.shape.clone(), got: t.dims().to_vec() }.into());
+            }
+            parts.push(t.to_device(device)?.to_dtype(DType::F32)?.flatten_all()?);
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// The per-weight tensors of a flat tensor (views), under their names.
+    ///
+    /// # Errors
+    /// As [`ParamLayout::view`].
+    pub fn unflatten(&self, flat: &Tensor) -> candle_core::Result<Vec<(&'static str, Tensor)>> {
+        self.entries.iter().map(|e| Ok((e.name, self.view(flat, e.name)?))).collect()
+    }
+
+    /// A flat variable initialised as usual: LayerNorm weights 1, biases 0, projection
+    /// weights `N(0, 0.02²)` from candle's generator on `device`.
+    ///
+    /// # Errors
+    /// candle's errors.
+    pub fn init(&self, device: &candle_core::Device) -> candle_core::Result<Var> {
+        let mut parts = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            let t = if e.name.starts_with("ln_") && e.name.ends_with(".weight") {
+                Tensor::ones(e.numel(), DType::F32, device)?
+            } else if e.name.ends_with(".bias") {
+                Tensor::zeros(e.numel(), DType::F32, device)?
+            } else {
+                Tensor::randn(0f32, 0.02, e.numel(), device)?
+            };
+            parts.push(t);
+        }
+        Var::from_tensor(&Tensor::cat(&parts, 0)?)
+    }
+}

@@ -1,0 +1,87 @@
+//! Counting heap bytes: how the crate measures what a layer keeps alive for backward.
+//!
+//! candle's CPU storage is ordinary heap memory (`Vec`s), and so is everything the kernels'
+//! host emulation keeps (codes, statistics, states). [`CountingAllocator`] wraps the system
+//! allocator and counts the bytes currently allocated and their peak; a binary installs it
+//! with `#[global_allocator]` (the example and the memory test do). It counts every thread's
+//! allocations (candle's and the emulator's worker threads included), so measure in a
+//! process that does nothing else at the time.
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The system allocator, counting live bytes and their peak.
+#[derive(Debug, Default)]
+pub struct CountingAllocator {
+    current: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl CountingAllocator {
+    /// A counter at zero (usable in a `static`).
+    #[must_use]
+    pub const fn new() -> Self {
+        CountingAllocator { current: AtomicUsize::new(0), peak: AtomicUsize::new(0) }
+    }
+
+    /// Bytes allocated and not yet freed.
+    #[must_use]
+    pub fn current(&self) -> usize {
+        self.current.load(Ordering::SeqCst)
+    }
+
+    /// The largest [`CountingAllocator::current`] since the last [`CountingAllocator::reset_peak`].
+    #[must_use]
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
+    }
+
+    /// Starts a new peak measurement at the current level.
+    pub fn reset_peak(&self) {
+        self.peak.store(self.current(), Ordering::SeqCst);
+    }
+
+    fn add(&self, bytes: usize) {
+        let now = self.current.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+    }
+
+    fn sub(&self, bytes: usize) {
+        self.current.fetch_sub(bytes, Ordering::SeqCst);
+    }
+}
+
+// SAFETY: every call is forwarded to `System` unchanged; the counters are atomics and never
+// allocate.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract for `alloc` is passed on to `System`.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            self.add(layout.size());
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as `alloc`.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            self.add(layout.size());
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator (i.e. `System`) with `layout`.
+        unsafe { System.dealloc(ptr, layout) };
+        self.sub(layout.size());
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: as `dealloc` and `alloc`.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            self.sub(layout.size());
+            self.add(new_size);
+        }
+        p
+    }
+}

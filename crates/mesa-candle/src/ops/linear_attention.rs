@@ -1,0 +1,242 @@
+//! Chunked linear attention (SLiM, Performer) with its feature maps, as one candle op over
+//! `q`, `k`, `v`.
+//!
+//! The calls into `mesa_kernels::linear_attention` go through [`la_forward`] and
+//! [`la_backward`] only, so a change of that API touches two functions.
+use std::sync::Arc;
+
+use candle_core::{Shape, Tensor};
+use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
+use mesa_kernels::linear_attention::{
+    self, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, LinearAttentionSaved,
+};
+use mesa_kernels::{TensorMut, TensorRef};
+
+use crate::attach::{attach, Backward};
+use crate::bridge::{common_device, dispatch_float, kernel_device, KernelFloat, Output, View};
+use crate::error::{Error, KernelResult};
+
+/// The feature map `φ` applied to queries and keys.
+#[derive(Debug, Clone)]
+pub enum FeatureKind {
+    /// `max(x, 0)`.
+    Relu,
+    /// `elu(x) + 1` (Katharopoulos et al. 2020).
+    Elu1,
+    /// FAVOR+ positive random features (Choromanski et al. 2020, §2.3): queries stabilised
+    /// by their row maximum, keys by the projection's bound (causal) or the sequence maximum
+    /// (bidirectional); see `mesa_kernels::feature_map`.
+    Favor(Arc<FavorProjection>),
+}
+
+/// Linear attention `out_t = Σ_{s≤t} (φ(q_t)·φ(k_s)) v_s / g(φ(q_t)·Σ_{s≤t} φ(k_s))` (causal;
+/// bidirectional sums over all `s`), `q, k: [B, H, L, d]`, `v: [B, H, L, D]`, one dtype
+/// (f32, f16, bf16), any strides.
+///
+/// Forward: the feature-map kernel, then the chunked attention kernel, which keeps its
+/// states (per chunk, or the final one only in SLiM mode). Backward: exact gradients of
+/// both, with `φ(q)`, `φ(k)` recomputed from `q` and `k` (which candle's graph holds as
+/// the op's arguments anyway) — nothing of size `L` is kept by the op itself in SLiM mode.
+#[derive(Debug, Clone)]
+pub struct LinearAttention {
+    config: LinearAttentionConfig,
+    map: FeatureKind,
+}
+
+impl LinearAttention {
+    /// Attention with `config` (causal or not, normalisation, chunk, memory mode) and `map`.
+    #[must_use]
+    pub fn new(config: LinearAttentionConfig, map: FeatureKind) -> Self {
+        LinearAttention { config, map }
+    }
+
+    /// A FAVOR+ map of `features` orthogonal random features for inputs of dimension
+    /// `in_dim`, drawn from `seed`, on the kernels' device for `device`.
+    ///
+    /// # Errors
+    /// As `FavorProjection::orthogonal`, as [`Error::Kernel`].
+    pub fn favor(
+        device: &candle_core::Device,
+        features: usize,
+        in_dim: usize,
+        seed: u64,
+    ) -> candle_core::Result<FeatureKind> {
+        let kernels = kernel_device(device)?;
+        Ok(FeatureKind::Favor(Arc::new(FavorProjection::orthogonal(&kernels, features, in_dim, seed).k()?)))
+    }
+
+    fn maps(&self) -> (FeatureMap<'_>, FeatureMap<'_>) {
+        match &self.map {
+            FeatureKind::Relu => (FeatureMap::Relu, FeatureMap::Relu),
+            FeatureKind::Elu1 => (FeatureMap::Elu1, FeatureMap::Elu1),
+            FeatureKind::Favor(p) => {
+                let keys = if self.config.causal { FavorStabilizer::Bound } else { FavorStabilizer::SequenceMax };
+                (
+                    FeatureMap::Favor { projection: p, stabilizer: FavorStabilizer::RowMax },
+                    FeatureMap::Favor { projection: p, stabilizer: keys },
+                )
+            }
+        }
+    }
+
+    /// `q, k: [B, H, L, d]`, `v: [B, H, L, D]` → `[B, H, L, D]`.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] (ranks, disagreeing `B`, `H`, `L`, `d`), [`Error::UnsupportedDType`],
+    /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
+    pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, h, l, _) = q.dims4()?;
+        if k.dims() != q.dims() {
+            return Err(
+                Error::Shape { what: "keys".into(), expected: q.dims().to_vec(), got: k.dims().to_vec() }.into()
+            );
+        }
+        let dv = v.dims().get(3).copied().unwrap_or(0);
+        if v.dims() != [b, h, l, dv] {
+            return Err(
+                Error::Shape { what: "values".into(), expected: vec![b, h, l, dv], got: v.dims().to_vec() }.into()
+            );
+        }
+        let kernels = common_device("linear attention", &[q, k, v])?;
+        dispatch_float!(q.dtype(), "linear attention", T => {
+            let (out, saved) = self.forward_detached::<T>(&kernels, &q.detach(), &k.detach(), &v.detach())?;
+            attach(&[q, k, v], out.into_storage()?, LinearAttentionGrad { op: self.clone(), saved, kernels })
+        })
+    }
+
+    /// The forward on tensors outside any graph: the output (not yet a tensor) and the
+    /// attention's saved states.
+    pub(crate) fn forward_detached<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> candle_core::Result<(Output<T>, LinearAttentionSaved)> {
+        let (b, h, l, _) = q.dims4()?;
+        let out_shape = Shape::from((b, h, l, v.dim(3)?));
+        let (phi_q, phi_k) = self.features::<T>(kernels, q, k)?;
+        let mut out = Output::<T>::zeros(q.device(), kernels, &out_shape)?;
+        let saved = {
+            let (pq, pk, vv) = (View::of(&phi_q)?, View::of(&phi_k)?, View::of(v)?);
+            la_forward(
+                kernels,
+                &self.config,
+                &pq.tensor_ref::<T>()?,
+                &pk.tensor_ref::<T>()?,
+                &vv.tensor_ref::<T>()?,
+                &mut out.tensor_mut()?,
+            )?
+        };
+        Ok((out, saved))
+    }
+
+    /// The backward on tensors outside any graph: `(dq, dk, dv)` from the forward's inputs
+    /// and output (`φ` recomputed) and the saved states.
+    pub(crate) fn backward_detached<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        saved: &LinearAttentionSaved,
+        qkv: [&Tensor; 3],
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> candle_core::Result<[Tensor; 3]> {
+        let [q, k, v] = qkv;
+        let (phi_q, phi_k) = self.features::<T>(kernels, q, k)?;
+        let mut dphi_q = Output::<T>::zeros(q.device(), kernels, phi_q.shape())?;
+        let mut dphi_k = Output::<T>::zeros(q.device(), kernels, phi_k.shape())?;
+        let mut dv = Output::<T>::zeros(q.device(), kernels, v.shape())?;
+        {
+            let views = [View::of(&phi_q)?, View::of(&phi_k)?, View::of(v)?, View::of(out)?, View::of(dout)?];
+            let [pq, pk, vv, o, d] = [0, 1, 2, 3, 4].map(|i| views[i].tensor_ref::<T>());
+            let (pq, pk, vv, o, d) = (pq?, pk?, vv?, o?, d?);
+            let args = LaBackward { q: &pq, k: &pk, v: &vv, out: &o, dout: &d };
+            let grads =
+                Grads { dq: &mut dphi_q.tensor_mut()?, dk: &mut dphi_k.tensor_mut()?, dv: &mut dv.tensor_mut()? };
+            la_backward(kernels, saved, args, grads)?;
+        }
+        let (dphi_q, dphi_k) = (dphi_q.into_tensor()?, dphi_k.into_tensor()?);
+        let (map_q, map_k) = self.maps();
+        let dx = |x: &Tensor, phi: &Tensor, dphi: &Tensor, map: &FeatureMap<'_>| -> candle_core::Result<Tensor> {
+            let mut dx = Output::<T>::zeros(x.device(), kernels, x.shape())?;
+            {
+                let (xv, pv, dv) = (View::of(x)?, View::of(phi)?, View::of(dphi)?);
+                let (xr, pr, dr) = (xv.tensor_ref::<T>()?, pv.tensor_ref::<T>()?, dv.tensor_ref::<T>()?);
+                let args = FeatureBackwardArgs { x: &xr, phi: Some(&pr), dphi: &dr, dx: &mut dx.tensor_mut()? };
+                feature_map::backward(kernels, map, args).k()?;
+            }
+            dx.into_tensor()
+        };
+        Ok([dx(q, &phi_q, &dphi_q, &map_q)?, dx(k, &phi_k, &dphi_k, &map_k)?, dv.into_tensor()?])
+    }
+
+    /// `φ(q)`, `φ(k)` by the feature-map kernel.
+    fn features<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        q: &Tensor,
+        k: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (map_q, map_k) = self.maps();
+        let phi = |x: &Tensor, map: &FeatureMap<'_>| -> candle_core::Result<Tensor> {
+            let mut dims = x.dims().to_vec();
+            dims[3] = map.out_dim(dims[3]);
+            let mut out = Output::<T>::zeros(x.device(), kernels, &Shape::from(dims))?;
+            let view = View::of(x)?;
+            feature_map::forward(kernels, map, &view.tensor_ref::<T>()?, &mut out.tensor_mut()?).k()?;
+            out.into_tensor()
+        };
+        Ok((phi(q, &map_q)?, phi(k, &map_k)?))
+    }
+}
+
+/// The attention forward (thin wrapper over `mesa_kernels::linear_attention::forward`).
+pub(crate) fn la_forward<'b, T: KernelFloat>(
+    kernels: &mesa_kernels::Device,
+    config: &LinearAttentionConfig,
+    q: &TensorRef<'b, T>,
+    k: &TensorRef<'b, T>,
+    v: &TensorRef<'b, T>,
+    out: &mut TensorMut<'b, T>,
+) -> candle_core::Result<LinearAttentionSaved> {
+    linear_attention::forward(kernels, config, ForwardArgs { q, k, v, out }).k()
+}
+
+/// The tensors of [`la_backward`].
+pub(crate) struct LaBackward<'a, 'b, T> {
+    pub q: &'a TensorRef<'b, T>,
+    pub k: &'a TensorRef<'b, T>,
+    pub v: &'a TensorRef<'b, T>,
+    pub out: &'a TensorRef<'b, T>,
+    pub dout: &'a TensorRef<'b, T>,
+}
+
+/// The attention backward (thin wrapper over `mesa_kernels::linear_attention::backward`).
+pub(crate) fn la_backward<'b, T: KernelFloat>(
+    kernels: &mesa_kernels::Device,
+    saved: &LinearAttentionSaved,
+    args: LaBackward<'_, 'b, T>,
+    grads: Grads<'_, 'b, T>,
+) -> candle_core::Result<()> {
+    let LaBackward { q, k, v, out, dout } = args;
+    linear_attention::backward(kernels, saved, BackwardArgs { q, k, v, out: Some(out), dout, grads }).k()
+}
+
+struct LinearAttentionGrad {
+    op: LinearAttention,
+    saved: LinearAttentionSaved,
+    kernels: mesa_kernels::Device,
+}
+
+impl Backward for LinearAttentionGrad {
+    fn name(&self) -> &'static str {
+        "mesa-linear-attention"
+    }
+    fn backward(&self, args: &[&Tensor], res: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+        let (q, k, v) = (args[0].detach(), args[1].detach(), args[2].detach());
+        dispatch_float!(q.dtype(), "linear attention backward", T => {
+            let [dq, dk, dv] = self.op.backward_detached::<T>(&self.kernels, &self.saved, [&q, &k, &v], res, grad)?;
+            Ok(vec![Some(dq), Some(dk), Some(dv)])
+        })
+    }
+}

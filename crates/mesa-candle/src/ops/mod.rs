@@ -1,0 +1,104 @@
+//! Ops with forward and backward in candle's autograd, each running our kernels.
+//!
+//! | op | forward keeps (in the op) | backward |
+//! |---|---|---|
+//! | [`Gelu`] (erf, tanh) | codes of `x` | `gelu_backward` decodes in the kernel |
+//! | [`Softmax`] (last axis, additive mask) | codes of `y` (square-root companded) | `softmax_backward` decodes in the kernel |
+//! | [`LayerNorm`] | codes of `x̂`, per-row mean and rstd | `layer_norm_backward` (dx, dweight, dbias) |
+//! | [`RmsNorm`] | codes of `x̂`, per-row rstd | candle ops on the decoded `x̂` (no RMSNorm kernel) |
+//! | [`CodedLinear`] | codes of `x` | `dW = dyᵀ·x̂` from the decoded `x̂`, candle's matmuls |
+//! | [`LinearAttention`] (ReLU, ELU+1, FAVOR+) | the attention's saved states | chunked kernels; φ recomputed from `q`, `k` |
+//!
+//! **What these per-op ops do not save.** Candle's autograd keeps a clone of every argument
+//! of every op until backward (`BackpropOp`, candle-core `op.rs`), so the full-precision input
+//! of an op stays alive as long as its output's graph, whatever the op itself keeps: the
+//! codes are held *in addition*. The ops give correct, checked gradients where candle-nn's
+//! fused ops have none; memory is saved by [`crate::layer::TransformerLayer`], one graph node
+//! over a whole layer whose internals never enter candle's graph.
+use std::sync::Mutex;
+
+use candle_core::{DeviceLocation, Shape, Storage, Tensor};
+use mesa_kernels::{QuantConfig, Quantizer};
+
+use crate::error::{Error, KernelResult};
+
+mod gelu;
+mod layer_norm;
+pub(crate) mod linear;
+mod linear_attention;
+mod rms_norm;
+mod softmax;
+
+pub use gelu::Gelu;
+pub use layer_norm::LayerNorm;
+pub use linear::CodedLinear;
+pub use linear_attention::{FeatureKind, LinearAttention};
+pub use rms_norm::RmsNorm;
+pub use softmax::Softmax;
+
+/// A [`Quantizer`] (its running estimate) per device, made on first use.
+#[derive(Debug)]
+pub(crate) struct QuantSlot {
+    config: QuantConfig,
+    slot: Mutex<Option<(DeviceLocation, Quantizer)>>,
+}
+
+impl QuantSlot {
+    pub(crate) fn new(config: QuantConfig) -> Self {
+        QuantSlot { config, slot: Mutex::new(None) }
+    }
+
+    /// Runs `f` with the quantizer of `device` (a new one when the device changed).
+    pub(crate) fn with<R>(
+        &self,
+        device: &candle_core::Device,
+        kernels: &mesa_kernels::Device,
+        f: impl FnOnce(&mut Quantizer) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
+        let mut slot = self.slot.lock().map_err(|_| Error::StateConsumed { op: "quantizer" })?;
+        let location = device.location();
+        if !matches!(&*slot, Some((l, _)) if *l == location) {
+            *slot = Some((location, Quantizer::new(kernels, self.config).k()?));
+        }
+        match slot.as_mut() {
+            Some((_, q)) => f(q),
+            None => Err(Error::StateConsumed { op: "quantizer" }.into()),
+        }
+    }
+}
+
+/// A result computed with candle's own ops, as the storage [`crate::attach`] carries:
+/// one copy of it (candle has no way to move a tensor's storage out).
+pub(crate) fn tensor_result(t: &Tensor) -> candle_core::Result<(Storage, Shape)> {
+    let t = t.contiguous()?;
+    let dense = t.layout().start_offset() == 0 && dense_len(&t) == Some(t.elem_count());
+    let t = if dense { t } else { t.copy()? };
+    let (storage, layout) = t.storage_and_layout();
+    let copy = match &*storage {
+        Storage::Cpu(s) => Storage::Cpu(s.clone()),
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(s) => {
+            use candle_core::backend::BackendStorage;
+            Storage::Cuda(s.try_clone(layout)?)
+        }
+        other => {
+            let _ = layout;
+            return Err(
+                Error::UnsupportedDevice { op: "result", device: format!("{:?}", other.device().location()) }.into()
+            );
+        }
+    };
+    Ok((copy, t.shape().clone()))
+}
+
+/// Elements of a CPU tensor's whole storage (`None` for other devices and dtypes).
+fn dense_len(t: &Tensor) -> Option<usize> {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(candle_core::CpuStorage::F32(v)) => Some(v.len()),
+        Storage::Cpu(candle_core::CpuStorage::F16(v)) => Some(v.len()),
+        Storage::Cpu(candle_core::CpuStorage::BF16(v)) => Some(v.len()),
+        Storage::Cpu(candle_core::CpuStorage::F64(v)) => Some(v.len()),
+        _ => None,
+    }
+}

@@ -1,0 +1,93 @@
+//! Softmax over the last axis with an additive mask, keeping only the codes of its output.
+use candle_core::Tensor;
+use mesa_kernels::fused::{softmax_backward, softmax_forward, SoftmaxInput};
+use mesa_kernels::{Grouping, Rounding, SavedActivation, SoftmaxCodes, SoftmaxSave};
+
+use crate::attach::{attach, Backward};
+use crate::bridge::{common_device, dispatch_float, Output, View};
+use crate::error::KernelResult;
+
+/// `y = softmax(x + mask)` over the last axis; f32, f16, bf16.
+///
+/// Forward: one kernel writes `y` and its codes with fixed parameters (offset 0, scale
+/// `1/(2^bits − 1)`, square-root companded by default: no statistics pass); backward:
+/// `dx = ŷ⊙(dy − Σ_row dy·ŷ)`, `ŷ` decoded inside the kernel. With `s = 1/(2^bits − 1)` the
+/// decoded probabilities satisfy `|ŷ − y| ≤ (√y + s/4)·s` (round to nearest). A fully masked
+/// row (all `−inf`) gives zeros. The mask gets no gradient.
+#[derive(Debug, Clone, Copy)]
+pub struct Softmax {
+    save: SoftmaxSave,
+}
+
+impl Default for Softmax {
+    /// 8-bit square-root companded codes, round to nearest.
+    fn default() -> Self {
+        Softmax::new(8)
+    }
+}
+
+impl Softmax {
+    /// Codes of `bits` (8, 4, 2; checked by the kernel call), square-root companded.
+    #[must_use]
+    pub fn new(bits: u32) -> Self {
+        Softmax {
+            save: SoftmaxSave {
+                bits,
+                codes: SoftmaxCodes::Sqrt,
+                grouping: Grouping::Tensor,
+                rounding: Rounding::Nearest,
+            },
+        }
+    }
+
+    /// `x`: rank ≥ 1, rows along the last axis; `mask`: `None` or any shape that broadcasts
+    /// to `x`'s (read through stride 0, never expanded), `x`'s dtype.
+    ///
+    /// # Errors
+    /// candle's broadcast error for a mask that does not broadcast;
+    /// [`crate::Error::UnsupportedDType`], [`crate::Error::DeviceMismatch`], the kernels'
+    /// errors as [`crate::Error::Kernel`].
+    pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        let mut args = vec![x];
+        args.extend(mask);
+        let kernels = common_device("softmax", &args)?;
+        let mask_view = mask.map(|m| m.detach().broadcast_as(x.shape())).transpose()?;
+        dispatch_float!(x.dtype(), "softmax", T => {
+            let xd = x.detach();
+            let mut y = Output::<T>::zeros(x.device(), &kernels, x.shape())?;
+            let saved = {
+                let xv = View::of(&xd)?;
+                let mv = mask_view.as_ref().map(View::of).transpose()?;
+                let xr = xv.tensor_ref::<T>()?;
+                let mr = mv.as_ref().map(|m| m.tensor_ref::<T>()).transpose()?;
+                let input = SoftmaxInput { x: &xr, mask: mr.as_ref() };
+                softmax_forward(&kernels, &self.save, &input, &mut y.tensor_mut()?).k()?
+            };
+            attach(&args, y.into_storage()?, SoftmaxGrad { saved, kernels, with_mask: mask.is_some() })
+        })
+    }
+}
+
+struct SoftmaxGrad {
+    saved: SavedActivation,
+    kernels: mesa_kernels::Device,
+    with_mask: bool,
+}
+
+impl Backward for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "mesa-softmax"
+    }
+    fn backward(&self, _: &[&Tensor], _: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+        dispatch_float!(grad.dtype(), "softmax backward", T => {
+            let view = View::of(grad)?;
+            let mut dx = Output::<T>::zeros(grad.device(), &self.kernels, grad.shape())?;
+            softmax_backward(&self.kernels, &self.saved, &view.tensor_ref::<T>()?, &mut dx.tensor_mut()?).k()?;
+            let mut grads = vec![Some(dx.into_tensor()?)];
+            if self.with_mask {
+                grads.push(None);
+            }
+            Ok(grads)
+        })
+    }
+}

@@ -1,0 +1,98 @@
+//! Shared pieces of the mesa-candle tests: seeded data, the f64 reference's gradients,
+//! unit roundoffs.
+#![allow(dead_code)]
+use candle_core::{DType, Device, Tensor, Var};
+
+/// SplitMix64: a seeded stream of uniforms and Gaussians (fresh seed per run unless
+/// `MESA_TEST_SEED` is set; the seed is printed so a failure can be replayed).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(test: &str) -> Self {
+        let seed = std::env::var("MESA_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+        });
+        eprintln!("{test}: MESA_TEST_SEED={seed}");
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    pub fn gauss(&mut self) -> f64 {
+        let (u1, u2) = (self.uniform().max(1e-300), self.uniform());
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+    /// A CPU tensor of `shape` in `dtype` with entries `mean + std·N(0,1)`.
+    pub fn tensor(&mut self, shape: &[usize], mean: f64, std: f64, dtype: DType) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n).map(|_| mean + std * self.gauss()).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+}
+
+/// Unit roundoff of a storage dtype (half an ulp at 1).
+pub fn unit(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 2f64.powi(-24),
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        _ => 2f64.powi(-53),
+    }
+}
+
+/// Gradients of `Σ f(inputs) ⊙ dy` with respect to every input, by candle's autograd.
+/// `inputs` are made variables of their own dtype; the results are f64 host vectors.
+pub fn grads(
+    inputs: &[Tensor],
+    dy: &Tensor,
+    f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&ts).unwrap();
+    let loss = (y.to_dtype(DType::F64).unwrap() * dy.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap();
+    let store = loss.backward().unwrap();
+    let g = ts.iter().map(|t| flat(&store.get(t).expect("a gradient for every input").clone())).collect();
+    (flat(&y), g)
+}
+
+/// A tensor's values as f64, in logical order.
+pub fn flat(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+}
+
+/// The same values as f64 tensors (the reference's inputs: exactly the dtype-rounded values).
+pub fn to_f64(ts: &[Tensor]) -> Vec<Tensor> {
+    ts.iter().map(|t| t.to_dtype(DType::F64).unwrap()).collect()
+}
+
+/// Asserts `|got − want| ≤ bound` elementwise, naming the worst element.
+pub fn assert_within(what: &str, got: &[f64], want: &[f64], bound: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = (0usize, 0f64);
+    for i in 0..got.len() {
+        let err = (got[i] - want[i]).abs();
+        assert!(got[i].is_finite(), "{what}[{i}] = {} is not finite", got[i]);
+        let ratio = err / bound[i].max(f64::MIN_POSITIVE);
+        if ratio > worst.1 {
+            worst = (i, ratio);
+        }
+    }
+    let i = worst.0;
+    assert!(
+        worst.1 <= 1.0,
+        "{what}[{i}]: got {}, want {}, |err| = {:.3e} > bound {:.3e}",
+        got[i],
+        want[i],
+        (got[i] - want[i]).abs(),
+        bound[i]
+    );
+    eprintln!("{what}: worst error / bound = {:.3}", worst.1);
+}

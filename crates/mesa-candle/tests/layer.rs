@@ -1,0 +1,223 @@
+//! The transformer-layer op against the same layer written with candle's differentiable ops
+//! in f64: forward (exact: the codes only enter the backward) and gradient parity per
+//! parameter, for pre-/post-LN, softmax and linear attention, each recomputation policy,
+//! with dropout.
+mod common;
+
+use candle_core::{DType, Device, Module, Tensor};
+use common::{flat, Rng};
+use mesa_candle::layer::{
+    reference, Attention, DropoutConfig, LayerConfig, NormPlacement, Recompute, TransformerLayer,
+};
+use mesa_candle::ops::FeatureKind;
+use mesa_candle::{as_mesa_error, Error};
+use mesa_kernels::linear_attention::LinearAttentionConfig;
+
+fn cosine(a: &[f64], b: &[f64]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na = a.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let nb = b.iter().map(|x| x * x).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+fn norm(a: &[f64]) -> f64 {
+    a.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+/// Gradients of `Σ y ⊙ dy` for our layer and for the f64 reference with the same
+/// parameters and seed: `(y, y_ref, [(name, ours, reference)] with "x" first)`.
+#[allow(clippy::type_complexity)]
+fn both(
+    config: &LayerConfig,
+    x: &Tensor,
+    dy: &Tensor,
+    seed: u64,
+) -> (Vec<f64>, Vec<f64>, Vec<(String, Vec<f64>, Vec<f64>)>) {
+    let layer = TransformerLayer::new(config.clone(), &Device::Cpu).unwrap();
+    let xv = candle_core::Var::from_tensor(x).unwrap();
+    let y = layer.forward_seeded(xv.as_tensor(), seed).unwrap();
+    let g = (&y * dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let vars = reference::variables(layer.layout(), layer.params().as_tensor(), DType::F64).unwrap();
+    let x64 = candle_core::Var::from_tensor(&x.to_dtype(DType::F64).unwrap()).unwrap();
+    let y_ref = reference::forward(config, &vars, x64.as_tensor(), seed).unwrap();
+    let g_ref = (&y_ref * dy.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut out =
+        vec![("x".to_string(), flat(g.get(xv.as_tensor()).unwrap()), flat(g_ref.get(x64.as_tensor()).unwrap()))];
+    let flat_grad = g.get(layer.params().as_tensor()).unwrap();
+    for (name, ours) in layer.layout().unflatten(flat_grad).unwrap() {
+        out.push((name.to_string(), flat(&ours), flat(g_ref.get(vars[name].as_tensor()).unwrap())));
+    }
+    (flat(&y), flat(&y_ref), out)
+}
+
+fn check(config: &LayerConfig, what: &str) {
+    let mut rng = Rng::new(what);
+    let (b, n, c) = (2, 24, config.hidden);
+    let x = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32);
+    let dy = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32);
+    let (y, y_ref, grads) = both(config, &x, &dy, 0x5EED);
+    // forward: exact but for f32 arithmetic: ≤ 12 chained ops whose sums have at most
+    // F = 128 terms (γ_128 ≈ 7.6e-6 each, ×12 ≈ 1e-4), normwise
+    let top = y_ref.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+    let err = y.iter().zip(&y_ref).fold(0.0f64, |a, (p, q)| a.max((p - q).abs()));
+    assert!(err <= 1e-4 * top, "{what}: forward max error {err:.3e} > 1e-4·{top:.3e}");
+    // gradients: every cosine ≥ 0.999 (the target for 8-bit codes). A parameter
+    // whose true gradient is zero is reported, not counted: the key bias of softmax
+    // attention (q·b_k shifts a whole row of scores, which softmax ignores), seen in f64 as
+    // a norm below 1e-9 of the largest gradient's (f64 roundoff of the cancellation)
+    let mut failures = 0;
+    let largest = grads.iter().map(|(_, _, w)| norm(w)).fold(0.0, f64::max);
+    for (name, ours, want) in &grads {
+        if norm(want) <= 1e-9 * largest {
+            eprintln!(
+                "{what} {name}: true gradient is zero (|g_ref| = {:.1e}; ours {:.1e}), not counted",
+                norm(want),
+                norm(ours)
+            );
+            continue;
+        }
+        let cos = cosine(ours, want);
+        let rel = ours.iter().zip(want).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt() / norm(want);
+        eprintln!("{what} {name}: cosine {cos:.6}, relative error {rel:.2e}");
+        failures += usize::from(cos < 0.999);
+    }
+    assert_eq!(failures, 0, "{what}: {failures} parameters with cosine < 0.999 (listed above)");
+}
+
+fn config(norm: NormPlacement, recompute: Recompute) -> LayerConfig {
+    LayerConfig {
+        norm,
+        recompute,
+        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+        ..LayerConfig::new(32, 4, 128)
+    }
+}
+
+#[test]
+fn pre_ln_softmax_layer_gradients_match_plain_candle() {
+    for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        check(&config(NormPlacement::Pre, recompute), &format!("pre-LN {recompute:?}"));
+    }
+}
+
+#[test]
+fn post_ln_softmax_layer_gradients_match_plain_candle() {
+    for recompute in [Recompute::None, Recompute::Selective] {
+        check(&config(NormPlacement::Post, recompute), &format!("post-LN {recompute:?}"));
+    }
+}
+
+#[test]
+fn linear_attention_layer_gradients_match_plain_candle() {
+    // ELU+1 (smooth). With ReLU features the decoded Q̂ flips the ReLU gate of entries near 0
+    // and the Q-projection gradients reach cosine ≈ 0.995 only (docs/candle.md)
+    for (map, norm) in [(FeatureKind::Elu1, NormPlacement::Pre), (FeatureKind::Elu1, NormPlacement::Post)] {
+        let la = LinearAttentionConfig { chunk: 16, ..LinearAttentionConfig::causal() };
+        let cfg = LayerConfig {
+            attention: Attention::Linear { config: la, map: map.clone() },
+            dropout: DropoutConfig { attention: 0.0, residual: 0.1, seed: 0 },
+            ..config(norm, Recompute::None)
+        };
+        check(&cfg, &format!("linear attention {map:?} {norm:?}"));
+    }
+}
+
+#[test]
+fn full_recomputation_gives_the_same_gradients_as_keeping_the_codes() {
+    // the recomputed forward uses the same seed and the same exact statistics, so its codes
+    // and hence every gradient are bitwise those of the kept codes
+    let mut rng = Rng::new("full");
+    let x = rng.tensor(&[2, 16, 32], 0.0, 1.0, DType::F32);
+    let dy = rng.tensor(&[2, 16, 32], 0.0, 1.0, DType::F32);
+    let run = |recompute| {
+        let layer = TransformerLayer::new(config(NormPlacement::Pre, recompute), &Device::Cpu).unwrap();
+        let xv = candle_core::Var::from_tensor(&x).unwrap();
+        let y = layer.forward_seeded(xv.as_tensor(), 9).unwrap();
+        let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+        (
+            layer.params().as_tensor().to_vec1::<f32>().unwrap(),
+            flat(g.get(layer.params().as_tensor()).unwrap()),
+            flat(g.get(xv.as_tensor()).unwrap()),
+        )
+    };
+    let (p_none, g_none, dx_none) = run(Recompute::None);
+    // same parameters: candle's CPU generator is seeded per device; make the second layer
+    // from the first one's parameters instead
+    let layer = TransformerLayer::new(config(NormPlacement::Pre, Recompute::Full), &Device::Cpu).unwrap();
+    let _ = layer;
+    let mut map = std::collections::HashMap::new();
+    let l0 = TransformerLayer::new(config(NormPlacement::Pre, Recompute::None), &Device::Cpu).unwrap();
+    let params = Tensor::from_vec(p_none.clone(), p_none.len(), &Device::Cpu).unwrap();
+    for (name, t) in l0.layout().unflatten(&params).unwrap() {
+        map.insert(name.to_string(), t);
+    }
+    let full =
+        TransformerLayer::from_tensors(config(NormPlacement::Pre, Recompute::Full), &map, "", &Device::Cpu).unwrap();
+    let xv = candle_core::Var::from_tensor(&x).unwrap();
+    let y = full.forward_seeded(xv.as_tensor(), 9).unwrap();
+    let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(flat(g.get(full.params().as_tensor()).unwrap()), g_none);
+    assert_eq!(flat(g.get(xv.as_tensor()).unwrap()), dx_none);
+}
+
+#[test]
+fn dropout_masks_follow_the_seed() {
+    let mut rng = Rng::new("seed");
+    let x = rng.tensor(&[1, 8, 32], 0.0, 1.0, DType::F32);
+    let layer = TransformerLayer::new(config(NormPlacement::Pre, Recompute::None), &Device::Cpu).unwrap();
+    let a = flat(&layer.forward_seeded(&x, 1).unwrap());
+    let b = flat(&layer.forward_seeded(&x, 1).unwrap());
+    let c = flat(&layer.forward_seeded(&x, 2).unwrap());
+    assert_eq!(a, b, "the same seed regenerates the same masks");
+    assert_ne!(a, c, "another seed drops other elements");
+    // Module::forward advances the seed per call
+    let d = flat(&layer.forward(&x).unwrap());
+    let e = flat(&layer.forward(&x).unwrap());
+    assert_ne!(d, e);
+}
+
+#[test]
+fn checkpoint_names_load_into_the_flat_parameters() {
+    let layer = TransformerLayer::new(LayerConfig::new(16, 2, 32), &Device::Cpu).unwrap();
+    let mut map: std::collections::HashMap<String, Tensor> = layer
+        .layout()
+        .unflatten(layer.params().as_tensor())
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (format!("h.3.{n}"), t))
+        .collect();
+    let loaded = TransformerLayer::from_tensors(LayerConfig::new(16, 2, 32), &map, "h.3.", &Device::Cpu).unwrap();
+    assert_eq!(flat(loaded.params().as_tensor()), flat(layer.params().as_tensor()));
+    let w = loaded.layout().view(loaded.params().as_tensor(), "attn.k_proj.weight").unwrap();
+    assert_eq!(w.dims(), &[16, 16]);
+    assert_eq!(flat(&w), flat(&map["h.3.attn.k_proj.weight"]));
+    // a missing and a misshaped weight are typed errors
+    let wrong = map.remove("h.3.mlp.fc_in.bias").unwrap();
+    let e = TransformerLayer::from_tensors(LayerConfig::new(16, 2, 32), &map, "h.3.", &Device::Cpu).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::MissingParameter { name }) if name == "h.3.mlp.fc_in.bias"), "{e}");
+    map.insert("h.3.mlp.fc_in.bias".into(), wrong.narrow(0, 0, 31).unwrap());
+    let e = TransformerLayer::from_tensors(LayerConfig::new(16, 2, 32), &map, "h.3.", &Device::Cpu).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+}
+
+#[test]
+fn bad_configurations_and_inputs_are_typed_errors() {
+    let bad = [
+        LayerConfig { heads: 3, ..LayerConfig::new(16, 2, 32) },
+        LayerConfig { bits: 3, ..LayerConfig::new(16, 2, 32) },
+        LayerConfig { eps: 0.0, ..LayerConfig::new(16, 2, 32) },
+        LayerConfig {
+            dropout: DropoutConfig { attention: 1.0, residual: 0.0, seed: 0 },
+            ..LayerConfig::new(16, 2, 32)
+        },
+    ];
+    for cfg in bad {
+        let e = TransformerLayer::new(cfg.clone(), &Device::Cpu).unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { .. })), "{cfg:?}: {e}");
+    }
+    let layer = TransformerLayer::new(LayerConfig::new(16, 2, 32), &Device::Cpu).unwrap();
+    let e = layer.forward(&Tensor::zeros((1, 4, 8), DType::F32, &Device::Cpu).unwrap()).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    let e = layer.forward(&Tensor::zeros((1, 4, 16), DType::F64, &Device::Cpu).unwrap()).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::UnsupportedDType { .. })), "{e}");
+}

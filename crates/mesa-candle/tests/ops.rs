@@ -1,0 +1,404 @@
+//! Gradients of the mesa-candle ops against the same computation written with candle's
+//! differentiable ops in f64, on CPU (the host emulation of the kernels).
+//!
+//! Every bound is derived from the codes' quantization step and the dtype's unit roundoff
+//! `u` (f32 2⁻²⁴, f16 2⁻¹¹, bf16 2⁻⁸), written next to the assertion:
+//! * decoding: round to nearest leaves `|x̂ − x| ≤ h = step/2` (plus the f32 `fmaf` of the
+//!   decode, `≤ u₃₂·max|x|`); the tests use exact per-batch statistics, so the step is
+//!   `(max − min)/(2^bits − 1)` of the tensor that was encoded;
+//! * arithmetic: a sum of `n` products accumulated in f32 is within `n·u₃₂·Σ|terms|`; a
+//!   result stored in a half dtype is rounded once more (`u·|value|`).
+mod common;
+
+use candle_core::{DType, Module, Tensor, D};
+use common::{assert_within, flat, grads, to_f64, unit, Rng};
+use mesa_candle::ops::{CodedLinear, FeatureKind, Gelu, LayerNorm, LinearAttention, RmsNorm, Softmax};
+use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
+use mesa_kernels::{GeluForm, QuantConfig, StatsMode};
+
+const U32: f64 = 1.0 / 16_777_216.0;
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// 8-bit codes, one group, exact statistics: the step is known from the data.
+fn exact(bits: u32) -> QuantConfig {
+    QuantConfig { bits, stats: StatsMode::Exact, ..QuantConfig::per_tensor() }
+}
+
+fn step(values: &[f64], bits: u32) -> f64 {
+    let (lo, hi) = values.iter().fold((f64::MAX, f64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+    (hi - lo) / f64::from((1u32 << bits) - 1)
+}
+
+/// `max |gelu''|`. Erf form: `gelu'' = φ(x)(2 − x²)`, largest at 0: `2φ(0) = 0.7979`.
+/// Tanh form: the closed-form `gelu'` differenced on [−12, 12] with a 1e-3 grid (+1% for the
+/// grid), a constant of the math evaluated rather than derived.
+fn gelu_second_derivative_bound(form: GeluForm) -> f64 {
+    match form {
+        GeluForm::Erf => 2.0 / (2.0 * std::f64::consts::PI).sqrt(),
+        GeluForm::Tanh => {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let d1 = |x: f64| {
+                let t = (c * (x + 0.044715 * x * x * x)).tanh();
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+            };
+            let h = 1e-3;
+            (-12_000..=12_000)
+                .map(|i| f64::from(i) * h)
+                .map(|x| ((d1(x + h) - d1(x - h)) / (2.0 * h)).abs())
+                .fold(0.0, f64::max)
+                * 1.01
+        }
+    }
+}
+
+#[test]
+fn gelu_gradients_match_f64_candle_within_the_code_step() {
+    let mut rng = Rng::new("gelu");
+    for form in [GeluForm::Erf, GeluForm::Tanh] {
+        let lip = gelu_second_derivative_bound(form);
+        for dtype in DTYPES {
+            // a transposed (strided) input: the kernels read candle's strides as they are
+            let x = rng.tensor(&[37, 6], 0.0, 2.0, dtype).t().unwrap();
+            let dy = rng.tensor(&[6, 37], 0.0, 1.0, dtype);
+            let op = Gelu::new(form, exact(8));
+            let (y, g) = grads(std::slice::from_ref(&x), &dy, |t| op.forward(&t[0]));
+            let (y_ref, g_ref) = grads(&to_f64(std::slice::from_ref(&x)), &dy, |t| match form {
+                GeluForm::Erf => t[0].gelu_erf(),
+                GeluForm::Tanh => t[0].gelu(),
+            });
+            let (xs, dys) = (flat(&x), flat(&dy));
+            let u = unit(dtype);
+            // forward: exact up to f32 arithmetic (a few ulps of the f32 erf/tanh) and the
+            // output's rounding
+            let fwd: Vec<f64> = y_ref.iter().map(|v| u * v.abs() + 8.0 * U32 * (1.0 + v.abs())).collect();
+            assert_within(&format!("gelu {form:?} {dtype:?} y"), &y, &y_ref, &fwd);
+            // backward: |dy|·max|gelu''|·h from decoding, plus the same arithmetic terms
+            let h = 0.5 * step(&xs, 8) + U32 * 4.0;
+            let bound: Vec<f64> = (0..xs.len())
+                .map(|i| dys[i].abs() * (lip * h + 8.0 * U32 * (1.0 + xs[i].abs())) + u * g_ref[0][i].abs())
+                .collect();
+            assert_within(&format!("gelu {form:?} {dtype:?} dx"), &g[0], &g_ref[0], &bound);
+        }
+    }
+}
+
+fn softmax_ref(z: &Tensor) -> candle_core::Result<Tensor> {
+    let z = z.broadcast_sub(&z.max_keepdim(D::Minus1)?.detach())?;
+    let e = z.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+#[test]
+fn softmax_with_mask_gradients_match_f64_candle_within_the_code_step() {
+    let mut rng = Rng::new("softmax");
+    let (b, h, n, m) = (2, 3, 5, 19);
+    for dtype in DTYPES {
+        let x = rng.tensor(&[b, h, n, m], 0.0, 2.0, dtype);
+        // a key-padding mask [B, 1, 1, N]: −inf on the last 4 keys of batch 1, small
+        // additive biases elsewhere; broadcast by stride 0
+        let mask: Vec<f64> = (0..b * m)
+            .map(|i| if i / m == 1 && i % m >= m - 4 { f64::NEG_INFINITY } else { 0.3 * rng.gauss() })
+            .collect();
+        let mask = Tensor::from_vec(mask, (b, 1, 1, m), &candle_core::Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+        let dy = rng.tensor(&[b, h, n, m], 0.0, 1.0, dtype);
+        let op = Softmax::new(8);
+        let (y, g) = grads(std::slice::from_ref(&x), &dy, |t| op.forward(&t[0], Some(&mask)));
+        let mask64 = mask.to_dtype(DType::F64).unwrap();
+        let (y_ref, g_ref) =
+            grads(&to_f64(std::slice::from_ref(&x)), &dy, |t| softmax_ref(&t[0].broadcast_add(&mask64)?));
+        let u = unit(dtype);
+        let fwd: Vec<f64> = y_ref.iter().map(|v| u * v + 16.0 * U32).collect();
+        assert_within(&format!("softmax {dtype:?} y"), &y, &y_ref, &fwd);
+        // backward from square-root codes: e_j = (√y_j + s/4)·s bounds |ŷ_j − y_j|
+        // (s = 1/255, plus the stored y's rounding u·y_j); with c = Σ dy·y and
+        // E = Σ_j |dy_j| e_j per row: |Δdx_i| ≤ e_i(|dy_i| + |c| + E) + (y_i + e_i)·E.
+        let s = 1.0 / 255.0;
+        let dys = flat(&dy);
+        let mut bound = vec![0.0; y_ref.len()];
+        for row in 0..(b * h * n) {
+            let r = row * m..(row + 1) * m;
+            let e: Vec<f64> =
+                r.clone().map(|j| ((y_ref[j].sqrt() + s / 4.0) * s + u * y_ref[j]) * (1.0 + 1e-6)).collect();
+            let c: f64 = r.clone().map(|j| dys[j] * y_ref[j]).sum();
+            let big_e: f64 = r.clone().zip(&e).map(|(j, ej)| dys[j].abs() * ej).sum();
+            let arith = 4.0 * m as f64 * U32 * r.clone().map(|j| dys[j].abs()).sum::<f64>();
+            for (k, j) in r.enumerate() {
+                bound[j] =
+                    e[k] * (dys[j].abs() + c.abs() + big_e) + (y_ref[j] + e[k]) * big_e + arith + u * g_ref[0][j].abs();
+            }
+        }
+        assert_within(&format!("softmax {dtype:?} dx"), &g[0], &g_ref[0], &bound);
+    }
+}
+
+fn layer_norm_ref(t: &[Tensor], eps: f64) -> candle_core::Result<Tensor> {
+    let x = &t[0];
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let xhat = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    xhat.broadcast_mul(&t[1])?.broadcast_add(&t[2])
+}
+
+/// `x̂` and `rstd` of each row, in f64.
+fn normalized(x: &[f64], cols: usize, eps: f64, center: bool) -> (Vec<f64>, Vec<f64>) {
+    let mut xhat = vec![0.0; x.len()];
+    let mut rstd = vec![0.0; x.len() / cols];
+    for (r, row) in x.chunks(cols).enumerate() {
+        let mean = if center { row.iter().sum::<f64>() / cols as f64 } else { 0.0 };
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
+        rstd[r] = 1.0 / (var + eps).sqrt();
+        for c in 0..cols {
+            xhat[r * cols + c] = (row[c] - mean) * rstd[r];
+        }
+    }
+    (xhat, rstd)
+}
+
+/// The decoding terms of a norm's gradients: `|Δdx_i| ≤ rstd·(h|m| + |x̂_i|·h·mean|g| +
+/// h²·mean|g|)`, `m = mean(g·x̂)`, `g = dy·w` (the centring term of LayerNorm has no `x̂`);
+/// `|Δdw_j| ≤ Σ_rows |dy_j|·h`; plus the f32 sums over a row (`C·u₃₂` of the magnitudes).
+struct NormBounds {
+    dx: Vec<f64>,
+    dw: Vec<f64>,
+    db: Vec<f64>,
+}
+
+#[allow(clippy::needless_range_loop)] // rows and columns index four arrays at once
+fn norm_bounds(xhat: &[f64], rstd: &[f64], w: &[f64], dy: &[f64], h: f64) -> NormBounds {
+    let cols = w.len();
+    let rows = xhat.len() / cols;
+    let mut dx = vec![0.0; xhat.len()];
+    let (mut dw, mut db) = (vec![0.0; cols], vec![0.0; cols]);
+    for r in 0..rows {
+        let i0 = r * cols;
+        let g: Vec<f64> = (0..cols).map(|c| dy[i0 + c] * w[c]).collect();
+        let m = (0..cols).map(|c| g[c] * xhat[i0 + c]).sum::<f64>() / cols as f64;
+        let mg = g.iter().map(|v| v.abs()).sum::<f64>() / cols as f64;
+        for c in 0..cols {
+            let x = xhat[i0 + c].abs();
+            let arith = 8.0 * cols as f64 * U32 * (g[c].abs() + mg * (1.0 + x));
+            dx[i0 + c] = rstd[r] * (h * m.abs() + x * h * mg + h * h * mg + arith);
+            dw[c] += dy[i0 + c].abs() * (h + 4.0 * rows as f64 * U32 * (1.0 + x));
+            db[c] += dy[i0 + c].abs() * 4.0 * rows as f64 * U32;
+        }
+    }
+    NormBounds { dx, dw, db }
+}
+
+#[test]
+fn layer_norm_gradients_match_f64_candle_within_the_code_step() {
+    let mut rng = Rng::new("layer_norm");
+    let (rows, cols, eps) = (9, 48, 1e-5);
+    for dtype in DTYPES {
+        let x = rng.tensor(&[3, rows / 3, cols], 3.0, 2.0, dtype);
+        let w = rng.tensor(&[cols], 1.0, 0.5, dtype);
+        let b = rng.tensor(&[cols], 0.0, 0.5, dtype);
+        let dy = rng.tensor(&[3, rows / 3, cols], 0.0, 1.0, dtype);
+        let op = LayerNorm::new(eps as f32, exact(8));
+        let inputs = [x.clone(), w.clone(), b.clone()];
+        let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1], &t[2]));
+        let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| layer_norm_ref(t, eps));
+        let u = unit(dtype);
+        let (xs, ws, dys) = (flat(&x), flat(&w), flat(&dy));
+        let (xhat, rstd) = normalized(&xs, cols, eps, true);
+        let fwd: Vec<f64> = y_ref.iter().map(|v| u * v.abs() + 64.0 * cols as f64 * U32 * (1.0 + v.abs())).collect();
+        assert_within(&format!("layer norm {dtype:?} y"), &y, &y_ref, &fwd);
+        let h = 0.5 * step(&xhat, 8) * (1.0 + 1e-4) + 8.0 * U32 * xhat.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+        let nb = norm_bounds(&xhat, &rstd, &ws, &dys, h);
+        let with_u = |b: &[f64], r: &[f64]| -> Vec<f64> { b.iter().zip(r).map(|(b, r)| b + u * r.abs()).collect() };
+        assert_within(&format!("layer norm {dtype:?} dx"), &g[0], &g_ref[0], &with_u(&nb.dx, &g_ref[0]));
+        assert_within(&format!("layer norm {dtype:?} dw"), &g[1], &g_ref[1], &with_u(&nb.dw, &g_ref[1]));
+        assert_within(&format!("layer norm {dtype:?} db"), &g[2], &g_ref[2], &with_u(&nb.db, &g_ref[2]));
+    }
+}
+
+#[test]
+fn rms_norm_gradients_match_f64_candle_within_the_code_step() {
+    let mut rng = Rng::new("rms_norm");
+    let (rows, cols, eps) = (7, 40, 1e-6);
+    for dtype in DTYPES {
+        let x = rng.tensor(&[rows, cols], 0.5, 2.0, dtype);
+        let w = rng.tensor(&[cols], 1.0, 0.5, dtype);
+        let dy = rng.tensor(&[rows, cols], 0.0, 1.0, dtype);
+        let op = RmsNorm::new(eps as f32, exact(8));
+        let inputs = [x.clone(), w.clone()];
+        let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1]));
+        let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| {
+            let rstd = (t[0].sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+            t[0].broadcast_mul(&rstd)?.broadcast_mul(&t[1])
+        });
+        let u = unit(dtype);
+        let (xs, ws, dys) = (flat(&x), flat(&w), flat(&dy));
+        let (xhat, rstd) = normalized(&xs, cols, eps, false);
+        let fwd: Vec<f64> = y_ref.iter().map(|v| u * v.abs() + 16.0 * cols as f64 * U32 * (1.0 + v.abs())).collect();
+        assert_within(&format!("rms norm {dtype:?} y"), &y, &y_ref, &fwd);
+        let h = 0.5 * step(&xhat, 8) * (1.0 + 1e-4) + 8.0 * U32 * xhat.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+        let nb = norm_bounds(&xhat, &rstd, &ws, &dys, h);
+        let with_u =
+            |b: &[f64], r: &[f64]| -> Vec<f64> { b.iter().zip(r).map(|(b, r)| b + 2.0 * u * r.abs()).collect() };
+        assert_within(&format!("rms norm {dtype:?} dx"), &g[0], &g_ref[0], &with_u(&nb.dx, &g_ref[0]));
+        assert_within(&format!("rms norm {dtype:?} dw"), &g[1], &g_ref[1], &with_u(&nb.dw, &g_ref[1]));
+    }
+}
+
+#[test]
+fn coded_linear_weight_gradient_is_within_the_input_code_step() {
+    let mut rng = Rng::new("linear");
+    let (rows, n_in, n_out) = (13, 24, 10);
+    for dtype in DTYPES {
+        let x = rng.tensor(&[rows, n_in], 0.0, 1.5, dtype);
+        let w = rng.tensor(&[n_out, n_in], 0.0, 0.3, dtype);
+        let b = rng.tensor(&[n_out], 0.0, 0.3, dtype);
+        let dy = rng.tensor(&[rows, n_out], 0.0, 1.0, dtype);
+        let op = CodedLinear::new(exact(8));
+        let inputs = [x.clone(), w.clone(), b.clone()];
+        let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1], Some(&t[2])));
+        let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| t[0].matmul(&t[1].t()?)?.broadcast_add(&t[2]));
+        let u = unit(dtype);
+        let (xs, ws, dys) = (flat(&x), flat(&w), flat(&dy));
+        // products accumulated over n terms (candle's gemm; in the dtype's precision at worst):
+        // n·u·Σ|a||b|, plus the result's rounding
+        let mag = |a: &[f64],
+                   b: &[f64],
+                   ni: usize,
+                   nj: usize,
+                   nk: usize,
+                   ai: &dyn Fn(usize, usize) -> usize,
+                   bj: &dyn Fn(usize, usize) -> usize|
+         -> Vec<f64> {
+            (0..ni * nj)
+                .map(|ij| {
+                    (0..nk).map(|k| (a[ai(ij / nj, k)] * b[bj(ij % nj, k)]).abs()).sum::<f64>() * (nk as f64 + 2.0) * u
+                })
+                .collect()
+        };
+        let y_mag = mag(&xs, &ws, rows, n_out, n_in, &|i, k| i * n_in + k, &|j, k| j * n_in + k);
+        let fwd: Vec<f64> = y_ref.iter().zip(&y_mag).map(|(v, m)| m + u * v.abs() + u * 8.0).collect();
+        assert_within(&format!("linear {dtype:?} y"), &y, &y_ref, &fwd);
+        let dx_mag = mag(&dys, &ws, rows, n_in, n_out, &|i, k| i * n_out + k, &|j, k| k * n_in + j);
+        assert_within(&format!("linear {dtype:?} dx"), &g[0], &g_ref[0], &dx_mag);
+        // dW_ij = Σ_r dy_ri x̂_rj: decoding adds Σ_r |dy_ri|·h
+        let h = 0.5 * step(&xs, 8) * (1.0 + 1e-4) + 4.0 * U32 * xs.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+        let dw_mag = mag(&dys, &xs, n_out, n_in, rows, &|i, r| r * n_out + i, &|j, r| r * n_in + j);
+        let dw_bound: Vec<f64> = (0..n_out * n_in)
+            .map(|ij| {
+                dw_mag[ij] + (0..rows).map(|r| dys[r * n_out + ij / n_in].abs()).sum::<f64>() * h * (1.0 + 2.0 * u)
+            })
+            .collect();
+        assert_within(&format!("linear {dtype:?} dw"), &g[1], &g_ref[1], &dw_bound);
+        let db_bound: Vec<f64> = (0..n_out)
+            .map(|j| (0..rows).map(|r| dys[r * n_out + j].abs()).sum::<f64>() * (rows as f64 + 2.0) * u)
+            .collect();
+        assert_within(&format!("linear {dtype:?} db"), &g[2], &g_ref[2], &db_bound);
+    }
+}
+
+/// The reference of [`LinearAttention`]: `φ` by candle's ops, `A = φ(q)φ(k)ᵀ` masked
+/// (causal), `out = A·v / g(A·1)` with `g(x) = x + ε` (the features are non-negative).
+fn linear_attention_ref(t: &[Tensor], map: &FeatureKind, causal: bool, eps: f64) -> candle_core::Result<Tensor> {
+    let phi = |x: &Tensor, query: bool| -> candle_core::Result<Tensor> {
+        match map {
+            FeatureKind::Relu => x.relu(),
+            FeatureKind::Elu1 => x.elu(1.0)? + 1.0,
+            FeatureKind::Favor(p) => {
+                let (m, d) = (p.features(), p.in_dim());
+                let omega = Tensor::from_vec(p.omega().to_vec(), (m, d), x.device())?.to_dtype(DType::F64)?;
+                let xs = (x * (d as f64).powf(-0.25))?;
+                let u = xs.broadcast_matmul(&omega.t()?)?.broadcast_sub(&(xs.sqr()?.sum_keepdim(D::Minus1)? * 0.5)?)?;
+                // the kernels' stabilisers, constants in backward: queries their row maximum,
+                // causal keys the projection's bound max|ω_i|²/2, bidirectional keys the
+                // maximum over the (b, h) sequence (they cancel up to the ε guard)
+                let c = if query {
+                    u.max_keepdim(D::Minus1)?.detach()
+                } else if causal {
+                    (u.max_keepdim(D::Minus1)?.zeros_like()? + f64::from(p.bound()))?
+                } else {
+                    u.max_keepdim(D::Minus1)?.max_keepdim(2)?.detach()
+                };
+                u.broadcast_sub(&c)?.exp()? / (m as f64).sqrt()
+            }
+        }
+    };
+    let (q, k, v) = (phi(&t[0], true)?, phi(&t[1], false)?, &t[2]);
+    let l = q.dim(2)?;
+    let mut a = q.matmul(&k.t()?)?;
+    if causal {
+        let mask: Vec<f64> = (0..l * l).map(|i| if i % l <= i / l { 1.0 } else { 0.0 }).collect();
+        a = a.broadcast_mul(&Tensor::from_vec(mask, (l, l), q.device())?)?;
+    }
+    let den = (a.sum_keepdim(D::Minus1)? + eps)?;
+    a.matmul(v)?.broadcast_div(&den)
+}
+
+#[test]
+fn linear_attention_gradients_match_f64_candle() {
+    let mut rng = Rng::new("linear_attention");
+    let (b, h, l, d, dv) = (1, 2, 45, 8, 6);
+    let favor = LinearAttention::favor(&candle_core::Device::Cpu, 16, d, 7).unwrap();
+    for map in [FeatureKind::Relu, FeatureKind::Elu1, favor] {
+        for (causal, memory) in
+            [(true, MemoryMode::BoundaryStates), (true, MemoryMode::Slim), (false, MemoryMode::BoundaryStates)]
+        {
+            for dtype in DTYPES {
+                let config = LinearAttentionConfig { causal, normalize: true, eps: 1e-6, chunk: 16, memory };
+                let (mean, std) = if matches!(map, FeatureKind::Relu) { (0.6, 1.0) } else { (0.0, 0.7) };
+                let q = rng.tensor(&[b, h, l, d], mean, std, dtype);
+                let k = rng.tensor(&[b, h, l, d], mean, std, dtype);
+                let v = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
+                let dy = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
+                let op = LinearAttention::new(config, map.clone());
+                let inputs = [q, k, v];
+                let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1], &t[2]));
+                let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| linear_attention_ref(t, &map, causal, 1e-6));
+                // f32 accumulation over n = L·(d + D) terms in at most three chained
+                // reductions (γ_n each, constant 16 with the feature map's exp), plus the
+                // stored intermediates (φ, dφ, out) rounded to the dtype, four times
+                // at most per path (8u): componentwise and relative to the tensor's largest
+                // entry (the sums mix signs, so no componentwise bound alone holds).
+                let n = (l * (d + dv)) as f64;
+                let c = 16.0 * n * U32 + 8.0 * unit(dtype);
+                let what = format!("linear attention {map:?} causal={causal} {memory:?} {dtype:?}");
+                for (name, got, want) in
+                    [("out", &y, &y_ref), ("dq", &g[0], &g_ref[0]), ("dk", &g[1], &g_ref[1]), ("dv", &g[2], &g_ref[2])]
+                {
+                    let top = want.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+                    let bound: Vec<f64> = want.iter().map(|w| c * (w.abs() + top)).collect();
+                    assert_within(&format!("{what} {name}"), got, want, &bound);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_typed_errors_not_panics() {
+    use mesa_candle::{as_mesa_error, Error};
+    let cpu = candle_core::Device::Cpu;
+    let x64 = Tensor::zeros((4, 8), DType::F64, &cpu).unwrap();
+    let e = Gelu::erf().forward(&x64).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::UnsupportedDType { dtype: DType::F64, .. })), "{e}");
+    let x = Tensor::zeros((4, 8), DType::F32, &cpu).unwrap();
+    let w7 = Tensor::ones(7, DType::F32, &cpu).unwrap();
+    let e = LayerNorm::new(1e-5, exact(8)).forward(&x, &w7, &w7).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    let w8 = Tensor::ones(8, DType::F32, &cpu).unwrap();
+    // eps ≤ 0: rejected by the kernel's checks, carried as the kernels' typed error
+    let e = LayerNorm::new(0.0, exact(8)).forward(&x, &w8, &w8).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Kernel(mesa_kernels::Error::InvalidArgument { .. }))), "{e}");
+    let e = RmsNorm::new(-1.0, exact(8)).forward(&x, &w8).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "eps", .. })), "{e}");
+    // 3-bit codes: the kernels support 8, 4 and 2
+    let e = Gelu::new(GeluForm::Erf, exact(3)).forward(&x).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Kernel(mesa_kernels::Error::Unsupported { .. }))), "{e}");
+    let e =
+        CodedLinear::new(exact(8)).forward(&x, &Tensor::zeros((3, 5), DType::F32, &cpu).unwrap(), None).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    let q = Tensor::zeros((1, 2, 5, 4), DType::F32, &cpu).unwrap();
+    let k = Tensor::zeros((1, 2, 6, 4), DType::F32, &cpu).unwrap();
+    let la = LinearAttention::new(LinearAttentionConfig::causal(), FeatureKind::Elu1);
+    let e = la.forward(&q, &k, &q).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    // a mask that does not broadcast is candle's own shape error
+    assert!(Softmax::default().forward(&x, Some(&Tensor::zeros((3, 8), DType::F32, &cpu).unwrap())).is_err());
+}
