@@ -55,8 +55,13 @@ enum Mask { kMaskNone = 0, kMaskLE = 1, kMaskGE = 2 };
 enum Mode {
   kAccumulate = 0,  // S from `init` (base NULL: 0), walk in the mask's direction (+ boundary write)
   kReadChunk = 1,   // S of chunk c read from `init` (per-chunk states): chunks independent
-  kBidir = 2        // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
+  kBidir = 2,       // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
+  kChunkSum = 3     // U_c = B_c^T C_c of every chunk into `boundary` (chunks independent);
+                    // la_scan_kernel then turns them into the states entering each chunk
 };
+
+// Per-chunk work items (state or head, chunk, D-tile) rather than (state, D-tile).
+__host__ __device__ __forceinline__ bool per_chunk(int mode) { return mode == kReadChunk || mode == kChunkSum; }
 
 // Virtual column of an operand (index nfeat).
 enum Extra {
@@ -202,7 +207,10 @@ struct Tiles {
 // S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
 // elements per feature tile, so the read-modify-write of the global state has one writer.
 template <typename T>
-__device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
+// With `dst` (kChunkSum): writes U_c = B_c^T C_c to dst at (dst_bh, dst_chunk) instead (the
+// same f32 value as 0 + U_c, so a scan of them rounds exactly as the sequential walk).
+__device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                             const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
@@ -218,8 +226,12 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (d0 + dcol + j >= p.dc) continue;
-        float* s = p.state.at(sq.sidx, 0, f0 + fr, d0 + dcol + j);
-        *s = *s + u[j];
+        if (dst != nullptr) {
+          *dst->at(dst_bh, dst_chunk, f0 + fr, d0 + dcol + j) = u[j];
+        } else {
+          float* s = p.state.at(sq.sidx, 0, f0 + fr, d0 + dcol + j);
+          *s = *s + u[j];
+        }
       }
     }
   }
@@ -337,7 +349,7 @@ __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const Sta
 __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
   const int64_t ndt = ceil_div(p.dc, kTD);
   const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
-  if (p.mode != kReadChunk) return nstates * ndt;
+  if (!per_chunk(p.mode)) return nstates * ndt;
   return p.seq_off != nullptr ? p.H * p.nchunks_total * ndt : nstates * ceil_div(p.L, p.chunk) * ndt;
 }
 
@@ -352,9 +364,9 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t d0 = (item % ndt) * kTD;
     const int64_t r = item / ndt;
-    // kReadChunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
+    // per chunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
     int64_t sidx = r, c_read = 0;
-    if (p.mode == kReadChunk) {
+    if (per_chunk(p.mode)) {
       if (p.seq_off != nullptr) {
         const int64_t g = r % p.nchunks_total, h = r / p.nchunks_total;
         const int64_t n = seq_of_chunk(p, g);
@@ -387,6 +399,13 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
                              sq.cbase + c_read, true, nullptr, 0);
         break;
       }
+      case kChunkSum: {
+        const int64_t t0 = sq.t0 + c_read * p.chunk;
+        __syncthreads();
+        load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.L, t0, rows_of(c_read), d0);
+        update_state<T>(tl, p, sq, t0, rows_of(c_read), d0, &p.boundary, sq.bidx, sq.cbase + c_read);
+        break;
+      }
       case kBidir: {
         const bool given = p.init.base != nullptr;
         if (!given) {
@@ -405,6 +424,30 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
       default: break;
     }
     __syncthreads();
+  }
+}
+
+// The light scan of the chunk decomposition, one thread per (state, element): with U_c the
+// chunk sums in `boundary` (kChunkSum), writes the state entering chunk c, S_0 + sum_{c'<c}
+// U_c', over U_c, and the final state to `state`. Reads and writes each boundary element
+// once (2 x 4 bytes per chunk, state element and (b, h)); sequential over the chunks of one
+// element only.
+__global__ void __launch_bounds__(kThreads) la_scan_kernel(Product p) {
+  const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
+  const int64_t per = p.ma * p.dc;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nstates * per;
+       i += int64_t(gridDim.x) * kThreads) {
+    const int64_t sidx = i / per, r = (i % per) / p.dc, c = i % p.dc;
+    const Seq sq = seq_of(p, sidx);
+    float run = p.init.base != nullptr ? *p.init.at(sidx, 0, r, c) : 0.0f;
+    const int64_t nchunks = ceil_div(sq.len, p.chunk);
+    for (int64_t k = 0; k < nchunks; ++k) {
+      float* u = p.boundary.at(sq.bidx, sq.cbase + k, r, c);
+      const float x = *u;
+      *u = run;
+      run = run + x;
+    }
+    *p.state.at(sidx, 0, r, c) = run;
   }
 }
 
@@ -435,6 +478,27 @@ template <typename T, typename TO>
 MesaStatus run_product(const Product& p, void* stream) {
   return status_from(MESA_LAUNCH((la_product_kernel<T, TO>), dim3(grid_for_items(product_items(p))),
                                  dim3(kThreads), 0, stream, p));
+}
+
+// A causal forward product that keeps its boundary states, as the chunk decomposition:
+// (i) U_c = B_c^T C_c of all chunks in parallel, (ii) the light scan turning them into the
+// states entering each chunk (and the final state), (iii) the outputs of all chunks in
+// parallel from the chunk's own masked A_c B_c^T and its entering state. Bitwise the same
+// results as the sequential walk (kAccumulate with a boundary write).
+template <typename T, typename TO>
+MesaStatus run_product_decomposed(Product p, void* stream) {
+  p.mode = kChunkSum;
+  MesaStatus st = run_product<T, TO>(p, stream);
+  if (st != MESA_STATUS_OK) return st;
+  const int64_t n = ((p.seq_off != nullptr ? p.nseq : p.B) * p.H) * p.ma * p.dc;
+  const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
+  st = status_from(MESA_LAUNCH(la_scan_kernel, dim3(unsigned(want < 1 ? 1 : (want < cap ? want : cap))),
+                               dim3(kThreads), 0, stream, p));
+  if (st != MESA_STATUS_OK) return st;
+  p.mode = kReadChunk;
+  p.init = p.boundary;
+  p.boundary = StateView{nullptr, 0, 0, 0, 0};
+  return run_product<T, TO>(p, stream);
 }
 
 inline Product base_product(const MesaLaShape& s) {
@@ -502,7 +566,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     z.state = StateView{a.state + D, M * W, 0, W, 1};
     z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
     z.boundary = boundary ? boundary_view(s, a.boundary, M, W, D, false) : none;
-    const MesaStatus st = run_product<T, float>(z, stream);
+    const MesaStatus st = boundary ? run_product_decomposed<T, float>(z, stream) : run_product<T, float>(z, stream);
     if (st != MESA_STATUS_OK) return st;
   }
   p.c = operand(a.v, D);
@@ -513,7 +577,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
   p.boundary = boundary ? boundary_view(s, a.boundary, M, W, 0, false) : none;
   if (D == 0) return MESA_STATUS_OK;
-  return run_product<T, T>(p, stream);
+  return boundary ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
 }
 
 template <typename T>

@@ -628,8 +628,8 @@ fn forward_impl<T: Element>(
 ///
 /// `out` (the forward's output) is required when normalised (`dden = −(dout·out)/g`), and
 /// ignored otherwise. `q, k, v` must be the forward's inputs. `dq, dk: [B, H, L, M]`,
-/// `dv, dout: [B, H, L, D]`, one dtype. `saved` is not modified (the SLiM rebuild works on a
-/// copy).
+/// `dv, dout: [B, H, L, D]`, one dtype. `saved` is not modified (the backward's state walks
+/// use their own workspace).
 ///
 /// In-place: not supported (a gradient overlapping an input or another gradient →
 /// [`Error::Aliasing`]).
