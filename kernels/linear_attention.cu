@@ -429,7 +429,8 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
 
 // The light scan of the chunk decomposition, one thread per (state, element): with U_c the
 // chunk sums in `boundary` (kChunkSum), writes the state entering chunk c, S_0 + sum_{c'<c}
-// U_c', over U_c, and the final state to `state`. Reads and writes each boundary element
+// U_c' (GE: sum over c' > c, walking from the last chunk), over U_c, and the final state to
+// `state`. Reads and writes each boundary element
 // once (2 x 4 bytes per chunk, state element and (b, h)); sequential over the chunks of one
 // element only.
 __global__ void __launch_bounds__(kThreads) la_scan_kernel(Product p) {
@@ -441,7 +442,8 @@ __global__ void __launch_bounds__(kThreads) la_scan_kernel(Product p) {
     const Seq sq = seq_of(p, sidx);
     float run = p.init.base != nullptr ? *p.init.at(sidx, 0, r, c) : 0.0f;
     const int64_t nchunks = ceil_div(sq.len, p.chunk);
-    for (int64_t k = 0; k < nchunks; ++k) {
+    for (int64_t i = 0; i < nchunks; ++i) {
+      const int64_t k = p.mask == kMaskGE ? nchunks - 1 - i : i;  // GE: from the last chunk
       float* u = p.boundary.at(sq.bidx, sq.cbase + k, r, c);
       const float x = *u;
       *u = run;
@@ -525,6 +527,14 @@ inline StateView boundary_view(const MesaLaShape& s, const float* base, int64_t 
   return transposed ? StateView{b, s_bh, s_chunk, 1, W} : StateView{b, s_bh, s_chunk, W, 1};
 }
 
+// Per-chunk states of `rows x cols` at `base` (row-major): [nstates, ceil(L/C), rows, cols], or
+// packed [nchunks, H, rows, cols] — the layout boundary_view describes for the forward's.
+inline StateView chunk_states(const MesaLaShape& s, float* base, int64_t rows, int64_t cols) {
+  const bool packed = s.packing.seq_offsets != nullptr;
+  const int64_t n = rows * cols;
+  return StateView{base, packed ? n : ceil_div(s.len, s.chunk) * n, packed ? s.heads * n : n, cols, 1};
+}
+
 // States [nstates, M, W]: one per (b, h), or per (sequence, head) when packed.
 inline int64_t state_count(const MesaLaShape& s) {
   return (s.packing.seq_offsets != nullptr ? s.packing.nseq : s.batch) * s.heads;
@@ -604,6 +614,10 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
   // the [bh, W, M] view (row w, column f) of a [bh, M, W] state
   auto transposed = [&](const float* base) { return StateView{const_cast<float*>(base), M * W, 0, 1, W}; };
   const StateView work{a.work, W * M, 0, M, 1};
+  // boundary mode (causal): dk and dv as the chunk decomposition, their per-chunk states in
+  // the workspace after one state per (b, h)
+  const bool decompose = s.causal && s.memory == MESA_LA_BOUNDARY_STATES;
+  float* chunk_work = a.work + state_count(s) * M * W;
 
   // dq = product(dO', c', k), LE: state sum c'_s k_s^T = S'^T, the forward's states read
   // through transposed strides (boundary mode) or accumulated again from the initial state
@@ -648,9 +662,9 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.mode = s.causal ? kAccumulate : kBidir;
     p.state = a.d_init != nullptr ? transposed(a.d_init) : work;
     p.init = a.d_final != nullptr ? transposed(a.d_final) : none;
-    p.boundary = none;
+    p.boundary = decompose ? chunk_states(s, chunk_work, W, M) : none;
     if (M > 0) {
-      const MesaStatus st = run_product<T, T>(p, stream);
+      const MesaStatus st = decompose ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
@@ -670,9 +684,9 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.mode = s.causal ? kAccumulate : kBidir;
     p.state = StateView{a.work, M * D, 0, D, 1};
     p.init = a.d_final != nullptr ? StateView{const_cast<float*>(a.d_final), M * W, 0, W, 1} : none;
-    p.boundary = none;
+    p.boundary = decompose ? chunk_states(s, chunk_work, M, D) : none;
     if (D > 0) {
-      const MesaStatus st = run_product<T, T>(p, stream);
+      const MesaStatus st = decompose ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }

@@ -1453,12 +1453,19 @@ fn slim_dq_at_earlier_positions_ignores_large_later_keys_and_values() {
                     run(&device, &cfg, n, &qt, &kt, &vt, &gt)
                 })
                 .collect();
-            // the boundary mode's forward is the chunk decomposition (parallel chunk sums, a
-            // scan, parallel outputs), SLiM's the sequential walk: bitwise the same outputs
+            // the boundary mode's forward, dk and dv are the chunk decomposition (parallel chunk
+            // sums, a scan, parallel outputs), SLiM's the sequential walk: bitwise the same
             assert!(
                 runs[0].out.iter().zip(&runs[1].out).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "chunk {chunk}, x{scale:e}: the modes' forward outputs differ"
             );
+            // the same for dk and dv (decomposed in the boundary mode, sequential in SLiM)
+            for (what, a, b) in [("dk", &runs[0].dk, &runs[1].dk), ("dv", &runs[0].dv, &runs[1].dv)] {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "chunk {chunk}, x{scale:e}: the modes' {what} differ"
+                );
+            }
             let dqs: Vec<Vec<f64>> = runs.into_iter().map(|r| r.dq).collect();
             let (boundary, slim) = (early_dq_error(&dqs[0], &rdq, n, t0), early_dq_error(&dqs[1], &rdq, n, t0));
             eprintln!("chunk {chunk}, t0 {t0}, x{scale:e}: early-dq error boundary {boundary:.3e}, slim {slim:.3e}");
