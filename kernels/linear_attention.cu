@@ -55,8 +55,13 @@ enum Mask { kMaskNone = 0, kMaskLE = 1, kMaskGE = 2 };
 enum Mode {
   kAccumulate = 0,  // S from `init` (base NULL: 0), walk in the mask's direction (+ boundary write)
   kReadChunk = 1,   // S of chunk c read from `init` (per-chunk states): chunks independent
-  kBidir = 2        // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
+  kBidir = 2,       // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
+  kChunkSum = 3     // U_c = B_c^T C_c of every chunk into `boundary` (chunks independent);
+                    // la_scan_kernel then turns them into the states entering each chunk
 };
+
+// Per-chunk work items (state or head, chunk, D-tile) rather than (state, D-tile).
+__host__ __device__ __forceinline__ bool per_chunk(int mode) { return mode == kReadChunk || mode == kChunkSum; }
 
 // Virtual column of an operand (index nfeat).
 enum Extra {
@@ -203,7 +208,10 @@ struct Tiles {
 // S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
 // elements per feature tile, so the read-modify-write of the global state has one writer.
 template <typename T>
-__device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
+// With `dst` (kChunkSum): writes U_c = B_c^T C_c to dst at (dst_bh, dst_chunk) instead (the
+// same f32 value as 0 + U_c, so a scan of them rounds exactly as the sequential walk).
+__device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                             const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
@@ -219,8 +227,12 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (d0 + dcol + j >= p.dc) continue;
-        float* s = p.state.at(sq.sidx, 0, f0 + fr, d0 + dcol + j);
-        *s = *s + u[j];
+        if (dst != nullptr) {
+          *dst->at(dst_bh, dst_chunk, f0 + fr, d0 + dcol + j) = u[j];
+        } else {
+          float* s = p.state.at(sq.sidx, 0, f0 + fr, d0 + dcol + j);
+          *s = *s + u[j];
+        }
       }
     }
   }
@@ -338,7 +350,7 @@ __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const Sta
 __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
   const int64_t ndt = ceil_div(p.dc, kTD);
   const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
-  if (p.mode != kReadChunk) return nstates * ndt;
+  if (!per_chunk(p.mode)) return nstates * ndt;
   return p.seq_off != nullptr ? p.H * p.nchunks_total * ndt : nstates * ceil_div(p.L, p.chunk) * ndt;
 }
 
@@ -360,9 +372,9 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t d0 = (item % ndt) * kTD;
     const int64_t r = item / ndt;
-    // kReadChunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
+    // per chunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
     int64_t sidx = r, c_read = 0;
-    if (p.mode == kReadChunk) {
+    if (per_chunk(p.mode)) {
       if (p.seq_off != nullptr) {
         const int64_t g = r % p.nchunks_total, h = r / p.nchunks_total;
         const int64_t n = seq_of_chunk(p, g);
@@ -395,6 +407,13 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
                              sq.cbase + c_read, true, nullptr, 0);
         break;
       }
+      case kChunkSum: {
+        const int64_t t0 = sq.t0 + c_read * p.chunk;
+        __syncthreads();
+        load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.L, t0, rows_of(c_read), d0);
+        update_state<T>(tl, p, sq, t0, rows_of(c_read), d0, &p.boundary, sq.bidx, sq.cbase + c_read);
+        break;
+      }
       case kBidir: {
         const bool given = p.init.base != nullptr;
         if (!given) {
@@ -413,6 +432,32 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
       default: break;
     }
     __syncthreads();
+  }
+}
+
+// The light scan of the chunk decomposition, one thread per (state, element): with U_c the
+// chunk sums in `boundary` (kChunkSum), writes the state entering chunk c, S_0 + sum_{c'<c}
+// U_c' (GE: sum over c' > c, walking from the last chunk), over U_c, and the final state to
+// `state`. Reads and writes each boundary element
+// once (2 x 4 bytes per chunk, state element and (b, h)); sequential over the chunks of one
+// element only.
+__global__ void __launch_bounds__(kThreads) la_scan_kernel(Product p) {
+  const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
+  const int64_t per = p.ma * p.dc;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nstates * per;
+       i += int64_t(gridDim.x) * kThreads) {
+    const int64_t sidx = i / per, r = (i % per) / p.dc, c = i % p.dc;
+    const Seq sq = seq_of(p, sidx);
+    float run = p.init.base != nullptr ? *p.init.at(sidx, 0, r, c) : 0.0f;
+    const int64_t nchunks = ceil_div(sq.len, p.chunk);
+    for (int64_t i = 0; i < nchunks; ++i) {
+      const int64_t k = p.mask == kMaskGE ? nchunks - 1 - i : i;  // GE: from the last chunk
+      float* u = p.boundary.at(sq.bidx, sq.cbase + k, r, c);
+      const float x = *u;
+      *u = run;
+      run = run + x;
+    }
+    *p.state.at(sidx, 0, r, c) = run;
   }
 }
 
@@ -445,6 +490,27 @@ MesaStatus run_product(const Product& p, void* stream) {
                                  dim3(kThreads), 0, stream, p));
 }
 
+// A causal forward product that keeps its boundary states, as the chunk decomposition:
+// (i) U_c = B_c^T C_c of all chunks in parallel, (ii) the light scan turning them into the
+// states entering each chunk (and the final state), (iii) the outputs of all chunks in
+// parallel from the chunk's own masked A_c B_c^T and its entering state. Bitwise the same
+// results as the sequential walk (kAccumulate with a boundary write).
+template <typename T, typename TO>
+MesaStatus run_product_decomposed(Product p, void* stream) {
+  p.mode = kChunkSum;
+  MesaStatus st = run_product<T, TO>(p, stream);
+  if (st != MESA_STATUS_OK) return st;
+  const int64_t n = ((p.seq_off != nullptr ? p.nseq : p.B) * p.H) * p.ma * p.dc;
+  const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
+  st = status_from(MESA_LAUNCH(la_scan_kernel, dim3(unsigned(want < 1 ? 1 : (want < cap ? want : cap))),
+                               dim3(kThreads), 0, stream, p));
+  if (st != MESA_STATUS_OK) return st;
+  p.mode = kReadChunk;
+  p.init = p.boundary;
+  p.boundary = StateView{nullptr, 0, 0, 0, 0};
+  return run_product<T, TO>(p, stream);
+}
+
 inline Product base_product(const MesaLaShape& s) {
   Product p{};
   p.B = s.batch;
@@ -467,6 +533,14 @@ inline StateView boundary_view(const MesaLaShape& s, const float* base, int64_t 
   const int64_t s_chunk = packed ? s.heads * M * W : M * W;
   float* b = const_cast<float*>(base) + col;
   return transposed ? StateView{b, s_bh, s_chunk, 1, W} : StateView{b, s_bh, s_chunk, W, 1};
+}
+
+// Per-chunk states of `rows x cols` at `base` (row-major): [nstates, ceil(L/C), rows, cols], or
+// packed [nchunks, H, rows, cols] — the layout boundary_view describes for the forward's.
+inline StateView chunk_states(const MesaLaShape& s, float* base, int64_t rows, int64_t cols) {
+  const bool packed = s.packing.seq_offsets != nullptr;
+  const int64_t n = rows * cols;
+  return StateView{base, packed ? n : ceil_div(s.len, s.chunk) * n, packed ? s.heads * n : n, cols, 1};
 }
 
 // States [nstates, M, W]: one per (b, h), or per (sequence, head) when packed.
@@ -510,7 +584,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     z.state = StateView{a.state + D, M * W, 0, W, 1};
     z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
     z.boundary = boundary ? boundary_view(s, a.boundary, M, W, D, false) : none;
-    const MesaStatus st = run_product<T, float>(z, stream);
+    const MesaStatus st = boundary ? run_product_decomposed<T, float>(z, stream) : run_product<T, float>(z, stream);
     if (st != MESA_STATUS_OK) return st;
   }
   p.c = operand(a.v, D);
@@ -521,7 +595,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
   p.boundary = boundary ? boundary_view(s, a.boundary, M, W, 0, false) : none;
   if (D == 0) return MESA_STATUS_OK;
-  return run_product<T, T>(p, stream);
+  return boundary ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
 }
 
 template <typename T>
@@ -548,6 +622,10 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
   // the [bh, W, M] view (row w, column f) of a [bh, M, W] state
   auto transposed = [&](const float* base) { return StateView{const_cast<float*>(base), M * W, 0, 1, W}; };
   const StateView work{a.work, W * M, 0, M, 1};
+  // boundary mode (causal): dk and dv as the chunk decomposition, their per-chunk states in
+  // the workspace after one state per (b, h)
+  const bool decompose = s.causal && s.memory == MESA_LA_BOUNDARY_STATES;
+  float* chunk_work = a.work + state_count(s) * M * W;
 
   // dq = product(dO', c', k), LE: state sum c'_s k_s^T = S'^T, the forward's states read
   // through transposed strides (boundary mode) or accumulated again from the initial state
@@ -592,9 +670,9 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.mode = s.causal ? kAccumulate : kBidir;
     p.state = a.d_init != nullptr ? transposed(a.d_init) : work;
     p.init = a.d_final != nullptr ? transposed(a.d_final) : none;
-    p.boundary = none;
+    p.boundary = decompose ? chunk_states(s, chunk_work, W, M) : none;
     if (M > 0) {
-      const MesaStatus st = run_product<T, T>(p, stream);
+      const MesaStatus st = decompose ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
@@ -614,9 +692,9 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.mode = s.causal ? kAccumulate : kBidir;
     p.state = StateView{a.work, M * D, 0, D, 1};
     p.init = a.d_final != nullptr ? StateView{const_cast<float*>(a.d_final), M * W, 0, W, 1} : none;
-    p.boundary = none;
+    p.boundary = decompose ? chunk_states(s, chunk_work, M, D) : none;
     if (D > 0) {
-      const MesaStatus st = run_product<T, T>(p, stream);
+      const MesaStatus st = decompose ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }

@@ -1446,13 +1446,27 @@ fn slim_dq_at_earlier_positions_ignores_large_later_keys_and_values() {
             let (rdq, _, _) = rla::backward(&att, &gw).expect("reference");
             let (_, mq, _, _) = magnitudes(&qw, &kw, &vw, &gw, n, true, Some(1e-6));
             let modes = [MemoryMode::BoundaryStates, MemoryMode::Slim];
-            let dqs: Vec<Vec<f64>> = modes
+            let runs: Vec<Outputs> = modes
                 .iter()
                 .map(|&memory| {
                     let cfg = LinearAttentionConfig { chunk, memory, ..LinearAttentionConfig::causal() };
-                    run(&device, &cfg, n, &qt, &kt, &vt, &gt).dq
+                    run(&device, &cfg, n, &qt, &kt, &vt, &gt)
                 })
                 .collect();
+            // the boundary mode's forward, dk and dv are the chunk decomposition (parallel chunk
+            // sums, a scan, parallel outputs), SLiM's the sequential walk: bitwise the same
+            assert!(
+                runs[0].out.iter().zip(&runs[1].out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "chunk {chunk}, x{scale:e}: the modes' forward outputs differ"
+            );
+            // the same for dk and dv (decomposed in the boundary mode, sequential in SLiM)
+            for (what, a, b) in [("dk", &runs[0].dk, &runs[1].dk), ("dv", &runs[0].dv, &runs[1].dv)] {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "chunk {chunk}, x{scale:e}: the modes' {what} differ"
+                );
+            }
+            let dqs: Vec<Vec<f64>> = runs.into_iter().map(|r| r.dq).collect();
             let (boundary, slim) = (early_dq_error(&dqs[0], &rdq, n, t0), early_dq_error(&dqs[1], &rdq, n, t0));
             eprintln!("chunk {chunk}, t0 {t0}, x{scale:e}: early-dq error boundary {boundary:.3e}, slim {slim:.3e}");
             assert!(

@@ -99,8 +99,10 @@ typedef struct MesaLaForwardArgs {
  * what the forward saved (state, boundary, den, init_state = the forward's init_copy, NULL
  * when it had no initial state), d_final ([B*H, M, W] f32, the gradient of the final state;
  * NULL: 0; causal only); writes dq, dk, dv and d_init ([B*H, M, W] f32, the gradient of the
- * initial state; NULL: not wanted; causal only). work: f32 scratch of B*H*M*W elements,
- * independent of L (contents on entry ignored). The saved state is not modified. */
+ * initial state; NULL: not wanted; causal only). work: f32 scratch of B*H*M*W elements
+ * (independent of L), plus, causal with MESA_LA_BOUNDARY_STATES, as many as the boundary
+ * states (dk, dv run as the chunk decomposition); contents on entry ignored. The saved
+ * state is not modified. */
 typedef struct MesaLaBackwardArgs {
   MesaLaShape shape;
   MesaLaTensor q, k, v, out, dout, dq, dk, dv;

@@ -220,6 +220,10 @@ struct SavedSizes {
 }
 
 impl SavedSizes {
+    /// f32 elements of the backward's workspace (both counts < i64::MAX / 16: no overflow).
+    fn workspace(&self) -> usize {
+        (self.state + self.boundary).max(1)
+    }
     /// Elements of the copy of an initial state (SLiM mode keeps it for the backward).
     fn init_copy(&self, config: &LinearAttentionConfig, has_initial: bool) -> usize {
         if has_initial && config.causal && config.memory == MemoryMode::Slim {
@@ -358,14 +362,14 @@ pub fn saved_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize>
     Ok((s.state + s.boundary + s.den) * 4)
 }
 
-/// Bytes of the scratch [`backward`] allocates for a call of `dims`: `B·H·M·W·4` (one state),
-/// independent of `L` in both memory modes.
+/// Bytes of the scratch [`backward`] allocates for a call of `dims`: one state, `B·H·M·W·4`,
+/// independent of `L`; in [`MemoryMode::BoundaryStates`] (causal) also the per-chunk states of
+/// the decomposed dk/dv, `B·H·⌈L/C⌉·M·W·4` (as many as the saved boundary states).
 ///
 /// # Errors
 /// [`Error::TooLarge`] when a count overflows.
 pub fn backward_workspace_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize> {
-    // saved_sizes: the state count is below i64::MAX / 16
-    Ok(saved_sizes(dims, config)?.state.max(1) * 4)
+    Ok(saved_sizes(dims, config)?.workspace() * 4)
 }
 
 /// Element counts for `d` (and, for packed sequences, `(N, Σ_n ⌈len_n/C⌉)`).
@@ -628,14 +632,14 @@ fn forward_impl<T: Element>(
 ///
 /// `out` (the forward's output) is required when normalised (`dden = −(dout·out)/g`), and
 /// ignored otherwise. `q, k, v` must be the forward's inputs. `dq, dk: [B, H, L, M]`,
-/// `dv, dout: [B, H, L, D]`, one dtype. `saved` is not modified (the SLiM rebuild works on a
-/// copy).
+/// `dv, dout: [B, H, L, D]`, one dtype. `saved` is not modified (the backward's state walks
+/// use their own workspace).
 ///
 /// In-place: not supported (a gradient overlapping an input or another gradient →
 /// [`Error::Aliasing`]).
 ///
-/// Allocates a workspace of `B·H·M·W·4` bytes, independent of `L` (stream-ordered, freed
-/// when the call's work is done).
+/// Allocates a workspace of [`backward_workspace_bytes`] (stream-ordered, freed when the
+/// call's work is done): independent of `L` in [`MemoryMode::Slim`].
 ///
 /// # Errors
 /// [`Error::ShapeMismatch`] naming the tensor whose shape differs from the forward's dims
@@ -717,7 +721,7 @@ pub fn backward_with_state<T: Element>(
         return Ok(());
     }
     let sizes = saved.sizes;
-    let mut work = device.alloc_for_kernel::<f32>(sizes.state.max(1))?;
+    let mut work = device.alloc_for_kernel::<f32>(sizes.workspace())?;
     let mut launch = Launch::new(device);
     let shape = la_shape(&dims, &config, T::DTYPE, saved.packing.as_ref(), &mut launch)?;
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
@@ -762,7 +766,8 @@ pub fn backward_with_state<T: Element>(
     // gradient (the builder's aliasing check); the saved buffers were sized by the forward
     // for these dims and config (same dtype and backend checked above); d_final and
     // d_initial are registered contiguous [B, H, M, W] f32 views (checked above); the
-    // workspace holds B·H·M·W f32 as the header requires.
+    // workspace holds B·H·M·W f32 plus the boundary count (SavedSizes::workspace) as the
+    // header requires.
     unsafe {
         launch.launch(
             "linear_attention_backward",
