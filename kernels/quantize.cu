@@ -20,7 +20,12 @@
 //   quant_finalize_kernel   per group: O(groups), one block
 //   dequantize_kernel       reads b/8, writes sizeof(T)
 // Each has a dense path (16-byte vector loads/stores, grid-stride) and a strided path (any
-// strides, 8 logical elements per step so that packed code bytes have one writer).
+// strides, 8 logical elements per step so that packed code bytes have one writer). The dense
+// fast kernels (quant_stats_dense_kernel, quantize_dense_kernel, dequantize_dense_kernel) move
+// the same bytes with what a call fixes as template arguments (bits, rounding, statistics, code
+// map), 32-bit fast division for groups and two units in flight per thread; they take every
+// dense tensor below 2^31 elements whose units of 8 each lie in one group. Instructions per
+// element of their hot loops against the issue budget: docs/kernels.md.
 // Reference: crates/mesa-kernels/src/reference/quant.rs.  Floor on an H200: docs/kernels.md.
 #include "quant_common.cuh"
 
@@ -290,7 +295,10 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
   if (probe == 0.0f && p.prescale == 1.0f) {
     // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale)
 #pragma unroll
-    for (int j = 0; j < kUnit; ++j) codes[j] = round_code(__fmul_rn(d[j], p.inv_scale), kLevels, kStochastic, us[j]);
+    for (int j = 0; j < kUnit; ++j) {
+      const float t = __fmul_rn(d[j], p.inv_scale);
+      codes[j] = kStochastic ? round_code(t, kLevels, true, us[j]) : nearest_code(t, (1u << kBits) - 1u);
+    }
     if (kStats) accumulate_unit(run, g, xs, true, stats_target);  // d, so x, all finite
   } else {
 #pragma unroll
