@@ -157,7 +157,8 @@ struct QuantizeConfig {
   bool sqrt_map;  // companded codes of sqrt(x) (MESA_CODE_MAP_SQRT; no statistics then)
 };
 
-// Tail of a dense quantize pass: the last n - i0 < 8 elements, one thread, one partial unit.
+// Tail of quantize_dense_kernel: the last n - i0 < 8 elements, one thread, one partial unit
+// (the same code as quantize_kernel's tail).
 template <typename T>
 __device__ void quantize_tail(const T* x, int64_t n, int64_t i0, const QuantizeConfig& cfg, bool with_stats,
                               RunStats& run, MesaGroupStats* stats_target) {
@@ -236,8 +237,29 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
     }
     store_codes<N>(cfg.codes + i0 * cfg.bits / 8, codes, cfg.bits);
   }
-  if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n)
-    quantize_tail(x, n, nunits * N, cfg, with_stats, run, sink.target());
+  if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n) {
+    // tail of fewer than 8 elements: one thread, one (partial) code unit (written out here,
+    // not through quantize_tail: nvcc 13 then spills the f32 instance on sm_80)
+    const int64_t i0 = nunits * N;
+    unsigned codes[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int64_t i = i0 + j;
+      codes[j] = 0u;
+      if (i >= n) continue;
+      const float xv = to_float(x[i]);
+      // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
+      const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
+      const int64_t g = cfg.groups.group(i);
+      codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
+      if (with_stats) accumulate(run, g, xv, sink.target());
+    }
+    const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
+    uint64_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j) packed |= uint64_t(codes[j]) << (j * cfg.bits);
+    for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
+  }
   if (with_stats) {
     flush(run, sink.target());
     sink.end();
