@@ -251,9 +251,10 @@ inline int dtype_size(MesaDType t) { return t == MESA_DTYPE_F32 ? 4 : 2; }
 // ---------------------------------------------------------------------------------------
 // Division by a divisor fixed for a launch, for dividends below 2^31 (dense hot loops index
 // in 32 bits): q = (umulhi(n, m) + n) >> s with s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1
-// (Granlund & Montgomery, PLDI 1994, §4); n + umulhi(n, m) < 2^32 because n < 2^31. Exact for
-// every n < 2^31 and 1 <= d < 2^31 (tests/quantize.rs checks the host constructor's results
-// through the kernels' outputs; the arithmetic is the same in both builds).
+// (Granlund & Montgomery, PLDI 1994, §4, with N = 32); n + umulhi(n, m) < 2^32 because
+// n < 2^31, so nothing overflows. Exact for every n < 2^31 and 1 <= d < 2^31; integer
+// arithmetic only, the same in both builds, and the group of every element in the parity and
+// digest tests (tests/quantize.rs, tests/digests.rs) goes through it.
 struct FastDiv {
   uint32_t d, m, s;
   __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }

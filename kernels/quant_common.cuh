@@ -102,14 +102,16 @@ __device__ __forceinline__ unsigned nearest_code(float t, unsigned levels) {
 #endif
 }
 
-// The code of position t. fmaxf(NaN, 0) = 0.
+// The code of position t, as encode() rounds it. fmaxf(NaN, 0) = 0.
 __device__ __forceinline__ unsigned round_code(float t, float levels, bool stochastic, float u) {
+  float r;
   if (stochastic) {
     const float fl = floorf(t);
-    const float r = (u < t - fl) ? fl + 1.0f : fl;  // t - fl: exact (Sterbenz); fl + 1: exact below 2^24
-    return unsigned(fminf(fmaxf(r, 0.0f), levels));
+    r = (u < t - fl) ? fl + 1.0f : fl;  // t - fl: exact (Sterbenz); fl + 1: exact below 2^24
+  } else {
+    r = rintf(t);
   }
-  return nearest_code(t, unsigned(levels));
+  return unsigned(fminf(fmaxf(r, 0.0f), levels));
 }
 
 __device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {

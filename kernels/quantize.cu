@@ -20,7 +20,12 @@
 //   quant_finalize_kernel   per group: O(groups), one block
 //   dequantize_kernel       reads b/8, writes sizeof(T)
 // Each has a dense path (16-byte vector loads/stores, grid-stride) and a strided path (any
-// strides, 8 logical elements per step so that packed code bytes have one writer).
+// strides, 8 logical elements per step so that packed code bytes have one writer). The dense
+// fast kernels (quant_stats_dense_kernel, quantize_dense_kernel, dequantize_dense_kernel) move
+// the same bytes with what a call fixes as template arguments (bits, rounding, statistics, code
+// map), 32-bit fast division for groups and two units in flight per thread; they take every
+// dense tensor below 2^31 elements whose units of 8 each lie in one group. Instructions per
+// element of their hot loops against the issue budget: docs/kernels.md.
 // Reference: crates/mesa-kernels/src/reference/quant.rs.  Floor on an H200: docs/kernels.md.
 #include "quant_common.cuh"
 
@@ -152,7 +157,8 @@ struct QuantizeConfig {
   bool sqrt_map;  // companded codes of sqrt(x) (MESA_CODE_MAP_SQRT; no statistics then)
 };
 
-// Tail of a dense quantize pass: the last n - i0 < 8 elements, one thread, one partial unit.
+// Tail of quantize_dense_kernel: the last n - i0 < 8 elements, one thread, one partial unit
+// (the same code as quantize_kernel's tail).
 template <typename T>
 __device__ void quantize_tail(const T* x, int64_t n, int64_t i0, const QuantizeConfig& cfg, bool with_stats,
                               RunStats& run, MesaGroupStats* stats_target) {
@@ -241,8 +247,29 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
     }
   }
-  if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n)
-    quantize_tail(x, n, nunits * N, cfg, with_stats, run, sink.target());
+  if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n) {
+    // tail of fewer than 8 elements: one thread, one (partial) code unit (written out here,
+    // not through quantize_tail: nvcc 13 then spills the f32 instance on sm_80)
+    const int64_t i0 = nunits * N;
+    unsigned codes[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int64_t i = i0 + j;
+      codes[j] = 0u;
+      if (i >= n) continue;
+      const float xv = to_float(x[i]);
+      // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
+      const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
+      const int64_t g = cfg.groups.group(i);
+      codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
+      if (with_stats) accumulate(run, g, xv, sink.target());
+    }
+    const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
+    uint64_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j) packed |= uint64_t(codes[j]) << (j * cfg.bits);
+    for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
+  }
   if (with_stats) {
     flush(run, sink.target());
     sink.end();
@@ -300,7 +327,10 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
   if (probe == 0.0f && p.prescale == 1.0f) {
     // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale)
 #pragma unroll
-    for (int j = 0; j < kUnit; ++j) codes[j] = round_code(__fmul_rn(d[j], p.inv_scale), kLevels, kStochastic, us[j]);
+    for (int j = 0; j < kUnit; ++j) {
+      const float t = __fmul_rn(d[j], p.inv_scale);
+      codes[j] = kStochastic ? round_code(t, kLevels, true, us[j]) : nearest_code(t, (1u << kBits) - 1u);
+    }
     if (kStats) accumulate_unit(run, g, xs, true, stats_target);  // d, so x, all finite
   } else {
 #pragma unroll

@@ -62,7 +62,7 @@ SPECS = [
          bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], target=0.70),
     dict(name="quantize, running, stochastic", file="quantize",
          func=r"::quantize_dense_kernel<__nv_bfloat16, 8, true, true>", loops=[(r"LDG\.E\.128", 16)],
-         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], target=1.00),
+         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], target=1.00, gate=1.55),
     dict(name="dequantize -> bf16", file="quantize",
          func=r"::dequantize_dense_kernel<__nv_bfloat16, 8, false>", loops=[(r"STG\.E\.128", 16)],
          bytes=3, avoid=[], require=[(r"LDG\.E\.64", 2), (r"STG\.E\.128", 2)], target=0.70),
@@ -73,19 +73,19 @@ SPECS = [
          func=r"::gelu_forward_kernel<__nv_bfloat16>", loops=[(r"LDG\.E\.128", 8)],
          bytes=5, avoid=[PHILOX],
          require=[(r"STG\.E\.128", 1), (r"^CALL", 8), (RECIPROCAL, 1), (r"VIMNMX", 16)],
-         callee_require=[(ERF, 1)], target=1.00),
+         callee_require=[(ERF, 1)], target=1.00, gate=3.35),
     dict(name="GELU bwd from codes (erf)", file="gelu",
          func=r"::gelu_backward_kernel<__nv_bfloat16, true>", loops=[(r"LDG\.E\.128", 8)],
-         bytes=5, avoid=[SQRT], require=[(r"STG\.E\.128", 1), (ERF, 8)], target=1.00),
+         bytes=5, avoid=[SQRT], require=[(r"STG\.E\.128", 1), (ERF, 8)], target=1.00, gate=2.30),
     dict(name="softmax fwd saving sqrt codes (1024 cols)", file="softmax",
          func=r"::softmax_forward_kernel<__nv_bfloat16, 32, 4>", loops=[(r"LDG\.E\.128", 32)],
          bytes=5, avoid=[PHILOX],
-         require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (SQRT, 32)], target=0.70),
+         require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (SQRT, 32)], target=0.70, gate=2.50),
     dict(name="LayerNorm fwd saving + stats (1024 cols)", file="layernorm",
          func=r"::layernorm_forward_kernel<__nv_bfloat16, 32, 4>", loops=[(r"LDG\.E\.128", 32)],
          bytes=5, avoid=[PHILOX],
          require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (RECIPROCAL, 4),
-                  (r"VIMNMX", 64)], target=0.70),
+                  (r"VIMNMX", 64)], target=0.70, gate=2.00),
     # feature maps: the dense kernel, two 16-byte vectors (16 bf16) per iteration; ELU+1 with
     # every element on its exp side (the costlier one)
     dict(name="ReLU feature map fwd", file="feature_maps",
@@ -110,18 +110,27 @@ def demangle(names):
     return dict(zip(names, out)) if len(out) == len(names) else {n: n for n in names}
 
 
-def read_functions(path):
-    """{mangled name: [(address, instruction text)]} from cuobjdump -sass."""
+def read_functions(path, wanted=None):
+    """{mangled name: [(address, instruction text)]} from cuobjdump -sass; only the functions
+    for which wanted(name) is true, when given."""
     funcs, cur = {}, None
-    for line in open(path):
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            cur = funcs.setdefault(m.group(1), [])
-            continue
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
-        if m and cur is not None:
-            cur.append((int(m.group(1), 16), m.group(2)))
+    with open(path) as f:
+        for line in f:
+            if "Function :" in line:
+                name = line.split("Function :", 1)[1].strip()
+                cur = funcs.setdefault(name, []) if wanted is None or wanted(name) else None
+                continue
+            if cur is None or "/*" not in line:
+                continue
+            m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+            if m:
+                cur.append((int(m.group(1), 16), m.group(2)))
     return funcs
+
+
+def function_names(path):
+    with open(path) as f:
+        return [line.split("Function :", 1)[1].strip() for line in f if "Function :" in line]
 
 
 def opcode(text):
@@ -354,10 +363,12 @@ def evaluate(sass_dir, arch="90"):
     for spec in SPECS:
         path = os.path.join(sass_dir, f"{spec['file']}.sm_{arch}.sass")
         if path not in cache:
-            funcs = read_functions(path) if os.path.exists(path) else {}
-            cache[path] = (funcs, demangle(list(funcs)))
+            names = demangle(function_names(path)) if os.path.exists(path) else {}
+            wanted = {m for m, d in names.items() if any(re.search(sp["func"], d) for sp in SPECS)}
+            funcs = read_functions(path, wanted.__contains__) if wanted else {}
+            cache[path] = (funcs, names)
         funcs, names = cache[path]
-        hits = [m for m in funcs if re.search(spec["func"], names[m])]
+        hits = [m for m in funcs if re.search(spec["func"], names.get(m, m))]
         row = dict(spec=spec, per_elem=None, note="")
         if len(hits) != 1:
             row["note"] = f"{len(hits)} kernels match {spec['func']}"
