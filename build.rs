@@ -338,8 +338,7 @@ fn shared_declarators(src: &str, from: usize) -> (usize, Vec<String>) {
         .iter()
         .filter_map(|p| {
             p.split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
-                .filter(|w| !w.is_empty() && !w.as_bytes()[0].is_ascii_digit())
-                .next_back()
+                .rfind(|w| !w.is_empty() && !w.as_bytes()[0].is_ascii_digit())
                 .map(str::to_string)
         })
         .collect();
