@@ -195,8 +195,8 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
 }
 
 /// `MESA_EMU_SANITIZE=address`: the emulation compiled with AddressSanitizer (the fibers
-/// announce their stack switches to it); the final link needs the ASan runtime too
-/// (`RUSTFLAGS="-Clink-arg=-Wl,--no-as-needed -Clink-arg=-lasan"`, as `.ci/run` does).
+/// announce their stack switches to it); the test binaries need the ASan runtime linked and
+/// preloaded (docs/emulator.md, `.ci/run`).
 fn sanitizer_flags() -> Option<Vec<&'static str>> {
     match env::var("MESA_EMU_SANITIZE").as_deref() {
         Err(_) | Ok("") => None,
