@@ -195,8 +195,8 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
 }
 
 /// `MESA_EMU_SANITIZE=address`: the emulation compiled with AddressSanitizer (the fibers
-/// announce their stack switches to it); the final link needs `-fsanitize=address` too
-/// (`RUSTFLAGS=-Clink-arg=-fsanitize=address`, as `.ci/run` does).
+/// announce their stack switches to it); the test binaries need the ASan runtime linked and
+/// preloaded (docs/emulator.md, `.ci/run`).
 fn sanitizer_flags() -> Option<Vec<&'static str>> {
     match env::var("MESA_EMU_SANITIZE").as_deref() {
         Err(_) | Ok("") => None,
@@ -338,8 +338,7 @@ fn shared_declarators(src: &str, from: usize) -> (usize, Vec<String>) {
         .iter()
         .filter_map(|p| {
             p.split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
-                .filter(|w| !w.is_empty() && !w.as_bytes()[0].is_ascii_digit())
-                .next_back()
+                .rfind(|w| !w.is_empty() && !w.as_bytes()[0].is_ascii_digit())
                 .map(str::to_string)
         })
         .collect();

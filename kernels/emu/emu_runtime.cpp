@@ -125,6 +125,7 @@ mesa_emu_switch:
 #ifdef MESA_EMU_ASAN
 extern "C" void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
 extern "C" void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, size_t* size_old);
+extern "C" void __asan_unpoison_memory_region(void const volatile* addr, size_t size);
 #define MESA_ASAN_START(save, bottom, size) __sanitizer_start_switch_fiber((save), (bottom), (size))
 #define MESA_ASAN_FINISH(save, bottom_old, size_old) __sanitizer_finish_switch_fiber((save), (bottom_old), (size_old))
 #else
@@ -514,6 +515,10 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
   }
   if ((l.checks & kCheckInit) && !b.dynamic_smem.empty())
     std::memset(b.dynamic_smem.data(), l.poison, b.dynamic_smem.size());
+#ifdef MESA_EMU_ASAN
+  // the frames of the fibers that ran on these stacks before left their redzones poisoned
+  __asan_unpoison_memory_region(stacks.stack(0), size_t(n) * kStackBytes);
+#endif
   stacks.arm(n);
   for (unsigned i = 0; i < n; ++i) {
     ThreadState& t = b.threads[i];
