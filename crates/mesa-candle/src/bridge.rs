@@ -123,11 +123,18 @@ impl<'a> View<'a> {
     }
 }
 
+/// Where an [`Output`] lives: a host `Vec` for CPU tensors, a kernel buffer otherwise.
+#[derive(Debug)]
+enum OutputMemory<T> {
+    Host(Vec<T>),
+    Device(Buffer<T>),
+}
+
 /// Memory a kernel writes, then handed to candle as a tensor's storage (no copy): a zeroed
 /// host `Vec` for CPU tensors, a zeroed `CudaSlice` on candle's stream for CUDA tensors.
 #[derive(Debug)]
 pub struct Output<T> {
-    buffer: Buffer<T>,
+    memory: OutputMemory<T>,
     shape: Shape,
     device: candle_core::Device,
 }
@@ -142,8 +149,15 @@ impl<T: KernelFloat> Output<T> {
         kernels: &mesa_kernels::Device,
         shape: &Shape,
     ) -> candle_core::Result<Self> {
-        let buffer = kernels.alloc_zeros::<T>(shape.elem_count()).k()?;
-        Ok(Output { buffer, shape: shape.clone(), device: device.clone() })
+        let memory = match device {
+            // A Vec from the global allocator: candle takes it as is, and a counting allocator
+            // sees it (the emulator's own buffers come from its checked allocator).
+            candle_core::Device::Cpu => {
+                OutputMemory::Host(vec![<T as candle_core::WithDType>::from_f64(0.0); shape.elem_count()])
+            }
+            _ => OutputMemory::Device(kernels.alloc_zeros::<T>(shape.elem_count()).k()?),
+        };
+        Ok(Output { memory, shape: shape.clone(), device: device.clone() })
     }
 
     /// The whole output as a dense kernel view.
@@ -151,7 +165,10 @@ impl<T: KernelFloat> Output<T> {
     /// # Errors
     /// As [`TensorMut::contiguous`], as [`Error::Kernel`].
     pub fn tensor_mut(&mut self) -> candle_core::Result<TensorMut<'_, T>> {
-        TensorMut::contiguous(&mut self.buffer, self.shape.dims()).k()
+        match &mut self.memory {
+            OutputMemory::Host(v) => TensorMut::contiguous(v.as_mut_slice(), self.shape.dims()).k(),
+            OutputMemory::Device(b) => TensorMut::contiguous(b, self.shape.dims()).k(),
+        }
     }
 
     /// The written memory as candle storage (no copy).
@@ -159,10 +176,10 @@ impl<T: KernelFloat> Output<T> {
     /// # Errors
     /// [`Error::UnsupportedDevice`] when the buffer's backend does not match the device.
     pub fn into_storage(self) -> candle_core::Result<(Storage, Shape)> {
-        let storage = match (self.buffer, &self.device) {
-            (Buffer::Host(v), candle_core::Device::Cpu) => Storage::Cpu(T::to_cpu_storage_owned(v)),
+        let storage = match (self.memory, &self.device) {
+            (OutputMemory::Host(v), candle_core::Device::Cpu) => Storage::Cpu(T::to_cpu_storage_owned(v)),
             #[cfg(feature = "cuda")]
-            (Buffer::Cuda(s), candle_core::Device::Cuda(d)) => {
+            (OutputMemory::Device(Buffer::Cuda(s)), candle_core::Device::Cuda(d)) => {
                 Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(s, d.clone()))
             }
             (_, d) => {

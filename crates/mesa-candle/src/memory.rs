@@ -1,11 +1,14 @@
 //! Counting heap bytes: how the crate measures what a layer keeps alive for backward.
 //!
-//! candle's CPU storage is ordinary heap memory (`Vec`s), and so is everything the kernels'
-//! host emulation keeps (codes, statistics, states). [`CountingAllocator`] wraps the system
-//! allocator and counts the bytes currently allocated and their peak; a binary installs it
-//! with `#[global_allocator]` (the example and the memory test do). It counts every thread's
-//! allocations (candle's and the emulator's worker threads included), so measure in a
-//! process that does nothing else at the time.
+//! candle's CPU storage is ordinary heap memory (`Vec`s). [`CountingAllocator`] wraps the
+//! system allocator and counts the bytes currently allocated and their peak; a binary installs
+//! it with `#[global_allocator]` (the example and the memory test do). What the kernels' host
+//! emulation keeps (codes, statistics, states) lives in its own checked allocator
+//! ([`mesa_kernels::HostBuffer`]); the counter sees those bytes too once it is installed as
+//! the [`mesa_kernels::HostMemoryObserver`] ([`CountingAllocator::observe_emulator`], which
+//! [`measure`](crate::layer::measure::measure) calls). It counts every thread's allocations
+//! (candle's and the emulator's worker threads included), so measure in a process that does
+//! nothing else at the time.
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -35,6 +38,15 @@ impl CountingAllocator {
         self.peak.load(Ordering::SeqCst)
     }
 
+    /// Makes this counter the process's [`mesa_kernels::HostMemoryObserver`], so that the
+    /// emulator's buffers are counted with the heap's.
+    ///
+    /// # Errors
+    /// [`mesa_kernels::Error::InvalidArgument`] when another observer is installed.
+    pub fn observe_emulator(&'static self) -> mesa_kernels::Result<()> {
+        mesa_kernels::observe_host_memory(self)
+    }
+
     /// Starts a new peak measurement at the current level.
     pub fn reset_peak(&self) {
         self.peak.store(self.current(), Ordering::SeqCst);
@@ -52,6 +64,15 @@ impl CountingAllocator {
 
 // SAFETY: every call is forwarded to `System` unchanged; the counters are atomics and never
 // allocate.
+impl mesa_kernels::HostMemoryObserver for CountingAllocator {
+    fn allocated(&self, bytes: usize) {
+        self.add(bytes);
+    }
+    fn freed(&self, bytes: usize) {
+        self.sub(bytes);
+    }
+}
+
 #[allow(unsafe_code)]
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {

@@ -2,11 +2,43 @@
 //! checks (canaries, guard page, poison) cover every buffer it hands to kernels.
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+use std::sync::OnceLock;
 
 use mesa_kernels_sys::emu as sys;
 
 use crate::device::Storage;
 use crate::error::{Error, Result};
+
+/// Told of the bytes of every [`HostBuffer`] as it is allocated and freed, so that a host
+/// measuring its memory (a counting global allocator, say) also sees the emulator's buffers,
+/// which do not come from the Rust global allocator. Install one with
+/// [`observe_host_memory`].
+pub trait HostMemoryObserver: Sync {
+    /// `bytes` (elements × element size; canaries and guard pages not counted) allocated.
+    fn allocated(&self, bytes: usize);
+    /// `bytes` freed, as given to [`HostMemoryObserver::allocated`] before.
+    fn freed(&self, bytes: usize);
+}
+
+static OBSERVER: OnceLock<&'static dyn HostMemoryObserver> = OnceLock::new();
+
+/// Installs the process's one [`HostMemoryObserver`]; buffers allocated before are not
+/// reported, neither when allocated nor when freed (install it first thing). Installing the same observer again is a no-op.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] when another observer is installed already.
+pub fn observe_host_memory(observer: &'static dyn HostMemoryObserver) -> Result<()> {
+    let installed = *OBSERVER.get_or_init(|| observer);
+    if std::ptr::addr_eq(installed as *const dyn HostMemoryObserver, observer as *const dyn HostMemoryObserver) {
+        Ok(())
+    } else {
+        Err(Error::invalid_argument("observe_host_memory", "another observer is installed already"))
+    }
+}
+
+fn bytes_of<T>(len: usize) -> usize {
+    len * std::mem::size_of::<T>()
+}
 
 /// `len` elements of host memory from the emulator's allocator (`mesa_emu_alloc`): with
 /// `MESA_EMU_CHECK=memcheck` it ends at canary bytes and a guard page, with `initcheck` a
@@ -14,6 +46,8 @@ use crate::error::{Error, Result};
 pub struct HostBuffer<T> {
     ptr: NonNull<T>,
     len: usize,
+    /// Reported to the [`HostMemoryObserver`] when allocated (so reported when freed).
+    observed: bool,
 }
 
 // SAFETY: the buffer owns its elements like a Vec<T> does.
@@ -38,7 +72,11 @@ impl<T: Storage> HostBuffer<T> {
         // SAFETY: returns null or `bytes` (at least 1) bytes aligned to 16.
         let p = unsafe { sys::mesa_emu_alloc(bytes, i32::from(zeroed)) };
         let ptr = NonNull::new(p.cast::<T>()).ok_or_else(too_large)?;
-        Ok(HostBuffer { ptr, len })
+        let observer = OBSERVER.get();
+        if let Some(o) = observer {
+            o.allocated(bytes);
+        }
+        Ok(HostBuffer { ptr, len, observed: observer.is_some() })
     }
 
     /// `len` zeroed elements (valid: `Storage` types are valid as all-zero bits).
@@ -82,6 +120,9 @@ impl<T> Drop for HostBuffer<T> {
         // SAFETY: `ptr` came from mesa_emu_alloc and is freed once; `T: Copy` (Storage) has
         // no destructor to run.
         unsafe { sys::mesa_emu_free(self.ptr.as_ptr().cast()) }
+        if let (true, Some(o)) = (self.observed, OBSERVER.get()) {
+            o.freed(bytes_of::<T>(self.len));
+        }
     }
 }
 

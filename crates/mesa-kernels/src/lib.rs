@@ -96,7 +96,7 @@ pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use fused::{GeluForm, SavedLayerNorm, SoftmaxCodes, SoftmaxSave};
-pub use host_buffer::HostBuffer;
+pub use host_buffer::{observe_host_memory, HostBuffer, HostMemoryObserver};
 pub use layout::{Grouping, Layout, MAX_DIMS};
 pub use quant::{Companding, GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
 pub use tensor::{TensorMut, TensorRef};

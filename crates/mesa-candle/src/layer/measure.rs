@@ -17,16 +17,19 @@ pub struct Measured {
 }
 
 /// Runs `forward`, then the backward of `Σ y ⊙ dy`, measuring with `counter` (which must be
-/// the process's global allocator). `input_bytes` is the layer input's size.
+/// the process's global allocator; it is made the emulator's memory observer here, before the
+/// forward allocates anything). `input_bytes` is the layer input's size.
 ///
 /// # Errors
-/// The forward's and backward's errors.
+/// The forward's and backward's errors; [`mesa_kernels::Error::InvalidArgument`] (as a candle
+/// error) when another emulator memory observer is installed.
 pub fn measure(
-    counter: &CountingAllocator,
+    counter: &'static CountingAllocator,
     input_bytes: usize,
     dy: &Tensor,
     forward: impl FnOnce() -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<(Measured, GradStore)> {
+    counter.observe_emulator().map_err(candle_core::Error::wrap)?;
     let before = counter.current();
     let y = forward()?;
     let alive = counter.current().saturating_sub(before) + input_bytes;
