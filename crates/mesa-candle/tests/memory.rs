@@ -16,6 +16,7 @@ static COUNTER: CountingAllocator = CountingAllocator::new();
 
 fn alive(config: &LayerConfig, params: &HashMap<String, Tensor>, n: usize, plain: bool) -> usize {
     let (b, c) = (2, config.hidden);
+    mesa_kernels::emulator::enable_for_tests();
     let device = Device::Cpu;
     let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, n, c), &device).unwrap()).unwrap();
     let dy = Tensor::randn(0f32, 1.0, (b, n, c), &device).unwrap();

@@ -8,7 +8,10 @@ use candle_core::{DType, Device, Tensor, Var};
 pub struct Rng(u64);
 
 impl Rng {
+    /// Also turns the emulator's checks on (every test starts here), as the kernels' own suite
+    /// does: `docs/emulator.md`.
     pub fn new(test: &str) -> Self {
+        mesa_kernels::emulator::enable_for_tests();
         let seed = std::env::var("MESA_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
         });
