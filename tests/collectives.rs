@@ -1148,6 +1148,9 @@ fn a_poisoned_group_writes_nan_not_stale_numbers() {
     let r = group.reduce_scatter_seq(&ins, &mut outs, &SeqSplits::new(&[4]).expect("splits"), &Epilogue::none());
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
     group.reset().expect("reset");
+    // both ranks come now: a bound for a loaded machine, not for a missing rank (20 ms flaked
+    // under the emulator's checks with other jobs running)
+    group.set_timeout(Duration::from_secs(30)).expect("timeout");
     let (r, o0, o1) = call(&mut group, 7.0);
     r.expect("after reset");
     assert_eq!((o0, o1), (vec![2.0; 4], vec![2.0; 4]));
