@@ -4,7 +4,8 @@
 //!
 //! `cargo run --release -p mesa-candle --example candle_layer` (CPU: the kernels' host
 //! emulation; `-- --small` for a quick run). Bytes are counted by a counting global
-//! allocator: candle's CPU storage and the emulator's buffers are heap memory.
+//! allocator: candle's CPU storage directly, the emulator's buffers (its own allocator)
+//! through `mesa_kernels::HostMemoryObserver`.
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};

@@ -153,7 +153,16 @@ impl<T: KernelFloat> Output<T> {
             // A Vec from the global allocator: candle takes it as is, and a counting allocator
             // sees it (the emulator's own buffers come from its checked allocator).
             candle_core::Device::Cpu => {
-                OutputMemory::Host(vec![<T as candle_core::WithDType>::from_f64(0.0); shape.elem_count()])
+                let n = shape.elem_count();
+                let mut v = Vec::new();
+                v.try_reserve_exact(n).map_err(|_| {
+                    Error::Kernel(mesa_kernels::Error::TooLarge {
+                        what: "output".into(),
+                        why: format!("cannot allocate {n} elements on the host"),
+                    })
+                })?;
+                v.resize(n, <T as candle_core::WithDType>::from_f64(0.0));
+                OutputMemory::Host(v)
             }
             _ => OutputMemory::Device(kernels.alloc_zeros::<T>(shape.elem_count()).k()?),
         };

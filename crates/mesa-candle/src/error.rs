@@ -1,4 +1,4 @@
-//! The crate's typed error, carried through candle as `candle_core::Error::Wrapped`.
+//! The crate's typed error, carried through candle as `candle_core::Error::WrappedContext`.
 use std::fmt;
 
 /// What can go wrong in the bridge and the ops, before or instead of a kernel's own

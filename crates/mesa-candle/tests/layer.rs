@@ -221,3 +221,22 @@ fn bad_configurations_and_inputs_are_typed_errors() {
     let e = layer.forward(&Tensor::zeros((1, 4, 16), DType::F64, &Device::Cpu).unwrap()).unwrap_err();
     assert!(matches!(as_mesa_error(&e), Some(Error::UnsupportedDType { .. })), "{e}");
 }
+
+#[test]
+fn dropout_masks_reject_bad_probabilities_and_shapes() {
+    use mesa_candle::layer::dropout::{mask, DropoutSite};
+    use mesa_candle::{as_mesa_error, Error};
+    for p in [1.0, -0.1, f32::NAN, 2.0] {
+        let e = mask(1, DropoutSite::Attention, p, &[2, 3], &Device::Cpu).unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "p", .. })), "p = {p}: {e}");
+    }
+    let e = mask(1, DropoutSite::Attention, 0.5, &[usize::MAX, 3], &Device::Cpu).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "shape", .. })), "{e}");
+    // a valid mask: values 0 or 1/(1 − p), about a fraction p of zeros (n = 4096: the count of
+    // zeros is Binomial(4096, 0.25), sd 27.7; ±6 sd)
+    let m = mask(7, DropoutSite::FfnResidual, 0.25, &[64, 64], &Device::Cpu).unwrap().unwrap();
+    let v: Vec<f32> = m.flatten_all().unwrap().to_vec1().unwrap();
+    assert!(v.iter().all(|&x| x == 0.0 || x == 1.0 / 0.75));
+    let zeros = v.iter().filter(|&&x| x == 0.0).count() as f64;
+    assert!((zeros - 1024.0).abs() < 6.0 * 27.7, "{zeros} zeros of 4096 at p = 0.25");
+}

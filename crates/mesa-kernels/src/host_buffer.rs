@@ -91,8 +91,13 @@ impl<T: Storage> HostBuffer<T> {
         Self::alloc(len, false)
     }
 
-    /// A copy of `data`.
-    pub(crate) fn from_slice(data: &[T]) -> Result<Self> {
+    /// A copy of `data` in the emulator's allocator (checked under memcheck), for building
+    /// a [`Buffer::Host`](crate::Buffer::Host) directly.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] when the allocation fails; [`Error::Unsupported`] for an element
+    /// alignment above 16 bytes.
+    pub fn from_slice(data: &[T]) -> Result<Self> {
         let mut b = Self::alloc(data.len(), true)?;
         b.copy_from_slice(data);
         Ok(b)

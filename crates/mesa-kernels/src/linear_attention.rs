@@ -14,7 +14,7 @@
 //! ```
 //!
 //! The kernels walk the sequence in chunks of `C ≤ 64` rows: inside a chunk a masked
-//! `C×C` matmul, across chunks the prefix-sum state `S = Σ k_s [v_s | 1]ᵀ` (`M × (D+1)`,
+//! `C×C` matmul, across chunks the prefix-sum state `S = Σ k_s [v_s | 1]ᵀ` (`M × W`, `W = D + 1` normalised, else `D`;
 //! f32; the extra column is the normaliser `z = Σ k_s`). All accumulation is f32; outputs
 //! and gradients have the inputs' dtype.
 //!
@@ -27,8 +27,8 @@
 //! ```
 //!
 //! [`MemoryMode`] chooses how `dq` gets the forward states: the forward keeps every chunk
-//! boundary's state ([`MemoryMode::BoundaryStates`], `B·H·⌈L/C⌉·M·(D+1)·4` bytes; `dq` is
-//! parallel over chunks), or only the final one ([`MemoryMode::Slim`], `B·H·M·(D+1)·4`
+//! boundary's state ([`MemoryMode::BoundaryStates`], `B·H·(⌈L/C⌉+1)·M·W·4` bytes with the final one; `dq` is
+//! parallel over chunks), or only the final one ([`MemoryMode::Slim`], `B·H·M·W·4`
 //! bytes, independent of `L`; `dq` walks the chunks forward again from the initial state,
 //! sequentially). SLiM §3 (Alg. 1) rebuilds the earlier states in reverse by subtraction,
 //! `S_c = S_{c+1} − K_cᵀ V_c`; that loses the early states' digits to cancellation when later
@@ -92,7 +92,8 @@ pub const MAX_CHUNK: usize = sys::MESA_LA_MAX_CHUNK as usize;
 /// only the final state, the same in both modes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MemoryMode {
-    /// The state entering every chunk: `B·H·⌈L/C⌉·M·W` f32 (`W = D + normalize`). The
+    /// The state entering every chunk, `B·H·⌈L/C⌉·M·W` f32 (`W = D + normalize`), and the
+    /// final state `B·H·M·W`. The
     /// backward reads them, so its `dq` is parallel over chunks and as accurate as the
     /// forward. The default: see docs/linear_attention.md for the measured errors.
     #[default]

@@ -34,7 +34,9 @@ pub fn site_key(seed: u64, site: DropoutSite) -> u64 {
 /// f32 values `0` or `1/(1 − p)` on `device`; `None` when `p = 0`.
 ///
 /// # Errors
-/// candle's errors; `p` outside `[0, 1)` is rejected by the layer's configuration.
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for `p` outside `[0, 1)` (NaN
+/// included) or a shape whose element count overflows `usize`; an allocation the host
+/// cannot make as [`Error::Kernel`](crate::Error::Kernel) (`TooLarge`); candle's errors.
 pub fn mask(
     seed: u64,
     site: DropoutSite,
@@ -42,14 +44,21 @@ pub fn mask(
     shape: &[usize],
     device: &candle_core::Device,
 ) -> candle_core::Result<Option<Tensor>> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(crate::Error::InvalidArgument { name: "p", why: format!("must be in [0, 1), got {p}") }.into());
+    }
     if p == 0.0 {
         return Ok(None);
     }
     let key = site_key(seed, site);
-    let n: usize = shape.iter().product();
+    let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| crate::Error::InvalidArgument {
+        name: "shape",
+        why: format!("{shape:?} has more elements than usize holds"),
+    })?;
     let scale = 1.0 / (1.0 - p);
     let threshold = f64::from(p);
-    let mut values = Vec::with_capacity(n);
+    let mut values: Vec<f32> = Vec::new();
+    values.try_reserve_exact(n).map_err(|_| host_too_large(n))?;
     for block in 0..n.div_ceil(4) as u64 {
         // one Philox block gives the uniforms of elements 4b..4b+3 (as `uniform(key, i)`)
         let words = mesa_kernels::reference::quant::philox4x32_10(block, key);
@@ -59,6 +68,14 @@ pub fn mask(
         }
     }
     Ok(Some(Tensor::from_vec(values, shape, device)?))
+}
+
+/// The error of a host allocation of `n` f32 values that failed.
+fn host_too_large(n: usize) -> crate::Error {
+    crate::Error::Kernel(mesa_kernels::Error::TooLarge {
+        what: "dropout mask".into(),
+        why: format!("cannot allocate {n} f32 values on the host"),
+    })
 }
 
 /// `x ⊙ mask` (nothing when there is no mask).

@@ -21,15 +21,15 @@ pub struct Measured {
 /// forward allocates anything). `input_bytes` is the layer input's size.
 ///
 /// # Errors
-/// The forward's and backward's errors; [`mesa_kernels::Error::InvalidArgument`] (as a candle
-/// error) when another emulator memory observer is installed.
+/// The forward's and backward's errors; [`crate::Error::Kernel`] with
+/// [`mesa_kernels::Error::InvalidArgument`] when another emulator memory observer is installed.
 pub fn measure(
     counter: &'static CountingAllocator,
     input_bytes: usize,
     dy: &Tensor,
     forward: impl FnOnce() -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<(Measured, GradStore)> {
-    counter.observe_emulator().map_err(candle_core::Error::wrap)?;
+    counter.observe_emulator().map_err(crate::Error::Kernel)?;
     let before = counter.current();
     let y = forward()?;
     let alive = counter.current().saturating_sub(before) + input_bytes;

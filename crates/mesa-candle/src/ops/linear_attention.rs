@@ -36,7 +36,8 @@ pub enum FeatureKind {
 /// Forward: the feature-map kernel, then the chunked attention kernel, which keeps its
 /// states (per chunk, or the final one only in SLiM mode). Backward: exact gradients of
 /// both, with `φ(q)`, `φ(k)` recomputed from `q` and `k` (which candle's graph holds as
-/// the op's arguments anyway) — nothing of size `L` is kept by the op itself in SLiM mode.
+/// the op's arguments anyway) — in SLiM mode the op itself keeps nothing of size `L` but the
+/// `B·H·L` f32 denominators (when normalised).
 #[derive(Debug, Clone)]
 pub struct LinearAttention {
     config: LinearAttentionConfig,
