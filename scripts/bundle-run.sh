@@ -274,7 +274,7 @@ sec_sanitizer() {
             fi
         done
     done
-    local bk="$SCRATCH/tests/$BROKEN_KERNELS" case want
+    local bk="$SCRATCH/broken/$BROKEN_KERNELS" case want
     if [[ -x "$bk" ]]; then
         # each case under the tool meant to report it: exit status 86 (an error reported) is
         # the pass here; "launch" cases must fail their launch without any tool (exit 3)

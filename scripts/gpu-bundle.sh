@@ -113,7 +113,7 @@ PY
 
 # ---- stage -----------------------------------------------------------------------------
 STAGE="$WORK/stage"
-mkdir -p "$STAGE"/{tests,benches,examples,fixtures,sanitizer}
+mkdir -p "$STAGE"/{tests,benches,examples,fixtures,sanitizer,broken}
 while IFS=$'\t' read -r kind name exe; do
     dest="$STAGE/$kind/$name"
     # debug info is most of a binary's size; the symbol table stays for backtraces
@@ -130,11 +130,11 @@ cp fixtures/*.safetensors "$STAGE/fixtures/"
 # The deliberately broken kernels (kernels/broken/, issue 9) as a GPU executable, for the
 # compute-sanitizer section: whether it reports what the emulator's checks report.
 if [[ -n "$nvcc" ]]; then
-    log "nvcc: kernels/broken -> tests/broken_kernels"
+    log "nvcc: kernels/broken -> broken/broken_kernels (not in tests/: it is no Rust test binary)"
     "$nvcc" -std=c++17 -O2 -lineinfo -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
         -Ikernels/include -Ikernels kernels/broken/*.cu scripts/broken-main.cu -cudart static \
         -L"$(dirname "$(dirname "$nvcc")")/lib" -L"$(dirname "$(dirname "$nvcc")")/lib64" \
-        -o "$STAGE/tests/broken_kernels" || die "nvcc failed on kernels/broken"
+        -o "$STAGE/broken/broken_kernels" || die "nvcc failed on kernels/broken"
 fi
 
 # compute-sanitizer: the wheel's bin/ and lib/ (not its headers), with its licence.
