@@ -10,46 +10,23 @@
 //! * `copy_dtod_bf16_*` (CUDA only): `cuMemcpyDtoDAsync` of `(W+1)·N·e / 2` resp. `W·N·e`
 //!   bytes, i.e. the same bytes read + written as the collective next to it: the ceiling.
 //!
-//! The issue's target: both collectives at ≥ 80% of the copy's GB/s in the same run (GPU).
-//! Backend: `Device::best_available()`; `MESA_REQUIRE_GPU=1` refuses the emulation. The
-//! emulation runs a small shape and its group name says "emulator (not performance)".
+//! Target: both collectives at ≥ 80 % of the copy's GB/s in the same run (GPU).
+//! The emulation runs a small shape. Device choice (`MESA_REQUIRE_GPU=1`), the copy
+//! bandwidth measured at start, and timing: `benches/common`.
 //!
 //! Run: `cargo bench --bench collectives` (add `-- --quick` for a short run).
-use std::hint::black_box;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::hint::black_box;
+
+use common::{timed, BenchDevice};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use mesa_kernels::{Buffer, Device, Epilogue, Layout, SeqParallelGroup, SeqSplits, TensorMut, TensorRef};
-
-/// H200 copy bandwidth (bytes/s), the floor's denominator (BRIEF §8).
-const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
-
-fn device() -> Device {
-    let require_gpu = std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match Device::cuda(0) {
-        Ok(d) => d,
-        Err(e) if require_gpu => panic!("MESA_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e}"),
-        Err(e) => {
-            eprintln!("collectives bench: CUDA not usable ({e}); falling back to the host emulation");
-            Device::emulator()
-        }
-    }
-}
-
-fn timed(device: &Device, iters: u64, mut op: impl FnMut()) -> Duration {
-    device.synchronize().expect("synchronize before timing");
-    let start = Instant::now();
-    for _ in 0..iters {
-        op();
-    }
-    device.synchronize().expect("synchronize after timing");
-    start.elapsed()
-}
+use mesa_kernels::{Buffer, Epilogue, Layout, SeqParallelGroup, SeqSplits, TensorMut, TensorRef};
 
 fn bench_collectives(c: &mut Criterion) {
-    let device = device();
-    let cuda = device.is_cuda();
+    let bench = BenchDevice::new("collectives");
+    let (device, cuda) = (&bench.device, bench.is_cuda());
     // GPU: s = 4096 tokens, b = 1, h = 8192 (a 70B-class layer); emulation: tiny.
     let (s, b, h) = if cuda { (4096usize, 1usize, 8192usize) } else { (64, 1, 256) };
     for w in [2usize, 4, 8] {
@@ -60,37 +37,20 @@ fn bench_collectives(c: &mut Criterion) {
         let inputs: Vec<Buffer<bf16>> = (0..w).map(|_| device.upload(&data).expect("upload")).collect();
         let mut shards: Vec<Buffer<bf16>> = (0..w).map(|_| device.alloc_zeros(rows * b * h).expect("alloc")).collect();
         let mut full: Vec<Buffer<bf16>> = (0..w).map(|_| device.alloc_zeros(n).expect("alloc")).collect();
-        let mut group = SeqParallelGroup::new(&device, w).expect("group");
+        let mut group = SeqParallelGroup::new(device, w).expect("group");
         let (rs_bytes, ag_bytes) = ((w + 1) * n * 2, 2 * w * n * 2);
-        eprintln!(
-            "collectives bench on {}: [{s}, {b}, {h}] bf16, W = {w}; bytes-moved floor at {:.1} TB/s: \
-             reduce-scatter {:.1} MB -> {:.1} us, all-gather {:.1} MB -> {:.1} us{}",
-            device.description(),
-            H200_COPY_BYTES_PER_S / 1e12,
-            rs_bytes as f64 / 1e6,
-            rs_bytes as f64 / H200_COPY_BYTES_PER_S * 1e6,
-            ag_bytes as f64 / 1e6,
-            ag_bytes as f64 / H200_COPY_BYTES_PER_S * 1e6,
-            if cuda { "" } else { " (host emulation: the numbers below are NOT GPU performance)" }
-        );
-        let name = if cuda {
-            format!("seqpar cuda bf16 {s}x{b}x{h} W={w}")
-        } else {
-            format!("seqpar emulator (not performance) bf16 {s}x{b}x{h} W={w}")
-        };
-        let mut g = c.benchmark_group(name);
-        if cuda {
-            g.sample_size(20).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1));
-        } else {
-            g.sample_size(10).warm_up_time(Duration::from_millis(100)).measurement_time(Duration::from_millis(500));
-        }
+        eprintln!("collectives bench: [{s}, {b}, {h}] bf16, W = {w}");
+        bench.floor_note(&format!("reduce_scatter_bf16_w{w}"), rs_bytes);
+        bench.floor_note(&format!("all_gather_bf16_w{w}"), ag_bytes);
+        let mut g = c.benchmark_group(bench.group_name(&format!("seqpar bf16 {s}x{b}x{h} W={w}")));
+        bench.configure(&mut g);
         let full_layout = Layout::contiguous(&[s, b, h]);
         let shard_layout = Layout::contiguous(&[rows, b, h]);
 
         g.throughput(Throughput::BytesDecimal(rs_bytes as u64));
-        g.bench_function(format!("reduce_scatter_bf16_w{w}"), |bench| {
-            bench.iter_custom(|iters| {
-                timed(&device, iters, || {
+        g.bench_function(format!("reduce_scatter_bf16_w{w}"), |bencher| {
+            bencher.iter_custom(|iters| {
+                timed(device, iters, || {
                     let ins: Vec<TensorRef<'_, bf16>> =
                         inputs.iter().map(|x| TensorRef::new(x, &full_layout).expect("view")).collect();
                     let mut outs: Vec<TensorMut<'_, bf16>> =
@@ -100,9 +60,9 @@ fn bench_collectives(c: &mut Criterion) {
             });
         });
         g.throughput(Throughput::BytesDecimal(ag_bytes as u64));
-        g.bench_function(format!("all_gather_bf16_w{w}"), |bench| {
-            bench.iter_custom(|iters| {
-                timed(&device, iters, || {
+        g.bench_function(format!("all_gather_bf16_w{w}"), |bencher| {
+            bencher.iter_custom(|iters| {
+                timed(device, iters, || {
                     let ins: Vec<TensorRef<'_, bf16>> =
                         shards.iter().map(|x| TensorRef::new(x, &shard_layout).expect("view")).collect();
                     let mut outs: Vec<TensorMut<'_, bf16>> =
@@ -119,9 +79,9 @@ fn bench_collectives(c: &mut Criterion) {
                 let src = stream.alloc_zeros::<bf16>(elems).expect("alloc");
                 let mut dst = stream.alloc_zeros::<bf16>(elems).expect("alloc");
                 g.throughput(Throughput::BytesDecimal((2 * elems * 2) as u64));
-                g.bench_function(format!("copy_dtod_bf16_as_{label}_w{w}"), |bench| {
-                    bench.iter_custom(|iters| {
-                        timed(&device, iters, || stream.memcpy_dtod(&src, &mut dst).expect("memcpy_dtod"))
+                g.bench_function(format!("copy_dtod_bf16_as_{label}_w{w}"), |bencher| {
+                    bencher.iter_custom(|iters| {
+                        timed(device, iters, || stream.memcpy_dtod(&src, &mut dst).expect("memcpy_dtod"))
                     });
                 });
             }

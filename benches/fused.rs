@@ -1,7 +1,7 @@
 //! Fused producers/consumers of saved activations (GELU, softmax, LayerNorm), bf16, 8-bit codes.
 //!
 //! Pairs (each reports bytes read + written as `Throughput::BytesDecimal`; GB/s divided by the
-//! ~4300 GB/s H200 copy bandwidth is the fraction of the bytes-moved floor, docs/fused.md):
+//! copy bandwidth measured at start is the fraction of the bytes-moved floor, docs/fused.md):
 //! * `gelu_forward_plain` vs `gelu_forward_saving`: `y = gelu(x)`, 4n bytes, vs the same plus
 //!   the codes of x (running estimate, after a first batch), 5n bytes.
 //! * `softmax_forward_plain` vs `softmax_forward_saving` (rows of 512 with a key-padding
@@ -13,13 +13,14 @@
 //!   (`layernorm_backward_*`: dx plus the deterministic dweight/dbias; the dx and column
 //!   kernels each read dy and the saved x̂, 2·(2+2)n + 2n vs 2·(2+1)n + 2n bytes).
 //!
-//! Backend: `Device::best_available()`; `MESA_REQUIRE_GPU=1` refuses the emulation. The
-//! emulation runs small shapes under the group name "emulator (not performance)".
-//! Timing: `iter_custom` with the stream synchronised before and after.
+//! Working sets: rows sized from the queried L2 (at least 4× of it moved per call); the
+//! emulation runs small shapes. Device choice, copy bandwidth and timing: `benches/common`.
 //! Run: `cargo bench --bench fused` (add `-- --quick` for a short run).
-use std::hint::black_box;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::hint::black_box;
+
+use common::{timed, BenchDevice};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
 use mesa_kernels::fused::{
@@ -48,18 +49,6 @@ fn vmut<T: Storage>(b: &mut Buffer<T>) -> TensorMut<'_, T> {
     TensorMut::contiguous(b, &[n]).expect("vector view")
 }
 
-fn device() -> Device {
-    let require_gpu = std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match Device::cuda(0) {
-        Ok(d) => d,
-        Err(e) if require_gpu => panic!("MESA_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e}"),
-        Err(e) => {
-            eprintln!("fused bench: CUDA not usable ({e}); falling back to the host emulation");
-            Device::best_available()
-        }
-    }
-}
-
 fn data(n: usize, seed: u64) -> Vec<bf16> {
     let mut state = seed | 1;
     (0..n)
@@ -73,58 +62,51 @@ fn data(n: usize, seed: u64) -> Vec<bf16> {
         .collect()
 }
 
-fn timed(device: &Device, iters: u64, mut f: impl FnMut()) -> Duration {
-    device.synchronize().expect("sync");
-    let start = Instant::now();
-    for _ in 0..iters {
-        f();
-    }
-    device.synchronize().expect("sync");
-    start.elapsed()
-}
-
 fn upload(device: &Device, v: &[bf16]) -> Buffer<bf16> {
     device.upload(v).expect("upload")
 }
 
 fn bench(c: &mut Criterion) {
-    let device = device();
-    let cuda = device.is_cuda();
-    let group_name =
-        if cuda { "fused (bf16, 8-bit codes)".to_string() } else { "fused: emulator (not performance)".to_string() };
-    // elementwise / rows: [rows, cols]
-    let (rows, cols) = if cuda { (32 * 512, 3072) } else { (64, 768) };
-    let (srows, scols) = if cuda { (32 * 12 * 512, 512) } else { (12 * 64, 64) };
-    // LayerNorm rows ×4 of the others: its input and output (268 MB) stay ≥ 4× the 50 MB L2
-    let (lrows, lcols) = if cuda { (128 * 512, 1024) } else { (128, 256) };
+    let bench = BenchDevice::new("fused");
+    let (device, cuda) = (&bench.device, bench.is_cuda());
+    // rows of the saving forwards (5 bytes per element moved) sized from the L2:
+    // GELU [rows, 3072], softmax [rows, 512] (rows = heads·512), LayerNorm [rows, 1024]
+    let (cols, scols, lcols) = if cuda { (3072, 512, 1024) } else { (768, 64, 256) };
+    let rows = bench.rows_for(5 * cols, 512, 64);
+    let srows = bench.rows_for(5 * scols, 512, 12 * 64);
+    let lrows = bench.rows_for(5 * lcols, 512, 128);
     let n = rows * cols;
     let sn = srows * scols;
     let ln = lrows * lcols;
-    let mut g = c.benchmark_group(group_name);
+    bench.floor_note("gelu_forward_saving", 5 * n);
+    bench.floor_note("softmax_forward_saving", 5 * sn);
+    bench.floor_note("layernorm_forward_saving", 5 * ln);
+    let mut g = c.benchmark_group(bench.group_name("fused (bf16, 8-bit codes)"));
+    bench.configure(&mut g);
 
     // ---- GELU
     let l = Layout::contiguous(&[rows, cols]);
-    let x = upload(&device, &data(n, 1));
-    let dy = upload(&device, &data(n, 2));
+    let x = upload(device, &data(n, 1));
+    let dy = upload(device, &data(n, 2));
     let mut y = device.alloc_zeros::<bf16>(n).expect("alloc");
     let mut dx = device.alloc_zeros::<bf16>(n).expect("alloc");
-    let mut q = Quantizer::new(&device, fused::channel_groups(1, 12)).expect("q");
-    let saved = fused::gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l))
+    let mut q = Quantizer::new(device, fused::channel_groups(1, 12)).expect("q");
+    let saved = fused::gelu_forward(device, &mut q, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l))
         .expect("warm-up batch");
     g.throughput(Throughput::BytesDecimal(4 * n as u64));
     g.bench_function("gelu_forward_plain", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
-                fused::gelu(&device, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l)).expect("gelu")
+            timed(device, it, || {
+                fused::gelu(device, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l)).expect("gelu")
             })
         })
     });
     g.throughput(Throughput::BytesDecimal(5 * n as u64));
     g.bench_function("gelu_forward_saving", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 black_box(
-                    fused::gelu_forward(&device, &mut q, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l))
+                    fused::gelu_forward(device, &mut q, GeluForm::Erf, &tref(&x, &l), &mut tmut(&mut y, &l))
                         .expect("gelu"),
                 );
             })
@@ -133,9 +115,9 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(6 * n as u64));
     g.bench_function("gelu_backward_bf16", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 fused::gelu_backward_plain(
-                    &device,
+                    device,
                     &GeluBackwardPlain { form: GeluForm::Erf, x: &tref(&x, &l), dy: &tref(&dy, &l) },
                     &mut tmut(&mut dx, &l),
                 )
@@ -146,8 +128,8 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(5 * n as u64));
     g.bench_function("gelu_backward_codes", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
-                fused::gelu_backward(&device, GeluForm::Erf, &saved, &tref(&dy, &l), &mut tmut(&mut dx, &l))
+            timed(device, it, || {
+                fused::gelu_backward(device, GeluForm::Erf, &saved, &tref(&dy, &l), &mut tmut(&mut dx, &l))
                     .expect("bwd")
             })
         })
@@ -156,15 +138,15 @@ fn bench(c: &mut Criterion) {
     // ---- softmax with a key-padding mask broadcast over rows
     let heads_rows = srows / scols;
     let ls = Layout::contiguous(&[heads_rows, scols, scols]);
-    let s = upload(&device, &data(sn, 3));
-    let sdy = upload(&device, &data(sn, 4));
-    let mask = upload(&device, &vec![bf16::from_f32(0.0); scols]);
+    let s = upload(device, &data(sn, 3));
+    let sdy = upload(device, &data(sn, 4));
+    let mask = upload(device, &vec![bf16::from_f32(0.0); scols]);
     let ml = Layout::strided(&[heads_rows, scols, scols], &[0, 0, 1], 0).expect("mask");
     let mut p = device.alloc_zeros::<bf16>(sn).expect("alloc");
     let mut sdx = device.alloc_zeros::<bf16>(sn).expect("alloc");
     let save = SoftmaxSave::per_head(0);
     let psaved = fused::softmax_forward(
-        &device,
+        device,
         &save,
         &SoftmaxInput { x: &tref(&s, &ls), mask: Some(&tref(&mask, &ml)) },
         &mut tmut(&mut p, &ls),
@@ -173,9 +155,9 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(4 * sn as u64));
     g.bench_function("softmax_forward_plain", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 fused::softmax(
-                    &device,
+                    device,
                     &SoftmaxInput { x: &tref(&s, &ls), mask: Some(&tref(&mask, &ml)) },
                     &mut tmut(&mut p, &ls),
                 )
@@ -186,10 +168,10 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(5 * sn as u64));
     g.bench_function("softmax_forward_saving", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 black_box(
                     fused::softmax_forward(
-                        &device,
+                        device,
                         &save,
                         &SoftmaxInput { x: &tref(&s, &ls), mask: Some(&tref(&mask, &ml)) },
                         &mut tmut(&mut p, &ls),
@@ -202,9 +184,9 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(6 * sn as u64));
     g.bench_function("softmax_backward_bf16", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 fused::softmax_backward_plain(
-                    &device,
+                    device,
                     &SoftmaxBackwardPlain { y: &tref(&p, &ls), dy: &tref(&sdy, &ls) },
                     &mut tmut(&mut sdx, &ls),
                 )
@@ -215,25 +197,25 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(5 * sn as u64));
     g.bench_function("softmax_backward_codes", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
-                fused::softmax_backward(&device, &psaved, &tref(&sdy, &ls), &mut tmut(&mut sdx, &ls)).expect("b")
+            timed(device, it, || {
+                fused::softmax_backward(device, &psaved, &tref(&sdy, &ls), &mut tmut(&mut sdx, &ls)).expect("b")
             })
         })
     });
 
     // ---- LayerNorm
     let ll = Layout::contiguous(&[lrows, lcols]);
-    let lx = upload(&device, &data(ln, 5));
-    let ldy = upload(&device, &data(ln, 6));
-    let w = upload(&device, &data(lcols, 7));
-    let bias = upload(&device, &data(lcols, 8));
+    let lx = upload(device, &data(ln, 5));
+    let ldy = upload(device, &data(ln, 6));
+    let w = upload(device, &data(lcols, 7));
+    let bias = upload(device, &data(lcols, 8));
     let mut ly = device.alloc_zeros::<bf16>(ln).expect("alloc");
     let mut ldx = device.alloc_zeros::<bf16>(ln).expect("alloc");
     let mut dw = device.alloc_zeros::<f32>(lcols).expect("alloc");
     let mut db = device.alloc_zeros::<f32>(lcols).expect("alloc");
-    let mut lq = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let mut lq = Quantizer::new(device, QuantConfig::per_tensor()).expect("q");
     let lsaved = fused::layer_norm_forward(
-        &device,
+        device,
         &mut lq,
         &LayerNormForward { x: &tref(&lx, &ll), weight: Some(&vref(&w)), bias: Some(&vref(&bias)), eps: 1e-5 },
         &mut tmut(&mut ly, &ll),
@@ -242,9 +224,9 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(4 * ln as u64));
     g.bench_function("layernorm_forward_plain", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 fused::layer_norm(
-                    &device,
+                    device,
                     &LayerNormForward {
                         x: &tref(&lx, &ll),
                         weight: Some(&vref(&w)),
@@ -260,10 +242,10 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(5 * ln as u64 + 8 * lrows as u64));
     g.bench_function("layernorm_forward_saving", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 black_box(
                     fused::layer_norm_forward(
-                        &device,
+                        device,
                         &mut lq,
                         &LayerNormForward {
                             x: &tref(&lx, &ll),
@@ -279,13 +261,13 @@ fn bench(c: &mut Criterion) {
         })
     });
     // a bf16 x̂ for the plain backward (the values do not matter for timing)
-    let xhat = upload(&device, &data(ln, 9));
+    let xhat = upload(device, &data(ln, 9));
     g.throughput(Throughput::BytesDecimal(10 * ln as u64));
     g.bench_function("layernorm_backward_bf16", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 fused::layer_norm_backward_plain(
-                    &device,
+                    device,
                     &LayerNormBackwardPlain {
                         xhat: &tref(&xhat, &ll),
                         rstd: &vref(lsaved.rstd()),
@@ -305,9 +287,9 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::BytesDecimal(8 * ln as u64));
     g.bench_function("layernorm_backward_codes", |b| {
         b.iter_custom(|it| {
-            timed(&device, it, || {
+            timed(device, it, || {
                 fused::layer_norm_backward(
-                    &device,
+                    device,
                     &LayerNormBackward { saved: &lsaved, weight: Some(&vref(&w)), dy: &tref(&ldy, &ll) },
                     LayerNormGrads {
                         dx: &mut tmut(&mut ldx, &ll),

@@ -10,33 +10,21 @@
 //! the forward and about 3× that in the backward; bytes: forward reads (2M + D)·2, writes
 //! D·2; backward reads (2M + 3D)·2, writes (2M + D)·2.
 //!
-//! Timing: `iter_custom`, the stream synchronised before the clock starts and stops.
+//! The floors use the copy bandwidth measured at start and the FP32 rate from the queried SM
+//! count and clock. Device choice and timing: `benches/common`.
 //! Run: `cargo bench --bench linear_attention` (`-- --quick` for a short run).
-use std::hint::black_box;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::hint::black_box;
+
+use common::{timed, BenchDevice};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
 use mesa_kernels::linear_attention::{
     backward, forward, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, MemoryMode,
 };
-use mesa_kernels::{Buffer, Device, Layout};
+use mesa_kernels::{Buffer, Layout};
 use mesa_kernels::{TensorMut, TensorRef};
-
-const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
-const H200_FP32_FLOP_PER_S: f64 = 67e12;
-
-fn device() -> Device {
-    let require_gpu = std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match Device::cuda(0) {
-        Ok(d) => d,
-        Err(e) if require_gpu => panic!("MESA_REQUIRE_GPU=1 but CUDA device 0 is not usable: {e}"),
-        Err(e) => {
-            eprintln!("linear_attention bench: CUDA not usable ({e}); falling back to the host emulation");
-            Device::emulator()
-        }
-    }
-}
 
 struct Case {
     b: usize,
@@ -57,15 +45,18 @@ fn data(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<bf16> {
         .collect()
 }
 
-fn floors(c: &Case) -> (f64, f64) {
+/// (FLOPs, bytes) of one forward + backward.
+fn work(c: &Case) -> (f64, f64) {
     let (rows, m, d, chunk) = ((c.b * c.h * c.t) as f64, c.d as f64, c.d as f64, 64.0);
     let flops_fwd = rows * (2.0 * chunk * (m + d) + 4.0 * m * d);
     let flops = 4.0 * flops_fwd;
     let bytes = rows * 2.0 * ((2.0 * m + d) + d + (2.0 * m + 3.0 * d) + (2.0 * m + d));
-    (flops / H200_FP32_FLOP_PER_S, bytes / H200_COPY_BYTES_PER_S)
+    (flops, bytes)
 }
 
-fn bench_case(c: &mut Criterion, device: &Device, group_name: &str, case: &Case) {
+fn bench_case(c: &mut Criterion, bench: &BenchDevice, case: &Case) {
+    let device = &bench.device;
+    let group_name = bench.group_name("linear_attention");
     let (b, h, t, d) = (case.b, case.h, case.t, case.d);
     let n = b * h * t * d;
     let layout = Layout::contiguous(&[b, h, t, d]);
@@ -78,22 +69,22 @@ fn bench_case(c: &mut Criterion, device: &Device, group_name: &str, case: &Case)
     );
     let alloc = || device.alloc_zeros::<bf16>(n).expect("alloc");
     let (mut out, mut dq, mut dk, mut dv) = (alloc(), alloc(), alloc(), alloc());
-    let (flop_s, byte_s) = floors(case);
-    eprintln!(
-        "{group_name} T={t} D={d}: H200 floor fwd+bwd ≈ max({:.1} us fp32-FMA, {:.1} us bytes)",
-        flop_s * 1e6,
-        byte_s * 1e6
-    );
-    let mut group = c.benchmark_group(group_name);
+    let (flops, bytes) = work(case);
+    if let (Some(flop_rate), Some(byte_rate)) = (bench.fp32_flop_per_s(), bench.copy_bytes_per_s) {
+        eprintln!(
+            "{group_name} T={t} D={d}: floor fwd+bwd ≈ max({:.1} us fp32-FMA, {:.1} us bytes)",
+            flops / flop_rate * 1e6,
+            bytes / byte_rate * 1e6
+        );
+    }
+    let mut group = c.benchmark_group(&group_name);
     group.throughput(Throughput::Elements((b * h * t) as u64));
     group.sample_size(10);
     for (name, memory) in [("boundary", MemoryMode::BoundaryStates), ("slim", MemoryMode::Slim)] {
         let cfg = LinearAttentionConfig { memory, ..LinearAttentionConfig::causal() };
-        group.bench_function(format!("fwd_bwd_{name}_T{t}_D{d}"), |bench| {
-            bench.iter_custom(|iters| {
-                device.synchronize().expect("sync");
-                let start = Instant::now();
-                for _ in 0..iters {
+        group.bench_function(format!("fwd_bwd_{name}_T{t}_D{d}"), |bencher| {
+            bencher.iter_custom(|iters| {
+                timed(device, iters, || {
                     let saved = forward(
                         device,
                         &cfg,
@@ -123,9 +114,7 @@ fn bench_case(c: &mut Criterion, device: &Device, group_name: &str, case: &Case)
                     )
                     .expect("backward");
                     black_box(&saved);
-                }
-                device.synchronize().expect("sync");
-                start.elapsed().max(Duration::from_nanos(1))
+                })
             });
         });
     }
@@ -133,15 +122,15 @@ fn bench_case(c: &mut Criterion, device: &Device, group_name: &str, case: &Case)
 }
 
 fn benches(c: &mut Criterion) {
-    let device = device();
-    if device.is_cuda() {
+    let bench = BenchDevice::new("linear_attention");
+    if bench.is_cuda() {
         for d in [64, 128] {
             for t in [4096, 8192, 16384] {
-                bench_case(c, &device, "linear_attention_cuda", &Case { b: 4, h: 16, t, d });
+                bench_case(c, &bench, &Case { b: 4, h: 16, t, d });
             }
         }
     } else {
-        bench_case(c, &device, "linear_attention emulator (not performance)", &Case { b: 1, h: 2, t: 256, d: 16 });
+        bench_case(c, &bench, &Case { b: 1, h: 2, t: 256, d: 16 });
     }
 }
 

@@ -116,3 +116,24 @@ fn every_kind_of_memory_is_one_view() {
     let too_long = Layout::strided(&[4, 37], &[37, 1], 1).expect("layout");
     assert!(matches!(TensorRef::new(sub, &too_long), Err(mesa_kernels::Error::BufferTooShort { .. })));
 }
+
+/// The properties benches size their working sets from are queried, not written in: the
+/// emulation says it has no L2 or device memory; a GPU reports an L2, SMs, memory and clock
+/// that an sm_80+ part has (every such part has ≥ 1 MB of L2, ≥ 1 GB and ≥ 1 SM).
+#[test]
+fn device_properties_are_queried() {
+    let emu = Device::emulator().properties().expect("emulator properties");
+    assert_eq!(emu.name, "host emulation");
+    assert_eq!((emu.compute_capability, emu.l2_cache_bytes, emu.memory_bytes, emu.clock_khz), (None, 0, 0, 0));
+    assert!(emu.multiprocessors >= 1);
+    let Some(gpu) = common::cuda_only("device_properties_are_queried (GPU part)") else {
+        return;
+    };
+    let p = gpu.properties().expect("GPU properties");
+    let (major, _) = p.compute_capability.expect("a GPU has a compute capability");
+    assert!(major >= 8, "{p:?}");
+    assert!(
+        p.multiprocessors >= 1 && p.l2_cache_bytes >= 1 << 20 && p.memory_bytes >= 1 << 30 && p.clock_khz > 0,
+        "{p:?}"
+    );
+}

@@ -18,6 +18,23 @@ use crate::host_buffer::HostBuffer;
 pub trait Storage: Copy + Default + Send + Sync + DeviceRepr + ValidAsZeroBits + 'static {}
 impl<T: Copy + Default + Send + Sync + DeviceRepr + ValidAsZeroBits + 'static> Storage for T {}
 
+/// What [`Device::properties`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceProperties {
+    /// The GPU's name (`"host emulation"` for the emulation).
+    pub name: String,
+    /// `(major, minor)`, e.g. `(9, 0)` for an H200; `None` for the emulation.
+    pub compute_capability: Option<(i32, i32)>,
+    /// Streaming multiprocessors; for the emulation, the host threads it may use.
+    pub multiprocessors: usize,
+    /// L2 cache size in bytes (0 for the emulation, which has none of its own).
+    pub l2_cache_bytes: usize,
+    /// Device memory in bytes (0 for the emulation, which uses host memory).
+    pub memory_bytes: usize,
+    /// Peak SM clock in kHz (0 for the emulation).
+    pub clock_khz: usize,
+}
+
 /// Where kernels run.
 #[derive(Clone)]
 pub struct Device {
@@ -132,6 +149,41 @@ impl Device {
         match self.kind {
             Kind::Cuda(_) => "cuda",
             Kind::Emulator => "emulator",
+        }
+    }
+
+    /// What the device is: queried from the driver for CUDA (never written in), so that
+    /// benchmarks size their working sets from the real L2 and grids from the real SM count.
+    ///
+    /// # Errors
+    /// A driver error from a CUDA attribute query. The emulation always answers.
+    pub fn properties(&self) -> Result<DeviceProperties> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        match &self.kind {
+            Kind::Cuda(s) => {
+                let ctx = s.context();
+                let attr = |a: A| -> Result<usize> {
+                    let v = ctx.attribute(a)?;
+                    Ok(usize::try_from(v).unwrap_or(0))
+                };
+                let (major, minor) = ctx.compute_capability()?;
+                Ok(DeviceProperties {
+                    name: ctx.name()?,
+                    compute_capability: Some((major, minor)),
+                    multiprocessors: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+                    l2_cache_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+                    memory_bytes: ctx.total_mem()?,
+                    clock_khz: attr(A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)?,
+                })
+            }
+            Kind::Emulator => Ok(DeviceProperties {
+                name: "host emulation".into(),
+                compute_capability: None,
+                multiprocessors: std::thread::available_parallelism().map_or(1, usize::from),
+                l2_cache_bytes: 0,
+                memory_bytes: 0,
+                clock_khz: 0,
+            }),
         }
     }
 

@@ -92,7 +92,9 @@ pub mod reference;
 mod tensor;
 
 pub use collectives::{Epilogue, SeqParallelGroup, SeqSplits};
-pub use device::{Buffer, Device, DeviceMemory, DeviceMemoryMut, MemMut, MemRef, RawDeviceSlice, Storage};
+pub use device::{
+    Buffer, Device, DeviceMemory, DeviceMemoryMut, DeviceProperties, MemMut, MemRef, RawDeviceSlice, Storage,
+};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use fused::{GeluForm, SavedLayerNorm, SoftmaxCodes, SoftmaxSave};
