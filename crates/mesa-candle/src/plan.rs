@@ -154,6 +154,20 @@ pub fn reference_stack_estimate(config: &LayerConfig, layers: usize, batch: usiz
     stack_total(&reference_plan_config(config, layers, batch, seq)?)
 }
 
+/// The largest batch `b ≥ 1` with `bytes(b) ≤ budget`, for `bytes` not decreasing in `b`
+/// (overflow counts as not fitting).
+fn largest(budget: u64, bytes: impl Fn(usize) -> Result<u64, Error>) -> Result<Option<u64>, Error> {
+    let fit = mesa_kernels::plan::largest_fit(budget, |b| {
+        let b = usize::try_from(b)
+            .map_err(|_| mesa_kernels::Error::TooLarge { what: "batch".into(), why: "past usize".into() })?;
+        bytes(b).map_err(|e| match e {
+            Error::Kernel(k) => k,
+            other => mesa_kernels::Error::InvalidArgument { name: "plan".into(), why: other.to_string() },
+        })
+    })?;
+    Ok(fit)
+}
+
 /// The largest batch for which [`layer_stack_saved_bytes`] is at most `budget` bytes;
 /// `None` when batch 1 does not fit.
 ///
@@ -161,13 +175,55 @@ pub fn reference_stack_estimate(config: &LayerConfig, layers: usize, batch: usiz
 /// As [`layer_stack_saved_bytes`] (overflow counts as not fitting).
 pub fn largest_batch(config: &LayerConfig, layers: usize, seq: usize, budget: u64) -> Result<Option<u64>, Error> {
     plan_config(config, layers, 1, seq)?;
-    let fit = mesa_kernels::plan::largest_fit(budget, |b| {
-        let b = usize::try_from(b)
-            .map_err(|_| mesa_kernels::Error::TooLarge { what: "batch".into(), why: "past usize".into() })?;
-        layer_stack_saved_bytes(config, layers, b, seq).map_err(|e| match e {
-            Error::Kernel(k) => k,
-            other => mesa_kernels::Error::InvalidArgument { name: "plan".into(), why: other.to_string() },
-        })
-    })?;
-    Ok(fit)
+    largest(budget, |b| layer_stack_saved_bytes(config, layers, b, seq))
+}
+
+/// The largest batch for which [`reference_stack_estimate`] is at most `budget` bytes.
+///
+/// # Errors
+/// As [`largest_batch`].
+pub fn largest_reference_batch(
+    config: &LayerConfig,
+    layers: usize,
+    seq: usize,
+    budget: u64,
+) -> Result<Option<u64>, Error> {
+    plan_config(config, layers, 1, seq)?;
+    largest(budget, |b| reference_stack_estimate(config, layers, b, seq))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_sizes_and_configurations_are_typed_errors() {
+        let good = LayerConfig::new(16, 4, 64);
+        for (l, b, n) in [(0, 1, 1), (1, 0, 1), (1, 1, 0)] {
+            let e = layer_stack_saved_bytes(&good, l, b, n).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        }
+        for bad in [LayerConfig { heads: 3, ..good.clone() }, LayerConfig { bits: 3, ..good.clone() }] {
+            let e = layer_stack_saved_bytes(&bad, 1, 1, 1).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        }
+        // overflow: a typed error in debug builds too, never a panic
+        let e = layer_stack_saved_bytes(&good, usize::MAX, usize::MAX, usize::MAX).unwrap_err();
+        assert!(matches!(e, Error::Kernel(mesa_kernels::Error::TooLarge { .. })), "{e}");
+        let e = largest_batch(&good, 0, 1, 1 << 30).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    }
+
+    #[test]
+    fn largest_batch_is_the_last_batch_that_fits() {
+        let cfg = LayerConfig::new(16, 4, 64);
+        let one = layer_stack_saved_bytes(&cfg, 2, 1, 8).unwrap();
+        assert_eq!(largest_batch(&cfg, 2, 8, one - 1).unwrap(), None);
+        let budget = 10 * one;
+        let b = largest_batch(&cfg, 2, 8, budget).unwrap().unwrap() as usize;
+        assert!(layer_stack_saved_bytes(&cfg, 2, b, 8).unwrap() <= budget);
+        assert!(layer_stack_saved_bytes(&cfg, 2, b + 1, 8).unwrap() > budget);
+        let r = largest_reference_batch(&cfg, 2, 8, budget).unwrap().unwrap() as usize;
+        assert!(r < b, "the f32 reference fits fewer sequences ({r}) than 8-bit codes ({b})");
+    }
 }
