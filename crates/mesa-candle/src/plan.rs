@@ -17,7 +17,7 @@
 //! | QKV, FC₁, FC₂, `P·V` inputs | 0 (decoded from LN₁, LN₂, `u`, `P`) | — |
 //! | linear attention's states | 0 (its core reruns in backward) | — |
 //!
-//! [`Recompute::Full`](crate::layer::Recompute::Full) keeps `x` only. A stack of `L` layers
+//! [`Recompute::Full`] keeps `x` only. A stack of `L` layers
 //! also keeps its output (the head's input, `4NC` per sequence): that is the quantity of
 //! [`measure`](crate::layer::measure::measure) for the stack — every layer's input included,
 //! parameters and gradients excluded.
