@@ -510,7 +510,7 @@ impl PlanConfig {
                     }
                 }
                 AttentionKind::Linear { causal, chunk, features, normalize, states } => {
-                    let w = h / a + u64::from(normalize);
+                    let w = (h / a).checked_add(u64::from(normalize)).ok_or_else(|| too_large("state width"))?;
                     let state = product(&[b, heads, features, w], "linear-attention state")?;
                     let kept = match states {
                         LinearStates::Boundary if causal => {
