@@ -3,7 +3,8 @@
 //! mesa-kernels inside candle (candle-core 0.11): a zero-copy bridge from candle's devices,
 //! storage and layouts to the kernels' devices and tensor views ([`View`], [`Output`],
 //! [`kernel_device`]); ops with forward and backward in candle's autograd ([`ops`]); and a
-//! transformer layer as one op that keeps only codes for backward ([`layer`]). How they fit
+//! transformer layer as one op that keeps only codes for backward ([`layer`]); the bytes a
+//! stack of them keeps, predicted ([`plan`]). How they fit
 //! and what was measured: `docs/candle.md`.
 //!
 //! # Stream contract
@@ -45,6 +46,7 @@ mod error;
 pub mod layer;
 pub mod memory;
 pub mod ops;
+pub mod plan;
 
 pub use bridge::{kernel_device, kernel_layout, KernelFloat, Output, View};
 pub use error::{as_mesa_error, Error};

@@ -13,6 +13,9 @@
 //! * [`linear_attention`] + [`feature_map`]: chunked causal and bidirectional linear
 //!   attention (SLiM, Performer FAVOR+) with exact gradients and a saved state that can be
 //!   independent of the sequence length.
+//! * [`plan`]: the activation-memory planner: bytes a layer keeps for backward per tensor,
+//!   for each precision, parallelism and recomputation (Korthikanti et al. 2022, Table 2),
+//!   and the largest micro-batch or sequence that fits a budget.
 //!
 //! Every op runs on a [`Device`]: a CUDA stream (through cudarc; candle's buffers and
 //! streams pass straight in) or the host emulation, which compiles the same kernel source
@@ -86,6 +89,7 @@ mod host_buffer;
 mod launch;
 mod layout;
 pub mod linear_attention;
+pub mod plan;
 mod probe;
 pub mod quant;
 pub mod reference;

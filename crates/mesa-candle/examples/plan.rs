@@ -1,0 +1,151 @@
+//! The activation-memory planner on named configurations: bytes kept for backward per layer
+//! and for the stack, and the largest micro-batch that fits a budget.
+//!
+//! `cargo run --release -p mesa-candle --example plan -- [--budget-gib 80] [--seq N]`
+//!
+//! * the paper's GPT-3 175B and MT-NLG 530B settings (Korthikanti et al. 2022, Table 3:
+//!   `t = 8`, `s = 2048`, `b = 1`), in the six settings of its Table 2 (16-bit activations,
+//!   1-byte masks) and with 8-bit codes in place of the 16-bit activations (Mesa's
+//!   re-investment of the saved memory in a larger micro-batch). Per tensor-parallel rank,
+//!   all `L` layers: the first pipeline stage's activations under 1F1B (§4.4), embedding and
+//!   output layer not included;
+//! * the training example's own model ([`TRAIN_EXAMPLE`]: change it there), for issue 15's
+//!   runs (a)–(f) on mesa-candle's layer ([`mesa_candle::plan`]: every layer's input and the
+//!   stack's output included).
+use mesa_candle::layer::{Attention, DropoutConfig, LayerConfig, Recompute};
+use mesa_candle::ops::FeatureKind;
+use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
+use mesa_kernels::plan::{
+    largest_micro_batch, CodeFormat, MaskStorage, ModelShape, Parallelism, PlanConfig, Precision,
+    Recompute as PlanRecompute, SavedPrecision,
+};
+
+/// The training example's model: (layers, hidden, heads, FFN, context, batch).
+const TRAIN_EXAMPLE: (usize, usize, usize, usize, usize, usize) = (4, 128, 4, 512, 128, 16);
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= GIB {
+        format!("{:.2} GiB", b / GIB)
+    } else if b >= 1024.0 * 1024.0 {
+        format!("{:.2} MiB", b / (1024.0 * 1024.0))
+    } else {
+        format!("{:.1} KiB", b / 1024.0)
+    }
+}
+
+fn fit(b: Option<u64>) -> String {
+    b.map_or("none".into(), |b| b.to_string())
+}
+
+fn paper(name: &str, shape: ModelShape, t: u64, budget: u64) -> Result<(), mesa_kernels::Error> {
+    println!(
+        "\n## {name}: L={} s={} b={} h={} a={} f={} t={t}\n",
+        shape.layers, shape.seq, shape.micro_batch, shape.hidden, shape.heads, shape.ffn
+    );
+    println!("| setting | per layer | {} layers | largest micro-batch in {} |", shape.layers, human(budget));
+    println!("|---|---:|---:|---:|");
+    let tp = |sequence| Parallelism { tensor: t, sequence };
+    let rows = [
+        ("no parallelism: sbh(34 + 5as/h)", Parallelism::none(), PlanRecompute::None),
+        ("tensor parallel: sbh(10 + 24/t + 5as/(ht))", tp(false), PlanRecompute::None),
+        ("tensor + sequence parallel: sbh(34/t + 5as/(ht))", tp(true), PlanRecompute::None),
+        ("tensor parallel + selective: sbh(10 + 24/t)", tp(false), PlanRecompute::Selective),
+        ("tensor + sequence parallel + selective: 34sbh/t", tp(true), PlanRecompute::Selective),
+        ("full recomputation: 2sbh", tp(false), PlanRecompute::Full),
+    ];
+    for (label, parallel, recompute) in rows {
+        let cfg = PlanConfig::megatron(shape, parallel, recompute);
+        let plan = cfg.plan()?;
+        let b = largest_micro_batch(&cfg, budget)?;
+        println!("| {label} | {} | {} | {} |", human(plan.layer.total), human(plan.total), fit(b));
+    }
+    // the same with 8-bit codes (one offset and scale per head), masks regenerated from a
+    // seed, the FC inputs rebuilt from their producers' codes
+    for (label, recompute) in
+        [("TP + SP, 8-bit codes", PlanRecompute::None), ("TP + SP + selective, 8-bit codes", PlanRecompute::Selective)]
+    {
+        let mut cfg = PlanConfig::megatron(shape, tp(true), recompute);
+        cfg.dropout.masks = MaskStorage::Regenerated;
+        cfg.saved = SavedPrecision {
+            norm_row_bytes: 8,
+            shared_inputs: true,
+            ..SavedPrecision::uniform(Precision::Codes(CodeFormat::per_head(8)))
+        };
+        let plan = cfg.plan()?;
+        let b = largest_micro_batch(&cfg, budget)?;
+        println!("| {label} | {} | {} | {} |", human(plan.layer.total), human(plan.total), fit(b));
+    }
+    Ok(())
+}
+
+fn train_example(budget: u64) -> Result<(), mesa_candle::Error> {
+    let (layers, hidden, heads, ffn, seq, batch) = TRAIN_EXAMPLE;
+    println!(
+        "\n## training example: L={layers} hidden={hidden} heads={heads} FFN={ffn} context={seq} batch={batch} (mesa-candle's layer, f32 model)\n"
+    );
+    println!("| run | bytes alive for backward | largest batch in {} |", human(budget));
+    println!("|---|---:|---:|");
+    let base = LayerConfig {
+        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+        ..LayerConfig::new(hidden, heads, ffn)
+    };
+    let estimate = mesa_candle::plan::reference_stack_estimate(&base, layers, batch, seq)?;
+    let fits = mesa_candle::plan::largest_reference_batch(&base, layers, seq, budget)?;
+    println!(
+        "| (a) f32, plain-f32 estimate (candle's graph keeps more: docs/plan.md) | {} | {} |",
+        human(estimate),
+        fit(fits)
+    );
+    let linear = LinearAttentionConfig { chunk: 64, memory: MemoryMode::Slim, ..LinearAttentionConfig::causal() };
+    let runs = [
+        ("(b), (c) 8-bit codes", base.clone()),
+        ("(d) 4-bit codes", LayerConfig { bits: 4, ..base.clone() }),
+        (
+            "(e) linear attention (SLiM), 8-bit codes",
+            LayerConfig {
+                attention: Attention::Linear { config: linear, map: FeatureKind::Elu1 },
+                dropout: DropoutConfig { attention: 0.0, ..base.dropout },
+                ..base.clone()
+            },
+        ),
+        ("(f) 8-bit codes, selective recomputation", LayerConfig { recompute: Recompute::Selective, ..base.clone() }),
+    ];
+    for (name, cfg) in runs {
+        let bytes = mesa_candle::plan::layer_stack_saved_bytes(&cfg, layers, batch, seq)?;
+        let b = mesa_candle::plan::largest_batch(&cfg, layers, seq, budget)?;
+        println!("| {name} | {} | {} |", human(bytes), fit(b));
+    }
+    Ok(())
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut budget_gib = 80.0f64;
+    let mut seq = 2048u64;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--budget-gib" => budget_gib = it.next().ok_or("--budget-gib needs a value")?.parse()?,
+            "--seq" => seq = it.next().ok_or("--seq needs a value")?.parse()?,
+            "--help" | "-h" => {
+                println!("cargo run --release -p mesa-candle --example plan -- [--budget-gib 80] [--seq 2048]");
+                return Ok(());
+            }
+            other => return Err(format!("unknown argument {other} (--help)").into()),
+        }
+    }
+    if !(budget_gib.is_finite() && budget_gib > 0.0) {
+        return Err("--budget-gib must be positive".into());
+    }
+    let budget = (budget_gib * GIB) as u64;
+    println!("# activation memory per rank, planned (mesa_kernels::plan); budget {}", human(budget));
+    let gpt3 = ModelShape { layers: 96, seq, micro_batch: 1, hidden: 12288, heads: 96, ffn: 4 * 12288 };
+    let mtnlg = ModelShape { layers: 105, seq, micro_batch: 1, hidden: 20480, heads: 128, ffn: 4 * 20480 };
+    paper("GPT-3 175B", gpt3, 8, budget)?;
+    paper("MT-NLG 530B", mtnlg, 8, budget)?;
+    train_example(budget)?;
+    Ok(())
+}
