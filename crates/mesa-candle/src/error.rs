@@ -109,7 +109,9 @@ impl From<mesa_kernels::Error> for Error {
 
 impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {
-        candle_core::Error::WrappedContext { wrapped: Box::new(e), context: "mesa-candle".into() }
+        // the message as the context: candle's `Display` of `WrappedContext` shows the context only
+        let context = format!("mesa-candle: {e}");
+        candle_core::Error::WrappedContext { wrapped: Box::new(e), context }
     }
 }
 

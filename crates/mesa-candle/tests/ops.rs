@@ -487,34 +487,34 @@ fn f64_is_computed_in_f32() {
     let dev = common::device();
     type Run = Box<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>>;
     let cases: Vec<(&str, Vec<Vec<usize>>, Vec<usize>, Run)> = vec![
-        ("gelu", vec![vec![5, 7]], vec![5, 7], Box::new(|t| Gelu::new(GeluForm::Erf, exact(8)).forward(&t[0]))),
-        ("softmax", vec![vec![3, 9]], vec![3, 9], Box::new(|t| Softmax::new(8).forward(&t[0], None))),
+        ("gelu", vec![vec![5, 7]], vec![5, 7], Box::new(|t: &[Tensor]| Gelu::new(GeluForm::Erf, exact(8)).forward(&t[0])) as Run),
+        ("softmax", vec![vec![3, 9]], vec![3, 9], Box::new(|t: &[Tensor]| Softmax::new(8).forward(&t[0], None)) as Run),
         (
             "layer norm",
             vec![vec![4, 12], vec![12], vec![12]],
             vec![4, 12],
-            Box::new(|t| LayerNorm::new(1e-5, exact(8)).forward(&t[0], &t[1], &t[2])),
+            Box::new(|t: &[Tensor]| LayerNorm::new(1e-5, exact(8)).forward(&t[0], &t[1], &t[2])) as Run,
         ),
         (
             "rms norm",
             vec![vec![4, 12], vec![12]],
             vec![4, 12],
-            Box::new(|t| RmsNorm::new(1e-5, exact(8)).forward(&t[0], &t[1])),
+            Box::new(|t: &[Tensor]| RmsNorm::new(1e-5, exact(8)).forward(&t[0], &t[1])) as Run,
         ),
         (
             "linear",
             vec![vec![6, 10], vec![4, 10], vec![4]],
             vec![6, 4],
-            Box::new(|t| CodedLinear::new(exact(8)).forward(&t[0], &t[1], Some(&t[2]))),
+            Box::new(|t: &[Tensor]| CodedLinear::new(exact(8)).forward(&t[0], &t[1], Some(&t[2]))) as Run,
         ),
         (
             "linear attention",
             vec![vec![1, 2, 20, 4], vec![1, 2, 20, 4], vec![1, 2, 20, 3]],
             vec![1, 2, 20, 3],
-            Box::new(|t| {
+            Box::new(|t: &[Tensor]| {
                 let config = LinearAttentionConfig { chunk: 8, ..LinearAttentionConfig::causal() };
                 LinearAttention::new(config, FeatureKind::Elu1).forward(&t[0], &t[1], &t[2])
-            }),
+            }) as Run,
         ),
     ];
     for (op, shapes, out, run) in cases {
