@@ -76,7 +76,10 @@ impl fmt::Display for Error {
         match self {
             Error::Kernel(e) => write!(f, "mesa-kernels: {e}"),
             Error::UnsupportedDType { op, dtype } => {
-                write!(f, "{op}: dtype {dtype:?} is not supported (ops: f32, f16, bf16, f64 computed in f32; layer: f32)")
+                write!(
+                    f,
+                    "{op}: dtype {dtype:?} is not supported (ops: f32, f16, bf16, f64 computed in f32; layer: f32)"
+                )
             }
             Error::UnsupportedDevice { op, device } => write!(f, "{op}: device {device} is not supported"),
             Error::DeviceMismatch { op } => write!(f, "{op}: tensors on different devices"),

@@ -462,7 +462,11 @@ fn bad_ranks_and_shapes_are_typed_errors() {
     rank("linear scalar", CodedLinear::new(exact(8)).forward(&scalar, &z(&[1, 1]), None), "linear input");
     rank("linear weight [8]", CodedLinear::new(exact(8)).forward(&z(&[4, 8]), &z(&[8]), None), "linear weight");
     rank("linear attention q rank 3", la.forward(&z(&[2, 5, 4]), &z(&[2, 5, 4]), &z(&[2, 5, 4])), "queries");
-    rank("linear attention q rank 5", la.forward(&z(&[1, 1, 2, 5, 4]), &z(&[1, 2, 5, 4]), &z(&[1, 2, 5, 4])), "queries");
+    rank(
+        "linear attention q rank 5",
+        la.forward(&z(&[1, 1, 2, 5, 4]), &z(&[1, 2, 5, 4]), &z(&[1, 2, 5, 4])),
+        "queries",
+    );
     rank("linear attention k rank 3", la.forward(&z(&[1, 2, 5, 4]), &z(&[2, 5, 4]), &z(&[1, 2, 5, 4])), "keys");
     rank("linear attention v rank 3", la.forward(&z(&[1, 2, 5, 4]), &z(&[1, 2, 5, 4]), &z(&[2, 5, 4])), "values");
     let shape = |what: &str, r: candle_core::Result<Tensor>| {
@@ -487,7 +491,12 @@ fn f64_is_computed_in_f32() {
     let dev = common::device();
     type Run = Box<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>>;
     let cases: Vec<(&str, Vec<Vec<usize>>, Vec<usize>, Run)> = vec![
-        ("gelu", vec![vec![5, 7]], vec![5, 7], Box::new(|t: &[Tensor]| Gelu::new(GeluForm::Erf, exact(8)).forward(&t[0])) as Run),
+        (
+            "gelu",
+            vec![vec![5, 7]],
+            vec![5, 7],
+            Box::new(|t: &[Tensor]| Gelu::new(GeluForm::Erf, exact(8)).forward(&t[0])) as Run,
+        ),
         ("softmax", vec![vec![3, 9]], vec![3, 9], Box::new(|t: &[Tensor]| Softmax::new(8).forward(&t[0], None)) as Run),
         (
             "layer norm",

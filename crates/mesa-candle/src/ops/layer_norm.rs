@@ -43,7 +43,12 @@ impl LayerNorm {
         check_rank("layer norm input [..., C]", x, 1, true)?;
         let cols = x.dims().last().copied().unwrap_or(0);
         if cols == 0 {
-            return Err(Error::Shape { what: "layer norm input [..., C], C ≥ 1".into(), expected: vec![1], got: x.dims().to_vec() }.into());
+            return Err(Error::Shape {
+                what: "layer norm input [..., C], C ≥ 1".into(),
+                expected: vec![1],
+                got: x.dims().to_vec(),
+            }
+            .into());
         }
         for (t, what) in [(weight, "layer norm weight"), (bias, "layer norm bias")] {
             if t.dims() != [cols] {

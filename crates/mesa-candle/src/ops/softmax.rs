@@ -80,13 +80,16 @@ impl Softmax {
 /// A mask of shape `mask` can be read as `x`'s shape by stride 0 (numpy's rule, right-aligned:
 /// each of its dims 1 or `x`'s), else [`Error::Shape`].
 fn broadcasts_to(mask: &[usize], x: &[usize]) -> candle_core::Result<()> {
-    let fits = mask.len() <= x.len()
-        && mask.iter().rev().zip(x.iter().rev()).all(|(&m, &d)| m == 1 || m == d);
+    let fits = mask.len() <= x.len() && mask.iter().rev().zip(x.iter().rev()).all(|(&m, &d)| m == 1 || m == d);
     if fits {
         Ok(())
     } else {
-        Err(Error::Shape { what: "softmax mask (broadcast to the input)".into(), expected: x.to_vec(), got: mask.to_vec() }
-            .into())
+        Err(Error::Shape {
+            what: "softmax mask (broadcast to the input)".into(),
+            expected: x.to_vec(),
+            got: mask.to_vec(),
+        }
+        .into())
     }
 }
 
