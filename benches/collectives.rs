@@ -22,7 +22,8 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
 use mesa_kernels::{Buffer, Device, Epilogue, Layout, SeqParallelGroup, SeqSplits, TensorMut, TensorRef};
 
-/// H200 copy bandwidth (bytes/s), the floor's denominator (BRIEF §8).
+/// H200 device-to-device copy bandwidth (bytes/s), the floor's denominator (an assumed
+/// figure, not measured here: `docs/results.md`).
 const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
 
 fn device() -> Device {

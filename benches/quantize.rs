@@ -26,8 +26,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Thro
 use half::bf16;
 use mesa_kernels::{Buffer, Device, Layout, QuantConfig, Quantizer, SavedActivation, StatsMode, TensorMut, TensorRef};
 
-/// Measured device-to-device copy bandwidth of an H200 (bytes/s), the floor's denominator
-/// (docs, BRIEF §8).
+/// Device-to-device copy bandwidth of an H200 (bytes/s), the floor's denominator
+/// (an assumed figure, not measured here: `docs/results.md`).
 const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
 
 /// A realistic attention activation [B, N, H, D], bf16, grouped per head (axis 2); 134M
