@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # check-resources.sh — the compiler's resource report for every kernel, without a GPU
-# (BRIEF §8): compiles each kernels/*.cu to a cubin per architecture with `-Xptxas -v` and
+# (docs/kernels.md): compiles each kernels/*.cu to a cubin per architecture with `-Xptxas -v` and
 # prints, per kernel, registers, shared memory, stack frame, spills and local memory.
 # Fails (exit 1) when any kernel has spill stores/loads, a stack frame or local memory
 # (> 0 bytes), or when a file does not compile.

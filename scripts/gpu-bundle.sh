@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gpu-bundle.sh — build what a GPU run needs on this (CPU) machine into bundle/ (git-ignored),
-# for a GPU machine that has no Rust toolchain (BRIEF §7). What bundle/run.sh does there, and
+# for a GPU machine that has no Rust toolchain. What bundle/run.sh does there, and
 # how to carry it, is in README.md ("GPU runs").
 #
 #   scripts/gpu-bundle.sh          # build (reusing CI's CUDA build) + assemble bundle/

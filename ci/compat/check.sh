@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
-# Type-checks the build-compatibility crates named as arguments (default: both), as .ci/run
-# does for candle-cuda: ci/compat/README.md says what each proves. Needs CUDA_HOME (the pinned
+# Type-checks the build-compatibility crates named as arguments (default: all three checks),
+# as .ci/run does: ci/compat/README.md says what each proves. Needs CUDA_HOME (the pinned
 # nvcc wheels, see README.md); no GPU. Target dir: target/compat (or CARGO_TARGET_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${CUDA_HOME:?set CUDA_HOME to the pinned CUDA 13.0 wheels (README.md)}"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target/compat}
-[ $# -gt 0 ] || set -- candle-cuda cubecl-cuda
+[ $# -gt 0 ] || set -- candle-cuda candle-tests cubecl-cuda
+# candle-kernels' build script gets the check-only nvcc and a compute capability (candle-cuda, candle-tests)
+candle_env=(PATH="$CUDA_HOME/bin:$PATH" NVCC=$PWD/ci/compat/nvcc-check-only CUDA_COMPUTE_CAP=80 MESA_CUDA_DISABLE=1)
 for c in "$@"; do
   t0=$SECONDS
   case "$c" in
     # candle-kernels' build script compiles candle's kernels for CUDA_COMPUTE_CAP through
     # nvcc-check-only (PTX, device -O0: nothing is linked; its -O3 SASS build takes ~2-5 min
     # per file on 2 cores)
-    candle-cuda) PATH="$CUDA_HOME/bin:$PATH" NVCC=$PWD/ci/compat/nvcc-check-only CUDA_COMPUTE_CAP=80 \
-      MESA_CUDA_DISABLE=1 cargo check --release --locked --manifest-path ci/compat/candle-cuda/Cargo.toml ;;
+    candle-cuda) env "${candle_env[@]}" cargo check --release --locked --manifest-path ci/compat/candle-cuda/Cargo.toml ;;
+    # mesa-candle's tests in the `cuda` configuration (they run on candle's CUDA device where
+    # one is): type-checked only. The workspace's release profile without debuginfo, as the
+    # compatibility crates' own, so candle-kernels and most of candle's graph are reused
+    candle-tests) env "${candle_env[@]}" CARGO_PROFILE_RELEASE_DEBUG=0 \
+      cargo check --release --locked --tests -p mesa-candle --features cuda ;;
     # cubecl-cuda pulls cubecl-llvm, whose tracel-llvm-bundler downloads a native LLVM in its
     # build script unless DOCS_RS is set (then it skips it, as on docs.rs): a type-check needs none
     cubecl-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
       cargo check --release --locked --manifest-path ci/compat/cubecl-cuda/Cargo.toml ;;
-    *) echo "unknown compatibility crate: $c (candle-cuda, cubecl-cuda)"; exit 2 ;;
+    *) echo "unknown compatibility check: $c (candle-cuda, candle-tests, cubecl-cuda)"; exit 2 ;;
   esac
   echo "compatibility check $c: $((SECONDS - t0))s"
 done

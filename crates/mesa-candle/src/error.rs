@@ -10,7 +10,8 @@ use std::fmt;
 pub enum Error {
     /// A kernel rejected its arguments or failed.
     Kernel(mesa_kernels::Error),
-    /// The op does not take this candle dtype (the kernels take f32, f16 and bf16).
+    /// The op does not take this candle dtype (the ops take f32, f16 and bf16, and f64
+    /// computed in f32; the transformer layer takes f32).
     UnsupportedDType {
         /// The op.
         op: &'static str,
@@ -29,6 +30,17 @@ pub enum Error {
     DeviceMismatch {
         /// The op.
         op: &'static str,
+    },
+    /// A tensor of a rank the op does not take.
+    Rank {
+        /// The tensor, with the layout the op reads (e.g. `"queries [B, H, L, d]"`).
+        what: String,
+        /// The rank needed (the least rank, when `at_least`).
+        expected: usize,
+        /// Whether a larger rank is also accepted.
+        at_least: bool,
+        /// The shape given.
+        got: Vec<usize>,
     },
     /// A shape that does not fit the op or the layer's configuration.
     Shape {
@@ -64,10 +76,17 @@ impl fmt::Display for Error {
         match self {
             Error::Kernel(e) => write!(f, "mesa-kernels: {e}"),
             Error::UnsupportedDType { op, dtype } => {
-                write!(f, "{op}: dtype {dtype:?} is not supported (f32, f16, bf16)")
+                write!(
+                    f,
+                    "{op}: dtype {dtype:?} is not supported (ops: f32, f16, bf16, f64 computed in f32; layer: f32)"
+                )
             }
             Error::UnsupportedDevice { op, device } => write!(f, "{op}: device {device} is not supported"),
             Error::DeviceMismatch { op } => write!(f, "{op}: tensors on different devices"),
+            Error::Rank { what, expected, at_least, got } => {
+                let least = if *at_least { "at least " } else { "" };
+                write!(f, "{what}: expected rank {least}{expected}, got shape {got:?} (rank {})", got.len())
+            }
             Error::Shape { what, expected, got } => write!(f, "{what}: expected shape {expected:?}, got {got:?}"),
             Error::InvalidArgument { name, why } => write!(f, "{name}: {why}"),
             Error::MissingParameter { name } => write!(f, "checkpoint has no parameter {name}"),
@@ -93,7 +112,9 @@ impl From<mesa_kernels::Error> for Error {
 
 impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {
-        candle_core::Error::WrappedContext { wrapped: Box::new(e), context: "mesa-candle".into() }
+        // the message as the context: candle's `Display` of `WrappedContext` shows the context only
+        let context = format!("mesa-candle: {e}");
+        candle_core::Error::WrappedContext { wrapped: Box::new(e), context }
     }
 }
 

@@ -19,23 +19,10 @@
 //!
 //! # Swapping a layer
 //!
-//! ```no_run
-//! use candle_core::{Device, Module, Tensor};
-//! use mesa_candle::layer::{LayerConfig, NormPlacement, Recompute, TransformerLayer};
-//!
-//! fn main() -> candle_core::Result<()> {
-//!     let device = Device::Cpu; // a CUDA device with the `cuda` feature: candle's own stream
-//!     let tensors = candle_core::safetensors::load("model.safetensors", &device)?;
-//!     let config = LayerConfig { norm: NormPlacement::Pre, recompute: Recompute::Selective, bits: 8, ..LayerConfig::new(768, 12, 3072) };
-//!     // was: a block of candle-nn Linear / LayerNorm / softmax ops reading "h.0.attn.q_proj.weight", …
-//!     let layer = TransformerLayer::from_tensors(config, &tensors, "h.0.", &device)?;
-//!     let x = Tensor::randn(0f32, 1.0, (2, 128, 768), &device)?;
-//!     let y = layer.forward(&x)?; // one node of candle's graph over (x, layer.params())
-//!     let grads = y.sum_all()?.backward()?; // every gradient from codes, our kernels and candle's matmuls
-//!     let _flat = grads.get(layer.params().as_tensor()); // named by layer.layout().unflatten(..)
-//!     Ok(())
-//! }
-//! ```
+//! The repository's README ("Using it from candle") shows how a candle model swaps its
+//! transformer layer for [`TransformerLayer`] in a few lines; `examples/candle_layer.rs`
+//! does it (weights loaded by name with [`TransformerLayer::from_tensors`]) and prints the
+//! measured bytes and gradient parity.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 #![warn(missing_debug_implementations)]

@@ -1,7 +1,8 @@
 //! The transformer-layer op against the same layer written with candle's differentiable ops
 //! in f64: forward (exact: the codes only enter the backward) and gradient parity per
 //! parameter, for pre-/post-LN, softmax and linear attention, each recomputation policy,
-//! with dropout.
+//! with dropout. Our layer runs on [`common::device`] (candle's CUDA device in a `cuda`
+//! build with a GPU, else the CPU), the reference on the CPU.
 mod common;
 
 use candle_core::{DType, Device, Module, Tensor};
@@ -33,11 +34,13 @@ fn both(
     dy: &Tensor,
     seed: u64,
 ) -> (Vec<f64>, Vec<f64>, Vec<(String, Vec<f64>, Vec<f64>)>) {
-    let layer = TransformerLayer::new(config.clone(), &Device::Cpu).unwrap();
-    let xv = candle_core::Var::from_tensor(x).unwrap();
+    let dev = common::device();
+    let layer = TransformerLayer::new(config.clone(), &dev).unwrap();
+    let xv = candle_core::Var::from_tensor(&x.to_device(&dev).unwrap()).unwrap();
     let y = layer.forward_seeded(xv.as_tensor(), seed).unwrap();
-    let g = (&y * dy).unwrap().sum_all().unwrap().backward().unwrap();
-    let vars = reference::variables(layer.layout(), layer.params().as_tensor(), DType::F64).unwrap();
+    let g = (&y * dy.to_device(&dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let params = layer.params().as_tensor().to_device(&Device::Cpu).unwrap();
+    let vars = reference::variables(layer.layout(), &params, DType::F64).unwrap();
     let x64 = candle_core::Var::from_tensor(&x.to_dtype(DType::F64).unwrap()).unwrap();
     let y_ref = reference::forward(config, &vars, x64.as_tensor(), seed).unwrap();
     let g_ref = (&y_ref * dy.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();

@@ -1,7 +1,7 @@
 //! Bytes alive for backward, measured with the counting allocator (its own test binary:
 //! the global allocator counts every thread, so this file holds one test).
 //!
-//! Targets (issue 14): at 8 bits, bytes alive after one layer's forward ≤ 0.30× the
+//! Targets (`docs/candle.md`): at 8 bits, bytes alive after one layer's forward ≤ 0.30× the
 //! plain-candle f32 layer's, without and with selective recomputation; with selective
 //! recomputation nothing kept grows with N².
 use std::collections::HashMap;

@@ -1,8 +1,11 @@
 //! Gradients of the mesa-candle ops against the same computation written with candle's
-//! differentiable ops in f64, on CPU (the host emulation of the kernels).
+//! differentiable ops in f64 (on the CPU), our ops on [`common::device`]: candle's CUDA
+//! device in a `cuda` build with a GPU, else the CPU (the host emulation of the kernels).
 //!
-//! Every bound is derived from the codes' quantization step and the dtype's unit roundoff
-//! `u` (f32 2⁻²⁴, f16 2⁻¹¹, bf16 2⁻⁸), written next to the assertion:
+//! Every bound is derived from the codes' quantization step and the unit roundoff `u` of
+//! the precision the op computes in (f32 2⁻²⁴, f16 2⁻¹¹, bf16 2⁻⁸; f64 tensors are computed
+//! in f32, so `u = 2⁻²⁴` for them, on f32-valued inputs: [`common::Rng::tensor`]), written
+//! next to the assertion:
 //! * decoding: round to nearest leaves `|x̂ − x| ≤ h = step/2` (plus the f32 `fmaf` of the
 //!   decode, `≤ u₃₂·max|x|`); the tests use exact per-batch statistics, so the step is
 //!   `(max − min)/(2^bits − 1)` of the tensor that was encoded;
@@ -11,13 +14,14 @@
 mod common;
 
 use candle_core::{DType, Module, Tensor, D};
-use common::{assert_within, flat, grads, to_f64, unit, Rng};
+use common::{assert_within, flat, grads, grads_on, to_f64, unit, Rng};
 use mesa_candle::ops::{CodedLinear, FeatureKind, Gelu, LayerNorm, LinearAttention, RmsNorm, Softmax};
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
 use mesa_kernels::{GeluForm, QuantConfig, StatsMode};
 
 const U32: f64 = 1.0 / 16_777_216.0;
-const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+/// Every float dtype candle's CPU and CUDA backends hold.
+const DTYPES: [DType; 4] = [DType::F64, DType::F32, DType::F16, DType::BF16];
 
 /// 8-bit codes, one group, exact statistics: the step is known from the data.
 fn exact(bits: u32) -> QuantConfig {
@@ -54,6 +58,7 @@ fn gelu_second_derivative_bound(form: GeluForm) -> f64 {
 #[test]
 fn gelu_gradients_match_f64_candle_within_the_code_step() {
     let mut rng = Rng::new("gelu");
+    let dev = common::device();
     for form in [GeluForm::Erf, GeluForm::Tanh] {
         let lip = gelu_second_derivative_bound(form);
         for dtype in DTYPES {
@@ -61,7 +66,7 @@ fn gelu_gradients_match_f64_candle_within_the_code_step() {
             let x = rng.tensor(&[37, 6], 0.0, 2.0, dtype).t().unwrap();
             let dy = rng.tensor(&[6, 37], 0.0, 1.0, dtype);
             let op = Gelu::new(form, exact(8));
-            let (y, g) = grads(std::slice::from_ref(&x), &dy, |t| op.forward(&t[0]));
+            let (y, g) = grads_on(&dev, std::slice::from_ref(&x), &dy, |t| op.forward(&t[0]));
             let (y_ref, g_ref) = grads(&to_f64(std::slice::from_ref(&x)), &dy, |t| match form {
                 GeluForm::Erf => t[0].gelu_erf(),
                 GeluForm::Tanh => t[0].gelu(),
@@ -91,6 +96,7 @@ fn softmax_ref(z: &Tensor) -> candle_core::Result<Tensor> {
 #[test]
 fn softmax_with_mask_gradients_match_f64_candle_within_the_code_step() {
     let mut rng = Rng::new("softmax");
+    let dev = common::device();
     let (b, h, n, m) = (2, 3, 5, 19);
     for dtype in DTYPES {
         let x = rng.tensor(&[b, h, n, m], 0.0, 2.0, dtype);
@@ -102,7 +108,8 @@ fn softmax_with_mask_gradients_match_f64_candle_within_the_code_step() {
         let mask = Tensor::from_vec(mask, (b, 1, 1, m), &candle_core::Device::Cpu).unwrap().to_dtype(dtype).unwrap();
         let dy = rng.tensor(&[b, h, n, m], 0.0, 1.0, dtype);
         let op = Softmax::new(8);
-        let (y, g) = grads(std::slice::from_ref(&x), &dy, |t| op.forward(&t[0], Some(&mask)));
+        let mask_on = mask.to_device(&dev).unwrap();
+        let (y, g) = grads_on(&dev, std::slice::from_ref(&x), &dy, |t| op.forward(&t[0], Some(&mask_on)));
         let mask64 = mask.to_dtype(DType::F64).unwrap();
         let (y_ref, g_ref) =
             grads(&to_f64(std::slice::from_ref(&x)), &dy, |t| softmax_ref(&t[0].broadcast_add(&mask64)?));
@@ -189,6 +196,7 @@ fn norm_bounds(xhat: &[f64], rstd: &[f64], w: &[f64], dy: &[f64], h: f64) -> Nor
 #[test]
 fn layer_norm_gradients_match_f64_candle_within_the_code_step() {
     let mut rng = Rng::new("layer_norm");
+    let dev = common::device();
     let (rows, cols, eps) = (9, 48, 1e-5);
     for dtype in DTYPES {
         let x = rng.tensor(&[3, rows / 3, cols], 3.0, 2.0, dtype);
@@ -197,7 +205,7 @@ fn layer_norm_gradients_match_f64_candle_within_the_code_step() {
         let dy = rng.tensor(&[3, rows / 3, cols], 0.0, 1.0, dtype);
         let op = LayerNorm::new(eps as f32, exact(8));
         let inputs = [x.clone(), w.clone(), b.clone()];
-        let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1], &t[2]));
+        let (y, g) = grads_on(&dev, &inputs, &dy, |t| op.forward(&t[0], &t[1], &t[2]));
         let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| layer_norm_ref(t, eps));
         let u = unit(dtype);
         let (xs, ws, dys) = (flat(&x), flat(&w), flat(&dy));
@@ -216,6 +224,7 @@ fn layer_norm_gradients_match_f64_candle_within_the_code_step() {
 #[test]
 fn rms_norm_gradients_match_f64_candle_within_the_code_step() {
     let mut rng = Rng::new("rms_norm");
+    let dev = common::device();
     let (rows, cols, eps) = (7, 40, 1e-6);
     for dtype in DTYPES {
         let x = rng.tensor(&[rows, cols], 0.5, 2.0, dtype);
@@ -223,7 +232,7 @@ fn rms_norm_gradients_match_f64_candle_within_the_code_step() {
         let dy = rng.tensor(&[rows, cols], 0.0, 1.0, dtype);
         let op = RmsNorm::new(eps as f32, exact(8));
         let inputs = [x.clone(), w.clone()];
-        let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1]));
+        let (y, g) = grads_on(&dev, &inputs, &dy, |t| op.forward(&t[0], &t[1]));
         let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| {
             let rstd = (t[0].sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
             t[0].broadcast_mul(&rstd)?.broadcast_mul(&t[1])
@@ -245,6 +254,7 @@ fn rms_norm_gradients_match_f64_candle_within_the_code_step() {
 #[test]
 fn coded_linear_weight_gradient_is_within_the_input_code_step() {
     let mut rng = Rng::new("linear");
+    let dev = common::device();
     let (rows, n_in, n_out) = (13, 24, 10);
     for dtype in DTYPES {
         let x = rng.tensor(&[rows, n_in], 0.0, 1.5, dtype);
@@ -253,7 +263,7 @@ fn coded_linear_weight_gradient_is_within_the_input_code_step() {
         let dy = rng.tensor(&[rows, n_out], 0.0, 1.0, dtype);
         let op = CodedLinear::new(exact(8));
         let inputs = [x.clone(), w.clone(), b.clone()];
-        let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1], Some(&t[2])));
+        let (y, g) = grads_on(&dev, &inputs, &dy, |t| op.forward(&t[0], &t[1], Some(&t[2])));
         let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| t[0].matmul(&t[1].t()?)?.broadcast_add(&t[2]));
         let u = unit(dtype);
         let (xs, ws, dys) = (flat(&x), flat(&w), flat(&dy));
@@ -334,8 +344,9 @@ fn linear_attention_ref(t: &[Tensor], map: &FeatureKind, causal: bool, eps: f64)
 #[test]
 fn linear_attention_gradients_match_f64_candle() {
     let mut rng = Rng::new("linear_attention");
+    let dev = common::device();
     let (b, h, l, d, dv) = (1, 2, 45, 8, 6);
-    let favor = LinearAttention::favor(&candle_core::Device::Cpu, 16, d, 7).unwrap();
+    let favor = LinearAttention::favor(&dev, 16, d, 7).unwrap();
     for map in [FeatureKind::Relu, FeatureKind::Elu1, favor] {
         for (causal, memory) in
             [(true, MemoryMode::BoundaryStates), (true, MemoryMode::Slim), (false, MemoryMode::BoundaryStates)]
@@ -349,7 +360,7 @@ fn linear_attention_gradients_match_f64_candle() {
                 let dy = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
                 let op = LinearAttention::new(config, map.clone());
                 let inputs = [q, k, v];
-                let (y, g) = grads(&inputs, &dy, |t| op.forward(&t[0], &t[1], &t[2]));
+                let (y, g) = grads_on(&dev, &inputs, &dy, |t| op.forward(&t[0], &t[1], &t[2]));
                 let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| linear_attention_ref(t, &map, causal, 1e-6));
                 // f32 accumulation over n = L·(d + D) terms in at most three chained
                 // reductions (γ_n each, constant 16 with the feature map's exp), plus the
@@ -375,9 +386,6 @@ fn linear_attention_gradients_match_f64_candle() {
 fn bad_inputs_are_typed_errors_not_panics() {
     use mesa_candle::{as_mesa_error, Error};
     let cpu = candle_core::Device::Cpu;
-    let x64 = Tensor::zeros((4, 8), DType::F64, &cpu).unwrap();
-    let e = Gelu::erf().forward(&x64).unwrap_err();
-    assert!(matches!(as_mesa_error(&e), Some(Error::UnsupportedDType { dtype: DType::F64, .. })), "{e}");
     let x = Tensor::zeros((4, 8), DType::F32, &cpu).unwrap();
     let w7 = Tensor::ones(7, DType::F32, &cpu).unwrap();
     let e = LayerNorm::new(1e-5, exact(8)).forward(&x, &w7, &w7).unwrap_err();
@@ -399,6 +407,137 @@ fn bad_inputs_are_typed_errors_not_panics() {
     let la = LinearAttention::new(LinearAttentionConfig::causal(), FeatureKind::Elu1);
     let e = la.forward(&q, &k, &q).unwrap_err();
     assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
-    // a mask that does not broadcast is candle's own shape error
-    assert!(Softmax::default().forward(&x, Some(&Tensor::zeros((3, 8), DType::F32, &cpu).unwrap())).is_err());
+    // a mask that does not broadcast to the input: our shape error, before any kernel
+    let e = Softmax::default().forward(&x, Some(&Tensor::zeros((3, 8), DType::F32, &cpu).unwrap())).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    let e = Softmax::default().forward(&x, Some(&Tensor::zeros((2, 4, 8), DType::F32, &cpu).unwrap())).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+}
+
+/// Every op on every non-float dtype candle has: [`Error::UnsupportedDType`] naming it.
+#[test]
+fn non_float_dtypes_are_typed_errors() {
+    use mesa_candle::{as_mesa_error, Error};
+    let cpu = candle_core::Device::Cpu;
+    let la = LinearAttention::new(LinearAttentionConfig::causal(), FeatureKind::Elu1);
+    for dtype in [DType::U8, DType::U32, DType::I64] {
+        let x = Tensor::zeros((1, 2, 4, 8), dtype, &cpu).unwrap();
+        let w = Tensor::zeros(8, dtype, &cpu).unwrap();
+        let w2 = Tensor::zeros((3, 8), dtype, &cpu).unwrap();
+        let results = [
+            ("gelu", Gelu::erf().forward(&x)),
+            ("softmax", Softmax::default().forward(&x, None)),
+            ("layer norm", LayerNorm::new(1e-5, exact(8)).forward(&x, &w, &w)),
+            ("rms norm", RmsNorm::new(1e-5, exact(8)).forward(&x, &w)),
+            ("linear", CodedLinear::new(exact(8)).forward(&x, &w2, None)),
+            ("linear attention", la.forward(&x, &x, &x)),
+        ];
+        for (op, r) in results {
+            let e = r.unwrap_err();
+            assert!(
+                matches!(as_mesa_error(&e), Some(Error::UnsupportedDType { dtype: d, op: o }) if *d == dtype && *o == op),
+                "{op} {dtype:?}: {e}"
+            );
+        }
+    }
+}
+
+/// Inputs of the wrong rank or shape: [`Error::Rank`] or [`Error::Shape`] from every op and
+/// the message names the tensor, never candle's own `dims4()`-style error.
+#[test]
+fn bad_ranks_and_shapes_are_typed_errors() {
+    use mesa_candle::{as_mesa_error, Error};
+    let cpu = candle_core::Device::Cpu;
+    let z = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &cpu).unwrap();
+    let scalar = Tensor::new(1f32, &cpu).unwrap();
+    let la = LinearAttention::new(LinearAttentionConfig::causal(), FeatureKind::Elu1);
+    let rank = |what: &str, r: candle_core::Result<Tensor>, name: &str| {
+        let e = r.unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::Rank { what, .. }) if what.contains(name)), "{what}: {e}");
+        assert!(e.to_string().contains("expected rank"), "{what}: {e}");
+    };
+    rank("softmax scalar", Softmax::default().forward(&scalar, None), "softmax input");
+    rank("layer norm scalar", LayerNorm::new(1e-5, exact(8)).forward(&scalar, &z(&[1]), &z(&[1])), "layer norm input");
+    rank("rms norm scalar", RmsNorm::new(1e-5, exact(8)).forward(&scalar, &z(&[1])), "rms norm input");
+    rank("linear scalar", CodedLinear::new(exact(8)).forward(&scalar, &z(&[1, 1]), None), "linear input");
+    rank("linear weight [8]", CodedLinear::new(exact(8)).forward(&z(&[4, 8]), &z(&[8]), None), "linear weight");
+    rank("linear attention q rank 3", la.forward(&z(&[2, 5, 4]), &z(&[2, 5, 4]), &z(&[2, 5, 4])), "queries");
+    rank(
+        "linear attention q rank 5",
+        la.forward(&z(&[1, 1, 2, 5, 4]), &z(&[1, 2, 5, 4]), &z(&[1, 2, 5, 4])),
+        "queries",
+    );
+    rank("linear attention k rank 3", la.forward(&z(&[1, 2, 5, 4]), &z(&[2, 5, 4]), &z(&[1, 2, 5, 4])), "keys");
+    rank("linear attention v rank 3", la.forward(&z(&[1, 2, 5, 4]), &z(&[1, 2, 5, 4]), &z(&[2, 5, 4])), "values");
+    let shape = |what: &str, r: candle_core::Result<Tensor>| {
+        let e = r.unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{what}: {e}");
+    };
+    shape("layer norm C = 0", LayerNorm::new(1e-5, exact(8)).forward(&z(&[4, 0]), &z(&[0]), &z(&[0])));
+    shape("linear bias", CodedLinear::new(exact(8)).forward(&z(&[4, 8]), &z(&[3, 8]), Some(&z(&[4]))));
+    shape("linear attention values", la.forward(&z(&[1, 2, 5, 4]), &z(&[1, 2, 5, 4]), &z(&[1, 2, 6, 4])));
+    // the f64 path checks the same (after its casts)
+    let z64 = |dims: &[usize]| Tensor::zeros(dims, DType::F64, &cpu).unwrap();
+    rank("linear attention f64 q rank 3", la.forward(&z64(&[2, 5, 4]), &z64(&[2, 5, 4]), &z64(&[2, 5, 4])), "queries");
+}
+
+/// f64 tensors are computed in f32 (`docs/candle.md`): on general f64 inputs, every op's
+/// result and gradients are exactly those of the same op on the f32-rounded inputs and
+/// gradient, cast to f64 — bitwise, since the casts are the only difference. (Exact
+/// statistics and a fresh op per run: the codes are a function of the data alone.)
+#[test]
+fn f64_is_computed_in_f32() {
+    let mut rng = Rng::new("f64_in_f32");
+    let dev = common::device();
+    type Run = Box<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>>;
+    let cases: Vec<(&str, Vec<Vec<usize>>, Vec<usize>, Run)> = vec![
+        (
+            "gelu",
+            vec![vec![5, 7]],
+            vec![5, 7],
+            Box::new(|t: &[Tensor]| Gelu::new(GeluForm::Erf, exact(8)).forward(&t[0])) as Run,
+        ),
+        ("softmax", vec![vec![3, 9]], vec![3, 9], Box::new(|t: &[Tensor]| Softmax::new(8).forward(&t[0], None)) as Run),
+        (
+            "layer norm",
+            vec![vec![4, 12], vec![12], vec![12]],
+            vec![4, 12],
+            Box::new(|t: &[Tensor]| LayerNorm::new(1e-5, exact(8)).forward(&t[0], &t[1], &t[2])) as Run,
+        ),
+        (
+            "rms norm",
+            vec![vec![4, 12], vec![12]],
+            vec![4, 12],
+            Box::new(|t: &[Tensor]| RmsNorm::new(1e-5, exact(8)).forward(&t[0], &t[1])) as Run,
+        ),
+        (
+            "linear",
+            vec![vec![6, 10], vec![4, 10], vec![4]],
+            vec![6, 4],
+            Box::new(|t: &[Tensor]| CodedLinear::new(exact(8)).forward(&t[0], &t[1], Some(&t[2]))) as Run,
+        ),
+        (
+            "linear attention",
+            vec![vec![1, 2, 20, 4], vec![1, 2, 20, 4], vec![1, 2, 20, 3]],
+            vec![1, 2, 20, 3],
+            Box::new(|t: &[Tensor]| {
+                let config = LinearAttentionConfig { chunk: 8, ..LinearAttentionConfig::causal() };
+                LinearAttention::new(config, FeatureKind::Elu1).forward(&t[0], &t[1], &t[2])
+            }) as Run,
+        ),
+    ];
+    for (op, shapes, out, run) in cases {
+        let inputs: Vec<Tensor> = shapes.iter().map(|s| rng.tensor_f64(s, 0.3, 1.0)).collect();
+        let dy = rng.tensor_f64(&out, 0.0, 1.0);
+        let (y64, g64) = grads_on(&dev, &inputs, &dy, |t| {
+            assert!(t.iter().all(|t| t.dtype() == DType::F64));
+            run(t)
+        });
+        let inputs32: Vec<Tensor> = inputs.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect();
+        let (y32, g32) = grads_on(&dev, &inputs32, &dy.to_dtype(DType::F32).unwrap(), |t| run(t));
+        assert_eq!(y64, y32, "{op}: f64 result ≠ f32 result on the rounded inputs");
+        assert_eq!(g64, g32, "{op}: f64 gradients ≠ f32 gradients on the rounded inputs");
+        // and the f64 inputs were not all f32 values already (the rounding was exercised)
+        assert_ne!(flat(&inputs[0]), flat(&inputs32[0]), "{op}");
+    }
 }

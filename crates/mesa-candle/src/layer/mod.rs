@@ -254,14 +254,16 @@ impl TransformerLayer {
     /// `x: [B, N, C]` f32 → `[B, N, C]`.
     ///
     /// # Errors
-    /// [`Error::Shape`] (`x` not `[B, N, C]`), [`Error::UnsupportedDType`] (not f32),
+    /// [`Error::Rank`] (`x` not of rank 3), [`Error::Shape`] (`C` not the configured hidden
+    /// size), [`Error::UnsupportedDType`] (not f32),
     /// [`Error::DeviceMismatch`], the kernels' errors.
     pub fn forward_seeded(&self, x: &Tensor, seed: u64) -> candle_core::Result<Tensor> {
-        let (_, _, c) = x.dims3()?;
+        crate::ops::check_rank("layer input [B, N, C]", x, 3, false)?;
+        let (b, n, c) = x.dims3()?;
         if c != self.config.hidden {
             return Err(Error::Shape {
-                what: "layer input".into(),
-                expected: vec![0, 0, self.config.hidden],
+                what: format!("layer input [B, N, C] with C = hidden = {}", self.config.hidden),
+                expected: vec![b, n, self.config.hidden],
                 got: x.dims().to_vec(),
             }
             .into());

@@ -3,13 +3,14 @@ use candle_core::{Module, Tensor};
 use mesa_kernels::fused::{gelu_backward, gelu_forward};
 use mesa_kernels::{GeluForm, QuantConfig, SavedActivation};
 
-use super::QuantSlot;
+use super::{f64_via_f32, QuantSlot};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, Output, View};
 use crate::error::KernelResult;
 
 /// GELU, `y = x/2·(1 + erf(x/√2))` ([`GeluForm::Erf`]) or the tanh approximation
-/// ([`GeluForm::Tanh`]), elementwise over any shape and strides; f32, f16, bf16.
+/// ([`GeluForm::Tanh`]), elementwise over any shape and strides; f32, f16, bf16, and f64
+/// computed in f32 ([`crate::ops`], "Dtypes").
 ///
 /// Forward: one kernel writes `y` and the codes `Q(x)` (the quantizer's bits, grouping and
 /// running estimate, Mesa §3.1); backward: `dx = dy·gelu'(x̂)`, `x̂` decoded inside the
@@ -46,9 +47,12 @@ impl Module for Gelu {
     /// `x`: any shape; the result has `x`'s shape and dtype.
     ///
     /// # Errors
-    /// [`crate::Error::UnsupportedDType`] (not f32/f16/bf16), [`crate::Error::UnsupportedDevice`],
+    /// [`crate::Error::UnsupportedDType`] (not a float), [`crate::Error::UnsupportedDevice`],
     /// the kernels' errors as [`crate::Error::Kernel`].
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(y) = f64_via_f32("gelu", &[x], |t| self.forward(&t[0]))? {
+            return Ok(y);
+        }
         let kernels = common_device("gelu", &[x])?;
         dispatch_float!(x.dtype(), "gelu", T => {
             let detached = x.detach();

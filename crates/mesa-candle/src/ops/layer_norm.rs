@@ -5,14 +5,14 @@ use mesa_kernels::fused::{
 };
 use mesa_kernels::{QuantConfig, SavedLayerNorm};
 
-use super::QuantSlot;
+use super::{check_rank, f64_via_f32, QuantSlot};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, Output, View};
 use crate::error::{Error, KernelResult};
 
 /// `y = x̂·w + b`, `x̂ = (x − mean)·rstd`, `rstd = 1/√(var + eps)` over the last axis
-/// (Ba et al. 2016); `x` f32/f16/bf16 of any rank ≥ 1 and strides, `w`, `b` `[C]` of `x`'s
-/// dtype.
+/// (Ba et al. 2016); `x` f32/f16/bf16 (f64 computed in f32, [`crate::ops`]) of any rank ≥ 1
+/// and strides, `w`, `b` `[C]` of `x`'s dtype.
 ///
 /// Forward: one kernel pass writes `y`, the codes of `x̂` and per-row mean and rstd (f32);
 /// backward: `dx = rstd·(g − mean(g) − x̂·mean(g·x̂))` with `g = dy·w`, `dw = Σ_rows dy·x̂`,
@@ -33,10 +33,23 @@ impl LayerNorm {
     /// `x: [..., C]`, `weight`, `bias`: `[C]`.
     ///
     /// # Errors
-    /// [`Error::Shape`] (weight or bias not `[C]`), [`Error::UnsupportedDType`],
-    /// [`Error::DeviceMismatch`], the kernels' errors (eps, layouts) as [`Error::Kernel`].
+    /// [`Error::Rank`] (`x` of rank 0), [`Error::Shape`] (weight or bias not `[C]`, `C = 0`),
+    /// [`Error::UnsupportedDType`], [`Error::DeviceMismatch`], the kernels' errors (eps,
+    /// layouts) as [`Error::Kernel`].
     pub fn forward(&self, x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(y) = f64_via_f32("layer norm", &[x, weight, bias], |t| self.forward(&t[0], &t[1], &t[2]))? {
+            return Ok(y);
+        }
+        check_rank("layer norm input [..., C]", x, 1, true)?;
         let cols = x.dims().last().copied().unwrap_or(0);
+        if cols == 0 {
+            return Err(Error::Shape {
+                what: "layer norm input [..., C], C ≥ 1".into(),
+                expected: vec![1],
+                got: x.dims().to_vec(),
+            }
+            .into());
+        }
         for (t, what) in [(weight, "layer norm weight"), (bias, "layer norm bias")] {
             if t.dims() != [cols] {
                 return Err(Error::Shape { what: what.into(), expected: vec![cols], got: t.dims().to_vec() }.into());

@@ -2,13 +2,13 @@
 use candle_core::{DType, Tensor};
 use mesa_kernels::{QuantConfig, SavedActivation};
 
-use super::{tensor_result, QuantSlot};
+use super::{check_rank, f64_via_f32, tensor_result, QuantSlot};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, Output, View};
 use crate::error::{Error, KernelResult};
 
 /// `y = x·Wᵀ + b` with `x: [..., in]`, `W: [out, in]`, `b: [out]` (optional), one dtype
-/// (f32, f16, bf16); candle's matmuls.
+/// (f32, f16, bf16; f64 computed in f32, [`crate::ops`]); candle's matmuls.
 ///
 /// The weight gradient `dW = dyᵀ·x̂` uses the decoded codes `x̂` of the input (quantizer's
 /// bits and grouping); `dx = dy·W` and `db = Σ dy` are exact. Error of `dW_ij`:
@@ -28,12 +28,20 @@ impl CodedLinear {
     /// `x: [..., in]`, `weight: [out, in]`, `bias: [out]` or `None`.
     ///
     /// # Errors
-    /// [`Error::Shape`] (weight or bias shapes), [`Error::UnsupportedDType`],
-    /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
+    /// [`Error::Rank`] (`x` of rank 0, weight not of rank 2), [`Error::Shape`] (`x`'s last
+    /// dim not `in`, bias not `[out]`), [`Error::UnsupportedDType`], [`Error::DeviceMismatch`],
+    /// the kernels' errors as [`Error::Kernel`].
     pub fn forward(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        let mut args = vec![x, weight];
+        args.extend(bias);
+        if let Some(y) = f64_via_f32("linear", &args, |t| self.forward(&t[0], &t[1], t.get(2)))? {
+            return Ok(y);
+        }
+        check_rank("linear input [..., in]", x, 1, true)?;
+        check_rank("linear weight [out, in]", weight, 2, false)?;
         let (out_f, in_f) = weight.dims2()?;
         let x_in = x.dims().last().copied().unwrap_or(0);
-        if x_in != in_f || x.rank() < 1 {
+        if x_in != in_f {
             return Err(
                 Error::Shape { what: "linear input".into(), expected: vec![in_f], got: x.dims().to_vec() }.into()
             );
@@ -45,8 +53,6 @@ impl CodedLinear {
                 );
             }
         }
-        let mut args = vec![x, weight];
-        args.extend(bias);
         let kernels = common_device("linear", &args)?;
         let y = linear_forward(&x.detach(), &weight.detach(), bias.map(Tensor::detach).as_ref())?;
         let saved = dispatch_float!(x.dtype(), "linear", T => {

@@ -12,6 +12,7 @@ use mesa_kernels::linear_attention::{
 };
 use mesa_kernels::{TensorMut, TensorRef};
 
+use super::{check_rank, f64_via_f32};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, kernel_device, KernelFloat, Output, View};
 use crate::error::{Error, KernelResult};
@@ -31,7 +32,7 @@ pub enum FeatureKind {
 
 /// Linear attention `out_t = Σ_{s≤t} (φ(q_t)·φ(k_s)) v_s / g(φ(q_t)·Σ_{s≤t} φ(k_s))` (causal;
 /// bidirectional sums over all `s`), `q, k: [B, H, L, d]`, `v: [B, H, L, D]`, one dtype
-/// (f32, f16, bf16), any strides.
+/// (f32, f16, bf16; f64 computed in f32, [`crate::ops`]), any strides.
 ///
 /// Forward: the feature-map kernel, then the chunked attention kernel, which keeps its
 /// states (per chunk, or the final one only in SLiM mode). Backward: exact gradients of
@@ -83,9 +84,16 @@ impl LinearAttention {
     /// `q, k: [B, H, L, d]`, `v: [B, H, L, D]` → `[B, H, L, D]`.
     ///
     /// # Errors
-    /// [`Error::Shape`] (ranks, disagreeing `B`, `H`, `L`, `d`), [`Error::UnsupportedDType`],
-    /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
+    /// [`Error::Rank`] (`q`, `k` or `v` not of rank 4), [`Error::Shape`] (disagreeing `B`,
+    /// `H`, `L`, `d`), [`Error::UnsupportedDType`], [`Error::DeviceMismatch`], the kernels'
+    /// errors as [`Error::Kernel`].
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(y) = f64_via_f32("linear attention", &[q, k, v], |t| self.forward(&t[0], &t[1], &t[2]))? {
+            return Ok(y);
+        }
+        check_rank("linear attention queries [B, H, L, d]", q, 4, false)?;
+        check_rank("linear attention keys [B, H, L, d]", k, 4, false)?;
+        check_rank("linear attention values [B, H, L, D]", v, 4, false)?;
         let (b, h, l, _) = q.dims4()?;
         if k.dims() != q.dims() {
             return Err(

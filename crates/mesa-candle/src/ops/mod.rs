@@ -9,6 +9,14 @@
 //! | [`CodedLinear`] | codes of `x` | `dW = dyᵀ·x̂` from the decoded `x̂`, candle's matmuls |
 //! | [`LinearAttention`] (ReLU, ELU+1, FAVOR+) | the attention's saved states | chunked kernels; φ recomputed from `q`, `k` |
 //!
+//! **Dtypes.** f32, f16 and bf16 run natively (the kernels' element types; f32 arithmetic
+//! inside). An f64 tensor is computed in f32: its arguments are cast to f32 by candle's
+//! `to_dtype`, the op runs on those, and its result is cast back to f64, all inside candle's
+//! graph, so the gradient reaches the f64 arguments through candle's casts. The math is that
+//! of f32 (inputs rounded to f32 once, `|δx| ≤ 2⁻²⁴|x|`), not of f64. Any other dtype is
+//! [`Error::UnsupportedDType`]; a tensor of the wrong rank [`Error::Rank`], of the wrong
+//! shape [`Error::Shape`].
+//!
 //! **What these per-op ops do not save.** Candle's autograd keeps a clone of every argument
 //! of every op until backward (`BackpropOp`, candle-core `op.rs`), so the full-precision input
 //! of an op stays alive as long as its output's graph, whatever the op itself keeps: the
@@ -17,7 +25,7 @@
 //! over a whole layer whose internals never enter candle's graph.
 use std::sync::Mutex;
 
-use candle_core::{DeviceLocation, Shape, Storage, Tensor};
+use candle_core::{DType, DeviceLocation, Shape, Storage, Tensor};
 use mesa_kernels::{QuantConfig, Quantizer};
 
 use crate::error::{Error, KernelResult};
@@ -35,6 +43,39 @@ pub use linear::CodedLinear;
 pub use linear_attention::{FeatureKind, LinearAttention};
 pub use rms_norm::RmsNorm;
 pub use softmax::Softmax;
+
+/// The dtype of an op's first argument, checked: `Ok(None)` for f32, f16 and bf16 (the op
+/// runs natively); for f64, `f` run on the arguments cast to f32 (f64 ones only) and its
+/// result cast back to f64, inside candle's graph; any other dtype
+/// [`Error::UnsupportedDType`].
+pub(crate) fn f64_via_f32(
+    op: &'static str,
+    args: &[&Tensor],
+    f: impl FnOnce(&[Tensor]) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Option<Tensor>> {
+    let first = args.first().ok_or(Error::InvalidArgument { name: "tensors", why: "none given".into() })?;
+    match first.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(None),
+        DType::F64 => {
+            let cast = args
+                .iter()
+                .map(|t| if t.dtype() == DType::F64 { t.to_dtype(DType::F32) } else { Ok((*t).clone()) })
+                .collect::<candle_core::Result<Vec<Tensor>>>()?;
+            Ok(Some(f(&cast)?.to_dtype(DType::F64)?))
+        }
+        dtype => Err(Error::UnsupportedDType { op, dtype }.into()),
+    }
+}
+
+/// `t` has rank `expected` (or more, when `at_least`), else [`Error::Rank`] naming `what`.
+pub(crate) fn check_rank(what: &str, t: &Tensor, expected: usize, at_least: bool) -> candle_core::Result<()> {
+    let rank = t.rank();
+    if rank == expected || (at_least && rank > expected) {
+        Ok(())
+    } else {
+        Err(Error::Rank { what: what.into(), expected, at_least, got: t.dims().to_vec() }.into())
+    }
+}
 
 /// A [`Quantizer`] (its running estimate) per device, made on first use.
 #[derive(Debug)]

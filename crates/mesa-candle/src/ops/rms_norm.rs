@@ -6,13 +6,14 @@
 use candle_core::{DType, Tensor, D};
 use mesa_kernels::{QuantConfig, SavedActivation};
 
-use super::{tensor_result, QuantSlot};
+use super::{check_rank, f64_via_f32, tensor_result, QuantSlot};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, Output, View};
 use crate::error::{Error, KernelResult};
 
-/// `y = x̂·w`, `x̂ = x·rstd`, `rstd = 1/√(mean(x²) + eps)` over the last axis; `x` f32, f16
-/// or bf16 of rank ≥ 1, `w` `[C]` of `x`'s dtype; arithmetic in f32.
+/// `y = x̂·w`, `x̂ = x·rstd`, `rstd = 1/√(mean(x²) + eps)` over the last axis; `x` f32, f16,
+/// bf16 or f64 of rank ≥ 1, `w` `[C]` of `x`'s dtype; arithmetic in f32 (also for f64,
+/// [`crate::ops`]).
 ///
 /// Backward: `dx = rstd·(g − x̂·mean(g·x̂))` with `g = dy·w`, `dw = Σ_rows dy·x̂`, from the
 /// decoded `x̂`.
@@ -32,10 +33,14 @@ impl RmsNorm {
     /// `x: [..., C]`, `weight: [C]`.
     ///
     /// # Errors
-    /// [`Error::Shape`] (weight not `[C]`, or `C = 0`), [`Error::InvalidArgument`] (eps not
-    /// positive and finite), [`Error::UnsupportedDType`], [`Error::DeviceMismatch`], the
-    /// kernels' errors as [`Error::Kernel`].
+    /// [`Error::Rank`] (`x` of rank 0), [`Error::Shape`] (weight not `[C]`, or `C = 0`),
+    /// [`Error::InvalidArgument`] (eps not positive and finite), [`Error::UnsupportedDType`],
+    /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
     pub fn forward(&self, x: &Tensor, weight: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some(y) = f64_via_f32("rms norm", &[x, weight], |t| self.forward(&t[0], &t[1]))? {
+            return Ok(y);
+        }
+        check_rank("rms norm input [..., C]", x, 1, true)?;
         let cols = x.dims().last().copied().unwrap_or(0);
         if weight.dims() != [cols] || cols == 0 {
             return Err(Error::Shape {

@@ -3,11 +3,13 @@ use candle_core::Tensor;
 use mesa_kernels::fused::{softmax_backward, softmax_forward, SoftmaxInput};
 use mesa_kernels::{Grouping, Rounding, SavedActivation, SoftmaxCodes, SoftmaxSave};
 
+use super::{check_rank, f64_via_f32};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, Output, View};
-use crate::error::KernelResult;
+use crate::error::{Error, KernelResult};
 
-/// `y = softmax(x + mask)` over the last axis; f32, f16, bf16.
+/// `y = softmax(x + mask)` over the last axis; f32, f16, bf16, and f64 computed in f32
+/// ([`crate::ops`], "Dtypes").
 ///
 /// Forward: one kernel writes `y` and its codes with fixed parameters (offset 0, scale
 /// `1/(2^bits − 1)`, square-root companded by default: no statistics pass); backward:
@@ -44,12 +46,19 @@ impl Softmax {
     /// to `x`'s (read through stride 0, never expanded), `x`'s dtype.
     ///
     /// # Errors
-    /// candle's broadcast error for a mask that does not broadcast;
-    /// [`crate::Error::UnsupportedDType`], [`crate::Error::DeviceMismatch`], the kernels'
-    /// errors as [`crate::Error::Kernel`].
+    /// [`Error::Rank`] (`x` of rank 0), [`Error::Shape`] (a mask that does not broadcast to
+    /// `x`), [`Error::UnsupportedDType`], [`Error::DeviceMismatch`], the kernels' errors as
+    /// [`Error::Kernel`].
     pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let mut args = vec![x];
         args.extend(mask);
+        if let Some(y) = f64_via_f32("softmax", &args, |t| self.forward(&t[0], t.get(1)))? {
+            return Ok(y);
+        }
+        check_rank("softmax input [..., N]", x, 1, true)?;
+        if let Some(m) = mask {
+            broadcasts_to(m.dims(), x.dims())?;
+        }
         let kernels = common_device("softmax", &args)?;
         let mask_view = mask.map(|m| m.detach().broadcast_as(x.shape())).transpose()?;
         dispatch_float!(x.dtype(), "softmax", T => {
@@ -65,6 +74,22 @@ impl Softmax {
             };
             attach(&args, y.into_storage()?, SoftmaxGrad { saved, kernels, with_mask: mask.is_some() })
         })
+    }
+}
+
+/// A mask of shape `mask` can be read as `x`'s shape by stride 0 (numpy's rule, right-aligned:
+/// each of its dims 1 or `x`'s), else [`Error::Shape`].
+fn broadcasts_to(mask: &[usize], x: &[usize]) -> candle_core::Result<()> {
+    let fits = mask.len() <= x.len() && mask.iter().rev().zip(x.iter().rev()).all(|(&m, &d)| m == 1 || m == d);
+    if fits {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            what: "softmax mask (broadcast to the input)".into(),
+            expected: x.to_vec(),
+            got: mask.to_vec(),
+        }
+        .into())
     }
 }
 

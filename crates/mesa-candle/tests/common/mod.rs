@@ -1,7 +1,27 @@
-//! Shared pieces of the mesa-candle tests: seeded data, the f64 reference's gradients,
-//! unit roundoffs.
+//! Shared pieces of the mesa-candle tests: the device, seeded data, the f64 reference's
+//! gradients, unit roundoffs.
 #![allow(dead_code)]
 use candle_core::{DType, Device, Tensor, Var};
+
+/// The device the tests run our ops on. A build with feature `cuda` uses candle's CUDA
+/// device 0 when one is usable (our kernels on candle's stream; they need the nvcc build,
+/// so no `MESA_CUDA_DISABLE`); otherwise the CPU (the host emulation), saying that the CUDA
+/// run was skipped. With `MESA_REQUIRE_GPU=1` a skipped CUDA run fails instead. (A `cuda`
+/// build links libcuda and cuBLAS: without them its test binaries do not start at all.)
+/// The references always run on the CPU in f64.
+pub fn device() -> Device {
+    let require = std::env::var("MESA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    #[cfg(feature = "cuda")]
+    let why = match Device::new_cuda(0) {
+        Ok(d) => return d,
+        Err(e) => format!("no usable CUDA device 0 ({e})"),
+    };
+    #[cfg(not(feature = "cuda"))]
+    let why = "built without feature `cuda` (cargo test -p mesa-candle --features cuda)".to_string();
+    assert!(!require, "MESA_REQUIRE_GPU=1 but the CUDA run was skipped: {why}");
+    eprintln!("CUDA run skipped: {why}; running on the CPU (host emulation)");
+    Device::Cpu
+}
 
 /// SplitMix64: a seeded stream of uniforms and Gaussians (fresh seed per run unless
 /// `MESA_TEST_SEED` is set; the seed is printed so a failure can be replayed).
@@ -32,35 +52,61 @@ impl Rng {
         let (u1, u2) = (self.uniform().max(1e-300), self.uniform());
         (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
     }
-    /// A CPU tensor of `shape` in `dtype` with entries `mean + std·N(0,1)`.
+    /// A CPU tensor of `shape` in `dtype` with entries `mean + std·N(0,1)`, rounded to
+    /// `dtype`. f64 entries are f32 values: the ops compute f64 in f32 (their inputs rounded
+    /// to f32 once, `docs/candle.md`), so on these inputs the f64 path differs from the f32
+    /// one only by its casts, and the f32 bounds hold; what the rounding of general f64
+    /// inputs does is checked exactly by `tests/ops.rs`, `f64_is_computed_in_f32`.
     pub fn tensor(&mut self, shape: &[usize], mean: f64, std: f64, dtype: DType) -> Tensor {
         let n: usize = shape.iter().product();
         let v: Vec<f64> = (0..n).map(|_| mean + std * self.gauss()).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+        let t = Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
+        let t = if dtype == DType::F64 { t.to_dtype(DType::F32).unwrap() } else { t };
+        t.to_dtype(dtype).unwrap()
+    }
+    /// [`Rng::tensor`] with general f64 entries (not rounded to f32).
+    pub fn tensor_f64(&mut self, shape: &[usize], mean: f64, std: f64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n).map(|_| mean + std * self.gauss()).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 }
 
-/// Unit roundoff of a storage dtype (half an ulp at 1).
+/// Unit roundoff (half an ulp at 1) of the precision an op's results are computed and
+/// stored in: the dtype's own, except f64, which the ops compute in f32 (`docs/candle.md`).
 pub fn unit(dtype: DType) -> f64 {
     match dtype {
-        DType::F32 => 2f64.powi(-24),
+        DType::F32 | DType::F64 => 2f64.powi(-24),
         DType::F16 => 2f64.powi(-11),
         DType::BF16 => 2f64.powi(-8),
         _ => 2f64.powi(-53),
     }
 }
 
-/// Gradients of `Σ f(inputs) ⊙ dy` with respect to every input, by candle's autograd.
-/// `inputs` are made variables of their own dtype; the results are f64 host vectors.
+/// Gradients of `Σ f(inputs) ⊙ dy` with respect to every input, by candle's autograd, on
+/// the CPU (the references). `inputs` are made variables of their own dtype; the results
+/// are f64 host vectors.
 pub fn grads(
     inputs: &[Tensor],
     dy: &Tensor,
     f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
 ) -> (Vec<f64>, Vec<Vec<f64>>) {
-    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    grads_on(&Device::Cpu, inputs, dy, f)
+}
+
+/// [`grads`] with `inputs` and `dy` moved to `device` first (our ops on [`device`]).
+pub fn grads_on(
+    device: &Device,
+    inputs: &[Tensor],
+    dy: &Tensor,
+    f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let dy = dy.to_device(device).unwrap();
+    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(&t.to_device(device).unwrap()).unwrap()).collect();
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let y = f(&ts).unwrap();
     let loss = (y.to_dtype(DType::F64).unwrap() * dy.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap();
+    assert!(y.device().same_device(device), "the op's result is on the device of its inputs");
     let store = loss.backward().unwrap();
     let g = ts.iter().map(|t| flat(&store.get(t).expect("a gradient for every input").clone())).collect();
     (flat(&y), g)
@@ -71,9 +117,10 @@ pub fn flat(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
 }
 
-/// The same values as f64 tensors (the reference's inputs: exactly the dtype-rounded values).
+/// The same values as f64 CPU tensors (the reference's inputs: exactly the dtype-rounded
+/// values).
 pub fn to_f64(ts: &[Tensor]) -> Vec<Tensor> {
-    ts.iter().map(|t| t.to_dtype(DType::F64).unwrap()).collect()
+    ts.iter().map(|t| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F64).unwrap()).collect()
 }
 
 /// Asserts `|got − want| ≤ bound` elementwise, naming the worst element.

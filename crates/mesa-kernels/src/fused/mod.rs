@@ -1,4 +1,4 @@
-//! Fused producers and consumers of saved activations (Mesa: Pan et al. 2021, §3; BRIEF §5.1):
+//! Fused producers and consumers of saved activations (Mesa: Pan et al. 2021, §3):
 //! GELU, softmax and LayerNorm whose forward writes the output **and** the codes of what
 //! their backward needs in one pass, and whose backward decodes those codes inside the kernel
 //! (no full-precision activation is ever materialised).
