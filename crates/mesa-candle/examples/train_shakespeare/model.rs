@@ -49,7 +49,11 @@ fn normal(rng: &mut SplitMix, shape: &[usize], std: f64, device: &Device) -> can
 
 /// GPT-2's usual initialisation from the example's own generator (candle's CPU generator
 /// cannot be seeded): LayerNorm weights 1, biases 0, every matrix and embedding `N(0, 0.02²)`.
-fn layer_tensors(layout: &ParamLayout, rng: &mut SplitMix, device: &Device) -> candle_core::Result<HashMap<String, Tensor>> {
+fn layer_tensors(
+    layout: &ParamLayout,
+    rng: &mut SplitMix,
+    device: &Device,
+) -> candle_core::Result<HashMap<String, Tensor>> {
     layout
         .entries()
         .iter()
@@ -76,7 +80,13 @@ fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Resu
 impl Model {
     /// A model initialised from `seed`; `plain` picks the reference layer (same weights for
     /// the same seed either way).
-    pub fn new(config: LayerConfig, shape: Shape, plain: bool, seed: u64, device: &Device) -> candle_core::Result<Self> {
+    pub fn new(
+        config: LayerConfig,
+        shape: Shape,
+        plain: bool,
+        seed: u64,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
         let mut rng = SplitMix(seed);
         let c = config.hidden;
         let tok = Var::from_tensor(&normal(&mut rng, &[shape.vocab, c], 0.02, device)?)?;

@@ -8,7 +8,8 @@ use crate::run::{Curves, Estimates, Settings, ESTIMATE_SITES};
 type Res = Result<(), Box<dyn std::error::Error>>;
 
 fn bounds(points: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = points.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| (l.min(v), h.max(v)));
+    let (lo, hi) =
+        points.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| (l.min(v), h.max(v)));
     if lo.is_finite() {
         let pad = ((hi - lo) * 0.05).max(1e-3);
         (lo - pad, hi + pad)

@@ -61,7 +61,11 @@ impl RunSpec {
             .collect();
         let mesa = |name: &str, config: LayerConfig| RunSpec { name: name.into(), seed, plain: false, config };
         let linear = Attention::Linear {
-            config: LinearAttentionConfig { chunk: s.chunk, memory: MemoryMode::Slim, ..LinearAttentionConfig::causal() },
+            config: LinearAttentionConfig {
+                chunk: s.chunk,
+                memory: MemoryMode::Slim,
+                ..LinearAttentionConfig::causal()
+            },
             map: FeatureKind::Elu1,
         };
         runs.push(mesa("b", LayerConfig { stats: StatsMode::Exact, ..base.clone() }));
@@ -115,7 +119,13 @@ impl RunSpec {
 /// The planner's prediction of the bytes alive for backward per step of the layer stack
 /// (the quantity measured here). Wired to `mesa_candle::plan::layer_stack_saved_bytes` when
 /// the planner is merged; `None` (printed "n/a") until then.
-fn planned_bytes_per_step(_layer: &LayerConfig, _plain: bool, _layers: usize, _batch: usize, _seq: usize) -> Option<u64> {
+fn planned_bytes_per_step(
+    _layer: &LayerConfig,
+    _plain: bool,
+    _layers: usize,
+    _batch: usize,
+    _seq: usize,
+) -> Option<u64> {
     None
 }
 
@@ -311,12 +321,18 @@ impl Summary {
         for n in ["b", "c", "f"] {
             if let Some(r) = get(n) {
                 let d = r.final_val_loss - a;
-                checks.push((format!("|{n} − a| = {:.4} ≤ max(1 % of a, a's spread) = {tol:.4}", d.abs()), d.abs() <= tol));
+                checks.push((
+                    format!("|{n} − a| = {:.4} ≤ max(1 % of a, a's spread) = {tol:.4}", d.abs()),
+                    d.abs() <= tol,
+                ));
             }
         }
         if let (Some(b), Some(c)) = (get("b"), get("c")) {
             let d = (c.final_val_loss - b.final_val_loss).abs();
-            checks.push((format!("|c − b| = {d:.4} ≤ 0.5 % of b = {:.4}", 0.005 * b.final_val_loss), d <= 0.005 * b.final_val_loss));
+            checks.push((
+                format!("|c − b| = {d:.4} ≤ 0.5 % of b = {:.4}", 0.005 * b.final_val_loss),
+                d <= 0.005 * b.final_val_loss,
+            ));
         }
         if let Some(b) = get("b") {
             let ratio = b.saved_bytes as f64 / a_bytes as f64;

@@ -231,7 +231,8 @@ pub(crate) fn run(
         let (h2, s2) = ctx.layer_norm(&x2, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
         (x2, h2, ln1_pre, Some(s2))
     } else {
-        let (x2n, s1) = ctx.layer_norm(&(x + r)?, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, quant.get(CodeSite::Ln1))?;
+        let (x2n, s1) =
+            ctx.layer_norm(&(x + r)?, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, quant.get(CodeSite::Ln1))?;
         (x2n.clone(), x2n, Some(s1), None)
     };
     let u = plan.proj(params, &ffn_in, "mlp.fc_in")?;
@@ -244,7 +245,8 @@ pub(crate) fn run(
     let (y, ln2) = if pre {
         ((x2 + f)?, ln2_pre)
     } else {
-        let (y, s2) = ctx.layer_norm(&(x2 + f)?, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
+        let (y, s2) =
+            ctx.layer_norm(&(x2 + f)?, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
         (y, Some(s2))
     };
     let (Some(ln1), Some(ln2)) = (ln1, ln2) else {
