@@ -243,3 +243,80 @@ fn dropout_masks_reject_bad_probabilities_and_shapes() {
     let zeros = v.iter().filter(|&&x| x == 0.0).count() as f64;
     assert!((zeros - 1024.0).abs() < 6.0 * 27.7, "{zeros} zeros of 4096 at p = 0.25");
 }
+
+/// Per head-sized channel slice of `x̂ = (x − mean) / sqrt(var + eps)` (rows of `x: [.., C]`):
+/// `(min, max)` in f64, the independent reference of the LayerNorm site's statistics.
+fn xhat_group_ranges(x: &[f64], c: usize, heads: usize, eps: f64) -> Vec<(f64, f64)> {
+    let w = c / heads;
+    let mut out = vec![(f64::INFINITY, f64::NEG_INFINITY); heads];
+    for row in x.chunks(c) {
+        let mean = row.iter().sum::<f64>() / c as f64;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / c as f64;
+        for (j, v) in row.iter().enumerate() {
+            let xh = (v - mean) / (var + eps).sqrt();
+            let g = &mut out[j / w];
+            *g = (g.0.min(xh), g.1.max(xh));
+        }
+    }
+    out
+}
+
+#[test]
+fn running_statistics_start_exact_then_follow_the_moving_average() {
+    use mesa_candle::layer::CodeSite;
+    use mesa_kernels::StatsMode;
+    let mut rng = Rng::new("running");
+    let (b, n, c, heads) = (2, 16, 32, 4);
+    let x1 = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32);
+    // a second batch with other statistics: a different mix of scales per channel
+    let scales = Tensor::from_vec((0..c).map(|j| 1.0 + (j % 5) as f32).collect::<Vec<_>>(), c, &Device::Cpu).unwrap();
+    let x2 = rng.tensor(&[b, n, c], 0.5, 2.0, DType::F32).broadcast_mul(&scales).unwrap();
+    let dy = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32);
+    let exact_cfg = LayerConfig { stats: StatsMode::Exact, ..LayerConfig::new(c, heads, 128) };
+    let running_cfg = LayerConfig { stats: StatsMode::Running, ..exact_cfg.clone() };
+    let exact = TransformerLayer::new(exact_cfg, &Device::Cpu).unwrap();
+    let map: std::collections::HashMap<String, Tensor> = exact
+        .layout()
+        .unflatten(exact.params().as_tensor())
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| (k.to_string(), t))
+        .collect();
+    let running = TransformerLayer::from_tensors(running_cfg, &map, "", &Device::Cpu).unwrap();
+    assert_eq!(running.running_params(CodeSite::Q).unwrap(), None, "no estimate before the first forward");
+    let grads = |layer: &TransformerLayer, x: &Tensor| {
+        let xv = candle_core::Var::from_tensor(x).unwrap();
+        let y = layer.forward_seeded(xv.as_tensor(), 0).unwrap();
+        let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+        (flat(g.get(layer.params().as_tensor()).unwrap()), flat(g.get(xv.as_tensor()).unwrap()))
+    };
+    // call 1: the running estimate starts from this batch's exact statistics, so the codes
+    // and every gradient are bitwise those of exact statistics
+    assert_eq!(grads(&running, &x1), grads(&exact, &x1));
+    assert_eq!(exact.running_params(CodeSite::Q).unwrap(), None, "exact statistics keep no estimate");
+    let est1 = running.running_params(CodeSite::Ln1).unwrap().expect("an estimate after one forward");
+    // call 2: quantized with the estimate, which then moves to 0.9·old + 0.1·batch
+    let (g_run, dx_run) = grads(&running, &x2);
+    let (g_exact, dx_exact) = grads(&exact, &x2);
+    assert!(g_run != g_exact, "the second batch's codes come from the estimate, not its own range");
+    assert!(cosine(&g_run, &g_exact) > 0.999 && cosine(&dx_run, &dx_exact) > 0.999);
+    let est2 = running.running_params(CodeSite::Ln1).unwrap().unwrap();
+    assert_eq!(est2.len(), heads);
+    let levels = 255.0;
+    let (r1, r2) = (xhat_group_ranges(&flat(&x1), c, heads, 1e-5), xhat_group_ranges(&flat(&x2), c, heads, 1e-5));
+    // bound: x̂ in f32 from sums of C = 32 terms (mean, variance: relative error ≤ γ_32 ≈
+    // 1.9e-6 each, times |x̂| ≤ √C ≈ 5.7), ≈ 2e-5; the EMA adds f32 rounding of values ≤ 6;
+    // 1e-4 covers both with a margin and is far below the 0.1·(batch − old) step checked
+    for (g, ((lo1, hi1), (lo2, hi2))) in r1.iter().zip(&r2).enumerate() {
+        let (o1, s1) = (f64::from(est1[g].offset), f64::from(est1[g].scale) * levels);
+        assert!((o1 - lo1).abs() < 1e-4 && (s1 - (hi1 - lo1)).abs() < 1e-4, "group {g} after call 1: {o1} {s1}");
+        let (o2, s2) = (f64::from(est2[g].offset), f64::from(est2[g].scale) * levels);
+        let (want_o, want_r) = (0.9 * lo1 + 0.1 * lo2, 0.9 * (hi1 - lo1) + 0.1 * (hi2 - lo2));
+        assert!((o2 - want_o).abs() < 1e-4, "group {g}: offset {o2}, EMA of the minimum {want_o}");
+        assert!((s2 - want_r).abs() < 1e-4, "group {g}: range {s2}, EMA of the range {want_r}");
+    }
+    // every site has its own estimate, one group per head
+    for site in CodeSite::ALL {
+        assert_eq!(running.running_params(site).unwrap().map(|p| p.len()), Some(heads), "{site:?}");
+    }
+}

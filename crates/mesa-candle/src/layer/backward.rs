@@ -27,8 +27,10 @@ impl Backward for LayerGrad {
         let codes = match &self.saved.inner {
             Some(c) => c,
             None => {
-                // full recomputation: the forward again, same seed, keeping its codes
-                recomputed = forward::run(&self.plan, &x, &params, Recompute::None)?.1;
+                // full recomputation: the forward again, same seed, keeping its codes (exact
+                // statistics: a running estimate is the forward's alone)
+                let mut quant = forward::Quantizers::new(&self.plan, mesa_kernels::StatsMode::Exact)?;
+                recomputed = forward::run(&self.plan, &x, &params, Recompute::None, &mut quant)?.1;
                 recomputed.inner.as_ref().ok_or(crate::Error::StateConsumed { op: "transformer layer" })?
             }
         };

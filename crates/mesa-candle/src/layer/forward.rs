@@ -2,12 +2,14 @@
 use candle_core::Tensor;
 use mesa_kernels::linear_attention::LinearAttentionSaved;
 use mesa_kernels::{
-    Grouping, QuantConfig, Rounding, SavedActivation, SavedLayerNorm, SoftmaxCodes, SoftmaxSave, StatsMode,
+    GroupParams, Grouping, QuantConfig, Quantizer, Rounding, SavedActivation, SavedLayerNorm, SoftmaxCodes,
+    SoftmaxSave, StatsMode,
 };
 
 use super::dropout::{self, DropoutSite};
 use super::kernels::Ctx;
-use super::{Attention, LayerConfig, NormPlacement, ParamLayout, Recompute};
+use super::{Attention, CodeSite, LayerConfig, NormPlacement, ParamLayout, Recompute};
+use crate::error::KernelResult;
 use crate::ops::linear::linear_forward;
 use crate::ops::LinearAttention;
 
@@ -19,6 +21,35 @@ pub(crate) struct Plan {
     pub ctx: Ctx,
     pub seed: u64,
     pub linear: Option<LinearAttention>,
+}
+
+/// One quantizer per tensor the forward saves as codes ([`CodeSite`]): fresh ones with exact
+/// statistics for a single call, or the layer's own, kept across calls, for the running
+/// estimate.
+#[derive(Debug)]
+pub(crate) struct Quantizers {
+    sites: Vec<Quantizer>,
+}
+
+impl Quantizers {
+    /// A quantizer per site with the layer's bits and groupings and statistics `stats`.
+    pub fn new(plan: &Plan, stats: StatsMode) -> candle_core::Result<Self> {
+        let sites = CodeSite::ALL
+            .iter()
+            .map(|&site| Quantizer::new(&plan.ctx.kernels, QuantConfig { stats, ..plan.site_codes(site) }).k())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Quantizers { sites })
+    }
+
+    /// The quantizer of `site`.
+    pub fn get(&mut self, site: CodeSite) -> &mut Quantizer {
+        &mut self.sites[site as usize]
+    }
+
+    /// The running estimate of `site` (`None` before its first batch).
+    pub fn running_params(&self, site: CodeSite) -> mesa_kernels::Result<Option<Vec<GroupParams>>> {
+        self.sites[site as usize].running_params()
+    }
 }
 
 /// What one forward keeps for its backward (the module docs' table).
@@ -72,6 +103,14 @@ impl Plan {
             rounding: Rounding::Nearest,
             momentum: 0.9,
             stats: StatsMode::Exact,
+        }
+    }
+
+    /// The codes of `site` (exact statistics; [`Quantizers::new`] sets the mode).
+    pub fn site_codes(&self, site: CodeSite) -> QuantConfig {
+        match site {
+            CodeSite::Q | CodeSite::K | CodeSite::V => self.head_codes(),
+            CodeSite::Ln1 | CodeSite::AttnOut | CodeSite::Ln2 | CodeSite::FfnIn => self.token_codes(),
         }
     }
 
@@ -140,17 +179,22 @@ impl Plan {
     }
 }
 
-/// The forward of `x: [B, N, C]` with parameters `params` (both detached): the output and,
-/// unless `policy` is [`Recompute::Full`], what the backward needs.
-pub(crate) fn run(plan: &Plan, x: &Tensor, params: &Tensor, policy: Recompute) -> candle_core::Result<(Tensor, Saved)> {
+/// The forward of `x: [B, N, C]` with parameters `params` (both detached), coding with
+/// `quant`: the output and, unless `policy` is [`Recompute::Full`], what the backward needs.
+pub(crate) fn run(
+    plan: &Plan,
+    x: &Tensor,
+    params: &Tensor,
+    policy: Recompute,
+    quant: &mut Quantizers,
+) -> candle_core::Result<(Tensor, Saved)> {
     let (b, n, _) = x.dims3()?;
     let (cfg, ctx) = (&plan.config, &plan.ctx);
     let w = |name: &str| plan.w(params, name);
-    let tok = plan.token_codes();
     let pre = cfg.norm == NormPlacement::Pre;
     // attention block input
     let (attn_in, ln1_pre) = if pre {
-        let (h1, s) = ctx.layer_norm(x, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, tok)?;
+        let (h1, s) = ctx.layer_norm(x, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, quant.get(CodeSite::Ln1))?;
         (h1, Some(s))
     } else {
         (x.clone(), None)
@@ -159,8 +203,9 @@ pub(crate) fn run(plan: &Plan, x: &Tensor, params: &Tensor, policy: Recompute) -
     let k = plan.split_heads(&plan.proj(params, &attn_in, "attn.k_proj")?)?;
     let v = plan.split_heads(&plan.proj(params, &attn_in, "attn.v_proj")?)?;
     drop(attn_in);
-    let head = plan.head_codes();
-    let (q_s, k_s, v_s) = (ctx.quantize(&q, head)?, ctx.quantize(&k, head)?, ctx.quantize(&v, head)?);
+    let q_s = ctx.quantize(&q, quant.get(CodeSite::Q))?;
+    let k_s = ctx.quantize(&k, quant.get(CodeSite::K))?;
+    let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
     let (o, p_s, la) = match &plan.linear {
         None => {
             let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;
@@ -177,21 +222,22 @@ pub(crate) fn run(plan: &Plan, x: &Tensor, params: &Tensor, policy: Recompute) -
     drop((q, k, v));
     let a = plan.merge_heads(&o)?;
     drop(o);
-    let a_s = ctx.quantize(&a, tok)?;
+    let a_s = ctx.quantize(&a, quant.get(CodeSite::AttnOut))?;
     let r = plan.proj(params, &a, "attn.out_proj")?;
     drop(a);
     let r = dropout::apply(&r, plan.dropout_mask(DropoutSite::AttentionResidual, &[b, n, cfg.hidden])?.as_ref())?;
     let (x2, ffn_in, ln1, ln2_pre) = if pre {
         let x2 = (x + r)?;
-        let (h2, s2) = ctx.layer_norm(&x2, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, tok)?;
+        let (h2, s2) = ctx.layer_norm(&x2, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
         (x2, h2, ln1_pre, Some(s2))
     } else {
-        let (x2n, s1) = ctx.layer_norm(&(x + r)?, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, tok)?;
+        let (x2n, s1) =
+            ctx.layer_norm(&(x + r)?, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, quant.get(CodeSite::Ln1))?;
         (x2n.clone(), x2n, Some(s1), None)
     };
     let u = plan.proj(params, &ffn_in, "mlp.fc_in")?;
     drop(ffn_in);
-    let (g, u_s) = ctx.gelu(&u, tok)?;
+    let (g, u_s) = ctx.gelu(&u, quant.get(CodeSite::FfnIn))?;
     drop(u);
     let f = plan.proj(params, &g, "mlp.fc_out")?;
     drop(g);
@@ -199,7 +245,8 @@ pub(crate) fn run(plan: &Plan, x: &Tensor, params: &Tensor, policy: Recompute) -
     let (y, ln2) = if pre {
         ((x2 + f)?, ln2_pre)
     } else {
-        let (y, s2) = ctx.layer_norm(&(x2 + f)?, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, tok)?;
+        let (y, s2) =
+            ctx.layer_norm(&(x2 + f)?, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
         (y, Some(s2))
     };
     let (Some(ln1), Some(ln2)) = (ln1, ln2) else {

@@ -5,7 +5,7 @@ use mesa_kernels::fused::{
     softmax_backward_plain, softmax_forward, LayerNormBackward, LayerNormForward, LayerNormGrads, SoftmaxBackwardPlain,
     SoftmaxInput,
 };
-use mesa_kernels::{GeluForm, QuantConfig, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave};
+use mesa_kernels::{GeluForm, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave};
 
 use crate::bridge::{Output, View};
 use crate::error::KernelResult;
@@ -22,10 +22,8 @@ impl Ctx {
         Output::<f32>::zeros(&self.candle, &self.kernels, shape)
     }
 
-    /// Codes of `x` with `config` (fresh quantizer: the layer's codes use this batch's exact
-    /// statistics, so a recomputed forward gives the same codes).
-    pub fn quantize(&self, x: &Tensor, config: QuantConfig) -> candle_core::Result<SavedActivation> {
-        let mut q = Quantizer::new(&self.kernels, config).k()?;
+    /// Codes of `x` by `q` (the forward's [`super::forward::Quantizers`]).
+    pub fn quantize(&self, x: &Tensor, q: &mut Quantizer) -> candle_core::Result<SavedActivation> {
         let view = View::of(x)?;
         q.quantize(&view.tensor_ref::<f32>()?).k()
     }
@@ -44,16 +42,15 @@ impl Ctx {
         w: &Tensor,
         b: &Tensor,
         eps: f32,
-        config: QuantConfig,
+        q: &mut Quantizer,
     ) -> candle_core::Result<(Tensor, SavedLayerNorm)> {
-        let mut q = Quantizer::new(&self.kernels, config).k()?;
         let mut y = self.out(x.shape())?;
         let (wc, bc) = (w.contiguous()?, b.contiguous()?);
         let saved = {
             let (xv, wv, bv) = (View::of(x)?, View::of(&wc)?, View::of(&bc)?);
             let (xr, wr, br) = (xv.tensor_ref::<f32>()?, wv.tensor_ref::<f32>()?, bv.tensor_ref::<f32>()?);
             let args = LayerNormForward { x: &xr, weight: Some(&wr), bias: Some(&br), eps };
-            layer_norm_forward(&self.kernels, &mut q, &args, &mut y.tensor_mut()?).k()?
+            layer_norm_forward(&self.kernels, q, &args, &mut y.tensor_mut()?).k()?
         };
         Ok((y.into_tensor()?, saved))
     }
@@ -139,12 +136,11 @@ impl Ctx {
     }
 
     /// GELU (erf) forward saving the codes of its input.
-    pub fn gelu(&self, u: &Tensor, config: QuantConfig) -> candle_core::Result<(Tensor, SavedActivation)> {
-        let mut q = Quantizer::new(&self.kernels, config).k()?;
+    pub fn gelu(&self, u: &Tensor, q: &mut Quantizer) -> candle_core::Result<(Tensor, SavedActivation)> {
         let mut y = self.out(u.shape())?;
         let saved = {
             let uv = View::of(u)?;
-            gelu_forward(&self.kernels, &mut q, GeluForm::Erf, &uv.tensor_ref::<f32>()?, &mut y.tensor_mut()?).k()?
+            gelu_forward(&self.kernels, q, GeluForm::Erf, &uv.tensor_ref::<f32>()?, &mut y.tensor_mut()?).k()?
         };
         Ok((y.into_tensor()?, saved))
     }

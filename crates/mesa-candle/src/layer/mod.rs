@@ -33,10 +33,11 @@
 //! size `N²` is kept. [`Recompute::Full`] keeps nothing: the backward reruns the forward
 //! (same dropout seed) from `x`, which candle holds as the op's argument.
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Module, Tensor, Var};
 use mesa_kernels::linear_attention::LinearAttentionConfig;
+use mesa_kernels::{GroupParams, StatsMode};
 
 use crate::attach::attach;
 use crate::error::Error;
@@ -91,6 +92,32 @@ pub enum Recompute {
     Full,
 }
 
+/// A tensor the forward saves as codes, each with its own quantizer (and, under
+/// [`StatsMode::Running`], its own running estimate, Mesa §3.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CodeSite {
+    /// `x̂` of the first LayerNorm `[B, N, C]`, one group per head-sized channel slice.
+    Ln1,
+    /// The query projection `[B, H, N, d]`, one group per head.
+    Q,
+    /// The key projection `[B, H, N, d]`, one group per head.
+    K,
+    /// The value projection `[B, H, N, d]`, one group per head.
+    V,
+    /// The attention output before `W_o` `[B, N, C]`, per head-sized channel slice.
+    AttnOut,
+    /// `x̂` of the second LayerNorm `[B, N, C]`, per head-sized channel slice.
+    Ln2,
+    /// The FFN pre-activation `u` `[B, N, F]`, `H` channel slices of `F/H`.
+    FfnIn,
+}
+
+impl CodeSite {
+    /// Every site, in the order of the forward.
+    pub const ALL: [CodeSite; 7] =
+        [CodeSite::Ln1, CodeSite::Q, CodeSite::K, CodeSite::V, CodeSite::AttnOut, CodeSite::Ln2, CodeSite::FfnIn];
+}
+
 /// Dropout probabilities and the seed of their masks.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DropoutConfig {
@@ -129,12 +156,19 @@ pub struct LayerConfig {
     pub dropout: DropoutConfig,
     /// Bits of every code: 8, 4 or 2.
     pub bits: u32,
+    /// Where the codes' ranges come from: [`StatsMode::Exact`] quantizes each call with its
+    /// own min/max (two passes, fresh quantizers); [`StatsMode::Running`] keeps one quantizer
+    /// per [`CodeSite`] in the layer across calls, Mesa's running estimate (one pass after
+    /// the first call, momentum 0.9; [`TransformerLayer::running_params`] reads it). Under
+    /// [`Recompute::Full`] the backward's rerun of the forward uses exact statistics.
+    pub stats: StatsMode,
     /// LayerNorm ε.
     pub eps: f32,
 }
 
 impl LayerConfig {
-    /// A pre-LN, causal softmax-attention layer, 8-bit codes, no recomputation, no dropout.
+    /// A pre-LN, causal softmax-attention layer, 8-bit codes with exact statistics, no
+    /// recomputation, no dropout.
     #[must_use]
     pub fn new(hidden: usize, heads: usize, ffn: usize) -> Self {
         LayerConfig {
@@ -146,6 +180,7 @@ impl LayerConfig {
             recompute: Recompute::None,
             dropout: DropoutConfig::none(),
             bits: 8,
+            stats: StatsMode::Exact,
             eps: 1e-5,
         }
     }
@@ -200,6 +235,8 @@ pub struct TransformerLayer {
     layout: ParamLayout,
     params: Var,
     calls: AtomicU64,
+    /// The quantizers of [`StatsMode::Running`], created by the first forward.
+    running: Mutex<Option<forward::Quantizers>>,
 }
 
 impl TransformerLayer {
@@ -211,7 +248,7 @@ impl TransformerLayer {
         config.validate()?;
         let layout = ParamLayout::new(config.hidden, config.ffn);
         let params = layout.init(device)?;
-        Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0) })
+        Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0), running: Mutex::new(None) })
     }
 
     /// A layer whose parameters are loaded from per-weight tensors named `prefix + name`
@@ -228,7 +265,7 @@ impl TransformerLayer {
         config.validate()?;
         let layout = ParamLayout::new(config.hidden, config.ffn);
         let params = Var::from_tensor(&layout.flatten(tensors, prefix, device)?)?;
-        Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0) })
+        Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0), running: Mutex::new(None) })
     }
 
     /// The configuration.
@@ -283,10 +320,40 @@ impl TransformerLayer {
             seed,
             linear: self.linear(),
         });
-        let (y, saved) = forward::run(&plan, &x.detach(), &params.detach(), self.config.recompute)?;
+        let (y, saved) = match self.config.stats {
+            StatsMode::Exact => {
+                let mut quant = forward::Quantizers::new(&plan, StatsMode::Exact)?;
+                forward::run(&plan, &x.detach(), &params.detach(), self.config.recompute, &mut quant)?
+            }
+            StatsMode::Running => {
+                // a panic elsewhere cannot leave a quantizer half-updated: its state is device
+                // memory written by whole launches
+                let mut guard = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if guard.is_none() {
+                    *guard = Some(forward::Quantizers::new(&plan, StatsMode::Running)?);
+                }
+                let quant = guard.as_mut().ok_or(Error::StateConsumed { op: "transformer layer" })?;
+                forward::run(&plan, &x.detach(), &params.detach(), self.config.recompute, quant)?
+            }
+        };
         let result = crate::ops::tensor_result(&y)?;
         drop(y);
         attach(&[x, params], result, backward::LayerGrad { plan, saved })
+    }
+
+    /// The running estimate of `site` per group — `offset` (EMA of the minimum) and `scale`
+    /// (EMA of the range over `2^bits − 1`), f32, one entry per head (per head-sized channel
+    /// slice for token tensors) — or `None` under [`StatsMode::Exact`] and before the first
+    /// forward. Synchronises with the device.
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when the copy from the device fails.
+    pub fn running_params(&self, site: CodeSite) -> Result<Option<Vec<GroupParams>>, Error> {
+        let guard = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match guard.as_ref() {
+            Some(q) => Ok(q.running_params(site)?),
+            None => Ok(None),
+        }
     }
 
     fn linear(&self) -> Option<LinearAttention> {

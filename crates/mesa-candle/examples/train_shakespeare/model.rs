@@ -1,0 +1,187 @@
+//! The character-level GPT: token and learnt position embeddings, a stack of pre-LN layers
+//! (mesa-candle's one-op layer, or the plain-candle reference layer), a final LayerNorm and
+//! an untied LM head.
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use mesa_candle::layer::{reference, LayerConfig, ParamLayout, TransformerLayer};
+
+use crate::data::SplitMix;
+
+/// Sizes of the model and the batch.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    /// Vocabulary size `V`.
+    pub vocab: usize,
+    /// Context length `T`.
+    pub context: usize,
+    /// Layers `L`.
+    pub layers: usize,
+}
+
+/// The layer stack: one of the two implementations of the same layer.
+pub enum Stack {
+    /// `layer::reference` with one f32 variable per weight: candle keeps every intermediate
+    /// at full precision (run a).
+    Plain(Vec<HashMap<&'static str, Var>>),
+    /// mesa-candle's layer: one op per layer that keeps codes.
+    Mesa(Vec<TransformerLayer>),
+}
+
+/// The whole model.
+pub struct Model {
+    /// The layers' configuration.
+    pub config: LayerConfig,
+    tok: Var,
+    pos: Var,
+    /// The layers.
+    pub stack: Stack,
+    ln_w: Var,
+    ln_b: Var,
+    head: Var,
+}
+
+fn normal(rng: &mut SplitMix, shape: &[usize], std: f64, device: &Device) -> candle_core::Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| (rng.normal() * std) as f32).collect();
+    Tensor::from_vec(v, shape, device)
+}
+
+/// GPT-2's usual initialisation from the example's own generator (candle's CPU generator
+/// cannot be seeded): LayerNorm weights 1, biases 0, every matrix and embedding `N(0, 0.02²)`.
+fn layer_tensors(
+    layout: &ParamLayout,
+    rng: &mut SplitMix,
+    device: &Device,
+) -> candle_core::Result<HashMap<String, Tensor>> {
+    layout
+        .entries()
+        .iter()
+        .map(|e| {
+            let t = if e.name.starts_with("ln_") && e.name.ends_with(".weight") {
+                Tensor::ones(e.shape.as_slice(), DType::F32, device)?
+            } else if e.name.ends_with(".bias") {
+                Tensor::zeros(e.shape.as_slice(), DType::F32, device)?
+            } else {
+                normal(rng, &e.shape, 0.02, device)?
+            };
+            Ok((e.name.to_string(), t))
+        })
+        .collect()
+}
+
+fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    xc.broadcast_div(&(var + eps)?.sqrt()?)?.broadcast_mul(w)?.broadcast_add(b)
+}
+
+impl Model {
+    /// A model initialised from `seed`; `plain` picks the reference layer (same weights for
+    /// the same seed either way).
+    pub fn new(
+        config: LayerConfig,
+        shape: Shape,
+        plain: bool,
+        seed: u64,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let mut rng = SplitMix(seed);
+        let c = config.hidden;
+        let tok = Var::from_tensor(&normal(&mut rng, &[shape.vocab, c], 0.02, device)?)?;
+        let pos = Var::from_tensor(&normal(&mut rng, &[shape.context, c], 0.02, device)?)?;
+        let layout = ParamLayout::new(c, config.ffn);
+        let mut plain_layers = Vec::new();
+        let mut mesa_layers = Vec::new();
+        for _ in 0..shape.layers {
+            let tensors = layer_tensors(&layout, &mut rng, device)?;
+            if plain {
+                let flat = layout.flatten(&tensors, "", device)?;
+                plain_layers.push(reference::variables(&layout, &flat, DType::F32)?);
+            } else {
+                mesa_layers.push(TransformerLayer::from_tensors(config.clone(), &tensors, "", device)?);
+            }
+        }
+        let stack = if plain { Stack::Plain(plain_layers) } else { Stack::Mesa(mesa_layers) };
+        let ln_w = Var::from_tensor(&Tensor::ones(c, DType::F32, device)?)?;
+        let ln_b = Var::from_tensor(&Tensor::zeros(c, DType::F32, device)?)?;
+        let head = Var::from_tensor(&normal(&mut rng, &[shape.vocab, c], 0.02, device)?)?;
+        Ok(Model { config, tok, pos, stack, ln_w, ln_b, head })
+    }
+
+    /// Every trainable variable, the head's last.
+    pub fn vars(&self) -> Vec<Var> {
+        let mut v = vec![self.tok.clone(), self.pos.clone()];
+        match &self.stack {
+            Stack::Plain(layers) => {
+                for l in layers {
+                    let mut names: Vec<_> = l.keys().copied().collect();
+                    names.sort_unstable();
+                    v.extend(names.into_iter().map(|n| l[n].clone()));
+                }
+            }
+            Stack::Mesa(layers) => v.extend(layers.iter().map(|l| l.params().clone())),
+        }
+        v.extend(self.head_vars());
+        v
+    }
+
+    /// The head's variables (final LayerNorm, LM head).
+    pub fn head_vars(&self) -> [Var; 3] {
+        [self.ln_w.clone(), self.ln_b.clone(), self.head.clone()]
+    }
+
+    /// Token plus position embedding of `ids: [B, T]` → `[B, T, C]`.
+    pub fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let t = ids.dim(1)?;
+        let e = self.tok.as_tensor().embedding(&ids.flatten_all()?)?.reshape((ids.dim(0)?, t, self.config.hidden))?;
+        e.broadcast_add(&self.pos.as_tensor().narrow(0, 0, t)?)
+    }
+
+    /// The layer stack for training (graph kept for backward).
+    pub fn stack_forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = h.clone();
+        match &self.stack {
+            Stack::Plain(layers) => {
+                for p in layers {
+                    h = reference::forward(&self.config, p, &h, 0)?;
+                }
+            }
+            Stack::Mesa(layers) => {
+                for l in layers {
+                    h = l.forward_seeded(&h, 0)?;
+                }
+            }
+        }
+        Ok(h)
+    }
+
+    /// The layer stack for evaluation: the plain-candle forward of the same parameters (the
+    /// layer's forward is exact, its codes only serve backward), so evaluating leaves the
+    /// running estimates alone.
+    pub fn stack_eval(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = h.detach();
+        match &self.stack {
+            Stack::Plain(layers) => {
+                for p in layers {
+                    h = reference::forward(&self.config, p, &h, 0)?.detach();
+                }
+            }
+            Stack::Mesa(layers) => {
+                for l in layers {
+                    let p = reference::variables(l.layout(), &l.params().as_tensor().detach(), DType::F32)?;
+                    h = reference::forward(&self.config, &p, &h, 0)?.detach();
+                }
+            }
+        }
+        Ok(h)
+    }
+
+    /// Mean next-character cross-entropy (nats) of the head on `y: [B, T, C]`.
+    pub fn head_loss(&self, y: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        let n = layer_norm(y, self.ln_w.as_tensor(), self.ln_b.as_tensor(), f64::from(self.config.eps))?;
+        let logits = n.broadcast_matmul(&self.head.as_tensor().t()?)?;
+        candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)
+    }
+}
