@@ -117,16 +117,16 @@ impl RunSpec {
 }
 
 /// The planner's prediction of the bytes alive for backward per step of the layer stack
-/// (the quantity measured here). Wired to `mesa_candle::plan::layer_stack_saved_bytes` when
-/// the planner is merged; `None` (printed "n/a") until then.
-fn planned_bytes_per_step(
-    _layer: &LayerConfig,
-    _plain: bool,
-    _layers: usize,
-    _batch: usize,
-    _seq: usize,
-) -> Option<u64> {
-    None
+/// (the quantity measured here): `mesa_candle::plan::layer_stack_saved_bytes` for our layer,
+/// and for the plain-candle layer (run a) the plain-f32 estimate
+/// (`reference_stack_estimate`; why it differs from the measurement: `docs/plan.md`).
+fn planned_bytes_per_step(layer: &LayerConfig, plain: bool, layers: usize, batch: usize, seq: usize) -> Option<u64> {
+    let planned = if plain {
+        mesa_candle::plan::reference_stack_estimate(layer, layers, batch, seq)
+    } else {
+        mesa_candle::plan::layer_stack_saved_bytes(layer, layers, batch, seq)
+    };
+    planned.ok()
 }
 
 /// The running estimate of run c over training: `[reading][layer][head]`.
