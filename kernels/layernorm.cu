@@ -225,12 +225,15 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
 }
 
 // Codes of x̂ from x, mean and rstd, in units of 8 logical elements (any row length).
-template <typename T>
+// kWiden: the widening pass of the running estimate (quant_common.cuh, WidenSet): only the
+// units holding an element of a widened group, nothing when none was widened; no statistics.
+template <typename T, bool kWiden>
 __global__ void __launch_bounds__(kRowBlock)
     layernorm_codes_kernel(const T* __restrict__ x, RowView xr, int64_t n, int64_t cols, const float* __restrict__ mean,
-                           const float* __restrict__ rstd, CodeSink sink) {
-  __shared__ MesaGroupStats staged[kSharedGroups];
-  const bool with_stats = sink.stats != nullptr;
+                           const float* __restrict__ rstd, CodeSink sink, WidenSet widen) {
+  if (kWiden && widen.none()) return;  // the steady state: one load per thread
+  __shared__ MesaGroupStats staged[kWiden ? 1 : kSharedGroups];
+  const bool with_stats = !kWiden && sink.stats != nullptr;
   StatsSink stats{sink.stats, sink.groups.count <= kSharedGroups ? staged : nullptr, sink.groups.count};
   if (with_stats) stats.begin();
   RunStats run;
@@ -238,6 +241,7 @@ __global__ void __launch_bounds__(kRowBlock)
   for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < nunits; u += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i0 = u * kUnit;
     const int live = int(n - i0 < kUnit ? n - i0 : kUnit);
+    if (kWiden && !widen.unit(sink.groups, i0, live)) continue;
     float v[kUnit];
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) {
@@ -383,10 +387,16 @@ struct LayerNormForwardOp {
     if (a.codes_only) {
       const int64_t n = rows * cols;
       const int64_t want = ceil_div(ceil_div(n, kUnit), kRowBlock), cap = int64_t(sm_count()) * 8;
-      const unsigned grid = unsigned(want < cap ? want : cap);
-      return status_from(MESA_LAUNCH((layernorm_codes_kernel<T>), dim3(grid), dim3(kRowBlock), 0, stream,
-                                     static_cast<const T*>(a.x), row_view(a.x_desc), n, cols, a.mean, a.rstd,
-                                     code_sink_from(a.sink)));
+      const unsigned grid = unsigned(want < cap ? want : cap);  // the widening pass: sized for every group
+      const CodeSink sink = code_sink_from(a.sink);
+      const WidenSet widen{a.widen, a.sink.group_count};
+      if (a.widen != nullptr)
+        return status_from(MESA_LAUNCH((layernorm_codes_kernel<T, true>), dim3(grid), dim3(kRowBlock), 0, stream,
+                                       static_cast<const T*>(a.x), row_view(a.x_desc), n, cols, a.mean, a.rstd, sink,
+                                       widen));
+      return status_from(MESA_LAUNCH((layernorm_codes_kernel<T, false>), dim3(grid), dim3(kRowBlock), 0, stream,
+                                     static_cast<const T*>(a.x), row_view(a.x_desc), n, cols, a.mean, a.rstd, sink,
+                                     widen));
     }
     if (cols <= 256) return launch_fwd<T, kWarpSize, 1>(a, rows, cols, kRowBlock, stream);
     if (cols <= 512) return launch_fwd<T, kWarpSize, 2>(a, rows, cols, kRowBlock, stream);
@@ -452,6 +462,8 @@ extern "C" MesaStatus MESA_ENTRY(layernorm_forward)(const MesaLayerNormForwardAr
   if (a->y != nullptr && (!desc_valid(a->y_desc) || !same_rows(a->x_desc, a->y_desc))) return MESA_STATUS_INVALID_ARGUMENT;
   if (!(a->eps > 0.0f) || !(a->eps < 3.402823466e38f)) return MESA_STATUS_INVALID_ARGUMENT;
   const int64_t cols = row_length(a->x_desc);
+  if (a->widen != nullptr && (!a->codes_only || a->sink.codes == nullptr || a->sink.stats != nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;  // the widening pass: codes from saved params only
   if (a->codes_only) {
     if (a->mean == nullptr || a->rstd == nullptr || (a->sink.codes == nullptr && a->sink.stats == nullptr))
       return MESA_STATUS_INVALID_ARGUMENT;

@@ -130,6 +130,36 @@ __device__ __forceinline__ float decode(unsigned code, MesaGroupParams p, bool s
 inline bool code_map_valid(MesaCodeMap m) { return m == MESA_CODE_MAP_IDENTITY || m == MESA_CODE_MAP_SQRT; }
 
 // ---------------------------------------------------------------------------------------
+// The widening pass of the running estimate (mesa_quant.h, quant_finalize in RUNNING mode):
+// flags[g] != 0 marks a group whose batch left the estimate by more than one step; those
+// groups got the batch's exact range in their saved params and are encoded again, and
+// flags[count] says how many there are (0 in the steady state: the pass then reads nothing
+// else). A unit of 8 logical elements [i0, i0 + live) is encoded again when any of its
+// elements is in a flagged group; all its codes are then rewritten, each element with its
+// own group's saved params, which for an unflagged group are the estimate the first pass used
+// (the same code again), so a unit's bytes keep one writer.
+struct WidenSet {
+  const uint32_t* flags;  // [count + 1]
+  int64_t count;
+  __device__ __forceinline__ bool none() const { return flags[count] == 0u; }
+  __device__ __forceinline__ bool unit(const GroupMap& m, int64_t i0, int live) const {
+    if (m.run % kUnit == 0 && i0 % kUnit == 0) return flags[m.group(i0)] != 0u;
+    bool any = false;
+    for (int j = 0; j < live; ++j) any = any || flags[m.group(i0 + j)] != 0u;
+    return any;
+  }
+};
+
+// Whether a batch of finite range [lo, hi] escaped the estimate {o, s} (levels L) by more
+// than one step: lo < o - s or hi > o + (L + 1) s, in f64 from the f32 values (IEEE, the
+// same decision in both builds and in the reference). Inside that band a clamped element is
+// at most one step from its code's value.
+__device__ __forceinline__ bool escaped_estimate(MesaGroupParams est, float lo, float hi, float levels) {
+  const double o = est.offset, s = est.scale;
+  return double(lo) < o - s || double(hi) > o + (double(levels) + 1.0) * s;
+}
+
+// ---------------------------------------------------------------------------------------
 // Per-group statistics: a thread keeps a run (group, min, max, nonfinite) while consecutive
 // elements stay in one group and flushes it with atomics when the group changes.
 struct RunStats {
