@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kRowBlock)
         v[j] = (to_float(x[xr.row(r) + c * xr.col_stride]) - mean[r]) * rstd[r];
       }
     }
-    sink_unit(sink, i0, v, live, run, stats.target());
+    sink_unit(sink, i0, v, live, run, stats.target(), false, kWiden ? &widen : nullptr);
   }
   if (with_stats) {
     flush(run, stats.target());

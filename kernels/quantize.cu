@@ -257,6 +257,9 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       codes[j] = live ? encode(code_domain(xs[j], cfg.sqrt_map), p, levels, cfg.stochastic, us[j]) : 0u;
       if (with_stats && live) accumulate(run, g, xs[j], sink.target());
     }
+    if (kWiden)
+      cfg.widen.keep_unflagged(cfg.groups, i0, int(n - i0 < N ? n - i0 : N), cfg.codes + i0 * cfg.bits / 8, cfg.bits,
+                               codes);
     if (kDense || i0 + N <= n) {
       store_codes<N>(cfg.codes + i0 * cfg.bits / 8, codes, cfg.bits);
     } else {
@@ -287,6 +290,7 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
       if (with_stats) accumulate(run, g, xv, sink.target());
     }
+    if (kWiden) cfg.widen.keep_unflagged(cfg.groups, i0, int(n - i0), cfg.codes + i0 * cfg.bits / 8, cfg.bits, codes);
     const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
     uint64_t packed = 0;
 #pragma unroll

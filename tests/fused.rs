@@ -114,7 +114,7 @@ fn max_scale(saved: &SavedActivation) -> f64 {
 /// (a twin quantizer with the same history) on the tensor it saves: the same first pass, the
 /// same groups widened when the batch escapes the running estimate, the same second launch.
 /// Returns the twin's count of widened groups.
-fn same_as_quantizer<T: Element>(device: &Device, twin: &mut Quantizer, saved: &SavedActivation, v: &Buffer<T>) -> u32 {
+fn same_as_quantizer<T: Element>(twin: &mut Quantizer, saved: &SavedActivation, v: &Buffer<T>) -> u32 {
     let l = Layout::contiguous(saved.shape());
     let want = twin.quantize(&TensorRef::new(v, &l).expect("view")).expect("twin quantize");
     assert_eq!(saved.codes().to_vec().expect("c"), want.codes().to_vec().expect("c"), "codes vs Quantizer::quantize");
@@ -254,7 +254,7 @@ fn gelu_exact_mode_running_mode_and_strided_views() {
             let x: Vec<f32> = random(&mut rng, 5 * 64, 0.1 * batch as f64, spread);
             let dy: Vec<f32> = random(&mut rng, 5 * 64, 0.0, 1.0);
             let saved = check_gelu(&device, &mut q, GeluForm::Erf, &x, &Layout::contiguous(&[5, 64]), &dy, batch == 0);
-            let widened = same_as_quantizer(&device, &mut twin, &saved, &device.upload(&x).expect("up"));
+            let widened = same_as_quantizer(&mut twin, &saved, &device.upload(&x).expect("up"));
             if batch == 2 {
                 assert_eq!(widened, 4, "batch 2 escapes the estimate in every group");
             }
@@ -996,7 +996,7 @@ fn layer_norm_constant_rows_long_rows_strided_and_running_mode() {
                 let xb = device.upload(&x).expect("up");
                 let mut xhat = device.alloc_zeros::<f32>(6 * cols).expect("alloc");
                 layer_norm(&device, &LayerNormForward::new(&tref(&xb, &l), 1e-5), &mut tmut(&mut xhat, &l)).expect("ln");
-                widened.push(same_as_quantizer(&device, &mut twin, s.xhat(), &xhat));
+                widened.push(same_as_quantizer(&mut twin, s.xhat(), &xhat));
             }
             assert!(widened[1] > 0, "rows of {cols}: batch 1 must escape the estimate ({widened:?})");
         }
