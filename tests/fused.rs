@@ -995,7 +995,8 @@ fn layer_norm_constant_rows_long_rows_strided_and_running_mode() {
                 let s = check_layer_norm(&device, &mut q, &x, &l, None, None, &dy, batch == 0);
                 let xb = device.upload(&x).expect("up");
                 let mut xhat = device.alloc_zeros::<f32>(6 * cols).expect("alloc");
-                layer_norm(&device, &LayerNormForward::new(&tref(&xb, &l), 1e-5), &mut tmut(&mut xhat, &l)).expect("ln");
+                layer_norm(&device, &LayerNormForward::new(&tref(&xb, &l), 1e-5), &mut tmut(&mut xhat, &l))
+                    .expect("ln");
                 widened.push(same_as_quantizer(&mut twin, s.xhat(), &xhat));
             }
             assert!(widened[1] > 0, "rows of {cols}: batch 1 must escape the estimate ({widened:?})");

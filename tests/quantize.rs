@@ -392,7 +392,7 @@ fn values_outside_the_running_range_clamp_within_one_step_and_widen_beyond() {
     for device in common::backends() {
         let layout = Layout::contiguous(&[64]);
         let first: Vec<f32> = (0..64).map(|i| i as f32 / 63.0).collect(); // range [0, 1]
-        // batch 2 inside the one-step band around the running range [0, 1]: clamps, never wraps
+                                                                          // batch 2 inside the one-step band around the running range [0, 1]: clamps, never wraps
         let step = 1.0f32 / 255.0;
         let inside: Vec<f32> = (0..64).map(|i| if i % 2 == 0 { 1.0 + 0.9 * step } else { -0.9 * step }).collect();
         let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("quantizer");
@@ -472,11 +472,13 @@ fn running_estimate_error_is_bounded_when_batches_escape() {
                     let n: usize = shape.iter().product();
                     let groups = rq::group_index(shape, grouping).expect("groups");
                     let count = grouping.num_groups(shape).expect("count");
-                    let config = QuantConfig { bits, grouping: *grouping, rounding, momentum: 0.9, stats: StatsMode::Running };
+                    let config =
+                        QuantConfig { bits, grouping: *grouping, rounding, momentum: 0.9, stats: StatsMode::Running };
                     let first: Vec<f32> = (0..n).map(|_| (rng.random::<f64>() * 2.0 - 1.0) as f32).collect();
                     let mut q = Quantizer::new(&device, config).expect("q");
                     let mut twin = Quantizer::new(&device, config).expect("q");
-                    let mut exact = Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..config }).expect("q");
+                    let mut exact =
+                        Quantizer::new(&device, QuantConfig { stats: StatsMode::Exact, ..config }).expect("q");
                     for qz in [&mut q, &mut twin, &mut exact] {
                         let buf = device.upload(&scatter(&first, &layout)).expect("up");
                         qz.quantize(&TensorRef::new(&buf, &layout).expect("view")).expect("batch 0");
@@ -505,8 +507,9 @@ fn running_estimate_error_is_bounded_when_batches_escape() {
                         .collect();
                     let x: Vec<f64> = second.iter().map(|&v| f64::from(v)).collect();
                     let stats = rq::group_stats(&x, &groups, count);
-                    let escaped: Vec<bool> =
-                        (0..count).map(|g| rq::escapes_estimate(&stats[g], est[g].offset, est[g].scale, bits)).collect();
+                    let escaped: Vec<bool> = (0..count)
+                        .map(|g| rq::escapes_estimate(&stats[g], est[g].offset, est[g].scale, bits))
+                        .collect();
                     let n_escaped = escaped.iter().filter(|&&e| e).count();
                     assert!(n_escaped > 0 && n_escaped < count, "the case must mix escaped and kept groups");
                     let buf = device.upload(&scatter(&second, &layout)).expect("up");

@@ -71,7 +71,8 @@ fn gelu_forward_into<T: Element>(
     let descs =
         if x.numel() == 0 { None } else { Some((elem_desc(x.layout(), T::DTYPE)?, elem_desc(y.layout(), T::DTYPE)?)) };
     // the saved tensor is x itself: its widening pass is the Quantizer's, on x's grouped view
-    let grouped = if x.numel() == 0 { None } else { Some(kernel_view(x.layout(), &quantizer.config().grouping, T::DTYPE)?) };
+    let grouped =
+        if x.numel() == 0 { None } else { Some(kernel_view(x.layout(), &quantizer.config().grouping, T::DTYPE)?) };
     let layout = x.layout().clone();
     let mut launch = Launch::new(device);
     let xp = launch.input(x, "input")?;

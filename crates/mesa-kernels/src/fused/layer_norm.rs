@@ -280,9 +280,13 @@ fn forward_saving<T: Element>(
             }
             // the groups that escaped the running estimate: their codes again, from x, mean
             // and rstd (the x̂ of the row pass, bit for bit) with the saved parameters
-            (ProducerStep::Widen(widen), _) => {
-                run(sys::MesaLayerNormForwardArgs { y: std::ptr::null_mut(), sink: codes_only, codes_only: 1, widen, ..base })
-            }
+            (ProducerStep::Widen(widen), _) => run(sys::MesaLayerNormForwardArgs {
+                y: std::ptr::null_mut(),
+                sink: codes_only,
+                codes_only: 1,
+                widen,
+                ..base
+            }),
         }
     })?;
     launch.finish()
