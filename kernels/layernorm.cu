@@ -16,7 +16,10 @@
 //   layernorm_forward_kernel     reads R·C·sizeof(T) + 2·C·sizeof(T), writes R·C·sizeof(T)
 //                                + R·C·b/8 + 8·R; ~10 FLOP/element
 //   layernorm_codes_kernel       (only when C·b is not a multiple of 8, so that rows do not
-//                                start on a byte) reads R·C·sizeof(T) + 8·R, writes R·C·b/8
+//                                start on a byte) reads R·C·sizeof(T) + 8·R, writes R·C·b/8;
+//                                kWiden: the running estimate's widening pass (quant_common.cuh,
+//                                WidenSet), the same bytes for the elements of widened groups only
+//                                (none in the steady state: one 4-byte load per thread)
 //   layernorm_backward_dx_kernel reads R·C·(sizeof(T) + b/8) + 4·R + C·sizeof(T), writes R·C·sizeof(T)
 //   layernorm_backward_dwdb_kernel  reads R·C·(sizeof(T) + b/8), writes 2·P·C·4 (P partial blocks)
 //   layernorm_backward_final_kernel reads 2·P·C·4, writes 2·C·4

@@ -986,8 +986,8 @@ fn layer_norm_constant_rows_long_rows_strided_and_running_mode() {
             for batch in 0..3 {
                 let mut x: Vec<f32> = random(&mut rng, 6 * cols, 0.0, 2.0 + batch as f64);
                 if batch == 1 {
-                    for c in 0..cols {
-                        x[c] = if c % 11 == 0 { 3e3 } else { 0.0 }; // x̂ ~3.1: past the estimate
+                    for (c, v) in x[..cols].iter_mut().enumerate() {
+                        *v = if c % 11 == 0 { 3e3 } else { 0.0 }; // x̂ ~3.1: past the estimate
                     }
                 }
                 let dy: Vec<f32> = random(&mut rng, 6 * cols, 0.0, 1.0);

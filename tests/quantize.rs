@@ -422,6 +422,9 @@ fn values_outside_the_running_range_clamp_within_one_step_and_widen_beyond() {
     }
 }
 
+/// A strided view's storage shape and the permutation of its axes that gives the view.
+type PermutedStorage = (Vec<usize>, Vec<usize>);
+
 /// Storage of a strided view holding `logical` (in the view's logical order) at its offsets;
 /// the other storage elements are 0.
 fn scatter(logical: &[f32], layout: &Layout) -> Vec<f32> {
@@ -453,7 +456,7 @@ fn running_estimate_error_is_bounded_when_batches_escape() {
     let mut rng = common::rng("bounded_running_estimate");
     for device in common::backends() {
         // (view shape, storage shape and the permutation giving the view, grouping)
-        let cases: [(Vec<usize>, Option<(Vec<usize>, Vec<usize>)>, Grouping); 3] = [
+        let cases: [(Vec<usize>, Option<PermutedStorage>, Grouping); 3] = [
             (vec![2, 8, 9, 8], None, Grouping::Heads { axis: 1 }), // [B,H,N,D], 72-element runs
             (vec![2, 9, 8, 5], Some((vec![2, 8, 9, 5], vec![0, 2, 1, 3])), Grouping::Heads { axis: 2 }), // runs of 5
             (vec![3, 7, 64], None, Grouping::Channels { axis: 2, groups: 8 }),
