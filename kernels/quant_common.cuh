@@ -157,8 +157,9 @@ struct WidenSet {
     const int nbytes = int(ceil_div(int64_t(live) * bits, 8));
     uint64_t packed = 0;
     for (int b = 0; b < nbytes; ++b) packed |= uint64_t(dst[b]) << (8 * b);
-    for (int j = 0; j < live; ++j)
-      if (flags[m.group(i0 + j)] == 0u) codes[j] = unsigned(packed >> (j * bits)) & ((1u << bits) - 1u);
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j)  // fixed trip count: codes[] stays in registers
+      if (j < live && flags[m.group(i0 + j)] == 0u) codes[j] = unsigned(packed >> (j * bits)) & ((1u << bits) - 1u);
   }
 };
 
