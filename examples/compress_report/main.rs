@@ -499,7 +499,8 @@ struct ErrorStats {
     rel_l2: f64,
     /// Largest `|x̂ − x| / scale` of the element's group.
     max_steps: f64,
-    /// Elements whose error exceeds the rounding bound: clamped by the running range.
+    /// Elements whose error exceeds the rounding bound: clamped within one step of the
+    /// running range.
     clamped: usize,
 }
 
