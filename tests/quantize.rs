@@ -1303,3 +1303,34 @@ fn strided_tail_writes_no_byte_past_the_codes() {
         verify::<bf16>(&device, &saved, &x, Grouping::Heads { axis: 0 }, bits, Rounding::Nearest, 0, ParamsFrom::Batch);
     }
 }
+
+#[test]
+fn a_group_without_finite_values_in_the_first_batch_is_widened_later() {
+    // the estimate of group 1 starts at {0, 0}: batch 1's finite values leave it and the
+    // group is saved with its exact range (decodes within half a step); group 0 repeats
+    // batch 0 exactly and keeps the estimate
+    for device in common::backends() {
+        let layout = Layout::contiguous(&[2, 16]);
+        let g0: Vec<f32> = (0..16).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let first: Vec<f32> = g0.iter().copied().chain(std::iter::repeat_n(f32::NAN, 16)).collect();
+        let second: Vec<f32> = g0.iter().copied().chain((0..16).map(|i| 3.0 + i as f32)).collect();
+        let mut q = Quantizer::new(&device, QuantConfig::per_head(0)).expect("q");
+        q.quantize(&TensorRef::new(&device.upload(&first).expect("up"), &layout).expect("view")).expect("q");
+        let before = q.running_params().expect("r").expect("init");
+        let saved =
+            q.quantize(&TensorRef::new(&device.upload(&second).expect("up"), &layout).expect("view")).expect("q");
+        assert_eq!(q.widened_groups().expect("count"), Some(1));
+        let x = reference::gather(&second, &layout);
+        verify::<f32>(
+            &device,
+            &saved,
+            &x,
+            Grouping::Heads { axis: 0 },
+            8,
+            Rounding::Nearest,
+            0,
+            ParamsFrom::Running(&before),
+        );
+        assert_eq!(saved.params().expect("p")[1].offset, 3.0, "group 1: the batch's minimum");
+    }
+}
