@@ -16,7 +16,10 @@
 //   layernorm_forward_kernel     reads R·C·sizeof(T) + 2·C·sizeof(T), writes R·C·sizeof(T)
 //                                + R·C·b/8 + 8·R; ~10 FLOP/element
 //   layernorm_codes_kernel       (only when C·b is not a multiple of 8, so that rows do not
-//                                start on a byte) reads R·C·sizeof(T) + 8·R, writes R·C·b/8
+//                                start on a byte) reads R·C·sizeof(T) + 8·R, writes R·C·b/8;
+//                                kWiden: the running estimate's widening pass (quant_common.cuh,
+//                                WidenSet), the same bytes for the elements of widened groups only
+//                                (none in the steady state: one 4-byte load per thread)
 //   layernorm_backward_dx_kernel reads R·C·(sizeof(T) + b/8) + 4·R + C·sizeof(T), writes R·C·sizeof(T)
 //   layernorm_backward_dwdb_kernel  reads R·C·(sizeof(T) + b/8), writes 2·P·C·4 (P partial blocks)
 //   layernorm_backward_final_kernel reads 2·P·C·4, writes 2·C·4
@@ -225,12 +228,15 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
 }
 
 // Codes of x̂ from x, mean and rstd, in units of 8 logical elements (any row length).
-template <typename T>
+// kWiden: the widening pass of the running estimate (quant_common.cuh, WidenSet): only the
+// units holding an element of a widened group, nothing when none was widened; no statistics.
+template <typename T, bool kWiden>
 __global__ void __launch_bounds__(kRowBlock)
     layernorm_codes_kernel(const T* __restrict__ x, RowView xr, int64_t n, int64_t cols, const float* __restrict__ mean,
-                           const float* __restrict__ rstd, CodeSink sink) {
-  __shared__ MesaGroupStats staged[kSharedGroups];
-  const bool with_stats = sink.stats != nullptr;
+                           const float* __restrict__ rstd, CodeSink sink, WidenSet widen) {
+  if (kWiden && widen.none()) return;  // the steady state: one load per thread
+  __shared__ MesaGroupStats staged[kWiden ? 1 : kSharedGroups];
+  const bool with_stats = !kWiden && sink.stats != nullptr;
   StatsSink stats{sink.stats, sink.groups.count <= kSharedGroups ? staged : nullptr, sink.groups.count};
   if (with_stats) stats.begin();
   RunStats run;
@@ -238,6 +244,7 @@ __global__ void __launch_bounds__(kRowBlock)
   for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < nunits; u += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i0 = u * kUnit;
     const int live = int(n - i0 < kUnit ? n - i0 : kUnit);
+    if (kWiden && !widen.unit(sink.groups, i0, live)) continue;
     float v[kUnit];
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) {
@@ -247,7 +254,7 @@ __global__ void __launch_bounds__(kRowBlock)
         v[j] = (to_float(x[xr.row(r) + c * xr.col_stride]) - mean[r]) * rstd[r];
       }
     }
-    sink_unit(sink, i0, v, live, run, stats.target());
+    sink_unit(sink, i0, v, live, run, stats.target(), false, kWiden ? &widen : nullptr);
   }
   if (with_stats) {
     flush(run, stats.target());
@@ -383,10 +390,16 @@ struct LayerNormForwardOp {
     if (a.codes_only) {
       const int64_t n = rows * cols;
       const int64_t want = ceil_div(ceil_div(n, kUnit), kRowBlock), cap = int64_t(sm_count()) * 8;
-      const unsigned grid = unsigned(want < cap ? want : cap);
-      return status_from(MESA_LAUNCH((layernorm_codes_kernel<T>), dim3(grid), dim3(kRowBlock), 0, stream,
-                                     static_cast<const T*>(a.x), row_view(a.x_desc), n, cols, a.mean, a.rstd,
-                                     code_sink_from(a.sink)));
+      const unsigned grid = unsigned(want < cap ? want : cap);  // the widening pass: sized for every group
+      const CodeSink sink = code_sink_from(a.sink);
+      const WidenSet widen{a.widen, a.sink.group_count};
+      if (a.widen != nullptr)
+        return status_from(MESA_LAUNCH((layernorm_codes_kernel<T, true>), dim3(grid), dim3(kRowBlock), 0, stream,
+                                       static_cast<const T*>(a.x), row_view(a.x_desc), n, cols, a.mean, a.rstd, sink,
+                                       widen));
+      return status_from(MESA_LAUNCH((layernorm_codes_kernel<T, false>), dim3(grid), dim3(kRowBlock), 0, stream,
+                                     static_cast<const T*>(a.x), row_view(a.x_desc), n, cols, a.mean, a.rstd, sink,
+                                     widen));
     }
     if (cols <= 256) return launch_fwd<T, kWarpSize, 1>(a, rows, cols, kRowBlock, stream);
     if (cols <= 512) return launch_fwd<T, kWarpSize, 2>(a, rows, cols, kRowBlock, stream);
@@ -452,6 +465,8 @@ extern "C" MesaStatus MESA_ENTRY(layernorm_forward)(const MesaLayerNormForwardAr
   if (a->y != nullptr && (!desc_valid(a->y_desc) || !same_rows(a->x_desc, a->y_desc))) return MESA_STATUS_INVALID_ARGUMENT;
   if (!(a->eps > 0.0f) || !(a->eps < 3.402823466e38f)) return MESA_STATUS_INVALID_ARGUMENT;
   const int64_t cols = row_length(a->x_desc);
+  if (a->widen != nullptr && (!a->codes_only || a->sink.codes == nullptr || a->sink.stats != nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;  // the widening pass: codes from saved params only
   if (a->codes_only) {
     if (a->mean == nullptr || a->rstd == nullptr || (a->sink.codes == nullptr && a->sink.stats == nullptr))
       return MESA_STATUS_INVALID_ARGUMENT;

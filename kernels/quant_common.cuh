@@ -130,6 +130,49 @@ __device__ __forceinline__ float decode(unsigned code, MesaGroupParams p, bool s
 inline bool code_map_valid(MesaCodeMap m) { return m == MESA_CODE_MAP_IDENTITY || m == MESA_CODE_MAP_SQRT; }
 
 // ---------------------------------------------------------------------------------------
+// The widening pass of the running estimate (mesa_quant.h, quant_finalize in RUNNING mode):
+// flags[g] != 0 marks a group whose batch left the estimate by more than one step; those
+// groups got the batch's exact range in their saved params and are encoded again, and
+// flags[count] says how many there are (0 in the steady state: the pass then reads nothing
+// else). A unit of 8 logical elements [i0, i0 + live) is encoded again when any of its
+// elements is in a flagged group; the thread that owns the unit rewrites all its bytes (one
+// writer), encoding the elements of flagged groups with their new params and keeping the
+// codes of the others as the first pass wrote them, read back from the bytes (their saved
+// params need not be the estimate that pass used: a non-finite group's scale is NaN).
+struct WidenSet {
+  const uint32_t* flags;  // [count + 1]
+  int64_t count;
+  __device__ __forceinline__ bool none() const { return flags[count] == 0u; }
+  __device__ __forceinline__ bool unit(const GroupMap& m, int64_t i0, int live) const {
+    if (m.run % kUnit == 0 && i0 % kUnit == 0) return flags[m.group(i0)] != 0u;
+    bool any = false;
+    for (int j = 0; j < live; ++j) any = any || flags[m.group(i0 + j)] != 0u;
+    return any;
+  }
+  // codes[j] of an element of an unflagged group <- its code in the bytes at `dst` (the unit's,
+  // i0 a multiple of 8); nothing to do for a unit inside one group (it is flagged).
+  __device__ __forceinline__ void keep_unflagged(const GroupMap& m, int64_t i0, int live, const uint8_t* dst, int bits,
+                                                 unsigned (&codes)[kUnit]) const {
+    if (m.run % kUnit == 0 && i0 % kUnit == 0) return;
+    const int nbytes = int(ceil_div(int64_t(live) * bits, 8));
+    uint64_t packed = 0;
+    for (int b = 0; b < nbytes; ++b) packed |= uint64_t(dst[b]) << (8 * b);
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j)  // fixed trip count: codes[] stays in registers
+      if (j < live && flags[m.group(i0 + j)] == 0u) codes[j] = unsigned(packed >> (j * bits)) & ((1u << bits) - 1u);
+  }
+};
+
+// Whether a batch of finite range [lo, hi] escaped the estimate {o, s} (levels L) by more
+// than one step: lo < o - s or hi > o + (L + 1) s, in f64 from the f32 values (IEEE, the
+// same decision in both builds and in the reference). Inside that band a clamped element is
+// at most one step from its code's value.
+__device__ __forceinline__ bool escaped_estimate(MesaGroupParams est, float lo, float hi, float levels) {
+  const double o = est.offset, s = est.scale;
+  return double(lo) < o - s || double(hi) > o + (double(levels) + 1.0) * s;
+}
+
+// ---------------------------------------------------------------------------------------
 // Per-group statistics: a thread keeps a run (group, min, max, nonfinite) while consecutive
 // elements stay in one group and flushes it with atomics when the group changes.
 struct RunStats {
@@ -300,8 +343,10 @@ __device__ __forceinline__ float element_uniform(uint64_t seed, int64_t i) {
 
 // sqrt_map: the companded codes of s.sqrt_map, passed by the one producer that uses them
 // (softmax); the others leave it false, a constant that keeps the branch out of their loops.
+// widen (the widening pass, stats NULL): the codes of unflagged groups' elements are kept.
 __device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const float (&v)[kUnit], int live,
-                                          RunStats& run, MesaGroupStats* stats_target, bool sqrt_map = false) {
+                                          RunStats& run, MesaGroupStats* stats_target, bool sqrt_map = false,
+                                          const WidenSet* widen = nullptr) {
   const int64_t g0 = s.groups.group(i0);
   const bool one_group = s.groups.run % kUnit == 0 && i0 % kUnit == 0;
   if (s.stats != nullptr) {
@@ -321,6 +366,7 @@ __device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const f
     codes[j] = on ? encode(code_domain(v[j], sqrt_map), p, levels, s.stochastic, u) : 0u;
   }
   uint8_t* dst = s.codes + i0 * s.bits / 8;
+  if (widen != nullptr) widen->keep_unflagged(s.groups, i0, live, dst, s.bits, codes);
   if (live == kUnit && i0 % kUnit == 0) {
     store_codes<kUnit>(dst, codes, s.bits);  // 8-code word, aligned like quantize_kernel's
   } else {

@@ -14,10 +14,27 @@
 // group's range clamp to 0 or L (never wrap). Non-finite inputs are counted per group and
 // poison that group's saved scale (NaN) so that it never decodes to finite numbers.
 //
+// Running estimate with a bounded error (one pass + the widening pass): batch k is encoded
+// with the estimate {o, s} of batches < k while the same pass reduces its min/max; then
+// quant_finalize flags each group whose batch escaped by more than one step,
+//   min < o - s  or  max > o + (L + 1) s          (f64, escaped_estimate in quant_common.cuh)
+// and saves for it the batch's exact range {min, (max - min) / L} instead; the widening pass
+// (quantize_kernel<T, kDense, kWiden = true>) encodes those groups again with it. So every
+// finite element of a group with finite input decodes within one step of the scale saved
+// for its group: |x - x^| <= s for an unflagged group (inside the range s/2 nearest, < s
+// stochastic; clamped only within the one-step band), <= s'/2 (nearest) or < s'
+// (stochastic) for a widened one, plus the f32 rounding of t and of the decode. The EMA
+// update uses the batch's statistics, never the widened params.
+//
 // Kernels (bytes moved per element, n elements of a T input, b bits):
 //   quant_stats_kernel      reads sizeof(T)                        per-group min/max/nonfinite
 //   quantize_kernel         reads sizeof(T), writes b/8 (+ optional stats in the same pass)
-//   quant_finalize_kernel   per group: O(groups), one block
+//   quant_finalize_kernel   per group: O(groups), one block; RUNNING mode also writes the
+//                           widen flags (4 B per group + a 4-byte count)
+//   quantize_kernel<.., kWiden>  the widening pass, for the elements of the k widened groups
+//                           out of G: reads sizeof(T), writes b/8 (worst case k = G: the bytes of
+//                           a quantize pass; steady state k = 0: one 4-byte count per thread,
+//                           nothing else); every unit also reads its groups' flags (L1/L2)
 //   dequantize_kernel       reads b/8, writes sizeof(T)
 // Each has a dense path (16-byte vector loads/stores, grid-stride) and a strided path (any
 // strides, 8 logical elements per step so that packed code bytes have one writer). The dense
@@ -155,6 +172,7 @@ struct QuantizeConfig {
   int bits;
   bool stochastic;
   bool sqrt_map;  // companded codes of sqrt(x) (MESA_CODE_MAP_SQRT; no statistics then)
+  WidenSet widen;  // the widening pass (quantize_kernel<T, kDense, true>); flags NULL otherwise
 };
 
 // Tail of quantize_dense_kernel: the last n - i0 < 8 elements, one thread, one partial unit
@@ -184,11 +202,14 @@ __device__ void quantize_tail(const T* x, int64_t n, int64_t i0, const QuantizeC
   for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
 }
 
-template <typename T, bool kDense>
+// kWiden: the widening pass (mesa_quant.h): no statistics, only the units that hold an
+// element of a widened group, nothing at all when no group was widened.
+template <typename T, bool kDense, bool kWiden>
 __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ x, Strided view, int64_t n,
                                                           QuantizeConfig cfg, MesaGroupStats* stats) {
-  __shared__ MesaGroupStats staged[kSharedGroups];
-  const bool with_stats = stats != nullptr;
+  if (kWiden && cfg.widen.none()) return;  // the steady state: one load per thread
+  __shared__ MesaGroupStats staged[kWiden ? 1 : kSharedGroups];
+  const bool with_stats = !kWiden && stats != nullptr;
   StatsSink sink{stats, cfg.groups.count <= kSharedGroups ? staged : nullptr, cfg.groups.count};
   if (with_stats) sink.begin();
   RunStats run;
@@ -201,6 +222,7 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
   const bool unit_in_one_group = cfg.groups.run % N == 0;
   for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < nunits; u += stride) {
     const int64_t i0 = u * N;
+    if (kWiden && !cfg.widen.unit(cfg.groups, i0, int(n - i0 < N ? n - i0 : N))) continue;
     float xs[N];
     if (kDense) {
       constexpr int V = Vec16<T>::N;
@@ -235,6 +257,9 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       codes[j] = live ? encode(code_domain(xs[j], cfg.sqrt_map), p, levels, cfg.stochastic, us[j]) : 0u;
       if (with_stats && live) accumulate(run, g, xs[j], sink.target());
     }
+    if (kWiden)
+      cfg.widen.keep_unflagged(cfg.groups, i0, int(n - i0 < N ? n - i0 : N), cfg.codes + i0 * cfg.bits / 8, cfg.bits,
+                               codes);
     if (kDense || i0 + N <= n) {
       store_codes<N>(cfg.codes + i0 * cfg.bits / 8, codes, cfg.bits);
     } else {
@@ -247,7 +272,8 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       for (int64_t b = 0; b < nbytes; ++b) cfg.codes[i0 * cfg.bits / 8 + b] = uint8_t(packed >> (8 * b));
     }
   }
-  if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n) {
+  if (kDense && blockIdx.x == 0 && threadIdx.x == 0 && nunits * N < n &&
+      (!kWiden || cfg.widen.unit(cfg.groups, nunits * N, int(n - nunits * N)))) {
     // tail of fewer than 8 elements: one thread, one (partial) code unit (written out here,
     // not through quantize_tail: nvcc 13 then spills the f32 instance on sm_80)
     const int64_t i0 = nunits * N;
@@ -264,6 +290,7 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
       if (with_stats) accumulate(run, g, xv, sink.target());
     }
+    if (kWiden) cfg.widen.keep_unflagged(cfg.groups, i0, int(n - i0), cfg.codes + i0 * cfg.bits / 8, cfg.bits, codes);
     const int64_t nbytes = ceil_div((n - i0) * cfg.bits, 8);
     uint64_t packed = 0;
 #pragma unroll
@@ -382,6 +409,9 @@ __global__ void __launch_bounds__(kBlock) quant_finalize_kernel(MesaQuantFinaliz
   const float levels = float((1u << a.bits) - 1u);
   const float m = a.momentum;
   unsigned nonfinite = 0u;
+  __shared__ unsigned widened;  // groups that escaped the estimate (RUNNING mode)
+  if (threadIdx.x == 0) widened = 0u;
+  __syncthreads();
   for (int64_t g = threadIdx.x; g < a.count; g += blockDim.x) {
     const MesaGroupStats s = a.stats[g];
     const bool any_finite = s.min_key != 0xffffffffu;
@@ -407,7 +437,16 @@ __global__ void __launch_bounds__(kBlock) quant_finalize_kernel(MesaQuantFinaliz
         next = batch;
       }
     } else {
+      // the estimate the one pass used, unless this batch left it by more than one step:
+      // then the batch's exact range, and the widening pass encodes the group again
       used = a.running[g];
+      const bool widen = any_finite && s.nonfinite == 0u &&
+                         escaped_estimate(used, key_float(s.min_key), key_float(s.max_key), levels);
+      if (widen) {
+        used = batch;
+        atomicAdd(&widened, 1u);
+      }
+      if (a.widen != nullptr) a.widen[g] = widen ? 1u : 0u;
     }
     if (any_finite && (a.running_initialized || a.mode == MESA_FINALIZE_RUNNING)) {
       next.offset = fmaf(m, next.offset, (1.0f - m) * batch.offset);
@@ -419,6 +458,8 @@ __global__ void __launch_bounds__(kBlock) quant_finalize_kernel(MesaQuantFinaliz
     a.stats[g] = MesaGroupStats{0xffffffffu, 0u, 0u, 0u};
     nonfinite += s.nonfinite;
   }
+  __syncthreads();
+  if (a.mode == MESA_FINALIZE_RUNNING && a.widen != nullptr && threadIdx.x == 0) a.widen[a.count] = widened;
   if (a.nonfinite_total != nullptr) {
     __shared__ unsigned partial[kBlock / kWarpSize];
     for (int o = kWarpSize / 2; o > 0; o /= 2) nonfinite += __shfl_xor_sync(0xffffffffu, nonfinite, o);
@@ -605,10 +646,21 @@ template <typename T>
 MesaStatus launch_quantize(const MesaQuantizeArgs& a, void* stream) {
   const int64_t n = numel(a.x_desc);
   const QuantizeConfig cfg{group_map(a.grouping, a.x_desc), a.params, a.codes, a.seed, a.bits,
-                           a.rounding == MESA_ROUND_STOCHASTIC, a.map == MESA_CODE_MAP_SQRT};
+                           a.rounding == MESA_ROUND_STOCHASTIC, a.map == MESA_CODE_MAP_SQRT,
+                           WidenSet{a.widen, a.grouping.count}};
   const T* x = static_cast<const T*>(a.x);
   const Strided view = strided_from(a.x_desc);
   const bool dense = vector_ok(a.x, a.x_desc);
+  if (a.widen != nullptr) {
+    // the widening pass: a grid for the worst case (every group widened), no host
+    // synchronisation; every thread returns after one load when no group was widened
+    const unsigned grid = grid_for(ceil_div(n, kUnit));
+    if (dense)
+      return status_from(
+          MESA_LAUNCH((quantize_kernel<T, true, true>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, nullptr));
+    return status_from(
+        MESA_LAUNCH((quantize_kernel<T, false, true>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, nullptr));
+  }
   // the fast path: dense, identity codes, units in one group, 32-bit indices
   if (dense && !cfg.sqrt_map && cfg.groups.run % kUnit == 0 && group_map32_ok(cfg.groups, n)) {
     const QuantizeDenseLaunch<T> l{x, n, DenseQuantize{group_map32(cfg.groups), a.params, a.codes, a.seed}, cfg,
@@ -618,9 +670,9 @@ MesaStatus launch_quantize(const MesaQuantizeArgs& a, void* stream) {
   const unsigned grid = grid_for(ceil_div(n, kUnit));
   if (dense)
     return status_from(
-        MESA_LAUNCH((quantize_kernel<T, true>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, a.stats));
+        MESA_LAUNCH((quantize_kernel<T, true, false>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, a.stats));
   return status_from(
-      MESA_LAUNCH((quantize_kernel<T, false>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, a.stats));
+      MESA_LAUNCH((quantize_kernel<T, false, false>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, a.stats));
 }
 
 template <typename T>
@@ -680,6 +732,8 @@ extern "C" MesaStatus MESA_ENTRY(quantize)(const MesaQuantizeArgs* a, void* stre
   // statistics are of x itself: companded codes take fixed parameters
   if (!code_map_valid(a->map) || (a->map != MESA_CODE_MAP_IDENTITY && a->stats != nullptr))
     return MESA_STATUS_INVALID_ARGUMENT;
+  // the widening pass re-encodes with saved params: no statistics, linear codes
+  if (a->widen != nullptr && (a->stats != nullptr || a->map != MESA_CODE_MAP_IDENTITY)) return MESA_STATUS_INVALID_ARGUMENT;
   if (numel(a->x_desc) == 0) return MESA_STATUS_OK;
   if (a->x == nullptr || a->params == nullptr || a->codes == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   return dispatch_dtype<QuantizeOp>(a->x_desc.dtype, *a, stream);

@@ -136,10 +136,11 @@ pub struct MesaQuantizeArgs {
     pub rounding: MesaRounding,
     pub map: MesaCodeMap,
     pub _pad: i32,
+    pub widen: *const u32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaQuantizeArgs"][::core::mem::size_of::<MesaQuantizeArgs>() - 184usize];
+    ["Size of MesaQuantizeArgs"][::core::mem::size_of::<MesaQuantizeArgs>() - 192usize];
     ["Alignment of MesaQuantizeArgs"][::core::mem::align_of::<MesaQuantizeArgs>() - 8usize];
     ["Offset of field: MesaQuantizeArgs::x"][::core::mem::offset_of!(MesaQuantizeArgs, x) - 0usize];
     ["Offset of field: MesaQuantizeArgs::x_desc"][::core::mem::offset_of!(MesaQuantizeArgs, x_desc) - 8usize];
@@ -152,6 +153,7 @@ const _: () = {
     ["Offset of field: MesaQuantizeArgs::rounding"][::core::mem::offset_of!(MesaQuantizeArgs, rounding) - 172usize];
     ["Offset of field: MesaQuantizeArgs::map"][::core::mem::offset_of!(MesaQuantizeArgs, map) - 176usize];
     ["Offset of field: MesaQuantizeArgs::_pad"][::core::mem::offset_of!(MesaQuantizeArgs, _pad) - 180usize];
+    ["Offset of field: MesaQuantizeArgs::widen"][::core::mem::offset_of!(MesaQuantizeArgs, widen) - 184usize];
 };
 impl Default for MesaQuantizeArgs {
     fn default() -> Self {
@@ -173,6 +175,7 @@ pub struct MesaQuantFinalizeArgs {
     pub running: *mut MesaGroupParams,
     pub params: *mut MesaGroupParams,
     pub nonfinite_total: *mut u32,
+    pub widen: *mut u32,
     pub count: i64,
     pub momentum: f32,
     pub bits: i32,
@@ -181,7 +184,7 @@ pub struct MesaQuantFinalizeArgs {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaQuantFinalizeArgs"][::core::mem::size_of::<MesaQuantFinalizeArgs>() - 56usize];
+    ["Size of MesaQuantFinalizeArgs"][::core::mem::size_of::<MesaQuantFinalizeArgs>() - 64usize];
     ["Alignment of MesaQuantFinalizeArgs"][::core::mem::align_of::<MesaQuantFinalizeArgs>() - 8usize];
     ["Offset of field: MesaQuantFinalizeArgs::stats"][::core::mem::offset_of!(MesaQuantFinalizeArgs, stats) - 0usize];
     ["Offset of field: MesaQuantFinalizeArgs::running"]
@@ -190,13 +193,14 @@ const _: () = {
         [::core::mem::offset_of!(MesaQuantFinalizeArgs, params) - 16usize];
     ["Offset of field: MesaQuantFinalizeArgs::nonfinite_total"]
         [::core::mem::offset_of!(MesaQuantFinalizeArgs, nonfinite_total) - 24usize];
-    ["Offset of field: MesaQuantFinalizeArgs::count"][::core::mem::offset_of!(MesaQuantFinalizeArgs, count) - 32usize];
+    ["Offset of field: MesaQuantFinalizeArgs::widen"][::core::mem::offset_of!(MesaQuantFinalizeArgs, widen) - 32usize];
+    ["Offset of field: MesaQuantFinalizeArgs::count"][::core::mem::offset_of!(MesaQuantFinalizeArgs, count) - 40usize];
     ["Offset of field: MesaQuantFinalizeArgs::momentum"]
-        [::core::mem::offset_of!(MesaQuantFinalizeArgs, momentum) - 40usize];
-    ["Offset of field: MesaQuantFinalizeArgs::bits"][::core::mem::offset_of!(MesaQuantFinalizeArgs, bits) - 44usize];
-    ["Offset of field: MesaQuantFinalizeArgs::mode"][::core::mem::offset_of!(MesaQuantFinalizeArgs, mode) - 48usize];
+        [::core::mem::offset_of!(MesaQuantFinalizeArgs, momentum) - 48usize];
+    ["Offset of field: MesaQuantFinalizeArgs::bits"][::core::mem::offset_of!(MesaQuantFinalizeArgs, bits) - 52usize];
+    ["Offset of field: MesaQuantFinalizeArgs::mode"][::core::mem::offset_of!(MesaQuantFinalizeArgs, mode) - 56usize];
     ["Offset of field: MesaQuantFinalizeArgs::running_initialized"]
-        [::core::mem::offset_of!(MesaQuantFinalizeArgs, running_initialized) - 52usize];
+        [::core::mem::offset_of!(MesaQuantFinalizeArgs, running_initialized) - 60usize];
 };
 impl Default for MesaQuantFinalizeArgs {
     fn default() -> Self {
@@ -636,10 +640,11 @@ pub struct MesaLayerNormForwardArgs {
     pub sink: MesaCodeSink,
     pub eps: f32,
     pub codes_only: i32,
+    pub widen: *const u32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLayerNormForwardArgs"][::core::mem::size_of::<MesaLayerNormForwardArgs>() - 328usize];
+    ["Size of MesaLayerNormForwardArgs"][::core::mem::size_of::<MesaLayerNormForwardArgs>() - 336usize];
     ["Alignment of MesaLayerNormForwardArgs"][::core::mem::align_of::<MesaLayerNormForwardArgs>() - 8usize];
     ["Offset of field: MesaLayerNormForwardArgs::x"][::core::mem::offset_of!(MesaLayerNormForwardArgs, x) - 0usize];
     ["Offset of field: MesaLayerNormForwardArgs::x_desc"]
@@ -661,6 +666,8 @@ const _: () = {
         [::core::mem::offset_of!(MesaLayerNormForwardArgs, eps) - 320usize];
     ["Offset of field: MesaLayerNormForwardArgs::codes_only"]
         [::core::mem::offset_of!(MesaLayerNormForwardArgs, codes_only) - 324usize];
+    ["Offset of field: MesaLayerNormForwardArgs::widen"]
+        [::core::mem::offset_of!(MesaLayerNormForwardArgs, widen) - 328usize];
 };
 impl Default for MesaLayerNormForwardArgs {
     fn default() -> Self {

@@ -110,6 +110,18 @@ fn max_scale(saved: &SavedActivation) -> f64 {
     saved.params().expect("params").iter().map(|p| f64::from(p.scale)).fold(0.0, f64::max)
 }
 
+/// A producer's saved codes and parameters are bit for bit those of `Quantizer::quantize`
+/// (a twin quantizer with the same history) on the tensor it saves: the same first pass, the
+/// same groups widened when the batch escapes the running estimate, the same second launch.
+/// Returns the twin's count of widened groups.
+fn same_as_quantizer<T: Element>(twin: &mut Quantizer, saved: &SavedActivation, v: &Buffer<T>) -> u32 {
+    let l = Layout::contiguous(saved.shape());
+    let want = twin.quantize(&TensorRef::new(v, &l).expect("view")).expect("twin quantize");
+    assert_eq!(saved.codes().to_vec().expect("c"), want.codes().to_vec().expect("c"), "codes vs Quantizer::quantize");
+    assert_eq!(saved.params().expect("p"), want.params().expect("p"), "params vs Quantizer::quantize");
+    twin.widened_groups().expect("count").unwrap_or(0)
+}
+
 fn dtypes() -> [DType; 3] {
     [DType::F32, DType::F16, DType::BF16]
 }
@@ -232,16 +244,29 @@ fn gelu_parity_every_dtype_form_and_width() {
 fn gelu_exact_mode_running_mode_and_strided_views() {
     let mut rng = common::rng("gelu_modes");
     for device in common::backends() {
-        // running estimate: batch k > 0 is quantized with the estimate before it
+        // running estimate: batch k > 0 is quantized with the estimate before it; batch 2
+        // escapes it (x 40, groups widened by the second launch), batch 3 stays inside it
         let config = fused::channel_groups(1, 4);
         let mut q = Quantizer::new(&device, config).expect("q");
-        for batch in 0..3 {
-            let x: Vec<f32> = random(&mut rng, 5 * 64, 0.1 * batch as f64, 3.0);
-            let before = q.running_params().expect("r");
+        let mut twin = Quantizer::new(&device, config).expect("q");
+        for batch in 0..4 {
+            let spread = [3.0, 3.0, 120.0, 0.5][batch];
+            let x: Vec<f32> = random(&mut rng, 5 * 64, 0.1 * batch as f64, spread);
             let dy: Vec<f32> = random(&mut rng, 5 * 64, 0.0, 1.0);
             let saved = check_gelu(&device, &mut q, GeluForm::Erf, &x, &Layout::contiguous(&[5, 64]), &dy, batch == 0);
-            if let Some(b) = before {
-                assert_eq!(saved.params().expect("p"), b, "batch {batch}: saved params = running estimate used");
+            let widened = same_as_quantizer(&mut twin, &saved, &device.upload(&x).expect("up"));
+            if batch == 2 {
+                assert_eq!(widened, 4, "batch 2 escapes the estimate in every group");
+            }
+            if batch == 3 {
+                assert_eq!(widened, 0, "batch 3 lies inside the estimate");
+            }
+            // every element within one step of its group's saved scale (tests/quantize.rs)
+            let (dec, p) = (decode_host(&saved), saved.params().expect("p"));
+            for (i, (d, xv)) in dec.iter().zip(&x).enumerate() {
+                let s = f64::from(p[(i % 64) / 16].scale);
+                let tol = s + 4.0 * EPS * (f64::from(*xv).abs() + s * 255.0);
+                assert!((d - f64::from(*xv)).abs() <= tol, "batch {batch} element {i}: {d} vs {xv} (step {s})");
             }
         }
         // exact mode every batch
@@ -948,16 +973,33 @@ fn layer_norm_constant_rows_long_rows_strided_and_running_mode() {
         let dy: Vec<f16> = random(&mut rng, 330, 0.0, 1.0);
         let mut q = Quantizer::new(&device, QuantConfig { bits: 4, ..QuantConfig::per_tensor() }).expect("q");
         check_layer_norm(&device, &mut q, &storage, &view, None, None, &dy, true);
-        // running estimate over batches: saved params are the estimate before each batch
-        let mut q = Quantizer::new(&device, fused::channel_groups(1, 2)).expect("q");
-        for batch in 0..3 {
-            let x: Vec<f32> = random(&mut rng, 6 * 64, 0.0, 2.0 + batch as f64);
-            let dy: Vec<f32> = random(&mut rng, 6 * 64, 0.0, 1.0);
-            let before = q.running_params().expect("r");
-            let s = check_layer_norm(&device, &mut q, &x, &Layout::contiguous(&[6, 64]), None, None, &dy, batch == 0);
-            if let Some(b) = before {
-                assert_eq!(s.xhat().params().expect("p"), b, "saved params = running estimate used");
+        // running estimate over batches: the codes and params of x̂ are those of
+        // Quantizer::quantize on the kernel's own x̂ (plain LayerNorm, f32, no affine: y = x̂
+        // exactly), also when a batch escapes the estimate (batch 1: one row of outliers) and
+        // its groups are widened; rows of 64 (fused codes) and of 33 at 4 bits (C·bits not a
+        // multiple of 8: the elementwise code pass, which also runs the second launch)
+        for (cols, bits) in [(64usize, 8u32), (33, 4)] {
+            let config = QuantConfig { bits, ..fused::channel_groups(1, if cols == 64 { 2 } else { 3 }) };
+            let mut q = Quantizer::new(&device, config).expect("q");
+            let mut twin = Quantizer::new(&device, config).expect("q");
+            let mut widened = Vec::new();
+            for batch in 0..3 {
+                let mut x: Vec<f32> = random(&mut rng, 6 * cols, 0.0, 2.0 + batch as f64);
+                if batch == 1 {
+                    for (c, v) in x[..cols].iter_mut().enumerate() {
+                        *v = if c % 11 == 0 { 3e3 } else { 0.0 }; // x̂ ~3.1: past the estimate
+                    }
+                }
+                let dy: Vec<f32> = random(&mut rng, 6 * cols, 0.0, 1.0);
+                let l = Layout::contiguous(&[6, cols]);
+                let s = check_layer_norm(&device, &mut q, &x, &l, None, None, &dy, batch == 0);
+                let xb = device.upload(&x).expect("up");
+                let mut xhat = device.alloc_zeros::<f32>(6 * cols).expect("alloc");
+                layer_norm(&device, &LayerNormForward::new(&tref(&xb, &l), 1e-5), &mut tmut(&mut xhat, &l))
+                    .expect("ln");
+                widened.push(same_as_quantizer(&mut twin, s.xhat(), &xhat));
             }
+            assert!(widened[1] > 0, "rows of {cols}: batch 1 must escape the estimate ({widened:?})");
         }
         // exact mode, C·bits not a multiple of 8 (codes from the elementwise pass)
         let mut q =

@@ -12,8 +12,9 @@
 //! activations, 6 layers × 3 batches; see `fixtures/README.md`). Every saved activation of
 //! every layer gets its own [`Quantizer`], fed the 3 batches in order as in training: batch 0
 //! is quantized with its exact statistics, later batches in one pass with the running
-//! estimate (EMA, momentum 0.9) — so values outside the estimate are clamped, and the report
-//! shows how far. Per tensor it prints the bytes kept for backward (codes + per-group
+//! estimate (EMA, momentum 0.9); a group whose batch leaves the estimate by more than one
+//! step is saved with its exact range and encoded again (the report counts these widened
+//! groups), so no element ends more than one step from its code's value. Per tensor it prints the bytes kept for backward (codes + per-group
 //! parameters) against f32 and bf16, the relative L2 error of the decoded copy, the largest
 //! error in quantization steps, and two comparisons: per-tensor instead of head-wise
 //! parameters, and exact per-batch statistics instead of the running estimate.
@@ -75,8 +76,11 @@ WHAT IS MEASURED (per tensor):
     the f32 and bf16 sizes; relative L2 error |x^ - x| / |x| of the decoded copy (f64, over
     finite inputs); the largest error in quantization steps of the element's group (above
     0.5 with round to nearest, or 1 with stochastic rounding, means the element was clamped
-    by the running range); and the relative L2 error of the same tensor quantized per-tensor
-    (one group) and with exact per-batch statistics. A group whose input holds NaN or Inf
+    within one step of the running range; a group beyond that is widened to its exact range
+    and encoded again: `widened`); and the relative L2 error of the same tensor quantized
+    per-tensor (one group) and with exact per-batch statistics. The summary gives, for the
+    batches quantized with the running estimate (1 and later), the largest error in steps and
+    the mean relative L2 error beside that of exact statistics. A group whose input holds NaN or Inf
     decodes to NaN (Mesa keeps no finite range for it): its errors show as NaN (null in
     JSON) and the summary counts the non-finite inputs.
 
@@ -390,6 +394,9 @@ struct Row {
     numel: usize,
     bytes_saved: usize,
     nonfinite: u32,
+    /// Groups saved with their exact range because the batch left the running estimate by
+    /// more than one step (`None`: a batch with exact statistics).
+    widened: Option<u32>,
     /// Head-wise, running estimate (the configuration under test).
     error: ErrorStats,
     /// One group for the whole tensor, running estimate.
@@ -453,6 +460,7 @@ fn measure(device: &Device, q: &mut Quantizers, series: &Series, act: &Activatio
     let input = reference::try_gather(&act.data, &layout)?; // f64, logical order
 
     let saved = q.headwise.quantize(&x)?;
+    let widened = q.headwise.widened_groups()?;
     let decoded = reference::try_gather(&decode(device, &saved, &layout)?, &layout)?;
     let scales: Vec<f64> = saved.params()?.iter().map(|p| f64::from(p.scale)).collect();
     let groups = group_index(&act.view, &series.grouping)?;
@@ -472,6 +480,7 @@ fn measure(device: &Device, q: &mut Quantizers, series: &Series, act: &Activatio
         numel: saved.numel(),
         bytes_saved: saved.size_in_bytes(),
         nonfinite: saved.nonfinite_count()?,
+        widened,
         error,
         rel_l2_per_tensor: rel_l2(&input, &per_tensor),
         rel_l2_exact: rel_l2(&input, &exact_stats),
@@ -490,7 +499,8 @@ struct ErrorStats {
     rel_l2: f64,
     /// Largest `|x̂ − x| / scale` of the element's group.
     max_steps: f64,
-    /// Elements whose error exceeds the rounding bound: clamped by the running range.
+    /// Elements whose error exceeds the rounding bound: clamped within one step of the
+    /// running range.
     clamped: usize,
 }
 
@@ -584,7 +594,44 @@ struct KindSummary {
     clamped: usize,
 }
 
+/// The tensors quantized with the running estimate (batches 1 and later).
+#[derive(Default)]
+struct RunningSummary {
+    tensors: usize,
+    max_steps: f64,
+    rel_l2_running: MeanMax,
+    rel_l2_exact: MeanMax,
+    widened: u64,
+    groups: u64,
+}
+
+impl RunningSummary {
+    fn of(rows: &[Row]) -> Self {
+        let mut r = RunningSummary::default();
+        for row in rows.iter().filter(|row| row.widened.is_some()) {
+            r.tensors += 1;
+            r.max_steps = nan_max(r.max_steps, row.error.max_steps);
+            r.rel_l2_running.add(row.error.rel_l2);
+            r.rel_l2_exact.add(row.rel_l2_exact);
+            r.widened += u64::from(row.widened.unwrap_or(0));
+            r.groups += row.groups as u64;
+        }
+        r
+    }
+    fn to_json(&self) -> Value {
+        json!({
+            "tensors": self.tensors,
+            "max_error_steps": self.max_steps,
+            "rel_l2_error_mean": self.rel_l2_running.mean(),
+            "rel_l2_exact_stats_mean": self.rel_l2_exact.mean(),
+            "widened_groups": self.widened,
+            "groups": self.groups,
+        })
+    }
+}
+
 struct Summary {
+    running: RunningSummary,
     tensors: usize,
     numel: usize,
     bytes_f32: usize,
@@ -618,6 +665,7 @@ impl Summary {
             k.clamped += row.error.clamped;
         }
         Summary {
+            running: RunningSummary::of(rows),
             tensors: rows.len(),
             numel: rows.iter().map(|r| r.numel).sum(),
             bytes_f32: rows.iter().map(Row::bytes_f32).sum(),
@@ -690,8 +738,8 @@ impl Report {
         );
         println!(
             "columns  : shape as quantized; rel-L2 = |x^-x|/|x|; steps = max |x^-x| / scale of \
-             the group;\n           clamped = elements beyond the rounding bound (outside the \
-             running range);\n           per-tensor = one group, running; exact = head-wise, \
+             the group;\n           clamped = elements beyond the rounding bound (within one step \
+             outside the running range);\n           per-tensor = one group, running; exact = head-wise, \
              exact statistics\n"
         );
     }
@@ -746,6 +794,20 @@ impl Report {
             met(s.vs_bf16() >= TARGET_VS_BF16)
         );
         println!("  non-finite inputs: {}", s.nonfinite);
+        let r = &s.running;
+        if r.tensors > 0 {
+            println!(
+                "  running estimate (batches 1+, {} tensors): max error {:.3} steps; rel-L2 mean {:.3e} \
+                 (exact statistics {:.3e}, ratio {:.3}); widened groups {} of {}",
+                r.tensors,
+                r.max_steps,
+                r.rel_l2_running.mean(),
+                r.rel_l2_exact.mean(),
+                r.rel_l2_running.mean() / r.rel_l2_exact.mean(),
+                r.widened,
+                r.groups
+            );
+        }
         println!("  backend        : {}", self.backend);
         println!("  time           : {:.2} s\n", self.seconds);
         print_kind_table(&s.kinds);
@@ -774,6 +836,7 @@ impl Report {
                 "target_vs_f32_met": s.vs_f32() >= TARGET_VS_F32,
                 "target_vs_bf16_met": s.vs_bf16() >= TARGET_VS_BF16,
                 "nonfinite_inputs": s.nonfinite,
+                "running_estimate": s.running.to_json(),
                 "backend": self.backend,
                 "seconds": self.seconds,
                 "kinds": s.kinds.iter().map(kind_json).collect::<Vec<_>>(),
@@ -840,6 +903,7 @@ fn row_json(r: &Row) -> Value {
         "rel_l2_error": r.error.rel_l2,
         "max_error_steps": r.error.max_steps,
         "clamped": r.error.clamped,
+        "widened_groups": r.widened,
         "rel_l2_per_tensor": r.rel_l2_per_tensor,
         "rel_l2_exact_stats": r.rel_l2_exact,
         "nonfinite_inputs": r.nonfinite,

@@ -137,7 +137,9 @@ typedef struct MesaSoftmaxBackwardArgs {
  * mean, rstd: [rows] f32 or NULL. sink: codes of xhat (f32 value) in x's logical order.
  * Fused codes need C % (8 / bits) == 0; otherwise codes_only = 1 runs an elementwise pass
  * that reads x, mean, rstd and writes only the codes (after a pass that wrote mean/rstd):
- * it re-reads x after y was written.
+ * it re-reads x after y was written. codes_only with `widen` not NULL (sink.stats NULL) is
+ * the widening pass of the running estimate (mesa_quant.h, MesaQuantizeArgs.widen): only
+ * the units holding an element of a widened group are encoded again.
  * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
  * or another output (the safe crate rejects such calls with Error::Aliasing). */
 typedef struct MesaLayerNormForwardArgs {
@@ -152,6 +154,7 @@ typedef struct MesaLayerNormForwardArgs {
   MesaCodeSink sink;
   float eps;
   int32_t codes_only;
+  const uint32_t* widen;  /* NULL, or [sink.group_count + 1] from quant_finalize (codes_only only) */
 } MesaLayerNormForwardArgs;
 
 /* g = dy * weight;  dx = rstd * (g - mean_row(g) - xhat * mean_row(g * xhat))

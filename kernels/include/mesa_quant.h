@@ -75,7 +75,11 @@ typedef struct MesaQuantStatsArgs {
 } MesaQuantStatsArgs;
 
 /* Quantize pass: codes <- Q(x; params). If `stats` is not NULL the same pass also reduces
- * this batch's statistics into it (one read of x for both). */
+ * this batch's statistics into it (one read of x for both).
+ * Widening pass (`widen` not NULL, stats NULL): only the units of 8 logical elements that
+ * hold an element of a widened group are encoded again (every element of such a unit with
+ * its own group's params); the other codes are left as they are. Nothing is read or written
+ * when widen[count] is 0. See MesaQuantFinalizeArgs for the widen array. */
 typedef struct MesaQuantizeArgs {
   const void* x;
   MesaTensorDesc x_desc;
@@ -88,6 +92,7 @@ typedef struct MesaQuantizeArgs {
   MesaRounding rounding;
   MesaCodeMap map;                /* SQRT requires stats == NULL */
   int32_t _pad;
+  const uint32_t* widen;          /* NULL, or [grouping.count + 1] from quant_finalize (requires stats == NULL) */
 } MesaQuantizeArgs;
 
 typedef int32_t MesaFinalizeMode;
@@ -101,7 +106,15 @@ enum MesaFinalizeModeCode {
 /* Per group g (one thread each):
  *   batch range r = max - min over the finite values of the batch (if any);
  *   EXACT:   params[g] = {min, r / levels};  running[g] = initialized ? EMA : {min, r / levels}
- *   RUNNING: params[g] = running[g] (before the update);  running[g] = EMA
+ *   RUNNING: params[g] = running[g] (before the update), unless the group escaped it:
+ *            with {o, s} = running[g] and L = levels, evaluated in f64 from the f32 values,
+ *              escaped = min < o - s  or  max > o + (L + 1) * s
+ *            (an element more than one step outside [o, o + L s]); then
+ *            params[g] = {min, r / levels} (the batch's exact range) and, if `widen` is not
+ *            NULL, widen[g] = 1 (else 0) and widen[count] = number of escaped groups, so that
+ *            the widening pass (MesaQuantizeArgs.widen) encodes those groups again.
+ *            Groups with non-finite input never escape (their scale is NaN anyway).
+ *            running[g] = EMA of the batch statistics (the widened params do not enter it)
  *   EMA:     running.offset = m * running.offset + (1 - m) * min
  *            running.scale  = m * running.scale  + (1 - m) * r / levels   (fmaf, f32)
  *   groups with no finite value keep their running estimate; groups with nonfinite > 0
@@ -112,6 +125,7 @@ typedef struct MesaQuantFinalizeArgs {
   MesaGroupParams* running;        /* [count], the running estimate (offset, scale) */
   MesaGroupParams* params;         /* [count], written: what decoding this batch needs */
   uint32_t* nonfinite_total;       /* one counter, written, or NULL */
+  uint32_t* widen;                 /* [count + 1], written in RUNNING mode, or NULL */
   int64_t count;
   float momentum;                  /* m in [0, 1] */
   int32_t bits;

@@ -13,10 +13,15 @@
 //! Statistics (Mesa §3.3): per group, `min` and `max` of the batch, kept on the device as an
 //! exponential moving average (`running = m · running + (1 − m) · batch`, Mesa's λ = 0.9),
 //! initialised from the first batch's exact statistics. In [`StatsMode::Running`] each batch
-//! after the first is quantized in **one pass** with the current estimate while the same
-//! pass reduces the batch's min/max for the next update (values outside the estimate clamp);
+//! after the first is quantized in **one pass** with the current estimate `{o, s}` while the
+//! same pass reduces the batch's min/max; a group whose batch left the estimate by more than
+//! one step (`min < o − s` or `max > o + (levels + 1)·s`) is then saved with the batch's exact
+//! range instead and encoded again by a second launch that touches only such groups (no host
+//! synchronisation: it reads one counter and returns when no group escaped). So every finite
+//! element decodes within one step of its group's saved scale (values outside the estimate
+//! clamp only inside that one-step band). The EMA is updated from the batch's statistics.
 //! [`StatsMode::Exact`] reads the input twice (statistics, then codes) for comparison.
-//! Nothing synchronises with the host.
+//! Nothing synchronises with the host. Bytes of each launch: `docs/kernels.md`.
 //!
 //! The parameters used are stored with the codes ([`SavedActivation`]), so later updates of
 //! the running estimate never change what backward decodes.
@@ -88,7 +93,10 @@ pub enum Rounding {
 /// Where the quantization range comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StatsMode {
-    /// Mesa's running estimate: one pass per batch (first batch: exact statistics).
+    /// Mesa's running estimate: one pass per batch (first batch: exact statistics), plus a
+    /// second launch that encodes again the groups whose batch left the estimate by more than
+    /// one step (saved with their exact range; none in the steady state). Error ≤ one step of
+    /// the saved scale for every finite element (module docs).
     Running,
     /// This batch's exact min/max: two passes per batch. The running estimate is still kept.
     Exact,
@@ -196,6 +204,8 @@ struct RunningState {
     groups: usize,
     running: Buffer<GroupParams>,
     stats: Buffer<GroupStats>,
+    /// `[groups + 1]`: 1 for a group the last one-pass batch widened, then their count.
+    widen: Buffer<u32>,
 }
 
 impl Quantizer {
@@ -239,12 +249,29 @@ impl Quantizer {
         }
     }
 
+    /// How many groups the last batch in one pass ([`StatsMode::Running`]) saved with its own
+    /// exact range because it left the running estimate by more than one step, or `None`
+    /// before such a batch. Synchronises.
+    ///
+    /// # Errors
+    /// A CUDA copy error.
+    pub fn widened_groups(&self) -> Result<Option<u32>> {
+        match &self.state {
+            Some(s) if self.batches > 1 && self.config.stats == StatsMode::Running => {
+                Ok(s.widen.to_vec()?.last().copied())
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Quantizes `x` into a new [`SavedActivation`], allocating its codes and parameters on
     /// the device (stream-ordered).
     ///
     /// Shapes: any rank; the group axis per [`QuantConfig::grouping`]. dtypes: f32, f16, bf16.
     /// Bytes moved: `numel · sizeof(T)` read (twice in [`StatsMode::Exact`] and on the first
-    /// batch), `numel · bits / 8` written. An empty tensor launches nothing and does not count
+    /// batch), `numel · bits / 8` written; in [`StatsMode::Running`] the elements of the
+    /// groups that escaped the estimate are read and encoded once more (none in the steady
+    /// state). An empty tensor launches nothing and does not count
     /// as a batch. In-place: not applicable (the codes are new memory); a raw input pointer
     /// into the handle's buffers is rejected (overlapping inputs and outputs →
     /// [`Error::Aliasing`]).
@@ -306,7 +333,11 @@ impl Quantizer {
                     };
                     unsafe { launch.launch("quant_stats", &args, sys::mesa_quant_stats, sys::mesa_emu_quant_stats) }
                 }
-                ProducerStep::Codes | ProducerStep::CodesAndStats => {
+                ProducerStep::Codes | ProducerStep::CodesAndStats | ProducerStep::Widen(_) => {
+                    let widen = match step {
+                        ProducerStep::Widen(flags) => flags,
+                        _ => std::ptr::null(),
+                    };
                     let args = sys::MesaQuantizeArgs {
                         x: xp,
                         x_desc: view.desc,
@@ -319,6 +350,7 @@ impl Quantizer {
                         rounding: sink.rounding,
                         map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
                         _pad: 0,
+                        widen,
                     };
                     unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) }
                 }
@@ -347,7 +379,8 @@ impl Quantizer {
     /// `layout`), with the steps shared by [`Quantizer::quantize_into`] and the fused
     /// producers: exact statistics (first batch, [`StatsMode::Exact`]) = `run(Stats)`,
     /// finalize, `run(Codes)`; running estimate = `run(CodesAndStats)` with the running
-    /// parameters, finalize. `run` launches the producer's kernel through `launch`, on which
+    /// parameters, finalize (which flags the groups that escaped the estimate and saves their
+    /// exact range), `run(Widen)` with the saved parameters. `run` launches the producer's kernel through `launch`, on which
     /// the caller has registered the producer's own tensors; the quantizer's state and the
     /// handle's buffers are registered here. An empty tensor launches nothing and does not
     /// count as a batch.
@@ -383,6 +416,7 @@ impl Quantizer {
         let state = state.as_mut().ok_or(Error::KernelArgument { op: "quantizer state" })?;
         let stats = launch.write_buffer(&mut state.stats, "quantizer statistics")?;
         let running = launch.write_buffer(&mut state.running, "running estimate")?;
+        let widen = launch.write_buffer(&mut state.widen, "widened groups")?;
         let params = launch.write_buffer(&mut saved.params, "saved parameters")?;
         let codes = launch.write_buffer(&mut saved.codes, "saved codes")?;
         let nonfinite = launch.write_buffer(&mut saved.nonfinite, "non-finite counter")?;
@@ -403,6 +437,7 @@ impl Quantizer {
             running: running.cast(),
             params: params.cast(),
             nonfinite_total: nonfinite,
+            widen: if mode == sys::MESA_FINALIZE_RUNNING { widen } else { std::ptr::null_mut() },
             count: groups as i64,
             momentum: config.momentum,
             bits: config.bits as i32,
@@ -418,10 +453,13 @@ impl Quantizer {
             run(launch, ProducerStep::Codes, sink(true, params, false))?;
         } else {
             // one pass: codes from the running estimate, this batch's statistics reduced in
-            // the same read; then params <- running (what was used), running <- EMA.
+            // the same read; then params <- running (what was used) or, for a group that
+            // escaped it, the batch's exact range; running <- EMA of the batch statistics;
+            // then the escaped groups (none in the steady state) are encoded again.
             run(launch, ProducerStep::CodesAndStats, sink(true, running, true))?;
             let args = finalize(sys::MESA_FINALIZE_RUNNING);
             unsafe { launch.launch("quant_finalize", &args, sys::mesa_quant_finalize, sys::mesa_emu_quant_finalize)? };
+            run(launch, ProducerStep::Widen(widen), sink(true, params, false))?;
         }
         *batches += 1;
         Ok(())
@@ -456,7 +494,9 @@ impl Quantizer {
         } else {
             let stats = self.device.upload(&vec![STATS_RESET; groups])?;
             let running = self.device.alloc_zeros::<GroupParams>(groups)?;
-            self.state = Some(RunningState { groups, running, stats });
+            let flags = groups.checked_add(1).ok_or_else(|| Error::too_large("groups", "the group count overflows"))?;
+            let widen = self.device.alloc_zeros::<u32>(flags)?;
+            self.state = Some(RunningState { groups, running, stats, widen });
         }
         Ok(())
     }
@@ -471,6 +511,11 @@ pub(crate) enum ProducerStep {
     Codes,
     /// Output and codes with the running estimate, statistics reduced in the same pass.
     CodesAndStats,
+    /// After [`ProducerStep::CodesAndStats`] and finalize: codes again (with the sink's saved
+    /// parameters, stats NULL) of only the units holding an element of a group flagged in
+    /// `[groups + 1]` (flags, then their count: `MesaQuantizeArgs::widen`); nothing else is
+    /// written. Nothing at all runs on the device past one load when the count is 0.
+    Widen(*const u32),
 }
 
 /// How the codes of a [`SavedActivation`] map to values.

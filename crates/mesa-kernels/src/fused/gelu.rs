@@ -7,6 +7,7 @@ use crate::device::Device;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
+use crate::layout::kernel_view;
 use crate::quant::{same_stream, ProducerStep, Quantizer, SavedActivation};
 use crate::tensor::{TensorMut, TensorRef};
 
@@ -69,13 +70,36 @@ fn gelu_forward_into<T: Element>(
 ) -> Result<()> {
     let descs =
         if x.numel() == 0 { None } else { Some((elem_desc(x.layout(), T::DTYPE)?, elem_desc(y.layout(), T::DTYPE)?)) };
+    // the saved tensor is x itself: its widening pass is the Quantizer's, on x's grouped view
+    let grouped =
+        if x.numel() == 0 { None } else { Some(kernel_view(x.layout(), &quantizer.config().grouping, T::DTYPE)?) };
     let layout = x.layout().clone();
     let mut launch = Launch::new(device);
     let xp = launch.input(x, "input")?;
     let yp = launch.output(y, "output")?;
     quantizer.encode::<T>(&mut launch, saved, &layout, |launch, step, sink| {
         // encode runs no step for an empty tensor
-        let Some((x_desc, y_desc)) = descs else { return Ok(()) };
+        let (Some((x_desc, y_desc)), Some(grouped)) = (descs, grouped.as_ref()) else { return Ok(()) };
+        if let ProducerStep::Widen(widen) = step {
+            let args = sys::MesaQuantizeArgs {
+                x: xp,
+                x_desc: grouped.desc,
+                grouping: grouped.grouping,
+                params: sink.params,
+                codes: sink.codes,
+                stats: std::ptr::null_mut(),
+                seed: sink.seed,
+                bits: sink.bits,
+                rounding: sink.rounding,
+                map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
+                _pad: 0,
+                widen,
+            };
+            // SAFETY: x is the registered input, described by `grouped.desc`; codes, params
+            // and the widen flags are the handle's and the quantizer's buffers registered by
+            // `encode` and sized there for x's shape and grouping.
+            return unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) };
+        }
         let args = sys::MesaGeluForwardArgs {
             x: xp,
             x_desc,

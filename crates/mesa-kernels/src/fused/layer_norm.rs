@@ -247,6 +247,7 @@ fn forward_saving<T: Element>(
             sink: sys::MesaCodeSink::default(),
             eps: args.eps,
             codes_only: 0,
+            widen: std::ptr::null(),
         };
         let stats_only = sys::MesaCodeSink { codes: std::ptr::null_mut(), params: std::ptr::null(), ..sink };
         let codes_only = sys::MesaCodeSink { stats: std::ptr::null_mut(), ..sink };
@@ -277,6 +278,15 @@ fn forward_saving<T: Element>(
                 run(sys::MesaLayerNormForwardArgs { sink: stats_only, ..base })?;
                 run(sys::MesaLayerNormForwardArgs { sink: codes_only, codes_only: 1, ..base })
             }
+            // the groups that escaped the running estimate: their codes again, from x, mean
+            // and rstd (the x̂ of the row pass, bit for bit) with the saved parameters
+            (ProducerStep::Widen(widen), _) => run(sys::MesaLayerNormForwardArgs {
+                y: std::ptr::null_mut(),
+                sink: codes_only,
+                codes_only: 1,
+                widen,
+                ..base
+            }),
         }
     })?;
     launch.finish()
@@ -307,6 +317,7 @@ pub fn layer_norm<T: Element>(device: &Device, args: &LayerNormForward<'_, T>, y
         sink: sys::MesaCodeSink::default(),
         eps: args.eps,
         codes_only: 0,
+        widen: std::ptr::null(),
     };
     // SAFETY: x, weight, bias and y are registered (y disjoint from the others) and described
     // by their descs / hold C values; nothing else is written.

@@ -208,6 +208,7 @@ pub fn softmax_forward<T: Element>(
             rounding,
             map: companding.sys(),
             _pad: 0,
+            widen: std::ptr::null(),
         };
         // SAFETY: y (registered as the output, written by the kernel above) is described by
         // view.desc; codes and params as above.

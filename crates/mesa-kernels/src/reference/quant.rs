@@ -79,6 +79,20 @@ pub fn params_from_stats(s: &Stats, bits: u32) -> (f64, f64) {
     (s.min, (s.max - s.min) / levels(bits))
 }
 
+/// Whether a batch with statistics `s` left the running estimate `(offset, scale)` (the f32
+/// values stored on the device) by more than one step at `bits` bits:
+/// `min < offset − scale` or `max > offset + (levels + 1)·scale`, evaluated in f64 from the
+/// f32 values exactly as the kernels do. A group without finite values, or with non-finite
+/// ones, never escapes (its saved scale is NaN or its estimate is kept).
+#[must_use]
+pub fn escapes_estimate(s: &Stats, offset: f32, scale: f32, bits: u32) -> bool {
+    if s.min > s.max || s.nonfinite > 0 {
+        return false;
+    }
+    let (o, d) = (f64::from(offset), f64::from(scale));
+    s.min < o - d || s.max > o + (levels(bits) + 1.0) * d
+}
+
 /// One step of Mesa's running estimate (§3.3): `m · running + (1 − m) · batch`, per field.
 #[must_use]
 pub fn ema(running: (f64, f64), batch: (f64, f64), momentum: f64) -> (f64, f64) {
