@@ -8,7 +8,7 @@
 //! cargo run --release -p mesa-candle --example train_shakespeare -- --config cpu [--json] [--out DIR]
 //! ```
 //!
-//! `--steps N` shortens a configuration's schedule. `--config smoke` (CI: a few steps of every run), `cpu` (the documented CPU run, host
+//! `--steps N` shortens a configuration's schedule; `--only a.s0,b` runs just those runs. `--config smoke` (CI: a few steps of every run), `cpu` (the documented CPU run, host
 //! emulation of the kernels), `gpu` (larger; needs the `cuda` feature; not yet run). Prints
 //! a table (`--json`: one JSON object instead), writes the JSON as `results.json`, and
 //! `loss.svg` and `running_estimate.svg`, to
@@ -38,13 +38,13 @@ fn settings(name: &str) -> Result<Settings, String> {
         hidden: 32,
         heads: 2,
         ffn: 128,
-        context: 64,
-        batch: 8,
-        steps: 150,
-        eval_every: 50,
-        val_windows: 32,
-        lr: 6e-3,
-        chunk: 32,
+        context: 32,
+        batch: 16,
+        steps: 400,
+        eval_every: 100,
+        val_windows: 64,
+        lr: 1e-2,
+        chunk: 16,
         record_every: 5,
         seeds_a: vec![0, 1, 2],
     };
@@ -88,12 +88,15 @@ struct Args {
     settings: Settings,
     json: bool,
     out: PathBuf,
+    /// `--only a.s0,b`: just these runs (all when empty).
+    only: Vec<String>,
 }
 
 fn args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let (mut config, mut json, mut out) = ("cpu".to_string(), false, PathBuf::from("target/train_shakespeare"));
     let mut steps = None;
+    let mut only = Vec::new();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--config" => config = it.next().ok_or("--config needs a value")?,
@@ -103,9 +106,12 @@ fn args() -> Result<Args, String> {
                     Some(v.parse::<usize>().ok().filter(|&n| n > 0).ok_or(format!("--steps {v}: a positive integer"))?);
             }
             "--json" => json = true,
+            "--only" => only = it.next().ok_or("--only needs run names")?.split(',').map(str::to_string).collect(),
             "--out" => out = PathBuf::from(it.next().ok_or("--out needs a value")?),
             other => {
-                return Err(format!("unknown argument {other} (--config smoke|cpu|gpu, --steps N, --json, --out DIR)"))
+                return Err(format!(
+                    "unknown argument {other} (--config smoke|cpu|gpu, --steps N, --only RUN[,RUN], --json, --out DIR)"
+                ))
             }
         }
     }
@@ -114,7 +120,11 @@ fn args() -> Result<Args, String> {
         settings.steps = n;
         settings.eval_every = settings.eval_every.min(n);
     }
-    Ok(Args { settings, json, out })
+    let names: Vec<String> = RunSpec::all(&settings).into_iter().map(|r| r.name).collect();
+    if let Some(bad) = only.iter().find(|n| !names.contains(n)) {
+        return Err(format!("--only {bad}: the runs are {}", names.join(", ")));
+    }
+    Ok(Args { settings, json, out, only })
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -126,7 +136,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     COUNTER.observe_emulator()?;
     let mut results: Vec<RunResult> = Vec::new();
     let mut estimates = None;
-    for spec in RunSpec::all(s) {
+    for spec in RunSpec::all(s).into_iter().filter(|r| args.only.is_empty() || args.only.contains(&r.name)) {
         eprintln!("run {} …", spec.name);
         let (result, recorded) = run::train(&COUNTER, &corpus, s, &spec, &device)?;
         eprintln!("  final val loss {:.4}, {:.1} s", result.final_val_loss, result.wall_s);
