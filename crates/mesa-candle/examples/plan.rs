@@ -9,10 +9,10 @@
 //!   re-investment of the saved memory in a larger micro-batch). Per tensor-parallel rank,
 //!   all `L` layers: the first pipeline stage's activations under 1F1B (§4.4), embedding and
 //!   output layer not included;
-//! * the training example's own model ([`TRAIN_EXAMPLE`]: change it there), for issue 15's
+//! * the training example's own model ([`TRAIN_EXAMPLE`]: change it there), for the training example's
 //!   runs (a)–(f) on mesa-candle's layer ([`mesa_candle::plan`]: every layer's input and the
 //!   stack's output included).
-use mesa_candle::layer::{Attention, DropoutConfig, LayerConfig, Recompute};
+use mesa_candle::layer::{Attention, LayerConfig, Recompute};
 use mesa_candle::ops::FeatureKind;
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
 use mesa_kernels::plan::{
@@ -20,8 +20,10 @@ use mesa_kernels::plan::{
     Recompute as PlanRecompute, SavedPrecision,
 };
 
-/// The training example's model: (layers, hidden, heads, FFN, context, batch).
-const TRAIN_EXAMPLE: (usize, usize, usize, usize, usize, usize) = (4, 128, 4, 512, 128, 16);
+/// The training example's CPU configuration (`train_shakespeare --config cpu`): (layers,
+/// hidden, heads, FFN, context, batch); no dropout; linear attention's chunk is [`TRAIN_CHUNK`].
+const TRAIN_EXAMPLE: (usize, usize, usize, usize, usize, usize) = (2, 32, 2, 128, 32, 16);
+const TRAIN_CHUNK: usize = 16;
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
@@ -88,10 +90,7 @@ fn train_example(budget: u64) -> Result<(), mesa_candle::Error> {
     );
     println!("| run | bytes alive for backward | largest batch in {} |", human(budget));
     println!("|---|---:|---:|");
-    let base = LayerConfig {
-        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
-        ..LayerConfig::new(hidden, heads, ffn)
-    };
+    let base = LayerConfig::new(hidden, heads, ffn);
     let estimate = mesa_candle::plan::reference_stack_estimate(&base, layers, batch, seq)?;
     let fits = mesa_candle::plan::largest_reference_batch(&base, layers, seq, budget)?;
     println!(
@@ -99,17 +98,14 @@ fn train_example(budget: u64) -> Result<(), mesa_candle::Error> {
         human(estimate),
         fit(fits)
     );
-    let linear = LinearAttentionConfig { chunk: 64, memory: MemoryMode::Slim, ..LinearAttentionConfig::causal() };
+    let linear =
+        LinearAttentionConfig { chunk: TRAIN_CHUNK, memory: MemoryMode::Slim, ..LinearAttentionConfig::causal() };
     let runs = [
         ("(b), (c) 8-bit codes", base.clone()),
         ("(d) 4-bit codes", LayerConfig { bits: 4, ..base.clone() }),
         (
             "(e) linear attention (SLiM), 8-bit codes",
-            LayerConfig {
-                attention: Attention::Linear { config: linear, map: FeatureKind::Elu1 },
-                dropout: DropoutConfig { attention: 0.0, ..base.dropout },
-                ..base.clone()
-            },
+            LayerConfig { attention: Attention::Linear { config: linear, map: FeatureKind::Elu1 }, ..base.clone() },
         ),
         ("(f) 8-bit codes, selective recomputation", LayerConfig { recompute: Recompute::Selective, ..base.clone() }),
     ];
