@@ -490,7 +490,9 @@ fn f64_is_computed_in_f32() {
     let mut rng = Rng::new("f64_in_f32");
     let dev = common::device();
     type Run = Box<dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>>;
-    let cases: Vec<(&str, Vec<Vec<usize>>, Vec<usize>, Run)> = vec![
+    /// (name, input shapes, output shape, the op)
+    type Case = (&'static str, Vec<Vec<usize>>, Vec<usize>, Run);
+    let cases: Vec<Case> = vec![
         (
             "gelu",
             vec![vec![5, 7]],
