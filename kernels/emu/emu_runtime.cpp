@@ -40,7 +40,10 @@
 // Fiber context switch: `mesa_emu_switch(&save_sp, next_sp)` pushes the callee-saved
 // registers on the current stack, stores the stack pointer in *save_sp, loads next_sp and
 // pops the next fiber's registers, returning into it. A fresh stack is prepared so that the
-// first switch "returns" into fiber_start.
+// first switch "returns" into fiber_start. On x86-64 the floating-point control state
+// (MXCSR, x87 control word) is not switched: no kernel changes it, and run_block sets the
+// default (round to nearest, no flush to zero) for the whole block and restores the caller's
+// after it (FpEnvironment). Loading MXCSR at every switch cost more than the switch itself.
 #if defined(__x86_64__)
 extern "C" void mesa_emu_switch(void** save_sp, void* next_sp);
 asm(R"(
@@ -56,14 +59,8 @@ mesa_emu_switch:
   pushq %r13
   pushq %r14
   pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
   movq %rsp, (%rdi)
   movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
   popq %r15
   popq %r14
   popq %r13
@@ -258,7 +255,9 @@ struct Warp {
   uint64_t generation = 0;
   uint32_t speed = 0;  // shuffled schedule: runs in a round when (random & speed) == 0
   uint32_t sync_generation = 0;  // __syncwarp releases only: what orders memory (racecheck)
-  alignas(16) unsigned char slot[32][16];
+  // the lanes' values of a shuffle or ballot, in two sets used by alternate rendezvous
+  // generations (warp_exchange)
+  alignas(16) unsigned char slot[2][32][16];
 };
 
 // The fiber stacks of one block: a single mapping of n stacks (one memory map per block,
@@ -441,19 +440,19 @@ void fiber_entry() { fiber_body(); }  // returning resumes the scheduler through
   std::abort();  // a finished fiber is never resumed
 }
 
-// Lays out a fresh stack so that switching to it enters fiber_start.
-void* prepare_stack(unsigned char* base, size_t bytes) {
-  uintptr_t top = (reinterpret_cast<uintptr_t>(base) + bytes) & ~uintptr_t(15);
+// Lays out a fresh stack so that switching to it enters fiber_start. The stacks are
+// kStackBytes apart, a multiple of every cache's set stride: the tops of all of a block's
+// fibers would share a handful of L1 and L2 sets and evict each other at every switch. Fiber
+// i's stack starts below its top by (9 · i mod 256) cache lines (at most 16 KiB of its
+// 128 KiB), so up to 256 fibers' hot frames land in distinct sets.
+void* prepare_stack(unsigned char* base, size_t bytes, unsigned fiber) {
+  const uintptr_t stagger = uintptr_t((9u * fiber) % 256u) * 64u;
+  uintptr_t top = (reinterpret_cast<uintptr_t>(base) + bytes - stagger) & ~uintptr_t(15);
   void** sp = reinterpret_cast<void**>(top);
 #if defined(__x86_64__)
   *--sp = nullptr;  // keeps rsp % 16 == 8 at fiber_start's entry, as after a call
   *--sp = reinterpret_cast<void*>(&fiber_start);  // return address
   for (int i = 0; i < 6; ++i) *--sp = nullptr;    // rbp rbx r12 r13 r14 r15
-  --sp;                                            // mxcsr + x87 control word
-  const uint32_t mxcsr = 0x1f80;                   // default: all exceptions masked, nearest
-  const uint16_t fcw = 0x037f;
-  std::memcpy(reinterpret_cast<unsigned char*>(sp), &mxcsr, 4);
-  std::memcpy(reinterpret_cast<unsigned char*>(sp) + 4, &fcw, 2);
 #elif defined(__aarch64__)
   sp -= 0xb0 / sizeof(void*);
   std::memset(sp, 0, 0xb0);
@@ -494,8 +493,35 @@ bool still_waiting(const Block& b, const ThreadState& t, unsigned i) {
   return w.arrived < w.live;
 }
 
+// The block's floating-point control state: the default of the C ABI (round to nearest, all
+// exceptions masked, no flush to zero) while the block runs, whatever the calling thread set;
+// the caller's state back afterwards.
+struct FpEnvironment {
+#if defined(__x86_64__)
+  uint32_t mxcsr = 0;
+  uint16_t fcw = 0;
+  FpEnvironment() {
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(fcw));
+    const uint32_t block_mxcsr = 0x1f80;
+    const uint16_t block_fcw = 0x037f;
+    asm volatile("ldmxcsr %0" : : "m"(block_mxcsr));
+    asm volatile("fldcw %0" : : "m"(block_fcw));
+  }
+  ~FpEnvironment() {
+    asm volatile("ldmxcsr %0" : : "m"(mxcsr));
+    asm volatile("fldcw %0" : : "m"(fcw));
+  }
+#else
+  FpEnvironment() {}  // AArch64's switch saves FPCR; ucontext saves the whole state
+#endif
+  FpEnvironment(const FpEnvironment&) = delete;
+  FpEnvironment& operator=(const FpEnvironment&) = delete;
+};
+
 // Runs one block to completion on the calling OS thread.
 void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long linear, bool cooperative) {
+  const FpEnvironment fp_environment;
   LaunchCtx& l = *tl_launch;
   tl_block_idx = block_idx;
   tl_block = &b;
@@ -534,7 +560,7 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
     t.ctx.uc_link = &b.scheduler;
     makecontext(&t.ctx, fiber_entry, 0);
 #else
-    t.sp = prepare_stack(stacks.stack(i), kStackBytes);
+    t.sp = prepare_stack(stacks.stack(i), kStackBytes, i);
 #endif
   }
   const bool shuffle = (l.checks & kCheckSchedule) != 0;
@@ -561,12 +587,11 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
     // one random word decides which warps sit this round out (2 bits per warp)
     const uint64_t skip_bits = full ? 0 : b.next_random();
     const uint64_t progress = b.progress;
-    unsigned i = start;
-    for (unsigned k = 0; k < n && !b.abort; ++k, i = (i + stride) % n) {
+    // runs thread i until it waits or finishes (nothing if what it waits for has not changed)
+    const auto resume = [&](unsigned i) {
       ThreadState& t = b.threads[i];
-      if (t.done) continue;
-      if (!full && ((skip_bits >> (2 * ((i / 32) % 32))) & b.warps[i / 32].speed) != 0) continue;
-      if (t.wait != 0 && still_waiting(b, t, i)) continue;  // nothing it waits for changed
+      if (t.done) return;
+      if (t.wait != 0 && still_waiting(b, t, i)) return;  // nothing it waits for changed
       tl_current = &t;
 #ifdef MESA_EMU_UCONTEXT
       swapcontext(&b.scheduler, &t.ctx);
@@ -580,6 +605,30 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
         Warp& wp = b.warps[i / 32];
         wp.live -= 1;
         wp.live_mask &= ~(1u << (i % 32));
+      }
+    };
+    if (shuffle) {
+      unsigned i = start;
+      for (unsigned k = 0; k < n && !b.abort; ++k, i = (i + stride) % n) {
+        if (!full && ((skip_bits >> (2 * ((i / 32) % 32))) & b.warps[i / 32].speed) != 0) continue;
+        resume(i);
+      }
+    } else {
+      // Warp by warp: a warp's lanes run again while one of them was released from a warp
+      // rendezvous (shuffle, ballot, __syncwarp), so a warp's chain of shuffles runs on the
+      // 32 stacks of its lanes, hot in cache, instead of on every stack of the block in turn
+      // (the switch's first load from a cold stack was a quarter of the emulator's time).
+      // A warp leaves its turn when its lanes wait for others (__syncthreads, spin-waits).
+      for (unsigned w0 = 0; w0 < n && !b.abort; w0 += 32) {
+        const unsigned w_end = std::min(n, w0 + 32);
+        for (bool again = true; again && !b.abort;) {
+          for (unsigned i = w0; i < w_end && !b.abort; ++i) resume(i);
+          again = false;
+          for (unsigned i = w0; i < w_end && !again; ++i) {
+            const ThreadState& t = b.threads[i];
+            again = !t.done && t.wait == 2 && !still_waiting(b, t, i);
+          }
+        }
       }
     }
     tl_current = nullptr;
@@ -912,30 +961,40 @@ void syncwarp(unsigned mask) {
   warp_barrier(b.warps[tid / 32], tid % 32, mask, "__syncwarp", true);
 }
 
+// Lanes write their value into the set of the rendezvous' generation, meet, read their
+// source lane's, and, with synccheck on, meet again before anyone may write that set anew.
+// Without synccheck every rendezvous is of all live lanes, so a lane writes the same set again
+// (two generations later) only after every live lane arrived at the generation between, that
+// is after each has read: the second meeting, half of a shuffle's fiber switches, is skipped.
+// With synccheck, partial masks let a lane run ahead of a lane that has not read yet.
 void warp_exchange(unsigned mask, const void* value, void* out, unsigned size, unsigned src_lane) {
   Block& b = *tl_block;
   const unsigned tid = linear_tid(tl_current);
   Warp& w = b.warps[tid / 32];
-  std::memcpy(w.slot[tid % 32], value, size);
+  const bool check = (tl_checks & kCheckSync) != 0;
+  unsigned char (&slot)[32][16] = w.slot[w.generation & 1u];
+  std::memcpy(slot[tid % 32], value, size);
   warp_barrier(w, tid % 32, mask, "a shuffle");
-  if ((tl_checks & kCheckSync) && !((mask >> (src_lane % 32)) & 1u))
+  if (check && !((mask >> (src_lane % 32)) & 1u))
     fail_in_block(MESA_EMU_CHECK_SYNC, "a shuffle with mask " + hex32(mask) + " reads lane " +
                                            std::to_string(src_lane % 32) + ", which is not in the mask");
-  std::memcpy(out, w.slot[src_lane % 32], size);
-  warp_barrier(w, tid % 32, mask, "a shuffle");
+  std::memcpy(out, slot[src_lane % 32], size);
+  if (check) warp_barrier(w, tid % 32, mask, "a shuffle");
 }
 
 unsigned warp_ballot(unsigned mask, bool pred) {
   Block& b = *tl_block;
   const unsigned tid = linear_tid(tl_current);
   Warp& w = b.warps[tid / 32];
-  w.slot[tid % 32][0] = pred ? 1 : 0;
+  const bool check = (tl_checks & kCheckSync) != 0;
+  unsigned char (&slot)[32][16] = w.slot[w.generation & 1u];
+  slot[tid % 32][0] = pred ? 1 : 0;
   warp_barrier(w, tid % 32, mask, "a ballot/vote");
   unsigned bits = 0;
   const unsigned lanes = std::min(32u, unsigned(b.threads.size()) - (tid / 32) * 32);
-  for (unsigned l = 0; l < lanes; ++l) bits |= unsigned(w.slot[l][0]) << l;
-  if (tl_checks & kCheckSync) bits &= mask;
-  warp_barrier(w, tid % 32, mask, "a ballot/vote");
+  for (unsigned l = 0; l < lanes; ++l) bits |= unsigned(slot[l][0]) << l;
+  bits &= check ? mask : w.live_mask;  // an exited lane votes 0
+  if (check) warp_barrier(w, tid % 32, mask, "a ballot/vote");
   return bits;
 }
 

@@ -25,6 +25,12 @@ struct Carrier<B> {
     backward: B,
 }
 
+/// Bytes of the boxed op state `attach` leaves in candle's graph for a backward of type `B`
+/// (alive until the backward has run): the host bookkeeping the planner counts per op.
+pub(crate) const fn carrier_bytes<B>() -> usize {
+    std::mem::size_of::<Carrier<B>>()
+}
+
 impl<B: Backward> Carrier<B> {
     fn take(&self) -> candle_core::Result<(Storage, Shape)> {
         let mut slot = self.result.lock().map_err(|_| Error::StateConsumed { op: self.backward.name() })?;

@@ -109,7 +109,9 @@ fn stack_total(plan: &PlanConfig) -> Result<u64, Error> {
 
 /// Bytes alive for backward after the forward of `layers` layers of `config` on an input
 /// `[batch, seq, C]` f32: every layer's input (the first one's included), what each layer
-/// keeps (module docs), and the stack's output; parameters and gradients excluded. The
+/// keeps (module docs), the stack's output, and per layer the host bytes of its boxed backward
+/// state (a constant of this build, `size_of` of the op candle holds, about 2.7 KB);
+/// parameters and gradients excluded. The
 /// prediction of what [`measure`](crate::layer::measure::measure) reports for the stack.
 /// Running-estimate and exact statistics give the same bytes (the parameters used are
 /// stored with the codes either way).
@@ -118,7 +120,11 @@ fn stack_total(plan: &PlanConfig) -> Result<u64, Error> {
 /// [`Error::InvalidArgument`] (configuration, zero sizes); [`Error::Kernel`] with
 /// [`mesa_kernels::Error::TooLarge`] when the count overflows `u64`.
 pub fn layer_stack_saved_bytes(config: &LayerConfig, layers: usize, batch: usize, seq: usize) -> Result<u64, Error> {
-    stack_total(&plan_config(config, layers, batch, seq)?)
+    let tensors = stack_total(&plan_config(config, layers, batch, seq)?)?;
+    let state = (crate::layer::BACKWARD_STATE_BYTES as u64).checked_mul(layers as u64);
+    state.and_then(|s| s.checked_add(tensors)).ok_or_else(|| {
+        Error::Kernel(mesa_kernels::Error::TooLarge { what: "stack".into(), why: "overflows u64".into() })
+    })
 }
 
 /// The planner's configuration for the plain-f32 estimate of the reference layer

@@ -353,7 +353,14 @@ fn linear_attention_gradients_match_f64_candle() {
         {
             for dtype in DTYPES {
                 let config = LinearAttentionConfig { causal, normalize: true, eps: 1e-6, chunk: 16, memory };
-                let (mean, std) = if matches!(map, FeatureKind::Relu) { (0.6, 1.0) } else { (0.0, 0.7) };
+                // The bound below holds for well-conditioned positions: the gradients
+                // through the normaliser z_t = φ(q_t)·Σ_{s≤t} φ(k_s) carry the rounding of
+                // the output divided by z_t, and with eps the sensitivity eps/(z_t + eps)²,
+                // unbounded as z_t → 0. ReLU features at mean 0.6 made z_0 (a sum of 8
+                // products, each 0 with probability ≈ 0.5) tiny now and then (a dq of
+                // 0.015 came out 0); at mean 1, std 0.5 the ReLU cut still zeroes ≈ 2 % of
+                // the entries and z_0 stays of order 1.
+                let (mean, std) = if matches!(map, FeatureKind::Relu) { (1.0, 0.5) } else { (0.0, 0.7) };
                 let q = rng.tensor(&[b, h, l, d], mean, std, dtype);
                 let k = rng.tensor(&[b, h, l, d], mean, std, dtype);
                 let v = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);

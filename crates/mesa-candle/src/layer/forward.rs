@@ -17,7 +17,7 @@ use crate::ops::LinearAttention;
 #[derive(Debug)]
 pub(crate) struct Plan {
     pub config: LayerConfig,
-    pub layout: ParamLayout,
+    pub layout: std::sync::Arc<ParamLayout>,
     pub ctx: Ctx,
     pub seed: u64,
     pub linear: Option<LinearAttention>,

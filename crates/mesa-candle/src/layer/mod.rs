@@ -45,6 +45,10 @@ use crate::ops::{FeatureKind, LinearAttention};
 
 mod backward;
 pub mod dropout;
+
+/// Host bytes one layer's forward leaves in candle's graph besides its tensors: the boxed
+/// backward state (what it saved, described, and its plan), counted by the planner.
+pub(crate) const BACKWARD_STATE_BYTES: usize = crate::attach::carrier_bytes::<backward::LayerGrad>();
 mod forward;
 mod kernels;
 pub mod measure;
@@ -232,7 +236,8 @@ impl LayerConfig {
 #[derive(Debug)]
 pub struct TransformerLayer {
     config: LayerConfig,
-    layout: ParamLayout,
+    /// shared with every forward's plan (no per-call copy of the names)
+    layout: Arc<ParamLayout>,
     params: Var,
     calls: AtomicU64,
     /// The quantizers of [`StatsMode::Running`], created by the first forward.
@@ -246,7 +251,7 @@ impl TransformerLayer {
     /// [`Error::InvalidArgument`] from [`LayerConfig::validate`]; candle's errors.
     pub fn new(config: LayerConfig, device: &candle_core::Device) -> candle_core::Result<Self> {
         config.validate()?;
-        let layout = ParamLayout::new(config.hidden, config.ffn);
+        let layout = Arc::new(ParamLayout::new(config.hidden, config.ffn));
         let params = layout.init(device)?;
         Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0), running: Mutex::new(None) })
     }
@@ -263,7 +268,7 @@ impl TransformerLayer {
         device: &candle_core::Device,
     ) -> candle_core::Result<Self> {
         config.validate()?;
-        let layout = ParamLayout::new(config.hidden, config.ffn);
+        let layout = Arc::new(ParamLayout::new(config.hidden, config.ffn));
         let params = Var::from_tensor(&layout.flatten(tensors, prefix, device)?)?;
         Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0), running: Mutex::new(None) })
     }
@@ -315,7 +320,7 @@ impl TransformerLayer {
         };
         let plan = Arc::new(forward::Plan {
             config: self.config.clone(),
-            layout: self.layout.clone(),
+            layout: Arc::clone(&self.layout),
             ctx,
             seed,
             linear: self.linear(),

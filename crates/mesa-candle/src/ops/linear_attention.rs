@@ -5,14 +5,14 @@
 //! [`la_backward`] only, so a change of that API touches two functions.
 use std::sync::Arc;
 
-use candle_core::{Shape, Tensor};
+use candle_core::{DType, Shape, Tensor};
 use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
 use mesa_kernels::linear_attention::{
     self, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, LinearAttentionSaved,
 };
 use mesa_kernels::{TensorMut, TensorRef};
 
-use super::{check_rank, f64_via_f32};
+use super::{check_rank, f64_via_f32, tensor_result};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, kernel_device, KernelFloat, Output, View};
 use crate::error::{Error, KernelResult};
@@ -32,7 +32,8 @@ pub enum FeatureKind {
 
 /// Linear attention `out_t = Σ_{s≤t} (φ(q_t)·φ(k_s)) v_s / g(φ(q_t)·Σ_{s≤t} φ(k_s))` (causal;
 /// bidirectional sums over all `s`), `q, k: [B, H, L, d]`, `v: [B, H, L, D]`, one dtype
-/// (f32, f16, bf16; f64 computed in f32, [`crate::ops`]), any strides.
+/// (f32, f16, bf16, any strides); f16 and bf16 are computed in f32 and rounded once at the
+/// results (why: the private `f32_of`), f64 is computed in f32 ([`crate::ops`]).
 ///
 /// Forward: the feature-map kernel, then the chunked attention kernel, which keeps its
 /// states (per chunk, or the final one only in SLiM mode). Backward: exact gradients of
@@ -107,6 +108,12 @@ impl LinearAttention {
             );
         }
         let kernels = common_device("linear attention", &[q, k, v])?;
+        if matches!(q.dtype(), DType::F16 | DType::BF16) {
+            // computed in f32 from the 16-bit inputs, the output rounded once: see `f32_of`
+            let (out, saved) = self.forward_detached::<f32>(&kernels, &f32_of(q)?, &f32_of(k)?, &f32_of(v)?)?;
+            let out = tensor_result(&out.into_tensor()?.to_dtype(q.dtype())?)?;
+            return attach(&[q, k, v], out, LinearAttentionGrad { op: self.clone(), saved, kernels });
+        }
         dispatch_float!(q.dtype(), "linear attention", T => {
             let (out, saved) = self.forward_detached::<T>(&kernels, &q.detach(), &k.detach(), &v.detach())?;
             attach(&[q, k, v], out.into_storage()?, LinearAttentionGrad { op: self.clone(), saved, kernels })
@@ -199,6 +206,16 @@ impl LinearAttention {
     }
 }
 
+/// A 16-bit input of the op as f32 (outside the graph). With 16-bit inputs the op computes
+/// in f32 and rounds only its results: the gradient with respect to the features, `dφ`,
+/// grows like `1/z` where a position's normaliser `z = φ(q_t)·Σ_{s≤t} φ(k_s)` is small
+/// (FAVOR+ features of a key far below the stabiliser's maximum) and overflows f16 there,
+/// although `dk = (∂φ/∂k)ᵀ dφ` is of ordinary size — kept in f16, `dφ` turned such a `dk`
+/// into ±inf. The op's saved states are f32 either way.
+fn f32_of(t: &Tensor) -> candle_core::Result<Tensor> {
+    t.detach().to_dtype(DType::F32)
+}
+
 /// The attention forward (thin wrapper over `mesa_kernels::linear_attention::forward`).
 pub(crate) fn la_forward<'b, T: KernelFloat>(
     kernels: &mesa_kernels::Device,
@@ -243,6 +260,12 @@ impl Backward for LinearAttentionGrad {
     }
     fn backward(&self, args: &[&Tensor], res: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (args[0].detach(), args[1].detach(), args[2].detach());
+        let dtype = q.dtype();
+        if matches!(dtype, DType::F16 | DType::BF16) {
+            let (q, k, v, res, grad) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(res)?, f32_of(grad)?);
+            let grads = self.op.backward_detached::<f32>(&self.kernels, &self.saved, [&q, &k, &v], &res, &grad)?;
+            return grads.into_iter().map(|g| Ok(Some(g.to_dtype(dtype)?))).collect();
+        }
         dispatch_float!(q.dtype(), "linear attention backward", T => {
             let [dq, dk, dv] = self.op.backward_detached::<T>(&self.kernels, &self.saved, [&q, &k, &v], res, grad)?;
             Ok(vec![Some(dq), Some(dk), Some(dv)])
