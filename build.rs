@@ -16,7 +16,8 @@
 //!   PTX is embedded for the highest non-`a` entry.
 //! * `MESA_CUDA_DISABLE=1`: build the emulation only, even if nvcc is present.
 //! * `MESA_EMU_FP_CONTRACT=fast`: compile the emulation with FMA contraction on
-//!   (`-ffp-contract=fast`, plus `-mfma` on x86-64) instead of off — a check, not a mode: the
+//!   (`-ffp-contract=fast`, and `-mfma` on x86-64 even where the build host lacks FMA; by
+//!   default `-mfma` only where it has it, so `fmaf` is one instruction) instead of off — a check, not a mode: the
 //!   kernels write every rounding that matters explicitly (`fmaf`, `__fmul_rn`, `__fadd_rn`),
 //!   so both builds must give bitwise the same results (`.ci/run` compares `tests/digests.rs`).
 //! * feature `regenerate-bindings`: run bindgen on `kernels/include/mesa_kernels.h` and
