@@ -1,6 +1,6 @@
 //! The fixture's text as character ids, the batch sampler shared by every run, and the
 //! bigram baseline.
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
@@ -14,14 +14,15 @@ pub struct Corpus {
     pub val: Vec<u32>,
 }
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
+/// The repository's `fixtures/` (where this example was built from).
+pub fn default_fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
 }
 
 impl Corpus {
-    /// Reads `fixtures/shakespeare_{train,val}.txt` (fixtures/README.md).
-    pub fn load() -> Result<Self, String> {
-        let read = |n: &str| std::fs::read(fixture(n)).map_err(|e| format!("{}: {e}", fixture(n).display()));
+    /// Reads `shakespeare_{train,val}.txt` from `dir` (fixtures/README.md).
+    pub fn load(dir: &Path) -> Result<Self, String> {
+        let read = |n: &str| std::fs::read(dir.join(n)).map_err(|e| format!("{}: {e}", dir.join(n).display()));
         let (train, val) = (read("shakespeare_train.txt")?, read("shakespeare_val.txt")?);
         let mut vocab = train.clone();
         vocab.sort_unstable();

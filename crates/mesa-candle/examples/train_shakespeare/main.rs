@@ -12,7 +12,9 @@
 //! emulation of the kernels), `gpu` (larger; needs the `cuda` feature; not yet run). Prints
 //! a table (`--json`: one JSON object instead), writes the JSON as `results.json`, and
 //! `loss.svg` and `running_estimate.svg`, to
-//! `--out` (default `target/train_shakespeare`). Bytes alive for backward are counted by a
+//! `--out` (default `target/train_shakespeare`; created before the first run). `--fixtures DIR`
+//! reads the text from DIR instead of the repository's `fixtures/` (a binary run elsewhere).
+//! Bytes alive for backward are counted by a
 //! counting global allocator around the layer stack (`docs/results.md` says how).
 mod data;
 mod model;
@@ -90,6 +92,8 @@ struct Args {
     out: PathBuf,
     /// `--only a.s0,b`: just these runs (all when empty).
     only: Vec<String>,
+    /// `--fixtures DIR`: where `shakespeare_{train,val}.txt` are (default: the repository's).
+    fixtures: PathBuf,
 }
 
 fn args() -> Result<Args, String> {
@@ -97,6 +101,7 @@ fn args() -> Result<Args, String> {
     let (mut config, mut json, mut out) = ("cpu".to_string(), false, PathBuf::from("target/train_shakespeare"));
     let mut steps = None;
     let mut only = Vec::new();
+    let mut fixtures = data::default_fixtures();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--config" => config = it.next().ok_or("--config needs a value")?,
@@ -108,9 +113,10 @@ fn args() -> Result<Args, String> {
             "--json" => json = true,
             "--only" => only = it.next().ok_or("--only needs run names")?.split(',').map(str::to_string).collect(),
             "--out" => out = PathBuf::from(it.next().ok_or("--out needs a value")?),
+            "--fixtures" => fixtures = PathBuf::from(it.next().ok_or("--fixtures needs a directory")?),
             other => {
                 return Err(format!(
-                    "unknown argument {other} (--config smoke|cpu|gpu, --steps N, --only RUN[,RUN], --json, --out DIR)"
+                    "unknown argument {other} (--config smoke|cpu|gpu, --steps N, --only RUN[,RUN], --json, --out DIR, --fixtures DIR)"
                 ))
             }
         }
@@ -124,14 +130,25 @@ fn args() -> Result<Args, String> {
     if let Some(bad) = only.iter().find(|n| !names.contains(n)) {
         return Err(format!("--only {bad}: the runs are {}", names.join(", ")));
     }
-    Ok(Args { settings, json, out, only })
+    Ok(Args { settings, json, out, only, fixtures })
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = args()?;
     let s = &args.settings;
-    let device = if s.name == "gpu" { Device::cuda_if_available(0)? } else { Device::Cpu };
-    let corpus = data::Corpus::load()?;
+    let device = if s.name == "gpu" {
+        if !cfg!(feature = "cuda") {
+            return Err(
+                "--config gpu needs a build with `--features cuda` (and a GPU): it is too large for the CPU".into()
+            );
+        }
+        Device::new_cuda(0).map_err(|e| format!("--config gpu: no CUDA device 0 ({e})"))?
+    } else {
+        Device::Cpu
+    };
+    // before any training: an unusable output directory fails now, not after the runs
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("--out {}: {e}", args.out.display()))?;
+    let corpus = data::Corpus::load(&args.fixtures)?;
     let bigram = corpus.bigram_val_loss();
     COUNTER.observe_emulator()?;
     let mut results: Vec<RunResult> = Vec::new();
@@ -145,15 +162,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         results.push(result);
     }
-    std::fs::create_dir_all(&args.out)?;
     let curves: Vec<Curves<'_>> = results.iter().map(|r| r.curves()).collect();
     plot::losses(&args.out.join("loss.svg"), &curves, bigram, s)?;
     if let Some(e) = &estimates {
         plot::estimates(&args.out.join("running_estimate.svg"), e)?;
     }
-    let summary = run::Summary::new(&results, bigram);
+    let summary = run::Summary::new(s, &results, bigram, args.only.is_empty());
     let object = serde_json::to_string_pretty(&run::json(s, &results, &summary, &corpus))?;
-    std::fs::write(args.out.join("results.json"), &object)?;
+    let json_path = args.out.join("results.json");
+    std::fs::write(&json_path, &object).map_err(|e| format!("{}: {e}", json_path.display()))?;
     if args.json {
         println!("{object}");
     } else {
