@@ -43,7 +43,7 @@
 // first switch "returns" into fiber_start. On x86-64 the floating-point control state
 // (MXCSR, x87 control word) is not switched: no kernel changes it, and run_block sets the
 // default (round to nearest, no flush to zero) for the whole block and restores the caller's
-// after it (FpEnvironment). Loading MXCSR at every switch cost more than the switch itself.
+// after it (FpEnvironment), so the switch does not reload it (no speed change was measurable).
 #if defined(__x86_64__)
 extern "C" void mesa_emu_switch(void** save_sp, void* next_sp);
 asm(R"(
@@ -454,7 +454,8 @@ void fiber_entry() { fiber_body(); }  // returning resumes the scheduler through
 // kStackBytes apart, a multiple of every cache's set stride: the tops of all of a block's
 // fibers would share a handful of L1 and L2 sets and evict each other at every switch. Fiber
 // i's stack starts below its top by (9 · i mod 256) cache lines (at most 16 KiB of its
-// 128 KiB), so up to 256 fibers' hot frames land in distinct sets.
+// 128 KiB), so up to 256 fibers' hot frames land in distinct sets (no speed change was
+// measurable on the training example; the warp-by-warp schedule below is what helped).
 void* prepare_stack(unsigned char* base, size_t bytes, unsigned fiber) {
   const uintptr_t stagger = uintptr_t((9u * fiber) % 256u) * 64u;
   uintptr_t top = (reinterpret_cast<uintptr_t>(base) + bytes - stagger) & ~uintptr_t(15);
