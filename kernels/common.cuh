@@ -162,6 +162,29 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
+// The multifunction unit's approximations, one MUFU instruction each (PTX ISA, `ex2`, `rcp`):
+// 2^a with subnormal results flushed to +0 (max relative error 2^-22 on sm_80/sm_90), and 1/a
+// (within 1 ulp). The emulation computes them correctly rounded (exp2f, division) and flushes
+// like the GPU, so the two builds may differ by those few ulps only (docs/design.md).
+#ifdef MESA_EMU
+__device__ __forceinline__ float exp2_approx(float a) {
+  const float r = exp2f(a);
+  return r < 1.17549435e-38f ? 0.0f : r;  // FLT_MIN: ftz of the result (NaN passes)
+}
+__device__ __forceinline__ float rcp_approx(float a) { return 1.0f / a; }
+#else
+__device__ __forceinline__ float exp2_approx(float a) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+__device__ __forceinline__ float rcp_approx(float a) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+#endif
+
 // A point where the emulator's shuffled schedule (MESA_EMU_CHECK=schedule) may switch to
 // another thread of the block: every global load and store helper has one.
 #ifdef MESA_EMU

@@ -13,6 +13,8 @@
 
 #include "common.cuh"
 
+#include <type_traits>
+
 namespace MESA_NS {
 
 // Groups accumulated in shared memory before one global atomic per group and block;
@@ -293,6 +295,21 @@ inline bool vector_ok(const void* p, const MesaTensorDesc& d) {
 }
 
 
+// Bits (8, 4, 2) and booleans as template arguments: F::template run<kBits, kA, kB>().
+template <typename F>
+MesaStatus dispatch_bits_flags(int bits, bool a, bool b, const F& f) {
+  auto with_bits = [&](auto kb) {
+    if (a) return b ? f.template run<decltype(kb)::value, true, true>() : f.template run<decltype(kb)::value, true, false>();
+    return b ? f.template run<decltype(kb)::value, false, true>() : f.template run<decltype(kb)::value, false, false>();
+  };
+  switch (bits) {
+    case 8: return with_bits(std::integral_constant<int, 8>{});
+    case 4: return with_bits(std::integral_constant<int, 4>{});
+    case 2: return with_bits(std::integral_constant<int, 2>{});
+    default: return MESA_STATUS_INVALID_ARGUMENT;
+  }
+}
+
 // One instantiation per dtype: F<T>::run(args, stream).
 template <template <typename> class F, typename Args>
 MesaStatus dispatch_dtype(MesaDType t, const Args& a, void* stream) {
@@ -424,6 +441,141 @@ __device__ __forceinline__ void source_unit(const CodeSource& s, int64_t i0, int
     const MesaGroupParams p = (one_group || j >= live) ? p0 : s.params[s.groups.group(i0 + j)];
     out[j] = decode(unsigned(packed >> (j * s.bits)) & mask, p, s.sqrt_map);
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Dense producers: the quantize pass's fast path (quantize_dense_kernel) and the fused
+// producers' dense kernels (gelu.cu) encode a unit of 8 with the same code, so their codes and
+// statistics are those of the general path bit for bit.
+// A unit of 8 as loaded (one or two 16-byte vectors), converted to f32 where it is encoded.
+template <typename T>
+struct RawUnit {
+  Vec16<T> v[kUnit / Vec16<T>::N];
+  __device__ __forceinline__ void load(const T* x, uint32_t i0) {
+#pragma unroll
+    for (int h = 0; h < kUnit / Vec16<T>::N; ++h) v[h] = load16(x + i0 + h * Vec16<T>::N);
+  }
+  __device__ __forceinline__ void to_floats(float (&xs)[kUnit]) const {
+    constexpr int V = Vec16<T>::N;
+#pragma unroll
+    for (int h = 0; h < kUnit / V; ++h)
+#pragma unroll
+      for (int j = 0; j < V; ++j) xs[h * V + j] = to_float(v[h].v[j]);
+  }
+};
+
+// Stores the 8 values of a unit at p (dense, 16-byte aligned) as one or two 16-byte vectors.
+template <typename T>
+__device__ __forceinline__ void store_dense_unit(T* p, const float (&v)[kUnit]) {
+  constexpr int V = Vec16<T>::N;
+#pragma unroll
+  for (int h = 0; h < kUnit / V; ++h) {
+    Vec16<T> o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(v[h * V + j]);
+    store16(p + h * V, o);
+  }
+}
+
+// Unit statistics without a key per element: when every x of the unit is finite (`finite`:
+// the probe sum of x * 0 stayed +-0) and neither its min nor its max is a zero (keys tell -0 from +0,
+// fminf does not), the unit's min and max in f32 give the keys of its extremes; otherwise the
+// per-element accumulate. `run` must already be on the unit's group.
+__device__ __forceinline__ void accumulate_unit(RunStats& run, int64_t g, const float (&xs)[kUnit], bool finite,
+                                                MesaGroupStats* stats_target) {
+  float lo = xs[0], hi = xs[0];
+#pragma unroll
+  for (int j = 1; j < kUnit; ++j) {
+    lo = fminf(lo, xs[j]);
+    hi = fmaxf(hi, xs[j]);
+  }
+  if (finite && lo != 0.0f && hi != 0.0f) {
+    const unsigned klo = float_key(lo), khi = float_key(hi);
+    run.min_key = klo < run.min_key ? klo : run.min_key;
+    run.max_key = khi > run.max_key ? khi : run.max_key;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) accumulate(run, g, xs[j], stats_target);
+  }
+}
+
+// Dense fast path of the quantize pass: x dense and 16-byte aligned, n < 2^31, every unit of 8
+// in one group (run % 8 == 0), identity code map. Bits, rounding and statistics are fixed per
+// launch (template parameters), the group of a unit comes from 32-bit fast division and its
+// code parameters are reused while the group stays the same. Two units in flight per thread
+// (both loads issued before either is encoded). A unit whose every x - offset is finite and
+// whose scale needs no prescale (the common case) is encoded without the overflow guard of
+// code_position, and its statistics are reduced in f32 (fminf/fmaxf, then one key each),
+// unless its min or max is a zero (keys tell -0 from +0, fminf does not); any other unit
+// takes the per-element code of quantize_kernel. Same codes, same statistics, bit for bit.
+struct DenseQuantize {
+  GroupMap32 groups;
+  const MesaGroupParams* params;
+  uint8_t* codes;
+  uint64_t seed;
+};
+
+template <int kBits, bool kStochastic, bool kStats>
+__device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint32_t i0, const float (&xs)[kUnit],
+                                                    uint32_t& cached_group, CodeParams& p, RunStats& run,
+                                                    MesaGroupStats* stats_target) {
+  constexpr float kLevels = float((1u << kBits) - 1u);
+  const uint32_t g = q.groups.group(i0);
+  if (g != cached_group) {  // a new group: its parameters, and the statistics of the last one out
+    p = code_params(q.params[g]);
+    cached_group = g;
+    if (kStats && int64_t(g) != run.group) {
+      flush(run, stats_target);
+      run.group = g;
+    }
+  }
+  float us[kUnit];
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) us[j] = 0.0f;
+  if (kStochastic) {  // Philox once per 4 elements: the words of counters i0/4 and i0/4 + 1
+    const Philox4 a = philox4x32_10(uint64_t(i0) / 4, q.seed);
+    const Philox4 b = philox4x32_10(uint64_t(i0) / 4 + 1, q.seed);
+    us[0] = uniform01(a.x); us[1] = uniform01(a.y); us[2] = uniform01(a.z); us[3] = uniform01(a.w);
+    us[4] = uniform01(b.x); us[5] = uniform01(b.y); us[6] = uniform01(b.z); us[7] = uniform01(b.w);
+  }
+  float d[kUnit];
+  float probe = 0.0f;  // +-0 while every x - offset is finite, NaN otherwise (x non-finite, or overflow)
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) {
+    d[j] = xs[j] - p.offset;
+    probe = fmaf(d[j], 0.0f, probe);
+  }
+  unsigned codes[kUnit];
+  if (probe == 0.0f && p.prescale == 1.0f) {
+    // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale)
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) {
+      const float t = __fmul_rn(d[j], p.inv_scale);
+      codes[j] = kStochastic ? round_code(t, kLevels, true, us[j]) : nearest_code(t, (1u << kBits) - 1u);
+    }
+    if (kStats) accumulate_unit(run, g, xs, true, stats_target);  // d, so x, all finite
+  } else {
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) {
+      codes[j] = encode(xs[j], p, kLevels, kStochastic, us[j]);
+      if (kStats) accumulate(run, g, xs[j], stats_target);
+    }
+  }
+  store_unit_codes<kBits>(q.codes + size_t(i0) * kBits / 8, codes);
+}
+
+
+// The packed codes of the unit at logical index i0 (a multiple of 8) at a width fixed at
+// compile time: one 8-, 4- or 2-byte load (dense consumers: dequantize_dense_kernel, gelu.cu).
+template <int kBits>
+__device__ __forceinline__ uint64_t load_unit_codes(const uint8_t* codes, uint32_t i0) {
+  const uint8_t* src = codes + size_t(i0) * kBits / 8;
+  if (kBits == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(src);
+    return uint64_t(w.x) | (uint64_t(w.y) << 32);
+  }
+  if (kBits == 4) return *reinterpret_cast<const unsigned*>(src);
+  return *reinterpret_cast<const unsigned short*>(src);
 }
 
 }  // namespace MESA_NS

@@ -9,7 +9,8 @@
 //!   differ: a difference means some kernel leaves a rounding to the compiler, and nvcc,
 //!   which contracts by default, would then round differently from the emulator.
 //! * On a GPU (the bundle), the results documented as bitwise equal across backends are
-//!   compared with the emulator's: everything except what goes through `expf`/`erfcf`
+//!   compared with the emulator's: everything except what goes through `expf` or the hardware
+//!   approximations `ex2.approx`/`rcp.approx`
 //!   (GELU outputs and gradients, softmax outputs, codes and gradients), whose libraries
 //!   differ by ulps (tests/fused.rs bounds those).
 mod common;
