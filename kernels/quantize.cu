@@ -405,14 +405,7 @@ __global__ void __launch_bounds__(kBlock) dequantize_kernel(const uint8_t* __res
       out[j] = decode(c, p, sqrt_map);
     }
     if (kDense && full) {
-      constexpr int V = Vec16<T>::N;
-#pragma unroll
-      for (int h = 0; h < N / V; ++h) {
-        Vec16<T> o;
-#pragma unroll
-        for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(out[h * V + j]);
-        store16(y + i0 + h * V, o);
-      }
+      store_dense_unit(y + i0, out);
     } else {
       for (int j = 0; j < N && i0 + j < n; ++j) y[kDense ? i0 + j : view.offset(i0 + j)] = from_float<T>(out[j]);
     }

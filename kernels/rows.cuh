@@ -35,14 +35,7 @@ __device__ __forceinline__ void load_unit(const T* p, int64_t stride, int live, 
 template <typename T>
 __device__ __forceinline__ void store_unit(T* p, int64_t stride, int live, const float (&v)[kUnit]) {
   if (unit_vector_ok(p, stride, live)) {
-    constexpr int V = Vec16<T>::N;
-#pragma unroll
-    for (int h = 0; h < kUnit / V; ++h) {
-      Vec16<T> o;
-#pragma unroll
-      for (int j = 0; j < V; ++j) o.v[j] = from_float<T>(v[h * V + j]);
-      store16(p + h * V, o);
-    }
+    store_dense_unit(p, v);
   } else {
 #pragma unroll
     for (int j = 0; j < kUnit; ++j)
