@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <cuda/atomic>
 #include <cuda/ptx>
+#include <mma.h>
 #define MESA_NS mesa_cuda_kernels
 #define MESA_ENTRY(name) mesa_##name
 #endif

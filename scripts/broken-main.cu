@@ -34,6 +34,8 @@ typedef struct BrokenArgs {
   X(broken_uninitialised_shared, 200, 1, initcheck)         \
   X(broken_bounded_128, 256, 256, launch)                   \
   X(broken_unsynchronised_count, 256, 256, racecheck)       \
+  X(broken_wmma_half_warp, 512, 256, synccheck)             \
+  X(broken_wmma_misaligned, 512, 256, memcheck)             \
   X(fresh_tile_transpose, 256, 256, racecheck)              \
   X(fresh_shifted_scan, 100, 100, memcheck)                 \
   X(fresh_shuffle_early_exit, 64, 2, synccheck)

@@ -258,3 +258,48 @@ fn fresh_shuffle_loop_with_early_exit() {
     let r = run(mesa_emu_fresh_shuffle_early_exit, Checks::ALL, 47, &x, 2);
     assert_reported(&r, "synccheck", "shuffle_loop_early_exit", 47);
 }
+
+// Tensor-core (WMMA) operations: warp-collective, aligned (kernels/broken/broken.cu, 13–15).
+extern "C" {
+    fn mesa_emu_broken_wmma_tile_product(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_wmma_half_warp(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_wmma_misaligned(a: *const BrokenArgs) -> i32;
+}
+
+/// A 16 × 16 tile of A (row-major) then one of B: small integers, exact in bf16, whose
+/// products and sums are exact in f32 (|entries| ≤ 8, so |(A B)_ij| ≤ 16·64).
+fn wmma_operands() -> Vec<f32> {
+    (0..512).map(|i| ((i * 7 + i / 16) % 17) as f32 - 8.0).collect()
+}
+
+#[test]
+fn wmma_tile_product_is_exact_and_passes_every_check() {
+    let x = wmma_operands();
+    for seed in [51, 52] {
+        let r = run(mesa_emu_broken_wmma_tile_product, Checks::ALL, seed, &x, 256);
+        assert_eq!((r.status, r.report.as_deref()), (0, None), "seed {seed}");
+        for (e, o) in r.out.iter().enumerate() {
+            let (i, j) = (e / 16, e % 16);
+            let want: f64 = (0..16).map(|k| f64::from(x[i * 16 + k]) * f64::from(x[256 + k * 16 + j])).sum();
+            assert_eq!(f64::from(*o), want, "element ({i}, {j}), seed {seed}");
+        }
+    }
+}
+
+#[test]
+fn wmma_product_reached_by_half_the_warp() {
+    let x = wmma_operands();
+    let r = run(mesa_emu_broken_wmma_half_warp, Checks::ALL, 53, &x, 256);
+    assert_reported(&r, "synccheck", "wmma_half_warp", 53);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("mma_sync")), "{:?}", r.report);
+}
+
+#[test]
+fn wmma_load_from_a_misaligned_pointer() {
+    let x = wmma_operands();
+    let r = run(mesa_emu_broken_wmma_misaligned, Checks::ALL, 59, &x, 256);
+    assert_reported(&r, "memcheck", "wmma_misaligned", 59);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("32-byte aligned")), "{:?}", r.report);
+    let r = run(mesa_emu_broken_wmma_misaligned, Checks::SYNC, 59, &x, 256);
+    assert_eq!((r.status, r.report.as_deref()), (0, None), "no memcheck: the misaligned load goes unseen");
+}

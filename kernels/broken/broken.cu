@@ -147,6 +147,40 @@ __global__ void unsynchronised_count(float* out, const float* in) {
   if (threadIdx.x == 0) out[0] = total;
 }
 
+// 13. (control, not broken) one warp multiplies two 16 x 16 bf16 tiles on the tensor cores:
+// in[0..256) is A row-major, in[256..512) B row-major (values exact in bf16), out = A B. It
+// must pass every check: the WMMA cases below differ from it in one line each.
+template <int kVariant>
+__device__ void wmma_tile(float* out, const float* in) {
+  __align__(32) __shared__ __nv_bfloat16 ab[2][256];
+  __align__(32) __shared__ float c[256];
+  // pairs per thread: racecheck's granule is 4 bytes (docs/emulator.md)
+  for (int i = 2 * threadIdx.x; i < 512; i += 64) {
+    ab[i / 256][i % 256] = __float2bfloat16(in[i]);
+    ab[i / 256][i % 256 + 1] = __float2bfloat16(in[i + 1]);
+  }
+  __syncwarp();
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major> fa;
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __nv_bfloat16, nvcuda::wmma::row_major> fb;
+  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc;
+  nvcuda::wmma::fill_fragment(acc, 0.0f);
+  // 15: B read from 8 elements (16 bytes) past the tile: not 32-byte aligned
+  nvcuda::wmma::load_matrix_sync(fa, ab[0], 16);
+  nvcuda::wmma::load_matrix_sync(fb, kVariant == 15 ? ab[0] + 8 : ab[1], 16);
+  // 14: only half of the warp reaches the product
+  if (kVariant != 14 || threadIdx.x < 16) nvcuda::wmma::mma_sync(acc, fa, fb, acc);
+  nvcuda::wmma::store_matrix_sync(c, acc, 16, nvcuda::wmma::mem_row_major);
+  __syncwarp();
+  for (int i = threadIdx.x; i < 256; i += 32) out[i] = c[i];
+}
+__global__ void wmma_tile_product(float* out, const float* in) { wmma_tile<13>(out, in); }
+
+// 14. (issue) a tensor-core product reached by half of the warp (the whole warp must execute it).
+__global__ void wmma_half_warp(float* out, const float* in) { wmma_tile<14>(out, in); }
+
+// 15. a tensor-core tile loaded from a pointer that is not 32-byte aligned.
+__global__ void wmma_misaligned(float* out, const float* in) { wmma_tile<15>(out, in); }
+
 }  // namespace broken
 }  // namespace MESA_NS
 
@@ -169,3 +203,6 @@ MESA_BROKEN_CASE(far_overrun, kBlock, a->out, a->in, a->n)
 MESA_BROKEN_CASE(uninitialised_shared, kBlock, a->out, a->in, a->n)
 MESA_BROKEN_CASE(bounded_128, 256, a->out, a->in)
 MESA_BROKEN_CASE(unsynchronised_count, kBlock, a->out, a->in)
+MESA_BROKEN_CASE(wmma_tile_product, 32, a->out, a->in)
+MESA_BROKEN_CASE(wmma_half_warp, 32, a->out, a->in)
+MESA_BROKEN_CASE(wmma_misaligned, 32, a->out, a->in)

@@ -68,6 +68,19 @@ void syncthreads(const char* file, int line);
 void syncwarp(unsigned mask);
 void warp_exchange(unsigned mask, const void* value, void* out, unsigned size, unsigned src_lane);
 unsigned warp_ballot(unsigned mask, bool pred);
+unsigned lane_id();
+// What one lane brings to a WMMA operation: the call's pointer and leading dimension (every
+// lane must pass the same) and its part of the fragments (mma_sync: its elements of A and B).
+constexpr unsigned kWarpMatrixPartBytes = 32;
+struct WarpMatrixSlot {
+  const char* op;
+  const void* ptr;
+  unsigned ldm;
+  alignas(16) unsigned char part[kWarpMatrixPartBytes];
+};
+const WarpMatrixSlot* warp_matrix_op(const char* what, const void* ptr, unsigned ldm, unsigned ldm_unit,
+                                     const void* part, unsigned part_bytes);
+void warp_matrix_done(const char* what);
 void yield_thread();
 unsigned char* dynamic_smem();
 int worker_count();
@@ -352,6 +365,110 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   return b;
 }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
+
+// ---------------------------------------------------------------------------------------
+// Warp matrix operations (mma.h's nvcuda::wmma), m16n16k16 with f16 or bf16 operands and f32
+// accumulators: what the kernels use. Every call is warp-collective (warp_matrix_op: all 32
+// lanes; synccheck: the same pointer and ldm in every lane; memcheck: a 32-byte aligned
+// pointer, ldm a multiple of 16 bytes). A fragment's element order is unspecified on the GPU;
+// here lane l holds elements 8l..8l+7 of the 16 x 16 tile in row-major order (A: [m][k], B:
+// [k][n], accumulator [m][n]), so only elementwise use of `x` is portable. mma_sync forms each
+// product exactly (a 16-bit x 16-bit product fits f32) and adds them to the accumulator in k
+// order, rounding each sum to nearest; the GPU's order and rounding of those sums are not
+// specified, which the kernels' error bounds allow for (docs/emulator.md).
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "the emulation provides m16n16k16 fragments only");
+  static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float>
+                                                 : (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>),
+                "operands f16 or bf16, accumulators f32");
+  static constexpr int num_elements = 8;
+  T x[8];
+};
+
+namespace detail {
+inline float widen(__half v) { return __half2float(v); }
+inline float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+// Element (r, c) of a tile at p with leading dimension ldm.
+template <typename T>
+inline const T& at(const T* p, unsigned ldm, bool row_major, int r, int c) {
+  return row_major ? p[size_t(r) * ldm + c] : p[size_t(c) * ldm + r];
+}
+}  // namespace detail
+
+template <typename Use, typename T, typename Layout>
+inline void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, const T& v) {
+  for (T& e : f.x) e = v;
+}
+
+template <typename Use, typename T, typename Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+  static_assert(!std::is_same_v<Use, accumulator>, "an accumulator load takes a layout_t");
+  ::mesa_emu::warp_matrix_op("load_matrix_sync", p, ldm, sizeof(T), nullptr, 0);
+  const unsigned lane = ::mesa_emu::lane_id();
+  for (int i = 0; i < 8; ++i) {
+    const int e = int(lane) * 8 + i;
+    f.x[i] = detail::at(p, ldm, std::is_same_v<Layout, row_major>, e / 16, e % 16);
+  }
+  ::mesa_emu::warp_matrix_done("load_matrix_sync");
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
+  ::mesa_emu::warp_matrix_op("load_matrix_sync", p, ldm, sizeof(float), nullptr, 0);
+  const unsigned lane = ::mesa_emu::lane_id();
+  for (int i = 0; i < 8; ++i) {
+    const int e = int(lane) * 8 + i;
+    f.x[i] = detail::at(p, ldm, l == mem_row_major, e / 16, e % 16);
+  }
+  ::mesa_emu::warp_matrix_done("load_matrix_sync");
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
+  ::mesa_emu::warp_matrix_op("store_matrix_sync", p, ldm, sizeof(float), nullptr, 0);
+  const unsigned lane = ::mesa_emu::lane_id();
+  for (int i = 0; i < 8; ++i) {
+    const int e = int(lane) * 8 + i;
+    const_cast<float&>(detail::at<float>(p, ldm, l == mem_row_major, e / 16, e % 16)) = f.x[i];
+  }
+  ::mesa_emu::warp_matrix_done("store_matrix_sync");
+}
+
+// d = a b + c (d may be c).
+template <typename T, typename LA, typename LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+                     const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+  static_assert(2 * sizeof(a.x) == ::mesa_emu::kWarpMatrixPartBytes, "a lane's part: its 8 elements of A and of B");
+  unsigned char part[2 * sizeof(a.x)];
+  std::memcpy(part, a.x, sizeof(a.x));
+  std::memcpy(part + sizeof(a.x), b.x, sizeof(b.x));
+  const ::mesa_emu::WarpMatrixSlot* lanes = ::mesa_emu::warp_matrix_op("mma_sync", nullptr, 0, 1, part, sizeof part);
+  auto element = [&](int e, size_t offset) {  // element e of the A (offset 0) or B tile
+    T v;
+    std::memcpy(&v, lanes[e / 8].part + offset + size_t(e % 8) * sizeof(T), sizeof(T));
+    return detail::widen(v);
+  };
+  const unsigned lane = ::mesa_emu::lane_id();
+  float out[8];
+  for (int i = 0; i < 8; ++i) {
+    const int e = int(lane) * 8 + i, r = e / 16, n = e % 16;
+    float acc = c.x[i];
+    for (int k = 0; k < 16; ++k) acc = std::fma(element(r * 16 + k, 0), element(k * 16 + n, sizeof(a.x)), acc);
+    out[i] = acc;
+  }
+  std::memcpy(d.x, out, sizeof out);
+  ::mesa_emu::warp_matrix_done("mma_sync");
+}
+}  // namespace wmma
+}  // namespace nvcuda
 
 // ---------------------------------------------------------------------------------------
 // Clocks and system-scope atomics (used by the collectives' bounded cross-rank waits).

@@ -258,6 +258,8 @@ struct Warp {
   // the lanes' values of a shuffle or ballot, in two sets used by alternate rendezvous
   // generations (warp_exchange)
   alignas(16) unsigned char slot[2][32][16];
+  // the lanes' parts of a WMMA operation (warp_matrix_op), in two sets as `slot`
+  WarpMatrixSlot matrix[2][32];
 };
 
 // The fiber stacks of one block: a single mapping of n stacks (one memory map per block,
@@ -422,6 +424,12 @@ std::string lanes_text(unsigned mask) {
 std::string hex32(unsigned v) {
   char b[16];
   std::snprintf(b, sizeof b, "0x%08x", v);
+  return b;
+}
+
+std::string hex64(uint64_t v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "0x%llx", (unsigned long long)v);
   return b;
 }
 
@@ -1007,6 +1015,55 @@ unsigned warp_ballot(unsigned mask, bool pred) {
   bits &= check ? mask : w.live_mask;  // an exited lane votes 0
   if (check) warp_barrier(w, tid % 32, mask, "a ballot/vote");
   return bits;
+}
+
+unsigned lane_id() { return linear_tid(tl_current) % 32u; }
+
+// A WMMA operation: a rendezvous of all 32 lanes of the warp (the GPU's `.aligned` rule: the
+// whole warp executes the same wmma instruction). Each lane publishes (ptr, ldm) and `part`;
+// the returned array holds every lane's, valid until this lane's next warp rendezvous. Memcheck:
+// the pointer 32-byte aligned, ldm a multiple of 16 bytes (ldm_unit: the element size).
+// Synccheck: every lane is in the same operation with lane 0's pointer and ldm, no lane is
+// missing; then a second meeting, as in warp_exchange, before anyone may write this set anew.
+const WarpMatrixSlot* warp_matrix_op(const char* what, const void* ptr, unsigned ldm, unsigned ldm_unit,
+                                     const void* part, unsigned part_bytes) {
+  Block& b = *tl_block;
+  const unsigned tid = linear_tid(tl_current);
+  Warp& w = b.warps[tid / 32];
+  const bool check = (tl_checks & kCheckSync) != 0;
+  if ((tl_checks & kCheckMem) && ptr != nullptr &&
+      ((reinterpret_cast<uintptr_t>(ptr) % 32u) != 0 || (uint64_t(ldm) * ldm_unit) % 16u != 0))
+    fail_in_block(MESA_EMU_CHECK_MEM, std::string(what) + " at " + hex64(reinterpret_cast<uintptr_t>(ptr)) +
+                                          " with ldm " + std::to_string(ldm) +
+                                          ": the pointer must be 32-byte aligned and ldm a multiple of 16 bytes");
+  WarpMatrixSlot (&set)[32] = w.matrix[w.generation & 1u];
+  set[tid % 32].op = what;
+  set[tid % 32].ptr = ptr;
+  set[tid % 32].ldm = ldm;
+  if (part_bytes > 0) std::memcpy(set[tid % 32].part, part, part_bytes);
+  warp_barrier(w, tid % 32, 0xffffffffu, what);
+  if (check) {
+    for (unsigned l = 0; l < 32; ++l)
+      if (std::strcmp(set[l].op, what) != 0)
+        fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " meets lane " + std::to_string(l) + " in " + set[l].op +
+                                               ": the whole warp must execute the same warp matrix operation");
+    for (unsigned l = 0; l < 32; ++l)
+      if (set[l].ptr != set[0].ptr || set[l].ldm != set[0].ldm)
+        fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + ": lane " + std::to_string(l) + " passes pointer " +
+                                               hex64(reinterpret_cast<uintptr_t>(set[l].ptr)) + " and ldm " +
+                                               std::to_string(set[l].ldm) + ", lane 0 " +
+                                               hex64(reinterpret_cast<uintptr_t>(set[0].ptr)) + " and ldm " +
+                                               std::to_string(set[0].ldm) + " (a warp-wide operation takes one)");
+  }
+  return set;
+}
+
+// The end of a WMMA operation under synccheck (its second meeting).
+void warp_matrix_done(const char* what) {
+  if (!(tl_checks & kCheckSync)) return;
+  Block& b = *tl_block;
+  const unsigned tid = linear_tid(tl_current);
+  warp_barrier(b.warps[tid / 32], tid % 32, 0xffffffffu, what);
 }
 
 unsigned char* dynamic_smem() { return tl_block->dynamic_smem.data(); }
