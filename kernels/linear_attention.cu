@@ -40,6 +40,8 @@
 // Reference: crates/mesa-kernels/src/reference/linear_attention.rs. Floors: docs/linear_attention.md.
 #include "common.cuh"
 
+#include <type_traits>
+
 namespace MESA_NS {
 
 // Tiles. kChunk rows of a chunk, kTF features of Ma per step, kTD columns of Dc per block.
@@ -53,7 +55,7 @@ constexpr int kTD = 32;
 
 enum Mask { kMaskNone = 0, kMaskLE = 1, kMaskGE = 2 };
 enum Mode {
-  kAccumulate = 0,  // S from `init` (base NULL: 0), walk in the mask's direction (+ boundary write)
+  kAccumulate = 0,  // S from `init` (base NULL: 0), walk in the mask's direction
   kReadChunk = 1,   // S of chunk c read from `init` (per-chunk states): chunks independent
   kBidir = 2,       // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
   kChunkSum = 3     // U_c = B_c^T C_c of every chunk into `boundary` (chunks independent);
@@ -112,7 +114,7 @@ struct Product {
   StateView state;     // working / final state [B*H, ma, dc]
   StateView init;      // kAccumulate: initial state; kReadChunk: per-chunk states; kBidir: total
                        // state (base NULL: 0, none, summed)
-  StateView boundary;  // kAccumulate: write the state entering each chunk (base NULL: no)
+  StateView boundary;  // kChunkSum: the chunk sums, then (la_scan_kernel) the states entering each chunk
   // Packed sequences (seq_off != NULL): B = 1 physically; sequence n is rows
   // seq_off[n]..seq_off[n+1] of every head, its state index n*H + h, its chunks the global
   // chunks chunk_off[n]..chunk_off[n+1] (boundary states [nchunks_total, H, ma, dc]).
@@ -120,11 +122,14 @@ struct Product {
   const int64_t* chunk_off;
   int64_t nseq;
   int64_t nchunks_total;
+  // Set by run_product (host), read from the kernel's parameter space (no registers): the work
+  // items of the launch, D-tiles per state, chunks per (b, h) (not packed).
+  int64_t items, ndt, nchunks;
 };
 
 // One (sequence, head) of a call: where its rows and states are.
 struct Seq {
-  int64_t b, h;   // physical batch and head of its rows
+  int32_t b, h;   // physical batch and head of its rows (B, H < 2^31: checked at the entry points)
   int64_t bh;     // b*H + h: index of its per-row arrays (den) as [B*H, L]
   int64_t sidx;   // its state [sidx, ma, dc]
   int64_t t0;     // physical row of its row 0
@@ -134,8 +139,9 @@ struct Seq {
 };
 
 __device__ __forceinline__ Seq seq_of(const Product& p, int64_t sidx) {
-  if (p.seq_off == nullptr) return Seq{sidx / p.H, sidx % p.H, sidx, sidx, 0, p.L, sidx, 0};
-  const int64_t n = sidx / p.H, h = sidx % p.H;
+  const int64_t n = sidx / p.H;
+  const int32_t h = int32_t(sidx % p.H);
+  if (p.seq_off == nullptr) return Seq{int32_t(n), h, sidx, sidx, 0, p.L, sidx, 0};
   const int64_t t0 = p.seq_off[n];
   return Seq{0, h, h, sidx, t0, p.seq_off[n + 1] - t0, h, p.chunk_off[n]};
 }
@@ -240,12 +246,11 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
 }
 
 // Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv` at
-// (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term); `save`, if
-// given, receives it at (sq.bidx, save_chunk). Leaves C_c in tiles.c.
+// (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term). Leaves C_c in
+// tiles.c.
 template <typename T, typename TO>
 __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
-                              const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra,
-                              const StateView* save, int64_t save_chunk) {
+                              const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int64_t b = sq.b, h = sq.h, bh = sq.bh;
   const int py = threadIdx.x / 16, px = threadIdx.x % 16;  // P: rows py*4.., cols px*4..
   const int oy = (threadIdx.x / 8) * 2, ox = (threadIdx.x % 8) * 4;  // O: rows oy, oy+1; cols ox..
@@ -263,7 +268,6 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
         float v = 0.0f;
         if (f0 + f < p.ma && d0 + d < p.dc) {
           v = *sv.at(sv_bh, sv_chunk, f0 + f, d0 + d);
-          if (save != nullptr) *save->at(sq.bidx, save_chunk, f0 + f, d0 + d) = v;
         }
         tl.s[f][d] = v;
       }
@@ -334,6 +338,272 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Tensor-core path (f16 and bf16 inputs): the same products on 16x16x16 bf16 MMAs with f32
+// accumulators (nvcuda::wmma). Every operand enters the MMAs as a pair of bf16 tiles,
+// hi = bf16(x) and lo = bf16(x - hi): a bf16 input is exact in hi (lo = 0: its MMAs are
+// skipped), an f16 input exact in hi + lo (11 significant bits = 8 + 3, f16's range inside
+// bf16's), an f32 value (the state, P = A B^T, rows divided by the denominator, dden) within
+// 2^-18 |x|. A product of two pairs leaves out lo*lo: each term of a sum is off by at most
+// 3 * 2^-18 of its magnitude (docs/linear_attention.md, "Tensor cores").
+//
+// Per block (8 warps), for one chunk and D-tile: P (64 x 64) is 4 x 4 blocks of 16 x 16, two
+// per warp (row block warp/2, column blocks 2*(warp%2) + 0, 1), blocks the mask hides
+// skipped; O (64 x 32) is 4 x 2 blocks, one per warp, accumulated in one fragment over the
+// feature tiles (A S), then over the chunk's rows (mask(P) C); U = B^T C (32 x 32 per feature
+// tile) is 2 x 2 blocks on warps 0-3. Operand tiles are row-major [row][column] in shared
+// memory; B^T is B's tile read column-major. Threads write 16-bit tiles in pairs (4 bytes).
+namespace wmma = nvcuda::wmma;
+using Mma = __nv_bfloat16;
+using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, Mma, wmma::row_major>;
+using FragAt = wmma::fragment<wmma::matrix_a, 16, 16, 16, Mma, wmma::col_major>;
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, Mma, wmma::row_major>;
+using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, Mma, wmma::col_major>;
+
+template <typename T> constexpr bool kTensorCores = !std::is_same_v<T, float>;
+
+// Leading dimensions (elements). Padding spreads a 16 x 16 block's rows over the banks; the C
+// tile is unpadded to stay within 48 KiB of static shared memory.
+constexpr int kLdAB = kTF + 8;     // A_c, B_c: [64 rows][32 features] bf16
+constexpr int kLdS = kTD + 8;      // the state tile: [32 features][32 columns] bf16
+constexpr int kLdP = kChunk + 8;   // mask(P): [64][64] bf16
+constexpr int kLdPf = kChunk + 4;  // P as accumulated: [64][64] f32
+constexpr int kLdC = kTD;          // C_c: [64 rows][32 columns] bf16
+constexpr int kLdO = kTD + 4;      // O and U staged for their global writes: f32
+
+template <int kRows, int kLd>
+struct alignas(32) SplitTile {
+  Mma hi[kRows * kLd];
+  Mma lo[kRows * kLd];
+};
+
+// 47 104 bytes: x and y are each reused by the phases of a chunk (their uses are separated by
+// block barriers).
+struct TcTiles {
+  union alignas(32) {
+    struct {
+      SplitTile<kChunk, kLdAB> a, b;
+    } ab;                        // the feature loop (and B_c in the state update)
+    float pf[kChunk * kLdPf];    // P after it
+    float o[kChunk * kLdO];      // O before its global write
+  } x;
+  union alignas(32) {
+    SplitTile<kTF, kLdS> s;      // the feature loop
+    SplitTile<kChunk, kLdP> p;   // mask(P) C
+    float u[kTF * kLdO];         // U before its global write
+  } y;
+  SplitTile<kChunk, kLdC> c;
+};
+
+// Whether an operand's values need a lo tile (see above). Every tile pair is used, also a bf16
+// input's (lo = 0): run-time flags to skip those MMAs cost ptxas spills (a tuning point).
+template <typename T>
+__device__ __forceinline__ constexpr bool has_lo(const Operand&) {
+  return true;
+}
+
+// hi/lo of x0, x1 at i, i + 1 (one 4-byte write per tile and thread). A non-finite remainder
+// (x infinite or NaN) leaves lo 0: hi carries it.
+__device__ __forceinline__ void put_split(Mma* hi, Mma* lo, int i, float x0, float x1) {
+  const Mma h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
+  const float r0 = x0 - __bfloat162float(h0), r1 = x1 - __bfloat162float(h1);
+  hi[i] = h0;
+  hi[i + 1] = h1;
+  lo[i] = __float2bfloat16_rn(r0 - r0 == 0.0f ? r0 : 0.0f);
+  lo[i + 1] = __float2bfloat16_rn(r1 - r1 == 0.0f ? r1 : 0.0f);
+}
+
+// dst[r][c] = operand(t0 + r, c0 + c) split, for 64 rows and 32 columns; 0 past `rows` and
+// past the operand's width.
+template <typename T, int kLd>
+__device__ void load_rows_split(SplitTile<kChunk, kLd>& dst, const Operand& p, const Seq& sq, int64_t L, int64_t t0,
+                                int rows, int64_t c0) {
+  const int64_t width = p.width();
+  for (int i = threadIdx.x; i < kChunk * (kTF / 2); i += kThreads) {
+    const int r = i / (kTF / 2), c = (i % (kTF / 2)) * 2;  // consecutive threads: consecutive pairs
+    float x0 = 0.0f, x1 = 0.0f;
+    if (r < rows) {
+      if (c0 + c < width) x0 = load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, c0 + c);
+      if (c0 + c + 1 < width) x1 = load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, c0 + c + 1);
+    }
+    put_split(dst.hi, dst.lo, r * kLd + c, x0, x1);
+  }
+}
+
+// d += a b over the split pairs, lo*lo left out; a_lo/b_lo: whether those tiles are used.
+template <typename FA, typename FB>
+__device__ __forceinline__ void mma_split(FragAcc& d, const FA& ah, const FA& al, bool a_lo, const FB& bh,
+                                          const FB& bl, bool b_lo) {
+  wmma::mma_sync(d, ah, bh, d);
+  if (b_lo) wmma::mma_sync(d, ah, bl, d);
+  if (a_lo) wmma::mma_sync(d, al, bh, d);
+}
+
+// Row block bi of P sees column block bj under the mask (a block the mask hides entirely is
+// skipped).
+__device__ __forceinline__ bool block_visible(int mask, int bi, int bj) {
+  return mask == kMaskLE ? bj <= bi : (mask == kMaskGE ? bj >= bi : true);
+}
+
+// The tensor-core chunk_outputs (same contract).
+template <typename T, typename TO>
+__device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                              const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
+  const int warp = threadIdx.x / kWarpSize;
+  const int wi = warp / 2, wp = (warp % 2) * 2, wo = warp % 2;
+  const bool inter = sv.base != nullptr;
+  const bool a_lo = has_lo<T>(p.a), b_lo = has_lo<T>(p.b), c_lo = has_lo<T>(p.c);
+  FragAcc acc_p[2], acc_o;
+  wmma::fill_fragment(acc_p[0], 0.0f);
+  wmma::fill_fragment(acc_p[1], 0.0f);
+  wmma::fill_fragment(acc_o, 0.0f);
+  FragA ah, al;
+  for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
+    __syncthreads();
+    load_rows_split<T>(tl.x.ab.a, p.a, sq, p.L, t0, rows, f0);
+    if (intra) load_rows_split<T>(tl.x.ab.b, p.b, sq, p.L, t0, rows, f0);
+    if (inter) {
+      for (int i = threadIdx.x; i < kTF * (kTD / 2); i += kThreads) {
+        const int f = i / (kTD / 2), d = (i % (kTD / 2)) * 2;
+        float v[2] = {0.0f, 0.0f};
+        for (int j = 0; j < 2; ++j) {
+          if (f0 + f < p.ma && d0 + d + j < p.dc) {
+            v[j] = *sv.at(sv_bh, sv_chunk, f0 + f, d0 + d + j);
+          }
+        }
+        put_split(tl.y.s.hi, tl.y.s.lo, f * kLdS + d, v[0], v[1]);
+      }
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int kk = 0; kk < kTF / 16; ++kk) {
+      wmma::load_matrix_sync(ah, tl.x.ab.a.hi + wi * 16 * kLdAB + kk * 16, kLdAB);
+      if (a_lo) wmma::load_matrix_sync(al, tl.x.ab.a.lo + wi * 16 * kLdAB + kk * 16, kLdAB);
+      if (intra) {
+        for (int j = 0; j < 2; ++j) {
+          if (!block_visible(p.mask, wi, wp + j)) continue;
+          FragBt bh, bl;  // B_c^T: B's [row][feature] tile read column-major
+          wmma::load_matrix_sync(bh, tl.x.ab.b.hi + (wp + j) * 16 * kLdAB + kk * 16, kLdAB);
+          if (b_lo) wmma::load_matrix_sync(bl, tl.x.ab.b.lo + (wp + j) * 16 * kLdAB + kk * 16, kLdAB);
+          mma_split(acc_p[j], ah, al, a_lo, bh, bl, b_lo);
+        }
+      }
+      if (inter) {
+        FragB sh, sl;
+        wmma::load_matrix_sync(sh, tl.y.s.hi + kk * 16 * kLdS + wo * 16, kLdS);
+        wmma::load_matrix_sync(sl, tl.y.s.lo + kk * 16 * kLdS + wo * 16, kLdS);
+        mma_split(acc_o, ah, al, a_lo, sh, sl, true);
+      }
+    }
+  }
+  __syncthreads();
+  if (intra) {
+    for (int j = 0; j < 2; ++j)
+      wmma::store_matrix_sync(tl.x.pf + wi * 16 * kLdPf + (wp + j) * 16, acc_p[j], kLdPf, wmma::mem_row_major);
+    __syncthreads();
+    for (int i = threadIdx.x; i < kChunk * (kChunk / 2); i += kThreads) {
+      const int r = i / (kChunk / 2), c = (i % (kChunk / 2)) * 2;
+      float x[2];
+      for (int j = 0; j < 2; ++j) {
+        const int s = c + j;
+        const bool keep = p.mask == kMaskLE ? s <= r : (p.mask == kMaskGE ? s >= r : true);
+        x[j] = keep ? tl.x.pf[r * kLdPf + s] : 0.0f;
+      }
+      put_split(tl.y.p.hi, tl.y.p.lo, r * kLdP + c, x[0], x[1]);
+    }
+  }
+  load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
+  __syncthreads();
+  if (intra) {
+    for (int kk = 0; kk < kChunk / 16; ++kk) {
+      if (!block_visible(p.mask, wi, kk) || kk * 16 >= rows) continue;
+      FragA ph, pl;
+      FragB ch, cl;
+      wmma::load_matrix_sync(ph, tl.y.p.hi + wi * 16 * kLdP + kk * 16, kLdP);
+      wmma::load_matrix_sync(pl, tl.y.p.lo + wi * 16 * kLdP + kk * 16, kLdP);
+      wmma::load_matrix_sync(ch, tl.c.hi + kk * 16 * kLdC + wo * 16, kLdC);
+      if (c_lo) wmma::load_matrix_sync(cl, tl.c.lo + kk * 16 * kLdC + wo * 16, kLdC);
+      mma_split(acc_o, ph, pl, true, ch, cl, c_lo);
+    }
+  }
+  wmma::store_matrix_sync(tl.x.o + wi * 16 * kLdO + wo * 16, acc_o, kLdO, wmma::mem_row_major);
+  __syncthreads();
+  TO* out = static_cast<TO*>(p.o.data);
+  for (int i = threadIdx.x; i < rows * kTD; i += kThreads) {
+    const int r = i / kTD, d = i % kTD;
+    if (d0 + d >= p.dc) continue;
+    const int64_t t = t0 + r;
+    float x = tl.x.o[r * kLdO + d];
+    if (p.o.row_div != nullptr) x = x / p.o.row_div[sq.bh * p.L + t];
+    if (p.o.guard) x = x >= 0.0f ? x + p.o.eps : x - p.o.eps;
+    out[sq.b * p.o.sb + sq.h * p.o.sh + t * p.o.sl + (d0 + d) * p.o.sf] = from_float<TO>(x);
+  }
+}
+
+// The tensor-core update_state (same contract; C_c already in tl.c).
+template <typename T>
+__device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                             const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
+  const int warp = threadIdx.x / kWarpSize;
+  const bool b_lo = has_lo<T>(p.b), c_lo = has_lo<T>(p.c);
+  for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
+    __syncthreads();
+    load_rows_split<T>(tl.x.ab.b, p.b, sq, p.L, t0, rows, f0);
+    __syncthreads();
+    if (warp < 4) {
+      const int fi = warp / 2, dj = warp % 2;
+      FragAcc u;
+      wmma::fill_fragment(u, 0.0f);
+      for (int kk = 0; kk < kChunk / 16 && kk * 16 < rows; ++kk) {
+        FragAt bh, bl;  // B_c^T [feature][row]: B's [row][feature] tile read column-major
+        FragB ch, cl;
+        wmma::load_matrix_sync(bh, tl.x.ab.b.hi + kk * 16 * kLdAB + fi * 16, kLdAB);
+        if (b_lo) wmma::load_matrix_sync(bl, tl.x.ab.b.lo + kk * 16 * kLdAB + fi * 16, kLdAB);
+        wmma::load_matrix_sync(ch, tl.c.hi + kk * 16 * kLdC + dj * 16, kLdC);
+        if (c_lo) wmma::load_matrix_sync(cl, tl.c.lo + kk * 16 * kLdC + dj * 16, kLdC);
+        mma_split(u, bh, bl, b_lo, ch, cl, c_lo);
+      }
+      wmma::store_matrix_sync(tl.y.u + fi * 16 * kLdO + dj * 16, u, kLdO, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTF * kTD; i += kThreads) {
+      const int f = i / kTD, d = i % kTD;
+      if (f0 + f >= p.ma || d0 + d >= p.dc) continue;
+      const float x = tl.y.u[f * kLdO + d];
+      if (dst != nullptr) {
+        *dst->at(dst_bh, dst_chunk, f0 + f, d0 + d) = x;
+      } else {
+        float* s = p.state.at(sq.sidx, 0, f0 + f, d0 + d);
+        *s = *s + x;
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// C_c into the tiles (the state update's third operand, when chunk_outputs did not load it).
+template <typename T>
+__device__ void load_c_tile(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
+  load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.L, t0, rows, d0);
+}
+template <typename T>
+__device__ void load_c_tile(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
+  load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
+}
+
+// chunk_outputs' 4x4 products (FP32 path) read every row of the a/b tiles, also the rows past
+// a short chunk's last row, which load_rows_t leaves as they are (and whose results are
+// dropped): zeroed once, so that no read sees shared memory this block never wrote. The
+// tensor-core loaders write zeros there themselves.
+__device__ void init_tiles(Tiles& tl) {
+  for (int i = threadIdx.x; i < kTF * (kChunk + 1); i += kThreads) {
+    tl.a[i / (kChunk + 1)][i % (kChunk + 1)] = 0.0f;
+    tl.b[i / (kChunk + 1)][i % (kChunk + 1)] = 0.0f;
+  }
+}
+__device__ void init_tiles(TcTiles&) {}
+
 // Sets the block's state tile [ma, d0:d0+kTD] to `src` (base NULL: zero).
 __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const StateView& src) {
   __syncthreads();
@@ -356,61 +626,56 @@ __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
 
 // One block per work item, grid-stride over items (grid.x only, so B*H is never limited by
 // grid.y/z).
-template <typename T, typename TO>
-__global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
-  __shared__ Tiles tl;
-  // chunk_outputs' 4x4 products read every row of the a/b tiles, also the rows past a short
-  // chunk's last row, which load_rows_t leaves as they are (and whose results are dropped):
-  // zeroed once, so that no read sees shared memory this block never wrote
-  for (int i = threadIdx.x; i < kTF * (kChunk + 1); i += kThreads) {
-    tl.a[i / (kChunk + 1)][i % (kChunk + 1)] = 0.0f;
-    tl.b[i / (kChunk + 1)][i % (kChunk + 1)] = 0.0f;
-  }
-  const int64_t ndt = ceil_div(p.dc, kTD);
-  const int64_t items = product_items(p);
+// f16/bf16: the tensor-core tiles, two blocks per SM (at most 128 registers), except the
+// sequential walk (kAccumulate: the SLiM mode's forward and backward walks), which ptxas
+// spills under 128 registers: one block per SM for it, as for the FP32 tiles of f32 (a
+// tuning point: docs/linear_attention.md).
+template <typename T, typename TO, int kMode>
+__global__ void __launch_bounds__(kThreads, kTensorCores<T> && kMode != kAccumulate ? 2 : 1)
+    la_product_kernel(Product p) {
+  using TilesT = std::conditional_t<kTensorCores<T>, TcTiles, Tiles>;
+  __shared__ TilesT tl;
+  init_tiles(tl);
   const StateView none{nullptr, 0, 0, 0, 0};
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t d0 = (item % ndt) * kTD;
-    const int64_t r = item / ndt;
+  for (int64_t item = blockIdx.x; item < p.items; item += gridDim.x) {
+    const int64_t d0 = (item % p.ndt) * kTD;
+    const int64_t r = item / p.ndt;
     // per chunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
     int64_t sidx = r, c_read = 0;
-    if (per_chunk(p.mode)) {
+    if (per_chunk(kMode)) {
       if (p.seq_off != nullptr) {
         const int64_t g = r % p.nchunks_total, h = r / p.nchunks_total;
         const int64_t n = seq_of_chunk(p, g);
         sidx = n * p.H + h;
         c_read = g - p.chunk_off[n];
       } else {
-        const int64_t nc = ceil_div(p.L, p.chunk);
-        sidx = r / nc;
-        c_read = r % nc;
+        sidx = r / p.nchunks;
+        c_read = r % p.nchunks;
       }
     }
     const Seq sq = seq_of(p, sidx);
     const int64_t nchunks = ceil_div(sq.len, p.chunk);
     auto rows_of = [&](int64_t c) { return int(sq.len - c * p.chunk < p.chunk ? sq.len - c * p.chunk : p.chunk); };
-    switch (p.mode) {
+    switch (kMode) {
       case kAccumulate: {
         init_state(p, sidx, d0, p.init);
-        const bool save = p.boundary.base != nullptr;
         for (int64_t i = 0; i < nchunks; ++i) {
           const int64_t c = p.mask == kMaskGE ? nchunks - 1 - i : i;
           const int64_t t0 = sq.t0 + c * p.chunk;
-          chunk_outputs<T, TO>(tl, p, sq, t0, rows_of(c), d0, p.state, sidx, 0, true,
-                               save ? &p.boundary : nullptr, sq.cbase + c);
+          chunk_outputs<T, TO>(tl, p, sq, t0, rows_of(c), d0, p.state, sidx, 0, true);
           update_state<T>(tl, p, sq, t0, rows_of(c), d0);
         }
         break;
       }
       case kReadChunk: {
         chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c_read * p.chunk, rows_of(c_read), d0, p.init, sq.bidx,
-                             sq.cbase + c_read, true, nullptr, 0);
+                             sq.cbase + c_read, true);
         break;
       }
       case kChunkSum: {
         const int64_t t0 = sq.t0 + c_read * p.chunk;
         __syncthreads();
-        load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.L, t0, rows_of(c_read), d0);
+        load_c_tile<T>(tl, p, sq, t0, rows_of(c_read), d0);
         update_state<T>(tl, p, sq, t0, rows_of(c_read), d0, &p.boundary, sq.bidx, sq.cbase + c_read);
         break;
       }
@@ -420,13 +685,13 @@ __global__ void __launch_bounds__(kThreads, 1) la_product_kernel(Product p) {
           init_state(p, sidx, d0, none);
           for (int64_t c = 0; c < nchunks; ++c) {
             __syncthreads();
-            load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.L, sq.t0 + c * p.chunk, rows_of(c), d0);
+            load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0);
             update_state<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0);
           }
         }
         for (int64_t c = 0; c < nchunks; ++c)
           chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0, given ? p.init : p.state, sidx, 0,
-                               false, nullptr, 0);
+                               false);
         break;
       }
       default: break;
@@ -485,16 +750,25 @@ inline unsigned grid_for_items(int64_t items) {
 }
 
 template <typename T, typename TO>
-MesaStatus run_product(const Product& p, void* stream) {
-  return status_from(MESA_LAUNCH((la_product_kernel<T, TO>), dim3(grid_for_items(product_items(p))),
-                                 dim3(kThreads), 0, stream, p));
+MesaStatus run_product(Product p, void* stream) {
+  p.items = product_items(p);
+  p.ndt = ceil_div(p.dc, kTD);
+  p.nchunks = ceil_div(p.L, p.chunk);
+  const dim3 grid(grid_for_items(p.items));
+  switch (p.mode) {
+    case kAccumulate: return status_from(MESA_LAUNCH((la_product_kernel<T, TO, kAccumulate>), grid, dim3(kThreads), 0, stream, p));
+    case kReadChunk: return status_from(MESA_LAUNCH((la_product_kernel<T, TO, kReadChunk>), grid, dim3(kThreads), 0, stream, p));
+    case kChunkSum: return status_from(MESA_LAUNCH((la_product_kernel<T, TO, kChunkSum>), grid, dim3(kThreads), 0, stream, p));
+    case kBidir: return status_from(MESA_LAUNCH((la_product_kernel<T, TO, kBidir>), grid, dim3(kThreads), 0, stream, p));
+    default: return MESA_STATUS_INVALID_ARGUMENT;
+  }
 }
 
 // A causal forward product that keeps its boundary states, as the chunk decomposition:
 // (i) U_c = B_c^T C_c of all chunks in parallel, (ii) the light scan turning them into the
 // states entering each chunk (and the final state), (iii) the outputs of all chunks in
 // parallel from the chunk's own masked A_c B_c^T and its entering state. Bitwise the same
-// results as the sequential walk (kAccumulate with a boundary write).
+// results as the sequential walk (kAccumulate: SLiM mode).
 template <typename T, typename TO>
 MesaStatus run_product_decomposed(Product p, void* stream) {
   p.mode = kChunkSum;
@@ -730,6 +1004,9 @@ inline bool is_empty(const MesaLaShape& s) {
   return s.batch == 0 || s.heads == 0 || (s.packing.seq_offsets != nullptr && s.packing.nseq == 0);
 }
 
+// The kernels hold a row's batch and head in 32 bits (Seq): checked once a call has work.
+inline bool fits_32_bit_indices(const MesaLaShape& s) { return s.batch <= INT32_MAX && s.heads <= INT32_MAX; }
+
 }  // namespace MESA_NS
 
 using namespace MESA_NS;
@@ -741,6 +1018,7 @@ extern "C" MesaStatus MESA_ENTRY(linear_attention_forward)(const MesaLaForwardAr
   if (a == nullptr || !shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
   const MesaLaShape& s = a->shape;
   if (is_empty(s)) return MESA_STATUS_OK;
+  if (!fits_32_bit_indices(s)) return MESA_STATUS_INVALID_ARGUMENT;
   const bool has_state = s.feat > 0 && (s.dim > 0 || s.normalize);
   if (has_state && a->state == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   if (has_state && s.causal && s.memory == MESA_LA_BOUNDARY_STATES && s.len > 0 && a->boundary == nullptr)
@@ -769,6 +1047,7 @@ extern "C" MesaStatus MESA_ENTRY(linear_attention_backward)(const MesaLaBackward
     return MESA_STATUS_INVALID_ARGUMENT;
   // L = 0: nothing to write but d_init (= d_final, or 0)
   if (is_empty(s) || (s.len == 0 && (a->d_init == nullptr || !has_state))) return MESA_STATUS_OK;
+  if (!fits_32_bit_indices(s)) return MESA_STATUS_INVALID_ARGUMENT;
   if ((s.feat > 0 || s.dim > 0) && a->work == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   if (has_state && a->state == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   if (has_state && s.causal && s.memory == MESA_LA_BOUNDARY_STATES && a->boundary == nullptr)

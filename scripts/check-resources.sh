@@ -10,7 +10,9 @@
 # widest load/store, so one can see that the dense paths use 16-byte vectors. On sm_90 it
 # then counts the instructions each memory-bound kernel's dense hot path issues per element
 # (scripts/sass_count.py: one line per kernel with the word `budget`) and fails when one is
-# over its limit (the method: docs/kernels.md, "Static instruction budget").
+# over its limit (the method: docs/kernels.md, "Static instruction budget"), and checks that
+# the f16/bf16 linear-attention kernels issue tensor-core instructions within their register
+# gates (scripts/sass_tensor_cores.py, per architecture).
 #
 #   scripts/check-resources.sh              # sm_90
 #   scripts/check-resources.sh 80 90        # or MESA_RESOURCE_ARCHS="80 90"
@@ -207,6 +209,8 @@ status=$?
 if [[ -n "$CUOBJ" && " ${ARCHS[*]} " == *" 90 "* ]]; then
     echo
     python3 scripts/sass_count.py "$WORK" || status=1
+    echo
+    for a in "${ARCHS[@]}"; do python3 scripts/sass_tensor_cores.py "$WORK" --arch "$a" || status=1; done
 else
     echo "note: the instruction budget is counted on sm_90 SASS (cuobjdump and arch 90 needed)"
 fi

@@ -1237,6 +1237,18 @@ fn empty_tensors_with_huge_other_dims_are_handled() {
         ForwardArgs { q: &tr(&none, &lq), k: &tr(&none, &lq), v: &tr(&none, &lv), out: &mut tm(&mut none_out, &lv) },
     );
     assert!(matches!(r, Err(Error::TooLarge { .. })), "expected TooLarge, got {:?}", r.err());
+    // 2^31 heads (L = 0, a state of 2^31·2 f32 to write): the kernels index heads in 32 bits
+    let heads = 1usize << 31;
+    let (lq, lv) = (Layout::contiguous(&[1, heads, 0, 1]), Layout::contiguous(&[1, heads, 0, 1]));
+    let r = forward(
+        &device,
+        &LinearAttentionConfig::causal(),
+        ForwardArgs { q: &tr(&none, &lq), k: &tr(&none, &lq), v: &tr(&none, &lv), out: &mut tm(&mut none_out, &lv) },
+    );
+    match r {
+        Err(Error::TooLarge { what, .. }) => assert_eq!(what, "batch and heads"),
+        other => panic!("expected TooLarge for 2^31 heads, got {:?}", other.err()),
+    }
 }
 
 #[test]

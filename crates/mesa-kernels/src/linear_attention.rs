@@ -380,6 +380,15 @@ fn saved_sizes(d: &Dims, c: &LinearAttentionConfig) -> Result<SavedSizes> {
 
 fn saved_sizes_packed(d: &Dims, c: &LinearAttentionConfig, seqs: Option<(usize, usize)>) -> Result<SavedSizes> {
     let too_large = || Error::too_large("saved state", format!("the element counts of {d:?} overflow"));
+    // the kernels hold a row's batch and head index in 32 bits (a call with an empty axis
+    // has no work and is not limited)
+    let has_work = d.batch > 0 && d.heads > 0 && d.len.max(d.feat).max(d.dim) > 0;
+    if has_work && d.batch.max(d.heads) > i32::MAX as usize {
+        return Err(Error::too_large(
+            "batch and heads",
+            format!("{d:?}: the kernels index batch and head in 32 bits (at most {} each)", i32::MAX),
+        ));
+    }
     let nst = seqs.map_or(d.batch, |s| s.0);
     let nhm = product(&[nst, d.heads, d.feat]).ok_or_else(too_large)?;
     // W is only computed for a non-empty state (D may be any size when M = 0)

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""sass_tensor_cores.py — the static targets of the tensor-core linear attention, read from the
+SASS and ptxas output that check-resources.sh leaves in DIR (docs/linear_attention.md,
+"Tensor cores"):
+
+  * every f16/bf16 instance of `la_product_kernel` issues tensor-core instructions (HMMA);
+  * registers: at most 128 (two 256-thread blocks per SM) for every instance of those, except
+    the sequential walk (mode 0, kAccumulate: the SLiM mode's walks), gated at today's
+    __launch_bounds__(256, 1) until it is brought under 128 (printed as "target NOT met").
+
+    scripts/sass_tensor_cores.py DIR [--arch 90]   # DIR: linear_attention.sm_<arch>.{sass,ptxas}
+
+Exit status 1 when an instance misses a gate or is missing.
+"""
+import argparse
+import os
+import re
+import sys
+
+MODES = {0: "walk (kAccumulate)", 1: "per-chunk outputs (kReadChunk)", 2: "chunk sums (kChunkSum)",
+         3: "bidirectional (kBidir)"}
+TYPES = {"6__half": "f16", "13__nv_bfloat16": "bf16", "f": "f32"}
+MAX_REGS = 128
+
+
+def instance(mangled):
+    """(input dtype, output dtype, mode) of a la_product_kernel instance, or None."""
+    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)(S1_|f)Li(\d)EEEvNS_7ProductE$",
+                 mangled)
+    if not m:
+        return None
+    t = TYPES[m.group(1)]
+    return t, (t if m.group(2) == "S1_" else "f32"), int(m.group(3))
+
+
+def hmma_counts(sass):
+    counts, cur = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            cur = m.group(1)
+            counts[cur] = 0
+        elif cur is not None and re.search(r"\bHMMA\.", line):
+            counts[cur] += 1
+    return counts
+
+
+def registers(ptxas):
+    regs, cur = {}, None
+    for line in ptxas.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = m.group(1)
+        m = re.search(r"Used (\d+) registers", line)
+        if m and cur is not None:
+            regs[cur] = int(m.group(1))
+            cur = None
+    return regs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dir")
+    ap.add_argument("--arch", default="90")
+    args = ap.parse_args()
+    base = os.path.join(args.dir, f"linear_attention.sm_{args.arch}")
+    try:
+        sass = open(base + ".sass").read()
+        ptxas = open(base + ".ptxas").read()
+    except OSError as e:
+        print(f"FAIL: tensor cores: {e}")
+        return 1
+    hmma, regs = hmma_counts(sass), registers(ptxas)
+    fails, open_targets, seen = [], [], 0
+    for name in sorted(regs):
+        inst = instance(name)
+        if inst is None or inst[0] == "f32":
+            continue
+        seen += 1
+        t, to, mode = inst
+        label = f"la_product_kernel<{t} -> {to}>, {MODES[mode]}"
+        n, r = hmma.get(name, 0), regs[name]
+        verdict = []
+        if n == 0:
+            fails.append(label + ": no HMMA")
+            verdict.append("NO tensor-core instruction")
+        if r > MAX_REGS:
+            if mode == 0:
+                open_targets.append(label)
+                verdict.append(f"target NOT met ({r} > {MAX_REGS} registers; gated at one block per SM)")
+            else:
+                fails.append(f"{label}: {r} registers")
+                verdict.append(f"OVER {MAX_REGS} registers")
+        print(f"tensor cores  {label:<58} HMMA {n:4d}  registers {r:3d}  {'; '.join(verdict) or 'meets target'}")
+    if seen != 16:
+        fails.append(f"{seen} f16/bf16 instances of la_product_kernel found, 16 expected")
+    if open_targets:
+        print("note: register target not met yet: " + ", ".join(open_targets))
+    if fails:
+        print("FAIL: tensor cores: " + "; ".join(fails))
+        return 1
+    print(f"OK: {seen} f16/bf16 linear-attention instances issue HMMA, within their register gates")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
