@@ -1,4 +1,5 @@
-//! Chunked linear attention: forward + backward (causal, normalised, bf16, chunk 64).
+//! Chunked linear attention: forward, and forward + backward (causal, normalised, bf16, chunk
+//! 64; f16/bf16 run on tensor cores).
 //!
 //! * CUDA: B = 4, H = 16, T ∈ {4K, 8K, 16K}, M = D ∈ {64, 128}, both memory modes
 //!   (`boundary` and `slim`). Throughput in elements = B·H·T tokens per iteration.
@@ -82,6 +83,24 @@ fn bench_case(c: &mut Criterion, bench: &BenchDevice, case: &Case) {
     group.sample_size(10);
     for (name, memory) in [("boundary", MemoryMode::BoundaryStates), ("slim", MemoryMode::Slim)] {
         let cfg = LinearAttentionConfig { memory, ..LinearAttentionConfig::causal() };
+        group.bench_function(format!("fwd_{name}_T{t}_D{d}"), |bencher| {
+            bencher.iter_custom(|iters| {
+                timed(device, iters, || {
+                    let saved = forward(
+                        device,
+                        &cfg,
+                        ForwardArgs {
+                            q: &TensorRef::new(&q, &layout).expect("view"),
+                            k: &TensorRef::new(&k, &layout).expect("view"),
+                            v: &TensorRef::new(&v, &layout).expect("view"),
+                            out: &mut TensorMut::new(&mut out, &layout).expect("view"),
+                        },
+                    )
+                    .expect("forward");
+                    black_box(&saved);
+                })
+            });
+        });
         group.bench_function(format!("fwd_bwd_{name}_T{t}_D{d}"), |bencher| {
             bencher.iter_custom(|iters| {
                 timed(device, iters, || {
