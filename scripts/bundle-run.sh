@@ -47,7 +47,7 @@ SECTIONS=(
     "short-benches   core       70"   # criterion, warm-up 0.5 s, measurement 1 s
     "gpu-only-tests  extended   90"   # tests that only a GPU runs (cross-stream, graphs, >2^31)
     "example         extended   60"   # compress_report on the fixture, JSON kept
-    "peer-baselines  extended  120"   # PyTorch etc. on the same shapes (none yet)
+    "peer-baselines  extended  120"   # fla-core's chunk_linear_attn on the bench's shapes
     "full-benches    extended  300"   # criterion's default times (3 s warm-up, 5 s measurement)
 )
 
@@ -355,7 +355,10 @@ sec_peer_baselines() {
     if [[ ! -d "$SCRATCH/peer" ]]; then skip peer-baselines "none in this bundle yet"; return; fi
     local p
     for p in "$SCRATCH"/peer/*.py; do
-        step "peer:$(basename "$p" .py)" 60 env PYTHONUNBUFFERED=1 python3 "$p"
+        # a peer script times its side and runs our bench of the same shapes (MESA_BENCH_DIR);
+        # it starts no shape past its deadline (Triton's compilation and autotuning included)
+        step "peer:$(basename "$p" .py)" 115 env PYTHONUNBUFFERED=1 MESA_BENCH_DIR="$SCRATCH/benches" \
+            python3 "$p" --deadline-s 70
     done
 }
 

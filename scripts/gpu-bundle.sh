@@ -12,6 +12,7 @@
 #   examples/compress_report        the main job (built by cargo test)
 #   fixtures/*.safetensors          the fixtures the tests and the example read
 #   sanitizer/{bin,lib}             compute-sanitizer from the nvidia-cuda-sanitizer-api wheel
+#   peer/                           scripts/peer/*.py and the fla-core wheel (peer baselines)
 #   SHA256SUMS
 # Binaries lose their debug info (symbols stay, for readable backtraces); the fatbins inside
 # are already compressed by nvcc (build.rs: -compress-mode=size); xz -9 with its 64 MiB window
@@ -26,7 +27,7 @@
 #                      or install them the way it does); then nvcc on PATH. The same variables
 #                      as CI's, so the CUDA build of `cargo test --workspace --release` is reused.
 #   CARGO_TARGET_DIR   as cargo (default target/)
-#   MESA_BUNDLE_CACHE  where the sanitizer wheel is kept (default target/bundle-cache)
+#   MESA_BUNDLE_CACHE  where the sanitizer and fla-core wheels are kept (default target/bundle-cache)
 #   MESA_BUNDLE_ALLOW_NO_CUDA=1   bundle an emulation-only build (tests this script only)
 set -euo pipefail
 
@@ -35,6 +36,7 @@ cd "$ROOT"
 BUNDLE="$ROOT/bundle"
 LIMIT_BYTES=$((64 * 1024 * 1024))
 SANITIZER_WHEEL=nvidia-cuda-sanitizer-api==13.0.85   # the release of the pinned nvcc 13.0
+FLA_WHEEL=fla-core==0.6.0   # flash-linear-attention, for the peer-baselines comparison (pure Python)
 CACHE=${MESA_BUNDLE_CACHE:-$ROOT/target/bundle-cache}
 
 log() { printf '[gpu-bundle] %s\n' "$*" >&2; }
@@ -137,18 +139,30 @@ if [[ -n "$nvcc" ]]; then
         -o "$STAGE/broken/broken_kernels" || die "nvcc failed on kernels/broken"
 fi
 
+# A wheel from the cache, downloaded there first if missing: cached_wheel SPEC GLOB.
+cached_wheel() {
+    local found
+    found=$(ls "$CACHE"/$2 2>/dev/null | head -n1 || true)
+    if [[ -z "$found" ]]; then
+        mkdir -p "$CACHE"
+        local pip=(python3 -m pip) venv_pip=${MESA_CI_VENV:-$ROOT/target/ci-venv}/bin/pip
+        [[ -x "$venv_pip" ]] && pip=("$venv_pip")
+        log "downloading $1 into $CACHE"
+        "${pip[@]}" download --quiet --disable-pip-version-check --no-deps -d "$CACHE" "$1" >&2 \
+            || die "cannot download $1 (put the wheel into $CACHE)"
+        found=$(ls "$CACHE"/$2 | head -n1)
+    fi
+    echo "$found"
+}
+
+# The peer baselines (bundle-run.sh, peer-baselines): scripts/peer/*.py and the wheels they
+# read (fla-core: unpacked there, torch and triton are the GPU machine's).
+mkdir -p "$STAGE/peer"
+cp scripts/peer/*.py "$STAGE/peer/"
+cp "$(cached_wheel "$FLA_WHEEL" 'fla_core-0.6.0-*.whl')" "$STAGE/peer/"
+
 # compute-sanitizer: the wheel's bin/ and lib/ (not its headers), with its licence.
-wheel=$(ls "$CACHE"/nvidia_cuda_sanitizer_api-13.0.85-*.whl 2>/dev/null | head -n1 || true)
-if [[ -z "$wheel" ]]; then
-    mkdir -p "$CACHE"
-    pip=(python3 -m pip)
-    venv_pip=${MESA_CI_VENV:-$ROOT/target/ci-venv}/bin/pip
-    [[ -x "$venv_pip" ]] && pip=("$venv_pip")
-    log "downloading $SANITIZER_WHEEL into $CACHE"
-    "${pip[@]}" download --quiet --disable-pip-version-check --no-deps -d "$CACHE" "$SANITIZER_WHEEL" >&2 \
-        || die "cannot download $SANITIZER_WHEEL (put the wheel into $CACHE)"
-    wheel=$(ls "$CACHE"/nvidia_cuda_sanitizer_api-13.0.85-*.whl | head -n1)
-fi
+wheel=$(cached_wheel "$SANITIZER_WHEEL" 'nvidia_cuda_sanitizer_api-13.0.85-*.whl')
 python3 - "$wheel" "$STAGE/sanitizer" <<'PY'
 import os, sys, zipfile
 whl, dest = sys.argv[1], sys.argv[2]
