@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""la_roofline.py — the roofline of the tensor-core linear attention (kernels/linear_attention.cu)
+at the bench's shapes, on an H200: the MMA work the kernels issue and the HBM bytes they must
+move, each over its ceiling (docs/linear_attention.md, "Roofline"). Arithmetic only: nothing is
+measured.
+
+Work, per token and (b, h), for one product of width `ma` (a, b) and `dc` (c), chunk C = 64,
+D-tiles of 32 columns, features padded to tiles of 32, three MMAs per product of bf16 pairs:
+  per-chunk outputs  ndt * 3 * 2 * (vis*C*ma + 32*ma + vis*C*32)   (P, A S, mask(P) C)
+  chunk sums         ndt * 3 * 2 * 32*ma                          (U = B^T C)
+with ndt = ceil(dc/32) and vis = 10/16, the share of P's 16x16 blocks a causal mask keeps.
+Bytes, per token and (b, h), reading every operand once from HBM (the re-reads per D-tile are
+assumed to hit L2) and the f32 states of the decomposition (U written, the scan reading and
+writing it, the outputs reading it): 16 * ma * dc / C per decomposed product, 4 * ma * dc / C
+for dq's reads of the forward's states.
+
+    python3 scripts/la_roofline.py      # prints the markdown table
+"""
+import math
+
+MMA_FLOPS = 790e12   # dense bf16 tensor-core rate of an H200 (KINDS.md: 769-798 measured through PyTorch)
+HBM_BYTES = 4.3e12   # device-to-device copy, counting bytes read and written
+C, TILE, VIS = 64, 32, 10 / 16
+
+
+def pad(n):
+    return TILE * math.ceil(n / TILE)
+
+
+def outputs(ma, dc):
+    return math.ceil(dc / TILE) * 6 * (VIS * C * pad(ma) + TILE * pad(ma) + VIS * C * TILE)
+
+
+def chunk_sums(ma, dc):
+    return math.ceil(dc / TILE) * 6 * TILE * pad(ma)
+
+
+def forward(m, d):
+    w = d + 1
+    flops = outputs(m, 1) + chunk_sums(m, 1) + outputs(m, d) + chunk_sums(m, d)
+    by = 2 * (2 * m + d) + 2 * d + 4 + 16 * m * w / C
+    return flops, by
+
+
+def backward(m, d):
+    w = d + 1
+    flops = outputs(w, m) + (outputs(w, m) + chunk_sums(w, m)) + (outputs(m, d) + chunk_sums(m, d))
+    by = 2 * (2 * m + 3 * d) + 4 + 2 * (2 * m + d) + 4 * m * w / C + 16 * w * m / C + 16 * m * d / C
+    return flops, by
+
+
+def main():
+    print("| T | M = D | pass | MMA GFLOP | MMA ms | HBM GB | HBM ms | bound |")
+    print("|---:|---:|---|---:|---:|---:|---:|---|")
+    for d in (64, 128):
+        for t in (4096, 8192, 16384):
+            rows = 4 * 16 * t
+            f_fwd, b_fwd = forward(d, d)
+            f_bwd, b_bwd = backward(d, d)
+            for name, f, by in (("forward", f_fwd, b_fwd), ("forward + backward", f_fwd + f_bwd, b_fwd + b_bwd)):
+                ms_f, ms_b = rows * f / MMA_FLOPS * 1e3, rows * by / HBM_BYTES * 1e3
+                print(f"| {t // 1024}K | {d} | {name} | {rows * f / 1e9:.0f} | {ms_f:.2f} | {rows * by / 1e9:.2f} "
+                      f"| {ms_b:.2f} | {'memory' if ms_b > ms_f else 'tensor cores'} |")
+
+
+if __name__ == "__main__":
+    main()
