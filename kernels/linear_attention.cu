@@ -341,8 +341,8 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
 // ---------------------------------------------------------------------------------------
 // Tensor-core path (f16 and bf16 inputs): the same products on 16x16x16 bf16 MMAs with f32
 // accumulators (nvcuda::wmma). Every operand enters the MMAs as a pair of bf16 tiles,
-// hi = bf16(x) and lo = bf16(x - hi): a bf16 input is exact in hi (lo = 0: its MMAs are
-// skipped), an f16 input exact in hi + lo (11 significant bits = 8 + 3, f16's range inside
+// hi = bf16(x) and lo = bf16(x - hi): a bf16 input is exact in hi (lo = 0; its MMAs still
+// run, see has_lo), an f16 input exact in hi + lo (11 significant bits = 8 + 3, f16's range inside
 // bf16's), an f32 value (the state, P = A B^T, rows divided by the denominator, dden) within
 // 2^-18 |x|. A product of two pairs leaves out lo*lo: each term of a sum is off by at most
 // 3 * 2^-18 of its magnitude (docs/linear_attention.md, "Tensor cores").
@@ -403,8 +403,9 @@ __device__ __forceinline__ constexpr bool has_lo(const Operand&) {
   return true;
 }
 
-// hi/lo of x0, x1 at i, i + 1 (one 4-byte write per tile and thread). A non-finite remainder
-// (x infinite or NaN) leaves lo 0: hi carries it.
+// hi/lo of x0, x1 at i, i + 1 (one thread writes both halves of a 4-byte granule of each
+// tile: racecheck's unit). A non-finite remainder (x infinite or NaN, or a finite |x| that
+// rounds to infinity in bf16, past 3.39e38) leaves lo 0: hi carries it.
 __device__ __forceinline__ void put_split(Mma* hi, Mma* lo, int i, float x0, float x1) {
   const Mma h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
   const float r0 = x0 - __bfloat162float(h0), r1 = x1 - __bfloat162float(h1);
@@ -414,8 +415,9 @@ __device__ __forceinline__ void put_split(Mma* hi, Mma* lo, int i, float x0, flo
   lo[i + 1] = __float2bfloat16_rn(r1 - r1 == 0.0f ? r1 : 0.0f);
 }
 
-// dst[r][c] = operand(t0 + r, c0 + c) split, for 64 rows and 32 columns; 0 past `rows` and
-// past the operand's width.
+// dst[r][c] = operand(t0 + r, c0 + c) split, for 64 rows and 32 columns (a feature tile of A_c,
+// B_c or a D-tile of C_c: kTF = kTD); 0 past `rows` and past the operand's width.
+static_assert(kTF == kTD, "load_rows_split loads feature tiles and D-tiles alike");
 template <typename T, int kLd>
 __device__ void load_rows_split(SplitTile<kChunk, kLd>& dst, const Operand& p, const Seq& sq, int64_t L, int64_t t0,
                                 int rows, int64_t c0) {
@@ -446,7 +448,8 @@ __device__ __forceinline__ bool block_visible(int mask, int bi, int bj) {
   return mask == kMaskLE ? bj <= bi : (mask == kMaskGE ? bj >= bi : true);
 }
 
-// The tensor-core chunk_outputs (same contract).
+// The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
+// only when `intra`: the bidirectional outputs A S do not read it).
 template <typename T, typename TO>
 __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
@@ -513,7 +516,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
       put_split(tl.y.p.hi, tl.y.p.lo, r * kLdP + c, x[0], x[1]);
     }
   }
-  load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
+  if (intra) load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
   __syncthreads();
   if (intra) {
     for (int kk = 0; kk < kChunk / 16; ++kk) {

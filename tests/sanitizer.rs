@@ -259,11 +259,12 @@ fn fresh_shuffle_loop_with_early_exit() {
     assert_reported(&r, "synccheck", "shuffle_loop_early_exit", 47);
 }
 
-// Tensor-core (WMMA) operations: warp-collective, aligned (kernels/broken/broken.cu, 13–15).
+// Tensor-core (WMMA) operations: warp-collective, aligned (kernels/broken/broken.cu, 13–16).
 extern "C" {
     fn mesa_emu_broken_wmma_tile_product(a: *const BrokenArgs) -> i32;
     fn mesa_emu_broken_wmma_half_warp(a: *const BrokenArgs) -> i32;
     fn mesa_emu_broken_wmma_misaligned(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_wmma_meets_syncwarp(a: *const BrokenArgs) -> i32;
 }
 
 /// A 16 × 16 tile of A (row-major) then one of B: small integers, exact in bf16, whose
@@ -302,4 +303,12 @@ fn wmma_load_from_a_misaligned_pointer() {
     assert!(r.report.as_deref().is_some_and(|m| m.contains("32-byte aligned")), "{:?}", r.report);
     let r = run(mesa_emu_broken_wmma_misaligned, Checks::SYNC, 59, &x, 256);
     assert_eq!((r.status, r.report.as_deref()), (0, None), "no memcheck: the misaligned load goes unseen");
+}
+
+#[test]
+fn wmma_product_meets_a_syncwarp() {
+    let x = wmma_operands();
+    let r = run(mesa_emu_broken_wmma_meets_syncwarp, Checks::ALL, 61, &x, 256);
+    assert_reported(&r, "synccheck", "wmma_meets_syncwarp", 61);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("another warp-wide operation")), "{:?}", r.report);
 }

@@ -149,7 +149,7 @@ __global__ void unsynchronised_count(float* out, const float* in) {
 
 // 13. (control, not broken) one warp multiplies two 16 x 16 bf16 tiles on the tensor cores:
 // in[0..256) is A row-major, in[256..512) B row-major (values exact in bf16), out = A B. It
-// must pass every check: the WMMA cases below differ from it in one line each.
+// must pass every check: the WMMA cases below differ from it in one place each.
 template <int kVariant>
 __device__ void wmma_tile(float* out, const float* in) {
   __align__(32) __shared__ __nv_bfloat16 ab[2][256];
@@ -167,8 +167,12 @@ __device__ void wmma_tile(float* out, const float* in) {
   // 15: B read from 8 elements (16 bytes) past the tile: not 32-byte aligned
   nvcuda::wmma::load_matrix_sync(fa, ab[0], 16);
   nvcuda::wmma::load_matrix_sync(fb, kVariant == 15 ? ab[0] + 8 : ab[1], 16);
-  // 14: only half of the warp reaches the product
-  if (kVariant != 14 || threadIdx.x < 16) nvcuda::wmma::mma_sync(acc, fa, fb, acc);
+  // 14: only half of the warp reaches the product; 16: the other half waits in __syncwarp
+  if ((kVariant != 14 && kVariant != 16) || threadIdx.x < 16) {
+    nvcuda::wmma::mma_sync(acc, fa, fb, acc);
+  } else if (kVariant == 16) {
+    __syncwarp();
+  }
   nvcuda::wmma::store_matrix_sync(c, acc, 16, nvcuda::wmma::mem_row_major);
   __syncwarp();
   for (int i = threadIdx.x; i < 256; i += 32) out[i] = c[i];
@@ -180,6 +184,9 @@ __global__ void wmma_half_warp(float* out, const float* in) { wmma_tile<14>(out,
 
 // 15. a tensor-core tile loaded from a pointer that is not 32-byte aligned.
 __global__ void wmma_misaligned(float* out, const float* in) { wmma_tile<15>(out, in); }
+
+// 16. half of the warp in the tensor-core product, the other half in __syncwarp.
+__global__ void wmma_meets_syncwarp(float* out, const float* in) { wmma_tile<16>(out, in); }
 
 }  // namespace broken
 }  // namespace MESA_NS
@@ -206,3 +213,4 @@ MESA_BROKEN_CASE(unsynchronised_count, kBlock, a->out, a->in)
 MESA_BROKEN_CASE(wmma_tile_product, 32, a->out, a->in)
 MESA_BROKEN_CASE(wmma_half_warp, 32, a->out, a->in)
 MESA_BROKEN_CASE(wmma_misaligned, 32, a->out, a->in)
+MESA_BROKEN_CASE(wmma_meets_syncwarp, 32, a->out, a->in)

@@ -73,6 +73,7 @@ unsigned lane_id();
 // lane must pass the same) and its part of the fragments (mma_sync: its elements of A and B).
 constexpr unsigned kWarpMatrixPartBytes = 32;
 struct WarpMatrixSlot {
+  uint64_t generation;  // of the rendezvous it was written for (an older one: stale)
   const char* op;
   const void* ptr;
   unsigned ldm;

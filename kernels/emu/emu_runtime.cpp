@@ -1036,13 +1036,20 @@ const WarpMatrixSlot* warp_matrix_op(const char* what, const void* ptr, unsigned
     fail_in_block(MESA_EMU_CHECK_MEM, std::string(what) + " at " + hex64(reinterpret_cast<uintptr_t>(ptr)) +
                                           " with ldm " + std::to_string(ldm) +
                                           ": the pointer must be 32-byte aligned and ldm a multiple of 16 bytes");
-  WarpMatrixSlot (&set)[32] = w.matrix[w.generation & 1u];
+  const uint64_t gen = w.generation;
+  WarpMatrixSlot (&set)[32] = w.matrix[gen & 1u];
+  set[tid % 32].generation = gen;
   set[tid % 32].op = what;
   set[tid % 32].ptr = ptr;
   set[tid % 32].ldm = ldm;
   if (part_bytes > 0) std::memcpy(set[tid % 32].part, part, part_bytes);
   warp_barrier(w, tid % 32, 0xffffffffu, what);
   if (check) {
+    for (unsigned l = 0; l < 32; ++l)
+      if (set[l].generation != gen || set[l].op == nullptr)  // it met us in a shuffle, vote or __syncwarp
+        fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " meets lane " + std::to_string(l) +
+                                               " in another warp-wide operation (a shuffle, vote or __syncwarp): "
+                                               "the whole warp must execute the same warp matrix operation");
     for (unsigned l = 0; l < 32; ++l)
       if (std::strcmp(set[l].op, what) != 0)
         fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " meets lane " + std::to_string(l) + " in " + set[l].op +
