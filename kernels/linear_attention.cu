@@ -618,6 +618,27 @@ __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const Sta
   __syncthreads();
 }
 
+// The block's tiles: one __shared__ union for every instance of la_product_kernel (20 of
+// them). On a GPU each kernel gets its own static allocation; the emulator keeps __shared__
+// variables as thread-local storage, where one copy per instance would take ~1 MiB of every
+// thread's TLS (glibc carves it from the thread's stack: a 2 MiB test thread overflowed).
+union ProductTiles {
+  Tiles fp32;
+  TcTiles tc;
+};
+__device__ __forceinline__ ProductTiles& product_tiles() {
+  __shared__ ProductTiles tiles;
+  return tiles;
+}
+template <typename T>
+__device__ __forceinline__ auto& tiles_for(ProductTiles& u) {
+  if constexpr (kTensorCores<T>) {
+    return u.tc;
+  } else {
+    return u.fp32;
+  }
+}
+
 // Work items of a launch: (state index, D-tile), or with per-chunk states (state index,
 // chunk, D-tile); packed sequences number their chunks globally (head, global chunk, tile).
 __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
@@ -636,8 +657,7 @@ __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
 template <typename T, typename TO, int kMode>
 __global__ void __launch_bounds__(kThreads, kTensorCores<T> && kMode != kAccumulate ? 2 : 1)
     la_product_kernel(Product p) {
-  using TilesT = std::conditional_t<kTensorCores<T>, TcTiles, Tiles>;
-  __shared__ TilesT tl;
+  auto& tl = tiles_for<T>(product_tiles());
   init_tiles(tl);
   const StateView none{nullptr, 0, 0, 0, 0};
   for (int64_t item = blockIdx.x; item < p.items; item += gridDim.x) {
