@@ -19,19 +19,9 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use mesa_kernels::reference::{self, collectives as rc};
-use mesa_kernels::{
-    DType, Device, Element, Epilogue, Error, Layout, SeqParallelGroup, SeqSplits, TensorMut, TensorRef,
-};
+use mesa_kernels::{Device, Element, Epilogue, Error, Layout, SeqParallelGroup, SeqSplits, TensorMut, TensorRef};
 use rand::rngs::StdRng;
 use rand::RngExt;
-
-fn unit_roundoff(d: DType) -> f64 {
-    match d {
-        DType::F32 => 2f64.powi(-24),
-        DType::F16 => 2f64.powi(-11),
-        DType::BF16 => 2f64.powi(-8),
-    }
-}
 
 /// How a `[rows, B, H]` tensor is laid out in its buffer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -261,7 +251,7 @@ fn check_rs<T: Element>(
     let mags = rc::reduce_scatter_seq(&abs_in, &sizes, shape.b, shape.h, abs_bias.as_deref(), abs_res.as_deref())
         .expect("reference");
     let k = shape.w() + usize::from(bias.is_some()) + usize::from(residual.is_some());
-    let u = unit_roundoff(T::DTYPE);
+    let u = common::unit_roundoff(T::DTYPE);
     for r in 0..shape.w() {
         assert_eq!(got[r].len(), want[r].len(), "{label}: rank {r} length");
         for i in 0..got[r].len() {
@@ -277,7 +267,7 @@ fn check_rs<T: Element>(
                 );
             }
             let acc_err = (k as f64 - 1.0) * 2f64.powi(-24) * mags[r][i];
-            let tol = acc_err + u * (want[r][i].abs() + acc_err) + 1e-300;
+            let tol = acc_err + u * (want[r][i].abs() + acc_err) + 0.5 * common::subnormal_spacing(T::DTYPE);
             assert!(
                 (g.to_f64() - want[r][i]).abs() <= tol,
                 "{label}: rank {r} element {i}: {} vs reference {} (tol {tol})",

@@ -38,14 +38,6 @@ use rand::RngExt;
 
 const EPS: f64 = 1.0 / 16_777_216.0;
 
-fn unit_roundoff(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => EPS,
-        DType::F16 => 2f64.powi(-11),
-        DType::BF16 => 2f64.powi(-8),
-    }
-}
-
 /// Smallest normal of the type: values below it round with an absolute error.
 fn tiny(dtype: DType) -> f64 {
     match dtype {
@@ -162,7 +154,7 @@ fn check_gelu<T: Element>(
 ) -> SavedActivation {
     let shape = x_layout.shape().to_vec();
     let n: usize = shape.iter().product();
-    let u = unit_roundoff(T::DTYPE);
+    let u = common::unit_roundoff(T::DTYPE);
     let xb = device.upload(x).expect("up");
     let mut y = poisoned::<T>(device, n);
     let dense = Layout::contiguous(&shape);
@@ -334,7 +326,7 @@ fn check_softmax<T: Element>(
     let shape = x_layout.shape().to_vec();
     let n: usize = shape.iter().product();
     let cols = *shape.last().expect("rank");
-    let u = unit_roundoff(T::DTYPE);
+    let u = common::unit_roundoff(T::DTYPE);
     let xb = device.upload(x).expect("up");
     let mb = mask.map(|(m, _)| device.upload(m).expect("up"));
     let dense = Layout::contiguous(&shape);
@@ -599,7 +591,7 @@ fn softmax_companded_codes_decode_like_the_reference_in_every_dtype_and_width() 
                         let exact_f32 = f64::from(T::from_f64(f64::from(q * q)).to_f64() as f32);
                         assert_eq!(out[i], exact_f32, "decode {i} (code {}, {bits} bits)", codes[i]);
                         let r = rf::sqrt_decode(codes[i], 0.0, f64::from(scale));
-                        let dt = unit_roundoff(T::DTYPE);
+                        let dt = common::unit_roundoff(T::DTYPE);
                         assert!((out[i] - r).abs() <= (3.0 * EPS + dt) * r, "decode {i}: {} vs {r}", out[i]);
                         // and the decoded value is within the derived bound of the stored y
                         let bound = rf::sqrt_code_error_bound(yh[i], f64::from(scale), false);
@@ -802,7 +794,7 @@ fn check_layer_norm<T: Element>(
     let n: usize = shape.iter().product();
     let cols = *shape.last().expect("rank");
     let rows = n / cols;
-    let u = unit_roundoff(T::DTYPE);
+    let u = common::unit_roundoff(T::DTYPE);
     let eps = 1e-5f32;
     let xb = device.upload(x).expect("up");
     let wb = w.map(|w| device.upload(w).expect("up"));
@@ -1892,7 +1884,7 @@ fn gelu_negative_tail_keeps_its_relative_accuracy() {
                 let l = Layout::contiguous(&[n]);
                 let xb = device.upload(&x).expect("up");
                 let dyb = device.upload(&vec![T::from_f64(1.0); n]).expect("up");
-                let u = unit_roundoff(dtype);
+                let u = common::unit_roundoff(dtype);
                 for form in [GeluForm::Erf, GeluForm::Tanh] {
                     let mut y = poisoned::<T>(&device, n);
                     gelu(&device, form, &tref(&xb, &l), &mut tmut(&mut y, &l)).expect("gelu");

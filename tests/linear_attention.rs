@@ -51,14 +51,6 @@ fn tm<'a, T>(mem: &'a mut (impl DeviceMemoryMut<T> + ?Sized), layout: &Layout) -
     TensorMut::new(mem, layout).expect("output view")
 }
 
-fn unit_roundoff(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 2f64.powi(-24),
-        DType::F16 => 2f64.powi(-11),
-        DType::BF16 => 2f64.powi(-8),
-    }
-}
-
 #[derive(Clone, Copy, Debug)]
 struct Shape {
     b: usize,
@@ -146,12 +138,14 @@ fn magnitudes(
 
 fn check_close(what: &str, got: &[f64], want: &[f64], mag: &[f64], n: Shape, dtype: DType) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let u = unit_roundoff(dtype);
+    let u = common::unit_roundoff(dtype);
     let chain = (n.m + n.d + 2 * n.l + 8) as f64 * 2f64.powi(-24);
     let tensor_cores = if dtype == DType::F32 { 0.0 } else { chain + 6.0 * 2f64.powi(-18) };
     for (i, ((&g, &w), &mg)) in got.iter().zip(want).zip(mag).enumerate() {
         assert!(g.is_finite(), "{what}[{i}] = {g} is not finite (element not written?)");
-        let tol = (chain + tensor_cores + 4.0 * u) * mg + u * w.abs() + 1e-300;
+        // the result's rounding to `dtype`: relative `u`, or half the subnormal spacing below
+        // the smallest normal (f16 gradients reach it: 2⁻²⁵ ≈ 3.0e-8 absolute)
+        let tol = (chain + tensor_cores + 4.0 * u) * mg + u * w.abs() + 0.5 * common::subnormal_spacing(dtype);
         assert!(
             (g - w).abs() <= tol,
             "{what}[{i}]: {g} vs reference {w} (|diff| {} > tol {tol}), {n:?} {dtype:?}",
@@ -726,7 +720,10 @@ fn fm_parity<T: Element>(
     let phi_t = pb.to_vec().expect("phi");
     let phi = widen(&phi_t);
     let dx = widen(&db.to_vec().expect("dx"));
-    let u = unit_roundoff(T::DTYPE);
+    let u = common::unit_roundoff(T::DTYPE);
+    // rounding to T below its smallest normal is absolute (half the subnormal spacing); the
+    // 1e-40 covers f32 intermediates that underflow in the exponent's evaluation
+    let floor = 0.5 * common::subnormal_spacing(T::DTYPE) + 1e-40;
     match map {
         FeatureMap::Relu | FeatureMap::Elu1 => {
             let (rp, rd) = if matches!(map, FeatureMap::Relu) {
@@ -738,13 +735,13 @@ fn fm_parity<T: Element>(
             // the backward multiplies by one more rounded factor
             for i in 0..rp.len() {
                 assert!(
-                    (phi[i] - rp[i]).abs() <= (4.0 * 2f64.powi(-24) + u) * rp[i].abs(),
+                    (phi[i] - rp[i]).abs() <= (4.0 * 2f64.powi(-24) + u) * rp[i].abs() + floor,
                     "phi[{i}] {} vs {}",
                     phi[i],
                     rp[i]
                 );
                 assert!(
-                    (dx[i] - rd[i]).abs() <= (6.0 * 2f64.powi(-24) + u) * rd[i].abs(),
+                    (dx[i] - rd[i]).abs() <= (6.0 * 2f64.powi(-24) + u) * rd[i].abs() + floor,
                     "dx[{i}] {} vs {}",
                     dx[i],
                     rd[i]
@@ -766,7 +763,7 @@ fn fm_parity<T: Element>(
                     let dotabs: f64 = (0..d).map(|j| (omega[i * d + j] * xr[j] * xs).abs()).sum();
                     let e_abs = (d as f64 + 8.0) * 2f64.powi(-24) * (dotabs + sq + 1.0);
                     let w = rp[r * m + i];
-                    let tol = (e_abs + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01 + 1e-40;
+                    let tol = (e_abs + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01 + floor;
                     assert!((phi[r * m + i] - w).abs() <= tol, "phi[{r},{i}] {} vs {w}", phi[r * m + i]);
                 }
             }
@@ -782,7 +779,7 @@ fn fm_parity<T: Element>(
                                 * xs
                         })
                         .sum();
-                    let tol = ((m + 8) as f64 * 2f64.powi(-24) + u) * mag + u * rd[r * d + j].abs() + 1e-40;
+                    let tol = ((m + 8) as f64 * 2f64.powi(-24) + u) * mag + u * rd[r * d + j].abs() + floor;
                     let i = r * d + j;
                     assert!((dx[i] - rd[i]).abs() <= tol, "dx[{r},{j}] {} vs {}", dx[i], rd[i]);
                 }

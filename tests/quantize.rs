@@ -32,24 +32,6 @@ use rand::RngExt;
 /// legitimately round the other way (3 roundings of 2⁻²⁴, with margin).
 const TIE_WINDOW: f64 = 8.0 / 16_777_216.0;
 
-fn unit_roundoff(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 2f64.powi(-24),
-        DType::F16 => 2f64.powi(-11),
-        DType::BF16 => 2f64.powi(-8),
-    }
-}
-
-/// Absolute rounding slack of a type near zero: its smallest subnormal (the spacing of its
-/// subnormal range, where the relative bound no longer holds).
-fn abs_floor(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => 2f64.powi(-149),
-        DType::F16 => 2f64.powi(-24),
-        DType::BF16 => 2f64.powi(-133),
-    }
-}
-
 fn random_data<T: Element>(rng: &mut StdRng, n: usize, center: f64, spread: f64) -> Vec<T> {
     (0..n).map(|_| T::from_f64(center + spread * (rng.random::<f64>() * 2.0 - 1.0))).collect()
 }
@@ -167,7 +149,7 @@ fn verify<O: Element>(
         .dequantize(device, &mut TensorMut::new(&mut out, &Layout::contiguous(&shape)).expect("view"))
         .expect("dequantize");
     let out = out.to_vec().expect("download");
-    let u = unit_roundoff(O::DTYPE);
+    let u = common::unit_roundoff(O::DTYPE);
     for i in 0..n {
         let g = groups[i];
         let y = out[i].to_f64();
@@ -177,7 +159,7 @@ fn verify<O: Element>(
         }
         let (off, scale) = (f64::from(params[g].offset), f64::from(params[g].scale));
         let r = rq::decode(codes[i], off, scale);
-        let tol = (u + 2f64.powi(-24)) * r.abs().max(off.abs()) + abs_floor(O::DTYPE);
+        let tol = (u + 2f64.powi(-24)) * r.abs().max(off.abs()) + common::subnormal_spacing(O::DTYPE);
         assert!((y - r).abs() <= tol, "element {i}: decoded {y} vs reference {r} (tol {tol})");
         // reconstruction: within half a step or one step (module docs; + rounding of t, of
         // fmaf and of O)

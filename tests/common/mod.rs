@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use mesa_kernels::Device;
+use mesa_kernels::{DType, Device};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -63,4 +63,25 @@ pub fn fixture_dir() -> PathBuf {
     std::env::var_os("MESA_FIXTURE_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures"))
+}
+
+/// Unit roundoff `u` of a storage type: round-to-nearest of a normal value `x` errs by at
+/// most `u·|x|` (2⁻²⁴ f32, 2⁻¹¹ f16, 2⁻⁸ bf16).
+pub fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 2f64.powi(-24),
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+    }
+}
+
+/// Spacing of a storage type's subnormal range (its smallest subnormal: 2⁻¹⁴⁹ f32, 2⁻²⁴ f16,
+/// 2⁻¹³³ bf16). Below the smallest normal the relative bound [`unit_roundoff`] no longer
+/// holds; round-to-nearest errs there by at most half this spacing.
+pub fn subnormal_spacing(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 2f64.powi(-149),
+        DType::F16 => 2f64.powi(-24),
+        DType::BF16 => 2f64.powi(-133),
+    }
 }
