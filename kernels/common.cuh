@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <type_traits>
 #include <cuda/atomic>
 #include <cuda/ptx>
 #include <mma.h>
@@ -163,6 +164,42 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(x);
 }
 
+// Two values of a 16-bit T in one 32-bit word (the first in the low half), to and from f32:
+// the same bits as from_float / to_float on each; packing is one paired conversion
+// (F2FP.PACK_AB), bf16 unpacks by a shift and a mask (exact).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2_word(float a, float b) {
+  static_assert(sizeof(T) == 2, "16-bit types only");
+#ifdef MESA_EMU
+  return uint32_t(from_float<T>(a).__x) | (uint32_t(from_float<T>(b).__x) << 16);
+#else
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&p);
+  } else {
+    const __half2 p = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&p);
+  }
+#endif
+}
+template <typename T>
+__device__ __forceinline__ void unpack2_word(uint32_t w, float& a, float& b) {
+  static_assert(sizeof(T) == 2, "16-bit types only");
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    a = __uint_as_float(w << 16);
+    b = __uint_as_float(w & 0xffff0000u);
+  } else {
+#ifdef MESA_EMU
+    a = __half2float(__half{static_cast<unsigned short>(w & 0xffffu)});
+    b = __half2float(__half{static_cast<unsigned short>(w >> 16)});
+#else
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    a = f.x;
+    b = f.y;
+#endif
+  }
+}
+
 // The multifunction unit's approximations, one MUFU instruction each (PTX ISA, `ex2`, `rcp`):
 // 2^a with subnormal results flushed to +0 (max relative error 2^-22 on sm_80/sm_90), and 1/a
 // (within 1 ulp). The emulation computes them correctly rounded (exp2f, division) and flushes
@@ -212,6 +249,17 @@ template <typename T>
 __device__ __forceinline__ void store16(T* p, const Vec16<T>& r) {
   MESA_MEMORY_POINT();
   *reinterpret_cast<int4*>(p) = *reinterpret_cast<const int4*>(&r);
+}
+// The same 16 bytes as four 32-bit words (pack2_word / unpack2_word).
+template <typename T>
+__device__ __forceinline__ uint4 load16_words(const T* p) {
+  MESA_MEMORY_POINT();
+  return *reinterpret_cast<const uint4*>(p);
+}
+template <typename T>
+__device__ __forceinline__ void store16_words(T* p, const uint4& w) {
+  MESA_MEMORY_POINT();
+  *reinterpret_cast<uint4*>(p) = w;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -264,7 +264,7 @@ __device__ __forceinline__ void store_unit_codes(uint8_t* dst, const unsigned (&
   constexpr int kPerWord = 32 / kBits;
   unsigned w[2] = {0u, 0u};
 #pragma unroll
-  for (int j = 0; j < kUnit; ++j) w[j / kPerWord] |= codes[j] << ((j % kPerWord) * kBits);
+  for (int j = 0; j < kUnit; ++j) w[j / kPerWord] += codes[j] << ((j % kPerWord) * kBits);  // disjoint bits: + is |, one LEA
   if (kBits == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
   if (kBits == 4) *reinterpret_cast<unsigned*>(dst) = w[0];
   if (kBits == 2) *reinterpret_cast<unsigned short*>(dst) = (unsigned short)w[0];

@@ -43,6 +43,55 @@ __device__ __forceinline__ void store_unit(T* p, int64_t stride, int live, const
   }
 }
 
+// A whole unit of 8 as 16-byte words (one for 16-bit types, two for f32), to and from f32,
+// the same bits as to_float / from_float per element: the dense kernels keep loaded and
+// packed values in 32-bit registers (no 16-bit element moves).
+template <typename T>
+constexpr int kUnitWords = kUnit * int(sizeof(T)) / 16;
+
+template <typename T>
+__device__ __forceinline__ void unit_from_words(const uint4 (&w)[kUnitWords<T>], float (&v)[kUnit]) {
+#pragma unroll
+  for (int h = 0; h < kUnitWords<T>; ++h) {
+    const uint32_t q[4] = {w[h].x, w[h].y, w[h].z, w[h].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 2) {
+        unpack2_word<T>(q[i], v[h * 8 + 2 * i], v[h * 8 + 2 * i + 1]);
+      } else {
+        v[h * 4 + i] = __uint_as_float(q[i]);
+      }
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void unit_to_words(const float (&v)[kUnit], uint4 (&w)[kUnitWords<T>]) {
+#pragma unroll
+  for (int h = 0; h < kUnitWords<T>; ++h) {
+    uint32_t q[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 2) {
+        q[i] = pack2_word<T>(v[h * 8 + 2 * i], v[h * 8 + 2 * i + 1]);
+      } else {
+        q[i] = __float_as_uint(v[h * 4 + i]);
+      }
+    }
+    w[h] = make_uint4(q[0], q[1], q[2], q[3]);
+  }
+}
+
+// The word of two T holding `v` each (f32: one).
+template <typename T>
+__device__ __forceinline__ uint32_t splat_word(float v) {
+  if constexpr (sizeof(T) == 2) {
+    return pack2_word<T>(v, v);
+  } else {
+    return __float_as_uint(v);
+  }
+}
+
 // Elementwise ops: logical unit [i0, i0 + live) of a tensor view. Dense views address it
 // directly (vector path); strided ones element by element.
 template <typename T>

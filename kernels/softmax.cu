@@ -18,6 +18,9 @@
 //                             ~5 FLOP + 1 exp per element
 //   softmax_backward_kernel   reads R·N·(sizeof(T) + b/8), writes R·N·sizeof(T); 4 FLOP/element
 // Launch policy (row length N):
+//   dense:      rows dense and 16-byte aligned, N % 8 == 0, N <= 1024, round to nearest (or
+//               nothing saved): softmax_forward_dense_kernel, bits and code map fixed at
+//               compile time, the same results bit for bit; grid from the occupancy API.
 //   N <= 1024:  one warp per row, the row in registers (8, 16 or 32 values per lane), 8 rows
 //               per 256-thread block: no shared memory, no __syncthreads, one read of x.
 //   N <= 4096:  one 512-thread block per row, the row in registers (8 values per thread).
@@ -168,6 +171,145 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
   }
 }
 
+// √y for y in [2^-101, FLT_MAX], correctly rounded: the fast path of IEEE sqrtf (sqrt.rn.f32)
+// as ptxas expands it for that range — r = MUFU.RSQ(y), s = y·r, s + (y − s²)·(r/2) — without
+// the per-element branch to its slow path. Below the range it is not sqrtf, but its code is
+// still 0, the code of sqrtf(y) there (√y · (2^bits − 1) < 2^-42): a y below 2^-126 (zero
+// included) is flushed, so r = +inf and s = 0·inf = NaN, which code_below_top takes to 0; a
+// normal y below 2^-101 gives √y within a few ulps. The emulation uses sqrtf.
+__device__ __forceinline__ float sqrt_for_codes(float y) {
+#ifdef MESA_EMU
+  return sqrtf(y);
+#else
+  float out;
+  asm("{\n\t.reg .f32 r, s, h, e;\n\t"
+      "rsqrt.approx.ftz.f32 r, %1;\n\t"
+      "mul.ftz.f32 s, %1, r;\n\t"
+      "mul.ftz.f32 h, r, 0f3F000000;\n\t"
+      "neg.f32 e, s;\n\t"
+      "fma.rn.f32 e, e, s, %1;\n\t"
+      "fma.rn.f32 %0, e, h, s;\n\t}"
+      : "=f"(out)
+      : "f"(y));
+  return out;
+#endif
+}
+
+// The code of position t = u · inv_scale for u in [0, 1.001] or NaN: t < levels + 1/2, so
+// nearest_code's clamp never applies (the same code, one instruction fewer); NaN gives 0
+// (cvt.rni.u32.f32, as fmaxf(NaN, 0) does in encode).
+__device__ __forceinline__ unsigned code_below_top(float t) {
+#ifdef MESA_EMU
+  return t > 0.0f ? unsigned(rintf(t)) : 0u;
+#else
+  return __float2uint_rn(t);
+#endif
+}
+
+// A unit of a NaN row of the dense kernel (a NaN or +inf logit makes the whole row NaN): its
+// y (NaN) and codes (0: encode takes NaN to 0) are already written; this is emit_unit's
+// accounting, the same count and the same poisoned groups.
+__device__ __forceinline__ void count_nan_unit(const CodeSink& sink, int64_t i0, unsigned* nonfinite) {
+  MesaGroupParams* params = const_cast<MesaGroupParams*>(sink.params);
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j)
+    atomicExch(reinterpret_cast<unsigned*>(&params[sink.groups.group(i0 + j)].scale), 0x7fc00000u);
+  if (nonfinite != nullptr) atomicAdd(nonfinite, unsigned(kUnit));
+}
+
+// Dense kernel (warp per row, rows of N <= 1024 columns with N % 8 == 0): x, mask and y dense
+// and 16-byte aligned, R·N < 2^31; codes (kBits != 0) rounded to nearest into this call's fixed
+// parameters (offset 0, scale 1/(2^bits − 1), the ones softmax_params_kernel writes). Bits and
+// code map are template arguments; a lane holds units k·32 + lane (k < 4) of its row in
+// registers, a unit past the row as −inf (it adds exactly +0 to the sum, as in the general
+// kernel). Values and codes are softmax_forward_kernel's bit for bit: the same max and sum in
+// the same order, the same expf and reciprocal, the codes of the stored y by the fast path of
+// quantize_dense_unit (offset 0, prescale 1: t = fl(u · inv_scale), nearest). A NaN row also
+// gets count_nan_unit; a fully masked row (max −inf) gives zeros, as there. The codes of the
+// other rows of a group that a NaN row poisoned are left as encoded (the general kernel may
+// encode them with the poisoned scale): the group decodes to NaN either way.
+template <typename T, int kBits, bool kSqrt>
+__global__ void __launch_bounds__(kRowBlock, 2)
+    softmax_forward_dense_kernel(const T* __restrict__ x, const T* __restrict__ mask, T* __restrict__ y,
+                                 uint32_t rows, uint32_t cols, CodeSink sink, unsigned* nonfinite) {
+  constexpr int K = 4;
+  constexpr unsigned kLevels = (1u << (kBits != 0 ? kBits : 1)) - 1u;
+  const uint32_t lane = threadIdx.x % kWarpSize;
+  const uint32_t teams = gridDim.x * (kRowBlock / kWarpSize);
+  const CodeParams p = code_params(MesaGroupParams{0.0f, 1.0f / float(kLevels)});
+  for (uint32_t r = blockIdx.x * (kRowBlock / kWarpSize) + threadIdx.x / kWarpSize; r < rows; r += teams) {
+    const uint32_t row0 = r * cols;
+    float v[K][kUnit];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const uint32_t c0 = (uint32_t(k) * kWarpSize + lane) * kUnit;
+      constexpr int W = kUnitWords<T>;
+      uint4 xw[W], mw[W];  // past the row: −inf logits, 0 mask
+#pragma unroll
+      for (int h = 0; h < W; ++h) {
+        const uint32_t ninf = splat_word<T>(kNegInf);
+        xw[h] = make_uint4(ninf, ninf, ninf, ninf);
+        mw[h] = make_uint4(0u, 0u, 0u, 0u);
+      }
+      if (c0 < cols) {
+#pragma unroll
+        for (int h = 0; h < W; ++h) {
+          xw[h] = load16_words(x + row0 + c0 + h * Vec16<T>::N);
+          if (mask != nullptr) mw[h] = load16_words(mask + row0 + c0 + h * Vec16<T>::N);
+        }
+      }
+      unit_from_words<T>(xw, v[k]);
+      if (mask != nullptr) {
+        float mv[kUnit];
+        unit_from_words<T>(mw, mv);
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) v[k][j] += mv[j];
+      }
+    }
+    float m = kNegInf;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) m = fmaxf(m, v[k][j]);
+    m = warp_reduce_max(m);
+    // exp(−inf − m) = +0 for a finite or +inf m; m = −inf (fully masked row): zeros
+    const float shift = m == kNegInf ? 0.0f : m;
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        v[k][j] = expf(v[k][j] - shift);
+        s += v[k][j];
+      }
+    s = warp_reduce_sum(s);
+    const float inv = s > 0.0f ? reciprocal(s) : (s == 0.0f ? 0.0f : __uint_as_float(0x7fc00000u));
+    const bool nan_row = kBits != 0 && !is_finite(inv);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const uint32_t c0 = (uint32_t(k) * kWarpSize + lane) * kUnit;
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) v[k][j] *= inv;
+      uint4 out[kUnitWords<T>];
+      float u[kUnit];
+      unit_to_words<T>(v[k], out);
+      unit_from_words<T>(out, u);  // encode what is stored
+      unsigned codes[kUnit];
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        const float c = kSqrt ? sqrt_for_codes(u[j]) : u[j];
+        codes[j] = code_below_top(__fmul_rn(c, p.inv_scale));
+      }
+      if (c0 < cols) {
+#pragma unroll
+        for (int h = 0; h < kUnitWords<T>; ++h) store16_words(y + row0 + c0 + h * Vec16<T>::N, out[h]);
+        if constexpr (kBits != 0) store_unit_codes<kBits>(sink.codes + size_t(row0 + c0) * kBits / 8, codes);
+        if (nan_row) count_nan_unit(sink, int64_t(row0) + c0, nonfinite);
+      }
+    }
+  }
+}
+
 // The fixed code parameters of probabilities: offset 0, scale 1 / (2^bits − 1).
 __global__ void __launch_bounds__(kRowBlock) softmax_params_kernel(MesaGroupParams* params, int64_t count, int bits) {
   const float scale = 1.0f / float((1u << bits) - 1u);
@@ -273,11 +415,52 @@ struct SoftmaxForwardLaunch {
   }
 };
 
+inline bool dense16(const void* p, const MesaTensorDesc& d) {
+  return p != nullptr && is_dense(d) && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// The dense kernel when the views and the codes allow (one dispatch point: bits, then map),
+// else the general kernels by row length.
 template <typename T>
 struct SoftmaxForwardOp {
+  const MesaSoftmaxForwardArgs& a;
+  CodeSink sink;
+  int64_t rows, cols;
+  void* stream;
+
+  bool dense_ok() const {
+    const int64_t n = rows * cols;
+    const bool saving = sink.params != nullptr;
+    return cols % kUnit == 0 && cols <= int64_t(kWarpSize) * kUnit * 4 && n < (int64_t(1) << 31) &&
+           dense16(a.x, a.x_desc) && dense16(a.y, a.y_desc) && (a.mask == nullptr || dense16(a.mask, a.mask_desc)) &&
+           (sink.codes != nullptr) == saving &&
+           (!saving || (!sink.stochastic && sink.params == a.params_out && a.params_count == sink.groups.count));
+  }
+
+  template <int kBits, bool kSqrt>
+  MesaStatus dense() const {
+    const auto kernel = softmax_forward_dense_kernel<T, kBits, kSqrt>;
+    const unsigned grid = resident_grid(kernel, rows * kWarpSize, kRowBlock);
+    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kRowBlock), 0, stream, static_cast<const T*>(a.x),
+                                   static_cast<const T*>(a.mask), static_cast<T*>(a.y), uint32_t(rows),
+                                   uint32_t(cols), sink, reinterpret_cast<unsigned*>(a.nonfinite)));
+  }
+
+  template <int kBits>
+  MesaStatus with_bits() const {
+    return sink.sqrt_map ? dense<kBits, true>() : dense<kBits, false>();
+  }
+
   static MesaStatus run(const MesaSoftmaxForwardArgs& a, void* stream) {
     const int64_t cols = row_length(a.x_desc);
-    return by_row_length<SoftmaxForwardLaunch, T>(numel(a.x_desc) / cols, cols, a, stream);
+    const SoftmaxForwardOp op{a, code_sink_from(a.sink), numel(a.x_desc) / cols, cols, stream};
+    if (!op.dense_ok()) return by_row_length<SoftmaxForwardLaunch, T>(op.rows, cols, a, stream);
+    switch (op.sink.params != nullptr ? op.sink.bits : 0) {
+      case 8: return op.template with_bits<8>();
+      case 4: return op.template with_bits<4>();
+      case 2: return op.template with_bits<2>();
+      default: return op.template dense<0, false>();
+    }
   }
 };
 

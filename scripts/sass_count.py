@@ -81,9 +81,10 @@ SPECS = [
          bytes=5, avoid=[], require=[(r"LDG\.E\.128", 2), (r"LDG\.E\.64", 2), (r"STG\.E\.128", 2), (EXP, 16)],
          target=1.00),
     dict(name="softmax fwd saving sqrt codes (1024 cols)", file="softmax",
-         func=r"::softmax_forward_kernel<__nv_bfloat16, 32, 4>", loops=[(r"LDG\.E\.128", 32)],
-         bytes=5, avoid=[PHILOX],
-         require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (SQRT, 32)], target=0.70, gate=2.50),
+         func=r"::softmax_forward_dense_kernel<__nv_bfloat16, 8, true>", loops=[(r"LDG\.E\.128", 32)],
+         bytes=5, avoid=[],
+         require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (r"STG\.E\.64", 4), (SQRT, 32), (EXP, 32)],
+         target=0.70),
     dict(name="LayerNorm fwd saving + stats (1024 cols)", file="layernorm",
          func=r"::layernorm_forward_kernel<__nv_bfloat16, 32, 4>", loops=[(r"LDG\.E\.128", 32)],
          bytes=5, avoid=[PHILOX],
@@ -181,7 +182,9 @@ class Cfg:
             if op.startswith(("BRA", "JMP")):
                 tg = target(t)
                 s = [self.block_of[tg]] if tg in self.block_of else []
-                self.succ.append(s + (nxt if predicated(t) else []))
+                # BRA.DIV / BRA.CONV branch on the warp's convergence: conditional, like @P
+                cond = predicated(t) or op.startswith(("BRA.DIV", "BRA.CONV"))
+                self.succ.append(s + (nxt if cond else []))
             elif op.startswith(("EXIT", "RET", "BRX")):
                 self.succ.append(nxt if predicated(t) else [])
             else:

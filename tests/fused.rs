@@ -513,6 +513,94 @@ fn softmax_head_grouping_mask_and_stochastic_rounding() {
     }
 }
 
+/// The dense softmax kernel (rows dense and 16-byte aligned, N % 8 == 0, N ≤ 1024, codes into
+/// the call's fixed parameters) gives what the general kernel gives, bit for bit: outputs,
+/// codes, parameters and the NaN count. The same data through a row-padded view (not dense:
+/// the general kernel) must agree exactly. Rows: random, fully masked, half masked, one NaN
+/// logit and one +inf logit (NaN rows, which poison their group: one group per row here, so
+/// no row's codes depend on another's).
+#[test]
+fn softmax_dense_kernel_equals_the_general_kernel_bitwise() {
+    let mut rng = common::rng("softmax_dense_kernel_equals_the_general_kernel_bitwise");
+    for device in common::backends() {
+        for dtype in dtypes() {
+            with_dtype!(dtype, T, {
+                for cols in [8usize, 256, 264, 1024] {
+                    let rows = 6;
+                    let n = rows * cols;
+                    let mut x: Vec<T> = random(&mut rng, n, 0.0, 6.0);
+                    let mut mask = vec![T::from_f64(0.0); n];
+                    for c in 0..cols {
+                        mask[c] = T::from_f64(f64::NEG_INFINITY); // row 0: fully masked
+                        if c % 2 == 0 {
+                            mask[3 * cols + c] = T::from_f64(f64::NEG_INFINITY);
+                            // row 3: half masked
+                        }
+                    }
+                    x[2 * cols + cols / 2] = T::from_f64(f64::NAN); // row 2: a NaN row
+                    x[4 * cols + 1] = T::from_f64(f64::INFINITY); // row 4: +inf makes a NaN row
+                    let pitch = cols + 8;
+                    let mut xp = vec![T::from_f64(0.0); rows * pitch];
+                    for r in 0..rows {
+                        xp[r * pitch..r * pitch + cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
+                    }
+                    let dense = Layout::contiguous(&[rows, cols]);
+                    let padded = Layout::strided(&[rows, cols], &[pitch, 1], 0).expect("padded view");
+                    let (xb, xpb, mb) = (
+                        device.upload(&x).expect("up"),
+                        device.upload(&xp).expect("up"),
+                        device.upload(&mask).expect("up"),
+                    );
+                    for with_mask in [false, true] {
+                        for bits in [8, 4, 2] {
+                            for codes in [SoftmaxCodes::Sqrt, SoftmaxCodes::Linear] {
+                                let save = SoftmaxSave {
+                                    bits,
+                                    codes,
+                                    grouping: Grouping::Heads { axis: 0 },
+                                    rounding: Rounding::Nearest,
+                                };
+                                let run = |xv: TensorRef<'_, T>| {
+                                    let mv = tref(&mb, &dense);
+                                    let input = SoftmaxInput { x: &xv, mask: with_mask.then_some(&mv) };
+                                    let mut y = poisoned::<T>(&device, n);
+                                    let saved = softmax_forward(&device, &save, &input, &mut tmut(&mut y, &dense))
+                                        .expect("softmax_forward");
+                                    // NaN payloads and signs are not compared: IEEE leaves them open, the
+                                    // GPU makes every NaN canonical, the host keeps an operand's
+                                    let bits_of: Vec<u64> = host(&y)
+                                        .iter()
+                                        .map(|v| if v.is_nan() { f64::NAN.to_bits() } else { v.to_bits() })
+                                        .collect();
+                                    let params: Vec<(u32, u32)> = saved
+                                        .params()
+                                        .expect("params")
+                                        .iter()
+                                        .map(|p| (p.offset.to_bits(), p.scale.to_bits()))
+                                        .collect();
+                                    (
+                                        bits_of,
+                                        saved.codes().to_vec().expect("codes"),
+                                        params,
+                                        saved.nonfinite_count().expect("count"),
+                                    )
+                                };
+                                let (fast, general) = (run(tref(&xb, &dense)), run(tref(&xpb, &padded)));
+                                let what = format!("{dtype:?} {cols} cols, mask {with_mask}, {bits} bits, {codes:?}");
+                                assert_eq!(fast.0, general.0, "y differs: {what}");
+                                assert_eq!(fast.1, general.1, "codes differ: {what}");
+                                assert_eq!(fast.2, general.2, "parameters differ: {what}");
+                                assert_eq!(fast.3, general.3, "NaN count differs: {what}");
+                                assert_eq!(fast.3 as usize, 2 * cols, "two NaN rows counted: {what}");
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    }
+}
+
 #[test]
 fn softmax_fully_masked_rows_and_rows_of_equal_values() {
     for device in common::backends() {
