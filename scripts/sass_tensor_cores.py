@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """sass_tensor_cores.py — the static targets of the tensor-core linear attention, read from the
-SASS and ptxas output that check-resources.sh leaves in DIR (docs/linear_attention.md,
+SASS and resource report (cuobjdump -sass, -res-usage) that check-resources.sh leaves in DIR (docs/linear_attention.md,
 "Tensor cores"):
 
   * every f16/bf16 instance of `la_product_kernel` issues tensor-core instructions (HMMA);
@@ -8,7 +8,7 @@ SASS and ptxas output that check-resources.sh leaves in DIR (docs/linear_attenti
     the sequential walk (mode 0, kAccumulate: the SLiM mode's walks), gated at today's
     __launch_bounds__(256, 1) until it is brought under 128 (printed as "target NOT met").
 
-    scripts/sass_tensor_cores.py DIR [--arch 90]   # DIR: linear_attention.sm_<arch>.{sass,ptxas}
+    scripts/sass_tensor_cores.py DIR [--arch 90]   # DIR: linear_attention.sm_<arch>.{sass,res}
 
 Exit status 1 when an instance misses a gate or is missing.
 """
@@ -45,13 +45,13 @@ def hmma_counts(sass):
     return counts
 
 
-def registers(ptxas):
+def registers(res):
     regs, cur = {}, None
-    for line in ptxas.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
+    for line in res.splitlines():
+        m = re.match(r"\s*Function (\S+):\s*$", line)
         if m:
             cur = m.group(1)
-        m = re.search(r"Used (\d+) registers", line)
+        m = re.search(r"\bREG:(\d+)", line)
         if m and cur is not None:
             regs[cur] = int(m.group(1))
             cur = None
@@ -66,11 +66,11 @@ def main():
     base = os.path.join(args.dir, f"linear_attention.sm_{args.arch}")
     try:
         sass = open(base + ".sass").read()
-        ptxas = open(base + ".ptxas").read()
+        res = open(base + ".res").read()
     except OSError as e:
         print(f"FAIL: tensor cores: {e}")
         return 1
-    hmma, regs = hmma_counts(sass), registers(ptxas)
+    hmma, regs = hmma_counts(sass), registers(res)
     fails, open_targets, seen = [], [], 0
     for name in sorted(regs):
         inst = instance(name)
