@@ -275,9 +275,6 @@ inline unsigned grid_for_units(int64_t n) {
   return unsigned(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
-inline bool dense16(const void* p, const MesaTensorDesc& d) {
-  return p != nullptr && is_dense(d) && reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
 
 // F::template with_form<kForm>()
 template <typename F>

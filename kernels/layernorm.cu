@@ -15,6 +15,9 @@
 // Kernels (R rows of C, T input, b bits):
 //   layernorm_forward_kernel     reads R·C·sizeof(T) + 2·C·sizeof(T), writes R·C·sizeof(T)
 //                                + R·C·b/8 + 8·R; ~10 FLOP/element
+//   layernorm_forward_dense_kernel  the same bytes and results for dense rows of C <= 1024
+//                                (C % 8 == 0), codes rounded to nearest: units per lane, bits and
+//                                statistics fixed at compile time (LayerNormDense picks it)
 //   layernorm_codes_kernel       (only when C·b is not a multiple of 8, so that rows do not
 //                                start on a byte) reads R·C·sizeof(T) + 8·R, writes R·C·b/8;
 //                                kWiden: the running estimate's widening pass (quant_common.cuh,
@@ -26,7 +29,8 @@
 // Determinism: dw/db partials are sums over fixed row ranges (P = partial_blocks chosen by
 // the caller from the shape only), then one ordered sum over P per column — no float
 // atomics, bitwise reproducible run to run (and independent of the GPU's SM count).
-// Launch policy: as softmax.cu (warp per row up to C = 1024, a 512-thread block per row
+// Launch policy: as softmax.cu (warp per row up to C = 1024 — the dense kernel when every
+// tensor is dense and aligned, grid from the occupancy API —, a 512-thread block per row
 // beyond, streaming re-reads of the row above 4096).
 // Reference: crates/mesa-kernels/src/reference/fused.rs.  Bytes and floors: docs/fused.md.
 #include "rows.cuh"
@@ -227,6 +231,135 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
   }
 }
 
+// Stand-ins for an absent weight (1) or bias (0) of the dense kernel, up to 1024 columns of
+// any dtype: device memory the loads read instead of branching per unit.
+template <uint32_t kWord>
+struct WordRow {
+  uint32_t w[1024];
+};
+template <uint32_t kWord>
+constexpr WordRow<kWord> word_row() {
+  WordRow<kWord> r{};
+  for (int i = 0; i < 1024; ++i) r.w[i] = kWord;
+  return r;
+}
+__device__ const WordRow<0x3f800000u> kOnesF32 = word_row<0x3f800000u>();
+__device__ const WordRow<0x3f803f80u> kOnesBF16 = word_row<0x3f803f80u>();
+__device__ const WordRow<0x3c003c00u> kOnesF16 = word_row<0x3c003c00u>();
+__device__ const WordRow<0u> kZeros = word_row<0u>();
+
+template <typename T>
+__device__ __forceinline__ const T* ones_row() {
+  if constexpr (std::is_same<T, float>::value) return reinterpret_cast<const T*>(kOnesF32.w);
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) return reinterpret_cast<const T*>(kOnesBF16.w);
+  if constexpr (std::is_same<T, __half>::value) return reinterpret_cast<const T*>(kOnesF16.w);
+}
+
+// Dense kernel (warp per row, C <= 1024 with C % 8 == 0, K = 1, 2 or 4 units of 8 per lane):
+// x, y, weight and bias dense and 16-byte aligned, R·C < 2^31; codes (kBits != 0) rounded to
+// nearest with the identity map, every unit of 8 in one group; kStats: the batch statistics
+// too. Bits, statistics and the row's unit count are template arguments; the group of a unit
+// comes from 32-bit fast division and its code parameters are reused while it stays the same
+// (quantize_dense_unit, the quantize pass's own code). Values, codes and statistics are
+// layernorm_forward_kernel's bit for bit: the same sums in the same order (a unit past the
+// row adds +0 to Σx and nothing to Σd², as the general kernel's zero padding does), the same
+// x̂ = (x − mean)·rstd and y = fmaf(x̂, w, b) (w = 1, b = 0 when absent), the codes of the
+// same x̂. Loads and stores stay in 32-bit words (unit_from_words / unit_to_words).
+template <typename T, int K, int kBits, bool kStats>
+__global__ void __launch_bounds__(kRowBlock, 2)
+    layernorm_forward_dense_kernel(const T* __restrict__ x, T* __restrict__ y, uint32_t rows, uint32_t cols, LnParams p,
+                                   DenseQuantize q, CodeSink sink) {
+  constexpr int W = kUnitWords<T>;
+  __shared__ float scratch[1];  // team_sum's staging: unused by a warp team
+  __shared__ MesaGroupStats staged[kStats ? kSharedGroups : 1];
+  StatsSink stats{sink.stats, kStats && sink.groups.count <= kSharedGroups ? staged : nullptr, sink.groups.count};
+  if (kStats) stats.begin();
+  RunStats run;
+  uint32_t cached_group = 0xffffffffu;
+  CodeParams cp{0.0f, 0.0f, 1.0f};
+  const uint32_t lane = threadIdx.x % kWarpSize;
+  const uint32_t teams = gridDim.x * (kRowBlock / kWarpSize);
+  const float inv_cols = 1.0f / float(cols);
+  const T* w = p.weight != nullptr ? static_cast<const T*>(p.weight) : ones_row<T>();
+  const T* b = p.bias != nullptr ? static_cast<const T*>(p.bias) : reinterpret_cast<const T*>(kZeros.w);
+  for (uint32_t r = blockIdx.x * (kRowBlock / kWarpSize) + threadIdx.x / kWarpSize; r < rows; r += teams) {
+    const uint32_t row0 = r * cols;
+    float v[K][kUnit];
+    float s = 0.0f, amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const uint32_t c0 = (uint32_t(k) * kWarpSize + lane) * kUnit;
+      uint4 xw[W];
+#pragma unroll
+      for (int h = 0; h < W; ++h) xw[h] = c0 < cols ? load16_words(x + row0 + c0 + h * Vec16<T>::N) : make_uint4(0u, 0u, 0u, 0u);
+      unit_from_words<T>(xw, v[k]);
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        s += v[k][j];
+        amax = fmaxf(amax, fabsf(v[k][j]));
+      }
+    }
+    s = team_sum<kWarpSize>(s, scratch);
+    const RowScale rsc = row_scale(team_max<kWarpSize>(amax, scratch));
+    if (rsc.sc != 1.0f) {  // huge row: the values held in registers are scaled in place
+      s = 0.0f;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) {
+          v[k][j] *= rsc.sc;
+          s += v[k][j];
+        }
+      s = team_sum<kWarpSize>(s, scratch);
+    }
+    const float mean = s * inv_cols;  // of the scaled row; unscaled when stored
+    float sq = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const bool live = (uint32_t(k) * kWarpSize + lane) * kUnit < cols;
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        v[k][j] -= mean;  // d, kept: x̂ = d·rstd
+        if (live) sq = fmaf(v[k][j], v[k][j], sq);
+      }
+    }
+    const float rstd = row_rstd(team_sum<kWarpSize>(sq, scratch), inv_cols, p.eps, rsc);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const uint32_t c0 = (uint32_t(k) * kWarpSize + lane) * kUnit;
+      if (c0 >= cols) continue;
+      float wv[kUnit], bv[kUnit], out[kUnit];
+      uint4 ww[W], bw[W];
+#pragma unroll
+      for (int h = 0; h < W; ++h) {
+        ww[h] = load16_words(w + c0 + h * Vec16<T>::N);
+        bw[h] = load16_words(b + c0 + h * Vec16<T>::N);
+      }
+      unit_from_words<T>(ww, wv);
+      unit_from_words<T>(bw, bv);
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        v[k][j] *= rstd;
+        out[j] = fmaf(v[k][j], wv[j], bv[j]);
+      }
+      uint4 yw[W];
+      unit_to_words<T>(out, yw);
+#pragma unroll
+      for (int h = 0; h < W; ++h) store16_words(y + row0 + c0 + h * Vec16<T>::N, yw[h]);
+      if constexpr (kBits != 0)
+        quantize_dense_unit<kBits, false, kStats>(q, row0 + c0, v[k], cached_group, cp, run, stats.target());
+    }
+    if (lane == 0) {  // back to the row's own scale (exact: powers of two)
+      if (p.mean != nullptr) p.mean[r] = mean * rsc.inv_sc;
+      if (p.rstd != nullptr) p.rstd[r] = rstd * rsc.sc;
+    }
+  }
+  if (kStats) {
+    flush(run, stats.target());
+    stats.end();
+  }
+}
+
 // Codes of x̂ from x, mean and rstd, in units of 8 logical elements (any row length).
 // kWiden: the widening pass of the running estimate (quant_common.cuh, WidenSet): only the
 // units holding an element of a widened group, nothing when none was widened; no statistics.
@@ -382,6 +515,57 @@ MesaStatus launch_fwd(const MesaLayerNormForwardArgs& a, int64_t rows, int64_t c
                                  y != nullptr ? row_view(a.y_desc) : RowView{}, rows, cols, p, code_sink_from(a.sink)));
 }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The dense kernel when the views and the codes allow: y written, rows of C <= 1024 with
+// C % 8 == 0, every tensor dense and 16-byte aligned, R·C < 2^31, and either nothing saved or
+// codes rounded to nearest with the identity map and units of 8 in one group (with or without
+// the batch statistics). One dispatch point: units per lane, then bits and statistics. The
+// statistics-only pass of exact mode (no codes, no y) and stochastic rounding take the
+// general kernel.
+template <typename T>
+struct LayerNormDense {
+  const MesaLayerNormForwardArgs& a;
+  CodeSink sink;
+  int64_t rows, cols;
+  void* stream;
+
+  bool ok() const {
+    const bool saving = sink.codes != nullptr || sink.stats != nullptr;
+    return cols % kUnit == 0 && cols <= int64_t(kWarpSize) * kUnit * 4 && rows * cols < (int64_t(1) << 31) &&
+           dense16(a.x, a.x_desc) && dense16(a.y, a.y_desc) && aligned16(a.weight) && aligned16(a.bias) &&
+           (!saving || (sink.codes != nullptr && !sink.stochastic && !sink.sqrt_map && sink.groups.run % kUnit == 0 &&
+                        group_map32_ok(sink.groups, rows * cols)));
+  }
+
+  template <int K, int kBits, bool kStats>
+  MesaStatus launch() const {
+    const auto kernel = layernorm_forward_dense_kernel<T, K, kBits, kStats>;
+    const DenseQuantize q{kBits != 0 ? group_map32(sink.groups) : GroupMap32{}, sink.params, sink.codes, sink.seed};
+    const LnParams p{a.weight, a.bias, a.mean, a.rstd, a.eps};
+    const unsigned grid = resident_grid(kernel, rows * kWarpSize, kRowBlock);
+    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kRowBlock), 0, stream, static_cast<const T*>(a.x),
+                                   static_cast<T*>(a.y), uint32_t(rows), uint32_t(cols), p, q, sink));
+  }
+
+  template <int K>
+  MesaStatus with_units() const {
+    const bool stats = sink.stats != nullptr;
+    switch (sink.codes != nullptr ? sink.bits : 0) {
+      case 8: return stats ? launch<K, 8, true>() : launch<K, 8, false>();
+      case 4: return stats ? launch<K, 4, true>() : launch<K, 4, false>();
+      case 2: return stats ? launch<K, 2, true>() : launch<K, 2, false>();
+      default: return launch<K, 0, false>();
+    }
+  }
+
+  MesaStatus run() const {
+    if (cols <= int64_t(kWarpSize) * kUnit) return with_units<1>();
+    if (cols <= int64_t(kWarpSize) * kUnit * 2) return with_units<2>();
+    return with_units<4>();
+  }
+};
+
 template <typename T>
 struct LayerNormForwardOp {
   static MesaStatus run(const MesaLayerNormForwardArgs& a, void* stream) {
@@ -401,6 +585,8 @@ struct LayerNormForwardOp {
                                      static_cast<const T*>(a.x), row_view(a.x_desc), n, cols, a.mean, a.rstd, sink,
                                      widen));
     }
+    const LayerNormDense<T> dense{a, code_sink_from(a.sink), rows, cols, stream};
+    if (dense.ok()) return dense.run();
     if (cols <= 256) return launch_fwd<T, kWarpSize, 1>(a, rows, cols, kRowBlock, stream);
     if (cols <= 512) return launch_fwd<T, kWarpSize, 2>(a, rows, cols, kRowBlock, stream);
     if (cols <= 1024) return launch_fwd<T, kWarpSize, 4>(a, rows, cols, kRowBlock, stream);

@@ -92,6 +92,19 @@ __device__ __forceinline__ uint32_t splat_word(float v) {
   }
 }
 
+// Host: a tensor the dense kernels may address directly (16-byte vectors): dense, 16-byte
+// aligned, not null.
+inline bool dense16(const void* p, const MesaTensorDesc& d) {
+  return p != nullptr && is_dense(d) && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// A 16-byte word of T all holding `v`.
+template <typename T>
+__device__ __forceinline__ uint4 splat4(float v) {
+  const uint32_t w = splat_word<T>(v);
+  return make_uint4(w, w, w, w);
+}
+
 // Elementwise ops: logical unit [i0, i0 + live) of a tensor view. Dense views address it
 // directly (vector path); strided ones element by element.
 template <typename T>

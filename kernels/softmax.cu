@@ -415,9 +415,6 @@ struct SoftmaxForwardLaunch {
   }
 };
 
-inline bool dense16(const void* p, const MesaTensorDesc& d) {
-  return p != nullptr && is_dense(d) && reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
 
 // The dense kernel when the views and the codes allow (one dispatch point: bits, then map),
 // else the general kernels by row length.

@@ -86,10 +86,9 @@ SPECS = [
          require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (r"STG\.E\.64", 4), (SQRT, 32), (EXP, 32)],
          target=0.70),
     dict(name="LayerNorm fwd saving + stats (1024 cols)", file="layernorm",
-         func=r"::layernorm_forward_kernel<__nv_bfloat16, 32, 4>", loops=[(r"LDG\.E\.128", 32)],
-         bytes=5, avoid=[PHILOX],
-         require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (RECIPROCAL, 4),
-                  (r"VIMNMX", 64)], target=0.70, gate=2.00),
+         func=r"::layernorm_forward_dense_kernel<__nv_bfloat16, 4, 8, true>", loops=[(r"LDG\.E\.128", 32)],
+         bytes=5, avoid=[],
+         require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (r"STG\.E\.64", 4)], target=0.70),
     # feature maps: the dense kernel, two 16-byte vectors (16 bf16) per iteration; ELU+1 with
     # every element on its exp side (the costlier one)
     dict(name="ReLU feature map fwd", file="feature_maps",

@@ -1094,6 +1094,125 @@ fn layer_norm_constant_rows_long_rows_strided_and_running_mode() {
     }
 }
 
+/// The dense LayerNorm kernel (x, y, weight and bias dense and 16-byte aligned, C % 8 == 0,
+/// C ≤ 1024, codes rounded to nearest with units of 8 in one group) gives what the general
+/// kernel gives, bit for bit: y, mean, rstd, codes, parameters and the non-finite count, over
+/// three batches (the first batch's exact statistics, then the running estimate with fused
+/// statistics, whose parameters the third batch's codes use; or exact mode). The same data through a row-padded view (not dense: the
+/// general kernel) must agree exactly. Rows: random, constant (variance 0), huge (past 2^44:
+/// the scaled path; f16 cannot hold such values and gets its largest), one NaN, one +inf.
+#[test]
+fn layer_norm_dense_kernel_equals_the_general_kernel_bitwise() {
+    let mut rng = common::rng("layer_norm_dense_kernel_equals_the_general_kernel_bitwise");
+    for device in common::backends() {
+        for dtype in dtypes() {
+            with_dtype!(dtype, T, {
+                for cols in [8usize, 256, 264, 512, 1000, 1024] {
+                    let rows = 6;
+                    let n = rows * cols;
+                    let big = if dtype == DType::F16 { 6e4 } else { 3e20 };
+                    let batches: Vec<Vec<T>> = (0..3)
+                        .map(|batch| {
+                            let mut x: Vec<T> = random(&mut rng, n, 0.5, 3.0 + batch as f64);
+                            for c in 0..cols {
+                                x[cols + c] = T::from_f64(-2.5); // row 1: constant
+                                x[2 * cols + c] = T::from_f64(big * (rng.random::<f64>() - 0.3)); // row 2: huge
+                            }
+                            if batch == 1 {
+                                x[3 * cols + cols / 2] = T::from_f64(f64::NAN); // row 3: a NaN
+                                x[4 * cols + 1] = T::from_f64(f64::INFINITY); // row 4: +inf
+                            }
+                            x
+                        })
+                        .collect();
+                    let w: Vec<T> = random(&mut rng, cols, 1.0, 0.5);
+                    let b: Vec<T> = random(&mut rng, cols, 0.0, 0.5);
+                    let (wb, bb) = (device.upload(&w).expect("up"), device.upload(&b).expect("up"));
+                    let pitch = cols + 8;
+                    let dense = Layout::contiguous(&[rows, cols]);
+                    let padded = Layout::strided(&[rows, cols], &[pitch, 1], 0).expect("padded view");
+                    let groupings = [
+                        Grouping::Tensor,
+                        Grouping::Heads { axis: 0 },
+                        Grouping::Channels { axis: 1, groups: cols / 8 },
+                    ];
+                    for grouping in groupings {
+                        for (bits, stats, affine) in [
+                            (8, StatsMode::Running, true),
+                            (4, StatsMode::Running, false),
+                            (2, StatsMode::Exact, true),
+                            (8, StatsMode::Exact, false),
+                        ] {
+                            let config =
+                                QuantConfig { bits, grouping, stats, rounding: Rounding::Nearest, momentum: 0.9 };
+                            let run = |padded_view: bool, q: &mut Quantizer, x: &[T]| {
+                                let (storage, view) = if padded_view {
+                                    let mut xp = vec![T::from_f64(0.0); rows * pitch];
+                                    for r in 0..rows {
+                                        xp[r * pitch..r * pitch + cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
+                                    }
+                                    (device.upload(&xp).expect("up"), &padded)
+                                } else {
+                                    (device.upload(x).expect("up"), &dense)
+                                };
+                                let (wv, bv) = (vref(&wb), vref(&bb));
+                                let xv = tref(&storage, view);
+                                let args = LayerNormForward {
+                                    x: &xv,
+                                    weight: affine.then_some(&wv),
+                                    bias: affine.then_some(&bv),
+                                    eps: 1e-5,
+                                };
+                                let mut y = poisoned::<T>(&device, n);
+                                let saved = layer_norm_forward(&device, q, &args, &mut tmut(&mut y, &dense))
+                                    .expect("layer_norm_forward");
+                                // NaN payloads and signs are not compared (IEEE leaves them open)
+                                let bits_of = |v: Vec<f64>| -> Vec<u64> {
+                                    v.iter().map(|v| if v.is_nan() { f64::NAN.to_bits() } else { v.to_bits() }).collect()
+                                };
+                                let f32_bits = |v: Vec<f32>| bits_of(v.iter().map(|&v| f64::from(v)).collect());
+                                let params: Vec<(u32, u32)> = saved
+                                    .xhat()
+                                    .params()
+                                    .expect("params")
+                                    .iter()
+                                    .map(|p| (p.offset.to_bits(), p.scale.to_bits()))
+                                    .collect();
+                                (
+                                    bits_of(host(&y)),
+                                    f32_bits(saved.mean().to_vec().expect("mean")),
+                                    f32_bits(saved.rstd().to_vec().expect("rstd")),
+                                    saved.xhat().codes().to_vec().expect("codes"),
+                                    params,
+                                    saved.xhat().nonfinite_count().expect("count"),
+                                )
+                            };
+                            let mut fast_q = Quantizer::new(&device, config).expect("q");
+                            let mut general_q = Quantizer::new(&device, config).expect("q");
+                            for (batch, x) in batches.iter().enumerate() {
+                                let fast = run(false, &mut fast_q, x);
+                                let general = run(true, &mut general_q, x);
+                                let what = format!(
+                                    "{dtype:?} {cols} cols, {grouping:?}, {bits} bits, {stats:?}, affine {affine}, batch {batch}"
+                                );
+                                assert_eq!(fast.0, general.0, "y differs: {what}");
+                                assert_eq!(fast.1, general.1, "mean differs: {what}");
+                                assert_eq!(fast.2, general.2, "rstd differs: {what}");
+                                assert_eq!(fast.3, general.3, "codes differ: {what}");
+                                assert_eq!(fast.4, general.4, "parameters differ: {what}");
+                                assert_eq!(fast.5, general.5, "non-finite count differs: {what}");
+                                if batch == 1 {
+                                    assert_eq!(fast.5 as usize, 2 * cols, "two non-finite rows counted: {what}");
+                                }
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    }
+}
+
 #[test]
 fn layer_norm_plain_paths_match() {
     let mut rng = common::rng("ln_plain");
