@@ -30,7 +30,9 @@
 //   quant_stats_kernel      reads sizeof(T)                        per-group min/max/nonfinite
 //   quantize_kernel         reads sizeof(T), writes b/8 (+ optional stats in the same pass)
 //   quant_finalize_kernel   per group: O(groups), one block; RUNNING mode also writes the
-//                           widen flags (4 B per group + a 4-byte count)
+//                           widen flags (4 B per group + a 4-byte count). With a
+//                           MesaFusedFinalize, the same work runs in the last block of the
+//                           statistics or quantize pass instead (finalize_if_last)
 //   quantize_kernel<.., kWiden>  the widening pass, for the elements of the k widened groups
 //                           out of G: reads sizeof(T), writes b/8 (worst case k = G: the bytes of
 //                           a quantize pass; steady state k = 0: one 4-byte count per thread,
@@ -50,11 +52,109 @@ namespace MESA_NS {
 
 constexpr int kBlock = 256;
 // ---------------------------------------------------------------------------------------
+// Finalize: per-group params and running estimate from the batch statistics, by one block
+// (the groups are few next to the elements): the quant_finalize_kernel launch, or the last
+// block of a statistics pass (finalize_if_last). `scratch`: kFinalizeScratch words of shared
+// memory. Out of line: one copy for the ~40 kernels that may call it.
+constexpr int kFinalizeScratch = kBlock / kWarpSize + 2;
+__device__ __forceinline__ void finalize_batch(const MesaQuantFinalizeArgs& a, unsigned* scratch) {
+  const float levels = float((1u << a.bits) - 1u);
+  const float m = a.momentum;
+  unsigned nonfinite = 0u;
+  unsigned& widened = scratch[0];  // groups that escaped the estimate (RUNNING mode)
+  unsigned* partial = scratch + 1;  // [kBlock / kWarpSize]
+  if (threadIdx.x == 0) widened = 0u;
+  __syncthreads();
+  for (int64_t g = threadIdx.x; g < a.count; g += blockDim.x) {
+    // other blocks' atomics wrote the statistics: read them from L2 (ld.cg), not from L1
+    const MesaGroupStats s{__ldcg(&a.stats[g].min_key), __ldcg(&a.stats[g].max_key), __ldcg(&a.stats[g].nonfinite), 0u};
+    const bool any_finite = s.min_key != 0xffffffffu;
+    MesaGroupParams batch{0.0f, 0.0f};
+    if (any_finite) {
+      const float lo = key_float(s.min_key);
+      const float hi = key_float(s.max_key);
+      batch.offset = lo;
+      // In f64: hi - lo may exceed FLT_MAX (the quotient never does). Rounded UP to f32, so
+      // that the whole range fits in the codes even when the step is a handful of subnormal
+      // ulps (range < levels * 2^-149 gets the smallest subnormal step, not 0). IEEE f64
+      // arithmetic and one conversion: identical on both builds.
+      const double step = (double(hi) - double(lo)) / double(levels);
+      float scale = float(step);
+      if (double(scale) < step) scale = __uint_as_float(__float_as_uint(scale) + 1u);
+      batch.scale = scale;
+    }
+    MesaGroupParams used;
+    MesaGroupParams next = a.running[g];
+    if (a.mode == MESA_FINALIZE_EXACT) {
+      used = batch;
+      if (!a.running_initialized) {
+        next = batch;
+      }
+    } else {
+      // the estimate the one pass used, unless this batch left it by more than one step:
+      // then the batch's exact range, and the widening pass encodes the group again
+      used = a.running[g];
+      const bool widen = any_finite && s.nonfinite == 0u &&
+                         escaped_estimate(used, key_float(s.min_key), key_float(s.max_key), levels);
+      if (widen) {
+        used = batch;
+        atomicAdd(&widened, 1u);
+      }
+      if (a.widen != nullptr) a.widen[g] = widen ? 1u : 0u;
+    }
+    if (any_finite && (a.running_initialized || a.mode == MESA_FINALIZE_RUNNING)) {
+      next.offset = fmaf(m, next.offset, (1.0f - m) * batch.offset);
+      next.scale = fmaf(m, next.scale, (1.0f - m) * batch.scale);
+    }
+    if (s.nonfinite != 0u) used.scale = __uint_as_float(0x7fc00000u);  // NaN: never decode finite
+    a.params[g] = used;
+    a.running[g] = next;
+    a.stats[g] = MesaGroupStats{0xffffffffu, 0u, 0u, 0u};
+    nonfinite += s.nonfinite;
+  }
+  __syncthreads();
+  if (a.mode == MESA_FINALIZE_RUNNING && a.widen != nullptr && threadIdx.x == 0) a.widen[a.count] = widened;
+  if (a.nonfinite_total != nullptr) {
+    for (int o = kWarpSize / 2; o > 0; o /= 2) nonfinite += __shfl_xor_sync(0xffffffffu, nonfinite, o);
+    if (threadIdx.x % kWarpSize == 0) partial[threadIdx.x / kWarpSize] = nonfinite;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned total = 0u;
+      for (int w = 0; w < kBlock / kWarpSize; ++w) total += partial[w];
+      *a.nonfinite_total = total;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kBlock) quant_finalize_kernel(MesaQuantFinalizeArgs a) {
+  __shared__ unsigned scratch[kFinalizeScratch];
+  finalize_batch(a, scratch);
+}
+
+// The fused finalize of a statistics pass (MesaFusedFinalize): every thread of every block
+// calls it after its block's statistics are in global memory (StatsSink::end or flush). The
+// block fences its atomics, counts itself once, and the last block to arrive finalizes —
+// the threadFenceReduction pattern of the CUDA samples; atomicInc wraps the counter back to
+// 0 for the next launch.
+__device__ __forceinline__ void finalize_if_last(const MesaFusedFinalize& f, unsigned* scratch) {
+  if (f.arrivals == nullptr) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) scratch[kFinalizeScratch - 1] = atomicInc(f.arrivals, gridDim.x - 1) == gridDim.x - 1;
+  __syncthreads();
+  if (scratch[kFinalizeScratch - 1] == 0u) return;
+  __threadfence();
+  finalize_batch(f.args, scratch);
+}
+
+// ---------------------------------------------------------------------------------------
 // Statistics pass (exact mode).
 template <typename T, bool kDense>
 __global__ void __launch_bounds__(kBlock) quant_stats_kernel(const T* __restrict__ x, Strided view, int64_t n,
-                                                             GroupMap groups, MesaGroupStats* stats) {
+                                                             GroupMap groups, MesaGroupStats* stats,
+                                                             MesaFusedFinalize fin) {
   __shared__ MesaGroupStats staged[kSharedGroups];
+  __shared__ unsigned fin_scratch[kFinalizeScratch];
   StatsSink sink{stats, groups.count <= kSharedGroups ? staged : nullptr, groups.count};
   sink.begin();
   RunStats run;
@@ -79,6 +179,7 @@ __global__ void __launch_bounds__(kBlock) quant_stats_kernel(const T* __restrict
   }
   flush(run, sink.target());
   sink.end();
+  finalize_if_last(fin, fin_scratch);
 }
 
 // Dense fast path of the statistics pass: x dense and 16-byte aligned, n < 2^31, units of 8
@@ -87,8 +188,9 @@ __global__ void __launch_bounds__(kBlock) quant_stats_kernel(const T* __restrict
 template <typename T>
 __global__ void __launch_bounds__(kBlock) quant_stats_dense_kernel(const T* __restrict__ x, int64_t n,
                                                                    GroupMap32 groups, GroupMap groups64,
-                                                                   MesaGroupStats* stats) {
+                                                                   MesaGroupStats* stats, MesaFusedFinalize fin) {
   __shared__ MesaGroupStats staged[kSharedGroups];
+  __shared__ unsigned fin_scratch[kFinalizeScratch];
   StatsSink sink{stats, groups64.count <= kSharedGroups ? staged : nullptr, groups64.count};
   sink.begin();
   RunStats run;
@@ -119,6 +221,7 @@ __global__ void __launch_bounds__(kBlock) quant_stats_dense_kernel(const T* __re
     for (int64_t i = int64_t(nunits) * kUnit; i < n; ++i) accumulate(run, groups64.group(i), to_float(x[i]), sink.target());
   flush(run, sink.target());
   sink.end();
+  finalize_if_last(fin, fin_scratch);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -165,9 +268,11 @@ __device__ void quantize_tail(const T* x, int64_t n, int64_t i0, const QuantizeC
 // element of a widened group, nothing at all when no group was widened.
 template <typename T, bool kDense, bool kWiden>
 __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ x, Strided view, int64_t n,
-                                                          QuantizeConfig cfg, MesaGroupStats* stats) {
+                                                          QuantizeConfig cfg, MesaGroupStats* stats,
+                                                          MesaFusedFinalize fin) {
   if (kWiden && cfg.widen.none()) return;  // the steady state: one load per thread
   __shared__ MesaGroupStats staged[kWiden ? 1 : kSharedGroups];
+  __shared__ unsigned fin_scratch[kWiden ? 1 : kFinalizeScratch];
   const bool with_stats = !kWiden && stats != nullptr;
   StatsSink sink{stats, cfg.groups.count <= kSharedGroups ? staged : nullptr, cfg.groups.count};
   if (with_stats) sink.begin();
@@ -259,6 +364,7 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
   if (with_stats) {
     flush(run, sink.target());
     sink.end();
+    if constexpr (!kWiden) finalize_if_last(fin, fin_scratch);
   }
 }
 
@@ -266,9 +372,11 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
 // Dense fast path of the quantize pass: quantize_dense_unit (quant_common.cuh, shared with the
 // fused producers) on two units in flight per thread.
 template <typename T, int kBits, bool kStochastic, bool kStats>
-__global__ void __launch_bounds__(kBlock) quantize_dense_kernel(const T* __restrict__ x, int64_t n, DenseQuantize q,
-                                                                QuantizeConfig cfg, MesaGroupStats* stats) {
+__global__ void __launch_bounds__(kBlock, 2) quantize_dense_kernel(const T* __restrict__ x, int64_t n, DenseQuantize q,
+                                                                QuantizeConfig cfg, MesaGroupStats* stats,
+                                                                MesaFusedFinalize fin) {
   __shared__ MesaGroupStats staged[kStats ? kSharedGroups : 1];
+  __shared__ unsigned fin_scratch[kStats ? kFinalizeScratch : 1];
   StatsSink sink{stats, kStats && cfg.groups.count <= kSharedGroups ? staged : nullptr, cfg.groups.count};
   if (kStats) sink.begin();
   RunStats run;
@@ -295,77 +403,7 @@ __global__ void __launch_bounds__(kBlock) quantize_dense_kernel(const T* __restr
   if (kStats) {
     flush(run, sink.target());
     sink.end();
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// Finalize: per-group params and running estimate from the batch statistics. One block;
-// the groups are few (heads, channel groups) next to the elements.
-__global__ void __launch_bounds__(kBlock) quant_finalize_kernel(MesaQuantFinalizeArgs a) {
-  const float levels = float((1u << a.bits) - 1u);
-  const float m = a.momentum;
-  unsigned nonfinite = 0u;
-  __shared__ unsigned widened;  // groups that escaped the estimate (RUNNING mode)
-  if (threadIdx.x == 0) widened = 0u;
-  __syncthreads();
-  for (int64_t g = threadIdx.x; g < a.count; g += blockDim.x) {
-    const MesaGroupStats s = a.stats[g];
-    const bool any_finite = s.min_key != 0xffffffffu;
-    MesaGroupParams batch{0.0f, 0.0f};
-    if (any_finite) {
-      const float lo = key_float(s.min_key);
-      const float hi = key_float(s.max_key);
-      batch.offset = lo;
-      // In f64: hi - lo may exceed FLT_MAX (the quotient never does). Rounded UP to f32, so
-      // that the whole range fits in the codes even when the step is a handful of subnormal
-      // ulps (range < levels * 2^-149 gets the smallest subnormal step, not 0). IEEE f64
-      // arithmetic and one conversion: identical on both builds.
-      const double step = (double(hi) - double(lo)) / double(levels);
-      float scale = float(step);
-      if (double(scale) < step) scale = __uint_as_float(__float_as_uint(scale) + 1u);
-      batch.scale = scale;
-    }
-    MesaGroupParams used;
-    MesaGroupParams next = a.running[g];
-    if (a.mode == MESA_FINALIZE_EXACT) {
-      used = batch;
-      if (!a.running_initialized) {
-        next = batch;
-      }
-    } else {
-      // the estimate the one pass used, unless this batch left it by more than one step:
-      // then the batch's exact range, and the widening pass encodes the group again
-      used = a.running[g];
-      const bool widen = any_finite && s.nonfinite == 0u &&
-                         escaped_estimate(used, key_float(s.min_key), key_float(s.max_key), levels);
-      if (widen) {
-        used = batch;
-        atomicAdd(&widened, 1u);
-      }
-      if (a.widen != nullptr) a.widen[g] = widen ? 1u : 0u;
-    }
-    if (any_finite && (a.running_initialized || a.mode == MESA_FINALIZE_RUNNING)) {
-      next.offset = fmaf(m, next.offset, (1.0f - m) * batch.offset);
-      next.scale = fmaf(m, next.scale, (1.0f - m) * batch.scale);
-    }
-    if (s.nonfinite != 0u) used.scale = __uint_as_float(0x7fc00000u);  // NaN: never decode finite
-    a.params[g] = used;
-    a.running[g] = next;
-    a.stats[g] = MesaGroupStats{0xffffffffu, 0u, 0u, 0u};
-    nonfinite += s.nonfinite;
-  }
-  __syncthreads();
-  if (a.mode == MESA_FINALIZE_RUNNING && a.widen != nullptr && threadIdx.x == 0) a.widen[a.count] = widened;
-  if (a.nonfinite_total != nullptr) {
-    __shared__ unsigned partial[kBlock / kWarpSize];
-    for (int o = kWarpSize / 2; o > 0; o /= 2) nonfinite += __shfl_xor_sync(0xffffffffu, nonfinite, o);
-    if (threadIdx.x % kWarpSize == 0) partial[threadIdx.x / kWarpSize] = nonfinite;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      unsigned total = 0u;
-      for (int w = 0; w < kBlock / kWarpSize; ++w) total += partial[w];
-      *a.nonfinite_total = total;
-    }
+    finalize_if_last(fin, fin_scratch);
   }
 }
 
@@ -473,13 +511,13 @@ MesaStatus launch_stats(const MesaQuantStatsArgs& a, void* stream) {
   if (vector_ok(a.x, a.x_desc) && gm.run % kUnit == 0 && group_map32_ok(gm, n)) {
     const auto kernel = quant_stats_dense_kernel<T>;
     return status_from(MESA_LAUNCH(kernel, dim3(resident_grid(kernel, ceil_div(ceil_div(n, kUnit), 2), kBlock)),
-                                   dim3(kBlock), 0, stream, x, n, group_map32(gm), gm, a.stats));
+                                   dim3(kBlock), 0, stream, x, n, group_map32(gm), gm, a.stats, a.finalize));
   }
   if (vector_ok(a.x, a.x_desc))
     return status_from(MESA_LAUNCH((quant_stats_kernel<T, true>), dim3(grid_for(n / Vec16<T>::N + 1)), dim3(kBlock),
-                                   0, stream, x, view, n, gm, a.stats));
+                                   0, stream, x, view, n, gm, a.stats, a.finalize));
   return status_from(MESA_LAUNCH((quant_stats_kernel<T, false>), dim3(grid_for(n)), dim3(kBlock), 0, stream, x, view,
-                                 n, gm, a.stats));
+                                 n, gm, a.stats, a.finalize));
 }
 
 template <typename T>
@@ -489,12 +527,13 @@ struct QuantizeDenseLaunch {
   DenseQuantize q;
   QuantizeConfig cfg;
   MesaGroupStats* stats;
+  MesaFusedFinalize fin;
   void* stream;
   template <int kBits, bool kStochastic, bool kStats>
   MesaStatus run() const {
     const auto kernel = quantize_dense_kernel<T, kBits, kStochastic, kStats>;
     const unsigned grid = resident_grid(kernel, ceil_div(ceil_div(n, kUnit), 2), kBlock);
-    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kBlock), 0, stream, x, n, q, cfg, stats));
+    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kBlock), 0, stream, x, n, q, cfg, stats, fin));
   }
 };
 
@@ -511,24 +550,25 @@ MesaStatus launch_quantize(const MesaQuantizeArgs& a, void* stream) {
     // the widening pass: a grid for the worst case (every group widened), no host
     // synchronisation; every thread returns after one load when no group was widened
     const unsigned grid = grid_for(ceil_div(n, kUnit));
+    const MesaFusedFinalize none{};
     if (dense)
-      return status_from(
-          MESA_LAUNCH((quantize_kernel<T, true, true>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, nullptr));
-    return status_from(
-        MESA_LAUNCH((quantize_kernel<T, false, true>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, nullptr));
+      return status_from(MESA_LAUNCH((quantize_kernel<T, true, true>), dim3(grid), dim3(kBlock), 0, stream, x, view, n,
+                                     cfg, nullptr, none));
+    return status_from(MESA_LAUNCH((quantize_kernel<T, false, true>), dim3(grid), dim3(kBlock), 0, stream, x, view, n,
+                                   cfg, nullptr, none));
   }
   // the fast path: dense, identity codes, units in one group, 32-bit indices
   if (dense && !cfg.sqrt_map && cfg.groups.run % kUnit == 0 && group_map32_ok(cfg.groups, n)) {
     const QuantizeDenseLaunch<T> l{x, n, DenseQuantize{group_map32(cfg.groups), a.params, a.codes, a.seed}, cfg,
-                                   a.stats, stream};
+                                   a.stats, a.finalize, stream};
     return dispatch_bits_flags(a.bits, cfg.stochastic, a.stats != nullptr, l);
   }
   const unsigned grid = grid_for(ceil_div(n, kUnit));
   if (dense)
-    return status_from(
-        MESA_LAUNCH((quantize_kernel<T, true, false>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, a.stats));
-  return status_from(
-      MESA_LAUNCH((quantize_kernel<T, false, false>), dim3(grid), dim3(kBlock), 0, stream, x, view, n, cfg, a.stats));
+    return status_from(MESA_LAUNCH((quantize_kernel<T, true, false>), dim3(grid), dim3(kBlock), 0, stream, x, view, n,
+                                   cfg, a.stats, a.finalize));
+  return status_from(MESA_LAUNCH((quantize_kernel<T, false, false>), dim3(grid), dim3(kBlock), 0, stream, x, view, n,
+                                 cfg, a.stats, a.finalize));
 }
 
 template <typename T>
@@ -563,6 +603,19 @@ MesaStatus launch_dequantize(const MesaDequantizeArgs& a, void* stream) {
                                  a.params, gm, a.bits, sqrt_map, y, view, n));
 }
 
+inline bool finalize_args_valid(const MesaQuantFinalizeArgs& a) {
+  if (a.count < 0 || !bits_valid(a.bits)) return false;
+  if (a.mode != MESA_FINALIZE_EXACT && a.mode != MESA_FINALIZE_RUNNING) return false;
+  if (!(a.momentum >= 0.0f && a.momentum <= 1.0f)) return false;
+  return a.count == 0 || (a.stats != nullptr && a.running != nullptr && a.params != nullptr);
+}
+
+// A fused finalize (arrivals not NULL) finalizes the statistics this pass reduces.
+inline bool fused_finalize_valid(const MesaFusedFinalize& f, const MesaGroupStats* stats, const MesaGrouping& g) {
+  if (f.arrivals == nullptr) return true;
+  return stats != nullptr && f.args.stats == stats && f.args.count == g.count && finalize_args_valid(f.args);
+}
+
 template <typename T> struct StatsOp { static MesaStatus run(const MesaQuantStatsArgs& a, void* s) { return launch_stats<T>(a, s); } };
 template <typename T> struct QuantizeOp { static MesaStatus run(const MesaQuantizeArgs& a, void* s) { return launch_quantize<T>(a, s); } };
 template <typename T> struct DequantizeOp { static MesaStatus run(const MesaDequantizeArgs& a, void* s) { return launch_dequantize<T>(a, s); } };
@@ -576,6 +629,7 @@ using namespace MESA_NS;
 // (the safe crate checks everything first and gives better messages).
 extern "C" MesaStatus MESA_ENTRY(quant_stats)(const MesaQuantStatsArgs* a, void* stream) {
   if (a == nullptr || !desc_valid(a->x_desc) || !grouping_valid(a->grouping, a->x_desc)) return MESA_STATUS_INVALID_ARGUMENT;
+  if (!fused_finalize_valid(a->finalize, a->stats, a->grouping)) return MESA_STATUS_INVALID_ARGUMENT;
   if (numel(a->x_desc) == 0) return MESA_STATUS_OK;
   if (a->x == nullptr || a->stats == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   return dispatch_dtype<StatsOp>(a->x_desc.dtype, *a, stream);
@@ -590,17 +644,14 @@ extern "C" MesaStatus MESA_ENTRY(quantize)(const MesaQuantizeArgs* a, void* stre
     return MESA_STATUS_INVALID_ARGUMENT;
   // the widening pass re-encodes with saved params: no statistics, linear codes
   if (a->widen != nullptr && (a->stats != nullptr || a->map != MESA_CODE_MAP_IDENTITY)) return MESA_STATUS_INVALID_ARGUMENT;
+  if (!fused_finalize_valid(a->finalize, a->stats, a->grouping)) return MESA_STATUS_INVALID_ARGUMENT;
   if (numel(a->x_desc) == 0) return MESA_STATUS_OK;
   if (a->x == nullptr || a->params == nullptr || a->codes == nullptr) return MESA_STATUS_INVALID_ARGUMENT;
   return dispatch_dtype<QuantizeOp>(a->x_desc.dtype, *a, stream);
 }
 
 extern "C" MesaStatus MESA_ENTRY(quant_finalize)(const MesaQuantFinalizeArgs* a, void* stream) {
-  if (a == nullptr || a->count < 0 || !bits_valid(a->bits)) return MESA_STATUS_INVALID_ARGUMENT;
-  if (a->mode != MESA_FINALIZE_EXACT && a->mode != MESA_FINALIZE_RUNNING) return MESA_STATUS_INVALID_ARGUMENT;
-  if (!(a->momentum >= 0.0f && a->momentum <= 1.0f)) return MESA_STATUS_INVALID_ARGUMENT;
-  if (a->count > 0 && (a->stats == nullptr || a->running == nullptr || a->params == nullptr))
-    return MESA_STATUS_INVALID_ARGUMENT;
+  if (a == nullptr || !finalize_args_valid(*a)) return MESA_STATUS_INVALID_ARGUMENT;
   return status_from(MESA_LAUNCH(quant_finalize_kernel, dim3(1), dim3(kBlock), 0, stream, *a));
 }
 

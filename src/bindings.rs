@@ -96,74 +96,6 @@ const _: () = {
     ["Offset of field: MesaGroupStats::nonfinite"][::core::mem::offset_of!(MesaGroupStats, nonfinite) - 8usize];
     ["Offset of field: MesaGroupStats::_pad"][::core::mem::offset_of!(MesaGroupStats, _pad) - 12usize];
 };
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct MesaQuantStatsArgs {
-    pub x: *const ::core::ffi::c_void,
-    pub x_desc: MesaTensorDesc,
-    pub grouping: MesaGrouping,
-    pub stats: *mut MesaGroupStats,
-}
-#[allow(clippy::unnecessary_operation, clippy::identity_op)]
-const _: () = {
-    ["Size of MesaQuantStatsArgs"][::core::mem::size_of::<MesaQuantStatsArgs>() - 144usize];
-    ["Alignment of MesaQuantStatsArgs"][::core::mem::align_of::<MesaQuantStatsArgs>() - 8usize];
-    ["Offset of field: MesaQuantStatsArgs::x"][::core::mem::offset_of!(MesaQuantStatsArgs, x) - 0usize];
-    ["Offset of field: MesaQuantStatsArgs::x_desc"][::core::mem::offset_of!(MesaQuantStatsArgs, x_desc) - 8usize];
-    ["Offset of field: MesaQuantStatsArgs::grouping"][::core::mem::offset_of!(MesaQuantStatsArgs, grouping) - 112usize];
-    ["Offset of field: MesaQuantStatsArgs::stats"][::core::mem::offset_of!(MesaQuantStatsArgs, stats) - 136usize];
-};
-impl Default for MesaQuantStatsArgs {
-    fn default() -> Self {
-        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct MesaQuantizeArgs {
-    pub x: *const ::core::ffi::c_void,
-    pub x_desc: MesaTensorDesc,
-    pub grouping: MesaGrouping,
-    pub params: *const MesaGroupParams,
-    pub codes: *mut u8,
-    pub stats: *mut MesaGroupStats,
-    pub seed: u64,
-    pub bits: i32,
-    pub rounding: MesaRounding,
-    pub map: MesaCodeMap,
-    pub _pad: i32,
-    pub widen: *const u32,
-}
-#[allow(clippy::unnecessary_operation, clippy::identity_op)]
-const _: () = {
-    ["Size of MesaQuantizeArgs"][::core::mem::size_of::<MesaQuantizeArgs>() - 192usize];
-    ["Alignment of MesaQuantizeArgs"][::core::mem::align_of::<MesaQuantizeArgs>() - 8usize];
-    ["Offset of field: MesaQuantizeArgs::x"][::core::mem::offset_of!(MesaQuantizeArgs, x) - 0usize];
-    ["Offset of field: MesaQuantizeArgs::x_desc"][::core::mem::offset_of!(MesaQuantizeArgs, x_desc) - 8usize];
-    ["Offset of field: MesaQuantizeArgs::grouping"][::core::mem::offset_of!(MesaQuantizeArgs, grouping) - 112usize];
-    ["Offset of field: MesaQuantizeArgs::params"][::core::mem::offset_of!(MesaQuantizeArgs, params) - 136usize];
-    ["Offset of field: MesaQuantizeArgs::codes"][::core::mem::offset_of!(MesaQuantizeArgs, codes) - 144usize];
-    ["Offset of field: MesaQuantizeArgs::stats"][::core::mem::offset_of!(MesaQuantizeArgs, stats) - 152usize];
-    ["Offset of field: MesaQuantizeArgs::seed"][::core::mem::offset_of!(MesaQuantizeArgs, seed) - 160usize];
-    ["Offset of field: MesaQuantizeArgs::bits"][::core::mem::offset_of!(MesaQuantizeArgs, bits) - 168usize];
-    ["Offset of field: MesaQuantizeArgs::rounding"][::core::mem::offset_of!(MesaQuantizeArgs, rounding) - 172usize];
-    ["Offset of field: MesaQuantizeArgs::map"][::core::mem::offset_of!(MesaQuantizeArgs, map) - 176usize];
-    ["Offset of field: MesaQuantizeArgs::_pad"][::core::mem::offset_of!(MesaQuantizeArgs, _pad) - 180usize];
-    ["Offset of field: MesaQuantizeArgs::widen"][::core::mem::offset_of!(MesaQuantizeArgs, widen) - 184usize];
-};
-impl Default for MesaQuantizeArgs {
-    fn default() -> Self {
-        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
 pub type MesaFinalizeMode = i32;
 pub const MESA_FINALIZE_EXACT: MesaFinalizeModeCode = 0;
 pub const MESA_FINALIZE_RUNNING: MesaFinalizeModeCode = 1;
@@ -203,6 +135,100 @@ const _: () = {
         [::core::mem::offset_of!(MesaQuantFinalizeArgs, running_initialized) - 60usize];
 };
 impl Default for MesaQuantFinalizeArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaFusedFinalize {
+    pub args: MesaQuantFinalizeArgs,
+    pub arrivals: *mut u32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaFusedFinalize"][::core::mem::size_of::<MesaFusedFinalize>() - 72usize];
+    ["Alignment of MesaFusedFinalize"][::core::mem::align_of::<MesaFusedFinalize>() - 8usize];
+    ["Offset of field: MesaFusedFinalize::args"][::core::mem::offset_of!(MesaFusedFinalize, args) - 0usize];
+    ["Offset of field: MesaFusedFinalize::arrivals"][::core::mem::offset_of!(MesaFusedFinalize, arrivals) - 64usize];
+};
+impl Default for MesaFusedFinalize {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaQuantStatsArgs {
+    pub x: *const ::core::ffi::c_void,
+    pub x_desc: MesaTensorDesc,
+    pub grouping: MesaGrouping,
+    pub stats: *mut MesaGroupStats,
+    pub finalize: MesaFusedFinalize,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaQuantStatsArgs"][::core::mem::size_of::<MesaQuantStatsArgs>() - 216usize];
+    ["Alignment of MesaQuantStatsArgs"][::core::mem::align_of::<MesaQuantStatsArgs>() - 8usize];
+    ["Offset of field: MesaQuantStatsArgs::x"][::core::mem::offset_of!(MesaQuantStatsArgs, x) - 0usize];
+    ["Offset of field: MesaQuantStatsArgs::x_desc"][::core::mem::offset_of!(MesaQuantStatsArgs, x_desc) - 8usize];
+    ["Offset of field: MesaQuantStatsArgs::grouping"][::core::mem::offset_of!(MesaQuantStatsArgs, grouping) - 112usize];
+    ["Offset of field: MesaQuantStatsArgs::stats"][::core::mem::offset_of!(MesaQuantStatsArgs, stats) - 136usize];
+    ["Offset of field: MesaQuantStatsArgs::finalize"][::core::mem::offset_of!(MesaQuantStatsArgs, finalize) - 144usize];
+};
+impl Default for MesaQuantStatsArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaQuantizeArgs {
+    pub x: *const ::core::ffi::c_void,
+    pub x_desc: MesaTensorDesc,
+    pub grouping: MesaGrouping,
+    pub params: *const MesaGroupParams,
+    pub codes: *mut u8,
+    pub stats: *mut MesaGroupStats,
+    pub seed: u64,
+    pub bits: i32,
+    pub rounding: MesaRounding,
+    pub map: MesaCodeMap,
+    pub _pad: i32,
+    pub widen: *const u32,
+    pub finalize: MesaFusedFinalize,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaQuantizeArgs"][::core::mem::size_of::<MesaQuantizeArgs>() - 264usize];
+    ["Alignment of MesaQuantizeArgs"][::core::mem::align_of::<MesaQuantizeArgs>() - 8usize];
+    ["Offset of field: MesaQuantizeArgs::x"][::core::mem::offset_of!(MesaQuantizeArgs, x) - 0usize];
+    ["Offset of field: MesaQuantizeArgs::x_desc"][::core::mem::offset_of!(MesaQuantizeArgs, x_desc) - 8usize];
+    ["Offset of field: MesaQuantizeArgs::grouping"][::core::mem::offset_of!(MesaQuantizeArgs, grouping) - 112usize];
+    ["Offset of field: MesaQuantizeArgs::params"][::core::mem::offset_of!(MesaQuantizeArgs, params) - 136usize];
+    ["Offset of field: MesaQuantizeArgs::codes"][::core::mem::offset_of!(MesaQuantizeArgs, codes) - 144usize];
+    ["Offset of field: MesaQuantizeArgs::stats"][::core::mem::offset_of!(MesaQuantizeArgs, stats) - 152usize];
+    ["Offset of field: MesaQuantizeArgs::seed"][::core::mem::offset_of!(MesaQuantizeArgs, seed) - 160usize];
+    ["Offset of field: MesaQuantizeArgs::bits"][::core::mem::offset_of!(MesaQuantizeArgs, bits) - 168usize];
+    ["Offset of field: MesaQuantizeArgs::rounding"][::core::mem::offset_of!(MesaQuantizeArgs, rounding) - 172usize];
+    ["Offset of field: MesaQuantizeArgs::map"][::core::mem::offset_of!(MesaQuantizeArgs, map) - 176usize];
+    ["Offset of field: MesaQuantizeArgs::_pad"][::core::mem::offset_of!(MesaQuantizeArgs, _pad) - 180usize];
+    ["Offset of field: MesaQuantizeArgs::widen"][::core::mem::offset_of!(MesaQuantizeArgs, widen) - 184usize];
+    ["Offset of field: MesaQuantizeArgs::finalize"][::core::mem::offset_of!(MesaQuantizeArgs, finalize) - 192usize];
+};
+impl Default for MesaQuantizeArgs {
     fn default() -> Self {
         let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
         unsafe {

@@ -1116,7 +1116,8 @@ fn layer_norm_dense_kernel_equals_the_general_kernel_bitwise() {
                             let mut x: Vec<T> = random(&mut rng, n, 0.5, 3.0 + batch as f64);
                             for c in 0..cols {
                                 x[cols + c] = T::from_f64(-2.5); // row 1: constant
-                                x[2 * cols + c] = T::from_f64(big * (rng.random::<f64>() - 0.3)); // row 2: huge
+                                x[2 * cols + c] = T::from_f64(big * (rng.random::<f64>() - 0.3));
+                                // row 2: huge
                             }
                             if batch == 1 {
                                 x[3 * cols + cols / 2] = T::from_f64(f64::NAN); // row 3: a NaN
@@ -1168,7 +1169,9 @@ fn layer_norm_dense_kernel_equals_the_general_kernel_bitwise() {
                                     .expect("layer_norm_forward");
                                 // NaN payloads and signs are not compared (IEEE leaves them open)
                                 let bits_of = |v: Vec<f64>| -> Vec<u64> {
-                                    v.iter().map(|v| if v.is_nan() { f64::NAN.to_bits() } else { v.to_bits() }).collect()
+                                    v.iter()
+                                        .map(|v| if v.is_nan() { f64::NAN.to_bits() } else { v.to_bits() })
+                                        .collect()
                                 };
                                 let f32_bits = |v: Vec<f32>| bits_of(v.iter().map(|&v| f64::from(v)).collect());
                                 let params: Vec<(u32, u32)> = saved

@@ -212,6 +212,14 @@ template <typename T> inline T atomicAnd(T* p, T v) { return __mesa_atomic_rmw(p
 template <typename T> inline T atomicExch(T* p, T v) { return __mesa_atomic_rmw(p, v, 3); }
 template <typename T> inline T atomicMin(T* p, T v) { return __mesa_atomic_rmw(p, v, 4); }
 template <typename T> inline T atomicMax(T* p, T v) { return __mesa_atomic_rmw(p, v, 5); }
+// CUDA's atomicInc: stores (old >= limit) ? 0 : old + 1, returns old.
+inline unsigned atomicInc(unsigned* p, unsigned limit) {
+  std::atomic_ref<unsigned> a(*p);
+  unsigned old = a.load();
+  while (!a.compare_exchange_weak(old, old >= limit ? 0u : old + 1u)) {
+  }
+  return old;
+}
 template <typename T> inline T atomicCAS(T* p, T expected, T desired) {
   std::atomic_ref<T> a(*p);
   a.compare_exchange_strong(expected, desired);
@@ -269,6 +277,9 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __clz(unsigned x) { return x == 0 ? 32 : __builtin_clz(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs(int(x)); }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+// ld.global.cg (cached in L2 only): what another block wrote with atomics. An atomic load
+// here, since other worker threads may still be writing the neighbouring words.
+template <typename T> inline T __ldcg(const T* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 
 // ---------------------------------------------------------------------------------------
 // Vector types (16-byte loads/stores compile to plain copies here).

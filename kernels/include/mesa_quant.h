@@ -66,35 +66,6 @@ typedef struct MesaGroupStats {
   uint32_t _pad;
 } MesaGroupStats;
 
-/* Statistics pass: stats[g] <- reduce(stats[g], x in group g). */
-typedef struct MesaQuantStatsArgs {
-  const void* x;
-  MesaTensorDesc x_desc;
-  MesaGrouping grouping;
-  MesaGroupStats* stats;   /* [grouping.count], reduced into (not reset) */
-} MesaQuantStatsArgs;
-
-/* Quantize pass: codes <- Q(x; params). If `stats` is not NULL the same pass also reduces
- * this batch's statistics into it (one read of x for both).
- * Widening pass (`widen` not NULL, stats NULL): only the units of 8 logical elements that
- * hold an element of a widened group are encoded again (every element of such a unit with
- * its own group's params); the other codes are left as they are. Nothing is read or written
- * when widen[count] is 0. See MesaQuantFinalizeArgs for the widen array. */
-typedef struct MesaQuantizeArgs {
-  const void* x;
-  MesaTensorDesc x_desc;
-  MesaGrouping grouping;
-  const MesaGroupParams* params;  /* [grouping.count] */
-  uint8_t* codes;                 /* ceil(numel * bits / 8) bytes */
-  MesaGroupStats* stats;          /* [grouping.count] or NULL */
-  uint64_t seed;                  /* stochastic rounding: Philox key */
-  int32_t bits;                   /* 8, 4 or 2 */
-  MesaRounding rounding;
-  MesaCodeMap map;                /* SQRT requires stats == NULL */
-  int32_t _pad;
-  const uint32_t* widen;          /* NULL, or [grouping.count + 1] from quant_finalize (requires stats == NULL) */
-} MesaQuantizeArgs;
-
 typedef int32_t MesaFinalizeMode;
 enum MesaFinalizeModeCode {
   /* exact per-batch statistics: params <- stats; running <- stats (first batch) or EMA */
@@ -132,6 +103,50 @@ typedef struct MesaQuantFinalizeArgs {
   MesaFinalizeMode mode;
   int32_t running_initialized;     /* 0 on the first batch of a quantizer */
 } MesaQuantFinalizeArgs;
+
+/* A statistics pass that finalizes the batch itself (instead of a separate quant_finalize
+ * launch): each block, once its statistics are reduced into `args.stats`, counts itself in
+ * `*arrivals`; the last block to arrive runs quant_finalize's work on `args` (after every
+ * other block's statistics are visible) and leaves `*arrivals` at 0 again (one atomicInc
+ * that wraps at the grid size). arrivals = NULL: no fused finalize (the caller launches
+ * quant_finalize). Otherwise *arrivals must be 0 before the launch (a zeroed counter that
+ * only these passes touch, one launch at a time), and args.stats must be the pass's stats.
+ * Used by quant_stats (EXACT mode) and by quantize with stats (RUNNING mode). */
+typedef struct MesaFusedFinalize {
+  MesaQuantFinalizeArgs args;
+  uint32_t* arrivals;              /* one counter, or NULL */
+} MesaFusedFinalize;
+
+/* Statistics pass: stats[g] <- reduce(stats[g], x in group g). */
+typedef struct MesaQuantStatsArgs {
+  const void* x;
+  MesaTensorDesc x_desc;
+  MesaGrouping grouping;
+  MesaGroupStats* stats;   /* [grouping.count], reduced into (not reset; finalize resets it) */
+  MesaFusedFinalize finalize;
+} MesaQuantStatsArgs;
+
+/* Quantize pass: codes <- Q(x; params). If `stats` is not NULL the same pass also reduces
+ * this batch's statistics into it (one read of x for both).
+ * Widening pass (`widen` not NULL, stats NULL): only the units of 8 logical elements that
+ * hold an element of a widened group are encoded again (every element of such a unit with
+ * its own group's params); the other codes are left as they are. Nothing is read or written
+ * when widen[count] is 0. See MesaQuantFinalizeArgs for the widen array. */
+typedef struct MesaQuantizeArgs {
+  const void* x;
+  MesaTensorDesc x_desc;
+  MesaGrouping grouping;
+  const MesaGroupParams* params;  /* [grouping.count] */
+  uint8_t* codes;                 /* ceil(numel * bits / 8) bytes */
+  MesaGroupStats* stats;          /* [grouping.count] or NULL */
+  uint64_t seed;                  /* stochastic rounding: Philox key */
+  int32_t bits;                   /* 8, 4 or 2 */
+  MesaRounding rounding;
+  MesaCodeMap map;                /* SQRT requires stats == NULL */
+  int32_t _pad;
+  const uint32_t* widen;          /* NULL, or [grouping.count + 1] from quant_finalize (requires stats == NULL) */
+  MesaFusedFinalize finalize;     /* arrivals != NULL requires stats != NULL */
+} MesaQuantizeArgs;
 
 /* Dequantize: y <- codes * scale[g] + offset[g] (map SQRT: that value squared), converted
  * to y_desc.dtype, written through y_desc's strides (any layout; codes are in logical order). */

@@ -206,6 +206,19 @@ struct RunningState {
     stats: Buffer<GroupStats>,
     /// `[groups + 1]`: 1 for a group the last one-pass batch widened, then their count.
     widen: Buffer<u32>,
+    /// One counter: the blocks of a statistics pass that finalizes the batch itself
+    /// (`sys::MesaFusedFinalize`); 0 between launches.
+    arrivals: Buffer<u32>,
+}
+
+/// Who finalizes a batch (statistics → parameters and running estimate): the producer's own
+/// statistics pass in its last block, or a separate `quant_finalize` launch after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Finalize {
+    /// The producer's statistics kernels take the `sys::MesaFusedFinalize` they are given.
+    InPass,
+    /// `encode` launches `quant_finalize` after the statistics pass.
+    Separate,
 }
 
 impl Quantizer {
@@ -317,7 +330,7 @@ impl Quantizer {
         let device = self.device.clone();
         let mut launch = Launch::new(&device);
         let xp = launch.input(x, "input")?;
-        self.encode::<T>(&mut launch, saved, x.layout(), |launch, step, sink| {
+        self.encode::<T>(&mut launch, saved, x.layout(), Finalize::InPass, |launch, step, sink, finalize| {
             // SAFETY (both kernels): `xp` is the registered input view described by
             // `view.desc`; the sink's codes/params/stats are the saved handle's and the
             // quantizer's buffers, registered by `encode` and sized there for this tensor.
@@ -330,6 +343,7 @@ impl Quantizer {
                         x_desc: view.desc,
                         grouping: view.grouping,
                         stats: sink.stats,
+                        finalize,
                     };
                     unsafe { launch.launch("quant_stats", &args, sys::mesa_quant_stats, sys::mesa_emu_quant_stats) }
                 }
@@ -351,6 +365,7 @@ impl Quantizer {
                         map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
                         _pad: 0,
                         widen,
+                        finalize,
                     };
                     unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) }
                 }
@@ -389,7 +404,8 @@ impl Quantizer {
         launch: &mut Launch<'a>,
         saved: &'a mut SavedActivation,
         layout: &Layout,
-        mut run: impl FnMut(&mut Launch<'a>, ProducerStep, sys::MesaCodeSink) -> Result<()>,
+        finalize_by: Finalize,
+        mut run: impl FnMut(&mut Launch<'a>, ProducerStep, sys::MesaCodeSink, sys::MesaFusedFinalize) -> Result<()>,
     ) -> Result<()> {
         if !same_stream(launch.device(), &self.device) {
             return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
@@ -420,6 +436,10 @@ impl Quantizer {
         let params = launch.write_buffer(&mut saved.params, "saved parameters")?;
         let codes = launch.write_buffer(&mut saved.codes, "saved codes")?;
         let nonfinite = launch.write_buffer(&mut saved.nonfinite, "non-finite counter")?;
+        let arrivals = match finalize_by {
+            Finalize::InPass => launch.write_buffer(&mut state.arrivals, "finalize arrivals")?,
+            Finalize::Separate => std::ptr::null_mut(),
+        };
         let sink = |with_codes: bool, params: *const GroupParams, with_stats: bool| sys::MesaCodeSink {
             codes: if with_codes { codes } else { std::ptr::null_mut() },
             params: if with_codes { params.cast() } else { std::ptr::null() },
@@ -444,22 +464,34 @@ impl Quantizer {
             mode: mode as sys::MesaFinalizeMode,
             running_initialized: i32::from(!first),
         };
+        // The finalize of a statistics pass: inside it (its last block; the counter was
+        // registered above and is 0 between launches), or a launch of its own after it.
         // SAFETY (finalize): stats, running and params hold `groups` entries (state_for and
         // the handle's allocation for this group count), nonfinite one; all registered above.
+        let mut stats_pass = |launch: &mut Launch<'a>, step: ProducerStep, sink: sys::MesaCodeSink, mode: u32| {
+            let fused = sys::MesaFusedFinalize {
+                args: finalize(mode),
+                arrivals: if finalize_by == Finalize::InPass { arrivals } else { std::ptr::null_mut() },
+            };
+            run(launch, step, sink, fused)?;
+            if finalize_by == Finalize::Separate {
+                let args = finalize(mode);
+                unsafe {
+                    launch.launch("quant_finalize", &args, sys::mesa_quant_finalize, sys::mesa_emu_quant_finalize)?
+                };
+            }
+            Ok::<(), Error>(())
+        };
         if exact {
-            run(launch, ProducerStep::Stats, sink(false, std::ptr::null(), true))?;
-            let args = finalize(sys::MESA_FINALIZE_EXACT);
-            unsafe { launch.launch("quant_finalize", &args, sys::mesa_quant_finalize, sys::mesa_emu_quant_finalize)? };
-            run(launch, ProducerStep::Codes, sink(true, params, false))?;
+            stats_pass(launch, ProducerStep::Stats, sink(false, std::ptr::null(), true), sys::MESA_FINALIZE_EXACT)?;
+            run(launch, ProducerStep::Codes, sink(true, params, false), sys::MesaFusedFinalize::default())?;
         } else {
             // one pass: codes from the running estimate, this batch's statistics reduced in
             // the same read; then params <- running (what was used) or, for a group that
             // escaped it, the batch's exact range; running <- EMA of the batch statistics;
             // then the escaped groups (none in the steady state) are encoded again.
-            run(launch, ProducerStep::CodesAndStats, sink(true, running, true))?;
-            let args = finalize(sys::MESA_FINALIZE_RUNNING);
-            unsafe { launch.launch("quant_finalize", &args, sys::mesa_quant_finalize, sys::mesa_emu_quant_finalize)? };
-            run(launch, ProducerStep::Widen(widen), sink(true, params, false))?;
+            stats_pass(launch, ProducerStep::CodesAndStats, sink(true, running, true), sys::MESA_FINALIZE_RUNNING)?;
+            run(launch, ProducerStep::Widen(widen), sink(true, params, false), sys::MesaFusedFinalize::default())?;
         }
         *batches += 1;
         Ok(())
@@ -496,7 +528,8 @@ impl Quantizer {
             let running = self.device.alloc_zeros::<GroupParams>(groups)?;
             let flags = groups.checked_add(1).ok_or_else(|| Error::too_large("groups", "the group count overflows"))?;
             let widen = self.device.alloc_zeros::<u32>(flags)?;
-            self.state = Some(RunningState { groups, running, stats, widen });
+            let arrivals = self.device.alloc_zeros::<u32>(1)?;
+            self.state = Some(RunningState { groups, running, stats, widen, arrivals });
         }
         Ok(())
     }

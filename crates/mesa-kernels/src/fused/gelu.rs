@@ -8,7 +8,7 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::layout::kernel_view;
-use crate::quant::{same_stream, ProducerStep, Quantizer, SavedActivation};
+use crate::quant::{same_stream, Finalize, ProducerStep, Quantizer, SavedActivation};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// The GELU variant (Hendrycks & Gimpel 2016).
@@ -77,7 +77,7 @@ fn gelu_forward_into<T: Element>(
     let mut launch = Launch::new(device);
     let xp = launch.input(x, "input")?;
     let yp = launch.output(y, "output")?;
-    quantizer.encode::<T>(&mut launch, saved, &layout, |launch, step, sink| {
+    quantizer.encode::<T>(&mut launch, saved, &layout, Finalize::Separate, |launch, step, sink, _| {
         // encode runs no step for an empty tensor
         let (Some((x_desc, y_desc)), Some(grouped)) = (descs, grouped.as_ref()) else { return Ok(()) };
         if let ProducerStep::Widen(widen) = step {
@@ -94,6 +94,7 @@ fn gelu_forward_into<T: Element>(
                 map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
                 _pad: 0,
                 widen,
+                finalize: sys::MesaFusedFinalize::default(),
             };
             // SAFETY: x is the registered input, described by `grouped.desc`; codes, params
             // and the widen flags are the handle's and the quantizer's buffers registered by

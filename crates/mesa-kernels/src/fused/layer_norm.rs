@@ -11,7 +11,7 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::layout::Layout;
-use crate::quant::{checked_numel, same_stream, ProducerStep, Quantizer, SavedActivation};
+use crate::quant::{checked_numel, same_stream, Finalize, ProducerStep, Quantizer, SavedActivation};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// What [`layer_norm_forward`] keeps for backward: the codes of `x̂ = (x − mean)·rstd` and the
@@ -232,7 +232,7 @@ fn forward_saving<T: Element>(
     let yp = launch.output(y, "output")?;
     let mp = launch.write_buffer(mean, "mean")?;
     let rp = launch.write_buffer(rstd, "rstd")?;
-    quantizer.encode::<T>(&mut launch, xhat, &layout, |launch, step, sink| {
+    quantizer.encode::<T>(&mut launch, xhat, &layout, Finalize::Separate, |launch, step, sink, _| {
         // encode runs no step for an empty tensor
         let Some((x_desc, y_desc)) = descs else { return Ok(()) };
         let base = sys::MesaLayerNormForwardArgs {

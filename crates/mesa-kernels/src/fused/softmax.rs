@@ -209,6 +209,7 @@ pub fn softmax_forward<T: Element>(
             map: companding.sys(),
             _pad: 0,
             widen: std::ptr::null(),
+            finalize: sys::MesaFusedFinalize::default(),
         };
         // SAFETY: y (registered as the output, written by the kernel above) is described by
         // view.desc; codes and params as above.
