@@ -101,8 +101,120 @@ __device__ __forceinline__ T nan_of() {
 
 // ---------------------------------------------------------------------------------------
 // Reduce-scatter.
-template <typename T, bool kDense>
+// Vectors per rank and thread in the dense loop, for up to kMaxW ranks: the loads of an
+// iteration (kReduceVecs vectors of each input, and of the residual) are issued before the
+// first add, in phases of at most 8 ranks, so a thread has min(W, 8)·kReduceVecs 16-byte
+// loads in flight: two per rank up to 4 ranks, one beyond (at most 32 registers of data
+// under the 128 that two blocks per SM allow).
+template <int kMaxW>
+constexpr int kReduceVecs = kMaxW <= 4 ? 2 : 1;
+
+// The dense vector loop of the reduce-scatter for W <= kMaxW ranks (kMaxW a template
+// argument: the loads and adds of absent ranks are predicated off, the per-rank loop
+// unrolled; W <= 8: all loads issued before the first add). Per element the f32 sum in rank order, then bias, then residual: the operations
+// of the scalar loop, so the same bits. The bias column h of a vector's first element
+// advances with the grid stride by one conditional subtraction (no 64-bit modulo per vector).
+// Returns the elements it handled (a multiple of the vector width).
+template <typename T, int kMaxW>
+__device__ int64_t reduce_vectors(const MesaSeqParArgs& a, int rank, int64_t tid, int64_t stride, int64_t n,
+                                  bool poison) {
+  constexpr int N = Vec16<T>::N;
+  constexpr int K = kReduceVecs<kMaxW>;
+  constexpr int kPhase = kMaxW < 8 ? kMaxW : 8;
+  const int W = a.world_size;
+  const int64_t H = a.hidden;
+  const int64_t base = a.split_offsets[rank] * a.batch * H;  // shard start inside every (dense) input
+  T* out = static_cast<T*>(a.ranks[rank].output);
+  const T* bias = static_cast<const T*>(a.ranks[rank].bias);
+  const T* res = static_cast<const T*>(a.ranks[rank].residual);
+  const int64_t nvec = n / N;
+  // H a multiple of N: a vector never wraps around a row, and starts at a multiple of N
+  const bool bias_vec = bias != nullptr && a.bias_stride == 1 && H % N == 0 && aligned16(bias);
+  // h of element v·N for this thread's first vector of each of its K slots, and the step
+  const int64_t step_h = (K * stride * N) % H;
+  int64_t h0[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) h0[k] = ((tid + k * stride) * N) % H;
+  for (int64_t v0 = tid; v0 < nvec; v0 += K * stride) {
+    float acc[K][N];
+    Vec16<T> x[K][kPhase], r[K];
+    // ranks in phases of kPhase: every load of a phase is issued before its first add
+#pragma unroll
+    for (int p0 = 0; p0 < kMaxW; p0 += kPhase) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int64_t v = v0 + k * stride;
+        if (poison || v >= nvec) continue;
+#pragma unroll
+        for (int q = 0; q < kPhase; ++q)
+          if (p0 + q < W) x[k][q] = load16(static_cast<const T*>(a.ranks[p0 + q].input) + base + v * N);
+        if (p0 == 0 && res != nullptr) r[k] = load16(res + v * N);
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (poison || v0 + k * stride >= nvec) continue;
+#pragma unroll
+        for (int q = 0; q < kPhase; ++q)
+          if (p0 + q < W) {
+#pragma unroll
+            for (int j = 0; j < N; ++j) acc[k][j] = p0 + q == 0 ? to_float(x[k][q].v[j]) : acc[k][j] + to_float(x[k][q].v[j]);
+          }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = v0 + k * stride;
+      if (v >= nvec) break;
+      Vec16<T> o;
+      if (poison) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) o.v[j] = nan_of<T>();
+      } else {
+        if (bias_vec) {  // the vector's N columns are one 16-byte run of the bias
+          const Vec16<T> bv = load16(bias + h0[k]);
+#pragma unroll
+          for (int j = 0; j < N; ++j) acc[k][j] = acc[k][j] + to_float(bv.v[j]);
+        } else if (bias != nullptr) {
+          int64_t h = h0[k];
+#pragma unroll
+          for (int j = 0; j < N; ++j) {
+            acc[k][j] = acc[k][j] + to_float(bias[h * a.bias_stride]);
+            h = h + 1 == H ? 0 : h + 1;
+          }
+        }
+        if (res != nullptr) {
+#pragma unroll
+          for (int j = 0; j < N; ++j) acc[k][j] = acc[k][j] + to_float(r[k].v[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(acc[k][j]);
+      }
+      store16(out + v * N, o);
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      h0[k] += step_h;
+      h0[k] -= h0[k] >= H ? H : 0;
+    }
+  }
+  return nvec * N;
+}
+
+// Whether the dense vector loop applies: every pointer it touches 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ bool vectors_ok(const MesaSeqParArgs& a, int rank) {
+  const int64_t base = a.split_offsets[rank] * a.batch * a.hidden;
+  const void* res = a.ranks[rank].residual;
+  bool vec = aligned16(a.ranks[rank].output) && (res == nullptr || aligned16(res));
+  for (int p = 0; p < a.world_size; ++p) vec = vec && aligned16(static_cast<const T*>(a.ranks[p].input) + base);
+  return vec;
+}
+
+// kMaxW > 0: dense views, the vector loop for up to kMaxW ranks where the pointers allow, the
+// scalar loop for the tail; kMaxW = 0: any strides, the scalar loop.
+template <typename T, int kMaxW>
 __device__ void reduce_shard(const MesaSeqParArgs& a, int rank, int64_t tid, int64_t stride, bool poison) {
+  constexpr bool kDense = kMaxW > 0;
   const int W = a.world_size;
   const int64_t B = a.batch, H = a.hidden;
   const int64_t row0 = a.split_offsets[rank];
@@ -112,48 +224,8 @@ __device__ void reduce_shard(const MesaSeqParArgs& a, int rank, int64_t tid, int
   const T* res = static_cast<const T*>(a.ranks[rank].residual);
   const T poison_value = nan_of<T>();
   int64_t done = 0;  // elements handled by the vector loop
-  if (kDense) {
-    constexpr int N = Vec16<T>::N;
-    const int64_t base = row0 * B * H;  // shard start inside every (dense) input
-    bool vec = aligned16(out) && (res == nullptr || aligned16(res));
-    for (int p = 0; p < W; ++p) vec = vec && aligned16(static_cast<const T*>(a.ranks[p].input) + base);
-    if (vec) {
-      const int64_t nvec = n / N;
-      for (int64_t v = tid; v < nvec; v += stride) {
-        Vec16<T> o;
-        if (poison) {
-#pragma unroll
-          for (int j = 0; j < N; ++j) o.v[j] = poison_value;
-        } else {
-          float acc[N];
-          const Vec16<T> x0 = load16(static_cast<const T*>(a.ranks[0].input) + base + v * N);
-#pragma unroll
-          for (int j = 0; j < N; ++j) acc[j] = to_float(x0.v[j]);
-          for (int p = 1; p < W; ++p) {
-            const Vec16<T> xp = load16(static_cast<const T*>(a.ranks[p].input) + base + v * N);
-#pragma unroll
-            for (int j = 0; j < N; ++j) acc[j] = acc[j] + to_float(xp.v[j]);
-          }
-          if (bias != nullptr) {
-            int64_t h = (v * N) % H;
-#pragma unroll
-            for (int j = 0; j < N; ++j) {
-              acc[j] = acc[j] + to_float(bias[h * a.bias_stride]);
-              h = h + 1 == H ? 0 : h + 1;
-            }
-          }
-          if (res != nullptr) {
-            const Vec16<T> r = load16(res + v * N);
-#pragma unroll
-            for (int j = 0; j < N; ++j) acc[j] = acc[j] + to_float(r.v[j]);
-          }
-#pragma unroll
-          for (int j = 0; j < N; ++j) o.v[j] = from_float<T>(acc[j]);
-        }
-        store16(out + v * N, o);
-      }
-      done = nvec * N;
-    }
+  if constexpr (kDense) {
+    if (vectors_ok<T>(a, rank)) done = reduce_vectors<T, kMaxW>(a, rank, tid, stride, n, poison);
   }
   // scalar: the tail of the vector loop, misaligned dense views, any strides
   for (int64_t i = done + tid; i < n; i += stride) {
@@ -212,21 +284,23 @@ __device__ void gather_shards(const MesaSeqParArgs& a, int rank, int64_t tid, in
 // ---------------------------------------------------------------------------------------
 // Block `blk` of `rank` moves its part of the output (all-gather or reduce-scatter), or with
 // `poison` writes NaN over exactly the same elements.
-template <typename T, bool kDense, bool kGather>
+// kMaxW: 0 for strided views, else dense views of up to kMaxW ranks (all-gather: any W).
+template <typename T, int kMaxW, bool kGather>
 __device__ __forceinline__ void move_part(const MesaSeqParArgs& a, int rank, int blk, int bpr, bool poison) {
   const int64_t tid = int64_t(blk) * blockDim.x + threadIdx.x;
   const int64_t stride = int64_t(bpr) * blockDim.x;
-  if (kGather)
-    gather_shards<T, kDense>(a, rank, tid, stride, poison);
+  if constexpr (kGather)
+    gather_shards<T, (kMaxW > 0)>(a, rank, tid, stride, poison);
   else
-    reduce_shard<T, kDense>(a, rank, tid, stride, poison);
+    reduce_shard<T, kMaxW>(a, rank, tid, stride, poison);
 }
 
 // The collective kernel: grid.x = rank_count × bpr, block r·bpr + b is block b of rank
-// rank_begin + r. kGather selects all-gather, else reduce-scatter. The protocol and why a
-// timed-out call leaves NaN and never stale data: mesa_collectives.h.
-template <typename T, bool kDense, bool kGather>
-__global__ void __launch_bounds__(kBlock) seqpar_kernel(const MesaSeqParArgs a, int bpr) {
+// rank_begin + r. kGather selects all-gather, else reduce-scatter; kMaxW as move_part. The
+// protocol and why a timed-out call leaves NaN and never stale data: mesa_collectives.h.
+// Two blocks per SM at most 128 registers (auto_blocks_per_rank counts on two).
+template <typename T, int kMaxW, bool kGather>
+__global__ void __launch_bounds__(kBlock, 2) seqpar_kernel(const MesaSeqParArgs a, int bpr) {
   __shared__ int s_word[4];
   __shared__ uint32_t s_epoch;
   __shared__ int s_sick;
@@ -250,7 +324,7 @@ __global__ void __launch_bounds__(kBlock) seqpar_kernel(const MesaSeqParArgs a, 
   // changing: do not read it
   bool ok = !sick && meet(a, rank, blk, epoch, MESA_SEQPAR_FLAG_START, &s_word[0]) && !group_aborted(a, &s_word[1]);
   if (!ok) give_up();
-  move_part<T, kDense, kGather>(a, rank, blk, bpr, !ok);
+  move_part<T, kMaxW, kGather>(a, rank, blk, bpr, !ok);
   if (ok) {
     // END, then the same question after the reads: a peer that gave up meanwhile may have
     // changed its input under them. Either way the finite part just written is replaced.
@@ -258,7 +332,7 @@ __global__ void __launch_bounds__(kBlock) seqpar_kernel(const MesaSeqParArgs a, 
     if (!ok) {
       give_up();
       // same partition: every thread overwrites exactly the elements it wrote
-      move_part<T, kDense, kGather>(a, rank, blk, bpr, true);
+      move_part<T, kMaxW, kGather>(a, rank, blk, bpr, true);
     }
   }
   if (threadIdx.x == 0) flags[MESA_SEQPAR_FLAG_EPOCH + blk] = epoch;
@@ -293,14 +367,15 @@ inline int64_t max_shard_rows(const MesaSeqParArgs& a) {
   return m;
 }
 
-// Blocks per rank: two blocks per SM over all W ranks of one device (co-resident with room to
-// spare), no more than the largest shard needs, at most MESA_SEQPAR_MAX_BLOCKS. It depends on
-// the world size and the global sizes only, so every launch of one call computes the same
-// value on the same GPU model; launches on different GPU models must pass blocks_per_rank.
+// Blocks per rank: two blocks per SM over the ranks this launch runs on its device (W when one
+// device holds the whole group; 1 for one rank per GPU, which then gets the whole GPU), no
+// more than the largest shard needs, at most MESA_SEQPAR_MAX_BLOCKS. It depends on the rank
+// count and the global sizes only, so every launch of one call computes the same value on the
+// same GPU model; launches on different GPU models must pass blocks_per_rank.
 inline int auto_blocks_per_rank(const MesaSeqParArgs& a, bool gather) {
   const int64_t elems = (gather ? a.split_offsets[a.world_size] : max_shard_rows(a)) * a.batch * a.hidden;
   const int64_t need = ceil_div(ceil_div(elems, 8), kBlock);
-  int64_t bpr = ceil_div(2 * int64_t(sm_count()), a.world_size);
+  int64_t bpr = ceil_div(2 * int64_t(sm_count()), a.rank_count);
   bpr = bpr < need ? bpr : need;
   bpr = bpr < MESA_SEQPAR_MAX_BLOCKS ? bpr : MESA_SEQPAR_MAX_BLOCKS;
   return int(bpr < 1 ? 1 : bpr);
@@ -317,15 +392,22 @@ MesaStatus launch_collective(const MesaSeqParArgs& a, bool gather, void* stream)
                           if (a.ranks[r].residual != nullptr) return false;
                         return true;
                       }());
+  const int W = a.world_size;
   cudaError_t e;
   if (gather && dense)
-    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, true, true>), grid, dim3(kBlock), 0, stream, a, bpr);
+    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, 1, true>), grid, dim3(kBlock), 0, stream, a, bpr);
   else if (gather)
-    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, false, true>), grid, dim3(kBlock), 0, stream, a, bpr);
-  else if (dense)
-    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, true, false>), grid, dim3(kBlock), 0, stream, a, bpr);
+    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, 0, true>), grid, dim3(kBlock), 0, stream, a, bpr);
+  else if (!dense)
+    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, 0, false>), grid, dim3(kBlock), 0, stream, a, bpr);
+  else if (W <= 2)
+    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, 2, false>), grid, dim3(kBlock), 0, stream, a, bpr);
+  else if (W <= 4)
+    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, 4, false>), grid, dim3(kBlock), 0, stream, a, bpr);
+  else if (W <= 8)
+    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, 8, false>), grid, dim3(kBlock), 0, stream, a, bpr);
   else
-    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, false, false>), grid, dim3(kBlock), 0, stream, a, bpr);
+    e = MESA_LAUNCH_COOPERATIVE((seqpar_kernel<T, kMaxRanks, false>), grid, dim3(kBlock), 0, stream, a, bpr);
   return status_from(e);
 }
 

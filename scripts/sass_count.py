@@ -89,6 +89,16 @@ SPECS = [
          func=r"::layernorm_forward_dense_kernel<__nv_bfloat16, 4, 8, true>", loops=[(r"LDG\.E\.128", 32)],
          bytes=5, avoid=[],
          require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (r"STG\.E\.64", 4)], target=0.70),
+    # sequence-parallel collectives, all ranks on one device: the dense vector loop of one
+    # rank's block, one 16-byte vector of output per iteration; reduce-scatter of W = 8 bf16
+    # inputs (8 loads, no bias or residual: 8·2 + 2 = 18 bytes per element), all-gather (one
+    # peer's shard: 2 + 2 bytes)
+    dict(name="reduce-scatter, W = 8 (one device)", file="collectives",
+         func=r"::seqpar_kernel<__nv_bfloat16, 8, false>", loops=[(r"LDG\.E\.128", 8)],
+         bytes=18, avoid=[], require=[(r"LDG\.E\.128", 8), (r"FADD", 56)], target=0.70),
+    dict(name="all-gather (one device)", file="collectives",
+         func=r"::seqpar_kernel<__nv_bfloat16, 1, true>", loops=[(r"LDG\.E\.128", 8)],
+         bytes=4, avoid=[], require=[(r"LDG\.E\.128", 1)], target=0.70),
     # feature maps: the dense kernel, two 16-byte vectors (16 bf16) per iteration; ELU+1 with
     # every element on its exp side (the costlier one)
     dict(name="ReLU feature map fwd", file="feature_maps",

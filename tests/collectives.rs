@@ -289,7 +289,7 @@ fn shapes_for(w: usize, rng: &mut StdRng) -> Vec<(&'static str, Shape)> {
 }
 
 fn parity_for<T: Element>(device: &Device, rng: &mut StdRng) {
-    for w in [1usize, 2, 3, 4, 8] {
+    for w in [1usize, 2, 3, 4, 5, 8, 16] {
         let mut group = SeqParallelGroup::new(device, w).expect("group");
         for (kind, shape) in shapes_for(w, rng) {
             let inputs: Vec<Vec<T>> = (0..w).map(|_| random(rng, shape.s() * shape.bh(), 4.0)).collect();
