@@ -23,8 +23,12 @@
 //                                kWiden: the running estimate's widening pass (quant_common.cuh,
 //                                WidenSet), the same bytes for the elements of widened groups only
 //                                (none in the steady state: one 4-byte load per thread)
-//   layernorm_backward_dx_kernel reads R·C·(sizeof(T) + b/8) + 4·R + C·sizeof(T), writes R·C·sizeof(T)
-//   layernorm_backward_dwdb_kernel  reads R·C·(sizeof(T) + b/8), writes 2·P·C·4 (P partial blocks)
+//   layernorm_backward_fused_kernel (C <= 1024) dx and the dw/db partials in one pass over the
+//                                rows: reads R·C·(sizeof(T) + b/8) + 4·R + C·sizeof(T) from
+//                                memory (each row swept twice, the second time from L1),
+//                                writes R·C·sizeof(T) + 2·P·C·4
+//   layernorm_backward_dx_kernel (C > 1024) reads R·C·(sizeof(T) + b/8) + 4·R + C·sizeof(T), writes R·C·sizeof(T)
+//   layernorm_backward_dwdb_kernel  (C > 1024) reads R·C·(sizeof(T) + b/8), writes 2·P·C·4 (P partial blocks)
 //   layernorm_backward_final_kernel reads 2·P·C·4, writes 2·C·4
 // Determinism: dw/db partials are sums over fixed row ranges (P = partial_blocks chosen by
 // the caller from the shape only), then one ordered sum over P per column — no float
@@ -461,6 +465,112 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
   }
 }
 
+// dx and the dw/db partials in one pass over the rows (C <= 1024, K = 1, 2, 4 units of 8 per
+// lane): block p takes the rows [p·R/P, (p+1)·R/P) (P = gridDim.x = partial_blocks, from the
+// shape only), its warp w the rows r0 + w, r0 + w + 8, …; per row the dx kernel's two sweeps
+// (the row sums, then dx: the same operations in the same order, so the same dx bits), and in
+// the second sweep each lane adds dy·x̂ and dy of its own columns into registers. At the end
+// the block adds its 8 warps' sums in warp order through shared memory (one unit of columns
+// at a time) and writes its partial row of dw and db; layernorm_backward_final_kernel then
+// adds the P partials in order, as before. No float atomics: the same bits on every run and
+// every device.
+constexpr int kRowWarps = kRowBlock / kWarpSize;
+using WarpColumns = float[kRowWarps][kWarpSize * kUnit];
+// The fused backward's staging of its warps' column sums (8 KiB): one __shared__ array for
+// every instance (a non-template function), which the emulator then keeps once in each
+// thread's TLS instead of once per instance (docs/emulator.md, "Resources").
+__device__ __forceinline__ WarpColumns& warp_columns() {
+  __shared__ WarpColumns stage;
+  return stage;
+}
+
+template <typename T, int K, bool kCodes>
+__global__ void __launch_bounds__(kRowBlock, 2)
+    layernorm_backward_fused_kernel(const T* __restrict__ dy, RowView gr, const T* __restrict__ xh, RowView hr,
+                                    CodeSource src, const float* __restrict__ rstd, const T* __restrict__ w,
+                                    T* __restrict__ dx, RowView dr, int64_t rows, int64_t cols,
+                                    float* __restrict__ partials) {
+  constexpr int kWarps = kRowWarps;
+  WarpColumns& stage = warp_columns();
+  const int lane = int(threadIdx.x % kWarpSize), warp = int(threadIdx.x / kWarpSize);
+  const int64_t parts = gridDim.x, p = blockIdx.x;
+  const int64_t r0 = p * rows / parts, r1 = (p + 1) * rows / parts;
+  const float inv_cols = 1.0f / float(cols);
+  float dw[K][kUnit], db[K][kUnit];
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) dw[k][j] = db[k][j] = 0.0f;
+  for (int64_t r = r0 + warp; r < r1; r += kWarps) {
+    const T* grow = dy + gr.row(r);
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c0 = (int64_t(k) * kWarpSize + lane) * kUnit;
+      if (c0 >= cols) continue;
+      const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+      float g[kUnit], xv[kUnit], wv[kUnit];
+      load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
+      load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
+      if (w != nullptr) {
+        load_unit(w + c0, 1, live, wv, 0.0f);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) wv[j] = j < live ? 1.0f : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        const float gj = __fmul_rn(g[j], wv[j]);
+        sg += gj;
+        sgx = fmaf(gj, xv[j], sgx);
+      }
+    }
+    const float a = team_sum<kWarpSize>(sg, nullptr) * inv_cols;
+    const float bq = team_sum<kWarpSize>(sgx, nullptr) * inv_cols;
+    const float rs = rstd[r];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t c0 = (int64_t(k) * kWarpSize + lane) * kUnit;
+      if (c0 >= cols) continue;
+      const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
+      float g[kUnit], xv[kUnit], wv[kUnit], out[kUnit];
+      load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
+      load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
+      if (w != nullptr) {
+        load_unit(w + c0, 1, live, wv, 0.0f);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kUnit; ++j) wv[j] = 1.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) {
+        out[j] = rs * __fsub_rn(__fsub_rn(__fmul_rn(g[j], wv[j]), a), __fmul_rn(xv[j], bq));
+        dw[k][j] = fmaf(g[j], xv[j], dw[k][j]);
+        db[k][j] += g[j];
+      }
+      store_unit(dx + dr.row(r) + c0 * dr.col_stride, dr.col_stride, live, out);
+    }
+  }
+  // the block's partial: Σ over its warps in warp order, one unit of columns per round
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) stage[warp][lane * kUnit + j] = half == 0 ? dw[k][j] : db[k][j];
+      __syncthreads();
+      const int64_t c = int64_t(k) * kWarpSize * kUnit + threadIdx.x;
+      if (c < cols) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int v = 0; v < kWarps; ++v) sum += stage[v][threadIdx.x];
+        partials[(half * parts + p) * cols + c] = sum;
+      }
+    }
+  }
+}
+
 // Partial dw/db of rows [p·R/P, (p+1)·R/P) for one column per thread, summed in row order.
 template <typename T, bool kCodes>
 __global__ void __launch_bounds__(kColBlock)
@@ -595,6 +705,13 @@ struct LayerNormForwardOp {
   }
 };
 
+// dw, db = the ordered sums of the P partial rows.
+inline MesaStatus final_sums(const MesaLayerNormBackwardArgs& a, int64_t cols, void* stream) {
+  const int64_t col_blocks = ceil_div(cols, kColBlock), cap = int64_t(sm_count()) * 4;
+  return status_from(MESA_LAUNCH(layernorm_backward_final_kernel, dim3(unsigned(col_blocks < cap ? col_blocks : cap)),
+                                 dim3(kColBlock), 0, stream, a.partials, a.partial_blocks, cols, a.dweight, a.dbias));
+}
+
 template <typename T, bool kCodes>
 MesaStatus launch_bwd(const MesaLayerNormBackwardArgs& a, int64_t rows, int64_t cols, void* stream) {
   const T* dy = static_cast<const T*>(a.dy);
@@ -603,6 +720,24 @@ MesaStatus launch_bwd(const MesaLayerNormBackwardArgs& a, int64_t rows, int64_t 
   const RowView hr = kCodes ? RowView{} : row_view(a.xhat_desc);
   const CodeSource src = code_source_from(a.source);
   const T* w = static_cast<const T*>(a.weight);
+  if (a.dx != nullptr && a.dweight != nullptr && cols <= int64_t(kWarpSize) * kUnit * 4) {
+    // rows of up to 1024: dx and the dw/db partials in one pass over the rows
+    T* dx = static_cast<T*>(a.dx);
+    const RowView dr = row_view(a.dx_desc);
+    const dim3 grid(unsigned(a.partial_blocks)), block(kRowBlock);
+    MesaStatus s;
+    if (cols <= int64_t(kWarpSize) * kUnit)
+      s = status_from(MESA_LAUNCH((layernorm_backward_fused_kernel<T, 1, kCodes>), grid, block, 0, stream, dy, gr, xh,
+                                  hr, src, a.rstd, w, dx, dr, rows, cols, a.partials));
+    else if (cols <= int64_t(kWarpSize) * kUnit * 2)
+      s = status_from(MESA_LAUNCH((layernorm_backward_fused_kernel<T, 2, kCodes>), grid, block, 0, stream, dy, gr, xh,
+                                  hr, src, a.rstd, w, dx, dr, rows, cols, a.partials));
+    else
+      s = status_from(MESA_LAUNCH((layernorm_backward_fused_kernel<T, 4, kCodes>), grid, block, 0, stream, dy, gr, xh,
+                                  hr, src, a.rstd, w, dx, dr, rows, cols, a.partials));
+    if (s != MESA_STATUS_OK) return s;
+    return final_sums(a, cols, stream);
+  }
   if (a.dx != nullptr) {
     T* dx = static_cast<T*>(a.dx);
     const RowView dr = row_view(a.dx_desc);
@@ -622,9 +757,7 @@ MesaStatus launch_bwd(const MesaLayerNormBackwardArgs& a, int64_t rows, int64_t 
                                                dim3(unsigned(col_blocks), unsigned(a.partial_blocks)), dim3(kColBlock),
                                                0, stream, dy, gr, xh, hr, src, rows, cols, a.partials));
   if (s != MESA_STATUS_OK) return s;
-  const int64_t cap = int64_t(sm_count()) * 4;
-  return status_from(MESA_LAUNCH(layernorm_backward_final_kernel, dim3(unsigned(col_blocks < cap ? col_blocks : cap)),
-                                 dim3(kColBlock), 0, stream, a.partials, a.partial_blocks, cols, a.dweight, a.dbias));
+  return final_sums(a, cols, stream);
 }
 
 template <typename T>

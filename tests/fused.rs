@@ -1094,6 +1094,24 @@ fn layer_norm_constant_rows_long_rows_strided_and_running_mode() {
     }
 }
 
+/// More rows than partial ranges (512): each block of the one-pass backward (rows of ≤ 1024)
+/// sums dweight/dbias over several rows per warp and over its 8 warps, for every unit count
+/// per lane; the bounds and the run-to-run bitwise check of `check_layer_norm` apply.
+#[test]
+fn layer_norm_backward_with_many_rows_per_partial_range() {
+    let mut rng = common::rng("ln_many_rows");
+    for device in common::backends() {
+        for (rows, cols) in [(4133usize, 72usize), (4133, 264), (8200, 24), (4100, 1000)] {
+            let n = rows * cols;
+            let x: Vec<bf16> = random(&mut rng, n, 0.5, 2.0);
+            let w: Vec<bf16> = random(&mut rng, cols, 1.0, 0.5);
+            let dy: Vec<bf16> = random(&mut rng, n, 0.0, 1.0);
+            let mut q = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+            check_layer_norm(&device, &mut q, &x, &Layout::contiguous(&[rows, cols]), Some(&w), None, &dy, true);
+        }
+    }
+}
+
 /// The dense LayerNorm kernel (x, y, weight and bias dense and 16-byte aligned, C % 8 == 0,
 /// C ≤ 1024, codes rounded to nearest with units of 8 in one group) gives what the general
 /// kernel gives, bit for bit: y, mean, rstd, codes, parameters and the non-finite count, over

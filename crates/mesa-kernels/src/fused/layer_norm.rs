@@ -344,8 +344,9 @@ enum Xhat<'a, T> {
 /// `dweight`/`dbias` are reduced deterministically: per-block partial sums over fixed row
 /// ranges (512 ranges at most, chosen from the shape only), then one ordered sum per column —
 /// no float atomics, the same bits on every run. Allocates a `2·ranges·C` f32 scratch
-/// (stream-ordered). Bytes moved: `2·numel·(sizeof(T) + bits/8)` read (dx kernel, then the
-/// column kernel), `numel·sizeof(T)` written. No rows: `dweight = dbias = 0`.
+/// (stream-ordered). Bytes moved: `numel·(sizeof(T) + bits/8)` read for rows of C ≤ 1024 (dx
+/// and the partial sums in one pass), twice that above (a dx kernel, then a column kernel),
+/// `numel·sizeof(T)` written. No rows: `dweight = dbias = 0`.
 ///
 /// In-place: not supported (overlapping inputs and outputs → [`Error::Aliasing`]; the column
 /// kernel re-reads `dy` after `dx` is written).
