@@ -5,11 +5,17 @@
 //! the same run):
 //! * `quantize_running_bf16_8bit`: one-pass quantize with the running estimate (the
 //!   quantizer has already seen one batch): the quantize kernel, which also reduces the
-//!   batch's min/max, plus the one-block finalize that updates the EMA. Bytes: `2n` read
+//!   batch's min/max and whose last block finalizes (EMA update), plus the widening pass
+//!   (one 4-byte load per thread when no group escaped). Bytes: `2n` read
 //!   (bf16) + `n` written (codes); the per-group parameters are negligible.
 //! * `dequantize_bf16_8bit`: codes → bf16. Bytes: `n` read + `2n` written.
 //! * `copy_dtod_bf16` (CUDA only): `cuMemcpyDtoDAsync` of the bf16 input, the bandwidth
 //!   ceiling for a streaming kernel. Bytes: `2 · 2n` (read + write).
+//! * group `host cost per op` (CUDA only): the host time of enqueuing one
+//!   `quantize_into` (running mode: the quantize pass with the fused finalize, then the
+//!   widening pass) or one `dequantize` on a small tensor (`[1, 64, 16, 64]`), batches of 200
+//!   ops timed without synchronising (the queue never fills); the stream is synchronised
+//!   between batches, outside the clock. Reported as time per op (issue 12's target: ≤ 5 µs).
 //!
 //! Shape: `[B, 512, 16, 64]` bf16 grouped per head (axis 2), `B` sized from the queried L2
 //! (at least 4× the L2 moved by quantize: B = 128, 201 MB, on a 50 MB L2); the emulation
@@ -70,7 +76,7 @@ fn bench_quantize(c: &mut Criterion) {
     let x: Buffer<bf16> = device.upload(&host).expect("upload input");
 
     // one-pass running mode: the first batch (exact statistics, two passes) is done here,
-    // so every timed call is quantize (with fused statistics) + finalize (EMA update).
+    // so every timed call is quantize (with fused statistics and finalize) + the widening pass.
     let config = QuantConfig { stats: StatsMode::Running, ..QuantConfig::per_head(HEAD_AXIS) };
     let mut quantizer = Quantizer::new(device, config).expect("quantizer");
     let xt = TensorRef::new(&x, &layout).expect("input view");
@@ -116,5 +122,55 @@ fn bench_quantize(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_quantize);
+/// Ops enqueued per timed batch: far below the launch queue's depth (two launches per
+/// quantize), so no enqueue waits for the GPU.
+const HOST_BATCH: u64 = 200;
+
+/// Host time of `iters` calls of `op` in batches of [`HOST_BATCH`], the stream synchronised
+/// between batches outside the clock.
+fn host_time(device: &mesa_kernels::Device, iters: u64, mut op: impl FnMut()) -> std::time::Duration {
+    let mut total = std::time::Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let n = left.min(HOST_BATCH);
+        device.synchronize().expect("synchronize between batches");
+        let start = std::time::Instant::now();
+        for _ in 0..n {
+            op();
+        }
+        total += start.elapsed();
+        left -= n;
+    }
+    device.synchronize().expect("synchronize after the batches");
+    total.max(std::time::Duration::from_nanos(1))
+}
+
+fn bench_host_cost(c: &mut Criterion) {
+    let bench = BenchDevice::new("quantize host cost");
+    if !bench.is_cuda() {
+        eprintln!("host cost per op: not measured on the host emulation (its ops run synchronously)");
+        return;
+    }
+    let device = &bench.device;
+    let shape = [1, 64, 16, 64];
+    let layout = Layout::contiguous(&shape);
+    let x: Buffer<bf16> = device.upload(&make_input(&shape)).expect("upload input");
+    let xt = TensorRef::new(&x, &layout).expect("input view");
+    let config = QuantConfig { stats: StatsMode::Running, ..QuantConfig::per_head(HEAD_AXIS) };
+    let mut quantizer = Quantizer::new(device, config).expect("quantizer");
+    let mut saved = quantizer.quantize(&xt).expect("first batch");
+    let mut y: Buffer<bf16> = device.alloc_zeros(layout.numel()).expect("alloc output");
+    let mut yt = TensorMut::new(&mut y, &layout).expect("output view");
+    let mut group = c.benchmark_group(bench.group_name("host cost per op"));
+    bench.configure(&mut group);
+    group.bench_function("quantize_into_running", |b| {
+        b.iter_custom(|iters| host_time(device, iters, || quantizer.quantize_into(&xt, &mut saved).expect("quantize")));
+    });
+    group.bench_function("dequantize", |b| {
+        b.iter_custom(|iters| host_time(device, iters, || saved.dequantize(device, &mut yt).expect("dequantize")));
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench_quantize, bench_host_cost);
 criterion_main!(benches);

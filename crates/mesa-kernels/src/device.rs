@@ -63,6 +63,14 @@ impl Device {
 
     /// CUDA device `ordinal`, on a new non-blocking stream of its primary context.
     ///
+    /// The context object made here does not track buffer uses with cudarc's events (as
+    /// candle's devices do not): every op of this crate is ordered on the device's one
+    /// stream, and buffers of another stream are ordered by the op itself (the crate docs,
+    /// "Stream contract"), so an op costs the host no event record or wait per buffer. A
+    /// caller that uses this device's buffers on a stream of its own, outside this crate's
+    /// ops, orders those uses itself (`CudaStream::join`, events), as cudarc's
+    /// `disable_event_tracking` requires.
+    ///
     /// # Errors
     /// [`Error::CudaNotBuilt`] when the library has no CUDA kernels; [`Error::NoCudaDevice`]
     /// when the driver library is missing, no device is visible (`CUDA_VISIBLE_DEVICES=""`)
@@ -80,6 +88,9 @@ impl Device {
         let ctx = catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| Error::NoCudaDevice { why: "the CUDA driver could not be initialised".into(), source: None })?
             .map_err(|e| Error::NoCudaDevice { why: format!("device {ordinal}"), source: Some(e) })?;
+        // SAFETY: nothing has been allocated through this context object yet, and the
+        // crate orders every use of its buffers (the doc comment above)
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         Ok(Device { kind: Kind::Cuda(stream) })
     }

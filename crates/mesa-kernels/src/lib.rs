@@ -33,6 +33,14 @@
 //!   none breaks CUDA-graph capture when all its buffers belong to the capturing stream.
 //! * **A framework passes its own stream**: [`Device::from_stream`] (candle: the stream of its
 //!   `CudaDevice`). Buffers of that stream need no event at all.
+//! * **Host cost per op.** The builder of an op takes each buffer's address once
+//!   (`device_ptr`): in a context that tracks events (cudarc's default once it has a second
+//!   stream) that is one wait for the buffer's last write (two for a buffer the op writes:
+//!   last write and last read) and one record after the kernels, per buffer; in a context
+//!   that does not (candle's devices, and [`Device::cuda`], whose stream the crate manages
+//!   alone) none. Beyond that, per kernel launch: binding the stream's context to the
+//!   thread and the launch itself. Measured per op by the `host cost per op` group of
+//!   `benches/quantize.rs` (GPU runs only).
 //! * **Buffers last used on another stream are ordered by events, both ways.** For a cudarc
 //!   buffer (`CudaSlice`/`CudaView`) whose stream differs from the op's, the op's stream first
 //!   waits for everything enqueued on the buffer's stream so far, and after the op's kernels
