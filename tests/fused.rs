@@ -379,10 +379,8 @@ fn check_softmax<T: Element>(
         if codes[i] != expect {
             let frac = match save.rounding {
                 Rounding::Nearest => ((t - t.floor()) - 0.5).abs(),
-                Rounding::Stochastic { seed } => {
-                    let s = t + rq::uniform(seed, i as u64);
-                    (s - s.round()).abs()
-                }
+                // the rule's boundary is u = frac(t) (tests/quantize.rs, `verify`)
+                Rounding::Stochastic { seed } => ((t - t.floor()) - rq::uniform(seed, i as u64)).abs(),
             };
             assert!(
                 frac <= 8.0 * EPS * t.abs().max(1.0) && codes[i].abs_diff(expect) == 1,
