@@ -67,6 +67,21 @@ __device__ __forceinline__ float row_rstd(float sum_sq, float inv_cols, float ep
   return 1.0f / sqrtf(__fadd_rn(__fmul_rn(sum_sq, inv_cols), eps * rs.sc * rs.sc));
 }
 
+// A huge row held in registers (K units of 8 per thread): scaled in place by rsc.sc (exact),
+// and its sum again, in the order of the first sum.
+template <int kTeam, int K>
+__device__ __forceinline__ float scale_row(float (&v)[K][kUnit], RowScale rsc, float* scratch) {
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) {
+      v[k][j] *= rsc.sc;
+      s += v[k][j];
+    }
+  return team_sum<kTeam>(s, scratch);
+}
+
 struct LnParams {
   const void* weight;
   const void* bias;
@@ -138,17 +153,7 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
       }
       s = team_sum<kTeam>(s, scratch);
       rsc = row_scale(team_max<kTeam>(amax, scratch));
-      if (rsc.sc != 1.0f) {  // huge row: the values held in registers are scaled in place
-        s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; ++k)
-#pragma unroll
-          for (int j = 0; j < kUnit; ++j) {
-            v[k][j] *= rsc.sc;
-            s += v[k][j];
-          }
-        s = team_sum<kTeam>(s, scratch);
-      }
+      if (rsc.sc != 1.0f) s = scale_row<kTeam>(v, rsc, scratch);  // huge row
       mean = s * inv_cols;  // of the scaled row; unscaled when stored
       float q = 0.0f;
 #pragma unroll
@@ -305,17 +310,7 @@ __global__ void __launch_bounds__(kRowBlock, 2)
     }
     s = team_sum<kWarpSize>(s, scratch);
     const RowScale rsc = row_scale(team_max<kWarpSize>(amax, scratch));
-    if (rsc.sc != 1.0f) {  // huge row: the values held in registers are scaled in place
-      s = 0.0f;
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-#pragma unroll
-        for (int j = 0; j < kUnit; ++j) {
-          v[k][j] *= rsc.sc;
-          s += v[k][j];
-        }
-      s = team_sum<kWarpSize>(s, scratch);
-    }
+    if (rsc.sc != 1.0f) s = scale_row<kWarpSize>(v, rsc, scratch);  // huge row
     const float mean = s * inv_cols;  // of the scaled row; unscaled when stored
     float sq = 0.0f;
 #pragma unroll
@@ -410,6 +405,48 @@ __device__ __forceinline__ void load_xhat(const T* xh, const RowView& hr, const 
   }
 }
 
+// What both backward kernels read per unit: dy, x̂ (decoded from codes or plain) and w (1 when
+// absent) of columns [c0, c0 + live) of row r — dy pads with +0, so the padding adds +0 to
+// the sums — and what they compute from it: the row sums Σ g and Σ g·x̂ (g = dy·w, unfused
+// products), and dx = rstd·(g − a − x̂·bq).
+template <typename T, bool kCodes>
+struct BackwardRows {
+  const T* dy;
+  RowView gr;
+  const T* xh;
+  RowView hr;
+  CodeSource src;
+  const T* w;
+  int64_t cols;
+
+  // grow = dy + gr.row(r), computed once per row by the caller
+  __device__ __forceinline__ void unit(const T* grow, int64_t r, int64_t c0, int live, float (&g)[kUnit],
+                                       float (&xv)[kUnit], float (&wv)[kUnit]) const {
+    load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
+    load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
+    if (w != nullptr) {
+      load_unit(w + c0, 1, live, wv, 0.0f);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) wv[j] = 1.0f;
+    }
+  }
+};
+
+__device__ __forceinline__ void add_row_sums(const float (&g)[kUnit], const float (&wv)[kUnit],
+                                             const float (&xv)[kUnit], float& sg, float& sgx) {
+#pragma unroll
+  for (int j = 0; j < kUnit; ++j) {
+    const float gj = __fmul_rn(g[j], wv[j]);
+    sg += gj;
+    sgx = fmaf(gj, xv[j], sgx);
+  }
+}
+
+__device__ __forceinline__ float dx_value(float g, float wv, float xv, float rs, float a, float bq) {
+  return rs * __fsub_rn(__fsub_rn(__fmul_rn(g, wv), a), __fmul_rn(xv, bq));
+}
+
 // dx = rstd · (g − mean(g) − x̂ · mean(g·x̂)), g = dy · w. Rows streamed twice from global
 // memory (the row sums, then dx): the second read hits L1/L2 for the row lengths of
 // transformers.
@@ -420,6 +457,7 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
                                  CodeSource src, const float* __restrict__ rstd, const T* __restrict__ w,
                                  T* __restrict__ dx, RowView dr, int64_t rows, int64_t cols) {
   __shared__ float scratch[kWarpSize];
+  const BackwardRows<T, kCodes> in{dy, gr, xh, hr, src, w, cols};
   const int rank = team_rank<kTeam>();
   const float inv_cols = 1.0f / float(cols);
   const int64_t step = int64_t(kTeam) * kUnit;
@@ -429,20 +467,8 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
     for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
       const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
       float g[kUnit], xv[kUnit], wv[kUnit];
-      load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
-      load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
-      if (w != nullptr) {
-        load_unit(w + c0, 1, live, wv, 0.0f);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kUnit; ++j) wv[j] = j < live ? 1.0f : 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kUnit; ++j) {
-        const float gj = __fmul_rn(g[j], wv[j]);
-        sg += gj;
-        sgx = fmaf(gj, xv[j], sgx);
-      }
+      in.unit(grow, r, c0, live, g, xv, wv);
+      add_row_sums(g, wv, xv, sg, sgx);
     }
     const float a = team_sum<kTeam>(sg, scratch) * inv_cols;
     const float bq = team_sum<kTeam>(sgx, scratch) * inv_cols;
@@ -450,16 +476,9 @@ __global__ void __launch_bounds__(kTeam == kWarpSize ? kRowBlock : kLongBlock, 2
     for (int64_t c0 = int64_t(rank) * kUnit; c0 < cols; c0 += step) {
       const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
       float g[kUnit], xv[kUnit], wv[kUnit];
-      load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
-      load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
-      if (w != nullptr) {
-        load_unit(w + c0, 1, live, wv, 0.0f);
-      } else {
+      in.unit(grow, r, c0, live, g, xv, wv);
 #pragma unroll
-        for (int j = 0; j < kUnit; ++j) wv[j] = 1.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kUnit; ++j) g[j] = rs * __fsub_rn(__fsub_rn(__fmul_rn(g[j], wv[j]), a), __fmul_rn(xv[j], bq));
+      for (int j = 0; j < kUnit; ++j) g[j] = dx_value(g[j], wv[j], xv[j], rs, a, bq);
       store_unit(dx + dr.row(r) + c0 * dr.col_stride, dr.col_stride, live, g);
     }
   }
@@ -501,6 +520,7 @@ __global__ void __launch_bounds__(kRowBlock, 2)
   for (int k = 0; k < K; ++k)
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) dw[k][j] = db[k][j] = 0.0f;
+  const BackwardRows<T, kCodes> in{dy, gr, xh, hr, src, w, cols};
   for (int64_t r = r0 + warp; r < r1; r += kWarps) {
     const T* grow = dy + gr.row(r);
     float sg = 0.0f, sgx = 0.0f;
@@ -510,20 +530,8 @@ __global__ void __launch_bounds__(kRowBlock, 2)
       if (c0 >= cols) continue;
       const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
       float g[kUnit], xv[kUnit], wv[kUnit];
-      load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
-      load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
-      if (w != nullptr) {
-        load_unit(w + c0, 1, live, wv, 0.0f);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kUnit; ++j) wv[j] = j < live ? 1.0f : 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kUnit; ++j) {
-        const float gj = __fmul_rn(g[j], wv[j]);
-        sg += gj;
-        sgx = fmaf(gj, xv[j], sgx);
-      }
+      in.unit(grow, r, c0, live, g, xv, wv);
+      add_row_sums(g, wv, xv, sg, sgx);
     }
     const float a = team_sum<kWarpSize>(sg, nullptr) * inv_cols;
     const float bq = team_sum<kWarpSize>(sgx, nullptr) * inv_cols;
@@ -534,17 +542,10 @@ __global__ void __launch_bounds__(kRowBlock, 2)
       if (c0 >= cols) continue;
       const int live = int(cols - c0 < kUnit ? cols - c0 : kUnit);
       float g[kUnit], xv[kUnit], wv[kUnit], out[kUnit];
-      load_unit(grow + c0 * gr.col_stride, gr.col_stride, live, g, 0.0f);
-      load_xhat<T, kCodes>(xh, hr, src, r, cols, c0, live, xv);
-      if (w != nullptr) {
-        load_unit(w + c0, 1, live, wv, 0.0f);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kUnit; ++j) wv[j] = 1.0f;
-      }
+      in.unit(grow, r, c0, live, g, xv, wv);
 #pragma unroll
       for (int j = 0; j < kUnit; ++j) {
-        out[j] = rs * __fsub_rn(__fsub_rn(__fmul_rn(g[j], wv[j]), a), __fmul_rn(xv[j], bq));
+        out[j] = dx_value(g[j], wv[j], xv[j], rs, a, bq);
         dw[k][j] = fmaf(g[j], xv[j], dw[k][j]);
         db[k][j] += g[j];
       }
