@@ -81,6 +81,7 @@ struct Operand {
   const void* dot;       // kExtraDden: the forward output [B, H, L, nfeat] (strides db..df)
   int64_t db, dh, dl, df;
   int extra_kind;        // Extra
+  int rows16;            // rows readable as 16-byte runs (rows_16b): stride-1 features, every row 16-byte aligned
   __host__ __device__ int64_t width() const { return nfeat + (extra_kind != kExtraNone ? 1 : 0); }
 };
 
@@ -403,6 +404,20 @@ __device__ __forceinline__ constexpr bool has_lo(const Operand&) {
   return true;
 }
 
+// threadIdx.x, read again at each call (asm volatile): the shared-memory offsets derived from
+// it are recomputed where they are used instead of held in registers through the whole kernel
+// (the compiler hoists them out of the item loop otherwise; two blocks per SM need at most 128
+// registers, and the tensor-core kernels are at that bound).
+__device__ __forceinline__ int fresh_tid() {
+#ifdef MESA_EMU
+  return int(threadIdx.x);
+#else
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#endif
+}
+
 // hi/lo of x0, x1 at i, i + 1 (one thread writes both halves of a 4-byte granule of each
 // tile: racecheck's unit). A non-finite remainder (x infinite or NaN, or a finite |x| that
 // rounds to infinity in bf16, past 3.39e38) leaves lo 0: hi carries it.
@@ -415,21 +430,54 @@ __device__ __forceinline__ void put_split(Mma* hi, Mma* lo, int i, float x0, flo
   lo[i + 1] = __float2bfloat16_rn(r1 - r1 == 0.0f ? r1 : 0.0f);
 }
 
+// hi/lo of x[0..8) at i..i+8 as one 16-byte store into each tile (i a multiple of 8, the row
+// 16-byte aligned: kLdAB and kLdC are multiples of 8).
+__device__ __forceinline__ void put_split8(Mma* hi, Mma* lo, int i, const float (&x)[8]) {
+  Vec16<Mma> h, l;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    h.v[j] = __float2bfloat16_rn(x[j]);
+    const float r = x[j] - __bfloat162float(h.v[j]);
+    l.v[j] = __float2bfloat16_rn(r - r == 0.0f ? r : 0.0f);
+  }
+  *reinterpret_cast<Vec16<Mma>*>(hi + i) = h;
+  *reinterpret_cast<Vec16<Mma>*>(lo + i) = l;
+}
+
 // dst[r][c] = operand(t0 + r, c0 + c) split, for 64 rows and 32 columns (a feature tile of A_c,
-// B_c or a D-tile of C_c: kTF = kTD); 0 past `rows` and past the operand's width.
+// B_c or a D-tile of C_c: kTF = kTD); 0 past `rows` and past the operand's width. One run of 8
+// columns per thread: a 16-byte load when the operand's rows allow it (rows16) and the run lies
+// inside its stored columns, else 8 element loads (strided operands, the virtual column, the
+// last run of a width that is not a multiple of 8). Either way the same floats, so the same bits.
 static_assert(kTF == kTD, "load_rows_split loads feature tiles and D-tiles alike");
+static_assert(kChunk * (kTF / 8) == kThreads, "load_rows_split: one run of 8 columns per thread");
 template <typename T, int kLd>
 __device__ void load_rows_split(SplitTile<kChunk, kLd>& dst, const Operand& p, const Seq& sq, int64_t L, int64_t t0,
                                 int rows, int64_t c0) {
-  const int64_t width = p.width();
-  for (int i = threadIdx.x; i < kChunk * (kTF / 2); i += kThreads) {
-    const int r = i / (kTF / 2), c = (i % (kTF / 2)) * 2;  // consecutive threads: consecutive pairs
-    float x0 = 0.0f, x1 = 0.0f;
-    if (r < rows) {
-      if (c0 + c < width) x0 = load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, c0 + c);
-      if (c0 + c + 1 < width) x1 = load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, c0 + c + 1);
+  static_assert(kLd % 8 == 0, "16-byte runs in shared memory");
+  const int tid = fresh_tid();
+  const int r = tid / (kTF / 8), c = (tid % (kTF / 8)) * 8;
+  if (r < rows && p.rows16 && c0 + c + 8 <= p.nfeat) {
+    const int64_t t = t0 + r;
+    const Vec16<T> v = load16(static_cast<const T*>(p.data) + sq.b * p.sb + sq.h * p.sh + t * p.sl + (c0 + c));
+    float x[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = to_float(v.v[j]);
+    if (p.row_div != nullptr) {
+      const float div = p.row_div[sq.bh * L + t];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = x[j] / div;
     }
-    put_split(dst.hi, dst.lo, r * kLd + c, x0, x1);
+    put_split8(dst.hi, dst.lo, r * kLd + c, x);
+    return;
+  }
+  const int64_t width = p.width();
+#pragma unroll 1
+  for (int j = 0; j < 8; j += 2) {
+    const int64_t f = c0 + c + j;
+    const float x0 = r < rows && f < width ? load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, f) : 0.0f;
+    const float x1 = r < rows && f + 1 < width ? load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, f + 1) : 0.0f;
+    put_split(dst.hi, dst.lo, r * kLd + c + j, x0, x1);
   }
 }
 
@@ -453,7 +501,7 @@ __device__ __forceinline__ bool block_visible(int mask, int bi, int bj) {
 template <typename T, typename TO>
 __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
-  const int warp = threadIdx.x / kWarpSize;
+  const int warp = fresh_tid() / kWarpSize;
   const int wi = warp / 2, wp = (warp % 2) * 2, wo = warp % 2;
   const bool inter = sv.base != nullptr;
   const bool a_lo = has_lo<T>(p.a), b_lo = has_lo<T>(p.b), c_lo = has_lo<T>(p.c);
@@ -467,16 +515,16 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
     load_rows_split<T>(tl.x.ab.a, p.a, sq, p.L, t0, rows, f0);
     if (intra) load_rows_split<T>(tl.x.ab.b, p.b, sq, p.L, t0, rows, f0);
     if (inter) {
-      for (int i = threadIdx.x; i < kTF * (kTD / 2); i += kThreads) {
-        const int f = i / (kTD / 2), d = (i % (kTD / 2)) * 2;
-        float v[2] = {0.0f, 0.0f};
-        for (int j = 0; j < 2; ++j) {
-          if (f0 + f < p.ma && d0 + d + j < p.dc) {
-            v[j] = *sv.at(sv_bh, sv_chunk, f0 + f, d0 + d + j);
-          }
-        }
-        put_split(tl.y.s.hi, tl.y.s.lo, f * kLdS + d, v[0], v[1]);
-      }
+      // 4 consecutive columns of one state row per thread
+      static_assert(kTF * kTD == 4 * kThreads, "the state tile: 4 elements per thread");
+      const int tid = fresh_tid();
+    const int f = tid / (kTD / 4), d = (tid % (kTD / 4)) * 4;
+      float v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        v[j] = f0 + f < p.ma && d0 + d + j < p.dc ? *sv.at(sv_bh, sv_chunk, f0 + f, d0 + d + j) : 0.0f;
+      put_split(tl.y.s.hi, tl.y.s.lo, f * kLdS + d, v[0], v[1]);
+      put_split(tl.y.s.hi, tl.y.s.lo, f * kLdS + d + 2, v[2], v[3]);
     }
     __syncthreads();
 #pragma unroll 1
@@ -505,15 +553,20 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
     for (int j = 0; j < 2; ++j)
       wmma::store_matrix_sync(tl.x.pf + wi * 16 * kLdPf + (wp + j) * 16, acc_p[j], kLdPf, wmma::mem_row_major);
     __syncthreads();
-    for (int i = threadIdx.x; i < kChunk * (kChunk / 2); i += kThreads) {
-      const int r = i / (kChunk / 2), c = (i % (kChunk / 2)) * 2;
-      float x[2];
-      for (int j = 0; j < 2; ++j) {
-        const int s = c + j;
+    // two runs of 8 columns of one row per thread
+    static_assert(kChunk * kChunk == 16 * kThreads, "mask(P): 16 elements per thread");
+    const int tid = fresh_tid();
+  const int r = tid / (kChunk / 16), c = (tid % (kChunk / 16)) * 16;
+#pragma unroll
+    for (int h = 0; h < 16; h += 8) {
+      float x[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int s = c + h + j;
         const bool keep = p.mask == kMaskLE ? s <= r : (p.mask == kMaskGE ? s >= r : true);
         x[j] = keep ? tl.x.pf[r * kLdPf + s] : 0.0f;
       }
-      put_split(tl.y.p.hi, tl.y.p.lo, r * kLdP + c, x[0], x[1]);
+      put_split8(tl.y.p.hi, tl.y.p.lo, r * kLdP + c + h, x);
     }
   }
   if (intra) load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
@@ -532,15 +585,22 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
   }
   wmma::store_matrix_sync(tl.x.o + wi * 16 * kLdO + wo * 16, acc_o, kLdO, wmma::mem_row_major);
   __syncthreads();
-  TO* out = static_cast<TO*>(p.o.data);
-  for (int i = threadIdx.x; i < rows * kTD; i += kThreads) {
-    const int r = i / kTD, d = i % kTD;
-    if (d0 + d >= p.dc) continue;
+  // 8 consecutive columns of one row per thread
+  static_assert(kChunk * kTD == 8 * kThreads, "O: 8 elements per thread");
+  const int tid = fresh_tid();
+  const int r = tid / (kTD / 8), d = (tid % (kTD / 8)) * 8;
+  if (r < rows) {
     const int64_t t = t0 + r;
-    float x = tl.x.o[r * kLdO + d];
-    if (p.o.row_div != nullptr) x = x / p.o.row_div[sq.bh * p.L + t];
-    if (p.o.guard) x = x >= 0.0f ? x + p.o.eps : x - p.o.eps;
-    out[sq.b * p.o.sb + sq.h * p.o.sh + t * p.o.sl + (d0 + d) * p.o.sf] = from_float<TO>(x);
+    const float div = p.o.row_div != nullptr ? p.o.row_div[sq.bh * p.L + t] : 1.0f;
+    TO* out = static_cast<TO*>(p.o.data) + sq.b * p.o.sb + sq.h * p.o.sh + t * p.o.sl;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (d0 + d + j >= p.dc) break;
+      float x = tl.x.o[r * kLdO + d + j];
+      if (p.o.row_div != nullptr) x = x / div;
+      if (p.o.guard) x = x >= 0.0f ? x + p.o.eps : x - p.o.eps;
+      out[(d0 + d + j) * p.o.sf] = from_float<TO>(x);
+    }
   }
 }
 
@@ -548,7 +608,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
 template <typename T>
 __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
-  const int warp = threadIdx.x / kWarpSize;
+  const int warp = fresh_tid() / kWarpSize;
   const bool b_lo = has_lo<T>(p.b), c_lo = has_lo<T>(p.c);
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
@@ -570,15 +630,20 @@ __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64
       wmma::store_matrix_sync(tl.y.u + fi * 16 * kLdO + dj * 16, u, kLdO, wmma::mem_row_major);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kTF * kTD; i += kThreads) {
-      const int f = i / kTD, d = i % kTD;
-      if (f0 + f >= p.ma || d0 + d >= p.dc) continue;
-      const float x = tl.y.u[f * kLdO + d];
-      if (dst != nullptr) {
-        *dst->at(dst_bh, dst_chunk, f0 + f, d0 + d) = x;
-      } else {
-        float* s = p.state.at(sq.sidx, 0, f0 + f, d0 + d);
-        *s = *s + x;
+    // 4 consecutive columns of one state row per thread
+    const int tid = fresh_tid();
+    const int f = tid / (kTD / 4), d = (tid % (kTD / 4)) * 4;
+    if (f0 + f < p.ma) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (d0 + d + j >= p.dc) break;
+        const float x = tl.y.u[f * kLdO + d + j];
+        if (dst != nullptr) {
+          *dst->at(dst_bh, dst_chunk, f0 + f, d0 + d + j) = x;
+        } else {
+          float* s = p.state.at(sq.sidx, 0, f0 + f, d0 + d + j);
+          *s = *s + x;
+        }
       }
     }
   }
@@ -626,9 +691,26 @@ union ProductTiles {
   Tiles fp32;
   TcTiles tc;
 };
-__device__ __forceinline__ ProductTiles& product_tiles() {
-  __shared__ ProductTiles tiles;
-  return tiles;
+
+// A work item's bookkeeping, written by thread 0 and read by every thread from shared memory
+// (reloaded after each barrier rather than held in ~14 registers across the chunks of a walk:
+// that is what brings every instance to 128 registers, two blocks per SM, without spills).
+struct Item {
+  Seq sq;
+  int64_t d0;       // first column of the D-tile
+  int64_t sidx;     // state index
+  int64_t c_read;   // per-chunk modes: the chunk (within its sequence)
+  int64_t nchunks;  // chunks of the sequence
+};
+
+struct ProductShared {
+  ProductTiles tiles;
+  Item item;
+  int64_t next;  // the block's next work item (grid-stride), advanced by thread 0
+};
+__device__ __forceinline__ ProductShared& product_shared() {
+  __shared__ ProductShared shared;
+  return shared;
 }
 template <typename T>
 __device__ __forceinline__ auto& tiles_for(ProductTiles& u) {
@@ -649,72 +731,82 @@ __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
 }
 
 // One block per work item, grid-stride over items (grid.x only, so B*H is never limited by
-// grid.y/z).
-// f16/bf16: the tensor-core tiles, two blocks per SM (at most 128 registers), except the
-// sequential walk (kAccumulate: the SLiM mode's forward and backward walks), which ptxas
-// spills under 128 registers: one block per SM for it, as for the FP32 tiles of f32 (a
-// tuning point: docs/linear_attention.md).
+// grid.y/z); the item index and its bookkeeping live in shared memory (Item). Every instance,
+// the tensor-core tiles of f16/bf16 and the FP32 tiles of f32 alike, is bounded to 128
+// registers: two blocks per SM, without spills (scripts/sass_tensor_cores.py checks both).
 template <typename T, typename TO, int kMode>
-__global__ void __launch_bounds__(kThreads, kTensorCores<T> && kMode != kAccumulate ? 2 : 1)
-    la_product_kernel(Product p) {
-  auto& tl = tiles_for<T>(product_tiles());
+__global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
+  ProductShared& shared = product_shared();
+  auto& tl = tiles_for<T>(shared.tiles);
   init_tiles(tl);
+  const Item& it = shared.item;
   const StateView none{nullptr, 0, 0, 0, 0};
-  for (int64_t item = blockIdx.x; item < p.items; item += gridDim.x) {
-    const int64_t d0 = (item % p.ndt) * kTD;
-    const int64_t r = item / p.ndt;
-    // per chunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
-    int64_t sidx = r, c_read = 0;
-    if (per_chunk(kMode)) {
-      if (p.seq_off != nullptr) {
-        const int64_t g = r % p.nchunks_total, h = r / p.nchunks_total;
-        const int64_t n = seq_of_chunk(p, g);
-        sidx = n * p.H + h;
-        c_read = g - p.chunk_off[n];
-      } else {
-        sidx = r / p.nchunks;
-        c_read = r % p.nchunks;
+  if (threadIdx.x == 0) shared.next = blockIdx.x;
+  __syncthreads();
+  for (;;) {
+    const int64_t item = shared.next;  // the same for every thread: the loop's exit is uniform
+    if (item >= p.items) break;
+    __syncthreads();  // every thread has read `next` before thread 0 advances it
+    if (threadIdx.x == 0) {
+      shared.next = item + gridDim.x;
+      // per chunk: r = (state, chunk) [or (head, global chunk) when packed]; else r = state
+      const int64_t r = item / p.ndt;
+      int64_t sidx = r, c_read = 0;
+      if (per_chunk(kMode)) {
+        if (p.seq_off != nullptr) {
+          const int64_t g = r % p.nchunks_total, h = r / p.nchunks_total;
+          const int64_t n = seq_of_chunk(p, g);
+          sidx = n * p.H + h;
+          c_read = g - p.chunk_off[n];
+        } else {
+          sidx = r / p.nchunks;
+          c_read = r % p.nchunks;
+        }
       }
+      const Seq sq = seq_of(p, sidx);
+      shared.item = Item{sq, (item % p.ndt) * kTD, sidx, c_read, ceil_div(sq.len, p.chunk)};
     }
-    const Seq sq = seq_of(p, sidx);
-    const int64_t nchunks = ceil_div(sq.len, p.chunk);
-    auto rows_of = [&](int64_t c) { return int(sq.len - c * p.chunk < p.chunk ? sq.len - c * p.chunk : p.chunk); };
+    __syncthreads();
+    const Seq& sq = it.sq;
+    auto rows_of = [&](int64_t c) {
+      const int64_t left = it.sq.len - c * p.chunk;
+      return int(left < p.chunk ? left : p.chunk);
+    };
     switch (kMode) {
       case kAccumulate: {
-        init_state(p, sidx, d0, p.init);
-        for (int64_t i = 0; i < nchunks; ++i) {
-          const int64_t c = p.mask == kMaskGE ? nchunks - 1 - i : i;
+        init_state(p, it.sidx, it.d0, p.init);
+        for (int64_t i = 0; i < it.nchunks; ++i) {
+          const int64_t c = p.mask == kMaskGE ? it.nchunks - 1 - i : i;
           const int64_t t0 = sq.t0 + c * p.chunk;
-          chunk_outputs<T, TO>(tl, p, sq, t0, rows_of(c), d0, p.state, sidx, 0, true);
-          update_state<T>(tl, p, sq, t0, rows_of(c), d0);
+          chunk_outputs<T, TO>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
+          update_state<T>(tl, p, sq, t0, rows_of(c), it.d0);
         }
         break;
       }
       case kReadChunk: {
-        chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c_read * p.chunk, rows_of(c_read), d0, p.init, sq.bidx,
-                             sq.cbase + c_read, true);
+        chunk_outputs<T, TO>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0, p.init, sq.bidx,
+                             sq.cbase + it.c_read, true);
         break;
       }
       case kChunkSum: {
-        const int64_t t0 = sq.t0 + c_read * p.chunk;
-        __syncthreads();
-        load_c_tile<T>(tl, p, sq, t0, rows_of(c_read), d0);
-        update_state<T>(tl, p, sq, t0, rows_of(c_read), d0, &p.boundary, sq.bidx, sq.cbase + c_read);
+        const int64_t t0 = sq.t0 + it.c_read * p.chunk;
+        load_c_tile<T>(tl, p, sq, t0, rows_of(it.c_read), it.d0);
+        update_state<T>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx, sq.cbase + it.c_read);
         break;
       }
       case kBidir: {
         const bool given = p.init.base != nullptr;
         if (!given) {
-          init_state(p, sidx, d0, none);
-          for (int64_t c = 0; c < nchunks; ++c) {
+          init_state(p, it.sidx, it.d0, none);
+          for (int64_t c = 0; c < it.nchunks; ++c) {
             __syncthreads();
-            load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0);
-            update_state<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0);
+            load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+            update_state<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
           }
         }
-        for (int64_t c = 0; c < nchunks; ++c)
-          chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), d0, given ? p.init : p.state, sidx, 0,
-                               false);
+        for (int64_t c = 0; c < it.nchunks; ++c)
+          chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
+                               0, false);
         break;
       }
       default: break;
@@ -757,32 +849,40 @@ __global__ void __launch_bounds__(kThreads) la_copy_kernel(float* dst, const flo
 
 // ---------------------------------------------------------------------------------------
 // Launch policy (host).
+// Whether the rows of a 16-bit tensor can be read as 16-byte runs of 8 elements: stride-1
+// features and every row start 16-byte aligned (the tensor-core path's fast loads).
+template <typename T>
+inline bool rows_16b(const MesaLaTensor& t) {
+  constexpr int64_t n = 16 / int64_t(sizeof(T));
+  return sizeof(T) == 2 && t.strides[3] == 1 && reinterpret_cast<uintptr_t>(t.data) % 16 == 0 &&
+         t.strides[0] % n == 0 && t.strides[1] % n == 0 && t.strides[2] % n == 0;
+}
+template <typename T>
 inline Operand operand(const MesaLaTensor& t, int64_t nfeat) {
   return Operand{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], nfeat, nullptr,
-                 nullptr, 0, 0, 0, 0, kExtraNone};
+                 nullptr, 0, 0, 0, 0, kExtraNone, rows_16b<T>(t) ? 1 : 0};
 }
-inline Operand ones_only() { return Operand{nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, 0, 0, 0, 0, kExtraOnes}; }
+inline Operand ones_only() { return Operand{nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, 0, 0, 0, 0, kExtraOnes, 0}; }
 inline OutView out_view(const MesaLaTensor& t, int64_t width) {
   return OutView{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], width, nullptr, 0, 0.0f};
 }
 
-// Grid: enough blocks for 4 per SM (45 KiB shared each), no more; items are grid-strided.
-inline unsigned grid_for_items(int64_t items) {
-  const int64_t cap = int64_t(sm_count()) * 4;
-  return unsigned(items < 1 ? 1 : (items < cap ? items : cap));
-}
 
 template <typename T, typename TO>
 MesaStatus run_product(Product p, void* stream) {
   p.items = product_items(p);
   p.ndt = ceil_div(p.dc, kTD);
   p.nchunks = ceil_div(p.L, p.chunk);
-  const dim3 grid(grid_for_items(p.items));
+  // one block per item, at most as many as the device holds at once (occupancy API)
+  auto launch = [&](auto kernel) {
+    const dim3 grid(resident_grid(kernel, p.items * kThreads, kThreads));
+    return status_from(MESA_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, p));
+  };
   switch (p.mode) {
-    case kAccumulate: return status_from(MESA_LAUNCH((la_product_kernel<T, TO, kAccumulate>), grid, dim3(kThreads), 0, stream, p));
-    case kReadChunk: return status_from(MESA_LAUNCH((la_product_kernel<T, TO, kReadChunk>), grid, dim3(kThreads), 0, stream, p));
-    case kChunkSum: return status_from(MESA_LAUNCH((la_product_kernel<T, TO, kChunkSum>), grid, dim3(kThreads), 0, stream, p));
-    case kBidir: return status_from(MESA_LAUNCH((la_product_kernel<T, TO, kBidir>), grid, dim3(kThreads), 0, stream, p));
+    case kAccumulate: return launch(la_product_kernel<T, TO, kAccumulate>);
+    case kReadChunk: return launch(la_product_kernel<T, TO, kReadChunk>);
+    case kChunkSum: return launch(la_product_kernel<T, TO, kChunkSum>);
+    case kBidir: return launch(la_product_kernel<T, TO, kBidir>);
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }
 }
@@ -865,8 +965,8 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     if (st != MESA_STATUS_OK) return st;
   }
   Product p = base_product(s);
-  p.a = operand(a.q, M);
-  p.b = operand(a.k, M);
+  p.a = operand<T>(a.q, M);
+  p.b = operand<T>(a.k, M);
   p.ma = M;
   p.mask = s.causal ? kMaskLE : kMaskNone;
   p.mode = s.causal ? kAccumulate : kBidir;
@@ -884,7 +984,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     const MesaStatus st = boundary ? run_product_decomposed<T, float>(z, stream) : run_product<T, float>(z, stream);
     if (st != MESA_STATUS_OK) return st;
   }
-  p.c = operand(a.v, D);
+  p.c = operand<T>(a.v, D);
   p.dc = D;
   p.o = out_view(a.out, D);
   p.o.row_div = s.normalize ? a.den : nullptr;
@@ -902,8 +1002,8 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
   const StateView none{nullptr, 0, 0, 0, 0};
   // dO' = [dout / den | dden] and c' = [v | 1]; dden_t = -(dout_t . out_t) / den_t is
   // recomputed where it is loaded (kExtraDden), so the scratch does not grow with L.
-  Operand dO = operand(a.dout, D);
-  Operand cv = operand(a.v, D);
+  Operand dO = operand<T>(a.dout, D);
+  Operand cv = operand<T>(a.v, D);
   if (s.normalize) {
     dO.row_div = a.den;
     dO.dot = a.out.data;
@@ -931,7 +1031,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     Product p = base_product(s);
     p.a = dO;
     p.b = cv;
-    p.c = operand(a.k, M);
+    p.c = operand<T>(a.k, M);
     p.ma = W;
     p.dc = M;
     p.o = out_view(a.dq, M);
@@ -959,7 +1059,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     Product p = base_product(s);
     p.a = cv;
     p.b = dO;
-    p.c = operand(a.q, M);
+    p.c = operand<T>(a.q, M);
     p.ma = W;
     p.dc = M;
     p.o = out_view(a.dk, M);
@@ -976,11 +1076,11 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
   // dv = product(k, q, dout / den), reverse: state dS_final[:, :D] + sum q_s (dout_s/den_s)^T
   // [bh, M, D].
   {
-    Operand g = operand(a.dout, D);
+    Operand g = operand<T>(a.dout, D);
     g.row_div = s.normalize ? a.den : nullptr;
     Product p = base_product(s);
-    p.a = operand(a.k, M);
-    p.b = operand(a.q, M);
+    p.a = operand<T>(a.k, M);
+    p.b = operand<T>(a.q, M);
     p.c = g;
     p.ma = M;
     p.dc = D;

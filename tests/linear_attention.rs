@@ -1934,3 +1934,98 @@ fn bad_sequence_offsets_are_errors() {
     );
     expect_err(r, "state shape", is_shape_mismatch("initial_state"));
 }
+
+/// `x` (contiguous `[B, H, L, f]`) copied into rows of `f + pad` elements (NaN in the padding),
+/// and the strided view of it.
+fn padded_rows<T: Element>(x: &[T], n: Shape, f: usize, pad: usize) -> (Vec<T>, Layout) {
+    let w = f + pad;
+    let mut out = vec![T::from_f64(f64::NAN); n.b * n.h * n.l * w];
+    for (row, chunk) in x.chunks(f.max(1)).enumerate().take(n.b * n.h * n.l) {
+        out[row * w..row * w + f].copy_from_slice(chunk);
+    }
+    let layout = Layout::strided(&[n.b, n.h, n.l, f], &[n.h * n.l * w, n.l * w, w, 1], 0).expect("padded view");
+    (out, layout)
+}
+
+/// Forward + backward with q, k, v, dout and out read through row-padded views (`pad`
+/// elements after every row), gradients contiguous.
+fn run_padded<T: Element>(
+    device: &Device,
+    cfg: &LinearAttentionConfig,
+    n: Shape,
+    inputs: [&[T]; 4],
+    pad: usize,
+) -> Outputs {
+    let [q, k, v, dout] = inputs;
+    let (q, lq) = padded_rows(q, n, n.m, pad);
+    let (k, _) = padded_rows(k, n, n.m, pad);
+    let (v, lv) = padded_rows(v, n, n.d, pad);
+    let (dout, _) = padded_rows(dout, n, n.d, pad);
+    let (qb, kb, vb, gb) = (up(device, &q), up(device, &k), up(device, &v), up(device, &dout));
+    let nan = T::from_f64(f64::NAN);
+    let mut ob = up(device, &vec![nan; v.len()]);
+    let saved = forward(
+        device,
+        cfg,
+        ForwardArgs { q: &tr(&qb, &lq), k: &tr(&kb, &lq), v: &tr(&vb, &lv), out: &mut tm(&mut ob, &lv) },
+    )
+    .expect("forward");
+    let (lqc, lvc) = (Layout::contiguous(&[n.b, n.h, n.l, n.m]), Layout::contiguous(&[n.b, n.h, n.l, n.d]));
+    let mut dqb = up(device, &vec![nan; n.qk()]);
+    let mut dkb = up(device, &vec![nan; n.qk()]);
+    let mut dvb = up(device, &vec![nan; n.vd()]);
+    backward(
+        device,
+        &saved,
+        BackwardArgs {
+            q: &tr(&qb, &lq),
+            k: &tr(&kb, &lq),
+            v: &tr(&vb, &lv),
+            out: Some(&tr(&ob, &lv)),
+            dout: &tr(&gb, &lv),
+            grads: Grads { dq: &mut tm(&mut dqb, &lqc), dk: &mut tm(&mut dkb, &lqc), dv: &mut tm(&mut dvb, &lvc) },
+        },
+    )
+    .expect("backward");
+    Outputs {
+        out: reference::gather(&ob.to_vec().expect("out"), &lv),
+        dq: widen(&dqb.to_vec().expect("dq")),
+        dk: widen(&dkb.to_vec().expect("dk")),
+        dv: widen(&dvb.to_vec().expect("dv")),
+        saved_bytes: saved.size_in_bytes(),
+    }
+}
+
+fn tile_loads_agree<T: Element>(device: &Device, rng: &mut StdRng, n: Shape, pad: usize) {
+    for cfg in configs() {
+        let lo = if cfg.normalize { 0.05 } else { -1.0 };
+        let q = to_t::<T>(&random_vec(rng, n.qk(), lo, 1.0));
+        let k = to_t::<T>(&random_vec(rng, n.qk(), lo, 1.0));
+        let v = to_t::<T>(&random_vec(rng, n.vd(), -1.0, 1.0));
+        let dout = to_t::<T>(&random_vec(rng, n.vd(), -1.0, 1.0));
+        let a = run(device, &cfg, n, &q, &k, &v, &dout);
+        let b = run_padded(device, &cfg, n, [&q, &k, &v, &dout], pad);
+        for (what, x, y) in [("out", &a.out, &b.out), ("dq", &a.dq, &b.dq), ("dk", &a.dk, &b.dk), ("dv", &a.dv, &b.dv)]
+        {
+            let same = x.len() == y.len() && x.iter().zip(y.iter()).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same, "{what} ({:?}, {n:?}, pad {pad}, {cfg:?}): 16-byte and element loads differ", T::DTYPE);
+        }
+    }
+}
+
+/// The tensor-core tiles are loaded as 16-byte runs of 8 elements where an operand's rows
+/// allow it (stride-1 features, rows 16-byte aligned) and element by element elsewhere; both
+/// produce the same floats, so results are bitwise equal. M = 16, D = 24 contiguous (every run
+/// 16 bytes) against rows padded by 1 (no run 16 bytes); M = 12, D = 20 contiguous (no run)
+/// against rows padded to 16 and 24 (16-byte runs and an 8-element tail per row).
+#[test]
+fn tensor_core_tiles_load_the_same_from_16_byte_runs_and_elements() {
+    let mut rng = common::rng("tensor_core_tiles_load_the_same_from_16_byte_runs_and_elements");
+    for device in common::backends() {
+        for (m, d, pad) in [(16, 24, 1), (12, 20, 4)] {
+            let n = Shape { b: 1, h: 2, l: 37, m, d };
+            tile_loads_agree::<bf16>(&device, &mut rng, n, pad);
+            tile_loads_agree::<f16>(&device, &mut rng, n, pad);
+        }
+    }
+}
