@@ -46,8 +46,8 @@ namespace MESA_NS {
 
 // Tiles. kChunk rows of a chunk, kTF features of Ma per step, kTD columns of Dc per block.
 // 256 threads: P = A B^T is 64 x 64 (16 per thread), O is 64 x 32 (8 per thread), the state
-// update 32 x 32 (4 per thread). Shared memory 45 KiB (< 48 KiB static), so 4-5 blocks fit
-// an SM of an H200 (228 KiB).
+// update 32 x 32 (4 per thread). Shared memory 46 KiB (< 48 KiB static); at most 128
+// registers per thread, so two blocks per SM (the register file is the limit, not shared memory).
 constexpr int kThreads = 256;
 constexpr int kChunk = MESA_LA_MAX_CHUNK;
 constexpr int kTF = 32;
@@ -214,9 +214,10 @@ struct Tiles {
 
 // S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
 // elements per feature tile, so the read-modify-write of the global state has one writer.
-template <typename T>
+template <typename T, int kLo>
 // With `dst` (kChunkSum): writes U_c = B_c^T C_c to dst at (dst_bh, dst_chunk) instead (the
 // same f32 value as 0 + U_c, so a scan of them rounds exactly as the sequential walk).
+// (kLo: the tensor-core overload's; f32 tiles have no lo half.)
 __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
@@ -249,7 +250,7 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
 // Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv` at
 // (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term). Leaves C_c in
 // tiles.c.
-template <typename T, typename TO>
+template <typename T, typename TO, int kLo>
 __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int64_t b = sq.b, h = sq.h, bh = sq.bh;
@@ -342,8 +343,8 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
 // ---------------------------------------------------------------------------------------
 // Tensor-core path (f16 and bf16 inputs): the same products on 16x16x16 bf16 MMAs with f32
 // accumulators (nvcuda::wmma). Every operand enters the MMAs as a pair of bf16 tiles,
-// hi = bf16(x) and lo = bf16(x - hi): a bf16 input is exact in hi (lo = 0; its MMAs still
-// run, see has_lo), an f16 input exact in hi + lo (11 significant bits = 8 + 3, f16's range inside
+// hi = bf16(x) and lo = bf16(x - hi): a bf16 input is exact in hi (lo = 0: its MMAs are
+// skipped, see LoTiles), an f16 input exact in hi + lo (11 significant bits = 8 + 3, f16's range inside
 // bf16's), an f32 value (the state, P = A B^T, rows divided by the denominator, dden) within
 // 2^-18 |x|. A product of two pairs leaves out lo*lo: each term of a sum is off by at most
 // 3 * 2^-18 of its magnitude (docs/linear_attention.md, "Tensor cores").
@@ -397,12 +398,11 @@ struct TcTiles {
   SplitTile<kChunk, kLdC> c;
 };
 
-// Whether an operand's values need a lo tile (see above). Every tile pair is used, also a bf16
-// input's (lo = 0): run-time flags to skip those MMAs cost ptxas spills (a tuning point).
-template <typename T>
-__device__ __forceinline__ constexpr bool has_lo(const Operand&) {
-  return true;
-}
+// Which operands' tiles have a lo half in the MMAs (a template parameter of the kernel, so that
+// no run-time flag costs registers): a bf16 input is exact in hi, so its lo MMAs are skipped
+// unless the loaded values are f32 ones (rows divided by the denominator, the dden column);
+// f16 inputs always need lo. lo_mask() picks the instance per product.
+enum LoTiles { kLoC = 1, kLoB = 2, kLoA = 4, kLoAll = 7 };
 
 // threadIdx.x, read again at each call (asm volatile): the shared-memory offsets derived from
 // it are recomputed where they are used instead of held in registers through the whole kernel
@@ -498,13 +498,13 @@ __device__ __forceinline__ bool block_visible(int mask, int bi, int bj) {
 
 // The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
 // only when `intra`: the bidirectional outputs A S do not read it).
-template <typename T, typename TO>
+template <typename T, typename TO, int kLo>
 __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int warp = fresh_tid() / kWarpSize;
   const int wi = warp / 2, wp = (warp % 2) * 2, wo = warp % 2;
   const bool inter = sv.base != nullptr;
-  const bool a_lo = has_lo<T>(p.a), b_lo = has_lo<T>(p.b), c_lo = has_lo<T>(p.c);
+  constexpr bool a_lo = (kLo & kLoA) != 0, b_lo = (kLo & kLoB) != 0, c_lo = (kLo & kLoC) != 0;
   FragAcc acc_p[2], acc_o;
   wmma::fill_fragment(acc_p[0], 0.0f);
   wmma::fill_fragment(acc_p[1], 0.0f);
@@ -605,11 +605,11 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
 }
 
 // The tensor-core update_state (same contract; C_c already in tl.c).
-template <typename T>
+template <typename T, int kLo>
 __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int warp = fresh_tid() / kWarpSize;
-  const bool b_lo = has_lo<T>(p.b), c_lo = has_lo<T>(p.c);
+  constexpr bool b_lo = (kLo & kLoB) != 0, c_lo = (kLo & kLoC) != 0;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
     load_rows_split<T>(tl.x.ab.b, p.b, sq, p.L, t0, rows, f0);
@@ -734,7 +734,7 @@ __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
 // grid.y/z); the item index and its bookkeeping live in shared memory (Item). Every instance,
 // the tensor-core tiles of f16/bf16 and the FP32 tiles of f32 alike, is bounded to 128
 // registers: two blocks per SM, without spills (scripts/sass_tensor_cores.py checks both).
-template <typename T, typename TO, int kMode>
+template <typename T, typename TO, int kMode, int kLo>
 __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
   ProductShared& shared = product_shared();
   auto& tl = tiles_for<T>(shared.tiles);
@@ -778,20 +778,20 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
         for (int64_t i = 0; i < it.nchunks; ++i) {
           const int64_t c = p.mask == kMaskGE ? it.nchunks - 1 - i : i;
           const int64_t t0 = sq.t0 + c * p.chunk;
-          chunk_outputs<T, TO>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
-          update_state<T>(tl, p, sq, t0, rows_of(c), it.d0);
+          chunk_outputs<T, TO, kLo>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
+          update_state<T, kLo>(tl, p, sq, t0, rows_of(c), it.d0);
         }
         break;
       }
       case kReadChunk: {
-        chunk_outputs<T, TO>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0, p.init, sq.bidx,
+        chunk_outputs<T, TO, kLo>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0, p.init, sq.bidx,
                              sq.cbase + it.c_read, true);
         break;
       }
       case kChunkSum: {
         const int64_t t0 = sq.t0 + it.c_read * p.chunk;
         load_c_tile<T>(tl, p, sq, t0, rows_of(it.c_read), it.d0);
-        update_state<T>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx, sq.cbase + it.c_read);
+        update_state<T, kLo>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx, sq.cbase + it.c_read);
         break;
       }
       case kBidir: {
@@ -801,11 +801,11 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
           for (int64_t c = 0; c < it.nchunks; ++c) {
             __syncthreads();
             load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
-            update_state<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+            update_state<T, kLo>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
           }
         }
         for (int64_t c = 0; c < it.nchunks; ++c)
-          chunk_outputs<T, TO>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
+          chunk_outputs<T, TO, kLo>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
                                0, false);
         break;
       }
@@ -868,21 +868,53 @@ inline OutView out_view(const MesaLaTensor& t, int64_t width) {
 }
 
 
+// The lo tiles a product's operands need (LoTiles): a bf16 operand only when its loaded values
+// are f32 (a row divisor or the dden column); f16 always.
+template <typename T>
+inline int lo_mask(const Product& p) {
+  if (!std::is_same_v<T, __nv_bfloat16>) return kLoAll;
+  auto f32_values = [](const Operand& o) { return o.row_div != nullptr || o.extra_kind == kExtraDden; };
+  return (f32_values(p.a) ? kLoA : 0) | (f32_values(p.b) ? kLoB : 0) | (f32_values(p.c) ? kLoC : 0);
+}
+
+// One block per item, at most as many as the device holds at once (occupancy API). The one
+// dispatch point of the products: mode, and for bf16 the lo tiles. The patterns that occur:
+// the forward's products and an unnormalised backward read bf16 values only (0); normalised,
+// dq's a = dO' (kLoA), dk's b = dO' (kLoB), dv's c = dout / den (kLoC). The denominator's
+// product (TO = f32) reads q, k and ones (0). Any other pattern has no instance: an internal
+// error, never a wrong result.
+template <typename T, typename TO, int kMode>
+MesaStatus launch_product(const Product& p, void* stream) {
+  auto launch = [&](auto kernel) {
+    const dim3 grid(resident_grid(kernel, p.items * kThreads, kThreads));
+    return status_from(MESA_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, p));
+  };
+  if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
+    return launch(la_product_kernel<T, TO, kMode, kLoAll>);
+  } else if constexpr (std::is_same_v<TO, float>) {
+    if (lo_mask<T>(p) == 0) return launch(la_product_kernel<T, TO, kMode, 0>);
+    return MESA_STATUS_INVALID_ARGUMENT;
+  } else {
+    switch (lo_mask<T>(p)) {
+      case 0: return launch(la_product_kernel<T, TO, kMode, 0>);
+      case kLoA: return launch(la_product_kernel<T, TO, kMode, kLoA>);
+      case kLoB: return launch(la_product_kernel<T, TO, kMode, kLoB>);
+      case kLoC: return launch(la_product_kernel<T, TO, kMode, kLoC>);
+      default: return MESA_STATUS_INVALID_ARGUMENT;
+    }
+  }
+}
+
 template <typename T, typename TO>
 MesaStatus run_product(Product p, void* stream) {
   p.items = product_items(p);
   p.ndt = ceil_div(p.dc, kTD);
   p.nchunks = ceil_div(p.L, p.chunk);
-  // one block per item, at most as many as the device holds at once (occupancy API)
-  auto launch = [&](auto kernel) {
-    const dim3 grid(resident_grid(kernel, p.items * kThreads, kThreads));
-    return status_from(MESA_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, p));
-  };
   switch (p.mode) {
-    case kAccumulate: return launch(la_product_kernel<T, TO, kAccumulate>);
-    case kReadChunk: return launch(la_product_kernel<T, TO, kReadChunk>);
-    case kChunkSum: return launch(la_product_kernel<T, TO, kChunkSum>);
-    case kBidir: return launch(la_product_kernel<T, TO, kBidir>);
+    case kAccumulate: return launch_product<T, TO, kAccumulate>(p, stream);
+    case kReadChunk: return launch_product<T, TO, kReadChunk>(p, stream);
+    case kChunkSum: return launch_product<T, TO, kChunkSum>(p, stream);
+    case kBidir: return launch_product<T, TO, kBidir>(p, stream);
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }
 }

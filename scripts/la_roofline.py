@@ -5,10 +5,14 @@ move, each over its ceiling (docs/linear_attention.md, "Roofline"). Arithmetic o
 measured.
 
 Work, per token and (b, h), for one product of width `ma` (a, b) and `dc` (c), chunk C = 64,
-D-tiles of 32 columns, features padded to tiles of 32, three MMAs per product of bf16 pairs:
-  per-chunk outputs  ndt * 3 * 2 * (vis*C*ma + 32*ma + vis*C*32)   (P, A S, mask(P) C)
-  chunk sums         ndt * 3 * 2 * 32*ma                          (U = B^T C)
-with ndt = ceil(dc/32) and vis = 10/16, the share of P's 16x16 blocks a causal mask keeps.
+D-tiles of 32 columns, features padded to tiles of 32, bf16 inputs; a product of two bf16 pairs
+is 1 + (one per operand with a lo tile) MMAs: the f32 tiles (the state S, P) always have one, a
+bf16 operand only when its values are f32 (lo_mask in the kernel: dq's a, dk's b, dv's c when
+normalised):
+  per-chunk outputs  ndt * 2 * (vis*C*ma*(1+a+b) + 32*ma*(2+a) + vis*C*32*(2+c))   (P, A S, mask(P) C)
+  chunk sums         ndt * 2 * 32*ma*(1+b+c)                                       (U = B^T C)
+with ndt = ceil(dc/32), vis = 10/16 (the share of P's 16x16 blocks a causal mask keeps) and
+a, b, c = 1 for an operand with a lo tile, else 0.
 Bytes, per token and (b, h), reading every operand once from HBM (the re-reads per D-tile are
 assumed to hit L2) and the f32 states of the decomposition (U written, the scan reading and
 writing it, the outputs reading it): 16 * ma * dc / C per decomposed product, 4 * ma * dc / C
@@ -27,12 +31,15 @@ def pad(n):
     return TILE * math.ceil(n / TILE)
 
 
-def outputs(ma, dc):
-    return math.ceil(dc / TILE) * 6 * (VIS * C * pad(ma) + TILE * pad(ma) + VIS * C * TILE)
+def outputs(ma, dc, lo=""):
+    a, b, c = ("a" in lo), ("b" in lo), ("c" in lo)
+    return math.ceil(dc / TILE) * 2 * (VIS * C * pad(ma) * (1 + a + b) + TILE * pad(ma) * (2 + a)
+                                       + VIS * C * TILE * (2 + c))
 
 
-def chunk_sums(ma, dc):
-    return math.ceil(dc / TILE) * 6 * TILE * pad(ma)
+def chunk_sums(ma, dc, lo=""):
+    b, c = ("b" in lo), ("c" in lo)
+    return math.ceil(dc / TILE) * 2 * TILE * pad(ma) * (1 + b + c)
 
 
 def forward(m, d):
@@ -44,7 +51,9 @@ def forward(m, d):
 
 def backward(m, d):
     w = d + 1
-    flops = outputs(w, m) + (outputs(w, m) + chunk_sums(w, m)) + (outputs(m, d) + chunk_sums(m, d))
+    # dq: a = dO' (lo); dk: b = dO' (lo); dv: c = dout / den (lo)
+    flops = (outputs(w, m, "a") + (outputs(w, m, "b") + chunk_sums(w, m, "b"))
+             + (outputs(m, d, "c") + chunk_sums(m, d, "c")))
     by = 2 * (2 * m + 3 * d) + 4 + 2 * (2 * m + d) + 4 * m * w / C + 16 * w * m / C + 16 * m * d / C
     return flops, by
 

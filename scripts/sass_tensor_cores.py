@@ -18,17 +18,20 @@ import sys
 MODES = {0: "walk (kAccumulate)", 1: "per-chunk outputs (kReadChunk)", 2: "bidirectional (kBidir)",
          3: "chunk sums (kChunkSum)"}
 TYPES = {"6__half": "f16", "13__nv_bfloat16": "bf16", "f": "f32"}
+# operands whose tiles have a lo half (LoTiles in kernels/linear_attention.cu)
+LO = {0: "none", 1: "c", 2: "b", 4: "a", 7: "all"}
+EXPECTED = 32  # f32 4 modes; f16 2 outputs x 4; bf16 4 modes x (4 lo patterns + 1 f32-output)
 MAX_REGS = 128
 
 
 def instance(mangled):
-    """(input dtype, output dtype, mode) of a la_product_kernel instance, or None."""
-    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)(S1_|f)Li(\d)EEEvNS_7ProductE$",
+    """(input dtype, output dtype, mode, lo tiles) of a la_product_kernel instance, or None."""
+    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)(S1_|f)Li(\d)ELi(\d)EEEvNS_7ProductE$",
                  mangled)
     if not m:
         return None
     t = TYPES[m.group(1)]
-    return t, (t if m.group(2) == "S1_" else "f32"), int(m.group(3))
+    return t, (t if m.group(2) == "S1_" else "f32"), int(m.group(3)), int(m.group(4))
 
 
 def hmma_counts(sass):
@@ -75,8 +78,8 @@ def main():
         if inst is None:
             continue
         seen += 1
-        t, to, mode = inst
-        label = f"la_product_kernel<{t} -> {to}>, {MODES[mode]}"
+        t, to, mode, lo = inst
+        label = f"la_product_kernel<{t} -> {to}>, {MODES[mode]}" + (f", lo {LO[lo]}" if t != "f32" else "")
         n, r = hmma.get(name, 0), regs[name]
         verdict = []
         if n == 0 and t != "f32":
@@ -85,9 +88,9 @@ def main():
         if r > MAX_REGS:
             fails.append(f"{label}: {r} registers")
             verdict.append(f"OVER {MAX_REGS} registers")
-        print(f"tensor cores  {label:<58} HMMA {n:4d}  registers {r:3d}  {'; '.join(verdict) or 'meets target'}")
-    if seen != 20:
-        fails.append(f"{seen} instances of la_product_kernel found, 20 expected")
+        print(f"tensor cores  {label:<70} HMMA {n:4d}  registers {r:3d}  {'; '.join(verdict) or 'meets target'}")
+    if seen != EXPECTED:
+        fails.append(f"{seen} instances of la_product_kernel found, {EXPECTED} expected")
     if fails:
         print("FAIL: tensor cores: " + "; ".join(fails))
         return 1
