@@ -11,10 +11,12 @@
 //   O_c = A_c S  +  mask(A_c B_c^T) C_c          (inter-chunk + masked intra-chunk matmul)
 // and the walk updates S += B_c^T C_c.
 //
-// Forward (W = D + normalize, c' = [v | 1], a virtual column of ones):
-//   den = product(q, k, 1)       -> guarded g(den), f32        (normalize only)
-//   out = product(q, k, v) / den
-// the state column D holds z = sum k_s, so S' = sum k_s c'_s^T.
+// Forward (W = D + normalize, c' = [v | 1]):
+//   den = g(product(q, k, 1)), f32 (normalize only), out = product(q, k, v) / den
+// the state column D holds z = sum k_s, so S' = sum k_s c'_s^T. The denominators are scalar
+// work of the product itself (Product::self_norm: row sums of its masked P plus q_t . z): in
+// the output product of the decomposed forward, in a product without value columns first in
+// the walks.
 // Backward, with dO' = [dout / den | dden], dden_t = -(dout_t . out_t) / den_t (recomputed
 // where it is loaded: no per-row scratch):
 //   dq = product(dO', c', k)  LE   state  S0'^T + sum c'_s k_s^T = S'^T   (saved or re-walked)
@@ -90,8 +92,6 @@ struct OutView {
   int64_t sb, sh, sl, sf;
   int64_t width;
   const float* row_div;  // NULL or [B*H*L]
-  int guard;             // write g(x) = x + eps*sign(x) (the denominators)
-  float eps;
 };
 
 // f32 state element (bh, chunk, r, c) at base + bh*s_bh + chunk*s_chunk + r*s_r + c*s_c.
@@ -126,6 +126,14 @@ struct Product {
   // Set by run_product (host), read from the kernel's parameter space (no registers): the work
   // items of the launch, D-tiles per state, chunks per (b, h) (not packed).
   int64_t items, ndt, nchunks;
+  // The normaliser as a column of this product (the decomposed causal forward, c = v): the
+  // state's column dc is z = sum of b_s; kChunkSum writes its chunk sums (column sums of B_c),
+  // the scan carries it, and kReadChunk computes every row's denominator
+  //   den_t = g(sum_{s <= t in the chunk} P_ts + a_t . z_c)
+  // from its own P and state, divides its outputs by it and (D-tile 0) writes it to `den`.
+  int self_norm;
+  float* den;  // [B*H, L] f32 (rows as row_div), the guarded denominators
+  float eps;
 };
 
 // One (sequence, head) of a call: where its rows and states are.
@@ -155,6 +163,20 @@ __device__ __forceinline__ int64_t seq_of_chunk(const Product& p, int64_t g) {
     if (p.chunk_off[mid] <= g) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// threadIdx.x, read again at each call (asm volatile): the shared-memory offsets derived from
+// it are recomputed where they are used instead of held in registers through the whole kernel
+// (the compiler hoists them out of the item loop otherwise; two blocks per SM need at most 128
+// registers, and the tensor-core kernels are at that bound).
+__device__ __forceinline__ int fresh_tid() {
+#ifdef MESA_EMU
+  return int(threadIdx.x);
+#else
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#endif
 }
 
 template <typename T>
@@ -212,6 +234,75 @@ struct Tiles {
   float c[kChunk][kTD];
 };
 
+// The per-row denominators of a self-normalising product (Product::self_norm). Thread t owns
+// row t / 4 and a quarter of its terms (8 features of a feature tile, 16 columns of P); the
+// four quarters are summed across the lanes in a fixed order, so every launch and every
+// D-tile's block gets the same bits.
+constexpr int kDenLanes = 4;
+static_assert(kChunk * kDenLanes == kThreads, "denominators: 4 threads per row");
+
+// a_t . z over this feature tile: `a(r, f)` the tile's value at row r, feature f; z read from
+// the state entering the chunk (column p.dc).
+template <typename A>
+__device__ __forceinline__ float den_inter(float part, const Product& p, const StateView& sv, int64_t sv_bh,
+                                           int64_t sv_chunk, int64_t f0, A a) {
+  const int tid = fresh_tid(), r = tid / kDenLanes, f = (tid % kDenLanes) * (kTF / kDenLanes);
+#pragma unroll
+  for (int j = 0; j < kTF / kDenLanes; ++j)
+    if (f0 + f + j < p.ma) part = fmaf(a(r, f + j), *sv.at(sv_bh, sv_chunk, f0 + f + j, p.dc), part);
+  return part;
+}
+
+// + sum over this thread's 16 columns s < rows of P(r, s), the masked intra-chunk products.
+template <typename P>
+__device__ __forceinline__ float den_intra(float part, int rows, P pm) {
+  const int tid = fresh_tid(), r = tid / kDenLanes, c = (tid % kDenLanes) * (kChunk / kDenLanes);
+#pragma unroll
+  for (int j = 0; j < kChunk / kDenLanes; ++j)
+    if (c + j < rows) part += pm(r, c + j);
+  return part;
+}
+
+// g(part summed over the row's four threads): the guarded denominator, the same in all four.
+__device__ __forceinline__ float den_final(float part, const Product& p) {
+  part += __shfl_xor_sync(0xffffffffu, part, 1);
+  part += __shfl_xor_sync(0xffffffffu, part, 2);
+  return part >= 0.0f ? part + p.eps : part - p.eps;
+}
+
+// Writes row r's denominator to `den_rows` (shared) and, from the block of D-tile 0, to p.den.
+__device__ __forceinline__ void den_store(float den, float* den_rows, const Product& p, const Seq& sq, int64_t t0,
+                                          int rows, int64_t d0) {
+  const int tid = fresh_tid(), r = tid / kDenLanes;
+  if (tid % kDenLanes != 0) return;
+  den_rows[r] = den;
+  if (d0 == 0 && r < rows) p.den[sq.bh * p.L + t0 + r] = den;
+}
+
+// The block's denominators of the chunk's rows, from den_store to the output loop.
+__device__ __forceinline__ float* den_rows() {
+  __shared__ float rows[kChunk];
+  return rows;
+}
+
+// The state update's column of z in a self-normalising product (D-tile 0's block): the chunk
+// sum over this feature tile, u_f = sum_r b(r, f) in row order, written to column p.dc of `dst`
+// (kChunkSum) or added to the state's (the walk: the same f32 operations as the scan's).
+template <typename B>
+__device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int rows, int64_t f0, int64_t d0,
+                                         const StateView* dst, int64_t dst_bh, int64_t dst_chunk, B b) {
+  const int f = fresh_tid();
+  if (!p.self_norm || d0 != 0 || f >= kTF || f0 + f >= p.ma) return;
+  float u = 0.0f;
+  for (int r = 0; r < rows; ++r) u += b(r, f);
+  if (dst != nullptr) {
+    *dst->at(dst_bh, dst_chunk, f0 + f, p.dc) = u;
+  } else {
+    float* z = p.state.at(sq.sidx, 0, f0 + f, p.dc);
+    *z = *z + u;
+  }
+}
+
 // S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
 // elements per feature tile, so the read-modify-write of the global state has one writer.
 template <typename T, int kLo>
@@ -225,6 +316,7 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
     __syncthreads();
     load_rows_t<T>(tl.b, p.b, sq.b, sq.h, sq.bh, p.L, t0, rows, f0);
     __syncthreads();
+    z_update(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk, [&](int r, int f) { return tl.b[f][r]; });
     float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < rows; ++r) {
       const float bv = tl.b[fr][r];
@@ -250,7 +342,7 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
 // Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv` at
 // (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term). Leaves C_c in
 // tiles.c.
-template <typename T, typename TO, int kLo>
+template <typename T, int kLo>
 __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int64_t b = sq.b, h = sq.h, bh = sq.bh;
@@ -258,6 +350,7 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
   const int oy = (threadIdx.x / 8) * 2, ox = (threadIdx.x % 8) * 4;  // O: rows oy, oy+1; cols ox..
   float acc_p[4][4] = {};
   float acc_o[2][4] = {};
+  float den = 0.0f;  // self_norm: this thread's part of row tid / 4's denominator
   const bool inter = sv.base != nullptr;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
@@ -275,6 +368,8 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
       }
     }
     __syncthreads();
+    if (p.self_norm && inter)
+      den = den_inter(den, p, sv, sv_bh, sv_chunk, f0, [&](int r, int f) { return tl.a[f][r]; });
     // features past ma are not loaded: skip them (small M, and the last tile)
     for (int k = 0; k < kmax; ++k) {
       if (intra) {
@@ -312,6 +407,11 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
   }
   load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, t0, rows, d0);
   __syncthreads();
+  if (p.self_norm) {
+    if (intra) den = den_intra(den, rows, [&](int r, int c) { return tl.p[r][c]; });
+    den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
+    __syncthreads();
+  }
   if (intra) {
     for (int s = 0; s < rows; ++s) {
 #pragma unroll
@@ -322,7 +422,7 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
       }
     }
   }
-  TO* out = static_cast<TO*>(p.o.data);
+  T* out = static_cast<T*>(p.o.data);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = oy + i;
@@ -333,9 +433,9 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
       const int64_t d = d0 + ox + j;
       if (d >= p.dc) continue;
       float x = acc_o[i][j];
+      if (p.self_norm) x = x / den_rows()[r];
       if (p.o.row_div != nullptr) x = x / p.o.row_div[bh * p.L + t];
-      if (p.o.guard) x = x >= 0.0f ? x + p.o.eps : x - p.o.eps;
-      out[b * p.o.sb + h * p.o.sh + t * p.o.sl + d * p.o.sf] = from_float<TO>(x);
+      out[b * p.o.sb + h * p.o.sh + t * p.o.sl + d * p.o.sf] = from_float<T>(x);
     }
   }
 }
@@ -404,20 +504,6 @@ struct TcTiles {
 // f16 inputs always need lo. lo_mask() picks the instance per product.
 enum LoTiles { kLoC = 1, kLoB = 2, kLoA = 4, kLoAll = 7 };
 
-// threadIdx.x, read again at each call (asm volatile): the shared-memory offsets derived from
-// it are recomputed where they are used instead of held in registers through the whole kernel
-// (the compiler hoists them out of the item loop otherwise; two blocks per SM need at most 128
-// registers, and the tensor-core kernels are at that bound).
-__device__ __forceinline__ int fresh_tid() {
-#ifdef MESA_EMU
-  return int(threadIdx.x);
-#else
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  return t;
-#endif
-}
-
 // hi/lo of x0, x1 at i, i + 1 (one thread writes both halves of a 4-byte granule of each
 // tile: racecheck's unit). A non-finite remainder (x infinite or NaN, or a finite |x| that
 // rounds to infinity in bf16, past 3.39e38) leaves lo 0: hi carries it.
@@ -442,6 +528,12 @@ __device__ __forceinline__ void put_split8(Mma* hi, Mma* lo, int i, const float 
   }
   *reinterpret_cast<Vec16<Mma>*>(hi + i) = h;
   *reinterpret_cast<Vec16<Mma>*>(lo + i) = l;
+}
+
+// The value a split tile holds at i, hi + lo (an f16/bf16 input exactly).
+template <int kRows, int kLd>
+__device__ __forceinline__ float split_value(const SplitTile<kRows, kLd>& t, int i) {
+  return __bfloat162float(t.hi[i]) + __bfloat162float(t.lo[i]);
 }
 
 // dst[r][c] = operand(t0 + r, c0 + c) split, for 64 rows and 32 columns (a feature tile of A_c,
@@ -498,7 +590,7 @@ __device__ __forceinline__ bool block_visible(int mask, int bi, int bj) {
 
 // The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
 // only when `intra`: the bidirectional outputs A S do not read it).
-template <typename T, typename TO, int kLo>
+template <typename T, int kLo>
 __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int warp = fresh_tid() / kWarpSize;
@@ -510,6 +602,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
   wmma::fill_fragment(acc_p[1], 0.0f);
   wmma::fill_fragment(acc_o, 0.0f);
   FragA ah, al;
+  float den = 0.0f;  // self_norm: this thread's part of row tid / 4's denominator
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
     load_rows_split<T>(tl.x.ab.a, p.a, sq, p.L, t0, rows, f0);
@@ -518,7 +611,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
       // 4 consecutive columns of one state row per thread
       static_assert(kTF * kTD == 4 * kThreads, "the state tile: 4 elements per thread");
       const int tid = fresh_tid();
-    const int f = tid / (kTD / 4), d = (tid % (kTD / 4)) * 4;
+      const int f = tid / (kTD / 4), d = (tid % (kTD / 4)) * 4;
       float v[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -527,6 +620,8 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
       put_split(tl.y.s.hi, tl.y.s.lo, f * kLdS + d + 2, v[2], v[3]);
     }
     __syncthreads();
+    if (p.self_norm && inter)
+      den = den_inter(den, p, sv, sv_bh, sv_chunk, f0, [&](int r, int f) { return split_value(tl.x.ab.a, r * kLdAB + f); });
 #pragma unroll 1
     for (int kk = 0; kk < kTF / 16; ++kk) {
       wmma::load_matrix_sync(ah, tl.x.ab.a.hi + wi * 16 * kLdAB + kk * 16, kLdAB);
@@ -556,7 +651,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
     // two runs of 8 columns of one row per thread
     static_assert(kChunk * kChunk == 16 * kThreads, "mask(P): 16 elements per thread");
     const int tid = fresh_tid();
-  const int r = tid / (kChunk / 16), c = (tid % (kChunk / 16)) * 16;
+    const int r = tid / (kChunk / 16), c = (tid % (kChunk / 16)) * 16;
 #pragma unroll
     for (int h = 0; h < 16; h += 8) {
       float x[8];
@@ -568,7 +663,14 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
       }
       put_split8(tl.y.p.hi, tl.y.p.lo, r * kLdP + c + h, x);
     }
+    if (p.self_norm) {
+      den = den_intra(den, rows, [&](int r, int s) {
+        const bool keep = p.mask == kMaskLE ? s <= r : (p.mask == kMaskGE ? s >= r : true);
+        return keep ? tl.x.pf[r * kLdPf + s] : 0.0f;
+      });
+    }
   }
+  if (p.self_norm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
   if (intra) load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
   __syncthreads();
   if (intra) {
@@ -592,14 +694,14 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
   if (r < rows) {
     const int64_t t = t0 + r;
     const float div = p.o.row_div != nullptr ? p.o.row_div[sq.bh * p.L + t] : 1.0f;
-    TO* out = static_cast<TO*>(p.o.data) + sq.b * p.o.sb + sq.h * p.o.sh + t * p.o.sl;
+    T* out = static_cast<T*>(p.o.data) + sq.b * p.o.sb + sq.h * p.o.sh + t * p.o.sl;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (d0 + d + j >= p.dc) break;
       float x = tl.x.o[r * kLdO + d + j];
+      if (p.self_norm) x = x / den_rows()[r];
       if (p.o.row_div != nullptr) x = x / div;
-      if (p.o.guard) x = x >= 0.0f ? x + p.o.eps : x - p.o.eps;
-      out[(d0 + d + j) * p.o.sf] = from_float<TO>(x);
+      out[(d0 + d + j) * p.o.sf] = from_float<T>(x);
     }
   }
 }
@@ -614,6 +716,8 @@ __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64
     __syncthreads();
     load_rows_split<T>(tl.x.ab.b, p.b, sq, p.L, t0, rows, f0);
     __syncthreads();
+    z_update(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk,
+             [&](int r, int f) { return split_value(tl.x.ab.b, r * kLdAB + f); });
     if (warp < 4) {
       const int fi = warp / 2, dj = warp % 2;
       FragAcc u;
@@ -673,11 +777,13 @@ __device__ void init_tiles(Tiles& tl) {
 __device__ void init_tiles(TcTiles&) {}
 
 // Sets the block's state tile [ma, d0:d0+kTD] to `src` (base NULL: zero).
+// A self-normalising product's D-tile 0 also owns the state's z column (p.dc).
 __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const StateView& src) {
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < p.ma * kTD; i += kThreads) {
-    const int64_t f = i / kTD, d = d0 + i % kTD;
-    if (d >= p.dc) continue;
+  const int64_t cols = p.self_norm && d0 == 0 ? kTD + 1 : kTD;
+  for (int64_t i = threadIdx.x; i < p.ma * cols; i += kThreads) {
+    const int64_t f = i / cols, c = i % cols, d = c == kTD ? p.dc : d0 + c;
+    if (c < kTD && d >= p.dc) continue;
     *p.state.at(sidx, 0, f, d) = src.base != nullptr ? *src.at(sidx, 0, f, d) : 0.0f;
   }
   __syncthreads();
@@ -721,10 +827,17 @@ __device__ __forceinline__ auto& tiles_for(ProductTiles& u) {
   }
 }
 
+// D-tiles of a product: a self-normalising one has at least one (the denominators' block) even
+// with no value columns.
+__host__ __device__ __forceinline__ int64_t value_tiles(const Product& p) {
+  const int64_t n = ceil_div(p.dc, kTD);
+  return p.self_norm && n == 0 ? 1 : n;
+}
+
 // Work items of a launch: (state index, D-tile), or with per-chunk states (state index,
 // chunk, D-tile); packed sequences number their chunks globally (head, global chunk, tile).
 __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
-  const int64_t ndt = ceil_div(p.dc, kTD);
+  const int64_t ndt = value_tiles(p);
   const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
   if (!per_chunk(p.mode)) return nstates * ndt;
   return p.seq_off != nullptr ? p.H * p.nchunks_total * ndt : nstates * ceil_div(p.L, p.chunk) * ndt;
@@ -734,7 +847,7 @@ __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
 // grid.y/z); the item index and its bookkeeping live in shared memory (Item). Every instance,
 // the tensor-core tiles of f16/bf16 and the FP32 tiles of f32 alike, is bounded to 128
 // registers: two blocks per SM, without spills (scripts/sass_tensor_cores.py checks both).
-template <typename T, typename TO, int kMode, int kLo>
+template <typename T, int kMode, int kLo>
 __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
   ProductShared& shared = product_shared();
   auto& tl = tiles_for<T>(shared.tiles);
@@ -778,13 +891,13 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
         for (int64_t i = 0; i < it.nchunks; ++i) {
           const int64_t c = p.mask == kMaskGE ? it.nchunks - 1 - i : i;
           const int64_t t0 = sq.t0 + c * p.chunk;
-          chunk_outputs<T, TO, kLo>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
+          chunk_outputs<T, kLo>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
           update_state<T, kLo>(tl, p, sq, t0, rows_of(c), it.d0);
         }
         break;
       }
       case kReadChunk: {
-        chunk_outputs<T, TO, kLo>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0, p.init, sq.bidx,
+        chunk_outputs<T, kLo>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0, p.init, sq.bidx,
                              sq.cbase + it.c_read, true);
         break;
       }
@@ -805,7 +918,7 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
           }
         }
         for (int64_t c = 0; c < it.nchunks; ++c)
-          chunk_outputs<T, TO, kLo>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
+          chunk_outputs<T, kLo>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
                                0, false);
         break;
       }
@@ -823,10 +936,11 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
 // element only.
 __global__ void __launch_bounds__(kThreads) la_scan_kernel(Product p) {
   const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
-  const int64_t per = p.ma * p.dc;
+  const int64_t width = p.dc + (p.self_norm ? 1 : 0);  // a self-normalising product's z column too
+  const int64_t per = p.ma * width;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < nstates * per;
        i += int64_t(gridDim.x) * kThreads) {
-    const int64_t sidx = i / per, r = (i % per) / p.dc, c = i % p.dc;
+    const int64_t sidx = i / per, r = (i % per) / width, c = i % width;
     const Seq sq = seq_of(p, sidx);
     float run = p.init.base != nullptr ? *p.init.at(sidx, 0, r, c) : 0.0f;
     const int64_t nchunks = ceil_div(sq.len, p.chunk);
@@ -864,7 +978,7 @@ inline Operand operand(const MesaLaTensor& t, int64_t nfeat) {
 }
 inline Operand ones_only() { return Operand{nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, 0, 0, 0, 0, kExtraOnes, 0}; }
 inline OutView out_view(const MesaLaTensor& t, int64_t width) {
-  return OutView{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], width, nullptr, 0, 0.0f};
+  return OutView{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], width, nullptr};
 }
 
 
@@ -880,41 +994,37 @@ inline int lo_mask(const Product& p) {
 // One block per item, at most as many as the device holds at once (occupancy API). The one
 // dispatch point of the products: mode, and for bf16 the lo tiles. The patterns that occur:
 // the forward's products and an unnormalised backward read bf16 values only (0); normalised,
-// dq's a = dO' (kLoA), dk's b = dO' (kLoB), dv's c = dout / den (kLoC). The denominator's
-// product (TO = f32) reads q, k and ones (0). Any other pattern has no instance: an internal
-// error, never a wrong result.
-template <typename T, typename TO, int kMode>
+// dq's a = dO' (kLoA), dk's b = dO' (kLoB), dv's c = dout / den (kLoC). Any other pattern has
+// no instance: an internal error, never a wrong result.
+template <typename T, int kMode>
 MesaStatus launch_product(const Product& p, void* stream) {
   auto launch = [&](auto kernel) {
     const dim3 grid(resident_grid(kernel, p.items * kThreads, kThreads));
     return status_from(MESA_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, p));
   };
   if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
-    return launch(la_product_kernel<T, TO, kMode, kLoAll>);
-  } else if constexpr (std::is_same_v<TO, float>) {
-    if (lo_mask<T>(p) == 0) return launch(la_product_kernel<T, TO, kMode, 0>);
-    return MESA_STATUS_INVALID_ARGUMENT;
+    return launch(la_product_kernel<T, kMode, kLoAll>);
   } else {
     switch (lo_mask<T>(p)) {
-      case 0: return launch(la_product_kernel<T, TO, kMode, 0>);
-      case kLoA: return launch(la_product_kernel<T, TO, kMode, kLoA>);
-      case kLoB: return launch(la_product_kernel<T, TO, kMode, kLoB>);
-      case kLoC: return launch(la_product_kernel<T, TO, kMode, kLoC>);
+      case 0: return launch(la_product_kernel<T, kMode, 0>);
+      case kLoA: return launch(la_product_kernel<T, kMode, kLoA>);
+      case kLoB: return launch(la_product_kernel<T, kMode, kLoB>);
+      case kLoC: return launch(la_product_kernel<T, kMode, kLoC>);
       default: return MESA_STATUS_INVALID_ARGUMENT;
     }
   }
 }
 
-template <typename T, typename TO>
+template <typename T>
 MesaStatus run_product(Product p, void* stream) {
   p.items = product_items(p);
-  p.ndt = ceil_div(p.dc, kTD);
+  p.ndt = value_tiles(p);
   p.nchunks = ceil_div(p.L, p.chunk);
   switch (p.mode) {
-    case kAccumulate: return launch_product<T, TO, kAccumulate>(p, stream);
-    case kReadChunk: return launch_product<T, TO, kReadChunk>(p, stream);
-    case kChunkSum: return launch_product<T, TO, kChunkSum>(p, stream);
-    case kBidir: return launch_product<T, TO, kBidir>(p, stream);
+    case kAccumulate: return launch_product<T, kAccumulate>(p, stream);
+    case kReadChunk: return launch_product<T, kReadChunk>(p, stream);
+    case kChunkSum: return launch_product<T, kChunkSum>(p, stream);
+    case kBidir: return launch_product<T, kBidir>(p, stream);
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }
 }
@@ -924,12 +1034,12 @@ MesaStatus run_product(Product p, void* stream) {
 // states entering each chunk (and the final state), (iii) the outputs of all chunks in
 // parallel from the chunk's own masked A_c B_c^T and its entering state. Bitwise the same
 // results as the sequential walk (kAccumulate: SLiM mode).
-template <typename T, typename TO>
+template <typename T>
 MesaStatus run_product_decomposed(Product p, void* stream) {
   p.mode = kChunkSum;
-  MesaStatus st = run_product<T, TO>(p, stream);
+  MesaStatus st = run_product<T>(p, stream);
   if (st != MESA_STATUS_OK) return st;
-  const int64_t n = ((p.seq_off != nullptr ? p.nseq : p.B) * p.H) * p.ma * p.dc;
+  const int64_t n = ((p.seq_off != nullptr ? p.nseq : p.B) * p.H) * p.ma * (p.dc + (p.self_norm ? 1 : 0));
   const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
   st = status_from(MESA_LAUNCH(la_scan_kernel, dim3(unsigned(want < 1 ? 1 : (want < cap ? want : cap))),
                                dim3(kThreads), 0, stream, p));
@@ -937,7 +1047,7 @@ MesaStatus run_product_decomposed(Product p, void* stream) {
   p.mode = kReadChunk;
   p.init = p.boundary;
   p.boundary = StateView{nullptr, 0, 0, 0, 0};
-  return run_product<T, TO>(p, stream);
+  return run_product<T>(p, stream);
 }
 
 inline Product base_product(const MesaLaShape& s) {
@@ -983,8 +1093,8 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   const int64_t M = s.feat, D = s.dim, W = D + (s.normalize ? 1 : 0);
   const int64_t BH = state_count(s);
   const bool boundary = s.causal && s.memory == MESA_LA_BOUNDARY_STATES;
-  // The state S' [bh, M, W]; the normaliser's launch owns column D. It starts from the
-  // caller's initial state (causal) or 0.
+  // The state S' [bh, M, W], column D the normaliser's z. It starts from the caller's initial
+  // state (causal) or 0.
   const StateView state{a.state, M * W, 0, W, 1};
   const StateView none{nullptr, 0, 0, 0, 0};
   const float* s0 = a.init_state;
@@ -1002,29 +1112,39 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   p.ma = M;
   p.mask = s.causal ? kMaskLE : kMaskNone;
   p.mode = s.causal ? kAccumulate : kBidir;
-  if (s.normalize) {
+  // The denominators are computed by a product itself (self_norm: from its own P and the z
+  // column, Product). The decomposed causal forward (boundary states) does it in the output
+  // product: one chunk-sum launch, one scan, one output launch for v and the normaliser alike.
+  // A walk (SLiM, bidirectional) runs its D-tiles in separate blocks that each need z before
+  // the next chunk, so there a product with no value columns computes them first (the same
+  // operations: both memory modes give bitwise the same results).
+  const bool fold = s.normalize && boundary;
+  if (s.normalize && !fold) {
     Product z = p;
     z.c = ones_only();
-    z.dc = 1;
-    const MesaLaTensor den_t{a.den, {s.heads * s.len, s.len, 1, 0}};
-    z.o = out_view(den_t, 1);
-    z.o.guard = 1;
-    z.o.eps = s.eps;
+    z.dc = 0;
+    z.o = out_view(a.out, 0);
+    z.self_norm = 1;
+    z.den = a.den;
+    z.eps = s.eps;
     z.state = StateView{a.state + D, M * W, 0, W, 1};
     z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
-    z.boundary = boundary ? boundary_view(s, a.boundary, M, W, D, false) : none;
-    const MesaStatus st = boundary ? run_product_decomposed<T, float>(z, stream) : run_product<T, float>(z, stream);
+    z.boundary = none;
+    const MesaStatus st = run_product<T>(z, stream);
     if (st != MESA_STATUS_OK) return st;
   }
   p.c = operand<T>(a.v, D);
   p.dc = D;
   p.o = out_view(a.out, D);
-  p.o.row_div = s.normalize ? a.den : nullptr;
+  p.o.row_div = s.normalize && !fold ? a.den : nullptr;
+  p.self_norm = fold ? 1 : 0;
+  p.den = a.den;
+  p.eps = s.eps;
   p.state = state;
   p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
   p.boundary = boundary ? boundary_view(s, a.boundary, M, W, 0, false) : none;
-  if (D == 0) return MESA_STATUS_OK;
-  return boundary ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
+  if (D == 0 && !fold) return MESA_STATUS_OK;
+  return boundary ? run_product_decomposed<T>(p, stream) : run_product<T>(p, stream);
 }
 
 template <typename T>
@@ -1081,7 +1201,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
       p.init = a.init_state != nullptr ? transposed(a.init_state) : none;
     }
     if (M > 0) {
-      const MesaStatus st = run_product<T, T>(p, stream);
+      const MesaStatus st = run_product<T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
@@ -1101,7 +1221,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.init = a.d_final != nullptr ? transposed(a.d_final) : none;
     p.boundary = decompose ? chunk_states(s, chunk_work, W, M) : none;
     if (M > 0) {
-      const MesaStatus st = decompose ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
+      const MesaStatus st = decompose ? run_product_decomposed<T>(p, stream) : run_product<T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
@@ -1123,7 +1243,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.init = a.d_final != nullptr ? StateView{const_cast<float*>(a.d_final), M * W, 0, W, 1} : none;
     p.boundary = decompose ? chunk_states(s, chunk_work, M, D) : none;
     if (D > 0) {
-      const MesaStatus st = decompose ? run_product_decomposed<T, T>(p, stream) : run_product<T, T>(p, stream);
+      const MesaStatus st = decompose ? run_product_decomposed<T>(p, stream) : run_product<T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }

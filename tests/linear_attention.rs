@@ -2029,3 +2029,20 @@ fn tensor_core_tiles_load_the_same_from_16_byte_runs_and_elements() {
         }
     }
 }
+
+/// The largest chunk and a full feature tile on the tensor cores: every row of a 64-row chunk
+/// and every quarter of a 32-feature tile enters the denominators a product computes itself
+/// (the four threads of a row each sum 16 columns of P and 8 features), and the 64×64 P of
+/// the intra-chunk product is used whole. L = 130: two full chunks and a partial one.
+#[test]
+fn tensor_cores_with_chunks_of_64_rows_and_32_features() {
+    let mut rng = common::rng("tensor_cores_with_chunks_of_64_rows_and_32_features");
+    let n = Shape { b: 1, h: 2, l: 130, m: 32, d: 8 };
+    for device in common::backends() {
+        for cfg in configs() {
+            let cfg = LinearAttentionConfig { chunk: 64, ..cfg };
+            parity::<f16>(&device, &mut rng, &cfg, n);
+            parity::<bf16>(&device, &mut rng, &cfg, n);
+        }
+    }
+}
