@@ -56,6 +56,13 @@ constexpr int kTF = 32;
 constexpr int kTD = 32;
 
 enum Mask { kMaskNone = 0, kMaskLE = 1, kMaskGE = 2 };
+
+// Whether row r of a chunk sees row s of it under the mask (a template parameter of the kernel:
+// the direction is fixed per call).
+template <int kMask>
+__host__ __device__ __forceinline__ constexpr bool visible(int r, int s) {
+  return kMask == kMaskLE ? s <= r : (kMask == kMaskGE ? s >= r : true);
+}
 enum Mode {
   kAccumulate = 0,  // S from `init` (base NULL: 0), walk in the mask's direction
   kReadChunk = 1,   // S of chunk c read from `init` (per-chunk states): chunks independent
@@ -342,7 +349,7 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
 // Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv` at
 // (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term). Leaves C_c in
 // tiles.c.
-template <typename T, int kLo>
+template <typename T, int kMask, int kLo>
 __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int64_t b = sq.b, h = sq.h, bh = sq.bh;
@@ -401,8 +408,7 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = py * 4 + i, s = px * 4 + j;
-        const bool keep = p.mask == kMaskLE ? s <= r : (p.mask == kMaskGE ? s >= r : true);
-        tl.p[r][s] = keep ? acc_p[i][j] : 0.0f;
+        tl.p[r][s] = visible<kMask>(r, s) ? acc_p[i][j] : 0.0f;
       }
   }
   load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, t0, rows, d0);
@@ -583,14 +589,15 @@ __device__ __forceinline__ void mma_split(FragAcc& d, const FA& ah, const FA& al
 }
 
 // Row block bi of P sees column block bj under the mask (a block the mask hides entirely is
-// skipped).
-__device__ __forceinline__ bool block_visible(int mask, int bi, int bj) {
-  return mask == kMaskLE ? bj <= bi : (mask == kMaskGE ? bj >= bi : true);
+// skipped): the same rule on 16-row blocks.
+template <int kMask>
+__device__ __forceinline__ bool block_visible(int bi, int bj) {
+  return visible<kMask>(bi, bj);
 }
 
 // The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
 // only when `intra`: the bidirectional outputs A S do not read it).
-template <typename T, int kLo>
+template <typename T, int kMask, int kLo>
 __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int warp = fresh_tid() / kWarpSize;
@@ -628,7 +635,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
       if (a_lo) wmma::load_matrix_sync(al, tl.x.ab.a.lo + wi * 16 * kLdAB + kk * 16, kLdAB);
       if (intra) {
         for (int j = 0; j < 2; ++j) {
-          if (!block_visible(p.mask, wi, wp + j)) continue;
+          if (!block_visible<kMask>(wi, wp + j)) continue;
           FragBt bh, bl;  // B_c^T: B's [row][feature] tile read column-major
           wmma::load_matrix_sync(bh, tl.x.ab.b.hi + (wp + j) * 16 * kLdAB + kk * 16, kLdAB);
           if (b_lo) wmma::load_matrix_sync(bl, tl.x.ab.b.lo + (wp + j) * 16 * kLdAB + kk * 16, kLdAB);
@@ -658,16 +665,12 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int s = c + h + j;
-        const bool keep = p.mask == kMaskLE ? s <= r : (p.mask == kMaskGE ? s >= r : true);
-        x[j] = keep ? tl.x.pf[r * kLdPf + s] : 0.0f;
+        x[j] = visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f;
       }
       put_split8(tl.y.p.hi, tl.y.p.lo, r * kLdP + c + h, x);
     }
     if (p.self_norm) {
-      den = den_intra(den, rows, [&](int r, int s) {
-        const bool keep = p.mask == kMaskLE ? s <= r : (p.mask == kMaskGE ? s >= r : true);
-        return keep ? tl.x.pf[r * kLdPf + s] : 0.0f;
-      });
+      den = den_intra(den, rows, [&](int r, int s) { return visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f; });
     }
   }
   if (p.self_norm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
@@ -675,7 +678,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
   __syncthreads();
   if (intra) {
     for (int kk = 0; kk < kChunk / 16; ++kk) {
-      if (!block_visible(p.mask, wi, kk) || kk * 16 >= rows) continue;
+      if (!block_visible<kMask>(wi, kk) || kk * 16 >= rows) continue;
       FragA ph, pl;
       FragB ch, cl;
       wmma::load_matrix_sync(ph, tl.y.p.hi + wi * 16 * kLdP + kk * 16, kLdP);
@@ -847,7 +850,7 @@ __host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
 // grid.y/z); the item index and its bookkeeping live in shared memory (Item). Every instance,
 // the tensor-core tiles of f16/bf16 and the FP32 tiles of f32 alike, is bounded to 128
 // registers: two blocks per SM, without spills (scripts/sass_tensor_cores.py checks both).
-template <typename T, int kMode, int kLo>
+template <typename T, int kMode, int kMask, int kLo>
 __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
   ProductShared& shared = product_shared();
   auto& tl = tiles_for<T>(shared.tiles);
@@ -889,15 +892,15 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
       case kAccumulate: {
         init_state(p, it.sidx, it.d0, p.init);
         for (int64_t i = 0; i < it.nchunks; ++i) {
-          const int64_t c = p.mask == kMaskGE ? it.nchunks - 1 - i : i;
+          const int64_t c = kMask == kMaskGE ? it.nchunks - 1 - i : i;
           const int64_t t0 = sq.t0 + c * p.chunk;
-          chunk_outputs<T, kLo>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
+          chunk_outputs<T, kMask, kLo>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
           update_state<T, kLo>(tl, p, sq, t0, rows_of(c), it.d0);
         }
         break;
       }
       case kReadChunk: {
-        chunk_outputs<T, kLo>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0, p.init, sq.bidx,
+        chunk_outputs<T, kMask, kLo>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0, p.init, sq.bidx,
                              sq.cbase + it.c_read, true);
         break;
       }
@@ -918,7 +921,7 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
           }
         }
         for (int64_t c = 0; c < it.nchunks; ++c)
-          chunk_outputs<T, kLo>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
+          chunk_outputs<T, kMask, kLo>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
                                0, false);
         break;
       }
@@ -996,20 +999,54 @@ inline int lo_mask(const Product& p) {
 // the forward's products and an unnormalised backward read bf16 values only (0); normalised,
 // dq's a = dO' (kLoA), dk's b = dO' (kLoB), dv's c = dout / den (kLoC). Any other pattern has
 // no instance: an internal error, never a wrong result.
-template <typename T, int kMode>
-MesaStatus launch_product(const Product& p, void* stream) {
-  auto launch = [&](auto kernel) {
+// The lo patterns a (mode, direction) meets: LE the forward (0) and dq (kLoA when normalised);
+// GE dk (kLoB) and dv (kLoC); the chunk sums the forward, dk and dv; bidirectional all of them.
+// Only these are compiled (29 instances rather than 36).
+template <int kMode, int kMask>
+constexpr bool lo_used(int lo) {
+  if (lo == 0 || kMode == kBidir) return true;
+  if (kMode == kChunkSum || kMask == kMaskGE) return lo == kLoB || lo == kLoC;
+  return lo == kLoA;
+}
+
+template <typename T, int kMode, int kMask, int kLo>
+MesaStatus launch_instance(const Product& p, void* stream) {
+  if constexpr (lo_used<kMode, kMask>(kLo) || kLo == kLoAll) {
+    auto kernel = la_product_kernel<T, kMode, kMask, kLo>;
     const dim3 grid(resident_grid(kernel, p.items * kThreads, kThreads));
     return status_from(MESA_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, p));
-  };
+  } else {
+    return MESA_STATUS_INVALID_ARGUMENT;
+  }
+}
+
+template <typename T, int kMode, int kMask>
+MesaStatus launch_product(const Product& p, void* stream) {
   if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
-    return launch(la_product_kernel<T, kMode, kLoAll>);
+    return launch_instance<T, kMode, kMask, kLoAll>(p, stream);
   } else {
     switch (lo_mask<T>(p)) {
-      case 0: return launch(la_product_kernel<T, kMode, 0>);
-      case kLoA: return launch(la_product_kernel<T, kMode, kLoA>);
-      case kLoB: return launch(la_product_kernel<T, kMode, kLoB>);
-      case kLoC: return launch(la_product_kernel<T, kMode, kLoC>);
+      case 0: return launch_instance<T, kMode, kMask, 0>(p, stream);
+      case kLoA: return launch_instance<T, kMode, kMask, kLoA>(p, stream);
+      case kLoB: return launch_instance<T, kMode, kMask, kLoB>(p, stream);
+      case kLoC: return launch_instance<T, kMode, kMask, kLoC>(p, stream);
+      default: return MESA_STATUS_INVALID_ARGUMENT;
+    }
+  }
+}
+
+// The mode and the direction: a causal walk or per-chunk outputs LE (forward, dq) or GE (dk,
+// dv); the chunk sums read no mask (the scan walks in its direction); bidirectional none.
+template <typename T, int kMode>
+MesaStatus launch_masked(const Product& p, void* stream) {
+  if constexpr (kMode == kChunkSum) {
+    return launch_product<T, kMode, kMaskNone>(p, stream);
+  } else if constexpr (kMode == kBidir) {
+    return p.mask == kMaskNone ? launch_product<T, kMode, kMaskNone>(p, stream) : MESA_STATUS_INVALID_ARGUMENT;
+  } else {
+    switch (p.mask) {
+      case kMaskLE: return launch_product<T, kMode, kMaskLE>(p, stream);
+      case kMaskGE: return launch_product<T, kMode, kMaskGE>(p, stream);
       default: return MESA_STATUS_INVALID_ARGUMENT;
     }
   }
@@ -1021,10 +1058,10 @@ MesaStatus run_product(Product p, void* stream) {
   p.ndt = value_tiles(p);
   p.nchunks = ceil_div(p.L, p.chunk);
   switch (p.mode) {
-    case kAccumulate: return launch_product<T, kAccumulate>(p, stream);
-    case kReadChunk: return launch_product<T, kReadChunk>(p, stream);
-    case kChunkSum: return launch_product<T, kChunkSum>(p, stream);
-    case kBidir: return launch_product<T, kBidir>(p, stream);
+    case kAccumulate: return launch_masked<T, kAccumulate>(p, stream);
+    case kReadChunk: return launch_masked<T, kReadChunk>(p, stream);
+    case kChunkSum: return launch_masked<T, kChunkSum>(p, stream);
+    case kBidir: return launch_masked<T, kBidir>(p, stream);
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }
 }

@@ -20,17 +20,20 @@ MODES = {0: "walk (kAccumulate)", 1: "per-chunk outputs (kReadChunk)", 2: "bidir
 TYPES = {"6__half": "f16", "13__nv_bfloat16": "bf16", "f": "f32"}
 # operands whose tiles have a lo half (LoTiles in kernels/linear_attention.cu)
 LO = {0: "none", 1: "c", 2: "b", 4: "a", 7: "all"}
-EXPECTED = 24  # f32, f16: 4 modes each; bf16: 4 modes x 4 lo patterns
+MASKS = {0: "", 1: " LE", 2: " GE"}  # the direction (Mask)
+# f32, f16: walk and per-chunk outputs x 2 directions + chunk sums + bidirectional; bf16: the
+# lo patterns each of those meets (lo_used in the kernel): 2 + 3 + 2 + 3 + 3 + 4
+EXPECTED = 6 + 6 + 17
 MAX_REGS = 128
 
 
 def instance(mangled):
-    """(dtype, mode, lo tiles) of a la_product_kernel instance, or None."""
-    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)Li(\d)ELi(\d)EEEvNS_7ProductE$",
+    """(dtype, mode, mask, lo tiles) of a la_product_kernel instance, or None."""
+    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)Li(\d)ELi(\d)ELi(\d)EEEvNS_7ProductE$",
                  mangled)
     if not m:
         return None
-    return TYPES[m.group(1)], int(m.group(2)), int(m.group(3))
+    return TYPES[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4))
 
 
 def hmma_counts(sass):
@@ -77,8 +80,8 @@ def main():
         if inst is None:
             continue
         seen += 1
-        t, mode, lo = inst
-        label = f"la_product_kernel<{t}>, {MODES[mode]}" + (f", lo {LO[lo]}" if t != "f32" else "")
+        t, mode, mask, lo = inst
+        label = f"la_product_kernel<{t}>, {MODES[mode]}{MASKS[mask]}" + (f", lo {LO[lo]}" if t != "f32" else "")
         n, r = hmma.get(name, 0), regs[name]
         verdict = []
         if n == 0 and t != "f32":
@@ -87,7 +90,7 @@ def main():
         if r > MAX_REGS:
             fails.append(f"{label}: {r} registers")
             verdict.append(f"OVER {MAX_REGS} registers")
-        print(f"tensor cores  {label:<62} HMMA {n:4d}  registers {r:3d}  {'; '.join(verdict) or 'meets target'}")
+        print(f"tensor cores  {label:<66} HMMA {n:4d}  registers {r:3d}  {'; '.join(verdict) or 'meets target'}")
     if seen != EXPECTED:
         fails.append(f"{seen} instances of la_product_kernel found, {EXPECTED} expected")
     if fails:
