@@ -312,10 +312,10 @@ __device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int ro
 
 // S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
 // elements per feature tile, so the read-modify-write of the global state has one writer.
-template <typename T, int kLo>
 // With `dst` (kChunkSum): writes U_c = B_c^T C_c to dst at (dst_bh, dst_chunk) instead (the
 // same f32 value as 0 + U_c, so a scan of them rounds exactly as the sequential walk).
 // (kLo: the tensor-core overload's; f32 tiles have no lo half.)
+template <typename T, int kLo>
 __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
@@ -694,7 +694,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
   static_assert(kChunk * kTD == 8 * kThreads, "O: 8 elements per thread");
   const int tid = fresh_tid();
   const int r = tid / (kTD / 8), d = (tid % (kTD / 8)) * 8;
-  if (r < rows) {
+  if (r < rows && d0 + d < p.dc) {
     const int64_t t = t0 + r;
     const float div = p.o.row_div != nullptr ? p.o.row_div[sq.bh * p.L + t] : 1.0f;
     T* out = static_cast<T*>(p.o.data) + sq.b * p.o.sb + sq.h * p.o.sh + t * p.o.sl;
@@ -792,7 +792,7 @@ __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const Sta
   __syncthreads();
 }
 
-// The block's tiles: one __shared__ union for every instance of la_product_kernel (20 of
+// The block's tiles: one __shared__ union for every instance of la_product_kernel (29 of
 // them). On a GPU each kernel gets its own static allocation; the emulator keeps __shared__
 // variables as thread-local storage, where one copy per instance would take ~1 MiB of every
 // thread's TLS (glibc carves it from the thread's stack: a 2 MiB test thread overflowed).
@@ -947,8 +947,8 @@ __global__ void __launch_bounds__(kThreads) la_scan_kernel(Product p) {
     const Seq sq = seq_of(p, sidx);
     float run = p.init.base != nullptr ? *p.init.at(sidx, 0, r, c) : 0.0f;
     const int64_t nchunks = ceil_div(sq.len, p.chunk);
-    for (int64_t i = 0; i < nchunks; ++i) {
-      const int64_t k = p.mask == kMaskGE ? nchunks - 1 - i : i;  // GE: from the last chunk
+    for (int64_t j = 0; j < nchunks; ++j) {
+      const int64_t k = p.mask == kMaskGE ? nchunks - 1 - j : j;  // GE: from the last chunk
       float* u = p.boundary.at(sq.bidx, sq.cbase + k, r, c);
       const float x = *u;
       *u = run;
@@ -1057,6 +1057,9 @@ MesaStatus run_product(Product p, void* stream) {
   p.items = product_items(p);
   p.ndt = value_tiles(p);
   p.nchunks = ceil_div(p.L, p.chunk);
+  // a walk's D-tiles run in separate blocks, and D-tile 0's owns z: a self-normalising walk
+  // must have that one tile only (forward() gives it no value columns)
+  if (p.self_norm && (p.mode == kAccumulate || p.mode == kBidir) && p.ndt != 1) return MESA_STATUS_INVALID_ARGUMENT;
   switch (p.mode) {
     case kAccumulate: return launch_masked<T, kAccumulate>(p, stream);
     case kReadChunk: return launch_masked<T, kReadChunk>(p, stream);
@@ -1164,7 +1167,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     z.self_norm = 1;
     z.den = a.den;
     z.eps = s.eps;
-    z.state = StateView{a.state + D, M * W, 0, W, 1};
+    z.state = StateView{a.state != nullptr ? a.state + D : nullptr, M * W, 0, W, 1};
     z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
     z.boundary = none;
     const MesaStatus st = run_product<T>(z, stream);
