@@ -185,15 +185,29 @@ fn run<T: Element>(
 ) -> Outputs {
     let lq = Layout::contiguous(&[n.b, n.h, n.l, n.m]);
     let lv = Layout::contiguous(&[n.b, n.h, n.l, n.d]);
+    run_views(device, cfg, n, [q, k, v, dout], (&lq, &lv))
+}
+
+/// Forward + backward with q, k (buffers and views of layout `lq`) and v, dout, out (`lv`),
+/// the gradients contiguous; `out` gathered through `lv`. Outputs start as NaN.
+fn run_views<T: Element>(
+    device: &Device,
+    cfg: &LinearAttentionConfig,
+    n: Shape,
+    inputs: [&[T]; 4],
+    (lq, lv): (&Layout, &Layout),
+) -> Outputs {
+    let [q, k, v, dout] = inputs;
     let nan = T::from_f64(f64::NAN);
     let (qb, kb, vb, gb) = (up(device, q), up(device, k), up(device, v), up(device, dout));
-    let mut ob = up(device, &vec![nan; n.vd()]);
+    let mut ob = up(device, &vec![nan; v.len()]);
     let saved = forward(
         device,
         cfg,
-        ForwardArgs { q: &tr(&qb, &lq), k: &tr(&kb, &lq), v: &tr(&vb, &lv), out: &mut tm(&mut ob, &lv) },
+        ForwardArgs { q: &tr(&qb, lq), k: &tr(&kb, lq), v: &tr(&vb, lv), out: &mut tm(&mut ob, lv) },
     )
     .expect("forward");
+    let (lqc, lvc) = (Layout::contiguous(&[n.b, n.h, n.l, n.m]), Layout::contiguous(&[n.b, n.h, n.l, n.d]));
     let mut dqb = up(device, &vec![nan; n.qk()]);
     let mut dkb = up(device, &vec![nan; n.qk()]);
     let mut dvb = up(device, &vec![nan; n.vd()]);
@@ -201,17 +215,17 @@ fn run<T: Element>(
         device,
         &saved,
         BackwardArgs {
-            q: &tr(&qb, &lq),
-            k: &tr(&kb, &lq),
-            v: &tr(&vb, &lv),
-            out: Some(&tr(&ob, &lv)),
-            dout: &tr(&gb, &lv),
-            grads: Grads { dq: &mut tm(&mut dqb, &lq), dk: &mut tm(&mut dkb, &lq), dv: &mut tm(&mut dvb, &lv) },
+            q: &tr(&qb, lq),
+            k: &tr(&kb, lq),
+            v: &tr(&vb, lv),
+            out: Some(&tr(&ob, lv)),
+            dout: &tr(&gb, lv),
+            grads: Grads { dq: &mut tm(&mut dqb, &lqc), dk: &mut tm(&mut dkb, &lqc), dv: &mut tm(&mut dvb, &lvc) },
         },
     )
     .expect("backward");
     Outputs {
-        out: widen(&ob.to_vec().expect("out")),
+        out: reference::gather(&ob.to_vec().expect("out"), lv),
         dq: widen(&dqb.to_vec().expect("dq")),
         dk: widen(&dkb.to_vec().expect("dk")),
         dv: widen(&dvb.to_vec().expect("dv")),
@@ -1961,39 +1975,7 @@ fn run_padded<T: Element>(
     let (k, _) = padded_rows(k, n, n.m, pad);
     let (v, lv) = padded_rows(v, n, n.d, pad);
     let (dout, _) = padded_rows(dout, n, n.d, pad);
-    let (qb, kb, vb, gb) = (up(device, &q), up(device, &k), up(device, &v), up(device, &dout));
-    let nan = T::from_f64(f64::NAN);
-    let mut ob = up(device, &vec![nan; v.len()]);
-    let saved = forward(
-        device,
-        cfg,
-        ForwardArgs { q: &tr(&qb, &lq), k: &tr(&kb, &lq), v: &tr(&vb, &lv), out: &mut tm(&mut ob, &lv) },
-    )
-    .expect("forward");
-    let (lqc, lvc) = (Layout::contiguous(&[n.b, n.h, n.l, n.m]), Layout::contiguous(&[n.b, n.h, n.l, n.d]));
-    let mut dqb = up(device, &vec![nan; n.qk()]);
-    let mut dkb = up(device, &vec![nan; n.qk()]);
-    let mut dvb = up(device, &vec![nan; n.vd()]);
-    backward(
-        device,
-        &saved,
-        BackwardArgs {
-            q: &tr(&qb, &lq),
-            k: &tr(&kb, &lq),
-            v: &tr(&vb, &lv),
-            out: Some(&tr(&ob, &lv)),
-            dout: &tr(&gb, &lv),
-            grads: Grads { dq: &mut tm(&mut dqb, &lqc), dk: &mut tm(&mut dkb, &lqc), dv: &mut tm(&mut dvb, &lvc) },
-        },
-    )
-    .expect("backward");
-    Outputs {
-        out: reference::gather(&ob.to_vec().expect("out"), &lv),
-        dq: widen(&dqb.to_vec().expect("dq")),
-        dk: widen(&dkb.to_vec().expect("dk")),
-        dv: widen(&dvb.to_vec().expect("dv")),
-        saved_bytes: saved.size_in_bytes(),
-    }
+    run_views(device, cfg, n, [&q, &k, &v, &dout], (&lq, &lv))
 }
 
 fn tile_loads_agree<T: Element>(device: &Device, rng: &mut StdRng, n: Shape, pad: usize) {
