@@ -18,6 +18,9 @@
 // SEQUENCE_MAX: the maximum is taken in a first pass, the row recomputed in a second);
 // backward 4 m d per row (m reads of dphi, phi per element of dx: L1-cached broadcasts).
 #include "common.cuh"
+#include "split_mma.cuh"
+
+#include <type_traits>
 
 namespace MESA_NS {
 
@@ -240,6 +243,328 @@ __global__ void __launch_bounds__(kFmThreads) favor_backward_kernel(Tensor4 x, T
 }
 
 // ---------------------------------------------------------------------------------------
+// FAVOR+ on tensor cores (f16, bf16 inputs): the projections as bf16 split-pair MMAs with f32
+// accumulators (split_mma.cuh: the pairs and their error). Every row (b, h, l) projects
+// through the same ω, so both are plain matrix products over the B·H·L rows:
+//   forward   U = X Ω^T   [rows, d] x [d, m]:  u_i = d^(-1/4) (x . ω_i) - |x'|^2/2
+//   backward  Y = G Ω     [rows, m] x [m, d]:  dx = d^(-1/4) (y - x' Σ_i g_i),  g = dphi ⊙ phi
+// x enters as its own pair (bf16 exact in hi: its lo MMAs are compiled out; f16 exact in
+// hi + lo), ω and g (a product of two 16-bit values, exact in f32) as f32 pairs.
+// Tiles of 64 rows x 64 columns (features m forward, columns of d backward), k in steps of
+// 32; per block (8 warps) 4 x 4 blocks of 16 x 16, two per warp (row block warp/2, column
+// blocks 2*(warp%2) + 0, 1), staged in shared memory for the epilogue: thread t owns row t/4,
+// columns 16*(t%4) .. +16 of the tile. Rows past the range and columns past m or d are
+// zeros in the tiles and never written.
+// Bytes per row: forward d + m elements (twice d with ROW_MAX/SEQUENCE_MAX, which project
+// again after the maximum), ω from L2; backward 2m + 2d elements (g read once per 64 columns
+// of d). FLOPs on tensor cores: 2 m d per row and MMA (2-3 MMAs per product of pairs).
+constexpr int kFvRows = 64;                 // rows of a tile
+constexpr int kFvCols = 64;                 // output columns of a tile
+constexpr int kFvK = 32;                    // k per step
+constexpr int kLdK = kFvK + 8;              // [64][32] operand tiles, bf16
+constexpr int kLdN = kFvCols + 8;           // [32][64] ω tile of the backward, bf16
+constexpr int kLdStage = kFvCols + 4;       // [64][64] f32 results
+static_assert(kFvRows * (kFvK / 8) == kFmThreads, "one run of 8 k per thread and row");
+static_assert(kFvK * (kFvCols / 8) == kFmThreads, "one run of 8 columns per thread and k");
+
+// Per-call facts the host checks once (16-byte runs allowed).
+struct FavorTc {
+  int x16;      // forward: x's rows as 16-byte runs (rows_16b)
+  int g16;      // backward: phi's and dphi's rows as 16-byte runs
+  int out16;    // phi's (forward) or dx's (backward) rows as 16-byte runs
+  int omega16;  // ω as 16-byte runs of 4 floats: aligned, d % 4 == 0
+};
+
+// The element offsets of a tile's rows in a [B, H, L, ·] tensor (-1 past the range).
+__device__ __forceinline__ int64_t row_offset(const Tensor4& t, const Dims& n, int64_t row, int64_t end) {
+  if (row >= end) return -1;
+  const int64_t l = row % n.L, bh = row / n.L;
+  return (bh / n.H) * t.s0 + (bh % n.H) * t.s1 + l * t.s2;
+}
+
+// 8 consecutive values of a 16-bit row (k0 .. k0 + 8 of `width`; zeros past it or for a row
+// offset of -1): one 16-byte load when the row allows (`vec`) and the run is whole.
+template <typename T>
+__device__ __forceinline__ void load_run8(float (&v)[8], const T* base, int64_t off, int64_t s3, int64_t k0,
+                                          int64_t width, bool vec) {
+  if (off >= 0 && vec && k0 + 8 <= width) {
+    const Vec16<T> r = load16(base + off + k0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_float(r.v[j]);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = off >= 0 && k0 + j < width ? to_float(base[off + (k0 + j) * s3]) : 0.0f;
+}
+
+// ω[f][k0 .. k0 + 8) (zeros past m or d): two 16-byte loads when allowed.
+__device__ __forceinline__ void load_omega8(float (&v)[8], const float* omega, const Dims& n, int64_t f, int64_t k0,
+                                            bool vec) {
+  if (f < n.dout && vec && k0 + 8 <= n.din) {
+    const float4 a = *reinterpret_cast<const float4*>(omega + f * n.din + k0);
+    const float4 b = *reinterpret_cast<const float4*>(omega + f * n.din + k0 + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = f < n.dout && k0 + j < n.din ? omega[f * n.din + k0 + j] : 0.0f;
+}
+
+// Writes 16 values of row `off` from column c0 (those below `width`).
+template <typename T>
+__device__ __forceinline__ void store_run16(T* base, int64_t off, int64_t s3, int64_t c0, int64_t width, bool vec,
+                                            const float (&v)[16]) {
+#pragma unroll
+  for (int h = 0; h < 16; h += 8) {
+    if (vec && c0 + h + 8 <= width) {
+      Vec16<T> r;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) r.v[j] = from_float<T>(v[h + j]);
+      store16(base + off + c0 + h, r);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (c0 + h + j < width) base[off + (c0 + h + j) * s3] = from_float<T>(v[h + j]);
+    }
+  }
+}
+
+struct FavorForwardTiles {
+  SplitTile<kFvRows, kLdK> x;        // x rows [64][32 k]
+  SplitTile<kFvCols, kLdK> w;        // ω rows [64 features][32 k]
+  float u[kFvRows * kLdStage];       // the tile's x . ω_i
+  int64_t row_x[kFvRows], row_phi[kFvRows];
+  float half_sq[kFvRows];            // |x'|^2 / 2
+  float block_max[kFmThreads / kWarpSize];
+};
+
+// Row offsets and |x'|^2/2 of the rows r0 .. r0 + 64 (< end): four threads per row.
+template <typename T>
+__device__ void favor_tile_rows(FavorForwardTiles& sm, const Tensor4& x, const Tensor4& phi, const Dims& n,
+                                const FavorParams& fp, int64_t r0, int64_t end) {
+  const int r = threadIdx.x / 4, q = threadIdx.x % 4;
+  const int64_t ox = row_offset(x, n, r0 + r, end);
+  const T* px = static_cast<const T*>(x.data);
+  float sq = 0.0f;
+  if (ox >= 0)
+    for (int64_t j = q; j < n.din; j += 4) {
+      const float v = __fmul_rn(to_float(px[ox + j * x.s3]), fp.xscale);
+      sq = fmaf(v, v, sq);
+    }
+  sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+  __syncthreads();  // the previous tile's readers are done
+  if (q == 0) {
+    sm.row_x[r] = ox;
+    sm.row_phi[r] = row_offset(phi, n, r0 + r, end);
+    sm.half_sq[r] = 0.5f * sq;
+  }
+  __syncthreads();
+}
+
+// sm.u = X Ω^T for the tile's rows and features f0 .. f0 + 64, x unscaled (exact pairs).
+template <typename T>
+__device__ void favor_u_tile(FavorForwardTiles& sm, const Tensor4& x, const Dims& n, const FavorParams& fp,
+                             const FavorTc& tc, int64_t f0) {
+  constexpr bool kXLo = std::is_same_v<T, __half>;  // bf16 x: lo = 0, its MMAs compiled out
+  const int tid = threadIdx.x, warp = tid / kWarpSize;
+  const int wi = warp / 2, wj = 2 * (warp % 2);
+  const int r = tid / 4, c = (tid % 4) * 8;
+  FragAcc acc[2];
+  wmma::fill_fragment(acc[0], 0.0f);
+  wmma::fill_fragment(acc[1], 0.0f);
+  for (int64_t k0 = 0; k0 < n.din; k0 += kFvK) {
+    float v[8];
+    load_run8<T>(v, static_cast<const T*>(x.data), sm.row_x[r], x.s3, k0 + c, n.din, tc.x16 != 0);
+    put_split8(sm.x.hi, sm.x.lo, r * kLdK + c, v);
+    load_omega8(v, fp.omega, n, f0 + r, k0 + c, tc.omega16 != 0);
+    put_split8(sm.w.hi, sm.w.lo, r * kLdK + c, v);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kFvK / 16; ++kk) {
+      FragA ah, al;
+      wmma::load_matrix_sync(ah, sm.x.hi + wi * 16 * kLdK + kk * 16, kLdK);
+      if (kXLo) wmma::load_matrix_sync(al, sm.x.lo + wi * 16 * kLdK + kk * 16, kLdK);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        FragBt bh, bl;  // Ω^T: the ω tile read column-major
+        wmma::load_matrix_sync(bh, sm.w.hi + (wj + j) * 16 * kLdK + kk * 16, kLdK);
+        wmma::load_matrix_sync(bl, sm.w.lo + (wj + j) * 16 * kLdK + kk * 16, kLdK);
+        mma_split(acc[j], ah, al, kXLo, bh, bl, true);
+      }
+    }
+    __syncthreads();
+  }
+  wmma::store_matrix_sync(sm.u + wi * 16 * kLdStage + wj * 16, acc[0], kLdStage, wmma::mem_row_major);
+  wmma::store_matrix_sync(sm.u + wi * 16 * kLdStage + (wj + 1) * 16, acc[1], kLdStage, wmma::mem_row_major);
+  __syncthreads();
+}
+
+// This thread's 16 exponents u of the staged tile (row t/4; -inf past m or the rows).
+__device__ __forceinline__ void favor_u_values(float (&u)[16], const FavorForwardTiles& sm, const Dims& n,
+                                               const FavorParams& fp, int64_t f0) {
+  const int r = threadIdx.x / 4, c = (threadIdx.x % 4) * 16;
+  const bool row = sm.row_phi[r] >= 0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+    u[j] = row && f0 + c + j < n.dout ? __fmul_rn(sm.u[r * kLdStage + c + j], fp.xscale) - sm.half_sq[r] : -INFINITY;
+}
+
+template <typename T, int kStab>
+__global__ void __launch_bounds__(kFmThreads, 2) favor_forward_tc_kernel(Tensor4 x, Tensor4 phi, Dims n,
+                                                                         FavorParams fp, FavorTc tc) {
+  __shared__ FavorForwardTiles sm;
+  T* py = static_cast<T*>(phi.data);
+  const int64_t rows = n.B * n.H * n.L;
+  const int64_t items = kStab == MESA_FAVOR_SEQUENCE_MAX ? n.B * n.H : ceil_div(rows, int64_t(kFvRows));
+  const int r = threadIdx.x / 4, c = (threadIdx.x % 4) * 16;
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    // SEQUENCE_MAX: the item is a (b, h) sequence; otherwise 64 rows
+    const int64_t span = kStab == MESA_FAVOR_SEQUENCE_MAX ? n.L : kFvRows;
+    const int64_t begin = item * span, end = begin + span < rows ? begin + span : rows;
+    float cseq = kStab == MESA_FAVOR_BOUND ? fp.bound : 0.0f;
+    if (kStab == MESA_FAVOR_SEQUENCE_MAX) {
+      float mx = -INFINITY;
+      for (int64_t r0 = begin; r0 < end; r0 += kFvRows) {
+        favor_tile_rows<T>(sm, x, phi, n, fp, r0, end);
+        for (int64_t f0 = 0; f0 < n.dout; f0 += kFvCols) {
+          favor_u_tile<T>(sm, x, n, fp, tc, f0);
+          float u[16];
+          favor_u_values(u, sm, n, fp, f0);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) mx = fmaxf(mx, u[j]);
+          __syncthreads();  // sm.u read before the next tile
+        }
+      }
+      mx = warp_reduce_max(mx);
+      if (threadIdx.x % kWarpSize == 0) sm.block_max[threadIdx.x / kWarpSize] = mx;
+      __syncthreads();
+      mx = sm.block_max[0];
+      for (int w = 1; w < kFmThreads / kWarpSize; ++w) mx = fmaxf(mx, sm.block_max[w]);
+      __syncthreads();  // block_max read before the next item writes it
+      cseq = mx > -INFINITY ? mx : 0.0f;
+    }
+    for (int64_t r0 = begin; r0 < end; r0 += kFvRows) {
+      favor_tile_rows<T>(sm, x, phi, n, fp, r0, end);
+      float cr = cseq;
+      if (kStab == MESA_FAVOR_ROW_MAX) {
+        float mx = -INFINITY;
+        for (int64_t f0 = 0; f0 < n.dout; f0 += kFvCols) {
+          favor_u_tile<T>(sm, x, n, fp, tc, f0);
+          float u[16];
+          favor_u_values(u, sm, n, fp, f0);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) mx = fmaxf(mx, u[j]);
+          __syncthreads();
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        cr = mx > -INFINITY ? mx : 0.0f;
+      }
+      for (int64_t f0 = 0; f0 < n.dout; f0 += kFvCols) {
+        favor_u_tile<T>(sm, x, n, fp, tc, f0);
+        float u[16];
+        favor_u_values(u, sm, n, fp, f0);
+        const int64_t off = sm.row_phi[r];
+        if (off >= 0) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) u[j] = __fmul_rn(expf(u[j] - cr), fp.inv_sqrt_m);
+          store_run16<T>(py, off, phi.s3, f0 + c, n.dout, tc.out16 != 0, u);
+        }
+        __syncthreads();
+      }
+    }
+  }
+}
+
+struct FavorBackwardTiles {
+  SplitTile<kFvRows, kLdK> g;        // g rows [64][32 features]
+  SplitTile<kFvK, kLdN> w;           // ω [32 features][64 columns of d]
+  float y[kFvRows * kLdStage];       // the tile's G Ω
+  int64_t row_x[kFvRows], row_phi[kFvRows], row_dphi[kFvRows], row_dx[kFvRows];
+  float gsum[kFvRows];               // Σ_i g_i of the row
+};
+
+// dx for tiles of 64 rows x 64 columns of d: Y = G Ω over the m features, then the epilogue.
+template <typename T>
+__global__ void __launch_bounds__(kFmThreads, 2) favor_backward_tc_kernel(Tensor4 x, Tensor4 phi, Tensor4 dphi,
+                                                                          Tensor4 dx, Dims n, const float* omega,
+                                                                          float xscale, FavorTc tc) {
+  __shared__ FavorBackwardTiles sm;
+  const T* px = static_cast<const T*>(x.data);
+  const T* pp = static_cast<const T*>(phi.data);
+  const T* pg = static_cast<const T*>(dphi.data);
+  const int64_t rows = n.B * n.H * n.L;
+  const int64_t ncol = ceil_div(n.din, int64_t(kFvCols));
+  const int64_t items = ceil_div(rows, int64_t(kFvRows)) * ncol;
+  const int tid = threadIdx.x, warp = tid / kWarpSize;
+  const int wi = warp / 2, wj = 2 * (warp % 2);
+  const int r = tid / 4, q = tid % 4;
+  const int wk = tid / (kFvCols / 8), wc = (tid % (kFvCols / 8)) * 8;  // this thread's run of the ω tile
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t r0 = (item / ncol) * kFvRows, c0 = (item % ncol) * kFvCols;
+    const int64_t end = r0 + kFvRows < rows ? r0 + kFvRows : rows;
+    __syncthreads();  // the previous item's readers are done
+    if (q == 0) {
+      sm.row_x[r] = row_offset(x, n, r0 + r, end);
+      sm.row_phi[r] = row_offset(phi, n, r0 + r, end);
+      sm.row_dphi[r] = row_offset(dphi, n, r0 + r, end);
+      sm.row_dx[r] = row_offset(dx, n, r0 + r, end);
+    }
+    __syncthreads();
+    FragAcc acc[2];
+    wmma::fill_fragment(acc[0], 0.0f);
+    wmma::fill_fragment(acc[1], 0.0f);
+    float gsum = 0.0f;  // this thread's part of row r's Σ g (features 8q.. of every step)
+    for (int64_t k0 = 0; k0 < n.dout; k0 += kFvK) {
+      float gp[8], gd[8], w[8];
+      load_run8<T>(gp, pp, sm.row_phi[r], phi.s3, k0 + q * 8, n.dout, tc.g16 != 0);
+      load_run8<T>(gd, pg, sm.row_dphi[r], dphi.s3, k0 + q * 8, n.dout, tc.g16 != 0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        gp[j] = gd[j] * gp[j];  // exact in f32: two 16-bit significands
+        gsum += gp[j];
+      }
+      put_split8(sm.g.hi, sm.g.lo, r * kLdK + q * 8, gp);
+      load_omega8(w, omega, n, k0 + wk, c0 + wc, tc.omega16 != 0);  // row k0 + wk of ω, columns of d
+      put_split8(sm.w.hi, sm.w.lo, wk * kLdN + wc, w);
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kFvK / 16; ++kk) {
+        FragA ah, al;
+        wmma::load_matrix_sync(ah, sm.g.hi + wi * 16 * kLdK + kk * 16, kLdK);
+        wmma::load_matrix_sync(al, sm.g.lo + wi * 16 * kLdK + kk * 16, kLdK);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          FragB bh, bl;
+          wmma::load_matrix_sync(bh, sm.w.hi + kk * 16 * kLdN + (wj + j) * 16, kLdN);
+          wmma::load_matrix_sync(bl, sm.w.lo + kk * 16 * kLdN + (wj + j) * 16, kLdN);
+          mma_split(acc[j], ah, al, true, bh, bl, true);
+        }
+      }
+      __syncthreads();
+    }
+    gsum += __shfl_xor_sync(0xffffffffu, gsum, 1);
+    gsum += __shfl_xor_sync(0xffffffffu, gsum, 2);
+    wmma::store_matrix_sync(sm.y + wi * 16 * kLdStage + wj * 16, acc[0], kLdStage, wmma::mem_row_major);
+    wmma::store_matrix_sync(sm.y + wi * 16 * kLdStage + (wj + 1) * 16, acc[1], kLdStage, wmma::mem_row_major);
+    __syncthreads();
+    const int64_t ox = sm.row_x[r], od = sm.row_dx[r];
+    if (od >= 0) {
+      const int c = q * 16;
+      float v[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int64_t col = c0 + c + j;
+        const float xp = col < n.din ? __fmul_rn(to_float(px[ox + col * x.s3]), xscale) : 0.0f;
+        v[j] = __fmul_rn(fmaf(-xp, gsum, sm.y[r * kLdStage + c + j]), xscale);
+      }
+      store_run16<T>(static_cast<T*>(dx.data), od, dx.s3, c0 + c, n.din, tc.out16 != 0, v);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Launch policy (host).
 inline unsigned fm_grid(int64_t items, int per_sm) {
   const int64_t cap = int64_t(sm_count()) * per_sm;
@@ -257,6 +582,41 @@ inline bool dense4(const MesaLaTensor& t, const Dims& n) {
     expect *= shape[k];
   }
   return reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+}
+
+// FAVOR+ on tensor cores: the stabiliser is a template parameter, chosen here.
+inline int omega_16b(const float* omega, int64_t d) {
+  return reinterpret_cast<uintptr_t>(omega) % 16 == 0 && d % 4 == 0 ? 1 : 0;
+}
+
+template <typename T>
+MesaStatus launch_favor_forward_tc(const MesaFeatureArgs& a, const Tensor4& x, const Tensor4& phi, const Dims& n,
+                                   const FavorParams& fp, void* stream) {
+  const FavorTc tc{rows_16b<T>(a.x) ? 1 : 0, 0, rows_16b<T>(a.phi) ? 1 : 0, omega_16b(a.omega, n.din)};
+  const int64_t items = a.stabilizer == MESA_FAVOR_SEQUENCE_MAX ? n.B * n.H : ceil_div(n.B * n.H * n.L, int64_t(kFvRows));
+  auto go = [&](auto kernel) {
+    const unsigned grid = resident_grid(kernel, items * kFmThreads, kFmThreads);
+    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kFmThreads), 0, stream, x, phi, n, fp, tc));
+  };
+  switch (a.stabilizer) {
+    case MESA_FAVOR_NONE: return go(favor_forward_tc_kernel<T, MESA_FAVOR_NONE>);
+    case MESA_FAVOR_ROW_MAX: return go(favor_forward_tc_kernel<T, MESA_FAVOR_ROW_MAX>);
+    case MESA_FAVOR_BOUND: return go(favor_forward_tc_kernel<T, MESA_FAVOR_BOUND>);
+    case MESA_FAVOR_SEQUENCE_MAX: return go(favor_forward_tc_kernel<T, MESA_FAVOR_SEQUENCE_MAX>);
+    default: return MESA_STATUS_INVALID_ARGUMENT;
+  }
+}
+
+template <typename T>
+MesaStatus launch_favor_backward_tc(const MesaFeatureBackwardArgs& a, const Tensor4& x, const Tensor4& dphi,
+                                    const Tensor4& dx, const Dims& n, void* stream) {
+  const FavorTc tc{0, rows_16b<T>(a.phi) && rows_16b<T>(a.dphi) ? 1 : 0, rows_16b<T>(a.dx) ? 1 : 0,
+                   omega_16b(a.omega, n.din)};
+  const int64_t items = ceil_div(n.B * n.H * n.L, int64_t(kFvRows)) * ceil_div(n.din, int64_t(kFvCols));
+  const auto kernel = favor_backward_tc_kernel<T>;
+  const unsigned grid = resident_grid(kernel, items * kFmThreads, kFmThreads);
+  return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kFmThreads), 0, stream, x, tensor4(a.phi), dphi, dx, n,
+                                 a.omega, favor_xscale(n.din), tc));
 }
 
 // The dense elementwise kernel of a map, forward or backward: one launch site.
@@ -289,10 +649,14 @@ MesaStatus feature_forward(const MesaFeatureArgs& a, void* stream) {
                                      dim3(kFmThreads), 0, stream, x, phi, n));
     case MESA_FEATURE_FAVOR: {
       const FavorParams fp{a.omega, favor_xscale(n.din), float(1.0 / std::sqrt(double(n.dout))), a.stabilizer, a.bound};
-      const int64_t items =
-          a.stabilizer == MESA_FAVOR_SEQUENCE_MAX ? n.B * n.H : ceil_div(n.B * n.H * n.L, kFavorWarps);
-      return status_from(MESA_LAUNCH((favor_forward_kernel<T>), dim3(fm_grid(items, 8)), dim3(kFmThreads), 0, stream,
-                                     x, phi, n, fp));
+      if constexpr (kTensorCores<T>) {
+        return launch_favor_forward_tc<T>(a, x, phi, n, fp, stream);
+      } else {  // f32: the FP32 kernel
+        const int64_t items =
+            a.stabilizer == MESA_FAVOR_SEQUENCE_MAX ? n.B * n.H : ceil_div(n.B * n.H * n.L, kFavorWarps);
+        return status_from(MESA_LAUNCH((favor_forward_kernel<T>), dim3(fm_grid(items, 8)), dim3(kFmThreads), 0,
+                                       stream, x, phi, n, fp));
+      }
     }
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }
@@ -315,8 +679,12 @@ MesaStatus feature_backward(const MesaFeatureBackwardArgs& a, void* stream) {
       return status_from(MESA_LAUNCH((elementwise_backward_kernel<T, MESA_FEATURE_ELU1>), dim3(grid), dim3(kFmThreads),
                                      0, stream, x, dphi, dx, n));
     case MESA_FEATURE_FAVOR:
-      return status_from(MESA_LAUNCH((favor_backward_kernel<T>), dim3(grid), dim3(kFmThreads),
-                                     0, stream, x, tensor4(a.phi), dphi, dx, n, a.omega, favor_xscale(n.din)));
+      if constexpr (kTensorCores<T>) {
+        return launch_favor_backward_tc<T>(a, x, dphi, dx, n, stream);
+      } else {  // f32: the FP32 kernel
+        return status_from(MESA_LAUNCH((favor_backward_kernel<T>), dim3(grid), dim3(kFmThreads), 0, stream, x,
+                                       tensor4(a.phi), dphi, dx, n, a.omega, favor_xscale(n.din)));
+      }
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }
 }

@@ -41,6 +41,7 @@
 // read and written once per chunk from L2 (M D 4 bytes each way).
 // Reference: crates/mesa-kernels/src/reference/linear_attention.rs. Floors: docs/linear_attention.md.
 #include "common.cuh"
+#include "split_mma.cuh"
 
 #include <type_traits>
 
@@ -448,12 +449,8 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
 
 // ---------------------------------------------------------------------------------------
 // Tensor-core path (f16 and bf16 inputs): the same products on 16x16x16 bf16 MMAs with f32
-// accumulators (nvcuda::wmma). Every operand enters the MMAs as a pair of bf16 tiles,
-// hi = bf16(x) and lo = bf16(x - hi): a bf16 input is exact in hi (lo = 0: its MMAs are
-// skipped, see LoTiles), an f16 input exact in hi + lo (11 significant bits = 8 + 3, f16's range inside
-// bf16's), an f32 value (the state, P = A B^T, rows divided by the denominator, dden) within
-// 2^-18 |x|. A product of two pairs leaves out lo*lo: each term of a sum is off by at most
-// 3 * 2^-18 of its magnitude (docs/linear_attention.md, "Tensor cores").
+// accumulators, every operand as a pair of bf16 tiles (split_mma.cuh: the pairs and their
+// error); a bf16 input's lo tile is zero and its MMAs are skipped (LoTiles).
 //
 // Per block (8 warps), for one chunk and D-tile: P (64 x 64) is 4 x 4 blocks of 16 x 16, two
 // per warp (row block warp/2, column blocks 2*(warp%2) + 0, 1), blocks the mask hides
@@ -461,15 +458,6 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
 // feature tiles (A S), then over the chunk's rows (mask(P) C); U = B^T C (32 x 32 per feature
 // tile) is 2 x 2 blocks on warps 0-3. Operand tiles are row-major [row][column] in shared
 // memory; B^T is B's tile read column-major. Threads write 16-bit tiles in pairs (4 bytes).
-namespace wmma = nvcuda::wmma;
-using Mma = __nv_bfloat16;
-using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, Mma, wmma::row_major>;
-using FragAt = wmma::fragment<wmma::matrix_a, 16, 16, 16, Mma, wmma::col_major>;
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, Mma, wmma::row_major>;
-using FragBt = wmma::fragment<wmma::matrix_b, 16, 16, 16, Mma, wmma::col_major>;
-
-template <typename T> constexpr bool kTensorCores = !std::is_same_v<T, float>;
 
 // Leading dimensions (elements). Padding spreads a 16 x 16 block's rows over the banks; the C
 // tile is unpadded to stay within 48 KiB of static shared memory.
@@ -479,12 +467,6 @@ constexpr int kLdP = kChunk + 8;   // mask(P): [64][64] bf16
 constexpr int kLdPf = kChunk + 4;  // P as accumulated: [64][64] f32
 constexpr int kLdC = kTD;          // C_c: [64 rows][32 columns] bf16
 constexpr int kLdO = kTD + 4;      // O and U staged for their global writes: f32
-
-template <int kRows, int kLd>
-struct alignas(32) SplitTile {
-  Mma hi[kRows * kLd];
-  Mma lo[kRows * kLd];
-};
 
 // 47 104 bytes: x and y are each reused by the phases of a chunk (their uses are separated by
 // block barriers).
@@ -509,38 +491,6 @@ struct TcTiles {
 // unless the loaded values are f32 ones (rows divided by the denominator, the dden column);
 // f16 inputs always need lo. lo_mask() picks the instance per product.
 enum LoTiles { kLoC = 1, kLoB = 2, kLoA = 4, kLoAll = 7 };
-
-// hi/lo of x0, x1 at i, i + 1 (one thread writes both halves of a 4-byte granule of each
-// tile: racecheck's unit). A non-finite remainder (x infinite or NaN, or a finite |x| that
-// rounds to infinity in bf16, past 3.39e38) leaves lo 0: hi carries it.
-__device__ __forceinline__ void put_split(Mma* hi, Mma* lo, int i, float x0, float x1) {
-  const Mma h0 = __float2bfloat16_rn(x0), h1 = __float2bfloat16_rn(x1);
-  const float r0 = x0 - __bfloat162float(h0), r1 = x1 - __bfloat162float(h1);
-  hi[i] = h0;
-  hi[i + 1] = h1;
-  lo[i] = __float2bfloat16_rn(r0 - r0 == 0.0f ? r0 : 0.0f);
-  lo[i + 1] = __float2bfloat16_rn(r1 - r1 == 0.0f ? r1 : 0.0f);
-}
-
-// hi/lo of x[0..8) at i..i+8 as one 16-byte store into each tile (i a multiple of 8, the row
-// 16-byte aligned: kLdAB and kLdC are multiples of 8).
-__device__ __forceinline__ void put_split8(Mma* hi, Mma* lo, int i, const float (&x)[8]) {
-  Vec16<Mma> h, l;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    h.v[j] = __float2bfloat16_rn(x[j]);
-    const float r = x[j] - __bfloat162float(h.v[j]);
-    l.v[j] = __float2bfloat16_rn(r - r == 0.0f ? r : 0.0f);
-  }
-  *reinterpret_cast<Vec16<Mma>*>(hi + i) = h;
-  *reinterpret_cast<Vec16<Mma>*>(lo + i) = l;
-}
-
-// The value a split tile holds at i, hi + lo (an f16/bf16 input exactly).
-template <int kRows, int kLd>
-__device__ __forceinline__ float split_value(const SplitTile<kRows, kLd>& t, int i) {
-  return __bfloat162float(t.hi[i]) + __bfloat162float(t.lo[i]);
-}
 
 // dst[r][c] = operand(t0 + r, c0 + c) split, for 64 rows and 32 columns (a feature tile of A_c,
 // B_c or a D-tile of C_c: kTF = kTD); 0 past `rows` and past the operand's width. One run of 8
@@ -577,15 +527,6 @@ __device__ void load_rows_split(SplitTile<kChunk, kLd>& dst, const Operand& p, c
     const float x1 = r < rows && f + 1 < width ? load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, f + 1) : 0.0f;
     put_split(dst.hi, dst.lo, r * kLd + c + j, x0, x1);
   }
-}
-
-// d += a b over the split pairs, lo*lo left out; a_lo/b_lo: whether those tiles are used.
-template <typename FA, typename FB>
-__device__ __forceinline__ void mma_split(FragAcc& d, const FA& ah, const FA& al, bool a_lo, const FB& bh,
-                                          const FB& bl, bool b_lo) {
-  wmma::mma_sync(d, ah, bh, d);
-  if (b_lo) wmma::mma_sync(d, ah, bl, d);
-  if (a_lo) wmma::mma_sync(d, al, bh, d);
 }
 
 // Row block bi of P sees column block bj under the mask (a block the mask hides entirely is
@@ -966,14 +907,6 @@ __global__ void __launch_bounds__(kThreads) la_copy_kernel(float* dst, const flo
 
 // ---------------------------------------------------------------------------------------
 // Launch policy (host).
-// Whether the rows of a 16-bit tensor can be read as 16-byte runs of 8 elements: stride-1
-// features and every row start 16-byte aligned (the tensor-core path's fast loads).
-template <typename T>
-inline bool rows_16b(const MesaLaTensor& t) {
-  constexpr int64_t n = 16 / int64_t(sizeof(T));
-  return sizeof(T) == 2 && t.strides[3] == 1 && reinterpret_cast<uintptr_t>(t.data) % 16 == 0 &&
-         t.strides[0] % n == 0 && t.strides[1] % n == 0 && t.strides[2] % n == 0;
-}
 template <typename T>
 inline Operand operand(const MesaLaTensor& t, int64_t nfeat) {
   return Operand{t.data, t.strides[0], t.strides[1], t.strides[2], t.strides[3], nfeat, nullptr,

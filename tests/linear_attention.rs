@@ -768,20 +768,36 @@ fn fm_parity<T: Element>(
                 rla::favor(&xw, &rla::Favor { omega: &omega, features: m, in_dim: d }, l, stab).expect("reference");
             // exponent u - c from a dot over d terms of |w||x'| (≤ (d+4) u32 · Σ|w_j x'_j|
             // + |x'|^2/2 terms) and expf (≤ 2 ulp): relative error of phi ≤ e_abs + 4u32
-            // (+ the rounding to T)
+            // (+ the rounding to T). f16/bf16 project on tensor cores (split_mma.cuh): each
+            // term within 3·2^-18 of its magnitude, the f32 sum counted twice (the tensor
+            // cores' sums may truncate). A computed stabiliser c (RowMax, SequenceMax) is a u of
+            // its row or sequence: off by the largest e_abs there.
             let xs = (d as f64).powf(-0.25);
-            for r in 0..b * h * l {
-                let xr = &xw[r * d..(r + 1) * d];
-                let sq: f64 = xr.iter().map(|x| (x * xs).powi(2)).sum();
-                for i in 0..m {
+            let tc = if T::DTYPE == DType::F32 { 0.0 } else { (d as f64 + 8.0) * 2f64.powi(-24) + 3.0 * 2f64.powi(-18) };
+            let e_abs: Vec<f64> = (0..b * h * l * m)
+                .map(|e| {
+                    let (r, i) = (e / m, e % m);
+                    let xr = &xw[r * d..(r + 1) * d];
+                    let sq: f64 = xr.iter().map(|x| (x * xs).powi(2)).sum();
                     let dotabs: f64 = (0..d).map(|j| (omega[i * d + j] * xr[j] * xs).abs()).sum();
-                    let e_abs = (d as f64 + 8.0) * 2f64.powi(-24) * (dotabs + sq + 1.0);
-                    let w = rp[r * m + i];
-                    let tol = (e_abs + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01 + floor;
-                    assert!((phi[r * m + i] - w).abs() <= tol, "phi[{r},{i}] {} vs {w}", phi[r * m + i]);
-                }
+                    (d as f64 + 8.0) * 2f64.powi(-24) * (dotabs + sq + 1.0) + tc * dotabs
+                })
+                .collect();
+            let span = match stab {
+                rla::Stabilizer::RowMax => m,
+                rla::Stabilizer::SequenceMax => l * m,
+                _ => 0,
+            };
+            for e in 0..b * h * l * m {
+                let (r, i) = (e / m, e % m);
+                let e_c = if span == 0 { 0.0 } else { e_abs[e / span * span..][..span].iter().fold(0.0, |a: f64, &x| a.max(x)) };
+                let w = rp[e];
+                let tol = (e_abs[e] + e_c + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01 + floor;
+                assert!((phi[e] - w).abs() <= tol, "phi[{r},{i}] {} vs {w}", phi[e]);
             }
-            // the backward from the kernel's own phi (what it reads): Σ_i over m terms
+            // the backward from the kernel's own phi (what it reads): Σ_i over m terms; on tensor
+            // cores G Ω with g = dphi·phi and ω as f32 pairs (the same term as the forward's)
+            let tc_b = if T::DTYPE == DType::F32 { 0.0 } else { (m as f64 + 8.0) * 2f64.powi(-24) + 3.0 * 2f64.powi(-18) };
             let rd = rla::favor_backward(&xw, &rla::Favor { omega: &omega, features: m, in_dim: d }, &phi, &gw)
                 .expect("reference");
             for r in 0..b * h * l {
@@ -793,7 +809,7 @@ fn fm_parity<T: Element>(
                                 * xs
                         })
                         .sum();
-                    let tol = ((m + 8) as f64 * 2f64.powi(-24) + u) * mag + u * rd[r * d + j].abs() + floor;
+                    let tol = ((m + 8) as f64 * 2f64.powi(-24) + tc_b + u) * mag + u * rd[r * d + j].abs() + floor;
                     let i = r * d + j;
                     assert!((dx[i] - rd[i]).abs() <= tol, "dx[{r},{j}] {} vs {}", dx[i], rd[i]);
                 }
@@ -820,8 +836,79 @@ fn feature_maps_match_the_reference() {
         ] {
             let map = FeatureMap::Favor { projection: &proj, stabilizer: stab };
             fm_parity::<f32>(&device, &mut rng, &map, rstab, 2, 2, 6, 8);
+            fm_parity::<f16>(&device, &mut rng, &map, rstab, 1, 2, 5, 8);
             fm_parity::<bf16>(&device, &mut rng, &map, rstab, 1, 2, 5, 8);
         }
+        // f16/bf16 project on tensor cores in tiles of 64 rows x 64 features (forward) or 64
+        // columns of d (backward), k in steps of 32: several tiles with partial last ones;
+        // d = 37 takes the element loads (rows and ω not in 16-byte runs), d = 40 both kinds
+        for (m, d) in [(70, 40), (20, 37)] {
+            let proj = FavorProjection::orthogonal(&device, m, d, 9).expect("omega");
+            for (stab, rstab) in [
+                (FavorStabilizer::RowMax, rla::Stabilizer::RowMax),
+                (FavorStabilizer::Bound, rla::Stabilizer::Constant(f64::from(proj.bound()))),
+                (FavorStabilizer::SequenceMax, rla::Stabilizer::SequenceMax),
+            ] {
+                let map = FeatureMap::Favor { projection: &proj, stabilizer: stab };
+                fm_parity::<f16>(&device, &mut rng, &map, rstab, 1, 2, 70, d);
+                fm_parity::<bf16>(&device, &mut rng, &map, rstab, 2, 1, 33, d);
+            }
+        }
+    }
+}
+
+/// FAVOR+ on tensor cores (f16, bf16) reads x, phi and dphi and writes phi and dx as 16-byte
+/// runs where the rows allow it (contiguous: d = 64, m = 72, so also a partial feature tile),
+/// else element by element (rows padded by 3 elements): the same bits either way, and nothing
+/// outside a padded view is written.
+#[test]
+fn favor_tensor_cores_read_the_same_from_16_byte_runs_and_elements() {
+    let mut rng = common::rng("favor_tensor_cores_read_the_same_from_16_byte_runs_and_elements");
+    for device in common::backends() {
+        let proj = FavorProjection::orthogonal(&device, 72, 64, 13).expect("omega");
+        for stab in [FavorStabilizer::RowMax, FavorStabilizer::SequenceMax] {
+            let map = FeatureMap::Favor { projection: &proj, stabilizer: stab };
+            favor_loads_agree::<f16>(&device, &mut rng, &map);
+            favor_loads_agree::<bf16>(&device, &mut rng, &map);
+        }
+    }
+}
+
+/// phi and dx of `map` on x, dphi given as `layouts` (x's and phi's); both gathered.
+fn favor_views<T: Element>(
+    device: &Device,
+    map: &FeatureMap<'_>,
+    x: &[T],
+    dphi: &[T],
+    (lx, lp): (&Layout, &Layout),
+) -> (Vec<f64>, Vec<f64>, Vec<T>, Vec<T>) {
+    let nan = T::from_f64(f64::NAN);
+    let (xb, gb) = (up(device, x), up(device, dphi));
+    let mut pb = up(device, &vec![nan; dphi.len()]);
+    feature_map::forward(device, map, &tr(&xb, lx), &mut tm(&mut pb, lp)).expect("forward");
+    let mut db = up(device, &vec![nan; x.len()]);
+    let args = FeatureBackwardArgs { x: &tr(&xb, lx), phi: Some(&tr(&pb, lp)), dphi: &tr(&gb, lp), dx: &mut tm(&mut db, lx) };
+    feature_map::backward(device, map, args).expect("backward");
+    let (phi, dx) = (pb.to_vec().expect("phi"), db.to_vec().expect("dx"));
+    (reference::gather(&phi, lp), reference::gather(&dx, lx), phi, dx)
+}
+
+fn favor_loads_agree<T: Element>(device: &Device, rng: &mut StdRng, map: &FeatureMap<'_>) {
+    let (d, pad) = (64, 3);
+    let m = map.out_dim(d);
+    let n = Shape { b: 1, h: 2, l: 70, m: d, d };
+    let x = to_t::<T>(&random_vec(rng, n.b * n.h * n.l * d, -1.5, 1.5));
+    let g = to_t::<T>(&random_vec(rng, n.b * n.h * n.l * m, -1.0, 1.0));
+    let (lx, lp) = (Layout::contiguous(&[n.b, n.h, n.l, d]), Layout::contiguous(&[n.b, n.h, n.l, m]));
+    let (phi, dx, _, _) = favor_views(device, map, &x, &g, (&lx, &lp));
+    let ((xp, lxp), (gp, lgp)) = (padded_rows(&x, n, d, pad), padded_rows(&g, n, m, pad));
+    let (phi_p, dx_p, raw_phi, raw_dx) = favor_views(device, map, &xp, &gp, (&lxp, &lgp));
+    let bits = |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+    assert!(bits(&phi, &phi_p), "phi ({:?}): 16-byte and element accesses differ", T::DTYPE);
+    assert!(bits(&dx, &dx_p), "dx ({:?}): 16-byte and element accesses differ", T::DTYPE);
+    for (what, raw, w) in [("phi", &raw_phi, m), ("dx", &raw_dx, d)] {
+        let outside = raw.iter().enumerate().filter(|(i, v)| i % (w + pad) >= w && !v.to_f64().is_nan()).count();
+        assert_eq!(outside, 0, "{what} ({:?}): {outside} padding elements written", T::DTYPE);
     }
 }
 
