@@ -3,10 +3,12 @@
 SASS and resource report (cuobjdump -sass, -res-usage) that check-resources.sh leaves in DIR (docs/linear_attention.md,
 "Tensor cores"):
 
-  * every f16/bf16 instance of `la_product_kernel` issues tensor-core instructions (HMMA);
+  * every f16/bf16 instance of `la_product_kernel` issues tensor-core instructions (HMMA), and
+    so does every instance of FAVOR+'s projections on tensor cores (`favor_forward_tc_kernel`,
+    `favor_backward_tc_kernel` in feature_maps.cu);
   * registers: at most 128 (two 256-thread blocks per SM) for every instance, f32 included.
 
-    scripts/sass_tensor_cores.py DIR [--arch 90]   # DIR: linear_attention.sm_<arch>.{sass,res}
+    scripts/sass_tensor_cores.py DIR [--arch 90]   # DIR: {linear_attention,feature_maps}.sm_<arch>.{sass,res}
 
 Exit status 1 when an instance misses a gate or is missing.
 """
@@ -24,6 +26,9 @@ MASKS = {0: "", 1: " LE", 2: " GE"}  # the direction (Mask)
 # f32, f16: walk and per-chunk outputs x 2 directions + chunk sums + bidirectional; bf16: the
 # lo patterns each of those meets (lo_used in the kernel): 2 + 3 + 2 + 3 + 3 + 4
 EXPECTED = 6 + 6 + 17
+# FAVOR+: forward per dtype (f16, bf16) x stabiliser (4), backward per dtype
+FAVOR_EXPECTED = 8 + 2
+STABILIZERS = {0: "none", 1: "row max", 2: "bound", 3: "sequence max"}
 MAX_REGS = 128
 
 
@@ -34,6 +39,17 @@ def instance(mangled):
     if not m:
         return None
     return TYPES[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
+def favor_instance(mangled):
+    """Label of a FAVOR+ tensor-core instance, or None."""
+    m = re.match(r"_ZN17mesa_cuda_kernels23favor_forward_tc_kernelI(6__half|13__nv_bfloat16)Li(\d)EEEv", mangled)
+    if m:
+        return f"favor_forward_tc_kernel<{TYPES[m.group(1)]}>, stabiliser {STABILIZERS[int(m.group(2))]}"
+    m = re.match(r"_ZN17mesa_cuda_kernels24favor_backward_tc_kernelI(6__half|13__nv_bfloat16)EEv", mangled)
+    if m:
+        return f"favor_backward_tc_kernel<{TYPES[m.group(1)]}>"
+    return None
 
 
 def hmma_counts(sass):
@@ -66,22 +82,27 @@ def main():
     ap.add_argument("dir")
     ap.add_argument("--arch", default="90")
     args = ap.parse_args()
-    base = os.path.join(args.dir, f"linear_attention.sm_{args.arch}")
-    try:
-        sass = open(base + ".sass").read()
-        res = open(base + ".res").read()
-    except OSError as e:
-        print(f"FAIL: tensor cores: {e}")
-        return 1
-    hmma, regs = hmma_counts(sass), registers(res)
-    fails, seen = [], 0
+    hmma, regs = {}, {}
+    for stem in ("linear_attention", "feature_maps"):
+        base = os.path.join(args.dir, f"{stem}.sm_{args.arch}")
+        try:
+            hmma.update(hmma_counts(open(base + ".sass").read()))
+            regs.update(registers(open(base + ".res").read()))
+        except OSError as e:
+            print(f"FAIL: tensor cores: {e}")
+            return 1
+    fails, seen, favor_seen = [], 0, 0
     for name in sorted(regs):
-        inst = instance(name)
-        if inst is None:
+        inst, favor = instance(name), favor_instance(name)
+        if inst is not None:
+            seen += 1
+            t, mode, mask, lo = inst
+            label = f"la_product_kernel<{t}>, {MODES[mode]}{MASKS[mask]}" + (f", lo {LO[lo]}" if t != "f32" else "")
+        elif favor is not None:
+            favor_seen += 1
+            t, label = "f16/bf16", favor
+        else:
             continue
-        seen += 1
-        t, mode, mask, lo = inst
-        label = f"la_product_kernel<{t}>, {MODES[mode]}{MASKS[mask]}" + (f", lo {LO[lo]}" if t != "f32" else "")
         n, r = hmma.get(name, 0), regs[name]
         verdict = []
         if n == 0 and t != "f32":
@@ -93,10 +114,13 @@ def main():
         print(f"tensor cores  {label:<66} HMMA {n:4d}  registers {r:3d}  {'; '.join(verdict) or 'meets target'}")
     if seen != EXPECTED:
         fails.append(f"{seen} instances of la_product_kernel found, {EXPECTED} expected")
+    if favor_seen != FAVOR_EXPECTED:
+        fails.append(f"{favor_seen} FAVOR+ tensor-core instances found, {FAVOR_EXPECTED} expected")
     if fails:
         print("FAIL: tensor cores: " + "; ".join(fails))
         return 1
-    print(f"OK: {seen} linear-attention instances within {MAX_REGS} registers, the f16/bf16 ones issue HMMA")
+    print(f"OK: {seen} linear-attention and {favor_seen} FAVOR+ instances within {MAX_REGS} registers, "
+          "the f16/bf16 ones issue HMMA")
     return 0
 
 
