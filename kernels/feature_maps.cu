@@ -338,6 +338,26 @@ struct FavorForwardTiles {
   float block_max[kFmThreads / kWarpSize];
 };
 
+struct FavorBackwardTiles {
+  SplitTile<kFvRows, kLdK> g;        // g rows [64][32 features]
+  SplitTile<kFvK, kLdN> w;           // ω [32 features][64 columns of d]
+  float y[kFvRows * kLdStage];       // the tile's G Ω
+  int64_t row_x[kFvRows], row_phi[kFvRows], row_dphi[kFvRows], row_dx[kFvRows];
+  float gsum[kFvRows];               // Σ_i g_i of the row
+};
+
+// The block's tiles: one __shared__ union for every FAVOR+ tensor-core instance (10). On a GPU
+// each kernel gets its own static allocation; the emulator keeps __shared__ variables as
+// thread-local storage, one copy per instance in every thread (docs/emulator.md, "Resources").
+union FavorTiles {
+  FavorForwardTiles fwd;
+  FavorBackwardTiles bwd;
+};
+__device__ __forceinline__ FavorTiles& favor_tiles() {
+  __shared__ FavorTiles tiles;
+  return tiles;
+}
+
 // Row offsets and |x'|^2/2 of the rows r0 .. r0 + 64 (< end): four threads per row.
 template <typename T>
 __device__ void favor_tile_rows(FavorForwardTiles& sm, const Tensor4& x, const Tensor4& phi, const Dims& n,
@@ -413,7 +433,7 @@ __device__ __forceinline__ void favor_u_values(float (&u)[16], const FavorForwar
 template <typename T, int kStab>
 __global__ void __launch_bounds__(kFmThreads, 2) favor_forward_tc_kernel(Tensor4 x, Tensor4 phi, Dims n,
                                                                          FavorParams fp, FavorTc tc) {
-  __shared__ FavorForwardTiles sm;
+  FavorForwardTiles& sm = favor_tiles().fwd;
   T* py = static_cast<T*>(phi.data);
   const int64_t rows = n.B * n.H * n.L;
   const int64_t items = kStab == MESA_FAVOR_SEQUENCE_MAX ? n.B * n.H : ceil_div(rows, int64_t(kFvRows));
@@ -477,20 +497,12 @@ __global__ void __launch_bounds__(kFmThreads, 2) favor_forward_tc_kernel(Tensor4
   }
 }
 
-struct FavorBackwardTiles {
-  SplitTile<kFvRows, kLdK> g;        // g rows [64][32 features]
-  SplitTile<kFvK, kLdN> w;           // ω [32 features][64 columns of d]
-  float y[kFvRows * kLdStage];       // the tile's G Ω
-  int64_t row_x[kFvRows], row_phi[kFvRows], row_dphi[kFvRows], row_dx[kFvRows];
-  float gsum[kFvRows];               // Σ_i g_i of the row
-};
-
 // dx for tiles of 64 rows x 64 columns of d: Y = G Ω over the m features, then the epilogue.
 template <typename T>
 __global__ void __launch_bounds__(kFmThreads, 2) favor_backward_tc_kernel(Tensor4 x, Tensor4 phi, Tensor4 dphi,
                                                                           Tensor4 dx, Dims n, const float* omega,
                                                                           float xscale, FavorTc tc) {
-  __shared__ FavorBackwardTiles sm;
+  FavorBackwardTiles& sm = favor_tiles().bwd;
   const T* px = static_cast<const T*>(x.data);
   const T* pp = static_cast<const T*>(phi.data);
   const T* pg = static_cast<const T*>(dphi.data);
