@@ -11,6 +11,11 @@
 //! the forward and about 3× that in the backward; bytes: forward reads (2M + D)·2, writes
 //! D·2; backward reads (2M + 3D)·2, writes (2M + D)·2.
 //!
+//! FAVOR+ feature maps (group `favor`): the forward with the row-max stabiliser (queries) and
+//! the backward, bf16 (projections on tensor cores) against f32 (the FP32 kernels), CUDA:
+//! B = 4, H = 16, T = 8K, d = 64, m = 256 (bf16 forward moves 0.34 GB, the backward 0.67 GB:
+//! several times the L2); emulator: B = 1, H = 2, T = 64, d = 16, m = 32. Throughput in rows.
+//!
 //! The floors use the copy bandwidth measured at start and the FP32 rate from the queried SM
 //! count and clock. Device choice and timing: `benches/common`.
 //! Run: `cargo bench --bench linear_attention` (`-- --quick` for a short run).
@@ -21,10 +26,11 @@ use std::hint::black_box;
 use common::{timed, BenchDevice};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
+use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
 use mesa_kernels::linear_attention::{
     backward, forward, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, MemoryMode,
 };
-use mesa_kernels::{Buffer, Layout};
+use mesa_kernels::{Buffer, Element, Layout};
 use mesa_kernels::{TensorMut, TensorRef};
 
 struct Case {
@@ -34,14 +40,14 @@ struct Case {
     d: usize,
 }
 
-fn data(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<bf16> {
+fn data<T: Element>(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<T> {
     let mut s = seed | 1;
     (0..n)
         .map(|_| {
             s ^= s << 13;
             s ^= s >> 7;
             s ^= s << 17;
-            bf16::from_f32(lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32))
+            T::from_f64(f64::from(lo + (hi - lo) * ((s >> 40) as f32 / (1u64 << 24) as f32)))
         })
         .collect()
 }
@@ -62,6 +68,7 @@ fn bench_case(c: &mut Criterion, bench: &BenchDevice, case: &Case) {
     let n = b * h * t * d;
     let layout = Layout::contiguous(&[b, h, t, d]);
     let up = |x: &[bf16]| -> Buffer<bf16> { device.upload(x).expect("upload") };
+    let data = data::<bf16>;
     let (q, k, v, g) = (
         up(&data(n, 0.05, 1.0, 1)),
         up(&data(n, 0.05, 1.0, 2)),
@@ -140,6 +147,46 @@ fn bench_case(c: &mut Criterion, bench: &BenchDevice, case: &Case) {
     group.finish();
 }
 
+/// FAVOR+ forward (row-max stabiliser) and backward of `rows` = B·H·T rows in dtype T.
+fn bench_favor<T: Element>(c: &mut Criterion, bench: &BenchDevice, case: &Case, m: usize) {
+    let device = &bench.device;
+    let (b, h, t, d) = (case.b, case.h, case.t, case.d);
+    let proj = FavorProjection::orthogonal(device, m, d, 7).expect("projection");
+    let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::RowMax };
+    let (lx, lp) = (Layout::contiguous(&[b, h, t, d]), Layout::contiguous(&[b, h, t, m]));
+    let x: Buffer<T> = device.upload(&data::<T>(b * h * t * d, -1.0, 1.0, 5)).expect("upload");
+    let dphi: Buffer<T> = device.upload(&data::<T>(b * h * t * m, -1.0, 1.0, 6)).expect("upload");
+    let mut phi = device.alloc_zeros::<T>(b * h * t * m).expect("alloc");
+    let mut dx = device.alloc_zeros::<T>(b * h * t * d).expect("alloc");
+    let mut group = c.benchmark_group(bench.group_name("favor"));
+    group.throughput(Throughput::Elements((b * h * t) as u64));
+    group.sample_size(10);
+    let dtype = format!("{:?}", T::DTYPE).to_lowercase();
+    group.bench_function(format!("fwd_rowmax_{dtype}_T{t}_d{d}_m{m}"), |bencher| {
+        bencher.iter_custom(|iters| {
+            timed(device, iters, || {
+                let x = TensorRef::new(&x, &lx).expect("view");
+                feature_map::forward(device, &map, &x, &mut TensorMut::new(&mut phi, &lp).expect("view"))
+                    .expect("forward");
+            })
+        });
+    });
+    group.bench_function(format!("bwd_{dtype}_T{t}_d{d}_m{m}"), |bencher| {
+        bencher.iter_custom(|iters| {
+            timed(device, iters, || {
+                let args = FeatureBackwardArgs {
+                    x: &TensorRef::new(&x, &lx).expect("view"),
+                    phi: Some(&TensorRef::new(&phi, &lp).expect("view")),
+                    dphi: &TensorRef::new(&dphi, &lp).expect("view"),
+                    dx: &mut TensorMut::new(&mut dx, &lx).expect("view"),
+                };
+                feature_map::backward(device, &map, args).expect("backward");
+            })
+        });
+    });
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let bench = BenchDevice::new("linear_attention");
     if bench.is_cuda() {
@@ -148,8 +195,14 @@ fn benches(c: &mut Criterion) {
                 bench_case(c, &bench, &Case { b: 4, h: 16, t, d });
             }
         }
+        let favor = Case { b: 4, h: 16, t: 8192, d: 64 };
+        bench_favor::<bf16>(c, &bench, &favor, 256);
+        bench_favor::<f32>(c, &bench, &favor, 256);
     } else {
         bench_case(c, &bench, &Case { b: 1, h: 2, t: 256, d: 16 });
+        let favor = Case { b: 1, h: 2, t: 64, d: 16 };
+        bench_favor::<bf16>(c, &bench, &favor, 32);
+        bench_favor::<f32>(c, &bench, &favor, 32);
     }
 }
 
