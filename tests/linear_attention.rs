@@ -773,7 +773,8 @@ fn fm_parity<T: Element>(
             // cores' sums may truncate). A computed stabiliser c (RowMax, SequenceMax) is a u of
             // its row or sequence: off by the largest e_abs there.
             let xs = (d as f64).powf(-0.25);
-            let tc = if T::DTYPE == DType::F32 { 0.0 } else { (d as f64 + 8.0) * 2f64.powi(-24) + 3.0 * 2f64.powi(-18) };
+            let tc =
+                if T::DTYPE == DType::F32 { 0.0 } else { (d as f64 + 8.0) * 2f64.powi(-24) + 3.0 * 2f64.powi(-18) };
             let e_abs: Vec<f64> = (0..b * h * l * m)
                 .map(|e| {
                     let (r, i) = (e / m, e % m);
@@ -788,16 +789,23 @@ fn fm_parity<T: Element>(
                 rla::Stabilizer::SequenceMax => l * m,
                 _ => 0,
             };
+            let e_c: Vec<f64> = if span == 0 {
+                vec![0.0]
+            } else {
+                e_abs.chunks(span).map(|c| c.iter().fold(0.0, |a: f64, &x| a.max(x))).collect()
+            };
             for e in 0..b * h * l * m {
                 let (r, i) = (e / m, e % m);
-                let e_c = if span == 0 { 0.0 } else { e_abs[e / span * span..][..span].iter().fold(0.0, |a: f64, &x| a.max(x)) };
                 let w = rp[e];
-                let tol = (e_abs[e] + e_c + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01 + floor;
+                let tol =
+                    (e_abs[e] + e_c[if span == 0 { 0 } else { e / span }] + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01
+                        + floor;
                 assert!((phi[e] - w).abs() <= tol, "phi[{r},{i}] {} vs {w}", phi[e]);
             }
             // the backward from the kernel's own phi (what it reads): Σ_i over m terms; on tensor
             // cores G Ω with g = dphi·phi and ω as f32 pairs (the same term as the forward's)
-            let tc_b = if T::DTYPE == DType::F32 { 0.0 } else { (m as f64 + 8.0) * 2f64.powi(-24) + 3.0 * 2f64.powi(-18) };
+            let tc_b =
+                if T::DTYPE == DType::F32 { 0.0 } else { (m as f64 + 8.0) * 2f64.powi(-24) + 3.0 * 2f64.powi(-18) };
             let rd = rla::favor_backward(&xw, &rla::Favor { omega: &omega, features: m, in_dim: d }, &phi, &gw)
                 .expect("reference");
             for r in 0..b * h * l {
@@ -887,7 +895,8 @@ fn favor_views<T: Element>(
     let mut pb = up(device, &vec![nan; dphi.len()]);
     feature_map::forward(device, map, &tr(&xb, lx), &mut tm(&mut pb, lp)).expect("forward");
     let mut db = up(device, &vec![nan; x.len()]);
-    let args = FeatureBackwardArgs { x: &tr(&xb, lx), phi: Some(&tr(&pb, lp)), dphi: &tr(&gb, lp), dx: &mut tm(&mut db, lx) };
+    let args =
+        FeatureBackwardArgs { x: &tr(&xb, lx), phi: Some(&tr(&pb, lp)), dphi: &tr(&gb, lp), dx: &mut tm(&mut db, lx) };
     feature_map::backward(device, map, args).expect("backward");
     let (phi, dx) = (pb.to_vec().expect("phi"), db.to_vec().expect("dx"));
     (reference::gather(&phi, lp), reference::gather(&dx, lx), phi, dx)
