@@ -798,7 +798,7 @@ fn fm_parity<T: Element>(
                 let (r, i) = (e / m, e % m);
                 let w = rp[e];
                 let tol =
-                    (e_abs[e] + e_c[if span == 0 { 0 } else { e / span }] + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01
+                    (e_abs[e] + e_c[e.checked_div(span).unwrap_or(0)] + 8.0 * 2f64.powi(-24) + u) * w.abs() * 1.01
                         + floor;
                 assert!((phi[e] - w).abs() <= tol, "phi[{r},{i}] {} vs {w}", phi[e]);
             }
