@@ -151,6 +151,9 @@ __device__ __forceinline__ uint64_t timer_ns() {
 // within 2^31 of each other).
 __device__ __forceinline__ bool epoch_reached(uint32_t a, uint32_t b) { return int32_t(a - b) >= 0; }
 
+// Neither infinite nor NaN (an exponent of all ones), whatever the compiler's float flags.
+__device__ __forceinline__ bool is_finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+
 // ---------------------------------------------------------------------------------------
 // dtype conversion: all arithmetic is f32.
 __device__ __forceinline__ float to_float(float x) { return x; }

@@ -293,6 +293,13 @@ __device__ __forceinline__ float* den_rows() {
   return rows;
 }
 
+// Per warp of the tensor-core chunk_outputs: whether the 8 rows of C_c it loaded hold a value
+// that is not finite in bf16 (see diagonal_block).
+__device__ __forceinline__ int* c_nonfinite() {
+  __shared__ int flags[kThreads / kWarpSize];
+  return flags;
+}
+
 // The state update's column of z in a self-normalising product (D-tile 0's block): the chunk
 // sum over this feature tile, u_f = sum_r b(r, f) in row order, written to column p.dc of `dst`
 // (kChunkSum) or added to the state's (the walk: the same f32 operations as the scan's).
@@ -423,6 +430,7 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
     for (int s = 0; s < rows; ++s) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
+        if (!visible<kMask>(oy + i, s)) continue;  // a masked 0 times a non-finite c_s is NaN
         const float pv = tl.p[oy + i][s];
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc_o[i][j] = fmaf(pv, tl.c[s][ox + j], acc_o[i][j]);
@@ -536,6 +544,36 @@ __device__ __forceinline__ bool block_visible(int bi, int bj) {
   return visible<kMask>(bi, bj);
 }
 
+// Each warp flags whether its threads' runs of the freshly loaded C_c (load_rows_split's: 8 rows
+// per warp) hold a non-finite bf16 value (hi: a lo half is always finite).
+__device__ __forceinline__ void flag_nonfinite_rows(const SplitTile<kChunk, kLdC>& c) {
+  const int tid = fresh_tid();
+  const int r = tid / (kTD / 8), col = (tid % (kTD / 8)) * 8;
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) bad |= !is_finite(__bfloat162float(c.hi[r * kLdC + col + j]));
+  const bool any = __any_sync(0xffffffffu, bad);
+  if (tid % kWarpSize == 0) c_nonfinite()[tid / kWarpSize] = any ? 1 : 0;
+}
+
+// Adds the diagonal block of mask(P) C_c to the warp's 16 x 16 block of O (staged in tl.x.o):
+// O[r][c] += sum over the block's visible s of P[r][s] C[s][c], scalar FMAs in s order from
+// the split tiles (a pair's hi + lo), so that a masked entry multiplies nothing.
+template <int kMask>
+__device__ void diagonal_block(TcTiles& tl, int wi, int wo) {
+  __syncwarp();  // the warp's store_matrix_sync is done
+  const int lane = fresh_tid() % kWarpSize;
+  const int r = wi * 16 + lane / 2, c0 = wo * 16 + (lane % 2) * 8;
+#pragma unroll 1
+  for (int j = 0; j < 8; ++j) {
+    float x = tl.x.o[r * kLdO + c0 + j];
+#pragma unroll 1
+    for (int s = wi * 16; s < wi * 16 + 16; ++s)
+      if (visible<kMask>(r, s)) x = fmaf(split_value(tl.y.p, r * kLdP + s), split_value(tl.c, s * kLdC + c0 + j), x);
+    tl.x.o[r * kLdO + c0 + j] = x;
+  }
+}
+
 // The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
 // only when `intra`: the bidirectional outputs A S do not read it).
 template <typename T, int kMask, int kLo>
@@ -615,11 +653,20 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
     }
   }
   if (p.self_norm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
-  if (intra) load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
+  if (intra) {
+    load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
+    if (kMask != kMaskNone) flag_nonfinite_rows(tl.c);
+  }
   __syncthreads();
+  // A masked zero of P times a non-finite c_s is NaN (0 x inf), and in an MMA it reaches the
+  // rows that do not see s. Only the diagonal 16 x 16 block of P mixes rows that see s with
+  // rows that do not (hidden blocks are skipped): where C's rows of that block hold a
+  // non-finite value, the block is summed with scalar FMAs over its visible entries instead.
+  const bool diagonal_scalar =
+      intra && kMask != kMaskNone && (c_nonfinite()[2 * wi] != 0 || c_nonfinite()[2 * wi + 1] != 0);
   if (intra) {
     for (int kk = 0; kk < kChunk / 16; ++kk) {
-      if (!block_visible<kMask>(wi, kk) || kk * 16 >= rows) continue;
+      if (!block_visible<kMask>(wi, kk) || kk * 16 >= rows || (diagonal_scalar && kk == wi)) continue;
       FragA ph, pl;
       FragB ch, cl;
       wmma::load_matrix_sync(ph, tl.y.p.hi + wi * 16 * kLdP + kk * 16, kLdP);
@@ -630,6 +677,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
     }
   }
   wmma::store_matrix_sync(tl.x.o + wi * 16 * kLdO + wo * 16, acc_o, kLdO, wmma::mem_row_major);
+  if (diagonal_scalar) diagonal_block<kMask>(tl, wi, wo);
   __syncthreads();
   // 8 consecutive columns of one row per thread
   static_assert(kChunk * kTD == 8 * kThreads, "O: 8 elements per thread");

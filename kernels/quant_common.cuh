@@ -22,8 +22,6 @@ namespace MESA_NS {
 constexpr int kSharedGroups = 1024;
 constexpr int kUnit = 8;  // strided path: logical elements per step (one byte at 1 bit)
 
-__device__ __forceinline__ bool is_finite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
-
 // What the kernels need to know about groups: g(i) = (i / run) % count for logical index i,
 // with run = span * prod(shape[dim+1:]).
 struct GroupMap {

@@ -311,6 +311,84 @@ fn m_and_d_differ_up_to_512_in_both_orders() {
     }
 }
 
+/// A non-finite input at position s reaches no output that does not depend on it. With +inf in
+/// k_s and v_s, the forward's and dq's rows t < s are clean (later rows read k_s, v_s through
+/// the state and the normaliser); with +inf in q_s, every row but s of the forward and dq,
+/// and dk's and dv's rows t > s (their walk runs backwards; q_s enters them as C). Inside a
+/// chunk a masked zero of P times the non-finite value would be NaN (0 × inf); the kernels
+/// multiply only visible entries. Chunk 64, s = 40 or 70: on tensor cores the diagonal 16×16
+/// block of P holds rows on both sides of s.
+#[test]
+fn non_finite_inputs_do_not_cross_the_causal_mask() {
+    let mut rng = common::rng("non_finite_inputs_do_not_cross_the_causal_mask");
+    let n = Shape { b: 1, h: 2, l: 100, m: 16, d: 24 };
+    for device in common::backends() {
+        for normalize in [true, false] {
+            for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
+                let cfg = LinearAttentionConfig { causal: true, normalize, eps: 1e-6, chunk: 64, memory };
+                for s in [40, 70] {
+                    for key_side in [true, false] {
+                        mask_holds::<f32>(&device, &mut rng, &cfg, n, s, key_side);
+                        mask_holds::<f16>(&device, &mut rng, &cfg, n, s, key_side);
+                        mask_holds::<bf16>(&device, &mut rng, &cfg, n, s, key_side);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// +inf in one column of row s of k and v (`key_side`) or of q, then the rows that cannot
+/// depend on it compared with the reference on the finite inputs.
+fn mask_holds<T: Element>(
+    device: &Device,
+    rng: &mut StdRng,
+    cfg: &LinearAttentionConfig,
+    n: Shape,
+    s: usize,
+    key_side: bool,
+) {
+    let lo = if cfg.normalize { 0.05 } else { -1.0 };
+    let q = to_t::<T>(&random_vec(rng, n.qk(), lo, 1.0));
+    let k = to_t::<T>(&random_vec(rng, n.qk(), lo, 1.0));
+    let v = to_t::<T>(&random_vec(rng, n.vd(), -1.0, 1.0));
+    let dout = to_t::<T>(&random_vec(rng, n.vd(), -1.0, 1.0));
+    let (mut qi, mut ki, mut vi) = (q.clone(), k.clone(), v.clone());
+    let inf = T::from_f64(f64::INFINITY);
+    for bh in 0..n.b * n.h {
+        if key_side {
+            ki[(bh * n.l + s) * n.m + 1] = inf;
+            vi[(bh * n.l + s) * n.d + 2] = inf;
+        } else {
+            qi[(bh * n.l + s) * n.m] = inf;
+        }
+    }
+    let r = run(device, cfg, n, &qi, &ki, &vi, &dout);
+    let (q, k, v, dout) = (widen(&q), widen(&k), widen(&v), widen(&dout));
+    let eps = cfg.normalize.then_some(f64::from(cfg.eps));
+    let att = rla::Attention { q: &q, k: &k, v: &v, dims: n.dims(), causal: true, normalize: eps };
+    let (out, _) = rla::forward(&att).expect("reference");
+    let (dq, dk, dv) = rla::backward(&att, &dout).expect("reference");
+    let (mo, mq, mk, mv) = magnitudes(&q, &k, &v, &dout, n, true, eps);
+    // the rows of x (width w per row) whose position satisfies `keep`
+    let rows = |x: &[f64], w: usize, keep: &dyn Fn(usize) -> bool| -> Vec<f64> {
+        x.chunks(w).enumerate().filter(|(row, _)| keep(row % n.l)).flat_map(|(_, c)| c.to_vec()).collect()
+    };
+    let (before, after, other) = (|t: usize| t < s, |t: usize| t > s, |t: usize| t != s);
+    let none = |_: usize| false;
+    let forward_rows: &dyn Fn(usize) -> bool = if key_side { &before } else { &other };
+    let reverse_rows: &dyn Fn(usize) -> bool = if key_side { &none } else { &after };
+    for (what, got, want, mag, w, keep) in [
+        ("out", &r.out, &out, &mo, n.d, forward_rows),
+        ("dq", &r.dq, &dq, &mq, n.m, forward_rows),
+        ("dk", &r.dk, &dk, &mk, n.m, reverse_rows),
+        ("dv", &r.dv, &dv, &mv, n.d, reverse_rows),
+    ] {
+        let what = format!("{what} beside +inf at {s} (key side {key_side}, {cfg:?})");
+        check_close(&what, &rows(got, w, keep), &rows(want, w, keep), &rows(mag, w, keep), n, T::DTYPE);
+    }
+}
+
 #[test]
 fn any_length_and_chunk() {
     let mut rng = common::rng("any_length_and_chunk");
