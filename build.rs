@@ -55,7 +55,8 @@ fn main() {
     };
     build_emulation(&kernels, &sources, contract, &out);
 
-    let cuda = if env::var("MESA_CUDA_DISABLE").is_ok_and(|v| v == "1") { None } else { find_nvcc() };
+    let disabled = env::var("MESA_CUDA_DISABLE").is_ok_and(|v| v == "1");
+    let cuda = if disabled { None } else { find_nvcc() };
     let (cuda_built, archs_text) = match cuda {
         Some(nvcc) => {
             let archs = match parse_archs(&env::var("MESA_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.into())) {
@@ -66,9 +67,10 @@ fn main() {
             (true, archs.iter().map(|a| a.label()).collect::<Vec<_>>().join(","))
         }
         None => {
+            let why = if disabled { "MESA_CUDA_DISABLE=1" } else { "nvcc not found (NVCC, CUDA_HOME, CUDA_PATH, PATH)" };
             println!(
-                "cargo:warning=mesa-kernels-sys: nvcc not found (NVCC, CUDA_HOME, CUDA_PATH, PATH); \
-                 building the host emulation only. CUDA entry points will return MESA_STATUS_CUDA_NOT_BUILT."
+                "cargo:warning=mesa-kernels-sys: {why}; building the host emulation only. \
+                 CUDA entry points will return MESA_STATUS_CUDA_NOT_BUILT."
             );
             build_cuda_stub(&kernels, &out);
             (false, String::new())
