@@ -67,7 +67,8 @@ fn main() {
             (true, archs.iter().map(|a| a.label()).collect::<Vec<_>>().join(","))
         }
         None => {
-            let why = if disabled { "MESA_CUDA_DISABLE=1" } else { "nvcc not found (NVCC, CUDA_HOME, CUDA_PATH, PATH)" };
+            let why =
+                if disabled { "MESA_CUDA_DISABLE=1" } else { "nvcc not found (NVCC, CUDA_HOME, CUDA_PATH, PATH)" };
             println!(
                 "cargo:warning=mesa-kernels-sys: {why}; building the host emulation only. \
                  CUDA entry points will return MESA_STATUS_CUDA_NOT_BUILT."
