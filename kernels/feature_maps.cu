@@ -249,15 +249,17 @@ __global__ void __launch_bounds__(kFmThreads) favor_backward_kernel(Tensor4 x, T
 //   forward   U = X Ω^T   [rows, d] x [d, m]:  u_i = d^(-1/4) (x . ω_i) - |x'|^2/2
 //   backward  Y = G Ω     [rows, m] x [m, d]:  dx = d^(-1/4) (y - x' Σ_i g_i),  g = dphi ⊙ phi
 // x enters as its own pair (bf16 exact in hi: its lo MMAs are compiled out; f16 exact in
-// hi + lo), ω and g (a product of two 16-bit values, exact in f32) as f32 pairs.
+// hi + lo), ω and g (a product of two 16-bit values, exact in f32 unless it underflows) as
+// f32 pairs.
 // Tiles of 64 rows x 64 columns (features m forward, columns of d backward), k in steps of
 // 32; per block (8 warps) 4 x 4 blocks of 16 x 16, two per warp (row block warp/2, column
 // blocks 2*(warp%2) + 0, 1), staged in shared memory for the epilogue: thread t owns row t/4,
 // columns 16*(t%4) .. +16 of the tile. Rows past the range and columns past m or d are
 // zeros in the tiles and never written.
-// Bytes per row: forward d + m elements (twice d with ROW_MAX/SEQUENCE_MAX, which project
-// again after the maximum), ω from L2; backward 2m + 2d elements (g read once per 64 columns
-// of d). FLOPs on tensor cores: 2 m d per row and MMA (2-3 MMAs per product of pairs).
+// Bytes per row, from HBM: forward d + m elements (x once more for |x'|^2/2 of each row tile,
+// x again per 64-feature tile and, with ROW_MAX/SEQUENCE_MAX, once more for the maximum pass:
+// those re-reads hit L1/L2), ω from L2; backward 2m + 2d elements (phi and dphi read again per
+// 64 columns of d). FLOPs on tensor cores: 2 m d per row and MMA (2-3 MMAs per product of pairs).
 constexpr int kFvRows = 64;                 // rows of a tile
 constexpr int kFvCols = 64;                 // output columns of a tile
 constexpr int kFvK = 32;                    // k per step
@@ -275,26 +277,26 @@ struct FavorTc {
   int omega16;  // ω as 16-byte runs of 4 floats: aligned, d % 4 == 0
 };
 
-// The element offsets of a tile's rows in a [B, H, L, ·] tensor (-1 past the range).
-__device__ __forceinline__ int64_t row_offset(const Tensor4& t, const Dims& n, int64_t row, int64_t end) {
-  if (row >= end) return -1;
+// The element offset of row `row` (< B H L) of a [B, H, L, ·] tensor. Strides may be negative
+// (raw C ABI), so an offset is no flag: a tile holds how many of its rows are valid (`rows`).
+__device__ __forceinline__ int64_t row_offset(const Tensor4& t, const Dims& n, int64_t row) {
   const int64_t l = row % n.L, bh = row / n.L;
   return (bh / n.H) * t.s0 + (bh % n.H) * t.s1 + l * t.s2;
 }
 
 // 8 consecutive values of a 16-bit row (k0 .. k0 + 8 of `width`; zeros past it or for a row
-// offset of -1): one 16-byte load when the row allows (`vec`) and the run is whole.
+// that is not `valid`): one 16-byte load when the row allows (`vec`) and the run is whole.
 template <typename T>
-__device__ __forceinline__ void load_run8(float (&v)[8], const T* base, int64_t off, int64_t s3, int64_t k0,
-                                          int64_t width, bool vec) {
-  if (off >= 0 && vec && k0 + 8 <= width) {
+__device__ __forceinline__ void load_run8(float (&v)[8], const T* base, int64_t off, bool valid, int64_t s3,
+                                          int64_t k0, int64_t width, bool vec) {
+  if (valid && vec && k0 + 8 <= width) {
     const Vec16<T> r = load16(base + off + k0);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = to_float(r.v[j]);
     return;
   }
 #pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = off >= 0 && k0 + j < width ? to_float(base[off + (k0 + j) * s3]) : 0.0f;
+  for (int j = 0; j < 8; ++j) v[j] = valid && k0 + j < width ? to_float(base[off + (k0 + j) * s3]) : 0.0f;
 }
 
 // ω[f][k0 .. k0 + 8) (zeros past m or d): two 16-byte loads when allowed.
@@ -336,6 +338,7 @@ struct FavorForwardTiles {
   int64_t row_x[kFvRows], row_phi[kFvRows];
   float half_sq[kFvRows];            // |x'|^2 / 2
   float block_max[kFmThreads / kWarpSize];
+  int rows;                          // valid rows of the tile (<= 64)
 };
 
 struct FavorBackwardTiles {
@@ -343,7 +346,7 @@ struct FavorBackwardTiles {
   SplitTile<kFvK, kLdN> w;           // ω [32 features][64 columns of d]
   float y[kFvRows * kLdStage];       // the tile's G Ω
   int64_t row_x[kFvRows], row_phi[kFvRows], row_dphi[kFvRows], row_dx[kFvRows];
-  float gsum[kFvRows];               // Σ_i g_i of the row
+  int rows;                          // valid rows of the tile (<= 64)
 };
 
 // The block's tiles: one __shared__ union for every FAVOR+ tensor-core instance (10). On a GPU
@@ -363,10 +366,11 @@ template <typename T>
 __device__ void favor_tile_rows(FavorForwardTiles& sm, const Tensor4& x, const Tensor4& phi, const Dims& n,
                                 const FavorParams& fp, int64_t r0, int64_t end) {
   const int r = threadIdx.x / 4, q = threadIdx.x % 4;
-  const int64_t ox = row_offset(x, n, r0 + r, end);
+  const bool valid = r0 + r < end;
+  const int64_t ox = valid ? row_offset(x, n, r0 + r) : 0;
   const T* px = static_cast<const T*>(x.data);
   float sq = 0.0f;
-  if (ox >= 0)
+  if (valid)
     for (int64_t j = q; j < n.din; j += 4) {
       const float v = __fmul_rn(to_float(px[ox + j * x.s3]), fp.xscale);
       sq = fmaf(v, v, sq);
@@ -376,9 +380,10 @@ __device__ void favor_tile_rows(FavorForwardTiles& sm, const Tensor4& x, const T
   __syncthreads();  // the previous tile's readers are done
   if (q == 0) {
     sm.row_x[r] = ox;
-    sm.row_phi[r] = row_offset(phi, n, r0 + r, end);
+    sm.row_phi[r] = valid ? row_offset(phi, n, r0 + r) : 0;
     sm.half_sq[r] = 0.5f * sq;
   }
+  if (threadIdx.x == 0) sm.rows = int(end - r0);
   __syncthreads();
 }
 
@@ -395,7 +400,7 @@ __device__ void favor_u_tile(FavorForwardTiles& sm, const Tensor4& x, const Dims
   wmma::fill_fragment(acc[1], 0.0f);
   for (int64_t k0 = 0; k0 < n.din; k0 += kFvK) {
     float v[8];
-    load_run8<T>(v, static_cast<const T*>(x.data), sm.row_x[r], x.s3, k0 + c, n.din, tc.x16 != 0);
+    load_run8<T>(v, static_cast<const T*>(x.data), sm.row_x[r], r < sm.rows, x.s3, k0 + c, n.din, tc.x16 != 0);
     put_split8(sm.x.hi, sm.x.lo, r * kLdK + c, v);
     load_omega8(v, fp.omega, n, f0 + r, k0 + c, tc.omega16 != 0);
     put_split8(sm.w.hi, sm.w.lo, r * kLdK + c, v);
@@ -424,7 +429,7 @@ __device__ void favor_u_tile(FavorForwardTiles& sm, const Tensor4& x, const Dims
 __device__ __forceinline__ void favor_u_values(float (&u)[16], const FavorForwardTiles& sm, const Dims& n,
                                                const FavorParams& fp, int64_t f0) {
   const int r = threadIdx.x / 4, c = (threadIdx.x % 4) * 16;
-  const bool row = sm.row_phi[r] >= 0;
+  const bool row = r < sm.rows;
 #pragma unroll
   for (int j = 0; j < 16; ++j)
     u[j] = row && f0 + c + j < n.dout ? __fmul_rn(sm.u[r * kLdStage + c + j], fp.xscale) - sm.half_sq[r] : -INFINITY;
@@ -486,7 +491,7 @@ __global__ void __launch_bounds__(kFmThreads, 2) favor_forward_tc_kernel(Tensor4
         float u[16];
         favor_u_values(u, sm, n, fp, f0);
         const int64_t off = sm.row_phi[r];
-        if (off >= 0) {
+        if (r < sm.rows) {
 #pragma unroll
           for (int j = 0; j < 16; ++j) u[j] = __fmul_rn(expf(u[j] - cr), fp.inv_sqrt_m);
           store_run16<T>(py, off, phi.s3, f0 + c, n.dout, tc.out16 != 0, u);
@@ -517,12 +522,14 @@ __global__ void __launch_bounds__(kFmThreads, 2) favor_backward_tc_kernel(Tensor
     const int64_t r0 = (item / ncol) * kFvRows, c0 = (item % ncol) * kFvCols;
     const int64_t end = r0 + kFvRows < rows ? r0 + kFvRows : rows;
     __syncthreads();  // the previous item's readers are done
-    if (q == 0) {
-      sm.row_x[r] = row_offset(x, n, r0 + r, end);
-      sm.row_phi[r] = row_offset(phi, n, r0 + r, end);
-      sm.row_dphi[r] = row_offset(dphi, n, r0 + r, end);
-      sm.row_dx[r] = row_offset(dx, n, r0 + r, end);
+    if (q == 0) {  // offsets of rows past the range: 0, never dereferenced
+      const bool valid = r0 + r < end;
+      sm.row_x[r] = valid ? row_offset(x, n, r0 + r) : 0;
+      sm.row_phi[r] = valid ? row_offset(phi, n, r0 + r) : 0;
+      sm.row_dphi[r] = valid ? row_offset(dphi, n, r0 + r) : 0;
+      sm.row_dx[r] = valid ? row_offset(dx, n, r0 + r) : 0;
     }
+    if (tid == 0) sm.rows = int(end - r0);
     __syncthreads();
     FragAcc acc[2];
     wmma::fill_fragment(acc[0], 0.0f);
@@ -530,8 +537,9 @@ __global__ void __launch_bounds__(kFmThreads, 2) favor_backward_tc_kernel(Tensor
     float gsum = 0.0f;  // this thread's part of row r's Σ g (features 8q.. of every step)
     for (int64_t k0 = 0; k0 < n.dout; k0 += kFvK) {
       float gp[8], gd[8], w[8];
-      load_run8<T>(gp, pp, sm.row_phi[r], phi.s3, k0 + q * 8, n.dout, tc.g16 != 0);
-      load_run8<T>(gd, pg, sm.row_dphi[r], dphi.s3, k0 + q * 8, n.dout, tc.g16 != 0);
+      const bool valid = r < sm.rows;
+      load_run8<T>(gp, pp, sm.row_phi[r], valid, phi.s3, k0 + q * 8, n.dout, tc.g16 != 0);
+      load_run8<T>(gd, pg, sm.row_dphi[r], valid, dphi.s3, k0 + q * 8, n.dout, tc.g16 != 0);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         gp[j] = gd[j] * gp[j];  // exact in f32: two 16-bit significands
@@ -562,7 +570,7 @@ __global__ void __launch_bounds__(kFmThreads, 2) favor_backward_tc_kernel(Tensor
     wmma::store_matrix_sync(sm.y + wi * 16 * kLdStage + (wj + 1) * 16, acc[1], kLdStage, wmma::mem_row_major);
     __syncthreads();
     const int64_t ox = sm.row_x[r], od = sm.row_dx[r];
-    if (od >= 0) {
+    if (r < sm.rows) {
       const int c = q * 16;
       float v[16];
 #pragma unroll
@@ -583,7 +591,9 @@ inline unsigned fm_grid(int64_t items, int per_sm) {
   return unsigned(items < 1 ? 1 : (items < cap ? items : cap));
 }
 
-inline float favor_xscale(int64_t d) { return float(1.0 / std::sqrt(std::sqrt(double(d)))); }
+// d^(-1/4) (Performer's x / d^(1/4)); 1 for d = 0, where x is empty and the scale multiplies
+// only the empty sums (0 x inf would make u NaN).
+inline float favor_xscale(int64_t d) { return d > 0 ? float(1.0 / std::sqrt(std::sqrt(double(d)))) : 1.0f; }
 
 // Contiguous row-major [B,H,L,D] (any stride on an axis of size 1) and 16-byte aligned.
 inline bool dense4(const MesaLaTensor& t, const Dims& n) {

@@ -787,7 +787,12 @@ fn fm_parity<T: Element>(
     d: usize,
 ) {
     let m = map.out_dim(d);
-    let x = to_t::<T>(&random_vec(rng, b * h * l * d, -1.5, 1.5));
+    let mut x = to_t::<T>(&random_vec(rng, b * h * l * d, -1.5, 1.5));
+    if let (FeatureMap::Favor { projection, .. }, rla::Stabilizer::SequenceMax) = (map, stab) {
+        // the sequence's largest exponent in its last row (the last, partial row tile for
+        // l > 64): a maximum pass that skipped a tile would scale every phi by exp(Δc)
+        last_row_holds_the_largest_exponent(&mut x, projection.omega(), l, d);
+    }
     let dphi = to_t::<T>(&random_vec(rng, b * h * l * m, -1.0, 1.0));
     let lx = Layout::contiguous(&[b, h, l, d]);
     let lp = Layout::contiguous(&[b, h, l, m]);
@@ -904,6 +909,31 @@ fn fm_parity<T: Element>(
     }
 }
 
+/// Swaps, in every sequence of `l` rows of `x` (`[.., l, d]`), the row with the largest FAVOR+
+/// exponent u = ω_i·x' − |x'|²/2 (x' = x d^(-1/4), f64) into the last position.
+fn last_row_holds_the_largest_exponent<T: Element>(x: &mut [T], omega: &[f32], l: usize, d: usize) {
+    if l == 0 || d == 0 {
+        return;
+    }
+    let xs = (d as f64).powf(-0.25);
+    let max_u = |row: &[T]| {
+        let xp: Vec<f64> = row.iter().map(|v| v.to_f64() * xs).collect();
+        let sq: f64 = xp.iter().map(|v| v * v).sum();
+        omega
+            .chunks(d)
+            .map(|w| w.iter().zip(&xp).map(|(a, b)| f64::from(*a) * b).sum::<f64>() - 0.5 * sq)
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    for seq in x.chunks_mut(l * d) {
+        let best = (0..l).max_by(|&a, &b| max_u(&seq[a * d..][..d]).total_cmp(&max_u(&seq[b * d..][..d])));
+        if let Some(best) = best {
+            for j in 0..d {
+                seq.swap(best * d + j, (l - 1) * d + j);
+            }
+        }
+    }
+}
+
 #[test]
 fn feature_maps_match_the_reference() {
     let mut rng = common::rng("feature_maps_match_the_reference");
@@ -927,8 +957,11 @@ fn feature_maps_match_the_reference() {
         }
         // f16/bf16 project on tensor cores in tiles of 64 rows x 64 features (forward) or 64
         // columns of d (backward), k in steps of 32: several tiles with partial last ones;
-        // d = 37 takes the element loads (rows and ω not in 16-byte runs), d = 40 both kinds
-        for (m, d) in [(70, 40), (20, 37)] {
+        // d = 37 takes the element loads (rows and ω not in 16-byte runs), d = 40 both kinds,
+        // d = 100 two column tiles of the backward (64 + 36) and four k steps of the forward.
+        // The tensor-core term of the tolerance is below bf16's output rounding: f16 is the
+        // dtype that would see a small projection error.
+        for (m, d) in [(70, 40), (20, 37), (24, 100)] {
             let proj = FavorProjection::orthogonal(&device, m, d, 9).expect("omega");
             for (stab, rstab) in [
                 (FavorStabilizer::RowMax, rla::Stabilizer::RowMax),
@@ -1540,14 +1573,27 @@ fn forward_takes_q_k_v_as_sub_slices_of_one_host_vec() {
 fn favor_with_no_input_features_takes_null_pointers() {
     let device = common::emulator();
     let proj = FavorProjection::from_matrix(&device, 4, 0, &[]).expect("empty projection");
-    let map = FeatureMap::Favor { projection: &proj, stabilizer: FavorStabilizer::None };
+    // every stabiliser (the tensor-core kernels of f16/bf16 have one instance each): u = 0 for
+    // every feature, so every c is 0 (the bound max |ω_i|²/2 of empty rows too) and φ = 1/2
+    for stabilizer in
+        [FavorStabilizer::None, FavorStabilizer::RowMax, FavorStabilizer::Bound, FavorStabilizer::SequenceMax]
+    {
+        let map = FeatureMap::Favor { projection: &proj, stabilizer };
+        empty_x_gives_constant_features::<f32>(&device, &map, 0.5);
+        empty_x_gives_constant_features::<f16>(&device, &map, 0.5);
+        empty_x_gives_constant_features::<bf16>(&device, &map, 0.5);
+    }
+}
+
+fn empty_x_gives_constant_features<T: Element>(device: &Device, map: &FeatureMap<'_>, phi0: f64) {
     // SAFETY: a zero-length view; never dereferenced.
-    let null: mesa_kernels::RawDeviceSlice<f32> = unsafe { mesa_kernels::RawDeviceSlice::new(0, 0) };
+    let null: mesa_kernels::RawDeviceSlice<T> = unsafe { mesa_kernels::RawDeviceSlice::new(0, 0) };
     let x = TensorRef::contiguous(&null, &[1, 1, 2, 0]).expect("view");
-    let mut phi = vec![f32::NAN; 8];
-    let r = feature_map::forward(&device, &map, &x, &mut TensorMut::contiguous(&mut phi, &[1, 1, 2, 4]).expect("view"));
-    assert!(r.is_ok(), "{r:?}");
-    assert_eq!(phi, vec![0.5; 8], "1/sqrt(4)");
+    let mut phi = to_t::<T>(&[f64::NAN; 8]);
+    let r = feature_map::forward(device, map, &x, &mut TensorMut::contiguous(&mut phi, &[1, 1, 2, 4]).expect("view"));
+    assert!(r.is_ok(), "{:?}: {r:?}", T::DTYPE);
+    // exp(0) = 1 and 1/√4 = 1/2 are exact in every dtype
+    assert_eq!(widen(&phi), vec![phi0; 8], "{:?}, {map:?}", T::DTYPE);
 }
 
 /// The issue-13 measure of causality of `dq`: max |dq − dq_ref| over positions `t < t0`
@@ -2201,4 +2247,77 @@ fn tensor_cores_with_chunks_of_64_rows_and_32_features() {
             parity::<bf16>(&device, &mut rng, &cfg, n);
         }
     }
+}
+
+/// The raw C ABI takes signed strides: FAVOR+ on tensor cores (f16, bf16) with x, phi, dphi
+/// and dx stored back to front along L (`strides[2] < 0`, the data pointer at the last row)
+/// gives, bitwise, the contiguous call's rows (RowMax: every row on its own), and writes
+/// every row (a row offset below 0 is a valid offset, not a skipped row).
+#[test]
+fn favor_tensor_cores_take_negative_strides_through_the_c_abi() {
+    let mut rng = common::rng("favor_tensor_cores_take_negative_strides_through_the_c_abi");
+    let device = common::emulator();
+    let proj = FavorProjection::orthogonal(&device, 24, 40, 5).expect("omega");
+    reversed_rows_agree::<f16>(&device, &mut rng, &proj, mesa_kernels_sys::MESA_DTYPE_F16);
+    reversed_rows_agree::<bf16>(&device, &mut rng, &proj, mesa_kernels_sys::MESA_DTYPE_BF16);
+}
+
+fn reversed_rows_agree<T: Element>(device: &Device, rng: &mut StdRng, proj: &FavorProjection, dtype: u32) {
+    use mesa_kernels_sys as sys;
+    let (h, l, d, m) = (2usize, 70usize, 40usize, 24usize);
+    let x = to_t::<T>(&random_vec(rng, h * l * d, -1.5, 1.5));
+    let g = to_t::<T>(&random_vec(rng, h * l * m, -1.0, 1.0));
+    let map = FeatureMap::Favor { projection: proj, stabilizer: FavorStabilizer::RowMax };
+    let (lx, lp) = (Layout::contiguous(&[1, h, l, d]), Layout::contiguous(&[1, h, l, m]));
+    let (phi, dx, _, _) = favor_views(device, &map, &x, &g, (&lx, &lp));
+    // the same tensors with their rows in reverse order in memory
+    let reverse = |v: &[T], w: usize| -> Vec<T> { v.chunks(w).rev().flatten().copied().collect() };
+    let (xr, gr) = (reverse(&x, d), reverse(&g, m));
+    let nan = T::from_f64(f64::NAN);
+    let (mut phir, mut dxr) = (vec![nan; h * l * m], vec![nan; h * l * d]);
+    // (0, h, l) at the last row minus h·L rows minus l rows: the first row of the reversed buffer
+    // is (0, H-1, L-1)
+    let view = |base: *mut T, w: usize| sys::MesaLaTensor {
+        data: base.wrapping_add((h * l - 1) * w).cast(),
+        strides: [-((h * l * w) as i64), -((l * w) as i64), -(w as i64), 1],
+    };
+    let omega = proj.omega().to_vec();
+    let fwd = sys::MesaFeatureArgs {
+        map: sys::MESA_FEATURE_FAVOR as i32,
+        stabilizer: sys::MESA_FAVOR_ROW_MAX as i32,
+        dtype: dtype as i32,
+        batch: 1,
+        heads: h as i64,
+        len: l as i64,
+        in_dim: d as i64,
+        out_dim: m as i64,
+        x: view(xr.as_ptr().cast_mut(), d),
+        phi: view(phir.as_mut_ptr(), m),
+        omega: omega.as_ptr(),
+        bound: 0.0,
+        _pad: 0,
+        _pad2: 0,
+    };
+    // SAFETY: every view addresses exactly the host vectors above (the emulator's device memory
+    // is host memory); ω is [m, d] f32.
+    assert_eq!(unsafe { sys::mesa_emu_feature_map_forward(&fwd, std::ptr::null_mut()) }, 0, "forward");
+    let bwd = sys::MesaFeatureBackwardArgs {
+        map: sys::MESA_FEATURE_FAVOR as i32,
+        dtype: dtype as i32,
+        batch: 1,
+        heads: h as i64,
+        len: l as i64,
+        in_dim: d as i64,
+        out_dim: m as i64,
+        x: view(xr.as_ptr().cast_mut(), d),
+        phi: view(phir.as_mut_ptr(), m),
+        dphi: view(gr.as_ptr().cast_mut(), m),
+        dx: view(dxr.as_mut_ptr(), d),
+        omega: omega.as_ptr(),
+    };
+    // SAFETY: as above.
+    assert_eq!(unsafe { sys::mesa_emu_feature_map_backward(&bwd, std::ptr::null_mut()) }, 0, "backward");
+    let bits = |a: &[f64], b: &[T]| a.iter().zip(widen(b)).all(|(p, q)| p.to_bits() == q.to_bits());
+    assert!(bits(&phi, &reverse(&phir, m)), "phi ({:?}): reversed rows differ", T::DTYPE);
+    assert!(bits(&dx, &reverse(&dxr, d)), "dx ({:?}): reversed rows differ", T::DTYPE);
 }
