@@ -8,7 +8,8 @@
 //! the [`mesa_kernels::HostMemoryObserver`] ([`CountingAllocator::observe_emulator`], which
 //! [`measure`](crate::layer::measure::measure) calls). It counts every thread's allocations
 //! (candle's and the emulator's worker threads included), so measure in a process that does
-//! nothing else at the time.
+//! nothing else at the time, after a warm-up, with `RAYON_NUM_THREADS=1`: gemm keeps an
+//! L2-sized packing buffer per thread that has run a product, allocated on its first one.
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -1,9 +1,12 @@
 //! Bytes alive for backward, measured with the counting allocator (its own test binary:
-//! the global allocator counts every thread, so this file holds one test).
+//! the global allocator counts every thread, so this file holds one test, and candle runs
+//! single-threaded: [`common::single_threaded_candle`]).
 //!
 //! Targets (`docs/candle.md`): at 8 bits, bytes alive after one layer's forward ≤ 0.30× the
 //! plain-candle f32 layer's, without and with selective recomputation; with selective
 //! recomputation nothing kept grows with N².
+mod common;
+
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -35,6 +38,7 @@ fn alive(config: &LayerConfig, params: &HashMap<String, Tensor>, n: usize, plain
 
 #[test]
 fn eight_bit_layer_keeps_under_thirty_percent_and_selective_nothing_quadratic() {
+    common::single_threaded_candle();
     let base = LayerConfig {
         dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
         ..LayerConfig::new(64, 4, 256)

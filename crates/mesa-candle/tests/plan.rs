@@ -7,7 +7,8 @@
 //! The plain-candle reference stack (run (a)) is printed beside its plain-f32 estimate
 //! (docs/plan.md explains the difference).
 //!
-//! Its own test binary: the global allocator counts every thread, so this file holds one test.
+//! Its own test binary: the global allocator counts every thread, so this file holds one test,
+//! and candle runs single-threaded ([`common::single_threaded_candle`] says why).
 //! The emulator's sanitizer checks stay off here (the kernels' results are checked with them
 //! on in tests/layer.rs; this test counts bytes, which the checks do not change).
 //!
@@ -18,6 +19,8 @@
 //! `size_of`); the constant left is what candle and the layer allocate besides the tensors
 //! and that state — `Tensor` and storage headers, shape and stride vectors, the `Arc` of the
 //! layer's plan: under 1 KB per layer, printed below.
+mod common;
+
 use candle_core::{DType, Device, Tensor, Var};
 use mesa_candle::layer::measure::{measure, Measured};
 use mesa_candle::layer::{reference, Attention, DropoutConfig, LayerConfig, Recompute, TransformerLayer};
@@ -54,6 +57,7 @@ fn stack(config: &LayerConfig, plain: bool, batch: usize) -> Measured {
 
 #[test]
 fn planned_bytes_match_the_measured_stack() {
+    common::single_threaded_candle();
     let base = LayerConfig {
         dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
         ..LayerConfig::new(128, 4, 512)

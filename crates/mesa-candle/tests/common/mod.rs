@@ -23,6 +23,18 @@ pub fn device() -> Device {
     Device::Cpu
 }
 
+/// Runs candle's CPU products on the calling thread, for tests that count heap bytes. The
+/// counting allocator sees every thread, and gemm gives each thread that first runs a
+/// product a packing buffer the size of the L2 cache (1 MiB here), kept in a thread-local
+/// until the thread ends: with a pool of workers, one that first runs a product during a
+/// measurement (which worker does depends on the schedule) shows as a MiB alive after the
+/// forward. With `RAYON_NUM_THREADS=1` candle calls gemm without parallelism and rayon's
+/// pool has one worker, so the warm-up allocates every such buffer. Call it first, before
+/// any candle op (the variable is read when rayon's pool starts and at every product).
+pub fn single_threaded_candle() {
+    std::env::set_var("RAYON_NUM_THREADS", "1");
+}
+
 /// SplitMix64: a seeded stream of uniforms and Gaussians (fresh seed per run unless
 /// `MESA_TEST_SEED` is set; the seed is printed so a failure can be replayed).
 pub struct Rng(u64);
