@@ -132,8 +132,9 @@ struct Product {
   int64_t nseq;
   int64_t nchunks_total;
   // Set by run_product (host), read from the kernel's parameter space (no registers): the work
-  // items of the launch, D-tiles per state, chunks per (b, h) (not packed).
-  int64_t items, ndt, nchunks;
+  // items of the launch, D-tile groups per state (or chunk), D-tiles per group (value_group),
+  // chunks per (b, h) (not packed).
+  int64_t items, ndt, dgroup, nchunks;
   // The normaliser as a column of this product (the decomposed causal forward, c = v): the
   // state's column dc is z = sum of b_s; kChunkSum writes its chunk sums (column sums of B_c),
   // the scan carries it, and kReadChunk computes every row's denominator
@@ -483,6 +484,10 @@ struct TcTiles {
     struct {
       SplitTile<kChunk, kLdAB> a, b;
     } ab;                        // the feature loop (and B_c in the state update)
+    struct {
+      SplitTile<kChunk, kLdAB> a;
+      SplitTile<kTF, kLdS> s;
+    } a_s;                       // A_c S of chunk_outputs_tiles (a: the same bytes as ab.a)
     float pf[kChunk * kLdPf];    // P after it
     float o[kChunk * kLdO];      // O before its global write
   } x;
@@ -574,21 +579,19 @@ __device__ void diagonal_block(TcTiles& tl, int wi, int wo) {
   }
 }
 
-// The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
-// only when `intra`: the bidirectional outputs A S do not read it).
+// The feature loop of a chunk's tensor-core products, over the tiles of Ma: P = A_c B_c^T into
+// acc_p (intra: the warp's two 16 x 16 blocks, those the mask hides skipped), A_c S into acc_o
+// (inter: the state tile of D-tile d0 at (sv_bh, sv_chunk), loaded into `s`), and this thread's
+// part of a_t . z into `den` (den_part). A_c is in tl.x.ab.a, B_c in tl.x.ab.b.
 template <typename T, int kMask, int kLo>
-__device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
-                              const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
+__device__ __forceinline__ void feature_loop(TcTiles& tl, SplitTile<kTF, kLdS>& s, const Product& p, const Seq& sq,
+                                             int64_t t0, int rows, int64_t d0, const StateView& sv, int64_t sv_bh,
+                                             int64_t sv_chunk, bool intra, bool inter, bool den_part,
+                                             FragAcc (&acc_p)[2], FragAcc& acc_o, float& den) {
   const int warp = fresh_tid() / kWarpSize;
   const int wi = warp / 2, wp = (warp % 2) * 2, wo = warp % 2;
-  const bool inter = sv.base != nullptr;
-  constexpr bool a_lo = (kLo & kLoA) != 0, b_lo = (kLo & kLoB) != 0, c_lo = (kLo & kLoC) != 0;
-  FragAcc acc_p[2], acc_o;
-  wmma::fill_fragment(acc_p[0], 0.0f);
-  wmma::fill_fragment(acc_p[1], 0.0f);
-  wmma::fill_fragment(acc_o, 0.0f);
+  constexpr bool a_lo = (kLo & kLoA) != 0, b_lo = (kLo & kLoB) != 0;
   FragA ah, al;
-  float den = 0.0f;  // self_norm: this thread's part of row tid / 4's denominator
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
     load_rows_split<T>(tl.x.ab.a, p.a, sq, p.L, t0, rows, f0);
@@ -602,11 +605,11 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
 #pragma unroll
       for (int j = 0; j < 4; ++j)
         v[j] = f0 + f < p.ma && d0 + d + j < p.dc ? *sv.at(sv_bh, sv_chunk, f0 + f, d0 + d + j) : 0.0f;
-      put_split(tl.y.s.hi, tl.y.s.lo, f * kLdS + d, v[0], v[1]);
-      put_split(tl.y.s.hi, tl.y.s.lo, f * kLdS + d + 2, v[2], v[3]);
+      put_split(s.hi, s.lo, f * kLdS + d, v[0], v[1]);
+      put_split(s.hi, s.lo, f * kLdS + d + 2, v[2], v[3]);
     }
     __syncthreads();
-    if (p.self_norm && inter)
+    if (den_part)
       den = den_inter(den, p, sv, sv_bh, sv_chunk, f0, [&](int r, int f) { return split_value(tl.x.ab.a, r * kLdAB + f); });
 #pragma unroll 1
     for (int kk = 0; kk < kTF / 16; ++kk) {
@@ -623,36 +626,53 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
       }
       if (inter) {
         FragB sh, sl;
-        wmma::load_matrix_sync(sh, tl.y.s.hi + kk * 16 * kLdS + wo * 16, kLdS);
-        wmma::load_matrix_sync(sl, tl.y.s.lo + kk * 16 * kLdS + wo * 16, kLdS);
+        wmma::load_matrix_sync(sh, s.hi + kk * 16 * kLdS + wo * 16, kLdS);
+        wmma::load_matrix_sync(sl, s.lo + kk * 16 * kLdS + wo * 16, kLdS);
         mma_split(acc_o, ah, al, a_lo, sh, sl, true);
       }
     }
   }
   __syncthreads();
-  if (intra) {
-    for (int j = 0; j < 2; ++j)
-      wmma::store_matrix_sync(tl.x.pf + wi * 16 * kLdPf + (wp + j) * 16, acc_p[j], kLdPf, wmma::mem_row_major);
-    __syncthreads();
-    // two runs of 8 columns of one row per thread
-    static_assert(kChunk * kChunk == 16 * kThreads, "mask(P): 16 elements per thread");
-    const int tid = fresh_tid();
-    const int r = tid / (kChunk / 16), c = (tid % (kChunk / 16)) * 16;
+}
+
+// mask(P) as split tiles in tl.y.p, from the accumulated acc_p (staged in tl.x.pf), and the
+// intra part of this thread's denominator (self_norm). Ends without a barrier: what follows
+// loads its own tiles first (C_c, or a feature loop after its barrier).
+template <int kMask>
+__device__ __forceinline__ float stage_p(TcTiles& tl, const Product& p, int rows, FragAcc (&acc_p)[2], float den) {
+  const int warp = fresh_tid() / kWarpSize;
+  const int wi = warp / 2, wp = (warp % 2) * 2;
+  for (int j = 0; j < 2; ++j)
+    wmma::store_matrix_sync(tl.x.pf + wi * 16 * kLdPf + (wp + j) * 16, acc_p[j], kLdPf, wmma::mem_row_major);
+  __syncthreads();
+  // two runs of 8 columns of one row per thread
+  static_assert(kChunk * kChunk == 16 * kThreads, "mask(P): 16 elements per thread");
+  const int tid = fresh_tid();
+  const int r = tid / (kChunk / 16), c = (tid % (kChunk / 16)) * 16;
 #pragma unroll
-    for (int h = 0; h < 16; h += 8) {
-      float x[8];
+  for (int h = 0; h < 16; h += 8) {
+    float x[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int s = c + h + j;
-        x[j] = visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f;
-      }
-      put_split8(tl.y.p.hi, tl.y.p.lo, r * kLdP + c + h, x);
+    for (int j = 0; j < 8; ++j) {
+      const int s = c + h + j;
+      x[j] = visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f;
     }
-    if (p.self_norm) {
-      den = den_intra(den, rows, [&](int r, int s) { return visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f; });
-    }
+    put_split8(tl.y.p.hi, tl.y.p.lo, r * kLdP + c + h, x);
   }
-  if (p.self_norm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
+  if (p.self_norm)
+    den = den_intra(den, rows, [&](int r, int s) { return visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f; });
+  return den;
+}
+
+// The end of a chunk's outputs for D-tile d0: O = acc_o (A_c S, already accumulated) +
+// mask(P) C_c (intra: mask(P) in tl.y.p; C_c loaded into tl.c and left there), written to p.o
+// (divided by the denominators in den_rows() when self_norm, by p.o.row_div when given).
+template <typename T, int kMask, int kLo>
+__device__ __forceinline__ void finish_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
+                                               int64_t d0, bool intra, FragAcc& acc_o) {
+  const int warp = fresh_tid() / kWarpSize;
+  const int wi = warp / 2, wo = warp % 2;
+  constexpr bool c_lo = (kLo & kLoC) != 0;
   if (intra) {
     load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
     if (kMask != kMaskNone) flag_nonfinite_rows(tl.c);
@@ -695,6 +715,53 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
       if (p.o.row_div != nullptr) x = x / div;
       out[(d0 + d + j) * p.o.sf] = from_float<T>(x);
     }
+  }
+}
+
+// The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
+// only when `intra`: the bidirectional outputs A S do not read it). One feature loop for P and
+// A S together (the walks: one D-tile per block).
+template <typename T, int kMask, int kLo>
+__device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                              const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
+  const bool inter = sv.base != nullptr;
+  FragAcc acc_p[2], acc_o;
+  wmma::fill_fragment(acc_p[0], 0.0f);
+  wmma::fill_fragment(acc_p[1], 0.0f);
+  wmma::fill_fragment(acc_o, 0.0f);
+  float den = 0.0f;  // self_norm: this thread's part of row tid / 4's denominator
+  feature_loop<T, kMask, kLo>(tl, tl.y.s, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, intra, inter,
+                              p.self_norm && inter, acc_p, acc_o, den);
+  if (intra) den = stage_p<kMask>(tl, p, rows, acc_p, den);
+  if (p.self_norm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
+  finish_outputs<T, kMask, kLo>(tl, p, sq, t0, rows, d0, intra, acc_o);
+}
+
+// The outputs of one chunk for the D-tiles [d_begin, d_end) (the per-chunk outputs of the
+// decomposition, kReadChunk: intra and inter). P = mask(A_c B_c^T) and the denominators are
+// computed once, then each D-tile runs its own feature loop for A_c S (the state tile in
+// tl.x.a_s.s, beside A_c, so that mask(P) in tl.y.p stays) and adds P C_c. The same f32
+// operations in the same order as chunk_outputs per D-tile: the same bits.
+template <typename T, int kMask, int kLo>
+__device__ void chunk_outputs_tiles(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
+                                    int64_t d_begin, int64_t d_end, const StateView& sv, int64_t sv_bh,
+                                    int64_t sv_chunk) {
+  const bool inter = sv.base != nullptr;
+  FragAcc acc_p[2], acc_o;
+  wmma::fill_fragment(acc_p[0], 0.0f);
+  wmma::fill_fragment(acc_p[1], 0.0f);
+  float den = 0.0f;
+  feature_loop<T, kMask, kLo>(tl, tl.y.s, p, sq, t0, rows, d_begin, sv, sv_bh, sv_chunk, true, false,
+                              p.self_norm && inter, acc_p, acc_o, den);
+  den = stage_p<kMask>(tl, p, rows, acc_p, den);
+  if (p.self_norm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d_begin);
+#pragma unroll 1
+  for (int64_t d0 = d_begin; d0 < d_end; d0 += kTD) {
+    wmma::fill_fragment(acc_o, 0.0f);
+    if (inter)
+      feature_loop<T, kMask, kLo>(tl, tl.x.a_s.s, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, false, true, false,
+                                  acc_p, acc_o, den);
+    finish_outputs<T, kMask, kLo>(tl, p, sq, t0, rows, d0, true, acc_o);
   }
 }
 
@@ -754,6 +821,16 @@ __device__ void load_c_tile(Tiles& tl, const Product& p, const Seq& sq, int64_t 
 template <typename T>
 __device__ void load_c_tile(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
   load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
+}
+
+// The FP32 path's outputs of one chunk for the D-tiles [d_begin, d_end): chunk_outputs per
+// D-tile (its launch policy gives it one D-tile per block, value_group()).
+template <typename T, int kMask, int kLo>
+__device__ void chunk_outputs_tiles(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
+                                    int64_t d_begin, int64_t d_end, const StateView& sv, int64_t sv_bh,
+                                    int64_t sv_chunk) {
+  for (int64_t d0 = d_begin; d0 < d_end; d0 += kTD)
+    chunk_outputs<T, kMask, kLo>(tl, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, true);
 }
 
 // chunk_outputs' 4x4 products (FP32 path) read every row of the a/b tiles, also the rows past
@@ -826,13 +903,13 @@ __host__ __device__ __forceinline__ int64_t value_tiles(const Product& p) {
   return p.self_norm && n == 0 ? 1 : n;
 }
 
-// Work items of a launch: (state index, D-tile), or with per-chunk states (state index,
-// chunk, D-tile); packed sequences number their chunks globally (head, global chunk, tile).
-__host__ __device__ __forceinline__ int64_t product_items(const Product& p) {
-  const int64_t ndt = value_tiles(p);
+// A launch's work items before its D-tiles: (state index), or with per-chunk states (state
+// index, chunk); packed sequences number their chunks globally (head, global chunk). Each has
+// p.ndt groups of D-tiles.
+__host__ __device__ __forceinline__ int64_t row_items(const Product& p) {
   const int64_t nstates = (p.seq_off != nullptr ? p.nseq : p.B) * p.H;
-  if (!per_chunk(p.mode)) return nstates * ndt;
-  return p.seq_off != nullptr ? p.H * p.nchunks_total * ndt : nstates * ceil_div(p.L, p.chunk) * ndt;
+  if (!per_chunk(p.mode)) return nstates;
+  return p.seq_off != nullptr ? p.H * p.nchunks_total : nstates * ceil_div(p.L, p.chunk);
 }
 
 // One block per work item, grid-stride over items (grid.x only, so B*H is never limited by
@@ -869,7 +946,7 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
         }
       }
       const Seq sq = seq_of(p, sidx);
-      shared.item = Item{sq, (item % p.ndt) * kTD, sidx, c_read, ceil_div(sq.len, p.chunk)};
+      shared.item = Item{sq, (item % p.ndt) * p.dgroup * kTD, sidx, c_read, ceil_div(sq.len, p.chunk)};
     }
     __syncthreads();
     const Seq& sq = it.sq;
@@ -889,8 +966,9 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
         break;
       }
       case kReadChunk: {
-        chunk_outputs<T, kMask, kLo>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0, p.init, sq.bidx,
-                             sq.cbase + it.c_read, true);
+        const int64_t d_end = it.d0 + p.dgroup * kTD, d_last = value_tiles(p) * kTD;
+        chunk_outputs_tiles<T, kMask, kLo>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0,
+                                           d_end < d_last ? d_end : d_last, p.init, sq.bidx, sq.cbase + it.c_read);
         break;
       }
       case kChunkSum: {
@@ -1033,10 +1111,38 @@ MesaStatus launch_masked(const Product& p, void* stream) {
   }
 }
 
+// Launch policy of the per-chunk outputs (kReadChunk) on tensor cores: how many of a product's
+// D-tiles one block computes (its value tile: dgroup x kTD columns). The block computes
+// P = mask(A_c B_c^T) of its chunk once for all of them, so the widest value tile saves the
+// most recomputation; it is narrowed until the launch has kWaves work items per block the
+// device holds at once. The FP32 path recomputes P per D-tile anyway: one D-tile per block.
+constexpr int64_t kWaves = 4;
+// Blocks of la_product_kernel resident per SM (__launch_bounds__(kThreads, 2)).
+constexpr int64_t kBlocksPerSm = 2;
+// The emulator's notional device for this policy (its worker threads vary by machine; the
+// groups a test meets should not).
+constexpr int64_t kEmuPolicySms = 4;
+template <typename T>
+inline int64_t value_group(const Product& p, int64_t tiles) {
+  if (!kTensorCores<T> || p.mode != kReadChunk || tiles <= 1) return 1;
+#ifdef MESA_EMU
+  const int64_t sms = kEmuPolicySms;
+#else
+  const int64_t sms = sm_count();
+#endif
+  const int64_t want = kWaves * kBlocksPerSm * sms, rows = row_items(p);
+  // the fewest groups that reach `want` items (one per D-tile when none does), as even as they go
+  int64_t groups = 1;
+  while (groups < tiles && rows * groups < want) ++groups;
+  return ceil_div(tiles, groups);
+}
+
 template <typename T>
 MesaStatus run_product(Product p, void* stream) {
-  p.items = product_items(p);
-  p.ndt = value_tiles(p);
+  const int64_t tiles = value_tiles(p);
+  p.dgroup = value_group<T>(p, tiles);
+  p.ndt = ceil_div(tiles, p.dgroup);
+  p.items = row_items(p) * p.ndt;
   p.nchunks = ceil_div(p.L, p.chunk);
   // a walk's D-tiles run in separate blocks, and D-tile 0's owns z: a self-normalising walk
   // must have that one tile only (forward() gives it no value columns)

@@ -291,6 +291,53 @@ fn parity_every_dtype_mode_and_direction() {
     }
 }
 
+/// The per-chunk outputs on tensor cores (the boundary mode's forward and dq) compute a chunk's
+/// `P = mask(Q_c K_cᵀ)` once per block for a group of 32-column D-tiles, the group chosen by
+/// the launch policy from the work items (kernels/linear_attention.cu, `value_group`; on the
+/// emulator a notional 4-SM device: the fewest groups giving 32 items). M = 70 and D = 80 are
+/// three D-tiles of both the outputs (D) and dq (M); the shapes give 3, 16 and 32 (batch·head,
+/// chunk) items, so one D-tile per block, groups of 2 + 1, and all three in one block (the
+/// last with a partial chunk of 12 rows). Against the f64 reference, and bitwise against SLiM,
+/// whose walks run one D-tile per block: the same f32 operations in the same order.
+#[test]
+fn tensor_core_value_tiles_match_the_reference_and_the_walk() {
+    let mut rng = common::rng("tensor_core_value_tiles_match_the_reference_and_the_walk");
+    let shapes = [
+        Shape { b: 1, h: 1, l: 40, m: 70, d: 80 },
+        Shape { b: 2, h: 2, l: 64, m: 70, d: 80 },
+        Shape { b: 2, h: 4, l: 60, m: 70, d: 80 },
+    ];
+    let device = Device::emulator();
+    for n in shapes {
+        for normalize in [true, false] {
+            let cfg = LinearAttentionConfig {
+                causal: true,
+                normalize,
+                eps: 1e-6,
+                chunk: 16,
+                memory: MemoryMode::BoundaryStates,
+            };
+            let slim = LinearAttentionConfig { memory: MemoryMode::Slim, ..cfg };
+            parity::<bf16>(&device, &mut rng, &cfg, n);
+            parity::<f16>(&device, &mut rng, &cfg, n);
+            let lo = if normalize { 0.05 } else { -1.0 };
+            let q = to_t::<bf16>(&random_vec(&mut rng, n.qk(), lo, 1.0));
+            let k = to_t::<bf16>(&random_vec(&mut rng, n.qk(), lo, 1.0));
+            let v = to_t::<bf16>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+            let g = to_t::<bf16>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
+            let (a, b) = (run(&device, &cfg, n, &q, &k, &v, &g), run(&device, &slim, n, &q, &k, &v, &g));
+            for (what, x, y) in
+                [("out", &a.out, &b.out), ("dq", &a.dq, &b.dq), ("dk", &a.dk, &b.dk), ("dv", &a.dv, &b.dv)]
+            {
+                assert!(
+                    x.iter().zip(y).all(|(p, r)| p.to_bits() == r.to_bits()),
+                    "{n:?}, normalize {normalize}: {what} of the boundary mode differs from SLiM's"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn m_and_d_differ_up_to_512_in_both_orders() {
     let mut rng = common::rng("m_and_d_differ_up_to_512_in_both_orders");
