@@ -35,7 +35,8 @@
 // Scratch of the backward: one state per (b, h), M*W f32, in both modes.
 //
 // Work per chunk and (b,h), Ma = M, Dc = D (FLOPs, f32 FMA = 2):
-//   intra  2 C^2 M (per D-tile of 32: recomputed for each of ceil(D/32) tiles)  + 2 C^2 D
+//   intra  2 C^2 M (once per block: per D-tile of 32 in the walks and the FP32 path, per
+//          group of D-tiles in the tensor-core per-chunk outputs, value_group)  + 2 C^2 D
 //   inter  2 C M D,   update 2 C M D
 // Bytes per (b,h): read (2M + D) L sizeof(T), write D L sizeof(T); the state tile is
 // read and written once per chunk from L2 (M D 4 bytes each way).

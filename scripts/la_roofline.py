@@ -9,10 +9,12 @@ D-tiles of 32 columns, features padded to tiles of 32, bf16 inputs; a product of
 is 1 + (one per operand with a lo tile) MMAs: the f32 tiles (the state S, P) always have one, a
 bf16 operand only when its values are f32 (lo_mask in the kernel: dq's a, dk's b, dv's c when
 normalised):
-  per-chunk outputs  ndt * 2 * (vis*C*ma*(1+a+b) + 32*ma*(2+a) + vis*C*32*(2+c))   (P, A S, mask(P) C)
-  chunk sums         ndt * 2 * 32*ma*(1+b+c)                                       (U = B^T C)
-with ndt = ceil(dc/32), vis = 10/16 (the share of P's 16x16 blocks a causal mask keeps) and
-a, b, c = 1 for an operand with a lo tile, else 0.
+  per-chunk outputs  2 * (n*vis*C*ma*(1+a+b) + ndt*(32*ma*(2+a) + vis*C*32*(2+c)))  (P, A S, mask(P) C)
+  chunk sums         ndt * 2 * 32*ma*(1+b+c)                                         (U = B^T C)
+with ndt = ceil(dc/32), n = min(GROUPS, ndt) the times P is computed (once per block, for a
+group of D-tiles: value_group in the kernel; at these shapes the policy gives one group, since
+B*H*T/C >= 4096 work items fill an H200 four times already), vis = 10/16 (the share of P's
+16x16 blocks a causal mask keeps) and a, b, c = 1 for an operand with a lo tile, else 0.
 Bytes, per token and (b, h), reading every operand once from HBM (the re-reads per D-tile are
 assumed to hit L2) and the f32 states of the decomposition (U written, the scan reading and
 writing it, the outputs reading it): 16 * ma * dc / C per decomposed product, 4 * ma * dc / C
@@ -25,6 +27,7 @@ import math
 MMA_FLOPS = 790e12   # dense bf16 tensor-core rate of an H200 (KINDS.md: 769-798 measured through PyTorch)
 HBM_BYTES = 4.3e12   # device-to-device copy, counting bytes read and written
 C, TILE, VIS = 64, 32, 10 / 16
+GROUPS = 1           # D-tile groups of the per-chunk outputs (value_group: B*H*T/C items >= 4 * 2 * 132)
 
 
 def pad(n):
@@ -33,8 +36,9 @@ def pad(n):
 
 def outputs(ma, dc, lo=""):
     a, b, c = ("a" in lo), ("b" in lo), ("c" in lo)
-    return math.ceil(dc / TILE) * 2 * (VIS * C * pad(ma) * (1 + a + b) + TILE * pad(ma) * (2 + a)
-                                       + VIS * C * TILE * (2 + c))
+    ndt = math.ceil(dc / TILE)
+    return 2 * (min(GROUPS, ndt) * VIS * C * pad(ma) * (1 + a + b)
+                + ndt * (TILE * pad(ma) * (2 + a) + VIS * C * TILE * (2 + c)))
 
 
 def chunk_sums(ma, dc, lo=""):
