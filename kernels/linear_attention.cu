@@ -305,11 +305,11 @@ __device__ __forceinline__ int* c_nonfinite() {
 // The state update's column of z in a self-normalising product (D-tile 0's block): the chunk
 // sum over this feature tile, u_f = sum_r b(r, f) in row order, written to column p.dc of `dst`
 // (kChunkSum) or added to the state's (the walk: the same f32 operations as the scan's).
-template <typename B>
+template <bool kNorm, typename B>
 __device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int rows, int64_t f0, int64_t d0,
                                          const StateView* dst, int64_t dst_bh, int64_t dst_chunk, B b) {
   const int f = fresh_tid();
-  if (!p.self_norm || d0 != 0 || f >= kTF || f0 + f >= p.ma) return;
+  if (!kNorm || d0 != 0 || f >= kTF || f0 + f >= p.ma) return;
   float u = 0.0f;
   for (int r = 0; r < rows; ++r) u += b(r, f);
   if (dst != nullptr) {
@@ -325,7 +325,7 @@ __device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int ro
 // With `dst` (kChunkSum): writes U_c = B_c^T C_c to dst at (dst_bh, dst_chunk) instead (the
 // same f32 value as 0 + U_c, so a scan of them rounds exactly as the sequential walk).
 // (kLo: the tensor-core overload's; f32 tiles have no lo half.)
-template <typename T, int kLo>
+template <typename T, int kLo, bool kNorm>
 __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
@@ -333,7 +333,7 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
     __syncthreads();
     load_rows_t<T>(tl.b, p.b, sq.b, sq.h, sq.bh, p.L, t0, rows, f0);
     __syncthreads();
-    z_update(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk, [&](int r, int f) { return tl.b[f][r]; });
+    z_update<kNorm>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk, [&](int r, int f) { return tl.b[f][r]; });
     float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < rows; ++r) {
       const float bv = tl.b[fr][r];
@@ -359,7 +359,7 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
 // Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv` at
 // (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term). Leaves C_c in
 // tiles.c.
-template <typename T, int kMask, int kLo>
+template <typename T, int kMask, int kLo, bool kNorm>
 __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int64_t b = sq.b, h = sq.h, bh = sq.bh;
@@ -385,7 +385,7 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
       }
     }
     __syncthreads();
-    if (p.self_norm && inter)
+    if (kNorm && inter)
       den = den_inter(den, p, sv, sv_bh, sv_chunk, f0, [&](int r, int f) { return tl.a[f][r]; });
     // features past ma are not loaded: skip them (small M, and the last tile)
     for (int k = 0; k < kmax; ++k) {
@@ -423,7 +423,7 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
   }
   load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, t0, rows, d0);
   __syncthreads();
-  if (p.self_norm) {
+  if (kNorm) {
     if (intra) den = den_intra(den, rows, [&](int r, int c) { return tl.p[r][c]; });
     den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
     __syncthreads();
@@ -450,7 +450,7 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
       const int64_t d = d0 + ox + j;
       if (d >= p.dc) continue;
       float x = acc_o[i][j];
-      if (p.self_norm) x = x / den_rows()[r];
+      if (kNorm) x = x / den_rows()[r];
       if (p.o.row_div != nullptr) x = x / p.o.row_div[bh * p.L + t];
       out[b * p.o.sb + h * p.o.sh + t * p.o.sl + d * p.o.sf] = from_float<T>(x);
     }
@@ -639,7 +639,7 @@ __device__ __forceinline__ void feature_loop(TcTiles& tl, SplitTile<kTF, kLdS>& 
 // mask(P) as split tiles in tl.y.p, from the accumulated acc_p (staged in tl.x.pf), and the
 // intra part of this thread's denominator (self_norm). Ends without a barrier: what follows
 // loads its own tiles first (C_c, or a feature loop after its barrier).
-template <int kMask>
+template <int kMask, bool kNorm>
 __device__ __forceinline__ float stage_p(TcTiles& tl, const Product& p, int rows, FragAcc (&acc_p)[2], float den) {
   const int warp = fresh_tid() / kWarpSize;
   const int wi = warp / 2, wp = (warp % 2) * 2;
@@ -660,7 +660,7 @@ __device__ __forceinline__ float stage_p(TcTiles& tl, const Product& p, int rows
     }
     put_split8(tl.y.p.hi, tl.y.p.lo, r * kLdP + c + h, x);
   }
-  if (p.self_norm)
+  if (kNorm)
     den = den_intra(den, rows, [&](int r, int s) { return visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f; });
   return den;
 }
@@ -668,7 +668,7 @@ __device__ __forceinline__ float stage_p(TcTiles& tl, const Product& p, int rows
 // The end of a chunk's outputs for D-tile d0: O = acc_o (A_c S, already accumulated) +
 // mask(P) C_c (intra: mask(P) in tl.y.p; C_c loaded into tl.c and left there), written to p.o
 // (divided by the denominators in den_rows() when self_norm, by p.o.row_div when given).
-template <typename T, int kMask, int kLo>
+template <typename T, int kMask, int kLo, bool kNorm>
 __device__ __forceinline__ void finish_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
                                                int64_t d0, bool intra, FragAcc& acc_o) {
   const int warp = fresh_tid() / kWarpSize;
@@ -712,7 +712,7 @@ __device__ __forceinline__ void finish_outputs(TcTiles& tl, const Product& p, co
     for (int j = 0; j < 8; ++j) {
       if (d0 + d + j >= p.dc) break;
       float x = tl.x.o[r * kLdO + d + j];
-      if (p.self_norm) x = x / den_rows()[r];
+      if (kNorm) x = x / den_rows()[r];
       if (p.o.row_div != nullptr) x = x / div;
       out[(d0 + d + j) * p.o.sf] = from_float<T>(x);
     }
@@ -722,7 +722,7 @@ __device__ __forceinline__ void finish_outputs(TcTiles& tl, const Product& p, co
 // The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
 // only when `intra`: the bidirectional outputs A S do not read it). One feature loop for P and
 // A S together (the walks: one D-tile per block).
-template <typename T, int kMask, int kLo>
+template <typename T, int kMask, int kLo, bool kNorm>
 __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const bool inter = sv.base != nullptr;
@@ -732,10 +732,10 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
   wmma::fill_fragment(acc_o, 0.0f);
   float den = 0.0f;  // self_norm: this thread's part of row tid / 4's denominator
   feature_loop<T, kMask, kLo>(tl, tl.y.s, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, intra, inter,
-                              p.self_norm && inter, acc_p, acc_o, den);
-  if (intra) den = stage_p<kMask>(tl, p, rows, acc_p, den);
-  if (p.self_norm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
-  finish_outputs<T, kMask, kLo>(tl, p, sq, t0, rows, d0, intra, acc_o);
+                              kNorm && inter, acc_p, acc_o, den);
+  if (intra) den = stage_p<kMask, kNorm>(tl, p, rows, acc_p, den);
+  if (kNorm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
+  finish_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows, d0, intra, acc_o);
 }
 
 // The outputs of one chunk for the D-tiles [d_begin, d_end) (the per-chunk outputs of the
@@ -743,7 +743,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
 // computed once, then each D-tile runs its own feature loop for A_c S (the state tile in
 // tl.x.a_s.s, beside A_c, so that mask(P) in tl.y.p stays) and adds P C_c. The same f32
 // operations in the same order as chunk_outputs per D-tile: the same bits.
-template <typename T, int kMask, int kLo>
+template <typename T, int kMask, int kLo, bool kNorm>
 __device__ void chunk_outputs_tiles(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
                                     int64_t d_begin, int64_t d_end, const StateView& sv, int64_t sv_bh,
                                     int64_t sv_chunk) {
@@ -753,21 +753,21 @@ __device__ void chunk_outputs_tiles(TcTiles& tl, const Product& p, const Seq& sq
   wmma::fill_fragment(acc_p[1], 0.0f);
   float den = 0.0f;
   feature_loop<T, kMask, kLo>(tl, tl.y.s, p, sq, t0, rows, d_begin, sv, sv_bh, sv_chunk, true, false,
-                              p.self_norm && inter, acc_p, acc_o, den);
-  den = stage_p<kMask>(tl, p, rows, acc_p, den);
-  if (p.self_norm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d_begin);
+                              kNorm && inter, acc_p, acc_o, den);
+  den = stage_p<kMask, kNorm>(tl, p, rows, acc_p, den);
+  if (kNorm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d_begin);
 #pragma unroll 1
   for (int64_t d0 = d_begin; d0 < d_end; d0 += kTD) {
     wmma::fill_fragment(acc_o, 0.0f);
     if (inter)
       feature_loop<T, kMask, kLo>(tl, tl.x.a_s.s, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, false, true, false,
                                   acc_p, acc_o, den);
-    finish_outputs<T, kMask, kLo>(tl, p, sq, t0, rows, d0, true, acc_o);
+    finish_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows, d0, true, acc_o);
   }
 }
 
 // The tensor-core update_state (same contract; C_c already in tl.c).
-template <typename T, int kLo>
+template <typename T, int kLo, bool kNorm>
 __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int warp = fresh_tid() / kWarpSize;
@@ -776,7 +776,7 @@ __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64
     __syncthreads();
     load_rows_split<T>(tl.x.ab.b, p.b, sq, p.L, t0, rows, f0);
     __syncthreads();
-    z_update(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk,
+    z_update<kNorm>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk,
              [&](int r, int f) { return split_value(tl.x.ab.b, r * kLdAB + f); });
     if (warp < 4) {
       const int fi = warp / 2, dj = warp % 2;
@@ -826,12 +826,12 @@ __device__ void load_c_tile(TcTiles& tl, const Product& p, const Seq& sq, int64_
 
 // The FP32 path's outputs of one chunk for the D-tiles [d_begin, d_end): chunk_outputs per
 // D-tile (its launch policy gives it one D-tile per block, value_group()).
-template <typename T, int kMask, int kLo>
+template <typename T, int kMask, int kLo, bool kNorm>
 __device__ void chunk_outputs_tiles(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
                                     int64_t d_begin, int64_t d_end, const StateView& sv, int64_t sv_bh,
                                     int64_t sv_chunk) {
   for (int64_t d0 = d_begin; d0 < d_end; d0 += kTD)
-    chunk_outputs<T, kMask, kLo>(tl, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, true);
+    chunk_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, true);
 }
 
 // chunk_outputs' 4x4 products (FP32 path) read every row of the a/b tiles, also the rows past
@@ -848,9 +848,10 @@ __device__ void init_tiles(TcTiles&) {}
 
 // Sets the block's state tile [ma, d0:d0+kTD] to `src` (base NULL: zero).
 // A self-normalising product's D-tile 0 also owns the state's z column (p.dc).
+template <bool kNorm>
 __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const StateView& src) {
   __syncthreads();
-  const int64_t cols = p.self_norm && d0 == 0 ? kTD + 1 : kTD;
+  const int64_t cols = kNorm && d0 == 0 ? kTD + 1 : kTD;
   for (int64_t i = threadIdx.x; i < p.ma * cols; i += kThreads) {
     const int64_t f = i / cols, c = i % cols, d = c == kTD ? p.dc : d0 + c;
     if (c < kTD && d >= p.dc) continue;
@@ -859,7 +860,7 @@ __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const Sta
   __syncthreads();
 }
 
-// The block's tiles: one __shared__ union for every instance of la_product_kernel (29 of
+// The block's tiles: one __shared__ union for every instance of la_product_kernel (41 of
 // them). On a GPU each kernel gets its own static allocation; the emulator keeps __shared__
 // variables as thread-local storage, where one copy per instance would take ~1 MiB of every
 // thread's TLS (glibc carves it from the thread's stack: a 2 MiB test thread overflowed).
@@ -917,7 +918,7 @@ __host__ __device__ __forceinline__ int64_t row_items(const Product& p) {
 // grid.y/z); the item index and its bookkeeping live in shared memory (Item). Every instance,
 // the tensor-core tiles of f16/bf16 and the FP32 tiles of f32 alike, is bounded to 128
 // registers: two blocks per SM, without spills (scripts/sass_tensor_cores.py checks both).
-template <typename T, int kMode, int kMask, int kLo>
+template <typename T, int kMode, int kMask, int kLo, bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
   ProductShared& shared = product_shared();
   auto& tl = tiles_for<T>(shared.tiles);
@@ -957,39 +958,39 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
     };
     switch (kMode) {
       case kAccumulate: {
-        init_state(p, it.sidx, it.d0, p.init);
+        init_state<kNorm>(p, it.sidx, it.d0, p.init);
         for (int64_t i = 0; i < it.nchunks; ++i) {
           const int64_t c = kMask == kMaskGE ? it.nchunks - 1 - i : i;
           const int64_t t0 = sq.t0 + c * p.chunk;
-          chunk_outputs<T, kMask, kLo>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
-          update_state<T, kLo>(tl, p, sq, t0, rows_of(c), it.d0);
+          chunk_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
+          update_state<T, kLo, kNorm>(tl, p, sq, t0, rows_of(c), it.d0);
         }
         break;
       }
       case kReadChunk: {
         const int64_t d_end = it.d0 + p.dgroup * kTD, d_last = value_tiles(p) * kTD;
-        chunk_outputs_tiles<T, kMask, kLo>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0,
+        chunk_outputs_tiles<T, kMask, kLo, kNorm>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0,
                                            d_end < d_last ? d_end : d_last, p.init, sq.bidx, sq.cbase + it.c_read);
         break;
       }
       case kChunkSum: {
         const int64_t t0 = sq.t0 + it.c_read * p.chunk;
         load_c_tile<T>(tl, p, sq, t0, rows_of(it.c_read), it.d0);
-        update_state<T, kLo>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx, sq.cbase + it.c_read);
+        update_state<T, kLo, kNorm>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx, sq.cbase + it.c_read);
         break;
       }
       case kBidir: {
         const bool given = p.init.base != nullptr;
         if (!given) {
-          init_state(p, it.sidx, it.d0, none);
+          init_state<kNorm>(p, it.sidx, it.d0, none);
           for (int64_t c = 0; c < it.nchunks; ++c) {
             __syncthreads();
             load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
-            update_state<T, kLo>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+            update_state<T, kLo, kNorm>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
           }
         }
         for (int64_t c = 0; c < it.nchunks; ++c)
-          chunk_outputs<T, kMask, kLo>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
+          chunk_outputs<T, kMask, kLo, kNorm>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
                                0, false);
         break;
       }
@@ -1061,7 +1062,7 @@ inline int lo_mask(const Product& p) {
 // no instance: an internal error, never a wrong result.
 // The lo patterns a (mode, direction) meets: LE the forward (0) and dq (kLoA when normalised);
 // GE dk (kLoB) and dv (kLoC); the chunk sums the forward, dk and dv; bidirectional all of them.
-// Only these are compiled (29 instances rather than 36).
+// Only these are compiled (29 of the 36 combinations, before normalisation: norm_used).
 template <int kMode, int kMask>
 constexpr bool lo_used(int lo) {
   if (lo == 0 || kMode == kBidir) return true;
@@ -1069,10 +1070,19 @@ constexpr bool lo_used(int lo) {
   return lo == kLoA;
 }
 
-template <typename T, int kMode, int kMask, int kLo>
+// The products that normalise themselves (Product::self_norm) are the forward's: its chunk
+// sums and per-chunk outputs (boundary states), the denominator product before the walks (LE)
+// and the bidirectional one. Their operands are the inputs' own values (bf16: no lo tiles).
+// Only these get a normalising instance (12 more: 41 in all).
+template <int kMode, int kMask>
+constexpr bool norm_used(int lo) {
+  return (lo == 0 || lo == kLoAll) && (kMode == kChunkSum || kMode == kBidir || kMask == kMaskLE);
+}
+
+template <typename T, int kMode, int kMask, int kLo, bool kNorm>
 MesaStatus launch_instance(const Product& p, void* stream) {
-  if constexpr (lo_used<kMode, kMask>(kLo) || kLo == kLoAll) {
-    auto kernel = la_product_kernel<T, kMode, kMask, kLo>;
+  if constexpr ((lo_used<kMode, kMask>(kLo) || kLo == kLoAll) && (!kNorm || norm_used<kMode, kMask>(kLo))) {
+    auto kernel = la_product_kernel<T, kMode, kMask, kLo, kNorm>;
     const dim3 grid(resident_grid(kernel, p.items * kThreads, kThreads));
     return status_from(MESA_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, p));
   } else {
@@ -1080,16 +1090,23 @@ MesaStatus launch_instance(const Product& p, void* stream) {
   }
 }
 
+// Normalisation: a template parameter (the denominators' code is compiled only where used).
+template <typename T, int kMode, int kMask, int kLo>
+MesaStatus launch_normalised(const Product& p, void* stream) {
+  return p.self_norm ? launch_instance<T, kMode, kMask, kLo, true>(p, stream)
+                     : launch_instance<T, kMode, kMask, kLo, false>(p, stream);
+}
+
 template <typename T, int kMode, int kMask>
 MesaStatus launch_product(const Product& p, void* stream) {
   if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
-    return launch_instance<T, kMode, kMask, kLoAll>(p, stream);
+    return launch_normalised<T, kMode, kMask, kLoAll>(p, stream);
   } else {
     switch (lo_mask<T>(p)) {
-      case 0: return launch_instance<T, kMode, kMask, 0>(p, stream);
-      case kLoA: return launch_instance<T, kMode, kMask, kLoA>(p, stream);
-      case kLoB: return launch_instance<T, kMode, kMask, kLoB>(p, stream);
-      case kLoC: return launch_instance<T, kMode, kMask, kLoC>(p, stream);
+      case 0: return launch_normalised<T, kMode, kMask, 0>(p, stream);
+      case kLoA: return launch_normalised<T, kMode, kMask, kLoA>(p, stream);
+      case kLoB: return launch_normalised<T, kMode, kMask, kLoB>(p, stream);
+      case kLoC: return launch_normalised<T, kMode, kMask, kLoC>(p, stream);
       default: return MESA_STATUS_INVALID_ARGUMENT;
     }
   }

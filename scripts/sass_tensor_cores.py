@@ -24,8 +24,10 @@ TYPES = {"6__half": "f16", "13__nv_bfloat16": "bf16", "f": "f32"}
 LO = {0: "none", 1: "c", 2: "b", 4: "a", 7: "all"}
 MASKS = {0: "", 1: " LE", 2: " GE"}  # the direction (Mask)
 # f32, f16: walk and per-chunk outputs x 2 directions + chunk sums + bidirectional; bf16: the
-# lo patterns each of those meets (lo_used in the kernel): 2 + 3 + 2 + 3 + 3 + 4
-EXPECTED = 6 + 6 + 17
+# lo patterns each of those meets (lo_used in the kernel): 2 + 3 + 2 + 3 + 3 + 4; and per dtype
+# the normalising instances of the forward (norm_used): walk LE, per-chunk outputs LE, chunk
+# sums, bidirectional
+EXPECTED = 6 + 6 + 17 + 3 * 4
 # FAVOR+: forward per dtype (f16, bf16) x stabiliser (4), backward per dtype
 FAVOR_EXPECTED = 8 + 2
 STABILIZERS = {0: "none", 1: "row max", 2: "bound", 3: "sequence max"}
@@ -33,12 +35,12 @@ MAX_REGS = 128
 
 
 def instance(mangled):
-    """(dtype, mode, mask, lo tiles) of a la_product_kernel instance, or None."""
-    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)Li(\d)ELi(\d)ELi(\d)EEEvNS_7ProductE$",
+    """(dtype, mode, mask, lo tiles, normalising) of a la_product_kernel instance, or None."""
+    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)Li(\d)ELi(\d)ELi(\d)ELb([01])EEEvNS_7ProductE$",
                  mangled)
     if not m:
         return None
-    return TYPES[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4))
+    return TYPES[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5) == "1"
 
 
 def favor_instance(mangled):
@@ -96,8 +98,9 @@ def main():
         inst, favor = instance(name), favor_instance(name)
         if inst is not None:
             seen += 1
-            t, mode, mask, lo = inst
-            label = f"la_product_kernel<{t}>, {MODES[mode]}{MASKS[mask]}" + (f", lo {LO[lo]}" if t != "f32" else "")
+            t, mode, mask, lo, norm = inst
+            label = (f"la_product_kernel<{t}>, {MODES[mode]}{MASKS[mask]}" + (f", lo {LO[lo]}" if t != "f32" else "")
+                     + (", normalising" if norm else ""))
         elif favor is not None:
             favor_seen += 1
             t, label = "f16/bf16", favor
