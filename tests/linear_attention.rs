@@ -2046,20 +2046,20 @@ struct CallResult {
 /// One call on rows `t0..t1` of the `[1, H, L, ·]` buffers, or (with `offsets`) one packed
 /// call on all rows; initial states / final-state gradients given for causal attention.
 #[allow(clippy::too_many_arguments)]
-fn state_call(
+fn state_call<T: Element>(
     device: &Device,
     cfg: &LinearAttentionConfig,
     n: Shape,
     (t0, t1): (usize, usize),
     offsets: Option<&[usize]>,
-    x: (&[f32], &[f32], &[f32], &[f32]),
+    x: (&[T], &[T], &[T], &[T]),
     s0: Option<&[f32]>,
     dfin: Option<&[f32]>,
 ) -> CallResult {
     let (q, k, v, g) = x;
     let (lq, lv) = (rows_view(n, n.m, t0, t1), rows_view(n, n.d, t0, t1));
-    let (mut ob, mut dq, mut dk, mut dv) =
-        (vec![f32::NAN; n.vd()], vec![f32::NAN; n.qk()], vec![f32::NAN; n.qk()], vec![f32::NAN; n.vd()]);
+    let nan = T::from_f64(f64::NAN);
+    let (mut ob, mut dq, mut dk, mut dv) = (vec![nan; n.vd()], vec![nan; n.qk()], vec![nan; n.qk()], vec![nan; n.vd()]);
     let nst = offsets.map_or(n.b, |o| o.len() - 1);
     let sshape = [nst, n.h, n.m, n.d + usize::from(cfg.normalize)];
     let s0t = s0.map(|s| TensorRef::contiguous(s, &sshape).expect("s0"));
@@ -2095,10 +2095,10 @@ fn state_call(
     }
     let w = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<f64>>();
     CallResult {
-        out: w(&ob),
-        dq: w(&dq),
-        dk: w(&dk),
-        dv: w(&dv),
+        out: widen(&ob),
+        dq: widen(&dq),
+        dk: widen(&dk),
+        dv: widen(&dv),
         fin: w(&saved.final_state().expect("state")),
         d_init: if cfg.causal { w(&d_init) } else { Vec::new() },
     }
@@ -2112,22 +2112,30 @@ fn packed_sequences_equal_one_call_per_sequence() {
     // operations as a separate call on a view of them: the results must be bitwise equal
     // (outputs, gradients, final states, initial-state gradients).
     let mut rng = common::rng("packed_sequences_equal_one_call_per_sequence");
+    packed_case::<f32>(&mut rng, 6, 5);
+    // bf16 on tensor cores, M = 70 and D = 80 (three D-tiles): the packed call's 24 (head,
+    // chunk) items give its per-chunk outputs groups of 2 + 1 D-tiles, a sequence's own call
+    // (2–10 items) one D-tile per block (value_group, the emulator's notional 4-SM device)
+    packed_case::<bf16>(&mut rng, 70, 80);
+}
+
+fn packed_case<T: Element>(rng: &mut StdRng, m: usize, d: usize) {
     let lens = [5usize, 0, 17, 16, 1, 33];
     let mut offsets = vec![0usize];
     for l in lens {
         offsets.push(offsets.last().copied().unwrap_or(0) + l);
     }
-    let n = Shape { b: 1, h: 2, l: offsets[lens.len()], m: 6, d: 5 };
+    let n = Shape { b: 1, h: 2, l: offsets[lens.len()], m, d };
     let device = Device::emulator();
     for cfg in configs() {
         let cfg = LinearAttentionConfig { chunk: 8, ..cfg };
         let lo = if cfg.normalize { 0.05 } else { -1.0 };
+        let t = |rng: &mut StdRng, len: usize, lo: f64| to_t::<T>(&random_vec(rng, len, lo, 1.0));
         let f = |rng: &mut StdRng, len: usize, lo: f64| to_t::<f32>(&random_vec(rng, len, lo, 1.0));
-        let (q, k, v, g) =
-            (f(&mut rng, n.qk(), lo), f(&mut rng, n.qk(), lo), f(&mut rng, n.vd(), -1.0), f(&mut rng, n.vd(), -1.0));
+        let (q, k, v, g) = (t(rng, n.qk(), lo), t(rng, n.qk(), lo), t(rng, n.vd(), -1.0), t(rng, n.vd(), -1.0));
         let w = n.d + usize::from(cfg.normalize);
         let per_seq = n.h * n.m * w;
-        let (s0, dfin) = (f(&mut rng, lens.len() * per_seq, 0.0), f(&mut rng, lens.len() * per_seq, -1.0));
+        let (s0, dfin) = (f(rng, lens.len() * per_seq, 0.0), f(rng, lens.len() * per_seq, -1.0));
         let causal = cfg.causal;
         let packed = state_call(
             &device,
