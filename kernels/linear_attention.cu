@@ -1137,9 +1137,9 @@ MesaStatus launch_masked(const Product& p, void* stream) {
 constexpr int64_t kWaves = 4;
 // Blocks of la_product_kernel resident per SM (__launch_bounds__(kThreads, 2)).
 constexpr int64_t kBlocksPerSm = 2;
-// The emulator's notional device for this policy (its worker threads vary by machine; the
-// groups a test meets should not).
-constexpr int64_t kEmuPolicySms = 4;
+// The emulator's notional device for this policy: one SM (its worker threads vary by machine,
+// the groups a test meets should not; and small test shapes already form groups).
+constexpr int64_t kEmuPolicySms = 1;
 template <typename T>
 inline int64_t value_group(const Product& p, int64_t tiles) {
   if (!kTensorCores<T> || p.mode != kReadChunk || tiles <= 1) return 1;
