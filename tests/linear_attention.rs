@@ -307,7 +307,7 @@ fn tensor_core_value_tiles_match_the_reference_and_the_walk() {
         Shape { b: 1, h: 2, l: 48, m: 70, d: 80 },
         Shape { b: 2, h: 2, l: 40, m: 70, d: 80 },
     ];
-    let device = Device::emulator();
+    let device = common::emulator();
     for n in shapes {
         for normalize in [true, false] {
             let cfg = LinearAttentionConfig {
@@ -2127,7 +2127,7 @@ fn packed_case<T: Element>(rng: &mut StdRng, m: usize, d: usize) {
         offsets.push(offsets.last().copied().unwrap_or(0) + l);
     }
     let n = Shape { b: 1, h: 2, l: offsets[lens.len()], m, d };
-    let device = Device::emulator();
+    let device = common::emulator();
     // (tensor cores: causal only, the per-chunk outputs are the boundary mode's)
     for cfg in configs().into_iter().filter(|c| c.causal || T::DTYPE == DType::F32) {
         let cfg = LinearAttentionConfig { chunk: 8, ..cfg };
