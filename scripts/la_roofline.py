@@ -20,8 +20,16 @@ assumed to hit L2) and the f32 states of the decomposition (U written, the scan 
 writing it, the outputs reading it): 16 * ma * dc / C per decomposed product, 4 * ma * dc / C
 for dq's reads of the forward's states.
 
-    python3 scripts/la_roofline.py      # prints the markdown table
+Schedules (--schedules): the HBM floor of the same passes when the f32 states move less:
+`16` bytes per state element and chunk as above (the decomposition), `8` when one sequential
+walk per (b, h, D-tile) writes the state entering each chunk and the outputs read it (no chunk
+sums, no scan), `4` when that walk also computes the outputs (SLiM's walk writing the states
+the backward's dq reads; dk's and dv's walks then write none: 0 for them).
+
+    python3 scripts/la_roofline.py               # prints the markdown table
+    python3 scripts/la_roofline.py --schedules   # the HBM floor per schedule at T = 16K
 """
+import sys
 import math
 
 MMA_FLOPS = 790e12   # dense bf16 tensor-core rate of an H200 (KINDS.md: 769-798 measured through PyTorch)
@@ -46,22 +54,34 @@ def chunk_sums(ma, dc, lo=""):
     return math.ceil(dc / TILE) * 2 * TILE * pad(ma) * (1 + b + c)
 
 
-def forward(m, d):
+def forward(m, d, state=16):
     # the normaliser is a column of the output product (its denominators and z's chunk sums
     # are scalar work beside the MMAs, left out)
     w = d + 1
     flops = outputs(m, d) + chunk_sums(m, d)
-    by = 2 * (2 * m + d) + 2 * d + 4 + 16 * m * w / C
+    by = 2 * (2 * m + d) + 2 * d + 4 + state * m * w / C
     return flops, by
 
 
-def backward(m, d):
+def backward(m, d, state=16):
     w = d + 1
     # dq: a = dO' (lo); dk: b = dO' (lo); dv: c = dout / den (lo)
     flops = (outputs(w, m, "a") + (outputs(w, m, "b") + chunk_sums(w, m, "b"))
              + (outputs(m, d, "c") + chunk_sums(m, d, "c")))
-    by = 2 * (2 * m + 3 * d) + 4 + 2 * (2 * m + d) + 4 * m * w / C + 16 * w * m / C + 16 * m * d / C
+    by = 2 * (2 * m + 3 * d) + 4 + 2 * (2 * m + d) + 4 * m * w / C + state * w * m / C + state * m * d / C
     return flops, by
+
+
+def schedules():
+    print("| M = D | state bytes per element and chunk | forward HBM ms | forward + backward HBM ms |")
+    print("|---:|---|---:|---:|")
+    rows = 4 * 16 * 16384
+    for d in (64, 128):
+        for state, name in ((16, "16 (decomposition: chunk sums, scan, outputs)"),
+                            (8, "8 (state walk, parallel outputs)"),
+                            (4, "4 forward, 0 dk and dv (one walk, outputs too)")):
+            fwd, bwd = forward(d, d, state)[1], backward(d, d, state if state > 4 else 0)[1]
+            print(f"| {d} | {name} | {rows * fwd / HBM_BYTES * 1e3:.2f} | {rows * (fwd + bwd) / HBM_BYTES * 1e3:.2f} |")
 
 
 def main():
@@ -79,4 +99,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    schedules() if "--schedules" in sys.argv[1:] else main()
