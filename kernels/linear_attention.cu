@@ -27,7 +27,9 @@
 //
 // Memory modes (causal):
 //   BOUNDARY_STATES: the forward writes the state entering every chunk; dq reads it, so
-//                    its chunks are independent (parallel over chunks).
+//                    its chunks are independent (parallel over chunks). Those states (and
+//                    dk's, dv's) come from the chunk sums and a scan, or from a state walk
+//                    (MESA_LA_SCHEDULE_STATE_WALK): bitwise the same.
 //   SLIM:            only the final state is kept (and a copy of S0'); dq walks the chunks
 //                    forward again from S0', so dq_t reads rows s <= t only. (SLiM's own
 //                    reversal by subtraction, S <- S - B_c^T C_c, loses the early states to
@@ -69,8 +71,10 @@ enum Mode {
   kAccumulate = 0,  // S from `init` (base NULL: 0), walk in the mask's direction
   kReadChunk = 1,   // S of chunk c read from `init` (per-chunk states): chunks independent
   kBidir = 2,       // phase 1: S = sum over all chunks (or init if given); phase 2: O = A S
-  kChunkSum = 3     // U_c = B_c^T C_c of every chunk into `boundary` (chunks independent);
+  kChunkSum = 3,    // U_c = B_c^T C_c of every chunk into `boundary` (chunks independent);
                     // la_scan_kernel then turns them into the states entering each chunk
+  kStateWalk = 4    // S from `init`, walk in the mask's direction writing the state entering
+                    // each chunk to `boundary` (no outputs): kChunkSum + scan in one pass
 };
 
 // Per-chunk work items (state or head, chunk, D-tile) rather than (state, D-tile).
@@ -124,7 +128,8 @@ struct Product {
   StateView state;     // working / final state [B*H, ma, dc]
   StateView init;      // kAccumulate: initial state; kReadChunk: per-chunk states; kBidir: total
                        // state (base NULL: 0, none, summed)
-  StateView boundary;  // kChunkSum: the chunk sums, then (la_scan_kernel) the states entering each chunk
+  StateView boundary;  // kChunkSum: the chunk sums, then (la_scan_kernel) the states entering each chunk;
+                       // kStateWalk: the states entering each chunk
   // Packed sequences (seq_off != NULL): B = 1 physically; sequence n is rows
   // seq_off[n]..seq_off[n+1] of every head, its state index n*H + h, its chunks the global
   // chunks chunk_off[n]..chunk_off[n+1] (boundary states [nchunks_total, H, ma, dc]).
@@ -860,6 +865,18 @@ __device__ void init_state(const Product& p, int64_t sidx, int64_t d0, const Sta
   __syncthreads();
 }
 
+// boundary at (bidx, chunk) = the block's state tile [ma, d0:d0+kTD] (and, like init_state,
+// the z column in a self-normalising product's D-tile 0): the state entering that chunk.
+template <bool kNorm>
+__device__ void store_entering_state(const Product& p, int64_t sidx, int64_t d0, int64_t bidx, int64_t chunk) {
+  const int64_t cols = kNorm && d0 == 0 ? kTD + 1 : kTD;
+  for (int64_t i = threadIdx.x; i < p.ma * cols; i += kThreads) {
+    const int64_t f = i / cols, c = i % cols, d = c == kTD ? p.dc : d0 + c;
+    if (c < kTD && d >= p.dc) continue;
+    *p.boundary.at(bidx, chunk, f, d) = *p.state.at(sidx, 0, f, d);
+  }
+}
+
 // The block's tiles: one __shared__ union for every instance of la_product_kernel (41 of
 // them). On a GPU each kernel gets its own static allocation; the emulator keeps __shared__
 // variables as thread-local storage, where one copy per instance would take ~1 MiB of every
@@ -979,6 +996,19 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
         update_state<T, kLo, kNorm>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx, sq.cbase + it.c_read);
         break;
       }
+      case kStateWalk: {
+        // S_{c+1} = S_c + U_c: the scan's f32 operations, so the same states bit for bit
+        init_state<kNorm>(p, it.sidx, it.d0, p.init);
+        for (int64_t i = 0; i < it.nchunks; ++i) {
+          const int64_t c = kMask == kMaskGE ? it.nchunks - 1 - i : i;
+          __syncthreads();  // the last update's writes of the state tile are done
+          store_entering_state<kNorm>(p, it.sidx, it.d0, sq.bidx, sq.cbase + c);
+          __syncthreads();  // read before the update below writes it
+          load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+          update_state<T, kLo, kNorm>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+        }
+        break;
+      }
       case kBidir: {
         const bool given = p.init.base != nullptr;
         if (!given) {
@@ -1061,19 +1091,20 @@ inline int lo_mask(const Product& p) {
 // dq's a = dO' (kLoA), dk's b = dO' (kLoB), dv's c = dout / den (kLoC). Any other pattern has
 // no instance: an internal error, never a wrong result.
 // The lo patterns a (mode, direction) meets: LE the forward (0) and dq (kLoA when normalised);
-// GE dk (kLoB) and dv (kLoC); the chunk sums the forward, dk and dv; bidirectional all of them.
-// Only these are compiled (29 of the 36 combinations, before normalisation: norm_used).
+// GE dk (kLoB) and dv (kLoC); the chunk sums and the state walks the forward (LE), dk and dv
+// (GE); bidirectional all of them. Only these are compiled (34 of the 46 combinations, before
+// normalisation: norm_used).
 template <int kMode, int kMask>
 constexpr bool lo_used(int lo) {
   if (lo == 0 || kMode == kBidir) return true;
   if (kMode == kChunkSum || kMask == kMaskGE) return lo == kLoB || lo == kLoC;
-  return lo == kLoA;
+  return lo == kLoA && kMode != kStateWalk;  // the state walk LE is the forward's only
 }
 
 // The products that normalise themselves (Product::self_norm) are the forward's: its chunk
-// sums and per-chunk outputs (boundary states), the denominator product before the walks (LE)
-// and the bidirectional one. Their operands are the inputs' own values (bf16: no lo tiles).
-// Only these get a normalising instance (12 more: 41 in all).
+// sums or state walk and per-chunk outputs (boundary states), the denominator product before
+// the walks (LE) and the bidirectional one. Their operands are the inputs' own values (bf16:
+// no lo tiles). Only these get a normalising instance (15 more: 52 in all).
 template <int kMode, int kMask>
 constexpr bool norm_used(int lo) {
   return (lo == 0 || lo == kLoAll) && (kMode == kChunkSum || kMode == kBidir || kMask == kMaskLE);
@@ -1170,6 +1201,7 @@ MesaStatus run_product(Product p, void* stream) {
     case kReadChunk: return launch_masked<T, kReadChunk>(p, stream);
     case kChunkSum: return launch_masked<T, kChunkSum>(p, stream);
     case kBidir: return launch_masked<T, kBidir>(p, stream);
+    case kStateWalk: return launch_masked<T, kStateWalk>(p, stream);
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }
 }
@@ -1179,16 +1211,26 @@ MesaStatus run_product(Product p, void* stream) {
 // states entering each chunk (and the final state), (iii) the outputs of all chunks in
 // parallel from the chunk's own masked A_c B_c^T and its entering state. Bitwise the same
 // results as the sequential walk (kAccumulate: SLiM mode).
+// With MESA_LA_SCHEDULE_STATE_WALK, (i) and (ii) are one sequential walk per (state, D-tile)
+// instead (kStateWalk): the same states, bit for bit, with half the state bytes and
+// B*H*ceil(D/32) blocks in place of one per chunk (docs/linear_attention.md, "Schedules").
 template <typename T>
-MesaStatus run_product_decomposed(Product p, void* stream) {
-  p.mode = kChunkSum;
-  MesaStatus st = run_product<T>(p, stream);
-  if (st != MESA_STATUS_OK) return st;
-  const int64_t n = ((p.seq_off != nullptr ? p.nseq : p.B) * p.H) * p.ma * (p.dc + (p.self_norm ? 1 : 0));
-  const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
-  st = status_from(MESA_LAUNCH(la_scan_kernel, dim3(unsigned(want < 1 ? 1 : (want < cap ? want : cap))),
-                               dim3(kThreads), 0, stream, p));
-  if (st != MESA_STATUS_OK) return st;
+MesaStatus run_product_decomposed(Product p, MesaLaSchedule schedule, void* stream) {
+  MesaStatus st = MESA_STATUS_OK;
+  if (schedule == MESA_LA_SCHEDULE_STATE_WALK) {
+    p.mode = kStateWalk;
+    st = run_product<T>(p, stream);
+    if (st != MESA_STATUS_OK) return st;
+  } else {
+    p.mode = kChunkSum;
+    st = run_product<T>(p, stream);
+    if (st != MESA_STATUS_OK) return st;
+    const int64_t n = ((p.seq_off != nullptr ? p.nseq : p.B) * p.H) * p.ma * (p.dc + (p.self_norm ? 1 : 0));
+    const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
+    st = status_from(MESA_LAUNCH(la_scan_kernel, dim3(unsigned(want < 1 ? 1 : (want < cap ? want : cap))),
+                                 dim3(kThreads), 0, stream, p));
+    if (st != MESA_STATUS_OK) return st;
+  }
   p.mode = kReadChunk;
   p.init = p.boundary;
   p.boundary = StateView{nullptr, 0, 0, 0, 0};
@@ -1289,7 +1331,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
   p.boundary = boundary ? boundary_view(s, a.boundary, M, W, 0, false) : none;
   if (D == 0 && !fold) return MESA_STATUS_OK;
-  return boundary ? run_product_decomposed<T>(p, stream) : run_product<T>(p, stream);
+  return boundary ? run_product_decomposed<T>(p, s.schedule, stream) : run_product<T>(p, stream);
 }
 
 template <typename T>
@@ -1366,7 +1408,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.init = a.d_final != nullptr ? transposed(a.d_final) : none;
     p.boundary = decompose ? chunk_states(s, chunk_work, W, M) : none;
     if (M > 0) {
-      const MesaStatus st = decompose ? run_product_decomposed<T>(p, stream) : run_product<T>(p, stream);
+      const MesaStatus st = decompose ? run_product_decomposed<T>(p, s.schedule, stream) : run_product<T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
@@ -1388,7 +1430,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.init = a.d_final != nullptr ? StateView{const_cast<float*>(a.d_final), M * W, 0, W, 1} : none;
     p.boundary = decompose ? chunk_states(s, chunk_work, M, D) : none;
     if (D > 0) {
-      const MesaStatus st = decompose ? run_product_decomposed<T>(p, stream) : run_product<T>(p, stream);
+      const MesaStatus st = decompose ? run_product_decomposed<T>(p, s.schedule, stream) : run_product<T>(p, stream);
       if (st != MESA_STATUS_OK) return st;
     }
   }
@@ -1412,6 +1454,7 @@ inline bool shape_valid(const MesaLaShape& s) {
   if (s.chunk < 1 || s.chunk > MESA_LA_MAX_CHUNK) return false;
   if (s.dtype != MESA_DTYPE_F32 && s.dtype != MESA_DTYPE_F16 && s.dtype != MESA_DTYPE_BF16) return false;
   if (s.memory != MESA_LA_BOUNDARY_STATES && s.memory != MESA_LA_SLIM) return false;
+  if (s.schedule != MESA_LA_SCHEDULE_CHUNK_SUMS && s.schedule != MESA_LA_SCHEDULE_STATE_WALK) return false;
   if (s.normalize && !(s.eps >= 0.0f)) return false;
   const MesaLaPacking& k = s.packing;
   if (k.seq_offsets != nullptr &&

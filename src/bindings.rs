@@ -818,6 +818,10 @@ pub type MesaLaMemory = i32;
 pub const MESA_LA_BOUNDARY_STATES: MesaLaMemoryCode = 0;
 pub const MESA_LA_SLIM: MesaLaMemoryCode = 1;
 pub type MesaLaMemoryCode = ::core::ffi::c_uint;
+pub type MesaLaSchedule = i32;
+pub const MESA_LA_SCHEDULE_CHUNK_SUMS: MesaLaScheduleCode = 0;
+pub const MESA_LA_SCHEDULE_STATE_WALK: MesaLaScheduleCode = 1;
+pub type MesaLaScheduleCode = ::core::ffi::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct MesaLaTensor {
@@ -880,11 +884,12 @@ pub struct MesaLaShape {
     pub normalize: i32,
     pub eps: f32,
     pub memory: MesaLaMemory,
+    pub schedule: MesaLaSchedule,
     pub packing: MesaLaPacking,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLaShape"][::core::mem::size_of::<MesaLaShape>() - 96usize];
+    ["Size of MesaLaShape"][::core::mem::size_of::<MesaLaShape>() - 104usize];
     ["Alignment of MesaLaShape"][::core::mem::align_of::<MesaLaShape>() - 8usize];
     ["Offset of field: MesaLaShape::batch"][::core::mem::offset_of!(MesaLaShape, batch) - 0usize];
     ["Offset of field: MesaLaShape::heads"][::core::mem::offset_of!(MesaLaShape, heads) - 8usize];
@@ -897,7 +902,8 @@ const _: () = {
     ["Offset of field: MesaLaShape::normalize"][::core::mem::offset_of!(MesaLaShape, normalize) - 52usize];
     ["Offset of field: MesaLaShape::eps"][::core::mem::offset_of!(MesaLaShape, eps) - 56usize];
     ["Offset of field: MesaLaShape::memory"][::core::mem::offset_of!(MesaLaShape, memory) - 60usize];
-    ["Offset of field: MesaLaShape::packing"][::core::mem::offset_of!(MesaLaShape, packing) - 64usize];
+    ["Offset of field: MesaLaShape::schedule"][::core::mem::offset_of!(MesaLaShape, schedule) - 64usize];
+    ["Offset of field: MesaLaShape::packing"][::core::mem::offset_of!(MesaLaShape, packing) - 72usize];
 };
 impl Default for MesaLaShape {
     fn default() -> Self {
@@ -924,19 +930,19 @@ pub struct MesaLaForwardArgs {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLaForwardArgs"][::core::mem::size_of::<MesaLaForwardArgs>() - 296usize];
+    ["Size of MesaLaForwardArgs"][::core::mem::size_of::<MesaLaForwardArgs>() - 304usize];
     ["Alignment of MesaLaForwardArgs"][::core::mem::align_of::<MesaLaForwardArgs>() - 8usize];
     ["Offset of field: MesaLaForwardArgs::shape"][::core::mem::offset_of!(MesaLaForwardArgs, shape) - 0usize];
-    ["Offset of field: MesaLaForwardArgs::q"][::core::mem::offset_of!(MesaLaForwardArgs, q) - 96usize];
-    ["Offset of field: MesaLaForwardArgs::k"][::core::mem::offset_of!(MesaLaForwardArgs, k) - 136usize];
-    ["Offset of field: MesaLaForwardArgs::v"][::core::mem::offset_of!(MesaLaForwardArgs, v) - 176usize];
-    ["Offset of field: MesaLaForwardArgs::out"][::core::mem::offset_of!(MesaLaForwardArgs, out) - 216usize];
-    ["Offset of field: MesaLaForwardArgs::state"][::core::mem::offset_of!(MesaLaForwardArgs, state) - 256usize];
-    ["Offset of field: MesaLaForwardArgs::boundary"][::core::mem::offset_of!(MesaLaForwardArgs, boundary) - 264usize];
-    ["Offset of field: MesaLaForwardArgs::den"][::core::mem::offset_of!(MesaLaForwardArgs, den) - 272usize];
+    ["Offset of field: MesaLaForwardArgs::q"][::core::mem::offset_of!(MesaLaForwardArgs, q) - 104usize];
+    ["Offset of field: MesaLaForwardArgs::k"][::core::mem::offset_of!(MesaLaForwardArgs, k) - 144usize];
+    ["Offset of field: MesaLaForwardArgs::v"][::core::mem::offset_of!(MesaLaForwardArgs, v) - 184usize];
+    ["Offset of field: MesaLaForwardArgs::out"][::core::mem::offset_of!(MesaLaForwardArgs, out) - 224usize];
+    ["Offset of field: MesaLaForwardArgs::state"][::core::mem::offset_of!(MesaLaForwardArgs, state) - 264usize];
+    ["Offset of field: MesaLaForwardArgs::boundary"][::core::mem::offset_of!(MesaLaForwardArgs, boundary) - 272usize];
+    ["Offset of field: MesaLaForwardArgs::den"][::core::mem::offset_of!(MesaLaForwardArgs, den) - 280usize];
     ["Offset of field: MesaLaForwardArgs::init_state"]
-        [::core::mem::offset_of!(MesaLaForwardArgs, init_state) - 280usize];
-    ["Offset of field: MesaLaForwardArgs::init_copy"][::core::mem::offset_of!(MesaLaForwardArgs, init_copy) - 288usize];
+        [::core::mem::offset_of!(MesaLaForwardArgs, init_state) - 288usize];
+    ["Offset of field: MesaLaForwardArgs::init_copy"][::core::mem::offset_of!(MesaLaForwardArgs, init_copy) - 296usize];
 };
 impl Default for MesaLaForwardArgs {
     fn default() -> Self {
@@ -969,25 +975,25 @@ pub struct MesaLaBackwardArgs {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaLaBackwardArgs"][::core::mem::size_of::<MesaLaBackwardArgs>() - 472usize];
+    ["Size of MesaLaBackwardArgs"][::core::mem::size_of::<MesaLaBackwardArgs>() - 480usize];
     ["Alignment of MesaLaBackwardArgs"][::core::mem::align_of::<MesaLaBackwardArgs>() - 8usize];
     ["Offset of field: MesaLaBackwardArgs::shape"][::core::mem::offset_of!(MesaLaBackwardArgs, shape) - 0usize];
-    ["Offset of field: MesaLaBackwardArgs::q"][::core::mem::offset_of!(MesaLaBackwardArgs, q) - 96usize];
-    ["Offset of field: MesaLaBackwardArgs::k"][::core::mem::offset_of!(MesaLaBackwardArgs, k) - 136usize];
-    ["Offset of field: MesaLaBackwardArgs::v"][::core::mem::offset_of!(MesaLaBackwardArgs, v) - 176usize];
-    ["Offset of field: MesaLaBackwardArgs::out"][::core::mem::offset_of!(MesaLaBackwardArgs, out) - 216usize];
-    ["Offset of field: MesaLaBackwardArgs::dout"][::core::mem::offset_of!(MesaLaBackwardArgs, dout) - 256usize];
-    ["Offset of field: MesaLaBackwardArgs::dq"][::core::mem::offset_of!(MesaLaBackwardArgs, dq) - 296usize];
-    ["Offset of field: MesaLaBackwardArgs::dk"][::core::mem::offset_of!(MesaLaBackwardArgs, dk) - 336usize];
-    ["Offset of field: MesaLaBackwardArgs::dv"][::core::mem::offset_of!(MesaLaBackwardArgs, dv) - 376usize];
-    ["Offset of field: MesaLaBackwardArgs::state"][::core::mem::offset_of!(MesaLaBackwardArgs, state) - 416usize];
-    ["Offset of field: MesaLaBackwardArgs::boundary"][::core::mem::offset_of!(MesaLaBackwardArgs, boundary) - 424usize];
-    ["Offset of field: MesaLaBackwardArgs::den"][::core::mem::offset_of!(MesaLaBackwardArgs, den) - 432usize];
+    ["Offset of field: MesaLaBackwardArgs::q"][::core::mem::offset_of!(MesaLaBackwardArgs, q) - 104usize];
+    ["Offset of field: MesaLaBackwardArgs::k"][::core::mem::offset_of!(MesaLaBackwardArgs, k) - 144usize];
+    ["Offset of field: MesaLaBackwardArgs::v"][::core::mem::offset_of!(MesaLaBackwardArgs, v) - 184usize];
+    ["Offset of field: MesaLaBackwardArgs::out"][::core::mem::offset_of!(MesaLaBackwardArgs, out) - 224usize];
+    ["Offset of field: MesaLaBackwardArgs::dout"][::core::mem::offset_of!(MesaLaBackwardArgs, dout) - 264usize];
+    ["Offset of field: MesaLaBackwardArgs::dq"][::core::mem::offset_of!(MesaLaBackwardArgs, dq) - 304usize];
+    ["Offset of field: MesaLaBackwardArgs::dk"][::core::mem::offset_of!(MesaLaBackwardArgs, dk) - 344usize];
+    ["Offset of field: MesaLaBackwardArgs::dv"][::core::mem::offset_of!(MesaLaBackwardArgs, dv) - 384usize];
+    ["Offset of field: MesaLaBackwardArgs::state"][::core::mem::offset_of!(MesaLaBackwardArgs, state) - 424usize];
+    ["Offset of field: MesaLaBackwardArgs::boundary"][::core::mem::offset_of!(MesaLaBackwardArgs, boundary) - 432usize];
+    ["Offset of field: MesaLaBackwardArgs::den"][::core::mem::offset_of!(MesaLaBackwardArgs, den) - 440usize];
     ["Offset of field: MesaLaBackwardArgs::init_state"]
-        [::core::mem::offset_of!(MesaLaBackwardArgs, init_state) - 440usize];
-    ["Offset of field: MesaLaBackwardArgs::d_final"][::core::mem::offset_of!(MesaLaBackwardArgs, d_final) - 448usize];
-    ["Offset of field: MesaLaBackwardArgs::d_init"][::core::mem::offset_of!(MesaLaBackwardArgs, d_init) - 456usize];
-    ["Offset of field: MesaLaBackwardArgs::work"][::core::mem::offset_of!(MesaLaBackwardArgs, work) - 464usize];
+        [::core::mem::offset_of!(MesaLaBackwardArgs, init_state) - 448usize];
+    ["Offset of field: MesaLaBackwardArgs::d_final"][::core::mem::offset_of!(MesaLaBackwardArgs, d_final) - 456usize];
+    ["Offset of field: MesaLaBackwardArgs::d_init"][::core::mem::offset_of!(MesaLaBackwardArgs, d_init) - 464usize];
+    ["Offset of field: MesaLaBackwardArgs::work"][::core::mem::offset_of!(MesaLaBackwardArgs, work) - 472usize];
 };
 impl Default for MesaLaBackwardArgs {
     fn default() -> Self {

@@ -32,7 +32,7 @@ use half::{bf16, f16};
 use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
 use mesa_kernels::linear_attention::{
     backward, backward_with_state, forward, forward_packed, forward_with_state, BackwardArgs, ForwardArgs, Grads,
-    LinearAttentionConfig, LinearAttentionSaved, MemoryMode, StateGrads,
+    LinearAttentionConfig, LinearAttentionSaved, MemoryMode, Schedule, StateGrads,
 };
 use mesa_kernels::reference::{self, linear_attention as rla};
 use mesa_kernels::{
@@ -270,7 +270,7 @@ fn configs() -> Vec<LinearAttentionConfig> {
                 if !causal && memory == MemoryMode::Slim {
                     continue; // bidirectional: one state, the modes coincide
                 }
-                v.push(LinearAttentionConfig { causal, normalize, eps: 1e-6, chunk: 16, memory });
+                v.push(LinearAttentionConfig { chunk: 16, causal, normalize, memory, ..LinearAttentionConfig::causal() });
             }
         }
     }
@@ -310,13 +310,7 @@ fn tensor_core_value_tiles_match_the_reference_and_the_walk() {
     let device = common::emulator();
     for n in shapes {
         for normalize in [true, false] {
-            let cfg = LinearAttentionConfig {
-                causal: true,
-                normalize,
-                eps: 1e-6,
-                chunk: 16,
-                memory: MemoryMode::BoundaryStates,
-            };
+            let cfg = LinearAttentionConfig { normalize, chunk: 16, ..LinearAttentionConfig::causal() };
             let slim = LinearAttentionConfig { memory: MemoryMode::Slim, ..cfg };
             parity::<bf16>(&device, &mut rng, &cfg, n);
             parity::<f16>(&device, &mut rng, &cfg, n);
@@ -372,7 +366,7 @@ fn non_finite_inputs_do_not_cross_the_causal_mask() {
     for device in common::backends() {
         for normalize in [true, false] {
             for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
-                let cfg = LinearAttentionConfig { causal: true, normalize, eps: 1e-6, chunk: 64, memory };
+                let cfg = LinearAttentionConfig { normalize, chunk: 64, memory, ..LinearAttentionConfig::causal() };
                 for s in [40, 70] {
                     for key_side in [true, false] {
                         mask_holds::<f32>(&device, &mut rng, &cfg, n, s, key_side);
@@ -2179,6 +2173,60 @@ fn packed_case<T: Element>(rng: &mut StdRng, m: usize, d: usize) {
             if causal {
                 same("d_initial", &packed.d_init[st.clone()], &one.d_init);
             }
+        }
+    }
+}
+
+/// The state-walk schedule (`Schedule::StateWalk`: one sequential walk per (state, D-tile)
+/// writing the state entering each chunk, for the forward and for dk, dv) does the f32
+/// operations of the chunk sums and their scan in the same order, so every result must be
+/// bitwise that of `Schedule::ChunkSums`: outputs, gradients, final states and initial-state
+/// gradients, on packed sequences (an empty one, L < chunk, L not a multiple of it) with
+/// initial states and final-state gradients; M = 40 and D = 80 give the walks of dk and dv
+/// two and three D-tiles. And against the f64 reference on its own.
+#[test]
+fn state_walk_schedule_equals_chunk_sums_bitwise() {
+    let mut rng = common::rng("state_walk_schedule_equals_chunk_sums_bitwise");
+    let device = common::emulator();
+    schedules_agree::<f32>(&device, &mut rng);
+    schedules_agree::<f16>(&device, &mut rng);
+    schedules_agree::<bf16>(&device, &mut rng);
+}
+
+fn schedules_agree<T: Element>(device: &Device, rng: &mut StdRng) {
+    let lens = [5usize, 0, 17, 16, 1, 33];
+    let mut offsets = vec![0usize];
+    for l in lens {
+        offsets.push(offsets.last().copied().unwrap_or(0) + l);
+    }
+    let n = Shape { b: 1, h: 2, l: offsets[lens.len()], m: 40, d: 80 };
+    for normalize in [true, false] {
+        let sums = LinearAttentionConfig { normalize, chunk: 8, ..LinearAttentionConfig::causal() };
+        let walk = LinearAttentionConfig { schedule: Schedule::StateWalk, ..sums };
+        parity::<T>(device, rng, &walk, Shape { b: 2, h: 2, l: 37, m: 8, d: 5 });
+        let lo = if normalize { 0.05 } else { -1.0 };
+        let t = |rng: &mut StdRng, len: usize, lo: f64| to_t::<T>(&random_vec(rng, len, lo, 1.0));
+        let f = |rng: &mut StdRng, len: usize, lo: f64| to_t::<f32>(&random_vec(rng, len, lo, 1.0));
+        let (q, k, v, g) = (t(rng, n.qk(), lo), t(rng, n.qk(), lo), t(rng, n.vd(), -1.0), t(rng, n.vd(), -1.0));
+        let per_seq = n.h * n.m * (n.d + usize::from(normalize));
+        let (s0, dfin) = (f(rng, lens.len() * per_seq, 0.0), f(rng, lens.len() * per_seq, -1.0));
+        let call = |cfg: &LinearAttentionConfig| {
+            state_call(device, cfg, n, (0, n.l), Some(&offsets), (&q, &k, &v, &g), Some(&s0), Some(&dfin))
+        };
+        let (a, b) = (call(&sums), call(&walk));
+        for (what, x, y) in [
+            ("out", &a.out, &b.out),
+            ("dq", &a.dq, &b.dq),
+            ("dk", &a.dk, &b.dk),
+            ("dv", &a.dv, &b.dv),
+            ("final state", &a.fin, &b.fin),
+            ("d_initial", &a.d_init, &b.d_init),
+        ] {
+            assert!(
+                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{what} of the state walk differs from the chunk sums' ({:?}, normalize {normalize})",
+                T::DTYPE
+            );
         }
     }
 }

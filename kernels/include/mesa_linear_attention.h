@@ -42,6 +42,17 @@ enum MesaLaMemoryCode {
   MESA_LA_SLIM = 1
 };
 
+typedef int32_t MesaLaSchedule;
+enum MesaLaScheduleCode {
+  /* causal MESA_LA_BOUNDARY_STATES: how the states entering every chunk are computed (the
+   * forward's, and the per-chunk states of the backward's dk and dv). The results are bitwise
+   * the same; only the work's shape differs (docs/linear_attention.md, "Schedules"). */
+  /* every chunk's sum B_c^T C_c in parallel, then a scan of them (the chunk decomposition) */
+  MESA_LA_SCHEDULE_CHUNK_SUMS = 0,
+  /* one sequential walk per (state, 32-column tile) writing the state entering each chunk */
+  MESA_LA_SCHEDULE_STATE_WALK = 1
+};
+
 /* A [B, H, L, F] view: element (b, h, l, f) at data + b*s[0] + h*s[1] + l*s[2] + f*s[3]. */
 typedef struct MesaLaTensor {
   void* data;
@@ -73,6 +84,7 @@ typedef struct MesaLaShape {
   int32_t normalize;
   float eps;       /* guard of the denominator (normalize) */
   MesaLaMemory memory;
+  MesaLaSchedule schedule; /* ignored unless causal with MESA_LA_BOUNDARY_STATES */
   MesaLaPacking packing;
 } MesaLaShape;
 

@@ -352,7 +352,7 @@ fn linear_attention_gradients_match_f64_candle() {
             [(true, MemoryMode::BoundaryStates), (true, MemoryMode::Slim), (false, MemoryMode::BoundaryStates)]
         {
             for dtype in DTYPES {
-                let config = LinearAttentionConfig { causal, normalize: true, eps: 1e-6, chunk: 16, memory };
+                let config = LinearAttentionConfig { causal, chunk: 16, memory, ..LinearAttentionConfig::causal() };
                 // The bound below holds for well-conditioned positions: the gradients
                 // through the normaliser z_t = φ(q_t)·Σ_{s≤t} φ(k_s) carry the rounding of
                 // the output divided by z_t, and with eps the sensitivity eps/(z_t + eps)²,

@@ -105,6 +105,24 @@ pub enum MemoryMode {
     Slim,
 }
 
+/// How the states entering every chunk are computed in [`MemoryMode::BoundaryStates`]
+/// (causal): the forward's, and the per-chunk states of the backward's `dk` and `dv`. Both give
+/// the same results bit for bit; they differ in the shape of the work (docs/linear_attention.md,
+/// "Schedules"; not timed on a GPU yet). Ignored in [`MemoryMode::Slim`] and bidirectional
+/// attention, which walk the chunks anyway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Schedule {
+    /// The chunk decomposition: every chunk's `Bᵀ C` in parallel over (b·h, chunk, 32-column
+    /// tile), then a scan of them, one thread per state element (16 bytes of f32 state traffic
+    /// per state element and chunk, with the outputs' reads).
+    #[default]
+    ChunkSums,
+    /// One sequential walk per (b·h, 32-column tile) that writes the state entering each chunk
+    /// (8 bytes per state element and chunk; `B·H·⌈D/32⌉` blocks, each through `⌈L/C⌉` chunks
+    /// in order).
+    StateWalk,
+}
+
 /// Configuration of the attention.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinearAttentionConfig {
@@ -118,13 +136,22 @@ pub struct LinearAttentionConfig {
     pub chunk: usize,
     /// What the forward keeps for the backward.
     pub memory: MemoryMode,
+    /// How the boundary states are computed ([`MemoryMode::BoundaryStates`] only).
+    pub schedule: Schedule,
 }
 
 impl LinearAttentionConfig {
-    /// Causal, normalised, ε = 1e-6, chunks of 64, boundary states.
+    /// Causal, normalised, ε = 1e-6, chunks of 64, boundary states from chunk sums.
     #[must_use]
     pub fn causal() -> Self {
-        LinearAttentionConfig { causal: true, normalize: true, eps: 1e-6, chunk: 64, memory: MemoryMode::default() }
+        LinearAttentionConfig {
+            causal: true,
+            normalize: true,
+            eps: 1e-6,
+            chunk: 64,
+            memory: MemoryMode::default(),
+            schedule: Schedule::default(),
+        }
     }
     /// Bidirectional, normalised, ε = 1e-6, chunks of 64.
     #[must_use]
@@ -478,6 +505,10 @@ fn la_shape<'a>(
             MemoryMode::BoundaryStates => sys::MESA_LA_BOUNDARY_STATES,
             MemoryMode::Slim => sys::MESA_LA_SLIM,
         }) as sys::MesaLaMemory,
+        schedule: (match c.schedule {
+            Schedule::ChunkSums => sys::MESA_LA_SCHEDULE_CHUNK_SUMS,
+            Schedule::StateWalk => sys::MESA_LA_SCHEDULE_STATE_WALK,
+        }) as sys::MesaLaSchedule,
     })
 }
 
