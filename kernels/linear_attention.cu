@@ -999,11 +999,11 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
       case kStateWalk: {
         // S_{c+1} = S_c + U_c: the scan's f32 operations, so the same states bit for bit
         init_state<kNorm>(p, it.sidx, it.d0, p.init);
+        // (init_state and update_state end with a barrier, and update_state begins with one:
+        // each store reads the state tile after the last update wrote it, before the next does)
         for (int64_t i = 0; i < it.nchunks; ++i) {
           const int64_t c = kMask == kMaskGE ? it.nchunks - 1 - i : i;
-          __syncthreads();  // the last update's writes of the state tile are done
           store_entering_state<kNorm>(p, it.sidx, it.d0, sq.bidx, sq.cbase + c);
-          __syncthreads();  // read before the update below writes it
           load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
           update_state<T, kLo, kNorm>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
         }
