@@ -2,7 +2,9 @@
 //! 64; f16/bf16 run on tensor cores).
 //!
 //! * CUDA: B = 4, H = 16, T ∈ {4K, 8K, 16K}, M = D ∈ {64, 128}, both memory modes
-//!   (`boundary` and `slim`). Throughput in elements = B·H·T tokens per iteration.
+//!   (`boundary`: boundary states from chunk sums and a scan, the default; `walk`: the same
+//!   states from a state walk, `Schedule::StateWalk`; `slim`). Throughput in elements =
+//!   B·H·T tokens per iteration.
 //! * Emulator (group name says "emulator (not performance)"): B = 1, H = 2, T = 256,
 //!   M = D = 16 — only a smoke run of the same code path.
 //!
@@ -28,7 +30,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
 use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
 use mesa_kernels::linear_attention::{
-    backward, forward, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, MemoryMode,
+    backward, forward, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, MemoryMode, Schedule,
 };
 use mesa_kernels::{Buffer, Element, Layout};
 use mesa_kernels::{TensorMut, TensorRef};
@@ -88,8 +90,12 @@ fn bench_case(c: &mut Criterion, bench: &BenchDevice, case: &Case) {
     let mut group = c.benchmark_group(&group_name);
     group.throughput(Throughput::Elements((b * h * t) as u64));
     group.sample_size(10);
-    for (name, memory) in [("boundary", MemoryMode::BoundaryStates), ("slim", MemoryMode::Slim)] {
-        let cfg = LinearAttentionConfig { memory, ..LinearAttentionConfig::causal() };
+    for (name, memory, schedule) in [
+        ("boundary", MemoryMode::BoundaryStates, Schedule::ChunkSums),
+        ("walk", MemoryMode::BoundaryStates, Schedule::StateWalk),
+        ("slim", MemoryMode::Slim, Schedule::ChunkSums),
+    ] {
+        let cfg = LinearAttentionConfig { memory, schedule, ..LinearAttentionConfig::causal() };
         group.bench_function(format!("fwd_{name}_T{t}_D{d}"), |bencher| {
             bencher.iter_custom(|iters| {
                 timed(device, iters, || {

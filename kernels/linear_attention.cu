@@ -877,7 +877,7 @@ __device__ void store_entering_state(const Product& p, int64_t sidx, int64_t d0,
   }
 }
 
-// The block's tiles: one __shared__ union for every instance of la_product_kernel (41 of
+// The block's tiles: one __shared__ union for every instance of la_product_kernel (52 of
 // them). On a GPU each kernel gets its own static allocation; the emulator keeps __shared__
 // variables as thread-local storage, where one copy per instance would take ~1 MiB of every
 // thread's TLS (glibc carves it from the thread's stack: a 2 MiB test thread overflowed).
@@ -1092,7 +1092,7 @@ inline int lo_mask(const Product& p) {
 // no instance: an internal error, never a wrong result.
 // The lo patterns a (mode, direction) meets: LE the forward (0) and dq (kLoA when normalised);
 // GE dk (kLoB) and dv (kLoC); the chunk sums and the state walks the forward (LE), dk and dv
-// (GE); bidirectional all of them. Only these are compiled (34 of the 46 combinations, before
+// (GE); bidirectional all of them. Only these are compiled (37 of the 48 combinations, before
 // normalisation: norm_used).
 template <int kMode, int kMask>
 constexpr bool lo_used(int lo) {
@@ -1168,9 +1168,11 @@ MesaStatus launch_masked(const Product& p, void* stream) {
 constexpr int64_t kWaves = 4;
 // Blocks of la_product_kernel resident per SM (__launch_bounds__(kThreads, 2)).
 constexpr int64_t kBlocksPerSm = 2;
+#ifdef MESA_EMU
 // The emulator's notional device for this policy: one SM (its worker threads vary by machine,
 // the groups a test meets should not; and small test shapes already form groups).
 constexpr int64_t kEmuPolicySms = 1;
+#endif
 template <typename T>
 inline int64_t value_group(const Product& p, int64_t tiles) {
   if (!kTensorCores<T> || p.mode != kReadChunk || tiles <= 1) return 1;

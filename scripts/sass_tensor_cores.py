@@ -18,16 +18,16 @@ import re
 import sys
 
 MODES = {0: "walk (kAccumulate)", 1: "per-chunk outputs (kReadChunk)", 2: "bidirectional (kBidir)",
-         3: "chunk sums (kChunkSum)"}
+         3: "chunk sums (kChunkSum)", 4: "state walk (kStateWalk)"}
 TYPES = {"6__half": "f16", "13__nv_bfloat16": "bf16", "f": "f32"}
 # operands whose tiles have a lo half (LoTiles in kernels/linear_attention.cu)
 LO = {0: "none", 1: "c", 2: "b", 4: "a", 7: "all"}
 MASKS = {0: "", 1: " LE", 2: " GE"}  # the direction (Mask)
-# f32, f16: walk and per-chunk outputs x 2 directions + chunk sums + bidirectional; bf16: the
-# lo patterns each of those meets (lo_used in the kernel): 2 + 3 + 2 + 3 + 3 + 4; and per dtype
-# the normalising instances of the forward (norm_used): walk LE, per-chunk outputs LE, chunk
-# sums, bidirectional
-EXPECTED = 6 + 6 + 17 + 3 * 4
+# f32, f16: walk, per-chunk outputs and state walk x 2 directions + chunk sums + bidirectional;
+# bf16: the lo patterns each of those meets (lo_used in the kernel): 2 + 3 + 2 + 3 + 1 + 3 + 3
+# + 4; and per dtype the normalising instances of the forward (norm_used): walk LE, per-chunk
+# outputs LE, chunk sums, state walk LE, bidirectional
+EXPECTED = 8 + 8 + 21 + 3 * 5
 # FAVOR+: forward per dtype (f16, bf16) x stabiliser (4), backward per dtype
 FAVOR_EXPECTED = 8 + 2
 STABILIZERS = {0: "none", 1: "row max", 2: "bound", 3: "sequence max"}

@@ -270,7 +270,13 @@ fn configs() -> Vec<LinearAttentionConfig> {
                 if !causal && memory == MemoryMode::Slim {
                     continue; // bidirectional: one state, the modes coincide
                 }
-                v.push(LinearAttentionConfig { chunk: 16, causal, normalize, memory, ..LinearAttentionConfig::causal() });
+                v.push(LinearAttentionConfig {
+                    chunk: 16,
+                    causal,
+                    normalize,
+                    memory,
+                    ..LinearAttentionConfig::causal()
+                });
             }
         }
     }

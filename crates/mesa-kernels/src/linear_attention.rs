@@ -207,13 +207,13 @@ pub struct Grads<'a, 'b, T> {
 /// the gradients to write.
 #[derive(Debug)]
 pub struct BackwardArgs<'a, 'b, T> {
-    /// The forward's `q`.
+    /// The forward's `q`, `[B, H, L, M]`.
     pub q: &'a TensorRef<'b, T>,
-    /// The forward's `k`.
+    /// The forward's `k`, `[B, H, L, M]`.
     pub k: &'a TensorRef<'b, T>,
-    /// The forward's `v`.
+    /// The forward's `v`, `[B, H, L, D]`.
     pub v: &'a TensorRef<'b, T>,
-    /// The forward's output: required when normalised, ignored otherwise.
+    /// The forward's output `[B, H, L, D]`: required when normalised, ignored otherwise.
     pub out: Option<&'a TensorRef<'b, T>>,
     /// The upstream gradient `[B, H, L, D]`.
     pub dout: &'a TensorRef<'b, T>,
@@ -330,11 +330,12 @@ impl LinearAttentionSaved {
         v.truncate(self.sizes.state);
         Ok(v)
     }
-    /// The final state as a `[B, H, M, W]` f32 view on the forward's device (the initial
-    /// state of the next piece of the sequence: [`forward_with_state`]). No copy.
+    /// The final state as a `[B, H, M, W]` f32 view on the forward's device, `[N, H, M, W]`
+    /// for packed sequences (the initial state of the next piece of the sequence:
+    /// [`forward_with_state`], [`forward_packed`]). No copy.
     ///
     /// # Errors
-    /// None in practice (the buffer holds `B·H·M·W` elements); a layout error otherwise.
+    /// None in practice (the buffer holds the state's elements); a layout error otherwise.
     pub fn final_state_tensor(&self) -> Result<TensorRef<'_, f32>> {
         TensorRef::contiguous(&self.state, &self.state_shape()?)
     }
@@ -381,7 +382,9 @@ fn state_width(d: &Dims, c: &LinearAttentionConfig) -> Option<usize> {
 }
 
 /// Bytes the forward keeps for a call of `dims` (states and denominators), without running it
-/// (no initial state; one adds `B·H·M·W·4` bytes in [`MemoryMode::Slim`]).
+/// (no initial state; one adds `B·H·M·W·4` bytes in [`MemoryMode::Slim`]). For an unpacked
+/// call: packed sequences keep `[N, H, M, W]` states and `Σ_n ⌈len_n/C⌉` boundary states, as
+/// [`LinearAttentionSaved::size_in_bytes`] of the call reports.
 ///
 /// # Errors
 /// [`Error::TooLarge`] when a count overflows (or passes the kernels' 64-bit indexing).
@@ -392,7 +395,8 @@ pub fn saved_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize>
 
 /// Bytes of the scratch [`backward`] allocates for a call of `dims`: one state, `B·H·M·W·4`,
 /// independent of `L`; in [`MemoryMode::BoundaryStates`] (causal) also the per-chunk states of
-/// the decomposed dk/dv, `B·H·⌈L/C⌉·M·W·4` (as many as the saved boundary states).
+/// the decomposed dk/dv, `B·H·⌈L/C⌉·M·W·4` (as many as the saved boundary states). For an
+/// unpacked call (packed sequences: `N` states and `Σ_n ⌈len_n/C⌉` per-chunk ones).
 ///
 /// # Errors
 /// [`Error::TooLarge`] when a count overflows.
@@ -527,8 +531,8 @@ fn la_shape<'a>(
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] (chunk outside `1..=64`, ε not finite and > 0 when
-/// normalizing), [`Error::InvalidLayout`] (rank ≠ 4), [`Error::ShapeMismatch`] (`k`, `v`
-/// or `out` disagreeing with `q`), [`Error::Aliasing`], [`Error::TooLarge`] (saved state),
+/// normalizing), [`Error::InvalidLayout`] (`q` or `v` of rank ≠ 4), [`Error::ShapeMismatch`]
+/// (`k` or `out` disagreeing with `q` or `v`, any rank), [`Error::Aliasing`], [`Error::TooLarge`] (saved state),
 /// [`Error::WrongBackend`], [`Error::Misaligned`], CUDA errors.
 pub fn forward<T: Element>(
     device: &Device,
@@ -559,7 +563,7 @@ pub fn forward_with_state<T: Element>(
 }
 
 /// [`forward_with_state`] on `N` variable-length sequences packed into one batch
-/// (flash-linear-attention's `cu_seqlens`; module `packing`): `B = 1`, and `seq_offsets`
+/// (flash-linear-attention's `cu_seqlens`): `B = 1`, and `seq_offsets`
 /// (`N + 1` entries, `0 = o_0 ≤ o_1 ≤ … ≤ o_N = L`, on the host) makes rows `o_n..o_{n+1}`
 /// of every head sequence `n`. No state crosses from one sequence to the next: the outputs,
 /// and the gradients of [`backward`] / [`backward_with_state`] on the returned value, equal
