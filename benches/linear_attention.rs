@@ -2,9 +2,9 @@
 //! 64; f16/bf16 run on tensor cores).
 //!
 //! * CUDA: B = 4, H = 16, T ∈ {4K, 8K, 16K}, M = D ∈ {64, 128}, both memory modes
-//!   (`boundary`: boundary states from chunk sums and a scan, the default; `walk`: the same
-//!   states from a state walk, `Schedule::StateWalk`; `slim`). Throughput in elements =
-//!   B·H·T tokens per iteration.
+//!   (`boundary`: boundary states from chunk sums and a scan, the default; `statewalk` and
+//!   `walk`: the same states from `Schedule::StateWalk` and `Schedule::Walk`; `slim`).
+//!   Throughput in elements = B·H·T tokens per iteration.
 //! * Emulator (group name says "emulator (not performance)"): B = 1, H = 2, T = 256,
 //!   M = D = 16 — only a smoke run of the same code path.
 //!
@@ -92,7 +92,8 @@ fn bench_case(c: &mut Criterion, bench: &BenchDevice, case: &Case) {
     group.sample_size(10);
     for (name, memory, schedule) in [
         ("boundary", MemoryMode::BoundaryStates, Schedule::ChunkSums),
-        ("walk", MemoryMode::BoundaryStates, Schedule::StateWalk),
+        ("statewalk", MemoryMode::BoundaryStates, Schedule::StateWalk),
+        ("walk", MemoryMode::BoundaryStates, Schedule::Walk),
         ("slim", MemoryMode::Slim, Schedule::ChunkSums),
     ] {
         let cfg = LinearAttentionConfig { memory, schedule, ..LinearAttentionConfig::causal() };

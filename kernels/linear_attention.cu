@@ -979,6 +979,10 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
         for (int64_t i = 0; i < it.nchunks; ++i) {
           const int64_t c = kMask == kMaskGE ? it.nchunks - 1 - i : i;
           const int64_t t0 = sq.t0 + c * p.chunk;
+          // MESA_LA_SCHEDULE_WALK: the forward's walk also keeps the state entering each chunk
+          // (update_state's barriers order it as in kStateWalk)
+          if (kMask == kMaskLE && p.boundary.base != nullptr)
+            store_entering_state<kNorm>(p, it.sidx, it.d0, sq.bidx, sq.cbase + c);
           chunk_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
           update_state<T, kLo, kNorm>(tl, p, sq, t0, rows_of(c), it.d0);
         }
@@ -1282,6 +1286,8 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   const int64_t M = s.feat, D = s.dim, W = D + (s.normalize ? 1 : 0);
   const int64_t BH = state_count(s);
   const bool boundary = s.causal && s.memory == MESA_LA_BOUNDARY_STATES;
+  // MESA_LA_SCHEDULE_WALK: SLiM's walks, keeping the state entering each chunk as they go
+  const bool walk = boundary && s.schedule == MESA_LA_SCHEDULE_WALK;
   // The state S' [bh, M, W], column D the normaliser's z. It starts from the caller's initial
   // state (causal) or 0.
   const StateView state{a.state, M * W, 0, W, 1};
@@ -1307,7 +1313,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   // A walk (SLiM, bidirectional) runs its D-tiles in separate blocks that each need z before
   // the next chunk, so there a product with no value columns computes them first (the same
   // operations: both memory modes give bitwise the same results).
-  const bool fold = s.normalize && boundary;
+  const bool fold = s.normalize && boundary && !walk;
   if (s.normalize && !fold) {
     Product z = p;
     z.c = ones_only();
@@ -1318,7 +1324,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
     z.eps = s.eps;
     z.state = StateView{a.state != nullptr ? a.state + D : nullptr, M * W, 0, W, 1};
     z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
-    z.boundary = none;
+    z.boundary = walk ? boundary_view(s, a.boundary, M, W, D, false) : none;
     const MesaStatus st = run_product<T>(z, stream);
     if (st != MESA_STATUS_OK) return st;
   }
@@ -1333,7 +1339,7 @@ MesaStatus forward(const MesaLaForwardArgs& a, void* stream) {
   p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
   p.boundary = boundary ? boundary_view(s, a.boundary, M, W, 0, false) : none;
   if (D == 0 && !fold) return MESA_STATUS_OK;
-  return boundary ? run_product_decomposed<T>(p, s.schedule, stream) : run_product<T>(p, stream);
+  return boundary && !walk ? run_product_decomposed<T>(p, s.schedule, stream) : run_product<T>(p, stream);
 }
 
 template <typename T>
@@ -1361,8 +1367,8 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
   auto transposed = [&](const float* base) { return StateView{const_cast<float*>(base), M * W, 0, 1, W}; };
   const StateView work{a.work, W * M, 0, M, 1};
   // boundary mode (causal): dk and dv as the chunk decomposition, their per-chunk states in
-  // the workspace after one state per (b, h)
-  const bool decompose = s.causal && s.memory == MESA_LA_BOUNDARY_STATES;
+  // the workspace after one state per (b, h); walked as in SLiM with MESA_LA_SCHEDULE_WALK
+  const bool decompose = s.causal && s.memory == MESA_LA_BOUNDARY_STATES && s.schedule != MESA_LA_SCHEDULE_WALK;
   float* chunk_work = a.work + state_count(s) * M * W;
 
   // dq = product(dO', c', k), LE: state sum c'_s k_s^T = S'^T, the forward's states read
@@ -1456,7 +1462,9 @@ inline bool shape_valid(const MesaLaShape& s) {
   if (s.chunk < 1 || s.chunk > MESA_LA_MAX_CHUNK) return false;
   if (s.dtype != MESA_DTYPE_F32 && s.dtype != MESA_DTYPE_F16 && s.dtype != MESA_DTYPE_BF16) return false;
   if (s.memory != MESA_LA_BOUNDARY_STATES && s.memory != MESA_LA_SLIM) return false;
-  if (s.schedule != MESA_LA_SCHEDULE_CHUNK_SUMS && s.schedule != MESA_LA_SCHEDULE_STATE_WALK) return false;
+  if (s.schedule != MESA_LA_SCHEDULE_CHUNK_SUMS && s.schedule != MESA_LA_SCHEDULE_STATE_WALK &&
+      s.schedule != MESA_LA_SCHEDULE_WALK)
+    return false;
   if (s.normalize && !(s.eps >= 0.0f)) return false;
   const MesaLaPacking& k = s.packing;
   if (k.seq_offsets != nullptr &&

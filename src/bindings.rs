@@ -821,6 +821,7 @@ pub type MesaLaMemoryCode = ::core::ffi::c_uint;
 pub type MesaLaSchedule = i32;
 pub const MESA_LA_SCHEDULE_CHUNK_SUMS: MesaLaScheduleCode = 0;
 pub const MESA_LA_SCHEDULE_STATE_WALK: MesaLaScheduleCode = 1;
+pub const MESA_LA_SCHEDULE_WALK: MesaLaScheduleCode = 2;
 pub type MesaLaScheduleCode = ::core::ffi::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

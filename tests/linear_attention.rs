@@ -2184,16 +2184,17 @@ fn packed_case<T: Element>(rng: &mut StdRng, m: usize, d: usize) {
 }
 
 /// The state-walk schedule (`Schedule::StateWalk`: one sequential walk per (state, D-tile)
-/// writing the state entering each chunk, for the forward and for dk, dv) does the f32
-/// operations of the chunk sums and their scan in the same order, so every result must be
+/// writing the state entering each chunk, for the forward and for dk, dv) and the walk
+/// (`Schedule::Walk`: SLiM's forward walk keeping the states, SLiM's dk and dv walks) do the
+/// f32 operations of the chunk sums and their scan in the same order, so every result must be
 /// bitwise that of `Schedule::ChunkSums`: outputs, gradients, final states and initial-state
 /// gradients, on packed sequences (an empty one, L < chunk, L not a multiple of it) with
 /// initial states and final-state gradients; M = D = 40 (f32 on the FP32 tiles, bf16 on
 /// tensor cores) give every walk two D-tiles, f16 (M = D = 8) the other tensor-core instances.
 /// And against the f64 reference on its own.
 #[test]
-fn state_walk_schedule_equals_chunk_sums_bitwise() {
-    let mut rng = common::rng("state_walk_schedule_equals_chunk_sums_bitwise");
+fn walk_schedules_equal_chunk_sums_bitwise() {
+    let mut rng = common::rng("walk_schedules_equal_chunk_sums_bitwise");
     let device = common::emulator();
     schedules_agree::<f32>(&device, &mut rng, 40, 40);
     schedules_agree::<f16>(&device, &mut rng, 8, 8);
@@ -2209,7 +2210,9 @@ fn schedules_agree<T: Element>(device: &Device, rng: &mut StdRng, m: usize, d: u
     let n = Shape { b: 1, h: 2, l: offsets[lens.len()], m, d };
     for normalize in [true, false] {
         let sums = LinearAttentionConfig { normalize, chunk: 16, ..LinearAttentionConfig::causal() };
-        let walk = LinearAttentionConfig { schedule: Schedule::StateWalk, ..sums };
+        let state_walk = LinearAttentionConfig { schedule: Schedule::StateWalk, ..sums };
+        let walk = LinearAttentionConfig { schedule: Schedule::Walk, ..sums };
+        parity::<T>(device, rng, &state_walk, Shape { b: 2, h: 2, l: 37, m: 8, d: 5 });
         parity::<T>(device, rng, &walk, Shape { b: 2, h: 2, l: 37, m: 8, d: 5 });
         let lo = if normalize { 0.05 } else { -1.0 };
         let t = |rng: &mut StdRng, len: usize, lo: f64| to_t::<T>(&random_vec(rng, len, lo, 1.0));
@@ -2220,20 +2223,24 @@ fn schedules_agree<T: Element>(device: &Device, rng: &mut StdRng, m: usize, d: u
         let call = |cfg: &LinearAttentionConfig| {
             state_call(device, cfg, n, (0, n.l), Some(&offsets), (&q, &k, &v, &g), Some(&s0), Some(&dfin))
         };
-        let (a, b) = (call(&sums), call(&walk));
-        for (what, x, y) in [
-            ("out", &a.out, &b.out),
-            ("dq", &a.dq, &b.dq),
-            ("dk", &a.dk, &b.dk),
-            ("dv", &a.dv, &b.dv),
-            ("final state", &a.fin, &b.fin),
-            ("d_initial", &a.d_init, &b.d_init),
-        ] {
-            assert!(
-                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
-                "{what} of the state walk differs from the chunk sums' ({:?}, normalize {normalize})",
-                T::DTYPE
-            );
+        let a = call(&sums);
+        for cfg in [state_walk, walk] {
+            let b = call(&cfg);
+            for (what, x, y) in [
+                ("out", &a.out, &b.out),
+                ("dq", &a.dq, &b.dq),
+                ("dk", &a.dk, &b.dk),
+                ("dv", &a.dv, &b.dv),
+                ("final state", &a.fin, &b.fin),
+                ("d_initial", &a.d_init, &b.d_init),
+            ] {
+                assert!(
+                    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{what} of {:?} differs from the chunk sums' ({:?}, normalize {normalize})",
+                    cfg.schedule,
+                    T::DTYPE
+                );
+            }
         }
     }
 }

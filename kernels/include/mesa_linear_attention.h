@@ -45,12 +45,15 @@ enum MesaLaMemoryCode {
 typedef int32_t MesaLaSchedule;
 enum MesaLaScheduleCode {
   /* causal MESA_LA_BOUNDARY_STATES: how the states entering every chunk are computed (the
-   * forward's, and the per-chunk states of the backward's dk and dv). The results are bitwise
-   * the same; only the work's shape differs (docs/linear_attention.md, "Schedules"). */
+   * forward's, and the per-chunk states of the backward's dk and dv, or none). The results are
+   * bitwise the same; only the work's shape differs (docs/linear_attention.md, "Schedules"). */
   /* every chunk's sum B_c^T C_c in parallel, then a scan of them (the chunk decomposition) */
   MESA_LA_SCHEDULE_CHUNK_SUMS = 0,
   /* one sequential walk per (state, 32-column tile) writing the state entering each chunk */
-  MESA_LA_SCHEDULE_STATE_WALK = 1
+  MESA_LA_SCHEDULE_STATE_WALK = 1,
+  /* the forward's output walk (as MESA_LA_SLIM) writes them as it goes; dk and dv walk back
+   * as in MESA_LA_SLIM; dq reads the states, parallel over chunks */
+  MESA_LA_SCHEDULE_WALK = 2
 };
 
 /* A [B, H, L, F] view: element (b, h, l, f) at data + b*s[0] + h*s[1] + l*s[2] + f*s[3]. */
@@ -113,7 +116,8 @@ typedef struct MesaLaForwardArgs {
  * NULL: 0; causal only); writes dq, dk, dv and d_init ([B*H, M, W] f32, the gradient of the
  * initial state; NULL: not wanted; causal only). work: f32 scratch of B*H*M*W elements
  * (independent of L), plus, causal with MESA_LA_BOUNDARY_STATES, as many as the boundary
- * states (dk, dv run as the chunk decomposition); contents on entry ignored. The saved
+ * states (dk, dv run as the chunk decomposition; not with MESA_LA_SCHEDULE_WALK); contents on
+ * entry ignored. The saved
  * state is not modified. */
 typedef struct MesaLaBackwardArgs {
   MesaLaShape shape;

@@ -121,6 +121,11 @@ pub enum Schedule {
     /// (8 bytes per state element and chunk; `B·H·⌈D/32⌉` blocks, each through `⌈L/C⌉` chunks
     /// in order).
     StateWalk,
+    /// The forward walks the chunks as in [`MemoryMode::Slim`], computing the outputs and
+    /// writing each state as it goes (4 bytes per state element and chunk), and the backward's
+    /// dk and dv walk back as in SLiM (no per-chunk states, no workspace for them); dq still
+    /// reads the states, parallel over chunks.
+    Walk,
 }
 
 /// Configuration of the attention.
@@ -249,8 +254,10 @@ struct SavedSizes {
 
 impl SavedSizes {
     /// f32 elements of the backward's workspace (both counts < i64::MAX / 16: no overflow).
-    fn workspace(&self) -> usize {
-        (self.state + self.boundary).max(1)
+    fn workspace(&self, config: &LinearAttentionConfig) -> usize {
+        // dk's and dv's per-chunk states, unless they walk (Schedule::Walk)
+        let chunks = if config.schedule == Schedule::Walk { 0 } else { self.boundary };
+        (self.state + chunks).max(1)
     }
     /// Elements of the copy of an initial state (SLiM mode keeps it for the backward).
     fn init_copy(&self, config: &LinearAttentionConfig, has_initial: bool) -> usize {
@@ -395,13 +402,13 @@ pub fn saved_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize>
 
 /// Bytes of the scratch [`backward`] allocates for a call of `dims`: one state, `B·H·M·W·4`,
 /// independent of `L`; in [`MemoryMode::BoundaryStates`] (causal) also the per-chunk states of
-/// the decomposed dk/dv, `B·H·⌈L/C⌉·M·W·4` (as many as the saved boundary states). For an
-/// unpacked call (packed sequences: `N` states and `Σ_n ⌈len_n/C⌉` per-chunk ones).
+/// the decomposed dk/dv, `B·H·⌈L/C⌉·M·W·4` (as many as the saved boundary states; none with
+/// [`Schedule::Walk`]). For an unpacked call (packed sequences: `N` states and `Σ_n ⌈len_n/C⌉` per-chunk ones).
 ///
 /// # Errors
 /// [`Error::TooLarge`] when a count overflows.
 pub fn backward_workspace_bytes(dims: &Dims, config: &LinearAttentionConfig) -> Result<usize> {
-    Ok(saved_sizes(dims, config)?.workspace() * 4)
+    Ok(saved_sizes(dims, config)?.workspace(config) * 4)
 }
 
 /// Element counts for `d` (and, for packed sequences, `(N, Σ_n ⌈len_n/C⌉)`).
@@ -512,6 +519,7 @@ fn la_shape<'a>(
         schedule: (match c.schedule {
             Schedule::ChunkSums => sys::MESA_LA_SCHEDULE_CHUNK_SUMS,
             Schedule::StateWalk => sys::MESA_LA_SCHEDULE_STATE_WALK,
+            Schedule::Walk => sys::MESA_LA_SCHEDULE_WALK,
         }) as sys::MesaLaSchedule,
     })
 }
@@ -766,7 +774,7 @@ pub fn backward_with_state<T: Element>(
         return Ok(());
     }
     let sizes = saved.sizes;
-    let mut work = device.alloc_for_kernel::<f32>(sizes.workspace())?;
+    let mut work = device.alloc_for_kernel::<f32>(sizes.workspace(&config))?;
     let mut launch = Launch::new(device);
     let shape = la_shape(&dims, &config, T::DTYPE, saved.packing.as_ref(), &mut launch)?;
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
