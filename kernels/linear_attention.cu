@@ -28,8 +28,9 @@
 // Memory modes (causal):
 //   BOUNDARY_STATES: the forward writes the state entering every chunk; dq reads it, so
 //                    its chunks are independent (parallel over chunks). Those states (and
-//                    dk's, dv's) come from the chunk sums and a scan, or from a state walk
-//                    (MESA_LA_SCHEDULE_STATE_WALK): bitwise the same.
+//                    dk's, dv's) come from the chunk sums and a scan, from a state walk
+//                    (MESA_LA_SCHEDULE_STATE_WALK), or from SLiM's walks, the forward's
+//                    storing them (MESA_LA_SCHEDULE_WALK): bitwise the same.
 //   SLIM:            only the final state is kept (and a copy of S0'); dq walks the chunks
 //                    forward again from S0', so dq_t reads rows s <= t only. (SLiM's own
 //                    reversal by subtraction, S <- S - B_c^T C_c, loses the early states to

@@ -106,8 +106,8 @@ pub enum MemoryMode {
 }
 
 /// How the states entering every chunk are computed in [`MemoryMode::BoundaryStates`]
-/// (causal): the forward's, and the per-chunk states of the backward's `dk` and `dv`. Both give
-/// the same results bit for bit; they differ in the shape of the work (docs/linear_attention.md,
+/// (causal): the forward's, and the per-chunk states of the backward's `dk` and `dv`. All three
+/// give the same results bit for bit; they differ in the shape of the work (docs/linear_attention.md,
 /// "Schedules"; not timed on a GPU yet). Ignored in [`MemoryMode::Slim`] and bidirectional
 /// attention, which walk the chunks anyway.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
