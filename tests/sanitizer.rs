@@ -265,6 +265,7 @@ extern "C" {
     fn mesa_emu_broken_wmma_half_warp(a: *const BrokenArgs) -> i32;
     fn mesa_emu_broken_wmma_misaligned(a: *const BrokenArgs) -> i32;
     fn mesa_emu_broken_wmma_meets_syncwarp(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_wmma_lane_pointers(a: *const BrokenArgs) -> i32;
 }
 
 /// A 16 × 16 tile of A (row-major) then one of B: small integers, exact in bf16, whose
@@ -303,6 +304,17 @@ fn wmma_load_from_a_misaligned_pointer() {
     assert!(r.report.as_deref().is_some_and(|m| m.contains("32-byte aligned")), "{:?}", r.report);
     let r = run(mesa_emu_broken_wmma_misaligned, Checks::SYNC, 59, &x, 256);
     assert_eq!((r.status, r.report.as_deref()), (0, None), "no memcheck: the misaligned load goes unseen");
+}
+
+#[test]
+fn wmma_load_with_a_pointer_per_half_warp() {
+    // Lanes 16..32 pass another (aligned) tile: only lane 0's comparison of every lane sees it.
+    let x = wmma_operands();
+    let r = run(mesa_emu_broken_wmma_lane_pointers, Checks::ALL, 63, &x, 256);
+    assert_reported(&r, "synccheck", "wmma_lane_pointers", 63);
+    assert!(r.report.as_deref().is_some_and(|m| m.contains("lane 16 passes pointer")), "{:?}", r.report);
+    let r = run(mesa_emu_broken_wmma_lane_pointers, Checks::MEM, 63, &x, 256);
+    assert_eq!((r.status, r.report.as_deref()), (0, None), "no synccheck: the second pointer goes unseen");
 }
 
 #[test]

@@ -165,7 +165,8 @@ __device__ void wmma_tile(float* out, const float* in) {
   nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> acc;
   nvcuda::wmma::fill_fragment(acc, 0.0f);
   // 15: B read from 8 elements (16 bytes) past the tile: not 32-byte aligned
-  nvcuda::wmma::load_matrix_sync(fa, ab[0], 16);
+  // 17: the upper half of the warp loads A from B's tile (aligned, but not lane 0's pointer)
+  nvcuda::wmma::load_matrix_sync(fa, kVariant == 17 && threadIdx.x >= 16 ? ab[1] : ab[0], 16);
   nvcuda::wmma::load_matrix_sync(fb, kVariant == 15 ? ab[0] + 8 : ab[1], 16);
   // 14: only half of the warp reaches the product; 16: the other half waits in __syncwarp
   if ((kVariant != 14 && kVariant != 16) || threadIdx.x < 16) {
@@ -187,6 +188,9 @@ __global__ void wmma_misaligned(float* out, const float* in) { wmma_tile<15>(out
 
 // 16. half of the warp in the tensor-core product, the other half in __syncwarp.
 __global__ void wmma_meets_syncwarp(float* out, const float* in) { wmma_tile<16>(out, in); }
+
+// 17. lanes of one warp pass different tile pointers to one load_matrix_sync (it takes one).
+__global__ void wmma_lane_pointers(float* out, const float* in) { wmma_tile<17>(out, in); }
 
 }  // namespace broken
 }  // namespace MESA_NS
@@ -214,3 +218,4 @@ MESA_BROKEN_CASE(wmma_tile_product, 32, a->out, a->in)
 MESA_BROKEN_CASE(wmma_half_warp, 32, a->out, a->in)
 MESA_BROKEN_CASE(wmma_misaligned, 32, a->out, a->in)
 MESA_BROKEN_CASE(wmma_meets_syncwarp, 32, a->out, a->in)
+MESA_BROKEN_CASE(wmma_lane_pointers, 32, a->out, a->in)

@@ -454,6 +454,28 @@ inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, 
   ::mesa_emu::warp_matrix_done("store_matrix_sync");
 }
 
+namespace detail {
+// mma_sync's arithmetic for one lane: its 8 elements of A B + c from every lane's published
+// part (A's elements at offset 0, B's at b_offset). It reads only emulator state and this
+// lane's registers, never kernel memory, so racecheck's instrumentation (a callback per
+// element read) is left out of it.
+template <typename T>
+__attribute__((no_sanitize_thread)) inline void mma_lane(const ::mesa_emu::WarpMatrixSlot* lanes, unsigned lane,
+                                                         size_t b_offset, const float (&c)[8], float (&out)[8]) {
+  auto element = [&](int e, size_t offset) {  // element e of the A (offset 0) or B tile
+    T v;
+    std::memcpy(&v, lanes[e / 8].part + offset + size_t(e % 8) * sizeof(T), sizeof(T));
+    return widen(v);
+  };
+  for (int i = 0; i < 8; ++i) {
+    const int e = int(lane) * 8 + i, r = e / 16, n = e % 16;
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) acc = std::fma(element(r * 16 + k, 0), element(k * 16 + n, b_offset), acc);
+    out[i] = acc;
+  }
+}
+}  // namespace detail
+
 // d = a b + c (d may be c).
 template <typename T, typename LA, typename LB>
 inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
@@ -463,19 +485,8 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment
   std::memcpy(part, a.x, sizeof(a.x));
   std::memcpy(part + sizeof(a.x), b.x, sizeof(b.x));
   const ::mesa_emu::WarpMatrixSlot* lanes = ::mesa_emu::warp_matrix_op("mma_sync", nullptr, 0, 1, part, sizeof part);
-  auto element = [&](int e, size_t offset) {  // element e of the A (offset 0) or B tile
-    T v;
-    std::memcpy(&v, lanes[e / 8].part + offset + size_t(e % 8) * sizeof(T), sizeof(T));
-    return detail::widen(v);
-  };
-  const unsigned lane = ::mesa_emu::lane_id();
   float out[8];
-  for (int i = 0; i < 8; ++i) {
-    const int e = int(lane) * 8 + i, r = e / 16, n = e % 16;
-    float acc = c.x[i];
-    for (int k = 0; k < 16; ++k) acc = std::fma(element(r * 16 + k, 0), element(k * 16 + n, sizeof(a.x)), acc);
-    out[i] = acc;
-  }
+  detail::mma_lane<T>(lanes, ::mesa_emu::lane_id(), sizeof(a.x), c.x, out);
   std::memcpy(d.x, out, sizeof out);
   ::mesa_emu::warp_matrix_done("mma_sync");
 }

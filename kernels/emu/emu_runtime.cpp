@@ -750,6 +750,9 @@ constexpr int kMaxTracked = 16;
 thread_local Tracked tl_tracked[kMaxTracked];
 thread_local int tl_ntracked = 0;
 thread_local uint64_t tl_tracked_epoch = 0;
+// The span of this block's tracked variables: most instrumented accesses (global memory,
+// a thread's own arrays) fall outside it and return before race_access is called.
+thread_local uintptr_t tl_tracked_lo = UINTPTR_MAX, tl_tracked_hi = 0;
 thread_local std::map<uintptr_t, std::vector<Shadow>>* tl_shadow_store = nullptr;
 
 }  // namespace
@@ -758,13 +761,18 @@ void race_track(void* p, size_t bytes, const char* name) {
   if (tl_tracked_epoch != tl_block_epoch) {
     tl_tracked_epoch = tl_block_epoch;
     tl_ntracked = 0;
+    tl_tracked_lo = UINTPTR_MAX;
+    tl_tracked_hi = 0;
   }
   if (tl_ntracked == kMaxTracked) return;  // more variables than tracked: the rest go unseen
   if (tl_shadow_store == nullptr) tl_shadow_store = new std::map<uintptr_t, std::vector<Shadow>>();
   std::vector<Shadow>& sh = (*tl_shadow_store)[reinterpret_cast<uintptr_t>(p)];
   const size_t granules = (bytes + 3) / 4;
   if (sh.size() < granules) sh.resize(granules);
-  tl_tracked[tl_ntracked++] = Tracked{reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + bytes, name, &sh};
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p), hi = lo + bytes;
+  tl_tracked[tl_ntracked++] = Tracked{lo, hi, name, &sh};
+  tl_tracked_lo = std::min(tl_tracked_lo, lo);
+  tl_tracked_hi = std::max(tl_tracked_hi, hi);
 }
 
 namespace {
@@ -844,7 +852,9 @@ void race_access(uintptr_t a, size_t size, bool write) {
 
 inline void on_access(const volatile void* p, size_t size, bool write) {
   if (__builtin_expect((tl_checks & kCheckRace) == 0, 1) || tl_current == nullptr) return;
-  race_access(reinterpret_cast<uintptr_t>(const_cast<const void*>(p)), size, write);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(const_cast<const void*>(p));
+  if (a < tl_tracked_lo || a >= tl_tracked_hi) return;  // stale after a new block: race_access checks the epoch
+  race_access(a, size, write);
 }
 
 }  // namespace
@@ -899,7 +909,7 @@ void syncthreads(const char* file, int line) {
     if (b.barrier_arrived == 0) {
       b.barrier_file = file;
       b.barrier_line = line;
-    } else if (line != b.barrier_line || std::strcmp(file, b.barrier_file) != 0) {
+    } else if (line != b.barrier_line || (file != b.barrier_file && std::strcmp(file, b.barrier_file) != 0)) {
       fail_in_block(MESA_EMU_CHECK_SYNC, std::string("two different __syncthreads in one barrier generation: ") +
                                              file + ":" + std::to_string(line) + " while others wait at " +
                                              b.barrier_file + ":" + std::to_string(b.barrier_line));
@@ -1045,16 +1055,20 @@ const WarpMatrixSlot* warp_matrix_op(const char* what, const void* ptr, unsigned
   if (part_bytes > 0) std::memcpy(set[tid % 32].part, part, part_bytes);
   warp_barrier(w, tid % 32, 0xffffffffu, what);
   if (check) {
-    for (unsigned l = 0; l < 32; ++l)
+    // Lane 0 compares every lane with itself; every other lane compares lane 0 with itself,
+    // which catches a lane 0 that is not in a warp matrix operation at all. (32 + 31 checks
+    // per operation, not 32 x 32.)
+    const unsigned others = tid % 32 == 0 ? 32 : 1;
+    for (unsigned l = 0; l < others; ++l)
       if (set[l].generation != gen || set[l].op == nullptr)  // it met us in a shuffle, vote or __syncwarp
         fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " meets lane " + std::to_string(l) +
                                                " in another warp-wide operation (a shuffle, vote or __syncwarp): "
                                                "the whole warp must execute the same warp matrix operation");
-    for (unsigned l = 0; l < 32; ++l)
-      if (std::strcmp(set[l].op, what) != 0)
+    for (unsigned l = 0; l < others; ++l)
+      if (set[l].op != what && std::strcmp(set[l].op, what) != 0)  // literals: usually one pointer
         fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " meets lane " + std::to_string(l) + " in " + set[l].op +
                                                ": the whole warp must execute the same warp matrix operation");
-    for (unsigned l = 0; l < 32; ++l)
+    for (unsigned l = 0; l < others; ++l)
       if (set[l].ptr != set[0].ptr || set[l].ldm != set[0].ldm)
         fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + ": lane " + std::to_string(l) + " passes pointer " +
                                                hex64(reinterpret_cast<uintptr_t>(set[l].ptr)) + " and ldm " +
