@@ -456,21 +456,20 @@ inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, 
 
 namespace detail {
 // mma_sync's arithmetic for one lane: its 8 elements of A B + c from every lane's published
-// part (A's elements at offset 0, B's at b_offset). It reads only emulator state and this
-// lane's registers, never kernel memory, so racecheck's instrumentation (a callback per
-// element read) is left out of it.
+// part (A's 8 elements at offset 0, B's at b_offset). Lane l holds row l / 2, columns
+// 8 (l % 2) ... + 7: A's row is the parts of lanes 2r and 2r + 1, and row k of those columns
+// of B the part of lane 2k + l % 2. It reads only emulator state and this lane's registers,
+// never kernel memory, so racecheck's instrumentation (a callback per read) is left out.
 template <typename T>
 __attribute__((no_sanitize_thread)) inline void mma_lane(const ::mesa_emu::WarpMatrixSlot* lanes, unsigned lane,
                                                          size_t b_offset, const float (&c)[8], float (&out)[8]) {
-  auto element = [&](int e, size_t offset) {  // element e of the A (offset 0) or B tile
-    T v;
-    std::memcpy(&v, lanes[e / 8].part + offset + size_t(e % 8) * sizeof(T), sizeof(T));
-    return widen(v);
-  };
+  T a[16], b[16][8];
+  std::memcpy(a, lanes[lane & ~1u].part, 8 * sizeof(T));
+  std::memcpy(a + 8, lanes[lane | 1u].part, 8 * sizeof(T));
+  for (unsigned k = 0; k < 16; ++k) std::memcpy(b[k], lanes[2 * k + lane % 2].part + b_offset, 8 * sizeof(T));
   for (int i = 0; i < 8; ++i) {
-    const int e = int(lane) * 8 + i, r = e / 16, n = e % 16;
     float acc = c[i];
-    for (int k = 0; k < 16; ++k) acc = std::fma(element(r * 16 + k, 0), element(k * 16 + n, b_offset), acc);
+    for (int k = 0; k < 16; ++k) acc = std::fma(widen(a[k]), widen(b[k][i]), acc);
     out[i] = acc;
   }
 }
