@@ -71,7 +71,7 @@ unsigned warp_ballot(unsigned mask, bool pred);
 unsigned lane_id();
 // What one lane brings to a WMMA operation: the call's pointer and leading dimension (every
 // lane must pass the same) and its part of the fragments (mma_sync: its elements of A and B).
-constexpr unsigned kWarpMatrixPartBytes = 32;
+constexpr unsigned kWarpMatrixPartBytes = 64;
 struct WarpMatrixSlot {
   uint64_t generation;  // of the rendezvous it was written for (an older one: stale)
   const char* op;
@@ -456,20 +456,20 @@ inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, 
 
 namespace detail {
 // mma_sync's arithmetic for one lane: its 8 elements of A B + c from every lane's published
-// part (A's 8 elements at offset 0, B's at b_offset). Lane l holds row l / 2, columns
-// 8 (l % 2) ... + 7: A's row is the parts of lanes 2r and 2r + 1, and row k of those columns
-// of B the part of lane 2k + l % 2. It reads only emulator state and this lane's registers,
-// never kernel memory, so racecheck's instrumentation (a callback per read) is left out.
-template <typename T>
+// part (its 8 elements of A, then of B, widened to f32: exact). Lane l holds row l / 2,
+// columns 8 (l % 2) ... + 7: A's row is the parts of lanes 2r and 2r + 1, and row k of those
+// columns of B the part of lane 2k + l % 2. It reads only emulator state and this lane's
+// registers, never kernel memory, so racecheck's instrumentation (a callback per read) is
+// left out; the builtin fmaf is inlined where an instrumented std::fma could not be.
 __attribute__((no_sanitize_thread)) inline void mma_lane(const ::mesa_emu::WarpMatrixSlot* lanes, unsigned lane,
-                                                         size_t b_offset, const float (&c)[8], float (&out)[8]) {
-  T a[16], b[16][8];
-  std::memcpy(a, lanes[lane & ~1u].part, 8 * sizeof(T));
-  std::memcpy(a + 8, lanes[lane | 1u].part, 8 * sizeof(T));
-  for (unsigned k = 0; k < 16; ++k) std::memcpy(b[k], lanes[2 * k + lane % 2].part + b_offset, 8 * sizeof(T));
+                                                         const float (&c)[8], float (&out)[8]) {
+  float a[16], b[16][8];
+  std::memcpy(a, lanes[lane & ~1u].part, sizeof(float[8]));
+  std::memcpy(a + 8, lanes[lane | 1u].part, sizeof(float[8]));
+  for (unsigned k = 0; k < 16; ++k) std::memcpy(b[k], lanes[2 * k + lane % 2].part + sizeof(float[8]), sizeof(float[8]));
   for (int i = 0; i < 8; ++i) {
     float acc = c[i];
-    for (int k = 0; k < 16; ++k) acc = std::fma(widen(a[k]), widen(b[k][i]), acc);
+    for (int k = 0; k < 16; ++k) acc = __builtin_fmaf(a[k], b[k][i], acc);
     out[i] = acc;
   }
 }
@@ -479,13 +479,15 @@ __attribute__((no_sanitize_thread)) inline void mma_lane(const ::mesa_emu::WarpM
 template <typename T, typename LA, typename LB>
 inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
                      const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
-  static_assert(2 * sizeof(a.x) == ::mesa_emu::kWarpMatrixPartBytes, "a lane's part: its 8 elements of A and of B");
-  unsigned char part[2 * sizeof(a.x)];
-  std::memcpy(part, a.x, sizeof(a.x));
-  std::memcpy(part + sizeof(a.x), b.x, sizeof(b.x));
+  float part[16];  // this lane's elements of A, then of B
+  static_assert(sizeof part == ::mesa_emu::kWarpMatrixPartBytes, "a lane's part: its 8 elements of A and of B");
+  for (int i = 0; i < 8; ++i) {
+    part[i] = detail::widen(a.x[i]);
+    part[8 + i] = detail::widen(b.x[i]);
+  }
   const ::mesa_emu::WarpMatrixSlot* lanes = ::mesa_emu::warp_matrix_op("mma_sync", nullptr, 0, 1, part, sizeof part);
   float out[8];
-  detail::mma_lane<T>(lanes, ::mesa_emu::lane_id(), sizeof(a.x), c.x, out);
+  detail::mma_lane(lanes, ::mesa_emu::lane_id(), c.x, out);
   std::memcpy(d.x, out, sizeof out);
   ::mesa_emu::warp_matrix_done("mma_sync");
 }
