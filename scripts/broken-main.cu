@@ -38,6 +38,7 @@ typedef struct BrokenArgs {
   X(broken_wmma_misaligned, 512, 256, memcheck)             \
   X(broken_wmma_meets_syncwarp, 512, 256, synccheck)        \
   X(broken_wmma_lane_pointers, 512, 256, synccheck)         \
+  X(broken_wmma_lane_null_pointer, 512, 256, memcheck)      \
   X(fresh_tile_transpose, 256, 256, racecheck)              \
   X(fresh_shifted_scan, 100, 100, memcheck)                 \
   X(fresh_shuffle_early_exit, 64, 2, synccheck)

@@ -266,6 +266,7 @@ extern "C" {
     fn mesa_emu_broken_wmma_misaligned(a: *const BrokenArgs) -> i32;
     fn mesa_emu_broken_wmma_meets_syncwarp(a: *const BrokenArgs) -> i32;
     fn mesa_emu_broken_wmma_lane_pointers(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_broken_wmma_lane_null_pointer(a: *const BrokenArgs) -> i32;
 }
 
 /// A 16 × 16 tile of A (row-major) then one of B: small integers, exact in bf16, whose
@@ -315,6 +316,20 @@ fn wmma_load_with_a_pointer_per_half_warp() {
     assert!(r.report.as_deref().is_some_and(|m| m.contains("lane 16 passes pointer")), "{:?}", r.report);
     let r = run(mesa_emu_broken_wmma_lane_pointers, Checks::MEM, 63, &x, 256);
     assert_eq!((r.status, r.report.as_deref()), (0, None), "no synccheck: the second pointer goes unseen");
+}
+
+#[test]
+fn wmma_load_with_a_null_pointer_in_one_lane() {
+    // Whichever lane runs on first after the rendezvous, lane 31's pointer is reported before
+    // lane 31 loads through it (a process-ending segfault otherwise).
+    let x = wmma_operands();
+    for seed in 1..=8 {
+        for checks in [Checks::SYNC, Checks::ALL] {
+            let r = run(mesa_emu_broken_wmma_lane_null_pointer, checks, seed, &x, 256);
+            assert_reported(&r, "synccheck", "wmma_lane_null_pointer", seed);
+            assert!(r.report.as_deref().is_some_and(|m| m.contains("lane 31 passes pointer 0x0")), "{:?}", r.report);
+        }
+    }
 }
 
 #[test]

@@ -167,6 +167,8 @@ __device__ void wmma_tile(float* out, const float* in) {
   // 15: B read from 8 elements (16 bytes) past the tile: not 32-byte aligned
   // 17: the upper half of the warp loads A from B's tile (aligned, but not lane 0's pointer)
   nvcuda::wmma::load_matrix_sync(fa, kVariant == 17 && threadIdx.x >= 16 ? ab[1] : ab[0], 16);
+  // 18: lane 31 loads A from a null pointer (the last lane to arrive may be the first to load)
+  if (kVariant == 18) nvcuda::wmma::load_matrix_sync(fa, threadIdx.x == 31 ? nullptr : ab[0], 16);
   nvcuda::wmma::load_matrix_sync(fb, kVariant == 15 ? ab[0] + 8 : ab[1], 16);
   // 14: only half of the warp reaches the product; 16: the other half waits in __syncwarp
   if ((kVariant != 14 && kVariant != 16) || threadIdx.x < 16) {
@@ -191,6 +193,9 @@ __global__ void wmma_meets_syncwarp(float* out, const float* in) { wmma_tile<16>
 
 // 17. lanes of one warp pass different tile pointers to one load_matrix_sync (it takes one).
 __global__ void wmma_lane_pointers(float* out, const float* in) { wmma_tile<17>(out, in); }
+
+// 18. one lane of a warp passes a null tile pointer to load_matrix_sync.
+__global__ void wmma_lane_null_pointer(float* out, const float* in) { wmma_tile<18>(out, in); }
 
 }  // namespace broken
 }  // namespace MESA_NS
@@ -219,3 +224,4 @@ MESA_BROKEN_CASE(wmma_half_warp, 32, a->out, a->in)
 MESA_BROKEN_CASE(wmma_misaligned, 32, a->out, a->in)
 MESA_BROKEN_CASE(wmma_meets_syncwarp, 32, a->out, a->in)
 MESA_BROKEN_CASE(wmma_lane_pointers, 32, a->out, a->in)
+MESA_BROKEN_CASE(wmma_lane_null_pointer, 32, a->out, a->in)

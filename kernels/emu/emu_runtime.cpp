@@ -1055,20 +1055,18 @@ const WarpMatrixSlot* warp_matrix_op(const char* what, const void* ptr, unsigned
   if (part_bytes > 0) std::memcpy(set[tid % 32].part, part, part_bytes);
   warp_barrier(w, tid % 32, 0xffffffffu, what);
   if (check) {
-    // Lane 0 compares every lane with itself; every other lane compares lane 0 with itself,
-    // which catches a lane 0 that is not in a warp matrix operation at all. (32 + 31 checks
-    // per operation, not 32 x 32.)
-    const unsigned others = tid % 32 == 0 ? 32 : 1;
-    for (unsigned l = 0; l < others; ++l)
+    // Every lane compares every lane before it acts on its own pointer: the first lane to run
+    // on after the rendezvous may use it at once.
+    for (unsigned l = 0; l < 32; ++l)
       if (set[l].generation != gen || set[l].op == nullptr)  // it met us in a shuffle, vote or __syncwarp
         fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " meets lane " + std::to_string(l) +
                                                " in another warp-wide operation (a shuffle, vote or __syncwarp): "
                                                "the whole warp must execute the same warp matrix operation");
-    for (unsigned l = 0; l < others; ++l)
+    for (unsigned l = 0; l < 32; ++l)
       if (set[l].op != what && std::strcmp(set[l].op, what) != 0)  // literals: usually one pointer
         fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " meets lane " + std::to_string(l) + " in " + set[l].op +
                                                ": the whole warp must execute the same warp matrix operation");
-    for (unsigned l = 0; l < others; ++l)
+    for (unsigned l = 0; l < 32; ++l)
       if (set[l].ptr != set[0].ptr || set[l].ldm != set[0].ldm)
         fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + ": lane " + std::to_string(l) + " passes pointer " +
                                                hex64(reinterpret_cast<uintptr_t>(set[l].ptr)) + " and ldm " +
