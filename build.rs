@@ -20,6 +20,14 @@
 //!   default `-mfma` only where it has it, so `fmaf` is one instruction) instead of off — a check, not a mode: the
 //!   kernels write every rounding that matters explicitly (`fmaf`, `__fmul_rn`, `__fadd_rn`),
 //!   so both builds must give bitwise the same results (`.ci/run` compares `tests/digests.rs`).
+//! * `MESA_KERNELS_BUILD_CACHE=DIR`: keep every compiled archive (the emulation's, each CUDA
+//!   file's) in DIR under a hash of all its inputs — every file under `kernels/`, this script,
+//!   the compiler's path, `--version` and flags, the target — and reuse it when a build script
+//!   run (another profile, feature set, target dir, or the packaged crate) has the same inputs.
+//!   Off by default; `.ci/run` and `scripts/check-fast.sh` set it (docs/ci.md).
+//! * `MESA_EMU_SANITIZE=address`: the emulation with AddressSanitizer; the package's test,
+//!   bench and example binaries are then linked with the ASan runtime (they must run with it
+//!   preloaded: docs/emulator.md).
 //! * feature `regenerate-bindings`: run bindgen on `kernels/include/mesa_kernels.h` and
 //!   fail if `src/bindings.rs` differs (`MESA_WRITE_BINDINGS=1` rewrites it instead).
 use std::env;
@@ -43,6 +51,7 @@ fn main() {
         "MESA_WRITE_BINDINGS",
         "MESA_EMU_FP_CONTRACT",
         "MESA_EMU_SANITIZE",
+        "MESA_KERNELS_BUILD_CACHE",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -63,7 +72,7 @@ fn main() {
                 Ok(a) => a,
                 Err(msg) => fail(&format!("MESA_CUDA_ARCHS: {msg}")),
             };
-            build_cuda(&nvcc, &kernels, &sources, &archs);
+            build_cuda(&nvcc, &kernels, &sources, &archs, &out);
             (true, archs.iter().map(|a| a.label()).collect::<Vec<_>>().join(","))
         }
         None => {
@@ -124,7 +133,10 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
                 continue;
             }
             let text = fs::read_to_string(&p).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", p.display())));
-            let rewritten = format!("#line 1 \"{}\"\n{}", p.display(), emu_rewrite(&text));
+            // the path as the package names it (`kernels/quantize.cu`): in the emulator's
+            // reports, and the same object for the same source wherever the tree lies
+            let shown = p.strip_prefix(kernels.parent().unwrap_or(kernels)).unwrap_or(&p);
+            let rewritten = format!("#line 1 \"{}\"\n{}", shown.display(), emu_rewrite(&text));
             let dst = target.join(p.file_name().unwrap_or_default());
             if fs::read_to_string(&dst).ok().as_deref() != Some(rewritten.as_str()) {
                 fs::write(&dst, rewritten).unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", dst.display())));
@@ -162,11 +174,6 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
     };
     let emu_header = kernels.join("emu").join("cuda_emu.h");
     let emu_header = emu_header.to_str().unwrap_or_else(|| fail("non-UTF-8 path")).to_string();
-    // The runtime, uninstrumented: it implements the racecheck callbacks the kernels call.
-    let mut rt = cc::Build::new();
-    base(&mut rt);
-    rt.file(kernels.join("emu").join("emu_runtime.cpp"));
-    let runtime = rt.compile_intermediates();
     // The kernels: GCC's -fsanitize=thread instrumentation of every memory access (no
     // ThreadSanitizer runtime: the emulator's own callbacks, a test of one flag when
     // racecheck is off). Not with AddressSanitizer, which excludes it.
@@ -181,25 +188,158 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
     let mut b = cc::Build::new();
     base(&mut b);
     instrument(&mut b);
-    b.objects(&runtime);
-    for s in sources {
-        b.file(emu_src.join(s.file_name().unwrap_or_default()));
-    }
-    b.compile("mesa_kernels_emu");
+    // The runtime, uninstrumented: it implements the racecheck callbacks the kernels call.
+    let mut rt = cc::Build::new();
+    base(&mut rt);
+    let mut objects = cached_objects(&rt, &[kernels.join("emu").join("emu_runtime.cpp")]);
+    let kernel_files: Vec<PathBuf> = sources.iter().map(|s| emu_src.join(s.file_name().unwrap_or_default())).collect();
+    objects.extend(cached_objects(&b, &kernel_files));
+    let lib = b.create_archive("mesa_kernels_emu", &objects);
+    cc::emit_link_directives(&b, &lib);
 
     // The deliberately broken kernels of tests/sanitizer.rs (kernels/broken/): compiled for the
     // emulator only; the linker takes them only into the binary that declares them.
     let broken = kernel_sources(&broken_dir);
     if !broken.is_empty() {
-        let mut b = cc::Build::new();
-        base(&mut b);
-        instrument(&mut b);
-        for s in &broken {
-            b.file(emu_src.join("broken").join(s.file_name().unwrap_or_default()));
-        }
-        b.compile("mesa_broken_emu");
+        let files: Vec<PathBuf> =
+            broken.iter().map(|s| emu_src.join("broken").join(s.file_name().unwrap_or_default())).collect();
+        let objects = cached_objects(&b, &files);
+        let lib = b.create_archive("mesa_broken_emu", &objects);
+        cc::emit_link_directives(&b, &lib);
     }
     println!("cargo:rustc-link-lib=pthread");
+    if sanitizer_flags().is_some() {
+        // The instrumented emulation needs the ASan runtime in every binary of this package that
+        // links it (its tests, benches, examples; they run with it preloaded). Given here rather
+        // than in RUSTFLAGS, so that no other crate of the graph is built again for it.
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        println!("cargo:rustc-link-arg=-lasan");
+    }
+}
+
+/// The directory of `MESA_KERNELS_BUILD_CACHE`, created; `None` when unset (no caching).
+fn cache_dir() -> Option<PathBuf> {
+    let dir = PathBuf::from(env::var_os("MESA_KERNELS_BUILD_CACHE").filter(|v| !v.is_empty())?);
+    fs::create_dir_all(&dir).unwrap_or_else(|e| fail(&format!("MESA_KERNELS_BUILD_CACHE={}: {e}", dir.display())));
+    Some(dir)
+}
+
+/// FNV-1a, 64 bits: the cache key's hash (stable across toolchains, unlike `DefaultHasher`).
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        // length first, so that two fields can never run into each other
+        for x in (b.len() as u64).to_le_bytes().iter().chain(b) {
+            self.0 = (self.0 ^ u64::from(*x)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+/// The inputs every compiled file shares, hashed into `h`: this script (the emulator's source
+/// rewriting is in it), every file under `kernels/` but the `.cu` files (headers, the emulator;
+/// path relative to the package and content), the target, the compiler (path and
+/// `--version`) and its flags with the package's and OUT_DIR's paths taken out.
+fn hash_common(h: &mut Fnv, build: &cc::Build) {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap_or_default());
+    h.bytes(b"mesa-kernels build cache v1");
+    h.bytes(env::var("TARGET").unwrap_or_default().as_bytes());
+    h.bytes(&fs::read(manifest.join("build.rs")).unwrap_or_default());
+    let mut files = Vec::new();
+    let mut stack = vec![manifest.join("kernels")];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else { continue };
+        for e in entries.filter_map(|e| e.ok()) {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if !p.extension().is_some_and(|x| x == "cu") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    for f in files {
+        h.bytes(f.strip_prefix(&manifest).unwrap_or(&f).to_string_lossy().as_bytes());
+        h.bytes(&fs::read(&f).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", f.display()))));
+    }
+    let tool = build.get_compiler();
+    h.bytes(tool.path().to_string_lossy().as_bytes());
+    let version = std::process::Command::new(tool.path()).arg("--version").output();
+    h.bytes(&version.map(|o| o.stdout).unwrap_or_default());
+    let (out, manifest) = (env::var("OUT_DIR").unwrap_or_default(), manifest.to_string_lossy().into_owned());
+    for a in tool.args() {
+        h.bytes(a.to_string_lossy().replace(&out, "$OUT_DIR").replace(&manifest, "$SRC").as_bytes());
+    }
+}
+
+/// The cache key of `file` compiled by `build`: the shared inputs, the file's name and content,
+/// and any `.cu` file it includes. Two FNV hashes with different starts: 128 bits.
+fn cache_key(build: &cc::Build, file: &Path) -> String {
+    let mut h = [Fnv::new(), Fnv::new()];
+    h[1].bytes(b"second");
+    let text = fs::read_to_string(file).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", file.display())));
+    for x in h.iter_mut() {
+        hash_common(x, build);
+        x.bytes(file.file_name().unwrap_or_default().as_encoded_bytes());
+        x.bytes(text.as_bytes());
+        for line in text.lines() {
+            let inc = line.trim_start().strip_prefix("#include").map(str::trim).unwrap_or("");
+            if let Some(name) = inc.strip_prefix('"').and_then(|r| r.strip_suffix('"')).filter(|n| n.ends_with(".cu")) {
+                x.bytes(&fs::read(file.with_file_name(name)).unwrap_or_default());
+            }
+        }
+    }
+    format!("{:016x}{:016x}", h[0].0, h[1].0)
+}
+
+/// `files` compiled by `build` into objects: each found in the cache under its key, the rest
+/// compiled (in parallel) and stored. Without a cache, plain `compile_intermediates`.
+fn cached_objects(build: &cc::Build, files: &[PathBuf]) -> Vec<PathBuf> {
+    let Some(dir) = cache_dir() else {
+        return build.clone().files(files).compile_intermediates();
+    };
+    let cached: Vec<PathBuf> = files
+        .iter()
+        .map(|f| dir.join(format!("{}-{}.o", f.file_stem().unwrap_or_default().to_string_lossy(), cache_key(build, f))))
+        .collect();
+    let missing: Vec<usize> = (0..files.len()).filter(|&i| !cached[i].is_file()).collect();
+    if !missing.is_empty() {
+        let objects = build.clone().files(missing.iter().map(|&i| &files[i])).compile_intermediates();
+        for (&i, obj) in missing.iter().zip(&objects) {
+            store(obj, &cached[i]);
+        }
+    }
+    cached
+}
+
+/// `lib<name>.a` in OUT_DIR from `build` (configured with its one source `file`): copied from
+/// the cache when an archive with the same inputs is there, else compiled and stored. The
+/// link directives are `build`'s either way.
+fn cached_archive(build: &cc::Build, name: &str, file: &Path, out: &Path) {
+    let Some(dir) = cache_dir() else {
+        build.compile(name);
+        return;
+    };
+    let lib = out.join(format!("lib{name}.a"));
+    let cached = dir.join(format!("{name}-{}.a", cache_key(build, file)));
+    if fs::copy(&cached, &lib).is_ok() {
+        cc::emit_link_directives(build, &lib);
+        return;
+    }
+    build.compile(name);
+    store(&lib, &cached);
+}
+
+/// Puts a copy of `from` at `to`, atomically: builds that run at once may store the same key.
+fn store(from: &Path, to: &Path) {
+    let tmp = to.with_extension(format!("tmp{}", std::process::id()));
+    if fs::copy(from, &tmp).is_ok() && fs::rename(&tmp, to).is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
 }
 
 /// Whether the machine building the emulator (which also runs it: the emulator is never
@@ -453,7 +593,7 @@ fn parse_archs(s: &str) -> Result<Vec<Arch>, String> {
     Ok(v)
 }
 
-fn build_cuda(nvcc: &Path, kernels: &Path, sources: &[PathBuf], archs: &[Arch]) {
+fn build_cuda(nvcc: &Path, kernels: &Path, sources: &[PathBuf], archs: &[Arch], out: &Path) {
     let mut gencode = Vec::new();
     for a in archs {
         let name = if a.specific { format!("{}a", a.cc) } else { a.cc.to_string() };
@@ -497,7 +637,8 @@ fn build_cuda(nvcc: &Path, kernels: &Path, sources: &[PathBuf], archs: &[Arch]) 
                 for g in &gencode {
                     b.flag(g);
                 }
-                b.compile(&format!("mesa_kernels_cuda_{stem}"));
+                let name = format!("mesa_kernels_cuda_{stem}");
+                cached_archive(&b, &name, src, out);
             });
         }
     });

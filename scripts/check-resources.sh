@@ -38,6 +38,9 @@
 #            nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm (13.2.86) install both next to
 #            the wheel's nvcc (.ci/run installs them)
 #   MESA_RESOURCE_KEEP=DIR: keep the cubins, resource reports and SASS in DIR
+#   MESA_RESOURCE_SOURCES="kernels/a.cu …": only these files (scripts/check-fast.sh: the changed
+#            ones); the budget and tensor-core checks then cover the kernels of these files only
+#   MESA_RESOURCE_JOBS: files compiled or dumped at a time (default: the cores)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -85,8 +88,25 @@ else WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT; fi
 
 shopt -s nullglob
 SOURCES=(kernels/*.cu)
+SUBSET=()
+if [[ -n "${MESA_RESOURCE_SOURCES:-}" ]]; then
+    read -r -a SOURCES <<<"$MESA_RESOURCE_SOURCES"
+    SUBSET=(--present)
+fi
 (( ${#SOURCES[@]} > 0 )) || { echo "check-resources: no kernels/*.cu" >&2; exit 2; }
 compile_failed=0
+
+# Jobs over the files run MESA_RESOURCE_JOBS at a time (default: the cores); a job that fails
+# leaves a mark, and finish_parallel fails when one did.
+JOBS=${MESA_RESOURCE_JOBS:-$(nproc 2>/dev/null || echo 2)}
+in_parallel() {
+    while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || true; done
+    ( "$@" || touch "$WORK/.failed.$BASHPID" ) &
+}
+finish_parallel() {
+    wait
+    ! compgen -G "$WORK/.failed.*" >/dev/null
+}
 
 # <stem>.sm_<a>.sass and .res (cuobjdump -sass / -res-usage) from the cubins of one arch
 dump_cubins() {  # dump_cubins BASE CUBIN...
@@ -107,43 +127,48 @@ if (( BUILD_MODE )); then
         [[ -n "$BUILD_DIR" ]] || { echo "check-resources: --build: no CUDA build of mesa-kernels-sys under target/ (cargo build --release with nvcc first)" >&2; exit 2; }
     fi
     echo "device code: the cargo build's libraries in $BUILD_DIR; cuobjdump: $CUOBJ; archs: ${ARCHS[*]/#/sm_}"
-    for src in "${SOURCES[@]}"; do
+    from_library() {  # from_library SRC: its library's cubins dumped per architecture
+        local src=$1 stem lib stale a
         stem=$(basename "$src" .cu)
         lib="$(cd "$BUILD_DIR" && pwd)/libmesa_kernels_cuda_$stem.a"
-        if [[ ! -f "$lib" ]]; then echo "FAIL: $lib missing (no CUDA build of $src)" >&2; compile_failed=1; continue; fi
+        if [[ ! -f "$lib" ]]; then echo "FAIL: $lib missing (no CUDA build of $src)" >&2; return 1; fi
         stale=$(find kernels -newer "$lib" \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' \) -print -quit)
         if [[ -n "$stale" ]]; then
-            echo "FAIL: $lib is older than $stale: build again (cargo build --release)" >&2; compile_failed=1; continue
+            echo "FAIL: $lib is older than $stale: build again (cargo build --release)" >&2; return 1
         fi
         mkdir -p "$WORK/elf.$stem"
         (cd "$WORK/elf.$stem" && "$CUOBJ" -xelf all "$lib" >/dev/null)
         for a in "${ARCHS[@]}"; do
             cubins=("$WORK/elf.$stem"/*.sm_"$a".cubin)
             if (( ${#cubins[@]} == 0 )); then
-                echo "FAIL: $lib has no sm_$a code (MESA_CUDA_ARCHS of that build?)" >&2; compile_failed=1; continue
+                echo "FAIL: $lib has no sm_$a code (MESA_CUDA_ARCHS of that build?)" >&2; return 1
             fi
             dump_cubins "$WORK/$stem.sm_$a" "${cubins[@]}"
         done
-    done
+    }
+    for src in "${SOURCES[@]}"; do in_parallel from_library "$src"; done
+    finish_parallel || compile_failed=1
 else
     [[ -n "$NVCC_BIN" ]] || { echo "check-resources: no nvcc (NVCC, CUDA_HOME, CUDA_PATH, PATH)" >&2; exit 2; }
     echo "device code: nvcc $NVCC_BIN ($("$NVCC_BIN" --version | grep -o 'V[0-9.]*' | tail -n1)); archs: ${ARCHS[*]/#/sm_}"
-    for src in "${SOURCES[@]}"; do
+    compile_one() {  # compile_one SRC ARCH
+        local src=$1 a=$2 stem base
         stem=$(basename "$src" .cu)
-        for a in "${ARCHS[@]}"; do
-            base="$WORK/$stem.sm_$a"
-            # the device-code flags of build.rs: -O3, -std=c++17, the two include dirs
-            if ! "$NVCC_BIN" -cubin -O3 -std=c++17 -I kernels/include -I kernels \
-                "-gencode=arch=compute_$a,code=sm_$a" -Xptxas -v -Xptxas -warn-spills \
-                -o "$base.cubin" "$src" 2>"$base.ptxas"; then
-                echo "FAIL: $src does not compile for sm_$a:" >&2
-                sed 's/^/    /' "$base.ptxas" >&2
-                compile_failed=1
-                continue
-            fi
-            dump_cubins "$base" "$base.cubin"
-        done
+        base="$WORK/$stem.sm_$a"
+        # the device-code flags of build.rs: -O3, -std=c++17, the two include dirs
+        if ! "$NVCC_BIN" -cubin -O3 -std=c++17 -I kernels/include -I kernels \
+            "-gencode=arch=compute_$a,code=sm_$a" -Xptxas -v -Xptxas -warn-spills \
+            -o "$base.cubin" "$src" 2>"$base.ptxas"; then
+            echo "FAIL: $src does not compile for sm_$a:" >&2
+            sed 's/^/    /' "$base.ptxas" >&2
+            return 1
+        fi
+        dump_cubins "$base" "$base.cubin"
+    }
+    for src in "${SOURCES[@]}"; do
+        for a in "${ARCHS[@]}"; do in_parallel compile_one "$src" "$a"; done
     done
+    finish_parallel || compile_failed=1
 fi
 
 set +e
@@ -251,9 +276,9 @@ PY
 status=$?
 if [[ " ${ARCHS[*]} " == *" 90 "* ]]; then
     echo
-    python3 scripts/sass_count.py "$WORK" || status=1
+    python3 scripts/sass_count.py "$WORK" "${SUBSET[@]}" || status=1
     echo
-    for a in "${ARCHS[@]}"; do python3 scripts/sass_tensor_cores.py "$WORK" --arch "$a" || status=1; done
+    for a in "${ARCHS[@]}"; do python3 scripts/sass_tensor_cores.py "$WORK" --arch "$a" "${SUBSET[@]}" || status=1; done
 else
     echo "note: the instruction budget is counted on sm_90 SASS (arch 90 not asked for)"
 fi

@@ -83,9 +83,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dir")
     ap.add_argument("--arch", default="90")
+    ap.add_argument("--present", action="store_true",
+                    help="check only the files whose SASS is in the directory (scripts/check-fast.sh)")
     args = ap.parse_args()
     hmma, regs = {}, {}
-    for stem in ("linear_attention", "feature_maps"):
+    stems = [s for s in ("linear_attention", "feature_maps")
+             if not args.present or os.path.exists(os.path.join(args.dir, f"{s}.sm_{args.arch}.sass"))]
+    if not stems:
+        print("tensor cores: no linear-attention or FAVOR+ SASS in this subset")
+        return 0
+    for stem in stems:
         base = os.path.join(args.dir, f"{stem}.sm_{args.arch}")
         try:
             hmma.update(hmma_counts(open(base + ".sass").read()))
@@ -115,9 +122,9 @@ def main():
             fails.append(f"{label}: {r} registers")
             verdict.append(f"OVER {MAX_REGS} registers")
         print(f"tensor cores  {label:<66} HMMA {n:4d}  registers {r:3d}  {'; '.join(verdict) or 'meets target'}")
-    if seen != EXPECTED:
+    if "linear_attention" in stems and seen != EXPECTED:
         fails.append(f"{seen} instances of la_product_kernel found, {EXPECTED} expected")
-    if favor_seen != FAVOR_EXPECTED:
+    if "feature_maps" in stems and favor_seen != FAVOR_EXPECTED:
         fails.append(f"{favor_seen} FAVOR+ tensor-core instances found, {FAVOR_EXPECTED} expected")
     if fails:
         print("FAIL: tensor cores: " + "; ".join(fails))
