@@ -1242,7 +1242,9 @@ fn stochastic_rounding_keeps_on_grid_values_on_their_code() {
         let moved: Vec<String> = (0..n)
             .filter(|&i| f32::from(codes[i]) != data[i])
             .take(8)
-            .map(|i| format!("x[{i}] = {} -> code {} (u = {})", data[i], codes[i], rq::rounding_uniform(SEED, i as u64)))
+            .map(|i| {
+                format!("x[{i}] = {} -> code {} (u = {})", data[i], codes[i], rq::rounding_uniform(SEED, i as u64))
+            })
             .collect();
         assert!(
             moved.is_empty(),

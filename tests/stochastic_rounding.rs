@@ -29,7 +29,9 @@ mod common;
 
 use mesa_kernels::emulator::{self, Checks};
 use mesa_kernels::reference::quant as rq;
-use mesa_kernels::{Buffer, Device, GroupParams, Grouping, Layout, QuantConfig, Quantizer, Rounding, StatsMode, TensorRef};
+use mesa_kernels::{
+    Buffer, Device, GroupParams, Grouping, Layout, QuantConfig, Quantizer, Rounding, StatsMode, TensorRef,
+};
 use rand::RngExt;
 
 /// The fractions of a code step the unbiasedness is checked at.
@@ -268,13 +270,13 @@ fn correlation(a: &[u8], b: &[u8]) -> f64 {
 /// Adjacent elements' indicators uncorrelated, in every fraction with p(1 − p) not tiny (the
 /// segments at 1e-4 and 1 − 1e-4 have ~100 round-ups: their correlation is not normal).
 fn check_adjacent(case: &Case, ind: &[u8]) -> Result<(), String> {
-    for s in 1..FRACTIONS.len() - 1 {
+    for (s, f) in FRACTIONS.iter().enumerate().take(FRACTIONS.len() - 1).skip(1) {
         let r = case.segment(s);
         let seg = &ind[r];
         let bound = Z / ((seg.len() - 1) as f64).sqrt();
         let c = correlation(&seg[..seg.len() - 1], &seg[1..]);
         if c.abs() > bound {
-            return Err(format!("{} bits, fraction {}: adjacent correlation {c:.4} > {bound:.4}", case.bits, FRACTIONS[s]));
+            return Err(format!("{} bits, fraction {}: adjacent correlation {c:.4} > {bound:.4}", case.bits, f));
         }
     }
     Ok(())
@@ -282,12 +284,12 @@ fn check_adjacent(case: &Case, ind: &[u8]) -> Result<(), String> {
 
 /// One element's indicators in two calls uncorrelated (the same fractions).
 fn check_calls(case: &Case, first: &[u8], second: &[u8]) -> Result<(), String> {
-    for s in 1..FRACTIONS.len() - 1 {
+    for (s, f) in FRACTIONS.iter().enumerate().take(FRACTIONS.len() - 1).skip(1) {
         let r = case.segment(s);
         let bound = Z / (r.len() as f64).sqrt();
         let c = correlation(&first[r.clone()], &second[r]);
         if c.abs() > bound {
-            return Err(format!("{} bits, fraction {}: call-to-call correlation {c:.4} > {bound:.4}", case.bits, FRACTIONS[s]));
+            return Err(format!("{} bits, fraction {}: call-to-call correlation {c:.4} > {bound:.4}", case.bits, f));
         }
     }
     Ok(())
