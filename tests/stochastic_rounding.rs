@@ -23,7 +23,7 @@
 //! * on-grid: `T mod 2¹⁶ = 0` must give `code = T >> 16` for every element, whatever `u`.
 //!
 //! Every run is on the emulator with every check on (`Checks::ALL`, unless `MESA_EMU_CHECK`
-//! says otherwise): the whole file takes ~6 s in release on a 2-core machine (2026-12-05),
+//! says otherwise): the whole file takes ~6 s in release on a 2-core machine (2026-12-04),
 //! so no subset of checks is needed for the 2²⁰-draw runs.
 mod common;
 
