@@ -88,12 +88,6 @@ __device__ __forceinline__ float code_position(float x, CodeParams p) {
   return twice * __fmul_rn(d * p.prescale, p.inv_scale);
 }
 
-// Stochastic rounding is done in fixed point: T = rint(t * 2^16) saturated to [0, L * 2^16]
-// (t * 2^16 is exact in f32: a power of two), then code = (T + u) >> 16 with u the element's
-// 16 random bits — floor(t' + u / 2^16) for t' = T / 2^16, t on the 2^-16 grid. Integer
-// arithmetic: no rounding of t' + u, so an on-grid t (T = code << 16) never moves, and
-// P(code = floor(t') + 1) = frac(t') exactly; |t' - t| <= 2^-17 of a step is the bias bound
-// (docs/kernels.md, "Stochastic rounding"). The same code in both builds for every t.
 // The nearest code of position t: rint(t) clamped to [0, levels], NaN to 0. On the GPU one
 // F2I.U32.RNE (a float-to-unsigned conversion saturates: negative and NaN give 0, PTX ISA
 // `cvt`) and one integer min; the emulation spells the clamp out (its conversion of an
@@ -107,9 +101,14 @@ __device__ __forceinline__ unsigned nearest_code(float t, unsigned levels) {
 #endif
 }
 
-// The stochastic code of the fixed-point position t16 = t * 2^16 (levels L = 2^bits - 1, u < 2^16):
-// min(rint(t16), L << 16) + u >> 16; negative and NaN t16 give 0. Three integer instructions
-// after the F2I: IMNMX, IADD, SHF (docs/kernels.md).
+// Stochastic rounding is done in fixed point: T = rint(t * 2^16) saturated to [0, L * 2^16]
+// (t * 2^16 is exact in f32: a power of two), then code = (T + u) >> 16 with u the element's
+// 16 random bits — floor(t' + u / 2^16) for t' = T / 2^16, t on the 2^-16 grid. Integer
+// arithmetic: no rounding of t' + u, so an on-grid t (T = code << 16) never moves, and
+// P(code = floor(t') + 1) = frac(t') exactly; |t' - t| <= 2^-17 of a step is the bias bound
+// (docs/kernels.md, "Stochastic rounding"). The same code in both builds for every t.
+// stochastic_code takes t16 = t * 2^16 (levels L = 2^bits - 1, u < 2^16); negative and NaN
+// t16 give 0. After the F2I of nearest_code: IMNMX, the add of u, SHF.
 __device__ __forceinline__ unsigned stochastic_code(float t16, unsigned levels, unsigned u) {
   return (nearest_code(t16, levels << kSrBits) + u) >> kSrBits;
 }
@@ -393,11 +392,13 @@ __device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const f
   const float levels = float((1u << s.bits) - 1u);
   unsigned codes[kUnit];
   const CodeParams p0 = code_params(s.params[g0]);
+  const bool aligned = i0 % kUnit == 0;  // the unit's bits from one generator call
+  const SrBits bits = s.stochastic && aligned ? unit_random_bits(s.seed, i0) : SrBits{};
 #pragma unroll
   for (int j = 0; j < kUnit; ++j) {
     const bool on = j < live;
     const CodeParams p = (one_group || !on) ? p0 : code_params(s.params[s.groups.group(i0 + j)]);
-    const unsigned u = (s.stochastic && on) ? element_random_bits(s.seed, i0 + j) : 0u;
+    const unsigned u = !(s.stochastic && on) ? 0u : (aligned ? bits[j] : element_random_bits(s.seed, i0 + j));
     codes[j] = on ? encode(code_domain(v[j], sqrt_map), p, levels, s.stochastic, u) : 0u;
   }
   uint8_t* dst = s.codes + i0 * s.bits / 8;
