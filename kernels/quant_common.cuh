@@ -392,13 +392,13 @@ __device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const f
   const float levels = float((1u << s.bits) - 1u);
   unsigned codes[kUnit];
   const CodeParams p0 = code_params(s.params[g0]);
-  const bool aligned = i0 % kUnit == 0;  // the unit's bits from one generator call
-  const SrBits bits = s.stochastic && aligned ? unit_random_bits(s.seed, i0) : SrBits{};
 #pragma unroll
   for (int j = 0; j < kUnit; ++j) {
     const bool on = j < live;
     const CodeParams p = (one_group || !on) ? p0 : code_params(s.params[s.groups.group(i0 + j)]);
-    const unsigned u = !(s.stochastic && on) ? 0u : (aligned ? bits[j] : element_random_bits(s.seed, i0 + j));
+    // one generator call per element, not per unit: the unit's bits held across the loop
+    // spill gelu_forward_kernel<float> (sm_90, 16-byte stack frame)
+    const unsigned u = (s.stochastic && on) ? element_random_bits(s.seed, i0 + j) : 0u;
     codes[j] = on ? encode(code_domain(v[j], sqrt_map), p, levels, s.stochastic, u) : 0u;
   }
   uint8_t* dst = s.codes + i0 * s.bits / 8;
