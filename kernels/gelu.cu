@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kGeluBlock)
   if (kStats) stats.begin();
   RunStats run;
   uint32_t cached_group = 0xffffffffu;
-  CodeParams p{0.0f, 0.0f, 1.0f, 0.0f};
+  CodeParams p{0.0f, 0.0f, 1.0f};
   auto unit = [&](uint32_t i0, const RawUnit<T>& raw) {
     float xs[kUnit], out[kUnit];
     raw.to_floats(xs);

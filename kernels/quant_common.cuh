@@ -42,9 +42,8 @@ inline GroupMap32 group_map32(const GroupMap& g) { return GroupMap32{fast_div(ui
 
 struct CodeParams {
   float offset;
-  float inv_scale;    // ~1 / (scale * prescale); 0 for a zero or NaN scale
-  float prescale;     // 2^64 for tiny scales, 2^-64 for huge ones, else 1
-  float inv_scale16;  // inv_scale * 2^16 (exact): the fixed-point position of stochastic rounding
+  float inv_scale;  // ~1 / (scale * prescale); 0 for a zero or NaN scale
+  float prescale;   // 2^64 for tiny scales, 2^-64 for huge ones, else 1
 };
 // Scales outside [2^-60, 2^60] are first multiplied by 2^±64 (exact), so that the step and
 // its reciprocal are normal numbers; the difference x - offset gets the same factor.
@@ -66,10 +65,9 @@ __device__ __forceinline__ float reciprocal(float s) {
 }
 
 __device__ __forceinline__ CodeParams code_params(MesaGroupParams p) {
-  if (!(p.scale > 0.0f)) return CodeParams{p.offset, 0.0f, 1.0f, 0.0f};  // constant group, or NaN
+  if (!(p.scale > 0.0f)) return CodeParams{p.offset, 0.0f, 1.0f};  // constant group, or NaN
   const float pre = p.scale < kTinyScale ? kTwo64 : (p.scale > kHugeScale ? 1.0f / kTwo64 : 1.0f);
-  const float inv = reciprocal(p.scale * pre);
-  return CodeParams{p.offset, inv, pre, inv * kSrOne};
+  return CodeParams{p.offset, reciprocal(p.scale * pre), pre};
 }
 
 // t = (x - offset) / scale, evaluated so that it neither overflows nor loses the tiny scales:
@@ -371,8 +369,11 @@ struct SrBits {
 __device__ __forceinline__ SrBits unit_random_bits(uint64_t key, int64_t i0) {  // i0: a multiple of 8
   return SrBits{philox4x32<kSrRounds>(uint64_t(i0) / kUnit, key)};
 }
-__device__ __forceinline__ unsigned element_random_bits(uint64_t key, int64_t i) {
-  return unit_random_bits(key, i - i % kUnit)[int(i % kUnit)];
+__device__ __forceinline__ unsigned element_random_bits(uint64_t key, int64_t i) {  // = unit_random_bits(i0)[i % 8]
+  const Philox4 r = philox4x32<kSrRounds>(uint64_t(i) / kUnit, key);
+  const int w = int(uint64_t(i) % kUnit) / 2;
+  const unsigned word = w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
+  return (word >> (kSrBits * int(i & 1))) & 0xffffu;
 }
 
 // sqrt_map: the companded codes of s.sqrt_map, passed by the one producer that uses them
@@ -559,12 +560,13 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
   }
   unsigned codes[kUnit];
   if (probe == 0.0f && p.prescale == 1.0f) {
-    // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale)
+    // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale).
+    // Stochastic: fl(d * inv16) = fl(d * inv_scale) * 2^16 (a power of two; both round to
+    // fixed point 0 where the product underflows), so the codes of encode() below.
+    const float inv16 = p.inv_scale * kSrOne;
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) {
-      // stochastic: fl(d * inv_scale16) = fl(d * inv_scale) * 2^16 (a power of two; both round
-      // to fixed point 0 where the product underflows), so the codes of encode() below
-      codes[j] = kStochastic ? stochastic_code(__fmul_rn(d[j], p.inv_scale16), (1u << kBits) - 1u, us[j])
+      codes[j] = kStochastic ? stochastic_code(__fmul_rn(d[j], inv16), (1u << kBits) - 1u, us[j])
                              : nearest_code(__fmul_rn(d[j], p.inv_scale), (1u << kBits) - 1u);
     }
     if (kStats) accumulate_unit(run, g, xs, true, stats_target);  // d, so x, all finite

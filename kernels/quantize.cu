@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kBlock, 2) quantize_dense_kernel(const T* __re
   if (kStats) sink.begin();
   RunStats run;
   uint32_t cached_group = 0xffffffffu;
-  CodeParams p{0.0f, 0.0f, 1.0f, 0.0f};
+  CodeParams p{0.0f, 0.0f, 1.0f};
   const uint32_t nunits = uint32_t(n / kUnit);
   const uint32_t stride = gridDim.x * blockDim.x;
   for (uint32_t u = blockIdx.x * blockDim.x + threadIdx.x; u < nunits; u += 2 * stride) {
