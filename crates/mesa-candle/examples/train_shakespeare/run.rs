@@ -332,7 +332,7 @@ impl Summary {
         if let Some(a) = a {
             checks.push((format!("a ({a:.4}) < bigram ({bigram:.4})"), a < bigram));
             let tol = (0.01 * a).max(a_spread);
-            for n in ["b", "c", "f"] {
+            for n in ["b", "c", "f", "g"] {
                 if let Some(r) = get(n) {
                     let d = r.final_val_loss - a;
                     checks.push((
