@@ -137,9 +137,9 @@ pub fn stochastic_round(t: f64, u: f64) -> f64 {
 /// One code step in the fixed point of stochastic rounding: 2¹⁶ (16 random bits per element).
 pub const ROUNDING_ONE: f64 = 65_536.0;
 
-/// Philox rounds of stochastic rounding's generator (Salmon et al., SC'11, §5 / Table 2:
-/// the smallest round count of Philox4x32 that passes TestU01's Crush and BigCrush, their
-/// "Crush-resistant" count; 10 is their recommendation with a safety margin).
+/// Philox rounds of stochastic rounding's generator (Salmon et al., SC'11, their table of
+/// generators: the smallest round count of Philox4x32 that passes TestU01's SmallCrush, Crush
+/// and BigCrush, their "Crush-resistant" count; 10 is their default, with a safety margin).
 pub const ROUNDING_ROUNDS: u32 = 7;
 
 /// The 16 random bits of stochastic rounding for logical element `index` under `key` (the
