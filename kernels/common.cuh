@@ -378,14 +378,19 @@ __device__ __forceinline__ float key_float(unsigned k) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Philox4x32-10 (Salmon et al., SC'11): counter-based, so element i's random number depends
-// only on (seed, i) — the same on the GPU and the emulation, whatever the launch shape.
+// Philox4x32-R (Salmon et al., SC'11): counter-based, so element i's random number depends
+// only on (key, i) — the same on the GPU and the emulation, whatever the launch shape. One
+// round: two 32x32 -> 64-bit products (one IMAD.WIDE.U32 each) and two three-way XORs (LOP3);
+// the round keys are launch constants. R = 10 is the paper's default (dropout, host side);
+// stochastic rounding uses R = 7, the paper's Crush-resistant count (docs/kernels.md).
 struct Philox4 { unsigned x, y, z, w; };
 
-__device__ __forceinline__ Philox4 philox4x32_10(uint64_t counter, uint64_t key) {
+template <int kRounds>
+__device__ __forceinline__ Philox4 philox4x32(uint64_t counter, uint64_t key) {
   unsigned c0 = unsigned(counter), c1 = unsigned(counter >> 32), c2 = 0u, c3 = 0u;
   unsigned k0 = unsigned(key), k1 = unsigned(key >> 32);
-  for (int r = 0; r < 10; ++r) {
+#pragma unroll
+  for (int r = 0; r < kRounds; ++r) {
     const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
     const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
     const unsigned n0 = hi1 ^ c1 ^ k0, n1 = lo1, n2 = hi0 ^ c3 ^ k1, n3 = lo0;
@@ -395,8 +400,6 @@ __device__ __forceinline__ Philox4 philox4x32_10(uint64_t counter, uint64_t key)
   }
   return Philox4{c0, c1, c2, c3};
 }
-
-// u in [0, 1) with 24 random bits: exactly representable, never 1.0.
-__device__ __forceinline__ float uniform01(unsigned bits) { return float(bits >> 8) * (1.0f / 16777216.0f); }
+__device__ __forceinline__ Philox4 philox4x32_10(uint64_t counter, uint64_t key) { return philox4x32<10>(counter, key); }
 
 }  // namespace MESA_NS

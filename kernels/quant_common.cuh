@@ -8,7 +8,7 @@
 //
 // It also holds what producers and backward kernels share: CodeSink (where a producer writes
 // codes: params, stats, seed, bits), CodeSource (codes read back inside a backward kernel)
-// and the per-element Philox uniforms of stochastic rounding.
+// and the per-element random bits of stochastic rounding (Philox4x32-7 by logical index).
 #pragma once
 
 #include "common.cuh"
@@ -50,6 +50,8 @@ struct CodeParams {
 constexpr float kTinyScale = 8.673617379884035e-19f;  // 2^-60
 constexpr float kHugeScale = 1.152921504606846976e18f;  // 2^60
 constexpr float kTwo64 = 18446744073709551616.0f;       // 2^64
+constexpr int kSrBits = 16;                              // random bits per element (stochastic rounding)
+constexpr float kSrOne = float(1u << kSrBits);           // 2^16: one code step in fixed point
 
 // 1/s for a normal s in [2^-85, 2^110] by Newton's iteration r <- r + r(1 - s r) (fmaf),
 // from a bit-pattern seed: only IEEE mul/fma, so both builds give the same bits, and no
@@ -84,11 +86,6 @@ __device__ __forceinline__ float code_position(float x, CodeParams p) {
   return twice * __fmul_rn(d * p.prescale, p.inv_scale);
 }
 
-// Stochastic rounding is floor(t) + (u < frac(t)), never floorf(t + u): t + u rounded to f32
-// moves an on-grid t (frac 0) up one code when u >= 1 - ulp(t)/2 (t in [128, 256): one element
-// in 2^17) and biases every t by up to half an ulp. floor(t) and t - floor(t) are exact in f32
-// (|t| < 2^24 once clamped; NaN and huge t clamp below), so P(code = floor(t) + 1) = frac(t)
-// up to the 2^-24 grid of u, in both builds.
 // The nearest code of position t: rint(t) clamped to [0, levels], NaN to 0. On the GPU one
 // F2I.U32.RNE (a float-to-unsigned conversion saturates: negative and NaN give 0, PTX ISA
 // `cvt`) and one integer min; the emulation spells the clamp out (its conversion of an
@@ -102,19 +99,26 @@ __device__ __forceinline__ unsigned nearest_code(float t, unsigned levels) {
 #endif
 }
 
-// The code of position t, as encode() rounds it. fmaxf(NaN, 0) = 0.
-__device__ __forceinline__ unsigned round_code(float t, float levels, bool stochastic, float u) {
-  float r;
-  if (stochastic) {
-    const float fl = floorf(t);
-    r = (u < t - fl) ? fl + 1.0f : fl;  // t - fl: exact (Sterbenz); fl + 1: exact below 2^24
-  } else {
-    r = rintf(t);
-  }
-  return unsigned(fminf(fmaxf(r, 0.0f), levels));
+// Stochastic rounding is done in fixed point: T = rint(t * 2^16) saturated to [0, L * 2^16]
+// (t * 2^16 is exact in f32: a power of two), then code = (T + u) >> 16 with u the element's
+// 16 random bits — floor(t' + u / 2^16) for t' = T / 2^16, t on the 2^-16 grid. Integer
+// arithmetic: no rounding of t' + u, so an on-grid t (T = code << 16) never moves, and
+// P(code = floor(t') + 1) = frac(t') exactly; |t' - t| <= 2^-17 of a step is the bias bound
+// (docs/kernels.md, "Stochastic rounding"). The same code in both builds for every t.
+// stochastic_code takes t16 = t * 2^16 (levels L = 2^bits - 1, u < 2^16); negative and NaN
+// t16 give 0. After the F2I of nearest_code: IMNMX, the add of u, SHF.
+__device__ __forceinline__ unsigned stochastic_code(float t16, unsigned levels, unsigned u) {
+  return (nearest_code(t16, levels << kSrBits) + u) >> kSrBits;
 }
 
-__device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, float u) {
+// The code of position t, as encode() rounds it (u: the element's 16 random bits, unused when
+// rounding to nearest). fmaxf(NaN, 0) = 0.
+__device__ __forceinline__ unsigned round_code(float t, float levels, bool stochastic, unsigned u) {
+  if (stochastic) return stochastic_code(t * kSrOne, unsigned(levels), u);
+  return unsigned(fminf(fmaxf(rintf(t), 0.0f), levels));
+}
+
+__device__ __forceinline__ unsigned encode(float x, CodeParams p, float levels, bool stochastic, unsigned u) {
   return round_code(code_position(x, p), levels, stochastic, u);
 }
 
@@ -349,11 +353,27 @@ inline bool code_sink_valid(const MesaCodeSink& s) {
   return s.codes == nullptr || s.params != nullptr;
 }
 
-// u in [0, 1) of logical element i: word i % 4 of Philox4x32-10(counter i / 4, key seed).
-__device__ __forceinline__ float element_uniform(uint64_t seed, int64_t i) {
-  const Philox4 r = philox4x32_10(uint64_t(i) / 4, seed);
-  const int w = int(uint64_t(i) % 4);
-  return uniform01(w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w)));
+// The random bits of stochastic rounding (docs/kernels.md, "Stochastic rounding"): logical
+// element i takes 16 bits, half i % 2 (low half first) of word (i % 8) / 2 of
+// Philox4x32-7(counter i / 8, key), so one Philox call serves a unit of 8. The key is the
+// call's (the safe crate: seed + call * 0x9E3779B97F4A7C15), so the bits depend on (seed,
+// call, i) only: not on the grid, the path (dense, strided, tail) or the producer.
+constexpr int kSrRounds = 7;
+struct SrBits {
+  Philox4 r;
+  __device__ __forceinline__ unsigned operator[](int j) const {  // element j of the unit, j < 8
+    const unsigned w = j / 2 == 0 ? r.x : (j / 2 == 1 ? r.y : (j / 2 == 2 ? r.z : r.w));
+    return j % 2 ? w >> kSrBits : w & 0xffffu;
+  }
+};
+__device__ __forceinline__ SrBits unit_random_bits(uint64_t key, int64_t i0) {  // i0: a multiple of 8
+  return SrBits{philox4x32<kSrRounds>(uint64_t(i0) / kUnit, key)};
+}
+__device__ __forceinline__ unsigned element_random_bits(uint64_t key, int64_t i) {  // = unit_random_bits(i0)[i % 8]
+  const Philox4 r = philox4x32<kSrRounds>(uint64_t(i) / kUnit, key);
+  const int w = int(uint64_t(i) % kUnit) / 2;
+  const unsigned word = w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
+  return (word >> (kSrBits * int(i & 1))) & 0xffffu;
 }
 
 // sqrt_map: the companded codes of s.sqrt_map, passed by the one producer that uses them
@@ -377,7 +397,9 @@ __device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const f
   for (int j = 0; j < kUnit; ++j) {
     const bool on = j < live;
     const CodeParams p = (one_group || !on) ? p0 : code_params(s.params[s.groups.group(i0 + j)]);
-    const float u = (s.stochastic && on) ? element_uniform(s.seed, i0 + j) : 0.0f;
+    // one generator call per element, not per unit: the unit's bits held across the loop
+    // spill gelu_forward_kernel<float> (sm_90, 16-byte stack frame)
+    const unsigned u = (s.stochastic && on) ? element_random_bits(s.seed, i0 + j) : 0u;
     codes[j] = on ? encode(code_domain(v[j], sqrt_map), p, levels, s.stochastic, u) : 0u;
   }
   uint8_t* dst = s.codes + i0 * s.bits / 8;
@@ -527,15 +549,8 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
       run.group = g;
     }
   }
-  float us[kUnit];
-#pragma unroll
-  for (int j = 0; j < kUnit; ++j) us[j] = 0.0f;
-  if (kStochastic) {  // Philox once per 4 elements: the words of counters i0/4 and i0/4 + 1
-    const Philox4 a = philox4x32_10(uint64_t(i0) / 4, q.seed);
-    const Philox4 b = philox4x32_10(uint64_t(i0) / 4 + 1, q.seed);
-    us[0] = uniform01(a.x); us[1] = uniform01(a.y); us[2] = uniform01(a.z); us[3] = uniform01(a.w);
-    us[4] = uniform01(b.x); us[5] = uniform01(b.y); us[6] = uniform01(b.z); us[7] = uniform01(b.w);
-  }
+  SrBits us{};  // one Philox4x32-7 call per unit of 8: 16 bits per element
+  if (kStochastic) us = unit_random_bits(q.seed, i0);
   float d[kUnit];
   float probe = 0.0f;  // +-0 while every x - offset is finite, NaN otherwise (x non-finite, or overflow)
 #pragma unroll
@@ -545,17 +560,20 @@ __device__ __forceinline__ void quantize_dense_unit(const DenseQuantize& q, uint
   }
   unsigned codes[kUnit];
   if (probe == 0.0f && p.prescale == 1.0f) {
-    // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale)
+    // code_position's result exactly: d finite, prescale 1, so t = fl(d * inv_scale).
+    // Stochastic: fl(d * inv16) = fl(d * inv_scale) * 2^16 (a power of two; both round to
+    // fixed point 0 where the product underflows), so the codes of encode() below.
+    const float inv16 = p.inv_scale * kSrOne;
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) {
-      const float t = __fmul_rn(d[j], p.inv_scale);
-      codes[j] = kStochastic ? round_code(t, kLevels, true, us[j]) : nearest_code(t, (1u << kBits) - 1u);
+      codes[j] = kStochastic ? stochastic_code(__fmul_rn(d[j], inv16), (1u << kBits) - 1u, us[j])
+                             : nearest_code(__fmul_rn(d[j], p.inv_scale), (1u << kBits) - 1u);
     }
     if (kStats) accumulate_unit(run, g, xs, true, stats_target);  // d, so x, all finite
   } else {
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) {
-      codes[j] = encode(xs[j], p, kLevels, kStochastic, us[j]);
+      codes[j] = encode(xs[j], p, kLevels, kStochastic, kStochastic ? us[j] : 0u);
       if (kStats) accumulate(run, g, xs[j], stats_target);
     }
   }

@@ -5,8 +5,9 @@
 //   scale_g  = range_g / L                      (range = max - min)
 //   t        = (x - offset_g) * inv_scale_g     (inv_scale = 1/scale, 0 for a constant group)
 //   nearest:    code = clamp(rint(t), 0, L)     (round half to even)
-//   stochastic: code = clamp(floor(t) + (u < t - floor(t)), 0, L),  u = Philox4x32-10(seed, i) in [0,1)
-//               (= floor(t + u) without rounding t + u: see encode() in quant_common.cuh)
+//   stochastic: code = (min(rint(t * 2^16), L * 2^16) + u) >> 16 in unsigned integers (negative t: 0),
+//               u = 16 bits of Philox4x32-7(key, i / 8) for element i: floor(t' + u / 2^16) for t
+//               on the 2^-16 grid (stochastic_code in quant_common.cuh; docs/kernels.md)
 //   decode:     x^ = fmaf(code, scale_g, offset_g)
 //   companded (MESA_CODE_MAP_SQRT, fixed parameters, no statistics): the same with x replaced
 //   by sqrtf(x), and decode q = fmaf(code, scale_g, offset_g), x^ = q * q (__fmul_rn)
@@ -251,8 +252,8 @@ __device__ void quantize_tail(const T* x, int64_t n, int64_t i0, const QuantizeC
     codes[j] = 0u;
     if (i >= n) continue;
     const float xv = to_float(x[i]);
-    // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
-    const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
+    // the same bits as the vector path: element_random_bits (no local array: selected)
+    const unsigned u = cfg.stochastic ? element_random_bits(cfg.seed, i) : 0u;
     const int64_t g = cfg.groups.group(i);
     codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
     if (with_stats) accumulate(run, g, xv, stats_target);
@@ -300,16 +301,8 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
 #pragma unroll
       for (int j = 0; j < N; ++j) xs[j] = i0 + j < n ? to_float(x[view.offset(i0 + j)]) : 0.0f;
     }
-    float us[N];
-    if (cfg.stochastic) {
-      const Philox4 a = philox4x32_10(uint64_t(i0) / 4, cfg.seed);
-      const Philox4 b = philox4x32_10(uint64_t(i0) / 4 + 1, cfg.seed);
-      us[0] = uniform01(a.x); us[1] = uniform01(a.y); us[2] = uniform01(a.z); us[3] = uniform01(a.w);
-      us[4] = uniform01(b.x); us[5] = uniform01(b.y); us[6] = uniform01(b.z); us[7] = uniform01(b.w);
-    } else {
-#pragma unroll
-      for (int j = 0; j < N; ++j) us[j] = 0.0f;
-    }
+    SrBits us{};  // one Philox4x32-7 call per unit of 8 (i0 is a multiple of 8)
+    if (cfg.stochastic) us = unit_random_bits(cfg.seed, i0);
     unsigned codes[N];
     const int64_t g0 = cfg.groups.group(i0);
     const CodeParams p0 = code_params(cfg.params[g0]);
@@ -318,7 +311,7 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       const bool live = kDense || i0 + j < n;
       const int64_t g = unit_in_one_group ? g0 : cfg.groups.group(i0 + j);
       const CodeParams p = unit_in_one_group ? p0 : code_params(cfg.params[live ? g : g0]);
-      codes[j] = live ? encode(code_domain(xs[j], cfg.sqrt_map), p, levels, cfg.stochastic, us[j]) : 0u;
+      codes[j] = live ? encode(code_domain(xs[j], cfg.sqrt_map), p, levels, cfg.stochastic, cfg.stochastic ? us[j] : 0u) : 0u;
       if (with_stats && live) accumulate(run, g, xs[j], sink.target());
     }
     if (kWiden)
@@ -348,8 +341,8 @@ __global__ void __launch_bounds__(kBlock) quantize_kernel(const T* __restrict__ 
       codes[j] = 0u;
       if (i >= n) continue;
       const float xv = to_float(x[i]);
-      // the same u as the vector path: word i % 4 of Philox(i / 4) (no local array: selected)
-      const float u = cfg.stochastic ? element_uniform(cfg.seed, i) : 0.0f;
+      // the same bits as the vector path: element_random_bits (no local array: selected)
+      const unsigned u = cfg.stochastic ? element_random_bits(cfg.seed, i) : 0u;
       const int64_t g = cfg.groups.group(i);
       codes[j] = encode(code_domain(xv, cfg.sqrt_map), code_params(cfg.params[g]), levels, cfg.stochastic, u);
       if (with_stats) accumulate(run, g, xv, sink.target());

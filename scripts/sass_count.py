@@ -62,7 +62,7 @@ SPECS = [
          bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], target=0.70),
     dict(name="quantize, running, stochastic", file="quantize",
          func=r"::quantize_dense_kernel<__nv_bfloat16, 8, true, true>", loops=[(r"LDG\.E\.128", 16)],
-         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2)], target=1.00, gate=1.55),
+         bytes=3, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.64", 2), (PHILOX, 12)], target=1.00),
     dict(name="dequantize -> bf16", file="quantize",
          func=r"::dequantize_dense_kernel<__nv_bfloat16, 8, false>", loops=[(r"STG\.E\.128", 16)],
          bytes=3, avoid=[], require=[(r"LDG\.E\.64", 2), (r"STG\.E\.128", 2)], target=0.70),

@@ -370,17 +370,20 @@ fn check_softmax<T: Element>(
             (Rounding::Nearest, false) => rq::encode_nearest(yh[i], 0.0, scale, save.bits),
             (Rounding::Nearest, true) => rf::sqrt_code_nearest(yh[i], scale, save.bits),
             (Rounding::Stochastic { seed }, false) => {
-                rq::encode_stochastic(yh[i], 0.0, scale, save.bits, rq::uniform(seed, i as u64))
+                rq::encode_stochastic(yh[i], 0.0, scale, save.bits, rq::rounding_uniform(seed, i as u64))
             }
             (Rounding::Stochastic { seed }, true) => {
-                rf::sqrt_code_stochastic(yh[i], scale, save.bits, rq::uniform(seed, i as u64))
+                rf::sqrt_code_stochastic(yh[i], scale, save.bits, rq::rounding_uniform(seed, i as u64))
             }
         };
         if codes[i] != expect {
             let frac = match save.rounding {
                 Rounding::Nearest => ((t - t.floor()) - 0.5).abs(),
-                // the rule's boundary is u = frac(t) (tests/quantize.rs, `verify`)
-                Rounding::Stochastic { seed } => ((t - t.floor()) - rq::uniform(seed, i as u64)).abs(),
+                // the rule's boundary: t + u at an integer, within the 2^-16 grid of t'
+                Rounding::Stochastic { seed } => {
+                    let s = t + rq::rounding_uniform(seed, i as u64);
+                    ((s - s.round()).abs() - 1.0 / rq::ROUNDING_ONE).max(0.0)
+                }
             };
             assert!(
                 frac <= 8.0 * EPS * t.abs().max(1.0) && codes[i].abs_diff(expect) == 1,

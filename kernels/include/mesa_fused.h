@@ -37,7 +37,7 @@ typedef struct MesaCodeSink {
   MesaGroupStats* stats;          /* [group_count] or NULL */
   int64_t group_run;              /* >= 1 */
   int64_t group_count;            /* >= 1 */
-  uint64_t seed;                  /* stochastic rounding: Philox key */
+  uint64_t seed;                  /* stochastic rounding: Philox4x32-7 key (the call's) */
   int32_t bits;                   /* 8, 4 or 2 */
   MesaRounding rounding;
   MesaCodeMap map;                /* SQRT: codes of sqrt(v) (requires stats == NULL) */

@@ -27,7 +27,7 @@ extern "C" {
 typedef int32_t MesaRounding;
 enum MesaRoundingCode {
   MESA_ROUND_NEAREST = 0,    /* round half to even */
-  MESA_ROUND_STOCHASTIC = 1  /* floor(t) + (u < t - floor(t)), u ~ U[0,1) from Philox4x32-10(seed, element index) */
+  MESA_ROUND_STOCHASTIC = 1  /* (rint(t * 2^16) + u) >> 16, u: 16 bits of Philox4x32-7(seed, element index / 8) */
 };
 
 /* How codes map to values. IDENTITY: the codes are of x itself. SQRT (companded, for
@@ -139,7 +139,7 @@ typedef struct MesaQuantizeArgs {
   const MesaGroupParams* params;  /* [grouping.count] */
   uint8_t* codes;                 /* ceil(numel * bits / 8) bytes */
   MesaGroupStats* stats;          /* [grouping.count] or NULL */
-  uint64_t seed;                  /* stochastic rounding: Philox key */
+  uint64_t seed;                  /* stochastic rounding: Philox4x32-7 key (the call's: seed + call * 0x9E3779B97F4A7C15) */
   int32_t bits;                   /* 8, 4 or 2 */
   MesaRounding rounding;
   MesaCodeMap map;                /* SQRT requires stats == NULL */

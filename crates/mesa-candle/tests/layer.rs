@@ -163,6 +163,28 @@ fn full_recomputation_gives_the_same_gradients_as_keeping_the_codes() {
     assert_eq!(flat(g.get(xv.as_tensor()).unwrap()), dx_none);
 }
 
+/// `LayerConfig::stochastic_rounding` (issue 30): gradients within the 8-bit codes' target
+/// of the f64 reference (stochastic codes err by < one step, unbiased), and the codes follow
+/// the call's seed: the same seed replays the same gradients bit for bit, another seed
+/// (another call) draws other codes. No dropout, so only the rounding depends on the seed.
+#[test]
+fn stochastic_rounding_follows_the_seed_and_keeps_the_gradients() {
+    let sr = LayerConfig { stochastic_rounding: true, ..LayerConfig::new(32, 4, 128) };
+    check(&sr, "pre-LN softmax, stochastic rounding");
+    let mut rng = Rng::new("stochastic");
+    let x = rng.tensor(&[2, 16, 32], 0.0, 1.0, DType::F32);
+    let dy = rng.tensor(&[2, 16, 32], 0.0, 1.0, DType::F32);
+    let layer = TransformerLayer::new(sr, &Device::Cpu).unwrap();
+    let grads = |seed| {
+        let xv = candle_core::Var::from_tensor(&x).unwrap();
+        let y = layer.forward_seeded(xv.as_tensor(), seed).unwrap();
+        let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+        (flat(g.get(layer.params().as_tensor()).unwrap()), flat(g.get(xv.as_tensor()).unwrap()))
+    };
+    assert_eq!(grads(3), grads(3), "the same seed replays the same codes");
+    assert_ne!(grads(3), grads(4), "another seed draws other codes");
+}
+
 #[test]
 fn dropout_masks_follow_the_seed() {
     let mut rng = Rng::new("seed");

@@ -79,11 +79,15 @@ const _: () = {
 pub enum Rounding {
     /// Round to nearest, ties to even. Deterministic; error ≤ scale / 2.
     Nearest,
-    /// `floor(t + u)` (evaluated as `floor(t) + (u < t − floor(t))`, so a value on a code
-    /// level keeps its code) with `u ∈ [0, 1)` from Philox4x32-10 keyed by the seed and counted by
-    /// the element's logical index: unbiased (`E[x̂] = x` inside the range), error < scale,
-    /// identical on the GPU and the emulation. Batch `k` of a [`Quantizer`] uses the key
-    /// `seed + k · 0x9E3779B97F4A7C15` (wrapping).
+    /// `floor(t' + u)` with `t'` the position `t` on the 2⁻¹⁶ grid and `u = k / 2¹⁶` from 16
+    /// bits of Philox4x32-7 (Salmon et al., SC'11) keyed by the call's key and counted by the
+    /// element's logical index, evaluated in integers (`(rint(t·2¹⁶) + k) >> 16`: a value on
+    /// a level keeps its code): unbiased to within 2⁻¹⁷ of a step (`E[x̂] = x` inside the range
+    /// up to the grid of `t'`), error < scale, identical on the GPU and the emulation and on
+    /// every kernel path. Batch `k` of a [`Quantizer`] uses the key
+    /// `seed + k · 0x9E3779B97F4A7C15` (wrapping): replayable from the seed and the batch
+    /// count. The bits: [`crate::reference::quant::rounding_bits`]; docs/kernels.md,
+    /// "Stochastic rounding".
     Stochastic {
         /// Philox key of batch 0.
         seed: u64,

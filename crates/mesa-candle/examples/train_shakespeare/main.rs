@@ -1,7 +1,7 @@
 //! A character-level GPT trained on Shakespeare (fixtures/README.md) through mesa-candle's
 //! layer: full-precision saving (the plain-candle layer) against 8- and 4-bit codes, exact
 //! and running statistics, chunked linear attention (SLiM memory mode) and selective
-//! recomputation. Every run starts from the same initialisation (seed 0; run a also seeds 1
+//! recomputation, and stochastic rounding (run g: run b with it). Every run starts from the same initialisation (seed 0; run a also seeds 1
 //! and 2) and sees the same batches; candle-nn's AdamW.
 //!
 //! ```text

@@ -139,8 +139,9 @@ impl Model {
         e.broadcast_add(&self.pos.as_tensor().narrow(0, 0, t)?)
     }
 
-    /// The layer stack for training (graph kept for backward).
-    pub fn stack_forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+    /// The layer stack for training (graph kept for backward) at training step `step`: layer
+    /// `i` gets the seed `step · layers + i` (its stochastic-rounding keys; no dropout here).
+    pub fn stack_forward(&self, h: &Tensor, step: u64) -> candle_core::Result<Tensor> {
         let mut h = h.clone();
         match &self.stack {
             Stack::Plain(layers) => {
@@ -149,8 +150,8 @@ impl Model {
                 }
             }
             Stack::Mesa(layers) => {
-                for l in layers {
-                    h = l.forward_seeded(&h, 0)?;
+                for (i, l) in layers.iter().enumerate() {
+                    h = l.forward_seeded(&h, step * layers.len() as u64 + i as u64)?;
                 }
             }
         }

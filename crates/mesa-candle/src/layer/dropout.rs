@@ -1,8 +1,7 @@
 //! Dropout masks regenerated from a counter-based seed instead of stored.
 //!
 //! Element `i` of stream `s` under seed `k` is kept when the Philox4x32-10 uniform
-//! (`mesa_kernels::reference::quant::uniform`: the generator and the counter→uniform map of
-//! the stochastic rounding)
+//! (`mesa_kernels::reference::quant::uniform`, 24 bits of Philox4x32-10 per element)
 //! keyed by `k ⊕ s·φ64` at counter `i` is `≥ p`; kept elements are scaled by `1/(1 − p)`.
 //! The forward and the backward (and a recomputed forward) call the same function with the
 //! same seed: the same mask, zero bytes kept for it.

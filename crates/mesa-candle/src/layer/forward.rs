@@ -106,12 +106,24 @@ impl Plan {
         }
     }
 
+    /// The rounding of the tensor saved at `site` (the [`CodeSite`]s, then the softmax
+    /// probabilities as one more): [`LayerConfig::stochastic_rounding`]'s key is the call's
+    /// seed mixed with the site (a Weyl step apart, offset from the dropout sites' keys).
+    fn rounding(&self, site: u64) -> Rounding {
+        if self.config.stochastic_rounding {
+            Rounding::Stochastic { seed: self.seed ^ (0x5352_0000 + site).wrapping_mul(0x9E37_79B9_7F4A_7C15) }
+        } else {
+            Rounding::Nearest
+        }
+    }
+
     /// The codes of `site` (exact statistics; [`Quantizers::new`] sets the mode).
     pub fn site_codes(&self, site: CodeSite) -> QuantConfig {
-        match site {
+        let codes = match site {
             CodeSite::Q | CodeSite::K | CodeSite::V => self.head_codes(),
             CodeSite::Ln1 | CodeSite::AttnOut | CodeSite::Ln2 | CodeSite::FfnIn => self.token_codes(),
-        }
+        };
+        QuantConfig { rounding: self.rounding(site as u64), ..codes }
     }
 
     /// Token tensors `[B, N, C or F]`: one group per head-sized channel slice.
@@ -129,7 +141,7 @@ impl Plan {
             bits: self.config.bits,
             codes: SoftmaxCodes::Sqrt,
             grouping: Grouping::Heads { axis: 1 },
-            rounding: Rounding::Nearest,
+            rounding: self.rounding(CodeSite::ALL.len() as u64),
         }
     }
 

@@ -166,6 +166,13 @@ pub struct LayerConfig {
     /// the first call, momentum 0.9; [`TransformerLayer::running_params`] reads it). Under
     /// [`Recompute::Full`] the backward's rerun of the forward uses exact statistics.
     pub stats: StatsMode,
+    /// Stochastic rounding of every code instead of round to nearest (issue 30): the key of
+    /// each saved tensor comes from the call's seed (the dropout seed of
+    /// [`TransformerLayer::forward_seeded`], `dropout.seed + k` for the `k`-th
+    /// [`Module::forward`]) and the tensor's site, so calls and sites draw independent bits and
+    /// a run replays from its seeds; the running estimate's quantizers, kept across calls,
+    /// advance their own call counter from the first call's keys.
+    pub stochastic_rounding: bool,
     /// LayerNorm ε.
     pub eps: f32,
 }
@@ -185,6 +192,7 @@ impl LayerConfig {
             dropout: DropoutConfig::none(),
             bits: 8,
             stats: StatsMode::Exact,
+            stochastic_rounding: false,
             eps: 1e-5,
         }
     }

@@ -116,24 +116,50 @@ pub fn encode_nearest(x: f64, offset: f64, scale: f64, bits: u32) -> u32 {
     t.round_ties_even().clamp(0.0, levels(bits)) as u32
 }
 
-/// Stochastic code for uniform `u ∈ [0, 1)`: `clamp(floor(t) + [u < t − floor(t)], 0, levels)`
-/// — mathematically `floor(t + u)`, written so that no rounding of `t + u` can move a `t`
-/// that lies on a level (`t − floor(t)` is exact; `P(code = floor(t) + 1) = frac(t)`).
+/// Stochastic code for a uniform `u` on the grid `k / 2¹⁶`, `k < 2¹⁶` ([`rounding_uniform`]):
+/// `clamp(floor(t' + u), 0, levels)` with `t'` = `t` rounded half-even to a multiple of 2⁻¹⁶
+/// ([`stochastic_round`]; the kernels' fixed-point rounding, docs/kernels.md "Stochastic
+/// rounding"): a `t` on a level keeps its code, `P(code = floor(t') + 1) = frac(t')`.
 #[must_use]
 pub fn encode_stochastic(x: f64, offset: f64, scale: f64, bits: u32, u: f64) -> u32 {
     stochastic_round(position(x, offset, scale), u).clamp(0.0, levels(bits)) as u32
 }
 
-/// `floor(t) + [u < t − floor(t)]`: stochastic rounding of `t` with uniform `u ∈ [0, 1)`
-/// (NaN stays NaN and clamps to 0 in the encoders).
+/// `floor(t' + u)`, `t' = round_half_even(t · 2¹⁶) / 2¹⁶`: stochastic rounding of `t` with a
+/// uniform `u = k / 2¹⁶` (`k < 2¹⁶`), exact in f64 for `|t| < 2³⁶` (beyond, the encoders clamp).
+/// The kernels compute `(min(rint(t · 2¹⁶), L · 2¹⁶) + k) >> 16` in integers, the same code
+/// after the clamp. NaN stays NaN and clamps to 0 in the encoders.
 #[must_use]
 pub fn stochastic_round(t: f64, u: f64) -> f64 {
-    let fl = t.floor();
-    if u < t - fl {
-        fl + 1.0
+    ((t * ROUNDING_ONE).round_ties_even() / ROUNDING_ONE + u).floor()
+}
+
+/// One code step in the fixed point of stochastic rounding: 2¹⁶ (16 random bits per element).
+pub const ROUNDING_ONE: f64 = 65_536.0;
+
+/// Philox rounds of stochastic rounding's generator (Salmon et al., SC'11, their table of
+/// generators: the smallest round count of Philox4x32 that passes TestU01's SmallCrush, Crush
+/// and BigCrush, their "Crush-resistant" count; 10 is their default, with a safety margin).
+pub const ROUNDING_ROUNDS: u32 = 7;
+
+/// The 16 random bits of stochastic rounding for logical element `index` under `key` (the
+/// call's key: [`crate::Quantizer`] uses `seed + call · 0x9E3779B97F4A7C15`): half
+/// `index % 2` (low half first) of word `(index % 8) / 2` of Philox4x32-7 at counter
+/// `index / 8` — one generator call per unit of 8 elements, as the kernels.
+#[must_use]
+pub fn rounding_bits(key: u64, index: u64) -> u32 {
+    let w = philox4x32(index / 8, key, ROUNDING_ROUNDS)[((index % 8) / 2) as usize];
+    if index % 2 == 1 {
+        w >> 16
     } else {
-        fl
+        w & 0xffff
     }
+}
+
+/// [`rounding_bits`] as the uniform `k / 2¹⁶ ∈ [0, 1)` that [`encode_stochastic`] takes.
+#[must_use]
+pub fn rounding_uniform(key: u64, index: u64) -> f64 {
+    f64::from(rounding_bits(key, index)) / ROUNDING_ONE
 }
 
 /// Decoded value `code · scale + offset`.
@@ -146,13 +172,20 @@ pub fn decode(code: u32, offset: f64, scale: f64) -> f64 {
 /// counter `(lo, hi, 0, 0)`, key `(lo, hi)`.
 #[must_use]
 pub fn philox4x32_10(counter: u64, key: u64) -> [u32; 4] {
+    philox4x32(counter, key, 10)
+}
+
+/// Philox4x32 with `rounds` rounds (the paper's Philox4x32-R): counter `(lo, hi, 0, 0)`,
+/// key `(lo, hi)`, the round key bumped by the Weyl constants after each round.
+#[must_use]
+pub fn philox4x32(counter: u64, key: u64, rounds: u32) -> [u32; 4] {
     const M0: u64 = 0xD251_1F53;
     const M1: u64 = 0xCD9E_8D57;
     const W0: u32 = 0x9E37_79B9;
     const W1: u32 = 0xBB67_AE85;
     let mut c = [counter as u32, (counter >> 32) as u32, 0, 0];
     let mut k = [key as u32, (key >> 32) as u32];
-    for _ in 0..10 {
+    for _ in 0..rounds {
         let p0 = M0 * u64::from(c[0]);
         let p1 = M1 * u64::from(c[2]);
         c = [((p1 >> 32) as u32) ^ c[1] ^ k[0], p1 as u32, ((p0 >> 32) as u32) ^ c[3] ^ k[1], p0 as u32];
@@ -161,8 +194,9 @@ pub fn philox4x32_10(counter: u64, key: u64) -> [u32; 4] {
     c
 }
 
-/// The uniform number used for element `index` under Philox key `seed`:
-/// word `index % 4` of block `index / 4`, top 24 bits, scaled to `[0, 1)`.
+/// A 24-bit uniform from Philox4x32-10 for element `index` under key `seed`: word
+/// `index % 4` of block `index / 4`, top 24 bits, scaled to `[0, 1)` (the dropout masks of
+/// `mesa-candle`; stochastic rounding uses [`rounding_uniform`]).
 #[must_use]
 pub fn uniform(seed: u64, index: u64) -> f64 {
     let w = philox4x32_10(index / 4, seed)[(index % 4) as usize];
