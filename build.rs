@@ -256,7 +256,7 @@ fn hash_common(h: &mut Fnv, build: &cc::Build) {
             let p = e.path();
             if p.is_dir() {
                 stack.push(p);
-            } else if !p.extension().is_some_and(|x| x == "cu") {
+            } else if p.extension().is_none_or(|x| x != "cu") {
                 files.push(p);
             }
         }
