@@ -192,8 +192,10 @@ PY
 # ---- bundle/ ---------------------------------------------------------------------------
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE"
-log "compressing (xz -9)"
-tar -C "$STAGE" -cf - . | xz -9 -T1 >"$BUNDLE/payload.tar.xz"
+# two blocks compressed at once (each still shares its 64 MiB window across the binaries in it):
+# half the wall time on 2 cores for about 1 MB more
+log "compressing (xz -9, two threads)"
+tar -C "$STAGE" -cf - . | xz -9 -T2 --block-size=80MiB >"$BUNDLE/payload.tar.xz"
 cp scripts/bundle-run.sh "$BUNDLE/run.sh"
 chmod 755 "$BUNDLE/run.sh"
 {
