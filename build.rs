@@ -127,6 +127,15 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
         let Ok(entries) = fs::read_dir(dir) else { continue };
         let target = if dir == kernels { emu_src.clone() } else { emu_src.join("broken") };
         fs::create_dir_all(&target).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", target.display())));
+        // A copy whose source is gone (moved or deleted) must not stay: `#include "x.cuh"`
+        // would find it first, and the build cache would store its object under a key that
+        // a clean tree computes too.
+        for old in fs::read_dir(&target).into_iter().flatten().filter_map(|e| e.ok()) {
+            let name = old.file_name();
+            if old.path().is_file() && !dir.join(&name).is_file() {
+                let _ = fs::remove_file(old.path());
+            }
+        }
         for e in entries.filter_map(|e| e.ok()) {
             let p = e.path();
             if !p.extension().is_some_and(|x| x == "cu" || x == "cuh") {

@@ -12,6 +12,7 @@
 #   crates/mesa-kernels/                              -> it, the root tests (tests/), mesa-candle
 #   tests/, benches/, examples/, fixtures/            -> the root package's tests
 #   crates/mesa-candle/                               -> mesa-candle
+#   README.md                                         -> mesa-kernels (its doctest)
 # The tests run as the README's command does (cargo-nextest, release, the whole workspace
 # built, the touched packages' tests run), on the emulator only (MESA_CUDA_DISABLE=1: no nvcc
 # build in the loop). The SASS step compiles just the changed kernels/*.cu (a changed header:
@@ -29,7 +30,10 @@ all=0
 
 # ---- what changed -------------------------------------------------------------------------
 base=${MESA_FAST_BASE:-$(git rev-parse --abbrev-ref --symbolic-full-name '@{upstream}' 2>/dev/null || echo HEAD)}
-changed=$( { git diff --name-only "$base" --; git ls-files --others --exclude-standard; } | sort -u)
+git rev-parse --verify -q "$base^{commit}" >/dev/null || { echo "check-fast: no revision $base (MESA_FAST_BASE)" >&2; exit 2; }
+# renames as delete + add (a file moved out of a crate still touches it), names unquoted
+diff_names=$(git -c core.quotePath=false diff --name-only --no-renames "$base" --)
+changed=$( { echo "$diff_names"; git -c core.quotePath=false ls-files --others --exclude-standard; } | sed '/^$/d' | sort -u)
 root=0 candle=0 safe=0
 cu=()
 while IFS= read -r f; do
@@ -37,6 +41,7 @@ while IFS= read -r f; do
   case "$f" in
     kernels/*|build.rs|src/*|Cargo.toml|Cargo.lock) root=1; safe=1; candle=1 ;;
     crates/mesa-kernels/*) root=1; safe=1; candle=1 ;;
+    README.md) safe=1 ;;  # the safe crate's docs include it: its example is a doctest
     tests/*|benches/*|examples/*|fixtures/*) root=1 ;;
     crates/mesa-candle/*) candle=1 ;;
   esac
@@ -46,7 +51,7 @@ while IFS= read -r f; do
   esac
 done <<<"$changed"
 if (( all )); then root=1 safe=1 candle=1; cu=(kernels/*.cu); fi
-echo "check-fast: changes against $base: $(wc -l <<<"$changed" | tr -d ' ') paths"
+echo "check-fast: changes against $base: $(grep -c . <<<"$changed" || true) paths"
 
 phase "cargo fmt --check"
 cargo fmt --all -- --check
