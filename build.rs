@@ -52,6 +52,9 @@ fn main() {
         "MESA_EMU_FP_CONTRACT",
         "MESA_EMU_SANITIZE",
         "MESA_KERNELS_BUILD_CACHE",
+        "NVCC_PREPEND_FLAGS",
+        "NVCC_APPEND_FLAGS",
+        "NVCC_CCBIN",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -279,6 +282,10 @@ fn hash_common(h: &mut Fnv, build: &cc::Build) {
     h.bytes(tool.path().to_string_lossy().as_bytes());
     let version = std::process::Command::new(tool.path()).arg("--version").output();
     h.bytes(&version.map(|o| o.stdout).unwrap_or_default());
+    // nvcc's own environment changes its output without showing in its flags
+    for var in ["NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN"] {
+        h.bytes(env::var(var).unwrap_or_default().as_bytes());
+    }
     let (out, manifest) = (env::var("OUT_DIR").unwrap_or_default(), manifest.to_string_lossy().into_owned());
     for a in tool.args() {
         h.bytes(a.to_string_lossy().replace(&out, "$OUT_DIR").replace(&manifest, "$SRC").as_bytes());
