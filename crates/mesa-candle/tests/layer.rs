@@ -352,3 +352,100 @@ fn running_statistics_start_exact_then_follow_the_moving_average() {
         assert_eq!(running.running_params(site).unwrap().map(|p| p.len()), Some(heads), "{site:?}");
     }
 }
+
+/// Per head `h` of the query projection of `x` (post-LN: `Q = x·W_qᵀ + b_q` of the layer
+/// input itself), its `(min, max)` in f64 over `[B, N, d]`.
+fn query_head_ranges(layer: &TransformerLayer, x: &Tensor, heads: usize) -> Vec<(f64, f64)> {
+    let named = layer.layout().unflatten(layer.params().as_tensor()).unwrap();
+    let get = |name: &str| named.iter().find(|(k, _)| *k == name).unwrap().1.to_dtype(DType::F64).unwrap();
+    let (w, b) = (get("attn.q_proj.weight"), get("attn.q_proj.bias"));
+    let (bsz, n, c) = x.dims3().unwrap();
+    let x2 = x.to_dtype(DType::F64).unwrap().reshape((bsz * n, c)).unwrap();
+    let q = flat(&x2.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b).unwrap());
+    let d = c / heads;
+    let mut out = vec![(f64::INFINITY, f64::NEG_INFINITY); heads];
+    for (i, &v) in q.iter().enumerate() {
+        let g = &mut out[(i % c) / d];
+        *g = (g.0.min(v), g.1.max(v));
+    }
+    out
+}
+
+#[test]
+fn code_report_of_the_running_estimate_counts_clamped_and_widened_groups() {
+    use mesa_candle::layer::CodeSite;
+    use mesa_kernels::reference::quant as rq;
+    use mesa_kernels::StatsMode;
+    let mut rng = Rng::new("code report");
+    let (b, n, c, heads) = (2, 16, 32, 4);
+    let dev = common::device();
+    let exact_cfg = LayerConfig { norm: NormPlacement::Post, ..LayerConfig::new(c, heads, 128) };
+    let running_cfg = LayerConfig { stats: StatsMode::Running, ..exact_cfg.clone() };
+    let layer = TransformerLayer::new(running_cfg, &dev).unwrap();
+    let exact = TransformerLayer::new(exact_cfg, &dev).unwrap();
+    let x1 = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32).to_device(&dev).unwrap();
+    for site in CodeSite::ALL {
+        assert_eq!(layer.code_report(site).unwrap(), None, "{site:?}: nothing before the first forward");
+    }
+    exact.forward_seeded(&x1, 0).unwrap();
+    for site in CodeSite::ALL {
+        assert_eq!(exact.code_report(site).unwrap(), None, "{site:?}: exact statistics report nothing");
+    }
+    // forward 1: exact statistics of its own batch: nothing clamps, rounding error ≤ 1/2 step
+    layer.forward_seeded(&x1, 0).unwrap();
+    for site in CodeSite::ALL {
+        let r = layer.code_report(site).unwrap().expect("a report after the first forward");
+        assert_eq!((r.groups, r.batches, r.widened_groups, r.clamped_groups), (heads, 1, 0, 0), "{site:?}");
+        assert_eq!((r.max_clamp_steps, r.max_error_steps), (0.0, 0.5), "{site:?}");
+    }
+    // forwards 2-4 scale the input: Q = x·W_qᵀ + b_q scales with it. The same batch (inside
+    // the estimate it made), 1.002× (about a quarter step over both ends: clamped, not
+    // widened), 3× (far outside: every head widened). Reference: Q in f64 against the
+    // estimate the forward starts from (the f32 Q of the layer differs by ~1e-6 of a step).
+    let levels = 255.0;
+    let tol = 1e-3;
+    for (k, scale) in [(2u64, 1.0), (3, 1.002), (4, 3.0)] {
+        let x = (&x1 * scale).unwrap();
+        let est = layer.running_params(CodeSite::Q).unwrap().unwrap();
+        let ranges = query_head_ranges(&layer, &x, heads);
+        let widened = ranges
+            .iter()
+            .zip(&est)
+            .filter(|((lo, hi), p)| {
+                let stats = rq::Stats { min: *lo, max: *hi, nonfinite: 0 };
+                rq::escapes_estimate(&stats, p.offset, p.scale, 8)
+            })
+            .count();
+        // signed excursion of each kept head beyond the estimate's decoded range, in steps
+        let excursion: Vec<f64> = ranges
+            .iter()
+            .zip(&est)
+            .map(|((lo, hi), p)| {
+                let (o, s) = (f64::from(p.offset), f64::from(p.scale));
+                (o - lo).max(hi - (o + levels * s)) / s
+            })
+            .collect();
+        layer.forward_seeded(&x, 0).unwrap();
+        let r = layer.code_report(CodeSite::Q).unwrap().expect("report");
+        let what = format!("forward {k} (x·{scale}): {r:?}, reference excursions {excursion:?}");
+        assert_eq!((r.groups, r.batches, r.widened_groups), (heads, k, widened), "{what}");
+        assert_eq!(r.max_error_steps, r.max_clamp_steps.max(0.5), "{what}");
+        if widened == 0 {
+            let want = excursion.iter().fold(0.0f64, |a, &e| a.max(e));
+            assert!((r.max_clamp_steps - want).abs() <= tol, "{what}");
+            let (sure, maybe) =
+                (excursion.iter().filter(|&&e| e > tol).count(), excursion.iter().filter(|&&e| e > -tol).count());
+            assert!((sure..=maybe).contains(&r.clamped_groups), "{what}");
+        }
+        match k {
+            2 => assert_eq!((r.clamped_groups, r.max_clamp_steps), (0, 0.0), "{what}"),
+            3 => assert!(widened == 0 && r.clamped_groups == heads && r.max_clamp_steps > 0.1, "{what}"),
+            _ => assert!(widened == heads && r.clamped_groups == 0 && r.max_clamp_steps <= tol, "{what}"),
+        }
+    }
+    // every site: within one step of the saved scale (clamped in the band, else widened)
+    for site in CodeSite::ALL {
+        let r = layer.code_report(site).unwrap().unwrap();
+        assert!(r.batches == 4 && r.max_clamp_steps <= 1.0 + tol && r.max_error_steps >= 0.5, "{site:?}: {r:?}");
+    }
+}

@@ -25,6 +25,14 @@
 //!
 //! The parameters used are stored with the codes ([`SavedActivation`]), so later updates of
 //! the running estimate never change what backward decodes.
+//!
+//! How far the estimate was from a batch ([`Quantizer::batch_report`], off unless
+//! [`Quantizer::set_batch_report`]): the batch's widened groups, its clamped groups and the
+//! largest error in steps of the saved scale — the exact error of the clamped extremes, and
+//! a bound (`max(clamp, 1/2 or 1)`) over all elements ([`BatchReport`]). Computed on the host
+//! from copies of the batch's exact per-group min/max and saved parameters that the batch
+//! leaves on the device (two small device-to-device copies per batch; finalize then runs as
+//! its own launch).
 use bytemuck::{Pod, Zeroable};
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use mesa_kernels_sys as sys;
@@ -174,6 +182,62 @@ pub(crate) fn checked_numel(shape: &[usize], what: &str) -> Result<usize> {
         .ok_or_else(|| Error::too_large(what, format!("the element count of shape {shape:?} overflows")))
 }
 
+/// What the last batch of a [`Quantizer`] did to its values (Mesa §3.3: how far the running
+/// estimate was from the batch), from [`Quantizer::batch_report`].
+///
+/// Steps are of each group's **saved** scale, the parameters the batch was encoded with and
+/// that backward decodes: the running estimate for a kept group, the batch's own exact range
+/// for a widened one. With `L = 2^bits − 1` and a group's saved `{offset o, scale s}` (f32),
+/// its codes decode to `[o, top]`, `top = fmaf(L, s, o)` (the kernels' decode). From the
+/// batch's exact per-group `min`/`max` (f32, as reduced by the kernels):
+///
+/// ```text
+/// excursion_g = max(o − min, max − top, 0) / s          (f64; 0 when s = 0 and min = max = o)
+/// max_clamp_steps = max_g excursion_g                    (exact: attained)
+/// max_error_steps = max(max_clamp_steps, r),  r = 1/2 (nearest) or 1 (stochastic rounding)
+/// ```
+///
+/// An element below `o` gets code 0 and decodes to `o`; one above `top` gets code `L` and
+/// decodes to `top` (in both roundings), so the group's extreme element errs by exactly its
+/// excursion: `max_clamp_steps` is the **exact** largest error of the clamped elements
+/// (up to the f64 rounding of one subtraction and one division), attained by the batch's
+/// extreme element. Elements inside `[o, top]` err by at most `r` steps (plus the f32
+/// rounding of the code position and of the decode, relative `≈ 2⁻²³·|x| / s`), a bound
+/// that is not necessarily attained. So `max_error_steps` is an **upper bound** on
+/// `max |x − x̂| / s` over the batch's finite elements, equal to the exact maximum whenever
+/// `max_clamp_steps > r` (then the extreme element attains it). `max_clamp_steps ≤ 1` (up to
+/// the f32 rounding of `top`): a group that left the estimate by more than one step is
+/// widened, and a widened group's range holds its batch (excursion 0).
+///
+/// Groups with NaN/±Inf inputs (their saved scale is NaN: they decode to NaN) are counted
+/// in `nonfinite_groups` and left out of both maxima; a batch of such groups only reports
+/// 0 steps.
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BatchReport {
+    /// [`Quantizer::batches`] after the reported batch (it is batch `batches − 1`).
+    pub batches: u64,
+    /// Whether it was encoded in one pass with the running estimate ([`StatsMode::Running`]
+    /// after the first batch); otherwise with its own exact statistics.
+    pub one_pass: bool,
+    /// Parameter groups.
+    pub groups: usize,
+    /// Groups saved with the batch's exact range because the batch left the running estimate
+    /// by more than one step (0 for a batch not encoded in one pass).
+    pub widened_groups: usize,
+    /// Groups with a finite element outside the range their saved parameters decode to
+    /// (elements clamped to code 0 or `L`; in the one-step band, else the group is widened).
+    pub clamped_groups: usize,
+    /// Groups with NaN/±Inf inputs, left out of the error figures.
+    pub nonfinite_groups: usize,
+    /// The largest error of a clamped element, in steps of its group's saved scale (exact;
+    /// 0 when nothing clamped).
+    pub max_clamp_steps: f64,
+    /// Upper bound on the largest error of any finite element, in steps of its group's saved
+    /// scale: `max(max_clamp_steps, 1/2 or 1)` (see the type's docs).
+    pub max_error_steps: f64,
+}
+
 /// Quantizes activations for saving, and owns the per-group running estimate on the device.
 ///
 /// One quantizer per saved tensor (per layer, per op), as in Mesa. The group count is fixed
@@ -183,6 +247,10 @@ pub struct Quantizer {
     config: QuantConfig,
     state: Option<RunningState>,
     batches: u64,
+    /// Whether each batch keeps what [`Quantizer::batch_report`] reads.
+    reporting: bool,
+    /// What the last batch recorded for its report (`None`: nothing valid recorded).
+    recorded: Option<RecordedBatch>,
 }
 
 impl std::fmt::Debug for Quantizer {
@@ -192,6 +260,7 @@ impl std::fmt::Debug for Quantizer {
             .field("config", &self.config)
             .field("groups", &self.state.as_ref().map(|s| s.groups))
             .field("batches", &self.batches)
+            .field("reporting", &self.reporting)
             .finish()
     }
 }
@@ -213,6 +282,27 @@ struct RunningState {
     /// One counter: the blocks of a statistics pass that finalizes the batch itself
     /// (`sys::MesaFusedFinalize`); 0 between launches.
     arrivals: Buffer<u32>,
+    /// The last batch's statistics and saved parameters, while reports are on.
+    record: Option<ReportBuffers>,
+}
+
+/// Device copies kept for [`Quantizer::batch_report`]: `[groups]` each.
+struct ReportBuffers {
+    /// The batch's statistics as reduced, copied before finalize resets them (16 B a group).
+    stats: Buffer<GroupStats>,
+    /// The parameters the batch was saved with, copied after finalize (8 B a group).
+    params: Buffer<GroupParams>,
+}
+
+/// Host facts about the batch whose copies [`ReportBuffers`] hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RecordedBatch {
+    /// Encoded in one pass with the running estimate (the widen flags are this batch's).
+    one_pass: bool,
+    /// [`Quantizer::batches`] after it.
+    batches: u64,
+    rounding: Rounding,
+    bits: u32,
 }
 
 /// Who finalizes a batch (statistics → parameters and running estimate): the producer's own
@@ -233,7 +323,7 @@ impl Quantizer {
     /// for a momentum outside `[0, 1]` (or NaN).
     pub fn new(device: &Device, config: QuantConfig) -> Result<Self> {
         config.check()?;
-        Ok(Quantizer { device: device.clone(), config, state: None, batches: 0 })
+        Ok(Quantizer { device: device.clone(), config, state: None, batches: 0, reporting: false, recorded: None })
     }
 
     /// The configuration.
@@ -279,6 +369,58 @@ impl Quantizer {
             }
             _ => Ok(None),
         }
+    }
+
+    /// Turns the per-batch record behind [`Quantizer::batch_report`] on or off (off for a new
+    /// quantizer). Turning it off frees the record; turning it on takes effect from the
+    /// next batch.
+    ///
+    /// Cost per batch while on (stream-ordered, no host synchronisation): two
+    /// device-to-device copies, of the batch's statistics (16 B a group) before finalize
+    /// resets them and of its saved parameters (8 B a group) after; and finalize runs as a
+    /// launch of its own after the statistics pass ([`Quantizer::quantize`]: three launches
+    /// per one-pass batch instead of two, plus the copies; the fused producers launch it
+    /// anyway). Memory: 24 B a group on the device.
+    pub fn set_batch_report(&mut self, enabled: bool) {
+        self.reporting = enabled;
+        if !enabled {
+            self.recorded = None;
+            if let Some(state) = self.state.as_mut() {
+                state.record = None;
+            }
+        }
+    }
+
+    /// Whether batches are recorded for [`Quantizer::batch_report`].
+    #[must_use]
+    pub fn batch_report_enabled(&self) -> bool {
+        self.reporting
+    }
+
+    /// The report of the last batch ([`BatchReport`]: groups, widened groups, the largest
+    /// quantization error in steps), or `None` when that batch was not recorded (reports off,
+    /// see [`Quantizer::set_batch_report`], or no batch since they were turned on). An empty
+    /// tensor is no batch and leaves the report as it was.
+    ///
+    /// Host computation from the copies the batch left on the device; synchronises (three
+    /// small device→host copies: 16 + 8 + 4 B a group).
+    ///
+    /// # Errors
+    /// A CUDA copy error.
+    pub fn batch_report(&self) -> Result<Option<BatchReport>> {
+        let (Some(recorded), Some(state)) = (self.recorded, self.state.as_ref()) else {
+            return Ok(None);
+        };
+        let Some(record) = state.record.as_ref() else {
+            return Ok(None);
+        };
+        let stats = record.stats.to_vec()?;
+        let params = record.params.to_vec()?;
+        let widened = match recorded.one_pass {
+            true => state.widen.to_vec()?.last().map_or(0, |&n| n as usize),
+            false => 0,
+        };
+        Ok(Some(batch_report(&stats, &params, widened, recorded)))
     }
 
     /// Quantizes `x` into a new [`SavedActivation`], allocating its codes and parameters on
@@ -431,9 +573,22 @@ impl Quantizer {
         }
         let group_run = saved.group_map()?.0;
         self.state_for(groups)?;
+        self.record_for(groups)?;
         let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
-        let Quantizer { config, state, batches, .. } = self;
+        let Quantizer { config, state, batches, recorded, .. } = self;
+        // invalid until this batch's copies are enqueued
+        *recorded = None;
         let state = state.as_mut().ok_or(Error::KernelArgument { op: "quantizer state" })?;
+        // a recorded batch finalizes in a launch of its own: its statistics are copied in
+        // between, before finalize resets them
+        let record = match state.record.as_mut() {
+            Some(r) => Some((
+                launch.write_buffer(&mut r.stats, "batch report statistics")?,
+                launch.write_buffer(&mut r.params, "batch report parameters")?,
+            )),
+            None => None,
+        };
+        let finalize_by = if record.is_some() { Finalize::Separate } else { finalize_by };
         let stats = launch.write_buffer(&mut state.stats, "quantizer statistics")?;
         let running = launch.write_buffer(&mut state.running, "running estimate")?;
         let widen = launch.write_buffer(&mut state.widen, "widened groups")?;
@@ -478,11 +633,19 @@ impl Quantizer {
                 arrivals: if finalize_by == Finalize::InPass { arrivals } else { std::ptr::null_mut() },
             };
             run(launch, step, sink, fused)?;
+            if let Some((record_stats, _)) = record {
+                // SAFETY: both hold `groups` entries (state_for, record_for), registered above
+                unsafe { copy_registered(launch, stats.cast_const(), record_stats, groups)? };
+            }
             if finalize_by == Finalize::Separate {
                 let args = finalize(mode);
                 unsafe {
                     launch.launch("quant_finalize", &args, sys::mesa_quant_finalize, sys::mesa_emu_quant_finalize)?
                 };
+            }
+            if let Some((_, record_params)) = record {
+                // SAFETY: both hold `groups` entries (the handle's allocation, record_for)
+                unsafe { copy_registered(launch, params.cast_const(), record_params, groups)? };
             }
             Ok::<(), Error>(())
         };
@@ -498,6 +661,14 @@ impl Quantizer {
             run(launch, ProducerStep::Widen(widen), sink(true, params, false), sys::MesaFusedFinalize::default())?;
         }
         *batches += 1;
+        if record.is_some() {
+            *recorded = Some(RecordedBatch {
+                one_pass: !exact,
+                batches: *batches,
+                rounding: config.rounding,
+                bits: config.bits,
+            });
+        }
         Ok(())
     }
 
@@ -533,9 +704,105 @@ impl Quantizer {
             let flags = groups.checked_add(1).ok_or_else(|| Error::too_large("groups", "the group count overflows"))?;
             let widen = self.device.alloc_zeros::<u32>(flags)?;
             let arrivals = self.device.alloc_zeros::<u32>(1)?;
-            self.state = Some(RunningState { groups, running, stats, widen, arrivals });
+            self.state = Some(RunningState { groups, running, stats, widen, arrivals, record: None });
         }
         Ok(())
+    }
+
+    /// Allocates the report's copies (`[groups]` each) when reports are on and they are not
+    /// there yet (after [`Quantizer::state_for`]).
+    fn record_for(&mut self, groups: usize) -> Result<()> {
+        match self.state.as_mut() {
+            Some(state) if self.reporting && state.record.is_none() => {
+                state.record = Some(ReportBuffers {
+                    stats: self.device.upload(&vec![STATS_RESET; groups])?,
+                    params: self.device.alloc_zeros::<GroupParams>(groups)?,
+                });
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The f32 value of an order-preserving key of the statistics (the kernels' `key_float`).
+fn key_value(key: u32) -> f32 {
+    f32::from_bits(if key & 0x8000_0000 != 0 { key & 0x7fff_ffff } else { !key })
+}
+
+/// How far one group's finite batch range `[lo, hi]` (f32) lies outside what its saved
+/// parameters decode to, `[o, fmaf(L, s, o)]`, in steps `s` (f64, ≥ 0). A zero step decodes
+/// every code to `o`: 0 when the range is `{o}`, else `+inf` (the running path never saves
+/// such a group: it would have been widened).
+fn excursion_steps(lo: f32, hi: f32, p: GroupParams, levels: f32) -> f64 {
+    let top = levels.mul_add(p.scale, p.offset);
+    let below = f64::from(p.offset) - f64::from(lo);
+    let above = f64::from(hi) - f64::from(top);
+    let out = below.max(above).max(0.0);
+    match (out > 0.0, p.scale > 0.0) {
+        (false, _) => 0.0,
+        (true, true) => out / f64::from(p.scale),
+        (true, false) => f64::INFINITY,
+    }
+}
+
+/// The report of one batch from its statistics and saved parameters (`[groups]` each,
+/// host copies) and its widened-group count.
+fn batch_report(stats: &[GroupStats], params: &[GroupParams], widened: usize, batch: RecordedBatch) -> BatchReport {
+    let levels = ((1u32 << batch.bits) - 1) as f32;
+    let rounding_steps = match batch.rounding {
+        Rounding::Nearest => 0.5,
+        Rounding::Stochastic { .. } => 1.0,
+    };
+    let mut report = BatchReport {
+        batches: batch.batches,
+        one_pass: batch.one_pass,
+        groups: stats.len(),
+        widened_groups: widened,
+        clamped_groups: 0,
+        nonfinite_groups: 0,
+        max_clamp_steps: 0.0,
+        max_error_steps: 0.0,
+    };
+    for (s, &p) in stats.iter().zip(params) {
+        if s.nonfinite != 0 {
+            report.nonfinite_groups += 1;
+            continue;
+        }
+        if s.min_key == STATS_RESET.min_key {
+            continue; // no element
+        }
+        let steps = excursion_steps(key_value(s.min_key), key_value(s.max_key), p, levels);
+        report.clamped_groups += usize::from(steps > 0.0);
+        report.max_clamp_steps = report.max_clamp_steps.max(steps);
+        // a zero step decodes its (all equal) elements exactly: no rounding error
+        let rounding = if p.scale > 0.0 { rounding_steps } else { 0.0 };
+        report.max_error_steps = report.max_error_steps.max(steps.max(rounding));
+    }
+    report
+}
+
+/// Copies `len` elements from `src` to `dst`, both addresses of buffers registered on
+/// `launch` (at least `len` elements each, not overlapping), ordered on its stream after
+/// the work enqueued so far (the emulation runs synchronously: copied now).
+///
+/// # Safety
+/// As stated: `src` and `dst` come from `launch`'s registrations and hold `len` elements.
+unsafe fn copy_registered<T: Copy>(launch: &Launch<'_>, src: *const T, dst: *mut T, len: usize) -> Result<()> {
+    match launch.device().kind() {
+        Kind::Emulator => {
+            // SAFETY: the caller's contract; the emulation's kernels have completed
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+            Ok(())
+        }
+        Kind::Cuda(s) => {
+            s.context().bind_to_thread().map_err(Error::driver("binding the stream's context"))?;
+            let bytes = len * std::mem::size_of::<T>();
+            // SAFETY: the caller's contract; the launch holds the buffers' guards, and the
+            // copy is ordered on the stream the kernels use
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dst as u64, src as u64, bytes, s.cu_stream()) }
+                .map_err(Error::driver("copying the batch report's record"))
+        }
     }
 }
 

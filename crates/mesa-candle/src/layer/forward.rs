@@ -1,6 +1,7 @@
 //! The layer's forward on detached tensors, and what it keeps.
 use candle_core::Tensor;
 use mesa_kernels::linear_attention::LinearAttentionSaved;
+use mesa_kernels::quant::BatchReport;
 use mesa_kernels::{
     GroupParams, Grouping, QuantConfig, Quantizer, Rounding, SavedActivation, SavedLayerNorm, SoftmaxCodes,
     SoftmaxSave, StatsMode,
@@ -33,11 +34,15 @@ pub(crate) struct Quantizers {
 
 impl Quantizers {
     /// A quantizer per site with the layer's bits and groupings and statistics `stats`.
+    /// Under [`StatsMode::Running`] each quantizer records its batches for
+    /// [`Quantizers::report`] (two small device copies per batch, [`Quantizer::set_batch_report`]).
     pub fn new(plan: &Plan, stats: StatsMode) -> candle_core::Result<Self> {
-        let sites = CodeSite::ALL
-            .iter()
-            .map(|&site| Quantizer::new(&plan.ctx.kernels, QuantConfig { stats, ..plan.site_codes(site) }).k())
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let new_site = |site: CodeSite| -> candle_core::Result<Quantizer> {
+            let mut q = Quantizer::new(&plan.ctx.kernels, QuantConfig { stats, ..plan.site_codes(site) }).k()?;
+            q.set_batch_report(stats == StatsMode::Running);
+            Ok(q)
+        };
+        let sites = CodeSite::ALL.iter().map(|&site| new_site(site)).collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Quantizers { sites })
     }
 
@@ -49,6 +54,12 @@ impl Quantizers {
     /// The running estimate of `site` (`None` before its first batch).
     pub fn running_params(&self, site: CodeSite) -> mesa_kernels::Result<Option<Vec<GroupParams>>> {
         self.sites[site as usize].running_params()
+    }
+
+    /// The report of `site`'s last batch (`None` before it, when not recorded, or for a site
+    /// without a quantizer).
+    pub fn report(&self, site: CodeSite) -> mesa_kernels::Result<Option<BatchReport>> {
+        self.sites.get(site as usize).map_or(Ok(None), Quantizer::batch_report)
     }
 }
 

@@ -32,6 +32,14 @@
 //! recomputes `QKᵀ`, softmax and the dropout mask from the saved Q and K codes, so nothing of
 //! size `N²` is kept. [`Recompute::Full`] keeps nothing: the backward reruns the forward
 //! (same dropout seed) from `x`, which candle holds as the op's argument.
+//!
+//! Under [`StatsMode::Running`] (Mesa §3.3) each [`CodeSite`] keeps its own running estimate
+//! and reports how its last forward's codes fared ([`TransformerLayer::code_report`]): how
+//! many groups were widened (the batch left the estimate by more than one step and was
+//! saved with its own range), how many clamped within the one-step band, and the largest
+//! error in quantization steps of the saved scale — exact for the clamped elements, a bound
+//! of `max(clamp, 1/2)` (`1` with stochastic rounding) over all ([`CodeReport`]). A
+//! training loop logs it per step at the cost of one host synchronisation per read.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -120,6 +128,54 @@ impl CodeSite {
     /// Every site, in the order of the forward.
     pub const ALL: [CodeSite; 7] =
         [CodeSite::Ln1, CodeSite::Q, CodeSite::K, CodeSite::V, CodeSite::AttnOut, CodeSite::Ln2, CodeSite::FfnIn];
+}
+
+/// How the codes of one [`CodeSite`] fared in the layer's last forward under
+/// [`StatsMode::Running`] (Mesa §3.3: the running estimate against the batch), from
+/// [`TransformerLayer::code_report`].
+///
+/// Errors are in **quantization steps**: `|x − x̂| / scale` with `scale` the step of the
+/// parameters the element's group was saved with (the ones backward decodes), over the
+/// finite elements of the saved tensor (groups with NaN/±Inf are left out). The figures
+/// come from the batch's exact per-group min/max against those parameters
+/// ([`mesa_kernels::quant::BatchReport`]).
+#[must_use]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CodeReport {
+    /// Parameter groups of the site (one per head, or per head-sized channel slice).
+    pub groups: usize,
+    /// Groups the forward saved with their batch's own exact range because the batch left
+    /// the running estimate by more than one step (0 on the first forward, which uses exact
+    /// statistics).
+    pub widened_groups: usize,
+    /// Groups with an element outside the range their parameters decode to (clamped to the
+    /// lowest or highest code; within one step, else the group is widened).
+    pub clamped_groups: usize,
+    /// The largest error of a clamped element, in steps: exact, attained by the batch's
+    /// extreme element (0 when nothing clamped).
+    pub max_clamp_steps: f64,
+    /// Upper bound on the largest error of any element, in steps: `max(max_clamp_steps, r)`
+    /// with `r` = 1/2 for round-to-nearest and 1 for stochastic rounding (the bound of an
+    /// element inside the range, up to f32 rounding); the exact maximum whenever
+    /// `max_clamp_steps > r`.
+    pub max_error_steps: f64,
+    /// Batches the site's quantizer has seen, the reported one included: the layer's
+    /// forwards so far (the rerun of a [`Recompute::Full`] backward uses fresh quantizers
+    /// with exact statistics and is not counted).
+    pub batches: u64,
+}
+
+impl From<mesa_kernels::quant::BatchReport> for CodeReport {
+    fn from(r: mesa_kernels::quant::BatchReport) -> Self {
+        CodeReport {
+            groups: r.groups,
+            widened_groups: r.widened_groups,
+            clamped_groups: r.clamped_groups,
+            max_clamp_steps: r.max_clamp_steps,
+            max_error_steps: r.max_error_steps,
+            batches: r.batches,
+        }
+    }
 }
 
 /// Dropout probabilities and the seed of their masks.
@@ -365,6 +421,28 @@ impl TransformerLayer {
         let guard = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match guard.as_ref() {
             Some(q) => Ok(q.running_params(site)?),
+            None => Ok(None),
+        }
+    }
+
+    /// How the codes of `site` fared in the last forward ([`CodeReport`]: groups, widened
+    /// groups, the largest error in quantization steps of the saved tensor — shapes per
+    /// [`CodeSite`]), or `None` under [`StatsMode::Exact`] and before the first forward.
+    /// Mesa §3.3: under [`StatsMode::Running`] every forward after the first quantizes
+    /// with the running estimate in one pass and widens the groups that left it by more
+    /// than one step.
+    ///
+    /// Recording costs each forward, per site, two small device-to-device copies (24 B a
+    /// group) and, for the quantize-on-save sites (Q, K, V, attention output), a separate
+    /// finalize launch; reading synchronises with the device (three copies of ≤ 16 B a
+    /// group to the host).
+    ///
+    /// # Errors
+    /// [`Error::Kernel`] when a copy from the device fails.
+    pub fn code_report(&self, site: CodeSite) -> Result<Option<CodeReport>, Error> {
+        let guard = self.running.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match guard.as_ref() {
+            Some(q) => Ok(q.report(site)?.map(CodeReport::from)),
             None => Ok(None),
         }
     }
