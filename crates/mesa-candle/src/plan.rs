@@ -29,6 +29,12 @@ use mesa_kernels::plan::{
 use crate::error::Error;
 use crate::layer::{Attention, LayerConfig, Recompute};
 
+mod training;
+
+pub use training::{
+    largest_training_batch, training_parameters, training_step, PhaseBytes, TrainingPlan, TrainingShape,
+};
+
 fn sizes(config: &LayerConfig, layers: usize, batch: usize, seq: usize) -> Result<ModelShape, Error> {
     config.validate()?;
     for (name, v) in [("layers", layers), ("batch", batch), ("seq", seq)] {

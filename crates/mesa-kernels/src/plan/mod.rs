@@ -35,11 +35,19 @@
 //! (offset and scale f32 per group, a non-finite counter), the format of
 //! [`SavedActivation`](crate::SavedActivation). Every count is checked: a product past
 //! `u64` is [`Error::TooLarge`], never a wrap or a panic.
+//!
+//! The whole training step — weights, gradients, optimizer state, these activations and the
+//! largest transient — and the largest batch that fits on that total: [`TrainingConfig`],
+//! [`MemoryBreakdown`], [`largest_training_batch`].
 use crate::error::{Error, Result};
 
 mod search;
+mod training;
 
 pub use search::{largest_fit, largest_micro_batch, largest_sequence};
+pub use training::{
+    largest_training_batch, layer_parameters, MemoryBreakdown, Optimizer, TrainingConfig, TrainingPrecision,
+};
 
 /// The model's sizes (the paper's `L, s, b, h, a` and the FFN width).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,503 @@
+//! The whole training step of the training example (`examples/train_shakespeare`): weights,
+//! gradients, AdamW's state, the activations and the largest transient, phase by phase, from
+//! what the code allocates (module docs of [`crate::plan`]).
+use mesa_kernels::plan::{MemoryBreakdown, SavedTensor};
+
+use super::plan_config;
+use crate::error::Error;
+use crate::layer::{Attention, LayerConfig, NormPlacement, Recompute};
+
+/// The sizes of the training example's model and batch besides the layer's own
+/// ([`LayerConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrainingShape {
+    /// Transformer layers `L`.
+    pub layers: usize,
+    /// Sequences per step `B`.
+    pub batch: usize,
+    /// Tokens per sequence `T` (the context; also the rows of the position embedding).
+    pub seq: usize,
+    /// Vocabulary `V` (rows of the token embedding and of the head).
+    pub vocab: usize,
+}
+
+/// One phase of the step and its peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PhaseBytes {
+    /// `"embed"`, `"stack forward"`, `"head"`, `"stack backward"` or `"optimizer step"`.
+    pub name: &'static str,
+    /// The bytes alive at the phase's peak, by what they hold.
+    pub bytes: MemoryBreakdown,
+}
+
+/// The plan of one training step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrainingPlan {
+    /// Parameters `Ψ` (elements): embeddings `(V + T)·C`, `L` layers of `4C² + 2CF + 9C + F`,
+    /// final LayerNorm `2C`, head `V·C`.
+    pub parameters: u64,
+    /// The five phases in order, each at its peak.
+    pub phases: Vec<PhaseBytes>,
+    /// The largest phase: the step's peak (bytes).
+    pub total: MemoryBreakdown,
+}
+
+impl TrainingPlan {
+    /// The phase whose peak is the step's.
+    #[must_use]
+    pub fn peak_phase(&self) -> &PhaseBytes {
+        // `phases` is never empty; the fallback keeps this total without a panic path
+        self.phases.iter().max_by_key(|p| p.bytes.total).unwrap_or(&self.phases[0])
+    }
+}
+
+fn too_large(what: &str) -> Error {
+    Error::Kernel(mesa_kernels::Error::TooLarge { what: format!("training plan: {what}"), why: "overflows u64".into() })
+}
+
+fn prod(factors: &[u64], what: &str) -> Result<u64, Error> {
+    factors.iter().try_fold(1u64, |a, &f| a.checked_mul(f)).ok_or_else(|| too_large(what))
+}
+
+fn sum(terms: &[u64], what: &str) -> Result<u64, Error> {
+    terms.iter().try_fold(0u64, |a, &f| a.checked_add(f)).ok_or_else(|| too_large(what))
+}
+
+/// What a buffer holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Weights,
+    Gradients,
+    State,
+    Activations,
+    Transient,
+}
+
+/// Live bytes by kind over a sequence of allocations and frees, with each phase's peak.
+struct Tape {
+    live: [u64; 5],
+    peak: MemoryBreakdown,
+    phases: Vec<PhaseBytes>,
+}
+
+impl Tape {
+    fn new() -> Self {
+        Tape { live: [0; 5], peak: MemoryBreakdown::default(), phases: Vec::new() }
+    }
+
+    fn now(&self) -> Result<MemoryBreakdown, Error> {
+        let [w, g, s, a, t] = self.live;
+        Ok(MemoryBreakdown::new(w, g, s, a, t)?)
+    }
+
+    fn alloc(&mut self, kind: Kind, bytes: u64) -> Result<(), Error> {
+        let slot = &mut self.live[kind as usize];
+        *slot = slot.checked_add(bytes).ok_or_else(|| too_large("live bytes"))?;
+        let now = self.now()?;
+        if now.total > self.peak.total {
+            self.peak = now;
+        }
+        Ok(())
+    }
+
+    fn free(&mut self, kind: Kind, bytes: u64) -> Result<(), Error> {
+        let slot = &mut self.live[kind as usize];
+        // every free matches an earlier allocation; an underflow is a bug of this model
+        *slot = slot.checked_sub(bytes).ok_or_else(|| too_large("freed more than allocated"))?;
+        Ok(())
+    }
+
+    /// Ends the current phase: records its peak and starts the next at the current level.
+    fn end_phase(&mut self, name: &'static str) -> Result<(), Error> {
+        self.phases.push(PhaseBytes { name, bytes: self.peak });
+        self.peak = self.now()?;
+        Ok(())
+    }
+}
+
+/// Sizes in bytes (f32) of the tensors the step allocates.
+struct Sizes {
+    /// `[B, T]` u32 (token ids, targets).
+    ids: u64,
+    /// `[B, T, C]` f32.
+    tok: u64,
+    /// `[B, T, F]` f32.
+    ffn: u64,
+    /// `[B, H, T, T]` f32.
+    att: u64,
+    /// `[T, T]` f32 (the causal mask).
+    mask: u64,
+    /// `[B·T, V]` f32.
+    logits: u64,
+    /// `[B·T]` f32 (a per-row statistic).
+    row: u64,
+    /// One layer's flat parameters (and gradient), `4Ψ_layer`.
+    layer_params: u64,
+    /// `[C, C]` plus its bias: one attention projection's gradient.
+    proj_cc: u64,
+    /// `[F, C]` plus its bias `[F]`: FC₁'s gradient.
+    proj_cf: u64,
+    /// `[C, F]` plus its bias `[C]`: FC₂'s gradient.
+    proj_fc: u64,
+    /// LayerNorm weight and bias gradients.
+    norm: u64,
+    /// Codes per layer: LN₁ (with row statistics), Q, K, V, P (none without it),
+    /// attention output, LN₂ (with rows), FFN input.
+    codes: [u64; 8],
+    /// The op's boxed backward state.
+    state: u64,
+}
+
+impl Sizes {
+    fn new(config: &LayerConfig, shape: &TrainingShape) -> Result<Self, Error> {
+        let u = |v: usize| v as u64; // usize ≤ 64 bits on every target candle builds for
+        let (b, t, c, f, h, v) =
+            (u(shape.batch), u(shape.seq), u(config.hidden), u(config.ffn), u(config.heads), u(shape.vocab));
+        let n = prod(&[b, t], "tokens")?;
+        let layer = sum(&[prod(&[4, c, c], "layer")?, prod(&[2, c, f], "layer")?, prod(&[9, c], "layer")?, f], "layer")?;
+        // the codes the forward saves, from the activation planner (softmax codes only when kept)
+        let mut keep = config.clone();
+        if keep.recompute == Recompute::Full {
+            keep.recompute = Recompute::None;
+        }
+        let items = plan_config(&keep, 1, shape.batch, shape.seq)?.layer_bytes()?.items;
+        let of = |which: &[SavedTensor]| -> Result<u64, Error> {
+            sum(&items.iter().filter(|i| which.contains(&i.tensor)).map(|i| i.bytes).collect::<Vec<_>>(), "codes")
+        };
+        use SavedTensor as S;
+        let codes = [
+            of(&[S::Norm1, S::Norm1Rows])?,
+            of(&[S::Q])?,
+            of(&[S::K])?,
+            of(&[S::V])?,
+            if config.recompute == Recompute::Selective { 0 } else { of(&[S::Softmax])? },
+            of(&[S::OutProjInput])?,
+            of(&[S::Norm2, S::Norm2Rows])?,
+            of(&[S::GeluInput])?,
+        ];
+        Ok(Sizes {
+            ids: prod(&[n, 4], "ids")?,
+            tok: prod(&[n, c, 4], "[B, T, C]")?,
+            ffn: prod(&[n, f, 4], "[B, T, F]")?,
+            att: prod(&[b, h, t, t, 4], "[B, H, T, T]")?,
+            mask: prod(&[t, t, 4], "mask")?,
+            logits: prod(&[n, v, 4], "logits")?,
+            row: prod(&[n, 4], "rows")?,
+            layer_params: prod(&[layer, 4], "layer parameters")?,
+            proj_cc: prod(&[sum(&[prod(&[c, c], "")?, c], "")?, 4], "projection")?,
+            proj_cf: prod(&[sum(&[prod(&[c, f], "")?, f], "")?, 4], "projection")?,
+            proj_fc: prod(&[sum(&[prod(&[c, f], "")?, c], "")?, 4], "projection")?,
+            norm: prod(&[c, 8], "norm")?,
+            codes,
+            state: crate::layer::BACKWARD_STATE_BYTES as u64,
+        })
+    }
+}
+
+/// Parameters `Ψ` of the training example's model (elements): token embedding `V·C`,
+/// learnt positions `T·C`, `L` layers of `4C² + 2CF + 9C + F`
+/// ([`mesa_kernels::plan::layer_parameters`]), the final LayerNorm `2C`, the untied head
+/// `V·C`.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] from [`LayerConfig::validate`] or for a zero size;
+/// [`Error::Kernel`] with [`mesa_kernels::Error::TooLarge`] on overflow.
+pub fn training_parameters(config: &LayerConfig, shape: &TrainingShape) -> Result<u64, Error> {
+    let stack = plan_config(config, shape.layers, shape.batch, shape.seq)?;
+    if shape.vocab == 0 {
+        return Err(Error::InvalidArgument { name: "vocab", why: "must be positive".into() });
+    }
+    let layers = prod(&[mesa_kernels::plan::layer_parameters(&stack)?, stack.shape.layers], "parameters")?;
+    let (v, t, c) = (shape.vocab as u64, stack.shape.seq, stack.shape.hidden);
+    sum(&[prod(&[2, v, c], "embeddings")?, prod(&[t, c], "positions")?, layers, prod(&[2, c], "norm")?], "parameters")
+}
+
+/// One layer's forward (`layer/forward.rs`, pre-LN): the input is alive; leaves the codes
+/// (as `codes`: activations, or transient for a rerun) and the output (`out`).
+fn layer_forward(tape: &mut Tape, s: &Sizes, config: &LayerConfig, codes: Kind, out: Kind) -> Result<(), Error> {
+    use Kind::Transient as T;
+    let (u, f) = (s.tok, s.ffn);
+    let full = config.recompute == Recompute::Full && codes == Kind::Activations;
+    let codes = if full { T } else { codes };
+    tape.alloc(T, u)?; // LN₁ output
+    tape.alloc(codes, s.codes[0])?;
+    for _ in 0..3 {
+        // Q, K, V: the product, its bias added, split into heads (contiguous)
+        tape.alloc(T, u)?;
+        tape.alloc(T, u)?;
+        tape.free(T, u)?;
+        tape.alloc(T, u)?;
+        tape.free(T, u)?;
+    }
+    tape.free(T, u)?; // LN₁ output
+    for code in &s.codes[1..4] {
+        tape.alloc(codes, *code)?;
+    }
+    match config.attention {
+        Attention::Softmax { .. } => {
+            // S = QKᵀ, scaled; the causal mask; P (its codes without recomputation); P·V
+            tape.alloc(T, s.att)?;
+            tape.alloc(T, s.att)?;
+            tape.free(T, s.att)?;
+            tape.alloc(T, s.mask)?;
+            tape.alloc(T, s.att)?;
+            tape.alloc(codes, s.codes[4])?;
+            tape.free(T, s.att + s.mask)?;
+            tape.alloc(T, u)?;
+            tape.free(T, s.att)?;
+        }
+        Attention::Linear { .. } => {
+            // φ(Q), φ(K) and the output (states: the final one, a few KB, not counted)
+            tape.alloc(T, 3 * u)?;
+            tape.free(T, 2 * u)?;
+        }
+    }
+    tape.free(T, 3 * u)?; // Q, K, V
+    tape.alloc(T, u)?; // heads merged
+    tape.free(T, u)?; // the attention output by head
+    tape.alloc(codes, s.codes[5])?;
+    tape.alloc(T, 2 * u)?; // out-projection: product, bias added
+    tape.free(T, 2 * u)?; // product, merged output
+    tape.alloc(T, u)?; // x₂ = x + r
+    tape.free(T, u)?; // r
+    tape.alloc(T, u)?; // LN₂ output
+    tape.alloc(codes, s.codes[6])?;
+    tape.alloc(T, 2 * f)?; // FC₁: product, bias added
+    tape.free(T, f + u)?; // product, LN₂ output
+    tape.alloc(T, f)?; // GELU output
+    tape.alloc(codes, s.codes[7])?;
+    tape.free(T, f)?; // u
+    tape.alloc(T, 2 * u)?; // FC₂: product, bias added
+    tape.free(T, u + f)?; // product, GELU output
+    tape.alloc(out, u)?; // y = x₂ + f
+    tape.free(T, 2 * u)?; // x₂, f
+    if full {
+        tape.free(T, s.codes.iter().sum())?;
+    }
+    Ok(())
+}
+
+/// One layer's backward (`layer/backward.rs`, then candle's accumulation of the op's two
+/// gradients). Alive on entry: the gradient of the layer's output (`u`, transient); on
+/// exit: the gradient of its input (`u`, transient) and of its parameters (gradients).
+fn layer_backward(tape: &mut Tape, s: &Sizes, config: &LayerConfig) -> Result<(), Error> {
+    use Kind::Transient as T;
+    let (u, f, att) = (s.tok, s.ffn, s.att);
+    let rerun = config.recompute == Recompute::Full;
+    if rerun {
+        // the forward again, keeping its codes for this backward only
+        layer_forward(tape, s, config, T, T)?;
+        tape.free(T, u)?; // its output
+    }
+    tape.alloc(T, 2 * f)?; // û decoded, GELU(û)
+    tape.free(T, f)?;
+    tape.alloc(T, f)?; // d g
+    tape.alloc(T, s.proj_fc)?; // dW₂, db₂
+    tape.free(T, f)?; // GELU(û)
+    tape.alloc(T, f)?; // d u
+    tape.free(T, f)?; // d g
+    tape.alloc(T, 2 * u)?; // LN₂ output from its codes: decoded, scaled, shifted
+    tape.free(T, u)?;
+    tape.alloc(T, u)?;
+    tape.free(T, u)?;
+    tape.alloc(T, u)?; // d h₂
+    tape.alloc(T, s.proj_cf)?; // dW₁, db₁
+    tape.free(T, u + f)?; // LN₂ output, d u
+    tape.alloc(T, u)?; // LN₂ backward dx
+    tape.alloc(T, s.norm)?;
+    tape.alloc(T, u)?; // d x₂
+    tape.free(T, u)?;
+    tape.alloc(T, u)?; // attention output decoded
+    tape.alloc(T, u)?; // d a
+    tape.alloc(T, s.proj_cc)?; // dW_o, db_o
+    tape.alloc(T, u)?; // d o by head
+    tape.free(T, u)?; // d a
+    tape.alloc(T, 3 * u)?; // Q, K, V decoded
+    let grads_qkv = match config.attention {
+        Attention::Softmax { .. } => {
+            let selective = config.recompute == Recompute::Selective;
+            if selective {
+                // P recomputed from Q̂, K̂: S, scaled, mask, P (kept to the end of the block)
+                tape.alloc(T, 2 * att)?;
+                tape.free(T, att)?;
+                tape.alloc(T, s.mask + att)?;
+                tape.free(T, att + s.mask)?;
+            } else {
+                tape.alloc(T, att)?; // P decoded
+            }
+            tape.alloc(T, u)?; // dV
+            if !selective {
+                tape.free(T, att)?;
+            }
+            tape.alloc(T, 2 * att)?; // dP, dS
+            tape.free(T, att)?;
+            for _ in 0..2 {
+                tape.alloc(T, 2 * u)?; // dQ (dK): product, scaled
+                tape.free(T, u)?;
+            }
+            tape.free(T, att)?; // dS
+            if selective {
+                tape.free(T, att)?;
+            }
+            3 * u
+        }
+        Attention::Linear { .. } => {
+            // the core rerun: φ(Q̂), φ(K̂), output; its backward: φ again, dφ(Q), dφ(K), dV,
+            // then dQ, dK through the feature map
+            tape.alloc(T, 3 * u)?;
+            tape.free(T, 2 * u)?;
+            tape.alloc(T, 5 * u)?;
+            tape.alloc(T, 2 * u)?;
+            tape.free(T, 4 * u)?;
+            tape.free(T, u)?; // the rerun output
+            3 * u
+        }
+    };
+    tape.free(T, 4 * u)?; // Q̂, K̂, V̂, attention output
+    tape.alloc(T, 2 * u)?; // LN₁ output from its codes
+    tape.free(T, u)?;
+    tape.alloc(T, u)?;
+    tape.free(T, u)?;
+    for i in 0..3 {
+        tape.alloc(T, 2 * u)?; // heads merged, d input of the projection
+        tape.alloc(T, s.proj_cc)?;
+        tape.free(T, u)?; // merged
+        if i > 0 {
+            tape.alloc(T, u)?; // the sum of the input's gradients
+            tape.free(T, 2 * u)?;
+        }
+        tape.free(T, grads_qkv / 3)?;
+    }
+    tape.alloc(T, u)?; // LN₁ backward dx
+    tape.alloc(T, s.norm)?;
+    tape.alloc(T, u)?; // dx = d x₂ + dx_ln
+    tape.free(T, u)?;
+    // returning: d h₂, d x₂, d o, LN₁ output, d input freed; the flat gradient concatenated
+    tape.free(T, 5 * u)?;
+    tape.alloc(T, s.layer_params)?;
+    tape.free(T, s.layer_params)?; // the per-weight gradients
+    // candle: each argument's gradient added to a zeros_like in the gradient store
+    tape.alloc(T, 2 * u)?;
+    tape.free(T, 2 * u)?; // zeros, dx
+    tape.alloc(T, s.layer_params)?;
+    tape.alloc(Kind::Gradients, s.layer_params)?;
+    tape.free(T, 2 * s.layer_params)?; // zeros, flat
+    tape.free(T, u)?; // the output's gradient
+    Ok(())
+}
+
+/// The memory of one training step of the training example (`run.rs`, `train`), phase by
+/// phase (module docs of [`crate::plan`]): f32 weights and gradients, candle-nn's AdamW with
+/// two f32 moments per parameter, the activations the stack keeps, and every transient the
+/// code allocates, traced through the phases. The step's peak is [`TrainingPlan::total`].
+///
+/// Modelled: mesa-candle's pre-LN [`crate::TransformerLayer`] without dropout (the
+/// example's runs), softmax or linear attention, any bit width, exact or running statistics,
+/// any recomputation.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] from [`LayerConfig::validate`], for a zero size, for post-LN
+/// or dropout (not modelled); [`Error::Kernel`] with [`mesa_kernels::Error::TooLarge`] when
+/// a count overflows `u64`.
+pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<TrainingPlan, Error> {
+    use Kind::{Activations as A, Gradients as G, Transient as T};
+    let parameters = training_parameters(config, shape)?;
+    if config.norm != NormPlacement::Pre {
+        return Err(Error::InvalidArgument { name: "norm", why: "the plan models the example's pre-LN layer".into() });
+    }
+    if config.dropout.attention != 0.0 || config.dropout.residual != 0.0 {
+        return Err(Error::InvalidArgument {
+            name: "dropout",
+            why: "the plan models the example's runs, without dropout (masks not counted)".into(),
+        });
+    }
+    let s = Sizes::new(config, shape)?;
+    let (u, lg, r) = (s.tok, s.logits, s.row);
+    let (v, c, t) = (shape.vocab as u64, config.hidden as u64, shape.seq as u64);
+    let embedding = prod(&[v, c, 4], "embedding")?;
+    let positions = prod(&[t, c, 4], "positions")?;
+    let head = sum(&[embedding, prod(&[c, 8], "norm")?], "head")?;
+    let mut tape = Tape::new();
+    tape.alloc(Kind::Weights, prod(&[parameters, 4], "weights")?)?;
+    tape.alloc(Kind::State, prod(&[parameters, 8], "optimizer state")?)?;
+    // embed: ids and targets, the gathered rows, plus the positions
+    tape.alloc(A, 2 * s.ids)?;
+    tape.alloc(A, 2 * u)?; // the gathered rows (kept by the graph: the token table is a variable), h₀
+    tape.end_phase("embed")?;
+    for _ in 0..shape.layers {
+        layer_forward(&mut tape, &s, config, A, A)?;
+        tape.alloc(A, s.state)?;
+    }
+    tape.end_phase("stack forward")?;
+    // head on a leaf copy of the output: the composed LayerNorm keeps 5 [B,T,C] and 4 rows,
+    // log-softmax and NLL keep 4 [B·T,V] (logits, shifted, exp, log-probabilities) and 4 rows
+    let kept = sum(&[prod(&[5, u], "head")?, prod(&[4, lg], "head")?, prod(&[8, r], "head")?], "head")?;
+    tape.alloc(T, u)?;
+    tape.alloc(T, kept)?;
+    // its backward (candle's backprop: each node's gradient is added to a zeros_like in the
+    // store; a gradient computed from a tracked tensor keeps its inputs alive through its
+    // graph until its node is processed): in log-softmax up to 7 [B·T,V] gradients at once;
+    // later, at the LayerNorm's division x_c/σ, 12 [B,T,C] (the incoming gradient with the
+    // zeros and product it holds, 4; d x_c with its zeros and quotient, 3; the gradient of
+    // the broadcast σ with its zeros, g·x_c, σ² and the quotient, 5) beside the head weight's
+    // gradient with its zeros and product (3·V·C f32)
+    tape.alloc(T, prod(&[7, lg], "head backward")?)?;
+    tape.free(T, prod(&[7, lg], "head backward")?)?;
+    let norm_part = sum(&[prod(&[12, u], "head backward")?, prod(&[3, embedding], "head backward")?], "head")?;
+    tape.alloc(T, norm_part)?;
+    tape.free(T, norm_part)?;
+    tape.alloc(G, head)?;
+    tape.alloc(T, u)?; // dy: the gradient of the leaf
+    tape.free(T, sum(&[kept, u], "head")?)?; // the loss and the leaf dropped
+    tape.end_phase("head")?;
+    // the stack's backward through (h · dy).sum(): the product; its gradient d (from zeros);
+    // h's gradient d·dy (from zeros); dy's gradient d·h (from zeros), which keeps d·h, its
+    // zeros and d alive through its graph while the store holds it: 4 [B,T,C] to the end
+    tape.alloc(T, u)?;
+    tape.alloc(T, 2 * u)?;
+    tape.free(T, u)?;
+    tape.alloc(T, 3 * u)?;
+    tape.free(T, 2 * u)?;
+    tape.alloc(T, 3 * u)?;
+    for _ in 0..shape.layers {
+        layer_backward(&mut tape, &s, config)?;
+    }
+    // the embedding: h₀ = rows + positions; each addend's gradient from zeros (the incoming
+    // one freed after both), the positions' gradient; the rows' reshape (from zeros); the token
+    // table's gradient (index_add onto zeros)
+    for _ in 0..2 {
+        tape.alloc(T, 2 * u)?;
+        tape.free(T, u)?;
+    }
+    tape.free(T, u)?;
+    tape.alloc(G, positions)?;
+    tape.free(T, u)?;
+    tape.alloc(T, 2 * u)?;
+    tape.free(T, 2 * u)?;
+    tape.alloc(T, embedding)?;
+    tape.alloc(G, embedding)?;
+    tape.free(T, embedding + u)?;
+    tape.free(T, u)?; // the product (h · dy), at the end of the backward's statement
+    tape.end_phase("stack backward")?;
+    // AdamW (candle-nn 0.11 optim.rs): per variable of n elements, 14 f32 tensors of n alive
+    // at the end of its update — the moments and the weights are variables, so every result
+    // keeps its operands in its graph: m·β₁, g·(1−β₁), m′; v·β₂, g²·(1−β₂), v′; m̂, v̂, the
+    // decayed weights, √v̂, √v̂ + ε, the update, ·lr, the new weights
+    let largest = s.layer_params.max(embedding);
+    tape.alloc(T, prod(&[14, largest], "optimizer temporaries")?)?;
+    tape.free(T, prod(&[14, largest], "optimizer temporaries")?)?;
+    tape.end_phase("optimizer step")?;
+    let phases = tape.phases;
+    let total = phases.iter().map(|p| p.bytes).max_by_key(|b| b.total).unwrap_or_default();
+    Ok(TrainingPlan { parameters, phases, total })
+}
+
+/// The largest batch for which [`training_step`]'s total, with `shape.batch` replaced, is at
+/// most `budget` bytes; `None` when batch 1 does not fit.
+///
+/// # Errors
+/// As [`training_step`] (a batch whose count overflows does not fit).
+pub fn largest_training_batch(config: &LayerConfig, shape: &TrainingShape, budget: u64) -> Result<Option<u64>, Error> {
+    training_step(config, &TrainingShape { batch: 1, ..*shape })?;
+    super::largest(budget, |b| Ok(training_step(config, &TrainingShape { batch: b, ..*shape })?.total.total))
+}
