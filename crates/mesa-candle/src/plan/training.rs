@@ -38,17 +38,11 @@ pub struct TrainingPlan {
     pub parameters: u64,
     /// The five phases in order, each at its peak.
     pub phases: Vec<PhaseBytes>,
-    /// The largest phase: the step's peak (bytes).
+    /// The step's peak (bytes): the largest phase's. `total.total` is the number to compare
+    /// with a budget.
     pub total: MemoryBreakdown,
-}
-
-impl TrainingPlan {
-    /// The phase whose peak is the step's.
-    #[must_use]
-    pub fn peak_phase(&self) -> &PhaseBytes {
-        // `phases` is never empty; the fallback keeps this total without a panic path
-        self.phases.iter().max_by_key(|p| p.bytes.total).unwrap_or(&self.phases[0])
-    }
+    /// The name of that phase.
+    pub peak_phase: &'static str,
 }
 
 fn too_large(what: &str) -> Error {
@@ -141,11 +135,16 @@ struct Sizes {
     proj_fc: u64,
     /// LayerNorm weight and bias gradients.
     norm: u64,
-    /// Codes per layer: LN₁ (with row statistics), Q, K, V, P (none without it),
+    /// Codes per layer: LN₁ (with row statistics), Q, K, V, P (0 under selective
+    /// recomputation and for linear attention; full recomputation: those of its rerun),
     /// attention output, LN₂ (with rows), FFN input.
     codes: [u64; 8],
     /// The op's boxed backward state.
     state: u64,
+    /// `[V, C]` f32: the token table or the head.
+    embedding: u64,
+    /// `[T, C]` f32: the positions.
+    positions: u64,
 }
 
 impl Sizes {
@@ -154,7 +153,8 @@ impl Sizes {
         let (b, t, c, f, h, v) =
             (u(shape.batch), u(shape.seq), u(config.hidden), u(config.ffn), u(config.heads), u(shape.vocab));
         let n = prod(&[b, t], "tokens")?;
-        let layer = sum(&[prod(&[4, c, c], "layer")?, prod(&[2, c, f], "layer")?, prod(&[9, c], "layer")?, f], "layer")?;
+        let layer =
+            sum(&[prod(&[4, c, c], "layer")?, prod(&[2, c, f], "layer")?, prod(&[9, c], "layer")?, f], "layer")?;
         // the codes the forward saves, from the activation planner (softmax codes only when kept)
         let mut keep = config.clone();
         if keep.recompute == Recompute::Full {
@@ -170,12 +170,12 @@ impl Sizes {
             of(&[S::Q])?,
             of(&[S::K])?,
             of(&[S::V])?,
-            if config.recompute == Recompute::Selective { 0 } else { of(&[S::Softmax])? },
+            of(&[S::Softmax])?,
             of(&[S::OutProjInput])?,
             of(&[S::Norm2, S::Norm2Rows])?,
             of(&[S::GeluInput])?,
         ];
-        Ok(Sizes {
+        let s = Sizes {
             ids: prod(&[n, 4], "ids")?,
             tok: prod(&[n, c, 4], "[B, T, C]")?,
             ffn: prod(&[n, f, 4], "[B, T, F]")?,
@@ -190,7 +190,34 @@ impl Sizes {
             norm: prod(&[c, 8], "norm")?,
             codes,
             state: crate::layer::BACKWARD_STATE_BYTES as u64,
-        })
+            embedding: prod(&[v, c, 4], "embedding")?,
+            positions: prod(&[t, c, 4], "positions")?,
+        };
+        // every size, all together, 64 times over fits u64: the tape's small multiples and
+        // sums of these below cannot overflow (the tape's running totals are checked)
+        let all = sum(
+            &[
+                s.ids,
+                s.tok,
+                s.ffn,
+                s.att,
+                s.mask,
+                s.logits,
+                s.row,
+                s.layer_params,
+                s.proj_cc,
+                s.proj_cf,
+                s.proj_fc,
+                s.norm,
+                sum(&s.codes, "codes")?,
+                s.state,
+                s.embedding,
+                s.positions,
+            ],
+            "step",
+        )?;
+        prod(&[all, 64], "step")?;
+        Ok(s)
     }
 }
 
@@ -212,15 +239,25 @@ pub fn training_parameters(config: &LayerConfig, shape: &TrainingShape) -> Resul
     sum(&[prod(&[2, v, c], "embeddings")?, prod(&[t, c], "positions")?, layers, prod(&[2, c], "norm")?], "parameters")
 }
 
-/// One layer's forward (`layer/forward.rs`, pre-LN): the input is alive; leaves the codes
-/// (as `codes`: activations, or transient for a rerun) and the output (`out`).
-fn layer_forward(tape: &mut Tape, s: &Sizes, config: &LayerConfig, codes: Kind, out: Kind) -> Result<(), Error> {
+/// One layer's forward (`layer/forward.rs`, pre-LN), the input alive. The training forward
+/// (`rerun` false) leaves the codes (activations; under full recomputation none: they are
+/// dropped at its end) and the output (activations). The rerun of a full recomputation's
+/// backward keeps every code, `P`'s included (transient, freed by the caller) and leaves its
+/// output (transient).
+fn layer_forward(tape: &mut Tape, s: &Sizes, config: &LayerConfig, rerun: bool) -> Result<(), Error> {
     use Kind::Transient as T;
     let (u, f) = (s.tok, s.ffn);
-    let full = config.recompute == Recompute::Full && codes == Kind::Activations;
-    let codes = if full { T } else { codes };
+    let full = config.recompute == Recompute::Full && !rerun;
+    let codes = if full || rerun { T } else { Kind::Activations };
+    let out = if rerun { T } else { Kind::Activations };
+    let keep_p = rerun || config.recompute == Recompute::None;
+    let mut coded = 0u64;
+    let mut code = |tape: &mut Tape, bytes: u64| -> Result<(), Error> {
+        coded = coded.checked_add(bytes).ok_or_else(|| too_large("codes"))?;
+        tape.alloc(codes, bytes)
+    };
     tape.alloc(T, u)?; // LN₁ output
-    tape.alloc(codes, s.codes[0])?;
+    code(tape, s.codes[0])?;
     for _ in 0..3 {
         // Q, K, V: the product, its bias added, split into heads (contiguous)
         tape.alloc(T, u)?;
@@ -230,8 +267,8 @@ fn layer_forward(tape: &mut Tape, s: &Sizes, config: &LayerConfig, codes: Kind, 
         tape.free(T, u)?;
     }
     tape.free(T, u)?; // LN₁ output
-    for code in &s.codes[1..4] {
-        tape.alloc(codes, *code)?;
+    for c in &s.codes[1..4] {
+        code(tape, *c)?;
     }
     match config.attention {
         Attention::Softmax { .. } => {
@@ -241,7 +278,9 @@ fn layer_forward(tape: &mut Tape, s: &Sizes, config: &LayerConfig, codes: Kind, 
             tape.free(T, s.att)?;
             tape.alloc(T, s.mask)?;
             tape.alloc(T, s.att)?;
-            tape.alloc(codes, s.codes[4])?;
+            if keep_p {
+                code(tape, s.codes[4])?;
+            }
             tape.free(T, s.att + s.mask)?;
             tape.alloc(T, u)?;
             tape.free(T, s.att)?;
@@ -255,24 +294,23 @@ fn layer_forward(tape: &mut Tape, s: &Sizes, config: &LayerConfig, codes: Kind, 
     tape.free(T, 3 * u)?; // Q, K, V
     tape.alloc(T, u)?; // heads merged
     tape.free(T, u)?; // the attention output by head
-    tape.alloc(codes, s.codes[5])?;
+    code(tape, s.codes[5])?;
     tape.alloc(T, 2 * u)?; // out-projection: product, bias added
     tape.free(T, 2 * u)?; // product, merged output
-    tape.alloc(T, u)?; // x₂ = x + r
-    tape.free(T, u)?; // r
+    tape.alloc(T, u)?; // x₂ = x + r (r's first binding, shadowed by its dropout, lives on)
     tape.alloc(T, u)?; // LN₂ output
-    tape.alloc(codes, s.codes[6])?;
+    code(tape, s.codes[6])?;
     tape.alloc(T, 2 * f)?; // FC₁: product, bias added
     tape.free(T, f + u)?; // product, LN₂ output
     tape.alloc(T, f)?; // GELU output
-    tape.alloc(codes, s.codes[7])?;
+    code(tape, s.codes[7])?;
     tape.free(T, f)?; // u
     tape.alloc(T, 2 * u)?; // FC₂: product, bias added
     tape.free(T, u + f)?; // product, GELU output
     tape.alloc(out, u)?; // y = x₂ + f
-    tape.free(T, 2 * u)?; // x₂, f
+    tape.free(T, 3 * u)?; // r, x₂, f
     if full {
-        tape.free(T, s.codes.iter().sum())?;
+        tape.free(T, coded)?;
     }
     Ok(())
 }
@@ -286,7 +324,7 @@ fn layer_backward(tape: &mut Tape, s: &Sizes, config: &LayerConfig) -> Result<()
     let rerun = config.recompute == Recompute::Full;
     if rerun {
         // the forward again, keeping its codes for this backward only
-        layer_forward(tape, s, config, T, T)?;
+        layer_forward(tape, s, config, true)?;
         tape.free(T, u)?; // its output
     }
     tape.alloc(T, 2 * f)?; // û decoded, GELU(û)
@@ -376,6 +414,9 @@ fn layer_backward(tape: &mut Tape, s: &Sizes, config: &LayerConfig) -> Result<()
     tape.free(T, 5 * u)?;
     tape.alloc(T, s.layer_params)?;
     tape.free(T, s.layer_params)?; // the per-weight gradients
+    if rerun {
+        tape.free(T, s.codes.iter().sum())?;
+    }
     // candle: each argument's gradient added to a zeros_like in the gradient store
     tape.alloc(T, 2 * u)?;
     tape.free(T, 2 * u)?; // zeros, dx
@@ -413,10 +454,8 @@ pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<Trai
     }
     let s = Sizes::new(config, shape)?;
     let (u, lg, r) = (s.tok, s.logits, s.row);
-    let (v, c, t) = (shape.vocab as u64, config.hidden as u64, shape.seq as u64);
-    let embedding = prod(&[v, c, 4], "embedding")?;
-    let positions = prod(&[t, c, 4], "positions")?;
-    let head = sum(&[embedding, prod(&[c, 8], "norm")?], "head")?;
+    let (embedding, positions) = (s.embedding, s.positions);
+    let head = embedding + s.norm; // the head's weight, the final LayerNorm's weight and bias
     let mut tape = Tape::new();
     tape.alloc(Kind::Weights, prod(&[parameters, 4], "weights")?)?;
     tape.alloc(Kind::State, prod(&[parameters, 8], "optimizer state")?)?;
@@ -425,7 +464,7 @@ pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<Trai
     tape.alloc(A, 2 * u)?; // the gathered rows (kept by the graph: the token table is a variable), h₀
     tape.end_phase("embed")?;
     for _ in 0..shape.layers {
-        layer_forward(&mut tape, &s, config, A, A)?;
+        layer_forward(&mut tape, &s, config, false)?;
         tape.alloc(A, s.state)?;
     }
     tape.end_phase("stack forward")?;
@@ -488,8 +527,9 @@ pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<Trai
     tape.free(T, prod(&[14, largest], "optimizer temporaries")?)?;
     tape.end_phase("optimizer step")?;
     let phases = tape.phases;
-    let total = phases.iter().map(|p| p.bytes).max_by_key(|b| b.total).unwrap_or_default();
-    Ok(TrainingPlan { parameters, phases, total })
+    let peak = phases.iter().copied().max_by_key(|p| p.bytes.total);
+    let (total, peak_phase) = peak.map_or((MemoryBreakdown::default(), ""), |p| (p.bytes, p.name));
+    Ok(TrainingPlan { parameters, phases, total, peak_phase })
 }
 
 /// The largest batch for which [`training_step`]'s total, with `shape.batch` replaced, is at
@@ -500,4 +540,22 @@ pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<Trai
 pub fn largest_training_batch(config: &LayerConfig, shape: &TrainingShape, budget: u64) -> Result<Option<u64>, Error> {
     training_step(config, &TrainingShape { batch: 1, ..*shape })?;
     super::largest(budget, |b| Ok(training_step(config, &TrainingShape { batch: b, ..*shape })?.total.total))
+}
+
+/// A floor under the peak of a training step on the plain-candle reference layer
+/// (`plain = true` in the example): weights, gradients and AdamW's state of the same
+/// parameters (f32), plus the plain-f32 estimate of the stack's activations
+/// ([`super::reference_stack_estimate`]). All of these are alive together during the
+/// optimizer step (the stack's output still holds the graph), so the peak is at least this;
+/// candle's graph keeps every intermediate of the composed reference ops besides, which this
+/// does not model: it is not a prediction (`docs/plan.md`). Activations and transient of the
+/// head and the optimizer are not counted.
+///
+/// # Errors
+/// As [`training_parameters`].
+pub fn reference_training_floor(config: &LayerConfig, shape: &TrainingShape) -> Result<MemoryBreakdown, Error> {
+    let psi = training_parameters(config, shape)?;
+    let acts = super::reference_stack_estimate(config, shape.layers, shape.batch, shape.seq)?;
+    let per = mesa_kernels::plan::TrainingPrecision::f32();
+    Ok(MemoryBreakdown::of_parameters(psi, per, mesa_kernels::plan::Optimizer::AdamW)?.with(acts, 0)?)
 }
