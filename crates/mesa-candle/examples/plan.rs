@@ -11,11 +11,14 @@
 //!   output layer not included;
 //! * the training example's own model ([`TRAIN_EXAMPLE`]: change it there), for the training example's
 //!   runs (a)–(f) on mesa-candle's layer ([`mesa_candle::plan`]: every layer's input and the
-//!   stack's output included).
+//!   stack's output included); and the whole training step of the example (weights,
+//!   gradients, AdamW's state, activations, the largest transient: [`training_step`]) with
+//!   the largest batch that fits on that total.
 use std::fmt::Write as _;
 
 use mesa_candle::layer::{Attention, LayerConfig, Recompute};
 use mesa_candle::ops::FeatureKind;
+use mesa_candle::plan::{largest_training_batch, training_step, TrainingShape};
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
 use mesa_kernels::plan::{
     largest_micro_batch, CodeFormat, MaskStorage, ModelShape, Parallelism, PlanConfig, Precision,
@@ -26,6 +29,8 @@ use mesa_kernels::plan::{
 /// hidden, heads, FFN, context, batch); no dropout; linear attention's chunk is [`TRAIN_CHUNK`].
 const TRAIN_EXAMPLE: (usize, usize, usize, usize, usize, usize) = (2, 32, 2, 128, 32, 16);
 const TRAIN_CHUNK: usize = 16;
+/// The training example's character vocabulary (docs/results.md).
+const TRAIN_VOCAB: usize = 80;
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
@@ -119,10 +124,39 @@ fn train_example(out: &mut String, budget: u64) -> Result<(), Box<dyn std::error
         ),
         ("(f) 8-bit codes, selective recomputation", LayerConfig { recompute: Recompute::Selective, ..base.clone() }),
     ];
-    for (name, cfg) in runs {
-        let bytes = mesa_candle::plan::layer_stack_saved_bytes(&cfg, layers, batch, seq)?;
-        let b = mesa_candle::plan::largest_batch(&cfg, layers, seq, budget)?;
+    for (name, cfg) in &runs {
+        let bytes = mesa_candle::plan::layer_stack_saved_bytes(cfg, layers, batch, seq)?;
+        let b = mesa_candle::plan::largest_batch(cfg, layers, seq, budget)?;
         writeln!(out, "| {name} | {} | {} |", human(bytes), fit(b))?;
+    }
+    // the whole step: weights, gradients, AdamW's state, activations and the largest transient
+    writeln!(
+        out,
+        "\n## training example, whole training step (vocabulary {TRAIN_VOCAB}; mesa_candle::plan::training_step)\n"
+    )?;
+    writeln!(
+        out,
+        "| run | weights | gradients | optimizer state | activations | transient | total (peak phase) | largest batch that fits on the total in {} |",
+        human(budget)
+    )?;
+    writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|")?;
+    let shape = TrainingShape { layers, batch, seq, vocab: TRAIN_VOCAB };
+    for (name, cfg) in &runs {
+        let plan = training_step(cfg, &shape)?;
+        let m = plan.total;
+        let b = largest_training_batch(cfg, &shape, budget)?;
+        writeln!(
+            out,
+            "| {name} | {} | {} | {} | {} | {} | {} ({}) | {} |",
+            human(m.weights),
+            human(m.gradients),
+            human(m.optimizer_state),
+            human(m.activations),
+            human(m.transient),
+            human(m.total),
+            plan.peak_phase,
+            fit(b)
+        )?;
     }
     Ok(())
 }
