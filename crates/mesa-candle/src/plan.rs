@@ -283,6 +283,9 @@ mod tests {
             let e = training_step(&good, &huge).unwrap_err();
             assert!(matches!(e, Error::Kernel(mesa_kernels::Error::TooLarge { .. })), "{e}");
         }
+        // a layer count that fits u64 but no machine: answered at once (no per-layer loop)
+        let deep = training_step(&good, &TrainingShape { layers: 1 << 40, ..shape }).unwrap();
+        assert!(deep.total.total > 1 << 50);
         let wide = LayerConfig::new(1 << 31, 1, 1 << 31);
         let e = training_step(&wide, &shape).unwrap_err();
         assert!(matches!(e, Error::Kernel(mesa_kernels::Error::TooLarge { .. })), "{e}");

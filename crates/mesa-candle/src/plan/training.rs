@@ -101,6 +101,30 @@ impl Tape {
         Ok(())
     }
 
+    /// `n` times `step`, which must leave the same net bytes each time and not lower the total
+    /// (every layer's forward or backward): the first `n − 1` are applied as their net change
+    /// (their peaks are below the last one's, which starts higher), the last is traced. `O(1)`
+    /// in `n`.
+    fn repeat(&mut self, n: usize, mut step: impl FnMut(&mut Tape) -> Result<(), Error>) -> Result<(), Error> {
+        if n == 0 {
+            return Ok(());
+        }
+        let mut probe = Tape { live: self.live, peak: MemoryBreakdown::default(), phases: Vec::new() };
+        step(&mut probe)?;
+        let times = (n - 1) as u64;
+        for (i, kind) in
+            [Kind::Weights, Kind::Gradients, Kind::State, Kind::Activations, Kind::Transient].into_iter().enumerate()
+        {
+            let (after, before) = (probe.live[i], self.live[i]);
+            if after >= before {
+                self.alloc(kind, prod(&[after - before, times], "repeated layers")?)?;
+            } else {
+                self.free(kind, prod(&[before - after, times], "repeated layers")?)?;
+            }
+        }
+        step(self)
+    }
+
     /// Ends the current phase: records its peak and starts the next at the current level.
     fn end_phase(&mut self, name: &'static str) -> Result<(), Error> {
         self.phases.push(PhaseBytes { name, bytes: self.peak });
@@ -463,10 +487,10 @@ pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<Trai
     tape.alloc(A, 2 * s.ids)?;
     tape.alloc(A, 2 * u)?; // the gathered rows (kept by the graph: the token table is a variable), h₀
     tape.end_phase("embed")?;
-    for _ in 0..shape.layers {
-        layer_forward(&mut tape, &s, config, false)?;
-        tape.alloc(A, s.state)?;
-    }
+    tape.repeat(shape.layers, |tape| {
+        layer_forward(tape, &s, config, false)?;
+        tape.alloc(A, s.state)
+    })?;
     tape.end_phase("stack forward")?;
     // head on a leaf copy of the output: the composed LayerNorm keeps 5 [B,T,C] and 4 rows,
     // log-softmax and NLL keep 4 [B·T,V] (logits, shifted, exp, log-probabilities) and 4 rows
@@ -498,9 +522,7 @@ pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<Trai
     tape.alloc(T, 3 * u)?;
     tape.free(T, 2 * u)?;
     tape.alloc(T, 3 * u)?;
-    for _ in 0..shape.layers {
-        layer_backward(&mut tape, &s, config)?;
-    }
+    tape.repeat(shape.layers, |tape| layer_backward(tape, &s, config))?;
     // the embedding: h₀ = rows + positions; each addend's gradient from zeros (the incoming
     // one freed after both), the positions' gradient; the rows' reshape (from zeros); the token
     // table's gradient (index_add onto zeros)
@@ -522,7 +544,7 @@ pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<Trai
     // at the end of its update — the moments and the weights are variables, so every result
     // keeps its operands in its graph: m·β₁, g·(1−β₁), m′; v·β₂, g²·(1−β₂), v′; m̂, v̂, the
     // decayed weights, √v̂, √v̂ + ε, the update, ·lr, the new weights
-    let largest = s.layer_params.max(embedding);
+    let largest = s.layer_params.max(embedding).max(positions);
     tape.alloc(T, prod(&[14, largest], "optimizer temporaries")?)?;
     tape.free(T, prod(&[14, largest], "optimizer temporaries")?)?;
     tape.end_phase("optimizer step")?;
