@@ -42,10 +42,11 @@ impl Corpus {
         Ok(Corpus { train: ids(&train)?, val: ids(&val)?, vocab })
     }
 
-    /// Bigram cross-entropy of the validation text in nats per character: a bigram fitted on
-    /// the training split with add-one (Laplace) smoothing, `p(b | a) = (n(a, b) + 1) /
-    /// (n(a) + V)`, averaged over the validation's `len − 1` transitions.
-    pub fn bigram_val_loss(&self) -> f64 {
+    /// Bigram cross-entropy in nats per character over the first `len` characters of the
+    /// validation text: a bigram fitted on the training split with add-one (Laplace)
+    /// smoothing, `p(b | a) = (n(a, b) + 1) / (n(a) + V)`, averaged over the `len − 1`
+    /// transitions — the positions [`val_windows`] scores.
+    pub fn bigram_val_loss(&self, len: usize) -> f64 {
         let v = self.vocab.len();
         let mut pair = vec![0u64; v * v];
         let mut first = vec![0u64; v];
@@ -53,15 +54,15 @@ impl Corpus {
             pair[w[0] as usize * v + w[1] as usize] += 1;
             first[w[0] as usize] += 1;
         }
-        let nll: f64 = self
-            .val
+        let val = &self.val[..len.min(self.val.len())];
+        let nll: f64 = val
             .windows(2)
             .map(|w| {
                 let (a, b) = (w[0] as usize, w[1] as usize);
                 -((pair[a * v + b] + 1) as f64 / (first[a] + v as u64) as f64).ln()
             })
             .sum();
-        nll / (self.val.len() - 1) as f64
+        nll / (val.len() - 1) as f64
     }
 }
 
@@ -103,15 +104,25 @@ pub fn windows(ids: &[u32], starts: &[usize], t: usize, device: &Device) -> cand
     Ok((Tensor::from_vec(x, (starts.len(), t), device)?, Tensor::from_vec(y, (starts.len(), t), device)?))
 }
 
-/// The window starts of every training step: one fixed sequence (seeded by `seed`) for every run.
+/// The window starts of every training step: one sequence per data seed, the same for every
+/// run that shares the seed (runs are paired by it).
 pub fn train_order(len: usize, t: usize, batch: usize, steps: usize, seed: u64) -> Vec<Vec<usize>> {
     let mut rng = SplitMix(seed);
     let span = (len - t - 1) as u64;
     (0..steps).map(|_| (0..batch).map(|_| (rng.next_u64() % span) as usize).collect()).collect()
 }
 
-/// `count` validation windows at evenly spaced starts.
-pub fn val_starts(len: usize, t: usize, count: usize) -> Vec<usize> {
-    let span = len - t - 1;
-    (0..count).map(|i| i * span / count.max(1)).collect()
+/// Windows of `t` characters that score every transition of `text[..len]` exactly once:
+/// `(start, skip)` with the window's targets `text[start + 1 ..= start + t]`, of which the
+/// first `skip` were scored by the window before (only the last window, aligned to the
+/// end, overlaps). Each position is predicted from the characters since its window's start.
+pub fn val_windows(len: usize, t: usize) -> Vec<(usize, usize)> {
+    let last = len.saturating_sub(t + 1);
+    let mut w: Vec<(usize, usize)> = (0..=last).step_by(t).map(|s| (s, 0)).collect();
+    if let Some(&(s, _)) = w.last() {
+        if s < last {
+            w.push((last, s + t - last));
+        }
+    }
+    w
 }

@@ -179,10 +179,22 @@ impl Model {
         Ok(h)
     }
 
+    /// The head's logits `[B, T, V]` of the stack output `y: [B, T, C]`.
+    fn logits(&self, y: &Tensor) -> candle_core::Result<Tensor> {
+        let n = layer_norm(y, self.ln_w.as_tensor(), self.ln_b.as_tensor(), f64::from(self.config.eps))?;
+        n.broadcast_matmul(&self.head.as_tensor().t()?)
+    }
+
     /// Mean next-character cross-entropy (nats) of the head on `y: [B, T, C]`.
     pub fn head_loss(&self, y: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-        let n = layer_norm(y, self.ln_w.as_tensor(), self.ln_b.as_tensor(), f64::from(self.config.eps))?;
-        let logits = n.broadcast_matmul(&self.head.as_tensor().t()?)?;
-        candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &targets.flatten_all()?)
+        candle_nn::loss::cross_entropy(&self.logits(y)?.flatten_to(1)?, &targets.flatten_all()?)
+    }
+
+    /// Per-position cross-entropy (nats) `[B, T]` of the head on `y: [B, T, C]`, f64 on the host.
+    pub fn head_nll(&self, y: &Tensor, targets: &Tensor) -> candle_core::Result<Vec<Vec<f64>>> {
+        let logp = candle_nn::ops::log_softmax(&self.logits(y)?, D::Minus1)?;
+        let picked = logp.gather(&targets.unsqueeze(D::Minus1)?, D::Minus1)?.squeeze(D::Minus1)?;
+        let rows = picked.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+        Ok(rows.into_iter().map(|r| r.into_iter().map(|v| -v).collect()).collect())
     }
 }

@@ -1,101 +1,197 @@
-//! The two figures, drawn with plotters' SVG backend.
+//! The three figures, drawn with plotters' SVG backend; every legend sits in its own column,
+//! off the data.
 use std::path::Path;
 
+use mesa_candle::layer::CodeSite;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::run::{Curves, Estimates, Settings, ESTIMATE_SITES};
+use crate::parity::Parity;
+use crate::report;
+use crate::run::{Estimates, RunResult, Settings, Variant};
 
 type Res = Result<(), Box<dyn std::error::Error>>;
+type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 
 fn bounds(points: impl Iterator<Item = f64>) -> (f64, f64) {
     let (lo, hi) =
         points.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| (l.min(v), h.max(v)));
     if lo.is_finite() {
-        let pad = ((hi - lo) * 0.05).max(1e-3);
+        let pad = ((hi - lo) * 0.05).max(1e-4);
         (lo - pad, hi + pad)
     } else {
         (0.0, 1.0)
     }
 }
 
-/// Training (left) and validation (right) loss of every run against the step, with the
-/// bigram baseline.
-pub fn losses(path: &Path, runs: &[Curves<'_>], bigram: f64, s: &Settings) -> Res {
-    let root = SVGBackend::new(path, (1100, 460)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let panels = root.split_evenly((1, 2));
-    let x_max = s.steps as f64;
-    for (panel, train) in panels.iter().zip([true, false]) {
-        let series = |c: &Curves<'_>| if train { c.train.clone() } else { c.val.clone() };
-        let (lo, hi) = bounds(runs.iter().flat_map(|c| series(c).into_iter().map(|p| p.1)).chain([bigram]));
-        let title = if train { "training loss (mean since the previous point)" } else { "validation loss" };
-        let mut chart = ChartBuilder::on(panel)
-            .caption(title, ("sans-serif", 18))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(52)
-            .build_cartesian_2d(0f64..x_max, lo..hi)?;
-        chart.configure_mesh().x_desc("step").y_desc("nats / character").draw()?;
-        for (i, c) in runs.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            chart
-                .draw_series(LineSeries::new(series(c), color.stroke_width(2)))?
-                .label(c.name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
-        }
-        chart
-            .draw_series(LineSeries::new([(0.0, bigram), (x_max, bigram)], BLACK.mix(0.5).stroke_width(1)))?
-            .label("bigram (validation)")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK.mix(0.5)));
-        chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+/// A legend drawn in its own area: a short line of each entry's colour and its label.
+fn legend(area: &Area<'_>, entries: &[(String, RGBAColor)]) -> Res {
+    for (i, (label, color)) in entries.iter().enumerate() {
+        let y = 40 + 22 * i as i32;
+        area.draw(&PathElement::new(vec![(8, y), (34, y)], color.stroke_width(3)))?;
+        area.draw(&Text::new(label.clone(), (40, y - 7), ("sans-serif", 14)))?;
     }
+    Ok(())
+}
+
+fn color(i: usize) -> RGBAColor {
+    Palette99::pick(i).to_rgba()
+}
+
+/// Left: validation loss of each variant (mean over the seeds) and the bigram baseline;
+/// right: each compressed variant minus its f32 baseline, paired by seed, mean ± one
+/// standard error.
+pub fn losses(path: &Path, s: &Settings, variants: &[Variant], results: &[RunResult], bigram: f64) -> Res {
+    let root = SVGBackend::new(path, (1300, 480)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (plots, key) = root.split_horizontally(1080);
+    let panels = plots.split_evenly((1, 2));
+    let x_max = s.steps as f64;
+    let mut entries = Vec::new();
+    // validation loss
+    let curves: Vec<Vec<(f64, f64)>> = variants.iter().map(|v| report::mean_curve(results, v)).collect();
+    // from the first evaluation after step 0: step 0 is the untrained model (ln V) and flattens the rest
+    let (lo, hi) = bounds(curves.iter().flat_map(|c| c.iter().skip(1).map(|p| p.1)).chain([bigram]));
+    let mut chart = ChartBuilder::on(&panels[0])
+        .caption(format!("validation loss, mean over {} seeds", s.seeds.len()), ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..x_max, lo..hi)?;
+    chart.configure_mesh().x_desc("training step").y_desc("nats / character").draw()?;
+    for (i, (v, c)) in variants.iter().zip(&curves).enumerate() {
+        chart.draw_series(LineSeries::new(c.iter().skip(1).copied(), color(i).stroke_width(2)))?;
+        entries.push((format!("{} ({}, {})", v.name, v.saved_precision(), v.attention()), color(i)));
+    }
+    let grey = BLACK.mix(0.5);
+    chart.draw_series(LineSeries::new([(0.0, bigram), (x_max, bigram)], grey.stroke_width(1)))?;
+    entries.push(("bigram (validation)".into(), grey));
+    // paired differences
+    let diffs: Vec<(usize, Vec<(f64, f64, f64)>)> = variants
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (i, report::difference_curve(results, s, v).into_iter().skip(1).collect()))
+        .collect();
+    let (lo, hi) = bounds(
+        diffs.iter().flat_map(|(_, d)| d.iter().flat_map(|p| [p.1 - p.2.max(0.0), p.1 + p.2.max(0.0), p.1])).chain([
+            0.0,
+            -report::MIN_EFFECT,
+            report::MIN_EFFECT,
+        ]),
+    );
+    let mut chart = ChartBuilder::on(&panels[1])
+        .caption("minus the f32 baseline (paired by seed), mean ± SE", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0f64..x_max, lo..hi)?;
+    chart.configure_mesh().x_desc("training step").y_desc("Δ validation loss, nats / character").draw()?;
+    for m in [-report::MIN_EFFECT, 0.0, report::MIN_EFFECT] {
+        let style = if m == 0.0 { BLACK.stroke_width(1) } else { grey.stroke_width(1) };
+        chart.draw_series(LineSeries::new([(0.0, m), (x_max, m)], style))?;
+    }
+    for (i, d) in &diffs {
+        if d.is_empty() {
+            continue;
+        }
+        let c = color(*i);
+        chart.draw_series(LineSeries::new(d.iter().map(|p| (p.0, p.1)), c.stroke_width(2)))?;
+        chart.draw_series(
+            d.iter().filter(|p| p.2.is_finite()).map(|p| PathElement::new(vec![(p.0, p.1 - p.2), (p.0, p.1 + p.2)], c)),
+        )?;
+    }
+    entries.push((format!("±{} (smallest effect)", report::MIN_EFFECT), grey));
+    legend(&key, &entries)?;
     root.present()?;
     Ok(())
 }
 
-/// Mesa's figure of its learnt ranges: the running estimate's offset (EMA of the minimum) and
-/// range (EMA of max − min) of the Q and K codes, one line per head, one row per layer.
+/// Gradient parity: the worst parameter's cosine and relative error at each probe, one line
+/// per probed configuration.
+pub fn parity(path: &Path, p: &Parity, s: &Settings) -> Res {
+    let root = SVGBackend::new(path, (1300, 460)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (plots, key) = root.split_horizontally(1080);
+    let panels = plots.split_evenly((1, 2));
+    let x_max = s.steps as f64;
+    let steps: Vec<f64> = p.steps.iter().map(|&x| x as f64).collect();
+    let worst: Vec<Vec<(f64, f64)>> = p
+        .series
+        .iter()
+        .map(|se| (0..steps.len()).map(|i| (se.worst(i).cosine, se.worst(i).rel_err)).collect())
+        .collect();
+    for (k, panel) in panels.iter().enumerate() {
+        let value = |w: &(f64, f64)| if k == 0 { 1.0 - w.0 } else { w.1 };
+        let (lo, hi) = bounds(worst.iter().flatten().map(value).map(|x| x.max(1e-6).log10()));
+        let (title, y) = if k == 0 {
+            ("1 − cosine of the worst parameter's gradient", "log₁₀(1 − cosine)")
+        } else {
+            ("relative error ‖ĝ − g‖/‖g‖ of the worst parameter", "log₁₀ relative error")
+        };
+        let mut chart = ChartBuilder::on(panel)
+            .caption(title, ("sans-serif", 17))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..x_max, lo..hi)?;
+        chart.configure_mesh().x_desc(format!("training step of run {}", p.run)).y_desc(y).draw()?;
+        for (i, w) in worst.iter().enumerate() {
+            let pts = steps.iter().zip(w).map(|(&x, w)| (x, value(w).max(1e-6).log10()));
+            chart.draw_series(LineSeries::new(pts, color(i).stroke_width(2)))?;
+        }
+    }
+    let entries: Vec<(String, RGBAColor)> = p.series.iter().enumerate().map(|(i, se)| (se.label(), color(i))).collect();
+    legend(&key, &entries)?;
+    root.present()?;
+    Ok(())
+}
+
+/// Mesa's figure of its learnt ranges: the running estimate's offset (EMA of the minimum)
+/// and range (EMA of max − min) of every coded tensor, one line per group (head), one row
+/// per tensor, one column pair per layer.
 pub fn estimates(path: &Path, e: &Estimates) -> Res {
     let layers = e.offset.first().and_then(|s| s.first()).map_or(0, Vec::len);
     if layers == 0 || e.steps.is_empty() {
         return Ok(());
     }
-    let cols = 2 * ESTIMATE_SITES.len();
-    let root = SVGBackend::new(path, (320 * cols as u32, 200 * layers as u32 + 40)).into_drawing_area();
+    let cols = 2 * layers;
+    let rows = CodeSite::ALL.len();
+    let root = SVGBackend::new(path, (300 * cols as u32 + 140, 190 * rows as u32 + 40)).into_drawing_area();
     root.fill(&WHITE)?;
     let (title, body) = root.split_vertically(40);
-    title.titled("running estimate of run c (8-bit, momentum 0.9): offset and range per head", ("sans-serif", 18))?;
-    let panels = body.split_evenly((layers, cols));
+    title.titled(
+        &format!("running estimate of run {} (momentum 0.9): offset and range per group (head)", e.run),
+        ("sans-serif", 18),
+    )?;
+    let (grid, key) = body.split_horizontally(300 * cols as u32);
+    let panels = grid.split_evenly((rows, cols));
     let x_max = e.steps.last().copied().unwrap_or(1) as f64;
-    for l in 0..layers {
-        for (si, (_, site)) in ESTIMATE_SITES.iter().enumerate() {
+    let mut groups = 0;
+    for (si, site) in CodeSite::ALL.iter().enumerate() {
+        for l in 0..layers {
             for (k, (what, data)) in [("offset", &e.offset[si]), ("range", &e.range[si])].into_iter().enumerate() {
-                let panel = &panels[l * cols + 2 * si + k];
+                let panel = &panels[si * cols + 2 * l + k];
                 let heads = data.first().map_or(0, |r| r[l].len());
+                groups = groups.max(heads);
                 let line = |h: usize| -> Vec<(f64, f64)> {
                     e.steps.iter().zip(data.iter()).map(|(&s, r)| (s as f64, f64::from(r[l][h]))).collect()
                 };
                 let (lo, hi) = bounds((0..heads).flat_map(|h| line(h).into_iter().map(|p| p.1)));
                 let mut chart = ChartBuilder::on(panel)
-                    .caption(format!("layer {l} {site} {what}"), ("sans-serif", 14))
+                    .caption(format!("{site:?}, layer {l}: {what}"), ("sans-serif", 13))
                     .margin(6)
-                    .x_label_area_size(24)
-                    .y_label_area_size(44)
+                    .x_label_area_size(26)
+                    .y_label_area_size(46)
                     .build_cartesian_2d(0f64..x_max, lo..hi)?;
-                chart.configure_mesh().x_labels(4).y_labels(5).draw()?;
+                chart.configure_mesh().x_labels(4).y_labels(5).x_desc("step").draw()?;
                 for h in 0..heads {
-                    let color = Palette99::pick(h).to_rgba();
-                    chart
-                        .draw_series(LineSeries::new(line(h), color.stroke_width(2)))?
-                        .label(format!("head {h}"))
-                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2)));
-                }
-                if l == 0 && si == 0 && k == 0 {
-                    chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+                    chart.draw_series(LineSeries::new(line(h), color(h).stroke_width(2)))?;
                 }
             }
         }
     }
+    let entries: Vec<(String, RGBAColor)> = (0..groups).map(|h| (format!("group {h}"), color(h))).collect();
+    legend(&key, &entries)?;
     root.present()?;
     Ok(())
 }
