@@ -50,8 +50,7 @@ pub fn losses(path: &Path, s: &Settings, variants: &[Variant], results: &[RunRes
     let mut entries = Vec::new();
     // validation loss
     let curves: Vec<Vec<(f64, f64)>> = variants.iter().map(|v| report::mean_curve(results, v)).collect();
-    // from the first evaluation after step 0: step 0 is the untrained model (ln V) and flattens the rest
-    let (lo, hi) = bounds(curves.iter().flat_map(|c| c.iter().skip(1).map(|p| p.1)).chain([bigram]));
+    let (lo, hi) = bounds(curves.iter().flat_map(|c| c.iter().map(|p| p.1)).chain([bigram]));
     let mut chart = ChartBuilder::on(&panels[0])
         .caption(format!("validation loss, mean over {} seeds", s.seeds.len()), ("sans-serif", 18))
         .margin(12)
@@ -60,18 +59,16 @@ pub fn losses(path: &Path, s: &Settings, variants: &[Variant], results: &[RunRes
         .build_cartesian_2d(0f64..x_max, lo..hi)?;
     chart.configure_mesh().x_desc("training step").y_desc("nats / character").draw()?;
     for (i, (v, c)) in variants.iter().zip(&curves).enumerate() {
-        chart.draw_series(LineSeries::new(c.iter().skip(1).copied(), color(i).stroke_width(2)))?;
+        chart.draw_series(LineSeries::new(c.iter().copied(), color(i).stroke_width(2)))?;
+        chart.draw_series(c.iter().map(|&p| Circle::new(p, 3, color(i).filled())))?;
         entries.push((format!("{} ({}, {})", v.name, v.saved_precision(), v.attention()), color(i)));
     }
     let grey = BLACK.mix(0.5);
     chart.draw_series(LineSeries::new([(0.0, bigram), (x_max, bigram)], grey.stroke_width(1)))?;
     entries.push(("bigram (validation)".into(), grey));
     // paired differences
-    let diffs: Vec<(usize, Vec<(f64, f64, f64)>)> = variants
-        .iter()
-        .enumerate()
-        .map(|(i, v)| (i, report::difference_curve(results, s, v).into_iter().skip(1).collect()))
-        .collect();
+    let diffs: Vec<(usize, Vec<report::DiffPoint>)> =
+        variants.iter().enumerate().map(|(i, v)| (i, report::difference_curve(results, s, v))).collect();
     let (lo, hi) = bounds(
         diffs.iter().flat_map(|(_, d)| d.iter().flat_map(|p| [p.1 - p.2.max(0.0), p.1 + p.2.max(0.0), p.1])).chain([
             0.0,

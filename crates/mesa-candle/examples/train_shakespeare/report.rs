@@ -69,8 +69,11 @@ pub fn difference(results: &[RunResult], s: &Settings, v: &Variant) -> Option<Di
     Some(Difference { variant: v.name, baseline, per_seed, mean, se, ci95: (mean - half, mean + half) })
 }
 
-/// The paired difference at every evaluation: `(step, mean, se)`.
-pub fn difference_curve(results: &[RunResult], s: &Settings, v: &Variant) -> Vec<(f64, f64, f64)> {
+/// One point of a paired-difference curve: `(step, mean, standard error)`.
+pub type DiffPoint = (f64, f64, f64);
+
+/// The paired difference at every evaluation.
+pub fn difference_curve(results: &[RunResult], s: &Settings, v: &Variant) -> Vec<DiffPoint> {
     let Some(baseline) = v.baseline else { return Vec::new() };
     let pairs: Vec<(&RunResult, &RunResult)> = s
         .seeds

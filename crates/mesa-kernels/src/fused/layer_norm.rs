@@ -326,10 +326,17 @@ pub fn layer_norm<T: Element>(device: &Device, args: &LayerNormForward<'_, T>, y
 }
 
 /// Rows of the dweight/dbias partial sums: fixed by the shape alone, so the summation order
-/// (and hence every bit of dweight/dbias) is the same on every device.
+/// (and hence every bit of dweight/dbias) is the same on every device. At least
+/// [`ROWS_PER_PARTIAL`] rows a block (two per warp of the fused kernel), at most 512 blocks:
+/// one row a block left seven of its eight warps idle, and a batch of 512 rows launched
+/// 512 blocks of 256 threads for 512 rows (on the emulator, where every thread is a fiber,
+/// half of a training step's time).
 fn partial_blocks(rows: usize) -> usize {
-    rows.clamp(1, 512)
+    rows.div_ceil(ROWS_PER_PARTIAL).clamp(1, 512)
 }
+
+/// The fewest rows one dweight/dbias partial sums ([`partial_blocks`]).
+const ROWS_PER_PARTIAL: usize = 16;
 
 /// Where `x̂` comes from in a backward.
 enum Xhat<'a, T> {
@@ -342,7 +349,7 @@ enum Xhat<'a, T> {
 /// `dbias = Σ_rows dy` (f32, `[C]`), `x̂` decoded inside the kernels.
 ///
 /// `dweight`/`dbias` are reduced deterministically: per-block partial sums over fixed row
-/// ranges (512 ranges at most, chosen from the shape only), then one ordered sum per column —
+/// ranges (`min(512, ⌈rows/16⌉)` ranges, chosen from the shape only), then one ordered sum per column —
 /// no float atomics, the same bits on every run. Allocates a `2·ranges·C` f32 scratch
 /// (stream-ordered). Bytes moved: `numel·(sizeof(T) + bits/8)` read for rows of C ≤ 1024 (dx
 /// and the partial sums in one pass), twice that above (a dx kernel, then a column kernel),
