@@ -6,16 +6,20 @@
 # configuration's aim is 20 minutes on 2 cores).
 #
 #   scripts/train-results.sh            # OUT=target/train-cpu by default
+#
+# TRAIN_ARGS (e.g. "--steps 2") is appended to the command, to try the script quickly; the
+# committed section is made without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-target/train-cpu}
 cargo build --release -p mesa-candle --example train_shakespeare
 rm -rf "$OUT"
 mkdir -p "$OUT"
-CMD="cargo run --release -p mesa-candle --example train_shakespeare -- --config cpu --out $OUT"
+ARGS=(--config cpu --out "$OUT" ${TRAIN_ARGS:-})
+CMD="cargo run --release -p mesa-candle --example train_shakespeare -- ${ARGS[*]}"
 date=$(date -u '+%Y-%m-%d %H:%M UTC')
 t0=$SECONDS
-target/release/examples/train_shakespeare --config cpu --out "$OUT" >"$OUT/stdout.md"
+target/release/examples/train_shakespeare "${ARGS[@]}" >"$OUT/stdout.md"
 wall=$((SECONDS - t0))
 for f in loss.svg grad_parity.svg running_estimate.svg; do cp "$OUT/$f" docs/figures/$f; done
 cp "$OUT/results.json" docs/figures/train_shakespeare_cpu.json
