@@ -126,3 +126,33 @@ pub fn val_windows(len: usize, t: usize) -> Vec<(usize, usize)> {
     }
     w
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_windows_score_every_transition_once() {
+        for (len, t) in [(2048, 32), (2049, 32), (2081, 32), (33, 32), (34, 32), (100, 7), (218_307, 32)] {
+            let mut scored = vec![0u32; len];
+            for (start, skip) in val_windows(len, t) {
+                assert!(start + t < len, "window {start} of {t} past {len}");
+                for n in &mut scored[start + 1 + skip..=start + t] {
+                    *n += 1;
+                }
+            }
+            assert_eq!(scored[0], 0, "the first character has no predecessor");
+            assert!(scored[1..].iter().all(|&n| n == 1), "len {len}, t {t}: {:?}", &scored[..8]);
+        }
+    }
+
+    #[test]
+    fn bigram_by_hand() {
+        // vocabulary {a, b}; train "aab": n(a,a) = 1, n(a,b) = 1, n(a) = 2; validation "ab":
+        // p(b | a) = (1 + 1) / (2 + 2) = 1/2, one transition
+        let c = Corpus { vocab: vec![b'a', b'b'], train: vec![0, 0, 1], val: vec![0, 1, 1] };
+        assert!((c.bigram_val_loss(2) - std::f64::consts::LN_2).abs() < 1e-15);
+        // "abb": the second transition b → b: n(b) = 0, p = (0 + 1) / (0 + 2)
+        assert!((c.bigram_val_loss(3) - std::f64::consts::LN_2).abs() < 1e-15);
+    }
+}

@@ -478,3 +478,31 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
         "runs": runs,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_and_standard_error_by_hand() {
+        // differences 0.01, 0.02, 0.06: mean 0.03, sample variance ((−0.02)² + (−0.01)² + 0.03²)/2
+        // = 0.0007, sd = √0.0007, se = sd/√3
+        let (mean, sd, se) = mean_se(&[0.01, 0.02, 0.06]);
+        assert!((mean - 0.03).abs() < 1e-15, "{mean}");
+        assert!((sd - 0.0007f64.sqrt()).abs() < 1e-15, "{sd}");
+        assert!((se - (0.0007f64 / 3.0).sqrt()).abs() < 1e-15, "{se}");
+        // one value: no spread to estimate
+        let (m, sd, se) = mean_se(&[0.5]);
+        assert_eq!(m, 0.5);
+        assert!(sd.is_nan() && se.is_nan());
+    }
+
+    #[test]
+    fn student_t_quantiles() {
+        // two-sided 95 %: t(1) = 12.706, t(2) = 4.303 (3 seeds), t(10) = 2.228, then the normal's
+        assert_eq!(t95(1), 12.706);
+        assert_eq!(t95(2), 4.303);
+        assert_eq!(t95(10), 2.228);
+        assert_eq!(t95(30), 1.96);
+    }
+}
