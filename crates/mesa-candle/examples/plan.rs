@@ -27,7 +27,7 @@ use mesa_kernels::plan::{
 
 /// The training example's CPU configuration (`train_shakespeare --config cpu`): (layers,
 /// hidden, heads, FFN, context, batch); no dropout; linear attention's chunk is [`TRAIN_CHUNK`].
-const TRAIN_EXAMPLE: (usize, usize, usize, usize, usize, usize) = (2, 32, 2, 128, 32, 16);
+const TRAIN_EXAMPLE: (usize, usize, usize, usize, usize, usize) = (2, 32, 2, 128, 32, 32);
 const TRAIN_CHUNK: usize = 16;
 /// The training example's character vocabulary (docs/results.md).
 const TRAIN_VOCAB: usize = 80;

@@ -23,7 +23,7 @@
 //! cargo run --release -p mesa-candle --example train_shakespeare -- --config cpu [--out DIR]
 //! ```
 //!
-//! `--config smoke` (CI: a few steps of every run), `cpu` (the documented CPU run, host
+//! `--config smoke` (CI: a few steps of each variant), `cpu` (the documented CPU run, host
 //! emulation of the kernels), `gpu` (larger; needs the `cuda` feature; not yet run).
 //! `--only a,b` trains just those variants, `--seeds 0,1` other seeds, `--steps N` another
 //! schedule length, `--batch B` another batch, `--lr X` another peak learning rate. Prints the report (Markdown; `--json`: the JSON instead) and writes
@@ -166,6 +166,9 @@ fn args() -> Result<Args, String> {
         if seeds.is_empty() {
             return Err("--seeds: at least one".into());
         }
+        if let Some(d) = seeds.iter().enumerate().find_map(|(i, s)| seeds[..i].contains(s).then_some(s)) {
+            return Err(format!("--seeds: seed {d} given twice (each seed is one pair of runs)"));
+        }
         settings.seeds = seeds;
     }
     let names: Vec<&'static str> = Variant::all(&settings).iter().map(|v| v.name).collect();
@@ -200,6 +203,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // before any training: an unusable output directory fails now, not after the runs
     std::fs::create_dir_all(&args.out).map_err(|e| format!("--out {}: {e}", args.out.display()))?;
     let corpus = data::Corpus::load(&args.fixtures)?;
+    if corpus.train.len() < s.context + 2 || s.val_len(&corpus) < s.context + 2 {
+        return Err(format!(
+            "{}: the training and the validation text need at least context + 2 = {} characters",
+            args.fixtures.display(),
+            s.context + 2
+        )
+        .into());
+    }
     COUNTER.observe_emulator()?;
     let variants: Vec<Variant> = Variant::all(s).into_iter().filter(|v| s.variants.contains(&v.name)).collect();
     let mut results: Vec<RunResult> = Vec::new();
