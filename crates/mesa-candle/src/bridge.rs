@@ -180,6 +180,15 @@ impl<T: KernelFloat> Output<T> {
         }
     }
 
+    /// The output through `layout` (e.g. a transposed view of its contiguous shape; checked to
+    /// fit the output's memory).
+    pub(crate) fn tensor_mut_as(&mut self, layout: &mesa_kernels::Layout) -> candle_core::Result<TensorMut<'_, T>> {
+        match &mut self.memory {
+            OutputMemory::Host(v) => TensorMut::new(v.as_mut_slice(), layout).k(),
+            OutputMemory::Device(b) => TensorMut::new(b, layout).k(),
+        }
+    }
+
     /// The written memory as candle storage (no copy).
     ///
     /// # Errors

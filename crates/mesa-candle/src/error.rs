@@ -69,6 +69,31 @@ pub enum Error {
         /// The op.
         op: &'static str,
     },
+    /// A collective of a tensor-parallel group ([`crate::parallel`]) failed. Every rank of
+    /// the call gets the same error, and the group refuses later calls.
+    Collective {
+        /// The collective (`"all_gather_seq"`, `"reduce_scatter_seq"`, `"all_reduce_sum"`).
+        op: &'static str,
+        /// What went wrong.
+        fault: Fault,
+        /// The ranks and values involved.
+        why: String,
+    },
+}
+
+/// The kinds of [`Error::Collective`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// The ranks' calls disagree: op or call order, split sizes, rank count, shapes, dtype.
+    Mismatch,
+    /// A rank reported an error of its own ([`crate::parallel::Collectives::fail`]).
+    PeerFailed {
+        /// The rank that failed.
+        rank: usize,
+    },
+    /// A rank did not arrive within the group's timeout.
+    Timeout,
 }
 
 impl fmt::Display for Error {
@@ -91,6 +116,7 @@ impl fmt::Display for Error {
             Error::InvalidArgument { name, why } => write!(f, "{name}: {why}"),
             Error::MissingParameter { name } => write!(f, "checkpoint has no parameter {name}"),
             Error::StateConsumed { op } => write!(f, "{op}: saved state already consumed"),
+            Error::Collective { op, fault, why } => write!(f, "{op}: {fault:?}: {why}"),
         }
     }
 }

@@ -33,9 +33,10 @@ mod error;
 pub mod layer;
 pub mod memory;
 pub mod ops;
+pub mod parallel;
 pub mod plan;
 
 pub use bridge::{kernel_device, kernel_layout, KernelFloat, Output, View};
-pub use error::{as_mesa_error, Error};
+pub use error::{as_mesa_error, Error, Fault};
 pub use layer::{LayerConfig, TransformerLayer};
 pub use memory::CountingAllocator;
