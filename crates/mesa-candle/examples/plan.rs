@@ -13,7 +13,13 @@
 //!   runs (a)–(f) on mesa-candle's layer ([`mesa_candle::plan`]: every layer's input and the
 //!   stack's output included); and the whole training step of the example (weights,
 //!   gradients, AdamW's state, activations, the largest transient: [`training_step`]) with
-//!   the largest batch that fits on that total.
+//!   the largest batch that fits on that total;
+//! * for the paper's 22B, 175B, 530B and 1T models (Table 3, with its pipeline depths), the
+//!   cheapest setting — `t` from {1, 2, 4, 8, 16}, sequence parallelism, recomputation, 16-bit
+//!   or 8/4/2-bit codes — whose memory per GPU fits the budget
+//!   ([`mesa_kernels::plan::cheapest_setting`]: the order and what is counted are in its
+//!   module docs): first pipeline stage, 16-bit weights and gradients, Adam in mixed precision
+//!   (16 bytes per parameter), activations of `p` micro-batches in flight under 1F1B.
 use std::fmt::Write as _;
 
 use mesa_candle::layer::{Attention, LayerConfig, Recompute};
@@ -21,8 +27,8 @@ use mesa_candle::ops::FeatureKind;
 use mesa_candle::plan::{largest_training_batch, training_step, TrainingShape};
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
 use mesa_kernels::plan::{
-    largest_micro_batch, CodeFormat, MaskStorage, ModelShape, Parallelism, PlanConfig, Precision,
-    Recompute as PlanRecompute, SavedPrecision,
+    cheapest_setting, largest_micro_batch, paper_models, CodeFormat, MaskStorage, ModelShape, Parallelism, PlanConfig,
+    Precision, Recompute as PlanRecompute, SavedPrecision,
 };
 
 /// The training example's CPU configuration (`train_shakespeare --config cpu`): (layers,
@@ -161,6 +167,34 @@ fn train_example(out: &mut String, budget: u64) -> Result<(), Box<dyn std::error
     Ok(())
 }
 
+/// The tensor-parallel sizes the cheapest-setting table tries.
+const TENSOR_CHOICES: [u64; 5] = [1, 2, 4, 8, 16];
+
+fn cheapest(out: &mut String, budget: u64) -> Result<(), Box<dyn std::error::Error>> {
+    writeln!(
+        out,
+        "\n## cheapest setting per GPU in {} (t from {TENSOR_CHOICES:?}; order: fewest t, least recompute, SP on, widest activations)\n",
+        human(budget)
+    )?;
+    writeln!(out, "| model | cheapest setting | weights+grads+optimizer per GPU | activations per GPU | total |")?;
+    writeln!(out, "|---|---|---:|---:|---:|")?;
+    for m in paper_models() {
+        let s = &m.shape;
+        let name = format!("{} (L={} h={} a={} p={})", m.name, s.layers, s.hidden, s.heads, m.pipeline);
+        match cheapest_setting(&m, budget, &TENSOR_CHOICES)? {
+            Some((setting, mem)) => writeln!(
+                out,
+                "| {name} | {setting} | {} | {} | {} |",
+                human(mem.model_state),
+                human(mem.activations),
+                human(mem.total)
+            )?,
+            None => writeln!(out, "| {name} | none fits | | | |")?,
+        }
+    }
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     match run() {
         Ok(text) => {
@@ -210,5 +244,6 @@ fn run() -> Result<String, Box<dyn std::error::Error>> {
     paper(&mut out, "GPT-3 175B", gpt3, 8, budget)?;
     paper(&mut out, "MT-NLG 530B", mtnlg, 8, budget)?;
     train_example(&mut out, budget)?;
+    cheapest(&mut out, budget)?;
     Ok(out)
 }

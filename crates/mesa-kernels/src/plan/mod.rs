@@ -38,13 +38,19 @@
 //!
 //! The whole training step — weights, gradients, optimizer state, these activations and the
 //! largest transient — and the largest batch that fits on that total: [`TrainingConfig`],
-//! [`MemoryBreakdown`], [`largest_training_batch`].
+//! [`MemoryBreakdown`], [`largest_training_batch`]. The cheapest tensor-parallel size,
+//! sequence parallelism, recomputation and code width that fit a budget per GPU, for the
+//! paper's four Table 3 models: [`cheapest_setting`].
 use crate::error::{Error, Result};
 
 mod search;
+mod setting;
 mod training;
 
 pub use search::{largest_fit, largest_micro_batch, largest_sequence};
+pub use setting::{
+    candidate_settings, cheapest_setting, paper_models, setting_memory, PaperModel, Setting, SettingMemory, PAPER_VOCAB,
+};
 pub use training::{
     largest_training_batch, layer_parameters, MemoryBreakdown, Optimizer, TrainingConfig, TrainingPrecision,
 };
