@@ -91,6 +91,11 @@ fn layer_backward(
 ) -> candle_core::Result<(Tensor, HashMap<&'static str, Tensor>)> {
     let (b, n, hidden) = x.dims3()?;
     let (cfg, ctx) = (&plan.config, &plan.ctx);
+    // With a tensor-parallel group (t ranks): x, dy and every [B, N, C] tensor of the norms
+    // and residuals are the rank's rows [B, N_r, C]; the projections' gradients need every
+    // row, so their output gradients are all-gathered (g's backward is ḡ's forward and the
+    // other way round, Korthikanti et al. §4.2.2) and the partial input gradients of the
+    // column-parallel projections are reduce-scattered.
     let w = |name: &str| plan.w(params, name);
     let pre = cfg.norm == NormPlacement::Pre;
     let mut grads = HashMap::new();
@@ -103,7 +108,7 @@ fn layer_backward(
         (dz.clone(), dz)
     };
     let m2 = plan.dropout_mask(DropoutSite::FfnResidual, &[b, n, hidden])?;
-    let d_f = dropout::apply(&d_f, m2.as_ref())?;
+    let d_f = plan.gather(&dropout::apply(&d_f, m2.as_ref())?)?;
     let u_hat = ctx.decode(&c.u)?;
     let g_hat = u_hat.gelu_erf()?;
     drop(u_hat);
@@ -114,9 +119,13 @@ fn layer_backward(
     drop(d_g);
     // the FFN input: LN₂'s output (pre) or LN₁'s (post), decoded from its codes
     let (ffn_ln, ffn_ln_name) = if pre { (&c.ln2, "ln_2") } else { (&c.ln1, "ln_1") };
-    let ffn_in =
-        ctx.layer_norm_output(ffn_ln, &w(&format!("{ffn_ln_name}.weight"))?, &w(&format!("{ffn_ln_name}.bias"))?)?;
+    let ffn_in = plan.gather(&ctx.layer_norm_output(
+        ffn_ln,
+        &w(&format!("{ffn_ln_name}.weight"))?,
+        &w(&format!("{ffn_ln_name}.bias"))?,
+    )?)?;
     let (d_h2, dw1, db1) = proj_backward(plan, params, "mlp.fc_in", &ffn_in, &d_u)?;
+    let d_h2 = plan.scatter(&d_h2, None, None)?;
     drop((ffn_in, d_u));
     insert(&mut grads, "mlp.fc_in", dw1, db1);
     // through the norm between the blocks: d x₂ (pre: LN₂ backward + residual; post: the
@@ -132,7 +141,7 @@ fn layer_backward(
     };
     // attention block: r = D₁(a·W_oᵀ + b_o)
     let m1 = plan.dropout_mask(DropoutSite::AttentionResidual, &[b, n, hidden])?;
-    let d_r = dropout::apply(&d_x2, m1.as_ref())?;
+    let d_r = plan.gather(&dropout::apply(&d_x2, m1.as_ref())?)?;
     let a_hat = ctx.decode(&c.attn_out)?;
     let (d_a, dwo, dbo) = proj_backward(plan, params, "attn.out_proj", &a_hat, &d_r)?;
     insert(&mut grads, "attn.out_proj", dwo, dbo);
@@ -177,7 +186,11 @@ fn layer_backward(
     };
     drop((q, k, v, a_hat));
     // the projections' input: LN₁'s output (pre, decoded) or the layer input itself (post)
-    let attn_in = if pre { ctx.layer_norm_output(&c.ln1, &w("ln_1.weight")?, &w("ln_1.bias")?)? } else { x.clone() };
+    let attn_in = plan.gather(&if pre {
+        ctx.layer_norm_output(&c.ln1, &w("ln_1.weight")?, &w("ln_1.bias")?)?
+    } else {
+        x.clone()
+    })?;
     let mut d_in: Option<Tensor> = None;
     for (name, d) in [("attn.q_proj", dq), ("attn.k_proj", dk), ("attn.v_proj", dv)] {
         let (dt, dw, db) = proj_backward(plan, params, name, &attn_in, &plan.merge_heads(&d)?)?;
@@ -187,7 +200,7 @@ fn layer_backward(
             None => dt,
         });
     }
-    let d_in = d_in.ok_or(crate::Error::StateConsumed { op: "transformer layer" })?;
+    let d_in = plan.scatter(&d_in.ok_or(crate::Error::StateConsumed { op: "transformer layer" })?, None, None)?;
     let dx = if pre {
         let (dx_ln, dw, db) = ctx.layer_norm_backward(&c.ln1, &w("ln_1.weight")?, &d_in)?;
         insert(&mut grads, "ln_1", dw, db);
@@ -195,5 +208,19 @@ fn layer_backward(
     } else {
         (d_x2 + d_in)?
     };
+    if plan.tp.is_some() {
+        // the LayerNorms are replicated but each rank normalised its own rows: sum their
+        // gradients over the ranks, in one call (the row-parallel biases' gradients are
+        // complete already: they come from the all-gathered output gradients)
+        let names = ["ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias"];
+        let parts = names
+            .iter()
+            .map(|n| grads.get(n).cloned().ok_or(crate::Error::StateConsumed { op: "transformer layer" }))
+            .collect::<Result<Vec<_>, _>>()?;
+        let summed = plan.all_reduce(&Tensor::stack(&parts, 0)?)?;
+        for (i, n) in names.into_iter().enumerate() {
+            grads.insert(n, summed.get(i)?);
+        }
+    }
     Ok((dx, grads))
 }

@@ -12,9 +12,11 @@ use super::kernels::Ctx;
 use super::{Attention, CodeSite, LayerConfig, NormPlacement, ParamLayout, Recompute};
 use crate::error::KernelResult;
 use crate::ops::linear::linear_forward;
+use crate::parallel::Collectives;
 use crate::ops::LinearAttention;
 
-/// Everything fixed for one call: configuration, parameter names, device, dropout seed.
+/// Everything fixed for one call: configuration, parameter names, device, dropout seed, and
+/// the rank's place in a tensor-parallel group.
 #[derive(Debug)]
 pub(crate) struct Plan {
     pub config: LayerConfig,
@@ -22,6 +24,17 @@ pub(crate) struct Plan {
     pub ctx: Ctx,
     pub seed: u64,
     pub linear: Option<LinearAttention>,
+    pub tp: Option<TpPlan>,
+}
+
+/// One call of a layer on rank `r` of `t`: the group and the sequence's split.
+#[derive(Debug)]
+pub(crate) struct TpPlan {
+    pub comm: std::sync::Arc<dyn Collectives>,
+    pub splits: Vec<usize>,
+    /// The rank's first row and rows of the sequence.
+    pub offset: usize,
+    pub len: usize,
 }
 
 /// One quantizer per tensor the forward saves as codes ([`CodeSite`]): fresh ones with exact
@@ -102,6 +115,75 @@ impl Plan {
         self.layout.view(params, name)
     }
 
+    /// Tensor-parallel ranks `t` (1 without a group).
+    pub fn tensor(&self) -> usize {
+        self.tp.as_ref().map_or(1, |tp| tp.comm.world_size())
+    }
+
+    /// The heads of this rank: `H/t`.
+    pub fn local_heads(&self) -> usize {
+        self.config.heads / self.tensor()
+    }
+
+    /// `g`: the rank's `[B, S_r, C]` shard → the whole `[B, S, C]` (all-gather); the tensor
+    /// itself without a group.
+    pub fn gather(&self, shard: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.tp {
+            None => Ok(shard.clone()),
+            Some(tp) => Ok(tp.comm.all_gather_seq(shard, &tp.splits)?),
+        }
+    }
+
+    /// `ḡ`: partial sums `[B, S, C]` → the rank's rows of their sum (+ bias, + residual),
+    /// `[B, S_r, C]` (reduce-scatter); without a group the sum is the tensor itself.
+    pub fn scatter(&self, partial: &Tensor, bias: Option<&Tensor>, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        match &self.tp {
+            None => {
+                let y = match bias {
+                    Some(b) => partial.broadcast_add(b)?,
+                    None => partial.clone(),
+                };
+                residual.map_or(Ok(y.clone()), |r| r + y)
+            }
+            Some(tp) => Ok(tp.comm.reduce_scatter_seq(partial, &tp.splits, bias, residual)?),
+        }
+    }
+
+    /// The sum over the group's ranks (the gradients of replicated weights).
+    pub fn all_reduce(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.tp {
+            None => Ok(t.clone()),
+            Some(tp) => Ok(tp.comm.all_reduce_sum(t)?),
+        }
+    }
+
+    /// `residual + D(t·Wᵀ + b)` of the row-parallel projection `name` (output projection,
+    /// FFN's second linear) on the rank's rows `[B, S_r, C]`: without a group the existing
+    /// order (bias in the linear, dropout, then the residual); with one the partial product,
+    /// then the reduce-scatter with bias and residual fused (dropout: bias only, then the
+    /// shard's mask, then the residual).
+    pub fn row_parallel(
+        &self,
+        params: &Tensor,
+        t: &Tensor,
+        name: &str,
+        site: DropoutSite,
+        residual: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let (b, n, c) = residual.dims3()?;
+        let mask = self.dropout_mask(site, &[b, n, c])?;
+        if self.tp.is_none() {
+            let r = dropout::apply(&self.proj(params, t, name)?, mask.as_ref())?;
+            return residual + r;
+        }
+        let partial = linear_forward(t, &self.w(params, &format!("{name}.weight"))?, None)?;
+        let bias = self.w(params, &format!("{name}.bias"))?;
+        match mask {
+            None => self.scatter(&partial, Some(&bias), Some(residual)),
+            Some(m) => residual + dropout::apply(&self.scatter(&partial, Some(&bias), None)?, Some(&m))?,
+        }
+    }
+
     /// `t·Wᵀ + b` of the projection `name`.
     pub fn proj(&self, params: &Tensor, t: &Tensor, name: &str) -> candle_core::Result<Tensor> {
         linear_forward(t, &self.w(params, &format!("{name}.weight"))?, Some(&self.w(params, &format!("{name}.bias"))?))
@@ -132,7 +214,11 @@ impl Plan {
     pub fn site_codes(&self, site: CodeSite) -> QuantConfig {
         let codes = match site {
             CodeSite::Q | CodeSite::K | CodeSite::V => self.head_codes(),
-            CodeSite::Ln1 | CodeSite::AttnOut | CodeSite::Ln2 | CodeSite::FfnIn => self.token_codes(),
+            CodeSite::Ln1 | CodeSite::Ln2 => self.token_codes(),
+            // a rank's C/t and F/t channels: H/t head-sized slices
+            CodeSite::AttnOut | CodeSite::FfnIn => {
+                self.codes(Grouping::Channels { axis: 2, groups: self.local_heads() })
+            }
         };
         QuantConfig { rounding: self.rounding(site as u64), ..codes }
     }
@@ -159,13 +245,13 @@ impl Plan {
     /// `[B, N, C]` → `[B, H, N, d]` (contiguous).
     pub fn split_heads(&self, t: &Tensor) -> candle_core::Result<Tensor> {
         let (b, n, _) = t.dims3()?;
-        t.reshape((b, n, self.config.heads, self.config.head_dim()))?.transpose(1, 2)?.contiguous()
+        t.reshape((b, n, self.local_heads(), self.config.head_dim()))?.transpose(1, 2)?.contiguous()
     }
 
-    /// `[B, H, N, d]` → `[B, N, C]` (contiguous).
+    /// `[B, H/t, N, d]` → `[B, N, C/t]` (contiguous).
     pub fn merge_heads(&self, t: &Tensor) -> candle_core::Result<Tensor> {
         let (b, _, n, _) = t.dims4()?;
-        t.transpose(1, 2)?.contiguous()?.reshape((b, n, self.config.hidden))
+        t.transpose(1, 2)?.contiguous()?.reshape((b, n, self.local_heads() * self.config.head_dim()))
     }
 
     /// The additive causal mask `[N, N]` (−∞ above the diagonal), or none.
@@ -179,12 +265,29 @@ impl Plan {
         }
     }
 
+    /// The dropout mask of `site` for this rank's tensor of `shape`: `[B, H/t, N, N]`
+    /// probabilities, or `[B, S_r, C]` residual-branch rows. With a group, the rank's part of
+    /// the unsharded layer's mask (its heads, its rows), so that masks do not depend on `t`.
     pub fn dropout_mask(&self, site: DropoutSite, shape: &[usize]) -> candle_core::Result<Option<Tensor>> {
         let p = match site {
             DropoutSite::Attention => self.config.dropout.attention,
             _ => self.config.dropout.residual,
         };
-        dropout::mask(self.seed, site, p, shape, &self.ctx.candle)
+        let Some(tp) = &self.tp else {
+            return dropout::mask(self.seed, site, p, shape, &self.ctx.candle);
+        };
+        let mut full = shape.to_vec();
+        let (axis, start, len) = match site {
+            DropoutSite::Attention => {
+                full[1] = self.config.heads;
+                (1, tp.comm.rank() * shape[1], shape[1])
+            }
+            _ => {
+                full[1] = tp.splits.iter().sum();
+                (1, tp.offset, tp.len)
+            }
+        };
+        dropout::mask(self.seed, site, p, &full, &self.ctx.candle)?.map(|m| m.narrow(axis, start, len)?.contiguous()).transpose()
     }
 
     /// `softmax(QKᵀ/√d + mask)` by our softmax kernel; its codes when `save`.
@@ -211,16 +314,15 @@ pub(crate) fn run(
     policy: Recompute,
     quant: &mut Quantizers,
 ) -> candle_core::Result<(Tensor, Saved)> {
-    let (b, n, _) = x.dims3()?;
     let (cfg, ctx) = (&plan.config, &plan.ctx);
     let w = |name: &str| plan.w(params, name);
     let pre = cfg.norm == NormPlacement::Pre;
-    // attention block input
+    // attention block input, all-gathered along the sequence (g) with a group
     let (attn_in, ln1_pre) = if pre {
         let (h1, s) = ctx.layer_norm(x, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, quant.get(CodeSite::Ln1))?;
-        (h1, Some(s))
+        (plan.gather(&h1)?, Some(s))
     } else {
-        (x.clone(), None)
+        (plan.gather(x)?, None)
     };
     let q = plan.split_heads(&plan.proj(params, &attn_in, "attn.q_proj")?)?;
     let k = plan.split_heads(&plan.proj(params, &attn_in, "attn.k_proj")?)?;
@@ -246,30 +348,26 @@ pub(crate) fn run(
     let a = plan.merge_heads(&o)?;
     drop(o);
     let a_s = ctx.quantize(&a, quant.get(CodeSite::AttnOut))?;
-    let r = plan.proj(params, &a, "attn.out_proj")?;
+    // x + D₁(a·W_oᵀ + b_o) on the rank's rows (ḡ with a group)
+    let z1 = plan.row_parallel(params, &a, "attn.out_proj", DropoutSite::AttentionResidual, x)?;
     drop(a);
-    let r = dropout::apply(&r, plan.dropout_mask(DropoutSite::AttentionResidual, &[b, n, cfg.hidden])?.as_ref())?;
     let (x2, ffn_in, ln1, ln2_pre) = if pre {
-        let x2 = (x + r)?;
-        let (h2, s2) = ctx.layer_norm(&x2, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
-        (x2, h2, ln1_pre, Some(s2))
+        let (h2, s2) = ctx.layer_norm(&z1, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
+        (z1, h2, ln1_pre, Some(s2))
     } else {
-        let (x2n, s1) =
-            ctx.layer_norm(&(x + r)?, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, quant.get(CodeSite::Ln1))?;
+        let (x2n, s1) = ctx.layer_norm(&z1, &w("ln_1.weight")?, &w("ln_1.bias")?, cfg.eps, quant.get(CodeSite::Ln1))?;
         (x2n.clone(), x2n, Some(s1), None)
     };
-    let u = plan.proj(params, &ffn_in, "mlp.fc_in")?;
+    let u = plan.proj(params, &plan.gather(&ffn_in)?, "mlp.fc_in")?;
     drop(ffn_in);
     let (g, u_s) = ctx.gelu(&u, quant.get(CodeSite::FfnIn))?;
     drop(u);
-    let f = plan.proj(params, &g, "mlp.fc_out")?;
-    drop(g);
-    let f = dropout::apply(&f, plan.dropout_mask(DropoutSite::FfnResidual, &[b, n, cfg.hidden])?.as_ref())?;
+    let z2 = plan.row_parallel(params, &g, "mlp.fc_out", DropoutSite::FfnResidual, &x2)?;
+    drop((g, x2));
     let (y, ln2) = if pre {
-        ((x2 + f)?, ln2_pre)
+        (z2, ln2_pre)
     } else {
-        let (y, s2) =
-            ctx.layer_norm(&(x2 + f)?, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
+        let (y, s2) = ctx.layer_norm(&z2, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
         (y, Some(s2))
     };
     let (Some(ln1), Some(ln2)) = (ln1, ln2) else {

@@ -50,6 +50,7 @@ use mesa_kernels::{GroupParams, StatsMode};
 use crate::attach::attach;
 use crate::error::Error;
 use crate::ops::{FeatureKind, LinearAttention};
+use crate::parallel::Collectives;
 
 mod backward;
 pub mod dropout;
@@ -300,6 +301,8 @@ impl LayerConfig {
 #[derive(Debug)]
 pub struct TransformerLayer {
     config: LayerConfig,
+    /// The tensor-parallel group this layer is one rank of ([`TransformerLayer::sharded`]).
+    parallel: Option<Arc<dyn Collectives>>,
     /// shared with every forward's plan (no per-call copy of the names)
     layout: Arc<ParamLayout>,
     params: Var,
@@ -317,7 +320,14 @@ impl TransformerLayer {
         config.validate()?;
         let layout = Arc::new(ParamLayout::new(config.hidden, config.ffn));
         let params = layout.init(device)?;
-        Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0), running: Mutex::new(None) })
+        Ok(TransformerLayer {
+            config,
+            parallel: None,
+            layout,
+            params,
+            calls: AtomicU64::new(0),
+            running: Mutex::new(None),
+        })
     }
 
     /// A layer whose parameters are loaded from per-weight tensors named `prefix + name`
@@ -334,7 +344,54 @@ impl TransformerLayer {
         config.validate()?;
         let layout = Arc::new(ParamLayout::new(config.hidden, config.ffn));
         let params = Var::from_tensor(&layout.flatten(tensors, prefix, device)?)?;
-        Ok(TransformerLayer { config, layout, params, calls: AtomicU64::new(0), running: Mutex::new(None) })
+        Ok(TransformerLayer {
+            config,
+            parallel: None,
+            layout,
+            params,
+            calls: AtomicU64::new(0),
+            running: Mutex::new(None),
+        })
+    }
+
+    /// Rank `comm.rank()` of a layer split over the `t = comm.world_size()` ranks of a
+    /// tensor- and sequence-parallel group (Korthikanti et al. 2022, §4.2.2; module docs,
+    /// "Tensor and sequence parallelism"), with its share of the whole layer's flat parameters
+    /// `full` ([`ParamLayout::new`] order; [`ParamLayout::shard`] cuts it). Its input and
+    /// output are the rank's rows of the sequence, `[B, S_r, C]`; its parameters are the
+    /// rank's slices ([`ParamLayout::sharded`]), and their gradient is complete on every rank
+    /// (the replicated LayerNorm gradients are summed over the ranks inside the backward).
+    ///
+    /// # Errors
+    /// As [`TransformerLayer::new`]; [`Error::InvalidArgument`] when `t` does not divide the
+    /// heads and the FFN width; [`Error::Shape`] when `full` is not the whole layer's.
+    pub fn sharded(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
+        config.validate()?;
+        let t = comm.world_size();
+        if t == 0 || config.heads % t != 0 || config.ffn % t != 0 {
+            return Err(Error::InvalidArgument {
+                name: "tensor",
+                why: format!("{t} ranks must divide heads {} and ffn {}", config.heads, config.ffn),
+            }
+            .into());
+        }
+        let whole = ParamLayout::new(config.hidden, config.ffn);
+        let part = whole.shard(&full.detach().to_dtype(DType::F32)?, comm.rank(), t)?;
+        let layout = Arc::new(ParamLayout::sharded(config.hidden, config.ffn, t)?);
+        Ok(TransformerLayer {
+            config,
+            parallel: Some(comm),
+            layout,
+            params: Var::from_tensor(&part)?,
+            calls: AtomicU64::new(0),
+            running: Mutex::new(None),
+        })
+    }
+
+    /// The group of a [`TransformerLayer::sharded`] layer.
+    #[must_use]
+    pub fn parallel(&self) -> Option<&Arc<dyn Collectives>> {
+        self.parallel.as_ref()
     }
 
     /// The configuration.
@@ -357,14 +414,56 @@ impl TransformerLayer {
     }
 
     /// The forward with an explicit dropout seed (the backward and a recomputation reuse it).
-    /// `x: [B, N, C]` f32 → `[B, N, C]`.
+    /// `x: [B, N, C]` f32 → `[B, N, C]`. A [`TransformerLayer::sharded`] layer takes its rank's
+    /// rows `[B, N_r, C]` of a sequence split evenly (`N = t·N_r`:
+    /// [`TransformerLayer::forward_shard`] takes other splits).
     ///
     /// # Errors
     /// [`Error::Rank`] (`x` not of rank 3), [`Error::Shape`] (`C` not the configured hidden
     /// size), [`Error::UnsupportedDType`] (not f32),
     /// [`Error::DeviceMismatch`], the kernels' errors.
     pub fn forward_seeded(&self, x: &Tensor, seed: u64) -> candle_core::Result<Tensor> {
+        let splits = match &self.parallel {
+            Some(comm) => vec![x.dims().get(1).copied().unwrap_or(0); comm.world_size()],
+            None => Vec::new(),
+        };
+        self.forward_shard(x, &splits, seed)
+    }
+
+    /// [`TransformerLayer::forward_seeded`] of a sharded layer on rank `r`'s rows `[B, N_r, C]`
+    /// of a sequence split as `splits` (one size per rank, the same on every rank, `N_r =
+    /// splits[r]`). An unsharded layer takes `&[]`.
+    ///
+    /// # Errors
+    /// As [`TransformerLayer::forward_seeded`]; [`Error::Shape`] when `N_r ≠ splits[r]`;
+    /// [`Error::Collective`] when the ranks disagree, one fails or one does not arrive.
+    pub fn forward_shard(&self, x: &Tensor, splits: &[usize], seed: u64) -> candle_core::Result<Tensor> {
         crate::ops::check_rank("layer input [B, N, C]", x, 3, false)?;
+        let tp = match &self.parallel {
+            None if splits.is_empty() => None,
+            None => {
+                return Err(Error::InvalidArgument { name: "splits", why: "an unsharded layer takes no splits".into() }
+                    .into())
+            }
+            Some(comm) => {
+                let r = comm.rank();
+                let len = splits.get(r).copied();
+                if len != Some(x.dims()[1]) {
+                    let what = format!("rank {r}'s rows of the layer input (splits {splits:?})");
+                    let (b, c) = (x.dims()[0], x.dims()[2]);
+                    let want = vec![b, len.unwrap_or(0), c];
+                    // the peers must not wait for this rank
+                    comm.fail(&format!("{what}: expected {want:?}, got {:?}", x.dims()));
+                    return Err(Error::Shape { what, expected: want, got: x.dims().to_vec() }.into());
+                }
+                Some(forward::TpPlan {
+                    comm: Arc::clone(comm),
+                    splits: splits.to_vec(),
+                    offset: splits[..r].iter().sum(),
+                    len: splits[r],
+                })
+            }
+        };
         let (b, n, c) = x.dims3()?;
         if c != self.config.hidden {
             return Err(Error::Shape {
@@ -388,6 +487,7 @@ impl TransformerLayer {
             ctx,
             seed,
             linear: self.linear(),
+            tp,
         });
         let (y, saved) = match self.config.stats {
             StatsMode::Exact => {

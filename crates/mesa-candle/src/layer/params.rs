@@ -38,23 +38,80 @@ impl ParamLayout {
     /// The layout of a layer of width `hidden` and FFN width `ffn`.
     #[must_use]
     pub fn new(hidden: usize, ffn: usize) -> Self {
-        let (c, f) = (hidden, ffn);
+        ParamLayout::from_specs(hidden, ffn, 1)
+    }
+
+    /// The layout of one rank's parameters of a layer split over `tensor` ranks (Megatron
+    /// tensor parallelism, Shoeybi et al. 2019 §3): the Q, K, V projections and the FFN's
+    /// first linear keep `1/t` of their output rows (`C/t`, `F/t`: whole heads, column
+    /// parallel), the output projection and the FFN's second linear `1/t` of their input
+    /// columns (row parallel); their biases and the LayerNorms are whole (replicated).
+    /// Same names and order as [`ParamLayout::new`], which is `sharded(_, _, 1)`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `tensor` is 0 or does not divide `hidden` and `ffn`.
+    pub fn sharded(hidden: usize, ffn: usize, tensor: usize) -> Result<Self, Error> {
+        if tensor == 0 || hidden % tensor != 0 || ffn % tensor != 0 {
+            return Err(Error::InvalidArgument {
+                name: "tensor",
+                why: format!("{tensor} ranks must divide hidden {hidden} and ffn {ffn}"),
+            });
+        }
+        Ok(ParamLayout::from_specs(hidden, ffn, tensor))
+    }
+
+    /// Rank `rank`'s flat parameters ([`ParamLayout::sharded`] with `tensor` ranks) cut from
+    /// the whole layer's flat parameters `full` (laid out as `self`, the unsharded layout).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] (`rank ≥ tensor`, `tensor` not dividing the widths, `self`
+    /// already sharded), [`Error::Shape`] (`full` not `[total]`); candle's errors.
+    pub fn shard(&self, full: &Tensor, rank: usize, tensor: usize) -> candle_core::Result<Tensor> {
+        let (c, f) = (self.entry("ln_1.weight")?.shape[0], self.entry("mlp.fc_in.bias")?.shape[0]);
+        if self.entry("attn.q_proj.weight")?.shape[0] != c {
+            return Err(Error::InvalidArgument { name: "layout", why: "shard() cuts the unsharded layout".into() }.into());
+        }
+        let local = ParamLayout::sharded(c, f, tensor)?;
+        if rank >= tensor {
+            return Err(Error::InvalidArgument { name: "rank", why: format!("{rank} is not below {tensor}") }.into());
+        }
+        if full.dims() != [self.total] {
+            return Err(Error::Shape { what: "flat parameters".into(), expected: vec![self.total], got: full.dims().to_vec() }
+                .into());
+        }
+        let mut parts = Vec::with_capacity(local.entries.len());
+        for e in &local.entries {
+            let whole = self.view(full, e.name)?;
+            let part = match e.shape.as_slice() {
+                // the output rows of a column-parallel linear (and its bias)
+                &[rows, _] | &[rows] if whole.dim(0)? != rows => whole.narrow(0, rank * rows, rows)?,
+                // the input columns of a row-parallel linear
+                &[_, cols] if whole.dim(1)? != cols => whole.narrow(1, rank * cols, cols)?,
+                _ => whole,
+            };
+            parts.push(part.contiguous()?.flatten_all()?);
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    fn from_specs(hidden: usize, ffn: usize, tensor: usize) -> Self {
+        let (c, f, t) = (hidden, ffn, tensor.max(1));
         let specs: [(&'static str, Vec<usize>); 16] = [
             ("ln_1.weight", vec![c]),
             ("ln_1.bias", vec![c]),
-            ("attn.q_proj.weight", vec![c, c]),
-            ("attn.q_proj.bias", vec![c]),
-            ("attn.k_proj.weight", vec![c, c]),
-            ("attn.k_proj.bias", vec![c]),
-            ("attn.v_proj.weight", vec![c, c]),
-            ("attn.v_proj.bias", vec![c]),
-            ("attn.out_proj.weight", vec![c, c]),
+            ("attn.q_proj.weight", vec![c / t, c]),
+            ("attn.q_proj.bias", vec![c / t]),
+            ("attn.k_proj.weight", vec![c / t, c]),
+            ("attn.k_proj.bias", vec![c / t]),
+            ("attn.v_proj.weight", vec![c / t, c]),
+            ("attn.v_proj.bias", vec![c / t]),
+            ("attn.out_proj.weight", vec![c, c / t]),
             ("attn.out_proj.bias", vec![c]),
             ("ln_2.weight", vec![c]),
             ("ln_2.bias", vec![c]),
-            ("mlp.fc_in.weight", vec![f, c]),
-            ("mlp.fc_in.bias", vec![f]),
-            ("mlp.fc_out.weight", vec![c, f]),
+            ("mlp.fc_in.weight", vec![f / t, c]),
+            ("mlp.fc_in.bias", vec![f / t]),
+            ("mlp.fc_out.weight", vec![c, f / t]),
             ("mlp.fc_out.bias", vec![c]),
         ];
         let mut offset = 0;

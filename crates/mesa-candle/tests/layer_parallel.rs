@@ -1,0 +1,228 @@
+//! The tensor- and sequence-parallel layer (`TransformerLayer::sharded`, t ranks as threads on
+//! one device) against the unsharded layer and the f64 reference: at t = 1 it is the unsharded
+//! layer bit for bit; at t = 2 and 4 its forward is exact to f32 arithmetic and its gradients,
+//! reassembled from the ranks' slices, meet the same per-parameter target as the unsharded
+//! layer's (tests/layer.rs). Replicated gradients are identical on every rank.
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor, Var};
+use common::{flat, Rng};
+use mesa_candle::layer::{
+    reference, Attention, DropoutConfig, LayerConfig, NormPlacement, ParamLayout, Recompute, TransformerLayer,
+};
+use mesa_candle::ops::FeatureKind;
+use mesa_candle::parallel::{run_ranks, thread_group, Collectives, Rank};
+use mesa_candle::{as_mesa_error, Error, Fault};
+use mesa_kernels::linear_attention::LinearAttentionConfig;
+
+const SEED: u64 = 0x5EED;
+
+fn cosine(a: &[f64], b: &[f64]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    dot / (norm(a) * norm(b))
+}
+
+fn norm(a: &[f64]) -> f64 {
+    a.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+/// Rows `o..o+len` of axis 1.
+fn rows(t: &Tensor, o: usize, len: usize) -> Tensor {
+    t.narrow(1, o, len).unwrap().contiguous().unwrap()
+}
+
+/// Per rank: `(y_r, dx_r, flat parameter gradient of the rank)` of `Σ y ⊙ dy` on `t` ranks.
+fn sharded_run(config: &LayerConfig, full: &Tensor, x: &Tensor, dy: &Tensor, t: usize) -> Vec<(Tensor, Tensor, Tensor)> {
+    let n = x.dim(1).unwrap();
+    let splits = mesa_kernels::SeqSplits::even(n, t).unwrap().sizes();
+    let ranks = thread_group(t, Duration::from_secs(60)).unwrap();
+    run_ranks(ranks, |rank: Rank| {
+        let r = rank.rank();
+        let (o, len) = (splits[..r].iter().sum::<usize>(), splits[r]);
+        let layer = TransformerLayer::sharded(config.clone(), full, Arc::new(rank))?;
+        let xv = Var::from_tensor(&rows(x, o, len))?;
+        let y = layer.forward_shard(xv.as_tensor(), &splits, SEED)?;
+        let g = (&y * rows(dy, o, len))?.sum_all()?.backward()?;
+        let dx = g.get(xv.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no dx".into()))?;
+        let dp = g.get(layer.params().as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no dparams".into()))?;
+        Ok((y, dx, dp))
+    })
+    .into_iter()
+    .map(Result::unwrap)
+    .collect()
+}
+
+/// The whole layer's gradient from the ranks' slices: sharded entries concatenated along
+/// their split axis, replicated ones checked identical on every rank (bit for bit).
+fn unshard(config: &LayerConfig, per_rank: &[Tensor]) -> Vec<(&'static str, Tensor)> {
+    let t = per_rank.len();
+    let local = ParamLayout::sharded(config.hidden, config.ffn, t).unwrap();
+    let whole = ParamLayout::new(config.hidden, config.ffn);
+    let parts: Vec<Vec<(&'static str, Tensor)>> = per_rank.iter().map(|g| local.unflatten(g).unwrap()).collect();
+    whole
+        .entries()
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let pieces: Vec<Tensor> = parts.iter().map(|p| p[i].1.clone()).collect();
+            let l = &local.entries()[i].shape;
+            let g = if l == &e.shape {
+                for (r, p) in pieces.iter().enumerate() {
+                    assert_eq!(flat(p), flat(&pieces[0]), "{}: replicated gradient differs on rank {r}", e.name);
+                }
+                pieces[0].clone()
+            } else {
+                let axis = usize::from(l[0] == e.shape[0]);
+                Tensor::cat(&pieces, axis).unwrap()
+            };
+            (e.name, g)
+        })
+        .collect()
+}
+
+fn inputs(what: &str, c: usize) -> (Tensor, Tensor, Tensor) {
+    let mut rng = Rng::new(what);
+    let (b, n) = (2, 24);
+    let x = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32);
+    let dy = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32);
+    (x, dy, rng.tensor(&[1], 0.0, 1.0, DType::F32))
+}
+
+/// The same parameters for every run: the unsharded layer's initialisation.
+fn full_params(config: &LayerConfig) -> Tensor {
+    TransformerLayer::new(config.clone(), &Device::Cpu).unwrap().params().as_tensor().clone()
+}
+
+/// t = 1 through the group (an all-gather and a reduce-scatter of one rank) is the unsharded
+/// layer bit for bit: the same products, `(partial + bias) + residual` in the same order.
+#[test]
+fn one_rank_is_the_unsharded_layer_bitwise() {
+    for (norm_at, recompute) in [(NormPlacement::Pre, Recompute::None), (NormPlacement::Post, Recompute::Selective)] {
+        let config = LayerConfig {
+            norm: norm_at,
+            recompute,
+            dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+            ..LayerConfig::new(32, 4, 128)
+        };
+        let (x, dy, _) = inputs("one rank", 32);
+        let full = full_params(&config);
+        let layer = TransformerLayer::from_tensors(
+            config.clone(),
+            &ParamLayout::new(32, 128)
+                .unflatten(&full)
+                .unwrap()
+                .into_iter()
+                .map(|(n, t)| (n.to_string(), t))
+                .collect(),
+            "",
+            &Device::Cpu,
+        )
+        .unwrap();
+        let xv = Var::from_tensor(&x).unwrap();
+        let y = layer.forward_seeded(xv.as_tensor(), SEED).unwrap();
+        let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+        let got = sharded_run(&config, &full, &x, &dy, 1);
+        let (ys, dxs, dps) = &got[0];
+        assert_eq!(flat(ys), flat(&y), "{norm_at:?} {recompute:?}: forward");
+        assert_eq!(flat(dxs), flat(g.get(xv.as_tensor()).unwrap()), "{norm_at:?}: dx");
+        assert_eq!(flat(dps), flat(g.get(layer.params().as_tensor()).unwrap()), "{norm_at:?}: dparams");
+    }
+}
+
+/// t ranks against the f64 reference on the whole sequence: forward within the unsharded
+/// layer's bound (`1e-4·max|y|`: ≤ 12 chained f32 ops over sums of ≤ 128 terms; the
+/// reduce-scatter adds t partial sums, t ≤ 4, in f32), every gradient at cosine ≥ 0.999 (the
+/// 8-bit target of tests/layer.rs; the LayerNorm codes now take their ranges over the rank's
+/// rows only).
+fn check(config: &LayerConfig, what: &str) {
+    let (x, dy, _) = inputs(what, config.hidden);
+    let full = full_params(config);
+    let vars = reference::variables(&ParamLayout::new(config.hidden, config.ffn), &full, DType::F64).unwrap();
+    let x64 = Var::from_tensor(&x.to_dtype(DType::F64).unwrap()).unwrap();
+    let y_ref = reference::forward(config, &vars, x64.as_tensor(), SEED).unwrap();
+    let g_ref = (&y_ref * dy.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    let top = flat(&y_ref).iter().fold(0.0f64, |a, v| a.max(v.abs()));
+    for t in [2, 4] {
+        let got = sharded_run(config, &full, &x, &dy, t);
+        let y = Tensor::cat(&got.iter().map(|g| g.0.clone()).collect::<Vec<_>>(), 1).unwrap();
+        let err = flat(&y).iter().zip(flat(&y_ref)).fold(0.0f64, |a, (p, q)| a.max((p - q).abs()));
+        assert!(err <= 1e-4 * top, "{what} t={t}: forward max error {err:.3e} > 1e-4·{top:.3e}");
+        let dx = Tensor::cat(&got.iter().map(|g| g.1.clone()).collect::<Vec<_>>(), 1).unwrap();
+        let mut grads = vec![("x", flat(&dx), flat(g_ref.get(x64.as_tensor()).unwrap()))];
+        for (name, g) in unshard(config, &got.iter().map(|g| g.2.clone()).collect::<Vec<_>>()) {
+            grads.push((name, flat(&g), flat(g_ref.get(vars[name].as_tensor()).unwrap())));
+        }
+        let largest = grads.iter().map(|(_, _, w)| norm(w)).fold(0.0, f64::max);
+        let mut failures = 0;
+        for (name, ours, want) in &grads {
+            if norm(want) <= 1e-9 * largest {
+                continue; // a true gradient of zero (the key bias of softmax attention)
+            }
+            let cos = cosine(ours, want);
+            eprintln!("{what} t={t} {name}: cosine {cos:.6}");
+            failures += usize::from(cos < 0.999);
+        }
+        assert_eq!(failures, 0, "{what} t={t}: {failures} parameters with cosine < 0.999 (listed above)");
+    }
+}
+
+fn config(norm_at: NormPlacement, recompute: Recompute) -> LayerConfig {
+    LayerConfig {
+        norm: norm_at,
+        recompute,
+        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+        ..LayerConfig::new(32, 4, 128)
+    }
+}
+
+#[test]
+fn sharded_softmax_layer_matches_the_reference_at_two_and_four_ranks() {
+    for (norm_at, recompute) in [
+        (NormPlacement::Pre, Recompute::None),
+        (NormPlacement::Pre, Recompute::Selective),
+        (NormPlacement::Pre, Recompute::Full),
+        (NormPlacement::Post, Recompute::Selective),
+    ] {
+        check(&config(norm_at, recompute), &format!("{norm_at:?} {recompute:?}"));
+    }
+}
+
+#[test]
+fn sharded_linear_attention_layer_matches_the_reference_at_two_and_four_ranks() {
+    let la = LinearAttentionConfig { chunk: 16, ..LinearAttentionConfig::causal() };
+    let cfg = LayerConfig {
+        attention: Attention::Linear { config: la, map: FeatureKind::Elu1 },
+        dropout: DropoutConfig { attention: 0.0, residual: 0.1, seed: 0 },
+        ..config(NormPlacement::Pre, Recompute::None)
+    };
+    check(&cfg, "linear attention");
+}
+
+/// A rank whose input has the wrong number of rows fails, and its peers learn it at once.
+#[test]
+fn a_rank_with_the_wrong_rows_fails_every_rank() {
+    let config = config(NormPlacement::Pre, Recompute::None);
+    let full = full_params(&config);
+    let ranks = thread_group(2, Duration::from_secs(30)).unwrap();
+    let t0 = std::time::Instant::now();
+    let out = run_ranks(ranks, |rank: Rank| {
+        let r = rank.rank();
+        let layer = TransformerLayer::sharded(config.clone(), &full, Arc::new(rank))?;
+        let len = if r == 1 { 5 } else { 4 };
+        let x = Tensor::zeros((1, len, 32), DType::F32, &Device::Cpu)?;
+        layer.forward_shard(&x, &[4, 4], SEED).map(|_| ())
+    });
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert!(matches!(as_mesa_error(out[1].as_ref().unwrap_err()), Some(Error::Shape { .. })));
+    assert!(matches!(
+        as_mesa_error(out[0].as_ref().unwrap_err()),
+        Some(Error::Collective { fault: Fault::PeerFailed { rank: 1 }, .. })
+    ));
+    // and a t that does not divide the heads is refused before any collective
+    let ranks = thread_group(3, Duration::from_secs(30)).unwrap();
+    let e = TransformerLayer::sharded(config.clone(), &full, Arc::new(ranks[0].clone())).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "tensor", .. })), "{e}");
+}
