@@ -226,3 +226,77 @@ fn a_rank_with_the_wrong_rows_fails_every_rank() {
     let e = TransformerLayer::sharded(config.clone(), &full, Arc::new(ranks[0].clone())).unwrap_err();
     assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "tensor", .. })), "{e}");
 }
+
+/// The plain-candle layer on t ranks (`reference::forward_sharded`, f32, candle's autograd
+/// through `SeqParallel`'s conjugate operators) against the unsharded f64 reference: no codes,
+/// so every gradient agrees to f32 arithmetic — normwise relative error ≤ 1e-4 (≤ 12 chained
+/// ops over sums of ≤ 128 terms, γ_128 ≈ 7.6e-6 each), forward as in `check`.
+#[test]
+fn sharded_reference_layer_matches_the_unsharded_one() {
+    for (attention, norm_at) in [
+        (Attention::Softmax { causal: true }, NormPlacement::Pre),
+        (Attention::Softmax { causal: true }, NormPlacement::Post),
+        (
+            Attention::Linear {
+                config: LinearAttentionConfig { chunk: 16, ..LinearAttentionConfig::causal() },
+                map: FeatureKind::Elu1,
+            },
+            NormPlacement::Pre,
+        ),
+    ] {
+        let dropout = match attention {
+            Attention::Softmax { .. } => DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+            Attention::Linear { .. } => DropoutConfig { attention: 0.0, residual: 0.1, seed: 0 },
+        };
+        let config = LayerConfig { attention, norm: norm_at, dropout, ..LayerConfig::new(32, 4, 128) };
+        let what = format!("reference {norm_at:?} {:?}", config.attention);
+        let (x, dy, _) = inputs(&what, 32);
+        let full = full_params(&config);
+        let whole = ParamLayout::new(32, 128);
+        let vars = reference::variables(&whole, &full, DType::F64).unwrap();
+        let x64 = Var::from_tensor(&x.to_dtype(DType::F64).unwrap()).unwrap();
+        let y_ref = reference::forward(&config, &vars, x64.as_tensor(), SEED).unwrap();
+        let g_ref = (&y_ref * dy.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+        let top = flat(&y_ref).iter().fold(0.0f64, |a, v| a.max(v.abs()));
+        for t in [1, 2, 4] {
+            let n = x.dim(1).unwrap();
+            let splits = mesa_kernels::SeqSplits::even(n, t).unwrap().sizes();
+            let ranks = thread_group(t, Duration::from_secs(60)).unwrap();
+            let got: Vec<(Tensor, Tensor, Tensor)> = run_ranks(ranks, |rank: Rank| {
+                let r = rank.rank();
+                let (o, len) = (splits[..r].iter().sum::<usize>(), splits[r]);
+                let sp = mesa_candle::parallel::SeqParallel::with_splits(Arc::new(rank), splits.clone());
+                let local = ParamLayout::sharded(32, 128, t)?;
+                let flat_local = Var::from_tensor(&whole.shard(&full, r, t)?)?;
+                let pv = reference::variables(&local, flat_local.as_tensor(), DType::F32)?;
+                let xv = Var::from_tensor(&rows(&x, o, len))?;
+                let y = reference::forward_sharded(&config, &pv, xv.as_tensor(), SEED, &sp)?;
+                let g = (&y * rows(&dy, o, len))?.sum_all()?.backward()?;
+                let dparams = local
+                    .entries()
+                    .iter()
+                    .map(|e| g.get(pv[e.name].as_tensor()).map(|t| t.flatten_all()).unwrap_or_else(|| Tensor::zeros(e.numel(), DType::F32, &Device::Cpu)))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Ok((y, g.get(xv.as_tensor()).cloned().unwrap(), Tensor::cat(&dparams, 0)?))
+            })
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+            let y = Tensor::cat(&got.iter().map(|g| g.0.clone()).collect::<Vec<_>>(), 1).unwrap();
+            let err = flat(&y).iter().zip(flat(&y_ref)).fold(0.0f64, |a, (p, q)| a.max((p - q).abs()));
+            assert!(err <= 1e-4 * top, "{what} t={t}: forward max error {err:.3e}");
+            let dx = Tensor::cat(&got.iter().map(|g| g.1.clone()).collect::<Vec<_>>(), 1).unwrap();
+            let mut grads = vec![("x", flat(&dx), flat(g_ref.get(x64.as_tensor()).unwrap()))];
+            for (name, g) in unshard(&config, &got.iter().map(|g| g.2.clone()).collect::<Vec<_>>()) {
+                grads.push((name, flat(&g), flat(g_ref.get(vars[name].as_tensor()).unwrap())));
+            }
+            let largest = grads.iter().map(|(_, _, w)| norm(w)).fold(0.0, f64::max);
+            for (name, ours, want) in &grads {
+                let diff = ours.iter().zip(want).map(|(a, b)| (a - b).powi(2)).sum::<f64>().sqrt();
+                // relative to the gradient, or to the largest one for a true zero (k_proj.bias)
+                let scale = norm(want).max(1e-6 * largest);
+                assert!(diff <= 1e-4 * scale, "{what} t={t} {name}: relative error {:.2e}", diff / scale);
+            }
+        }
+    }
+}

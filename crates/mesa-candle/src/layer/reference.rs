@@ -8,6 +8,7 @@ use candle_core::{DType, Tensor, Var, D};
 use super::dropout::{self, DropoutSite};
 use super::{Attention, LayerConfig, NormPlacement};
 use crate::ops::FeatureKind;
+use crate::parallel::SeqParallel;
 
 /// One variable per parameter name, in `dtype`, from a flat f32 tensor laid out as `layout`.
 ///
@@ -50,24 +51,84 @@ pub fn forward(
     x: &Tensor,
     seed: u64,
 ) -> candle_core::Result<Tensor> {
-    let (b, n, c) = x.dims3()?;
-    let (h, d) = (config.heads, config.head_dim());
+    forward_impl(config, p, x, seed, None)
+}
+
+/// [`forward`] on rank `r` of a tensor- and sequence-parallel group (Korthikanti et al.
+/// 2022, §4.2.2), with candle's autograd through the conjugate operators of
+/// [`SeqParallel`]: `x` is the rank's rows `[B, S_r, C]`, `p` the rank's slices of the
+/// weights ([`super::ParamLayout::sharded`] names and shapes, e.g. cut by
+/// [`super::ParamLayout::shard`]). LayerNorms run on the rank's rows with their weights
+/// passed through [`SeqParallel::replicated`] (their gradients are summed over the ranks);
+/// the sequence is all-gathered before the Q, K, V and first FFN projections (column
+/// parallel: the rank's `H/t` heads, `F/t` units) and the partial outputs of the output
+/// projection and second FFN linear are reduce-scattered with their bias. Dropout masks are
+/// the rank's part of the unsharded layer's. The result is the rank's rows `[B, S_r, C]`.
+///
+/// # Errors
+/// As [`forward`]; [`crate::Error::Collective`] from the group.
+pub fn forward_sharded(
+    config: &LayerConfig,
+    p: &HashMap<&'static str, Var>,
+    x: &Tensor,
+    seed: u64,
+    sp: &SeqParallel,
+) -> candle_core::Result<Tensor> {
+    forward_impl(config, p, x, seed, Some(sp))
+}
+
+fn forward_impl(
+    config: &LayerConfig,
+    p: &HashMap<&'static str, Var>,
+    x: &Tensor,
+    seed: u64,
+    sp: Option<&SeqParallel>,
+) -> candle_core::Result<Tensor> {
+    let (b, n_r, c) = x.dims3()?;
+    let (t, rank) = sp.map_or((1, 0), |sp| (sp.comm().world_size(), sp.comm().rank()));
+    let (offset, _) = sp.map_or((0, n_r), SeqParallel::shard);
+    let n = sp.map_or(n_r, |sp| sp.splits().iter().sum());
+    let (h, d) = (config.heads / t, config.head_dim());
     let dtype = x.dtype();
     let eps = f64::from(config.eps);
-    let mask = |site, shape: &[usize]| -> candle_core::Result<Option<Tensor>> {
+    // the rank's part (its heads, its rows) of the unsharded layer's mask
+    let mask = |site, local: &[usize]| -> candle_core::Result<Option<Tensor>> {
         let prob = if site == DropoutSite::Attention { config.dropout.attention } else { config.dropout.residual };
-        dropout::mask(seed, site, prob, shape, x.device())?.map(|m| m.to_dtype(dtype)).transpose()
+        let mut full = local.to_vec();
+        let (start, len) = if site == DropoutSite::Attention {
+            full[1] = config.heads;
+            (rank * local[1], local[1])
+        } else {
+            full[1] = n;
+            (offset, local[1])
+        };
+        dropout::mask(seed, site, prob, &full, x.device())?
+            .map(|m| m.narrow(1, start, len)?.contiguous()?.to_dtype(dtype))
+            .transpose()
     };
+    let replicated = |w: &Tensor| sp.map_or_else(|| Ok(w.clone()), |sp| sp.replicated(w));
     let ln = |t: &Tensor, name: &str| {
         layer_norm(
             t,
-            p[format!("{name}.weight").as_str()].as_tensor(),
-            p[format!("{name}.bias").as_str()].as_tensor(),
+            &replicated(p[format!("{name}.weight").as_str()].as_tensor())?,
+            &replicated(p[format!("{name}.bias").as_str()].as_tensor())?,
             eps,
         )
     };
+    let gather = |t: &Tensor| sp.map_or_else(|| Ok(t.clone()), |sp| sp.gather(t));
+    // `residual + D(t·Wᵀ + b)` of a row-parallel linear, on the rank's rows
+    let row_parallel = |t: &Tensor, name: &str, site, residual: &Tensor| -> candle_core::Result<Tensor> {
+        let r = match sp {
+            None => linear(t, p, name)?,
+            Some(sp) => {
+                let w = p[format!("{name}.weight").as_str()].as_tensor();
+                sp.scatter(&t.broadcast_matmul(&w.t()?)?, p[format!("{name}.bias").as_str()].as_tensor(), None)?
+            }
+        };
+        residual + dropout::apply(&r, mask(site, &[b, n_r, c])?.as_ref())?
+    };
     let pre = config.norm == NormPlacement::Pre;
-    let attn_in = if pre { ln(x, "ln_1")? } else { x.clone() };
+    let attn_in = gather(&if pre { ln(x, "ln_1")? } else { x.clone() })?;
     let heads = |t: Tensor| t.reshape((b, n, h, d))?.transpose(1, 2)?.contiguous();
     let q = heads(linear(&attn_in, p, "attn.q_proj")?)?;
     let k = heads(linear(&attn_in, p, "attn.k_proj")?)?;
@@ -103,16 +164,15 @@ pub fn forward(
             a.matmul(&v)?.broadcast_div(&den)?
         }
     };
-    let o = o.transpose(1, 2)?.contiguous()?.reshape((b, n, c))?;
-    let r =
-        dropout::apply(&linear(&o, p, "attn.out_proj")?, mask(DropoutSite::AttentionResidual, &[b, n, c])?.as_ref())?;
-    let x2 = if pre { (x + r)? } else { ln(&(x + r)?, "ln_1")? };
-    let ffn_in = if pre { ln(&x2, "ln_2")? } else { x2.clone() };
+    let o = o.transpose(1, 2)?.contiguous()?.reshape((b, n, h * d))?;
+    let z1 = row_parallel(&o, "attn.out_proj", DropoutSite::AttentionResidual, x)?;
+    let x2 = if pre { z1 } else { ln(&z1, "ln_1")? };
+    let ffn_in = gather(&if pre { ln(&x2, "ln_2")? } else { x2.clone() })?;
     let g = linear(&ffn_in, p, "mlp.fc_in")?.gelu_erf()?;
-    let f = dropout::apply(&linear(&g, p, "mlp.fc_out")?, mask(DropoutSite::FfnResidual, &[b, n, c])?.as_ref())?;
+    let z2 = row_parallel(&g, "mlp.fc_out", DropoutSite::FfnResidual, &x2)?;
     if pre {
-        x2 + f
+        Ok(z2)
     } else {
-        ln(&(x2 + f)?, "ln_2")
+        ln(&z2, "ln_2")
     }
 }
