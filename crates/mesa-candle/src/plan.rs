@@ -164,6 +164,62 @@ pub fn layer_stack_saved_bytes(config: &LayerConfig, layers: usize, batch: usize
     })
 }
 
+/// Bytes one rank of a tensor- and sequence-parallel group of `tensor` ranks keeps alive for
+/// backward after the forward of `layers` [`TransformerLayer::sharded`](crate::TransformerLayer::sharded)
+/// layers on its rows `[batch, seq/t, C]` — [`layer_stack_saved_bytes`] with the planner's
+/// `Parallelism { tensor, sequence: true }` (Korthikanti et al. 2022, §4.2.2: every saved
+/// tensor of the layer is the rank's `1/t`, the LayerNorm codes and the layer inputs along the
+/// sequence, the rest along the heads and FFN units), the rank's rows of the stack's output,
+/// and the op state per layer. `tensor = 1` is [`layer_stack_saved_bytes`].
+///
+/// # Errors
+/// As [`layer_stack_saved_bytes`]; [`Error::InvalidArgument`] when `tensor` is 0 or does not
+/// divide the heads, the FFN width and `seq`.
+pub fn sharded_stack_saved_bytes(
+    config: &LayerConfig,
+    layers: usize,
+    batch: usize,
+    seq: usize,
+    tensor: usize,
+) -> Result<u64, Error> {
+    let plan = sharded_plan_config(plan_config(config, layers, batch, seq)?, config, seq, tensor)?;
+    let output = output_bytes(&plan.shape)? / tensor as u64;
+    let state = (crate::layer::BACKWARD_STATE_BYTES as u64).checked_mul(layers as u64);
+    [plan.total_bytes()?, output].into_iter().try_fold(state.unwrap_or(u64::MAX), u64::checked_add).ok_or_else(|| {
+        Error::Kernel(mesa_kernels::Error::TooLarge { what: "stack".into(), why: "overflows u64".into() })
+    })
+}
+
+/// [`reference_stack_estimate`] per rank of `tensor` ranks (the plain-f32 estimate with
+/// `Parallelism { tensor, sequence: true }`, and the rank's rows of the output).
+///
+/// # Errors
+/// As [`sharded_stack_saved_bytes`].
+pub fn sharded_reference_estimate(
+    config: &LayerConfig,
+    layers: usize,
+    batch: usize,
+    seq: usize,
+    tensor: usize,
+) -> Result<u64, Error> {
+    let plan = sharded_plan_config(reference_plan_config(config, layers, batch, seq)?, config, seq, tensor)?;
+    let output = output_bytes(&plan.shape)? / tensor as u64;
+    plan.total_bytes()?.checked_add(output).ok_or_else(|| {
+        Error::Kernel(mesa_kernels::Error::TooLarge { what: "stack".into(), why: "overflows u64".into() })
+    })
+}
+
+fn sharded_plan_config(mut plan: PlanConfig, config: &LayerConfig, seq: usize, tensor: usize) -> Result<PlanConfig, Error> {
+    if tensor == 0 || config.heads % tensor != 0 || config.ffn % tensor != 0 || seq % tensor != 0 {
+        return Err(Error::InvalidArgument {
+            name: "tensor",
+            why: format!("{tensor} must divide heads {}, ffn {} and seq {seq}", config.heads, config.ffn),
+        });
+    }
+    plan.parallel = Parallelism { tensor: tensor as u64, sequence: tensor > 1 };
+    Ok(plan)
+}
+
 /// The planner's configuration for the plain-f32 estimate of the reference layer
 /// ([`crate::layer::reference`]): the paper's accounting (Korthikanti et al. 2022, §4.1)
 /// at 4 bytes per element, the dropout masks as the f32 tensors the reference multiplies
