@@ -17,10 +17,11 @@ for c in "$@"; do
     # per file on 2 cores)
     candle-cuda) env "${candle_env[@]}" cargo check --release --locked --manifest-path ci/compat/candle-cuda/Cargo.toml ;;
     # mesa-candle's tests in the `cuda` configuration (they run on candle's CUDA device where
-    # one is): type-checked only. The workspace's release profile without debuginfo, as the
+    # one is), with the NCCL backend of `parallel` (`nccl`): type-checked only. The
+    # workspace's release profile without debuginfo, as the
     # compatibility crates' own, so candle-kernels and most of candle's graph are reused
     candle-tests) env "${candle_env[@]}" CARGO_PROFILE_RELEASE_DEBUG=0 \
-      cargo check --release --locked --tests -p mesa-candle --features cuda ;;
+      cargo check --release --locked --tests -p mesa-candle --features cuda,nccl ;;
     # cubecl-cuda pulls cubecl-llvm, whose tracel-llvm-bundler downloads a native LLVM in its
     # build script unless DOCS_RS is set (then it skips it, as on docs.rs): a type-check needs none
     cubecl-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \

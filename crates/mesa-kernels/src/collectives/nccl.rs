@@ -132,6 +132,12 @@ pub struct NcclSeqParallel {
     staging_out: Option<Buffer<f32>>,
 }
 
+// SAFETY: the communicator handle is an opaque pointer NCCL lets any thread use, as long as
+// calls on one communicator do not run concurrently (NCCL's thread-safety rule); every call
+// takes `&mut self`, so moving the value to another thread cannot make two calls overlap.
+// The other fields (device handle, buffers) are `Send` already.
+unsafe impl Send for NcclSeqParallel {}
+
 impl std::fmt::Debug for NcclSeqParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "NcclSeqParallel(rank {}/{}, {:?})", self.rank, self.world, self.accumulation)
