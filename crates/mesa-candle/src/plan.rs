@@ -209,7 +209,12 @@ pub fn sharded_reference_estimate(
     })
 }
 
-fn sharded_plan_config(mut plan: PlanConfig, config: &LayerConfig, seq: usize, tensor: usize) -> Result<PlanConfig, Error> {
+fn sharded_plan_config(
+    mut plan: PlanConfig,
+    config: &LayerConfig,
+    seq: usize,
+    tensor: usize,
+) -> Result<PlanConfig, Error> {
     if tensor == 0 || config.heads % tensor != 0 || config.ffn % tensor != 0 || seq % tensor != 0 {
         return Err(Error::InvalidArgument {
             name: "tensor",

@@ -35,7 +35,13 @@ fn rows(t: &Tensor, o: usize, len: usize) -> Tensor {
 }
 
 /// Per rank: `(y_r, dx_r, flat parameter gradient of the rank)` of `Σ y ⊙ dy` on `t` ranks.
-fn sharded_run(config: &LayerConfig, full: &Tensor, x: &Tensor, dy: &Tensor, t: usize) -> Vec<(Tensor, Tensor, Tensor)> {
+fn sharded_run(
+    config: &LayerConfig,
+    full: &Tensor,
+    x: &Tensor,
+    dy: &Tensor,
+    t: usize,
+) -> Vec<(Tensor, Tensor, Tensor)> {
     let n = x.dim(1).unwrap();
     let splits = mesa_kernels::SeqSplits::even(n, t).unwrap().sizes();
     let ranks = thread_group(t, Duration::from_secs(60)).unwrap();
@@ -47,7 +53,8 @@ fn sharded_run(config: &LayerConfig, full: &Tensor, x: &Tensor, dy: &Tensor, t: 
         let y = layer.forward_shard(xv.as_tensor(), &splits, SEED)?;
         let g = (&y * rows(dy, o, len))?.sum_all()?.backward()?;
         let dx = g.get(xv.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no dx".into()))?;
-        let dp = g.get(layer.params().as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no dparams".into()))?;
+        let dp =
+            g.get(layer.params().as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no dparams".into()))?;
         Ok((y, dx, dp))
     })
     .into_iter()
@@ -111,12 +118,7 @@ fn one_rank_is_the_unsharded_layer_bitwise() {
         let full = full_params(&config);
         let layer = TransformerLayer::from_tensors(
             config.clone(),
-            &ParamLayout::new(32, 128)
-                .unflatten(&full)
-                .unwrap()
-                .into_iter()
-                .map(|(n, t)| (n.to_string(), t))
-                .collect(),
+            &ParamLayout::new(32, 128).unflatten(&full).unwrap().into_iter().map(|(n, t)| (n.to_string(), t)).collect(),
             "",
             &Device::Cpu,
         )
@@ -275,7 +277,11 @@ fn sharded_reference_layer_matches_the_unsharded_one() {
                 let dparams = local
                     .entries()
                     .iter()
-                    .map(|e| g.get(pv[e.name].as_tensor()).map(|t| t.flatten_all()).unwrap_or_else(|| Tensor::zeros(e.numel(), DType::F32, &Device::Cpu)))
+                    .map(|e| {
+                        g.get(pv[e.name].as_tensor())
+                            .map(|t| t.flatten_all())
+                            .unwrap_or_else(|| Tensor::zeros(e.numel(), DType::F32, &Device::Cpu))
+                    })
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 Ok((y, g.get(xv.as_tensor()).cloned().unwrap(), Tensor::cat(&dparams, 0)?))
             })

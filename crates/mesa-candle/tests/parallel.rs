@@ -63,13 +63,13 @@ fn collectives_match_host_sums_bitwise() {
             let mut want = Vec::new();
             for bi in 0..b {
                 for si in o..o + len {
-                    for ci in 0..c {
+                    for (ci, &bias_c) in bias.iter().enumerate() {
                         let i = (bi * s + si) * c + ci;
                         let mut acc = 0f32;
                         for p in &partials {
                             acc += p[i];
                         }
-                        want.push((acc + bias[ci]) + residual[i]);
+                        want.push((acc + bias_c) + residual[i]);
                     }
                 }
             }
@@ -111,7 +111,11 @@ fn conjugate_operators_give_the_unsharded_gradients() {
         let loss = (&y * &cr).unwrap().sum_all().unwrap();
         let g = loss.backward().unwrap();
         let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
-        let (dx, db, dg) = (host(g.get(xr.as_tensor()).unwrap()), host(g.get(br.as_tensor()).unwrap()), host(g.get(gr.as_tensor()).unwrap()));
+        let (dx, db, dg) = (
+            host(g.get(xr.as_tensor()).unwrap()),
+            host(g.get(br.as_tensor()).unwrap()),
+            host(g.get(gr.as_tensor()).unwrap()),
+        );
         let dws: Vec<Vec<f64>> = wr.iter().map(|w| host(g.get(w.as_tensor()).unwrap())).collect();
         let y_ref = host(&y);
 

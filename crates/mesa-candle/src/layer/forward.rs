@@ -12,8 +12,8 @@ use super::kernels::Ctx;
 use super::{Attention, CodeSite, LayerConfig, NormPlacement, ParamLayout, Recompute};
 use crate::error::KernelResult;
 use crate::ops::linear::linear_forward;
-use crate::parallel::Collectives;
 use crate::ops::LinearAttention;
+use crate::parallel::Collectives;
 
 /// Everything fixed for one call: configuration, parameter names, device, dropout seed, and
 /// the rank's place in a tensor-parallel group.
@@ -136,7 +136,12 @@ impl Plan {
 
     /// `ḡ`: partial sums `[B, S, C]` → the rank's rows of their sum (+ bias, + residual),
     /// `[B, S_r, C]` (reduce-scatter); without a group the sum is the tensor itself.
-    pub fn scatter(&self, partial: &Tensor, bias: Option<&Tensor>, residual: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    pub fn scatter(
+        &self,
+        partial: &Tensor,
+        bias: Option<&Tensor>,
+        residual: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
         match &self.tp {
             None => {
                 let y = match bias {
@@ -287,7 +292,9 @@ impl Plan {
                 (1, tp.offset, tp.len)
             }
         };
-        dropout::mask(self.seed, site, p, &full, &self.ctx.candle)?.map(|m| m.narrow(axis, start, len)?.contiguous()).transpose()
+        dropout::mask(self.seed, site, p, &full, &self.ctx.candle)?
+            .map(|m| m.narrow(axis, start, len)?.contiguous())
+            .transpose()
     }
 
     /// `softmax(QKᵀ/√d + mask)` by our softmax kernel; its codes when `save`.

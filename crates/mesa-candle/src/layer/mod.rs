@@ -442,8 +442,9 @@ impl TransformerLayer {
         let tp = match &self.parallel {
             None if splits.is_empty() => None,
             None => {
-                return Err(Error::InvalidArgument { name: "splits", why: "an unsharded layer takes no splits".into() }
-                    .into())
+                return Err(
+                    Error::InvalidArgument { name: "splits", why: "an unsharded layer takes no splits".into() }.into()
+                )
             }
             Some(comm) => {
                 let r = comm.rank();

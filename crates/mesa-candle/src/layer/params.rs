@@ -69,15 +69,21 @@ impl ParamLayout {
     pub fn shard(&self, full: &Tensor, rank: usize, tensor: usize) -> candle_core::Result<Tensor> {
         let (c, f) = (self.entry("ln_1.weight")?.shape[0], self.entry("mlp.fc_in.bias")?.shape[0]);
         if self.entry("attn.q_proj.weight")?.shape[0] != c {
-            return Err(Error::InvalidArgument { name: "layout", why: "shard() cuts the unsharded layout".into() }.into());
+            return Err(
+                Error::InvalidArgument { name: "layout", why: "shard() cuts the unsharded layout".into() }.into()
+            );
         }
         let local = ParamLayout::sharded(c, f, tensor)?;
         if rank >= tensor {
             return Err(Error::InvalidArgument { name: "rank", why: format!("{rank} is not below {tensor}") }.into());
         }
         if full.dims() != [self.total] {
-            return Err(Error::Shape { what: "flat parameters".into(), expected: vec![self.total], got: full.dims().to_vec() }
-                .into());
+            return Err(Error::Shape {
+                what: "flat parameters".into(),
+                expected: vec![self.total],
+                got: full.dims().to_vec(),
+            }
+            .into());
         }
         let mut parts = Vec::with_capacity(local.entries.len());
         for e in &local.entries {

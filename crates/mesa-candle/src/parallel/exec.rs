@@ -108,7 +108,7 @@ pub(crate) fn run(kernels: &mut Option<Kernels>, world: usize, posts: Vec<Post>)
     };
     let device = kernel_device(t0.device()).map_err(as_error)?;
     let location = t0.device().location();
-    if kernels.as_ref().map_or(true, |k| k.location != location) {
+    if kernels.as_ref().is_none_or(|k| k.location != location) {
         *kernels = Some(Kernels { location, group: SeqParallelGroup::new(&device, world)? });
     }
     let group = &mut kernels.as_mut().ok_or(Error::StateConsumed { op: op.name() })?.group;
@@ -122,16 +122,21 @@ pub(crate) fn run(kernels: &mut Option<Kernels>, world: usize, posts: Vec<Post>)
 }
 
 /// `[B, S_r, C]` of a rank's tensor for this op, checked.
-fn dims(op: Op, r: usize, what: &str, t: &Tensor, rows: usize, bc: Option<(usize, usize)>) -> candle_core::Result<(usize, usize)> {
+fn dims(
+    op: Op,
+    r: usize,
+    what: &str,
+    t: &Tensor,
+    rows: usize,
+    bc: Option<(usize, usize)>,
+) -> candle_core::Result<(usize, usize)> {
     let d = t.dims();
-    let ok = d.len() == 3 && d[1] == rows && bc.map_or(true, |(b, c)| d[0] == b && d[2] == c);
+    let ok = d.len() == 3 && d[1] == rows && bc.is_none_or(|(b, c)| d[0] == b && d[2] == c);
     if !ok {
         let (b, c) = bc.unwrap_or((d.first().copied().unwrap_or(0), d.last().copied().unwrap_or(0)));
-        return Err(mismatch(
-            op,
-            format!("rank {r}'s {what}: expected [B, S, C] = {:?}, got {d:?}", [b, rows, c]),
-        )
-        .into());
+        return Err(
+            mismatch(op, format!("rank {r}'s {what}: expected [B, S, C] = {:?}, got {d:?}", [b, rows, c])).into()
+        );
     }
     Ok((d[0], d[2]))
 }
@@ -183,15 +188,19 @@ fn seq_collective<T: KernelFloat>(
     let candle_dev = posts[0].tensors[0].device().clone();
     // outputs: [B, S_out, C] (viewed transposed) or dense [S_out, B, C]
     let out_shape = |r: usize| if dense { Shape::from((out_rows(r), b, c)) } else { Shape::from((b, out_rows(r), c)) };
-    let mut outs: Vec<Output<T>> =
-        (0..posts.len()).map(|r| Output::<T>::zeros(&candle_dev, device, &out_shape(r))).collect::<candle_core::Result<_>>()?;
+    let mut outs: Vec<Output<T>> = (0..posts.len())
+        .map(|r| Output::<T>::zeros(&candle_dev, device, &out_shape(r)))
+        .collect::<candle_core::Result<_>>()?;
     {
         let in_views = inputs.iter().map(View::of).collect::<candle_core::Result<Vec<_>>>()?;
-        let in_refs = in_views.iter().map(View::tensor_ref::<T>).collect::<candle_core::Result<Vec<TensorRef<'_, T>>>>()?;
+        let in_refs =
+            in_views.iter().map(View::tensor_ref::<T>).collect::<candle_core::Result<Vec<TensorRef<'_, T>>>>()?;
         let res_views = residuals.iter().map(View::of).collect::<candle_core::Result<Vec<_>>>()?;
-        let res_refs = res_views.iter().map(View::tensor_ref::<T>).collect::<candle_core::Result<Vec<TensorRef<'_, T>>>>()?;
+        let res_refs =
+            res_views.iter().map(View::tensor_ref::<T>).collect::<candle_core::Result<Vec<TensorRef<'_, T>>>>()?;
         let bias_views = biases.iter().map(View::of).collect::<candle_core::Result<Vec<_>>>()?;
-        let bias_refs = bias_views.iter().map(View::tensor_ref::<T>).collect::<candle_core::Result<Vec<TensorRef<'_, T>>>>()?;
+        let bias_refs =
+            bias_views.iter().map(View::tensor_ref::<T>).collect::<candle_core::Result<Vec<TensorRef<'_, T>>>>()?;
         let mut out_refs: Vec<TensorMut<'_, T>> = outs
             .iter_mut()
             .enumerate()
@@ -249,7 +258,14 @@ fn all_reduce<T: KernelFloat>(
     let flat = |t: &Tensor| t.flatten_all()?.reshape((1, n, 1));
     let scatter_posts: Vec<Post> = posts
         .iter()
-        .map(|p| Ok(Post { call: p.call, op: Op::ReduceScatter { bias: false, residual: false }, splits: sizes.clone(), tensors: vec![flat(&p.tensors[0])?] }))
+        .map(|p| {
+            Ok(Post {
+                call: p.call,
+                op: Op::ReduceScatter { bias: false, residual: false },
+                splits: sizes.clone(),
+                tensors: vec![flat(&p.tensors[0])?],
+            })
+        })
         .collect::<candle_core::Result<_>>()?;
     let shards = seq_collective::<T>(group, device, &scatter_posts, scatter_posts[0].op)?;
     let gather_posts: Vec<Post> = shards
@@ -262,4 +278,3 @@ fn all_reduce<T: KernelFloat>(
         .map(|t| t.reshape(shape.clone()))
         .collect()
 }
-

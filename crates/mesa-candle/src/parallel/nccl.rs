@@ -39,12 +39,17 @@ impl NcclRank {
         if !device.is_cuda() {
             return Err(Error::UnsupportedDevice { op: "NcclRank", device: format!("{:?}", device.location()) });
         }
-        let kernels = kernel_device(device).map_err(|e| Error::InvalidArgument { name: "device", why: e.to_string() })?;
+        let kernels =
+            kernel_device(device).map_err(|e| Error::InvalidArgument { name: "device", why: e.to_string() })?;
         let comm = NcclSeqParallel::new(&kernels, rank, world, id)?;
         Ok(NcclRank { rank, world, device: device.clone(), comm: Mutex::new(comm), failed: Mutex::new(None) })
     }
 
-    fn run<R>(&self, op: &'static str, f: impl FnOnce(&mut NcclSeqParallel) -> candle_core::Result<R>) -> Result<R, Error> {
+    fn run<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&mut NcclSeqParallel) -> candle_core::Result<R>,
+    ) -> Result<R, Error> {
         if let Some(why) = self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone() {
             return Err(Error::Collective { op, fault: Fault::PeerFailed { rank: self.rank }, why });
         }
@@ -94,7 +99,8 @@ fn scatter<T: KernelFloat>(
     let bias = bias.map(Tensor::contiguous).transpose()?;
     let mut out = Output::<T>::zeros(device, &kernels, &Shape::from((rows, b, c)))?;
     {
-        let (iv, rv, bv) = (View::of(&input)?, residual.as_ref().map(View::of).transpose()?, bias.as_ref().map(View::of).transpose()?);
+        let (iv, rv, bv) =
+            (View::of(&input)?, residual.as_ref().map(View::of).transpose()?, bias.as_ref().map(View::of).transpose()?);
         let (ir, rr, br) = (
             iv.tensor_ref::<T>()?,
             rv.as_ref().map(View::tensor_ref::<T>).transpose()?,
@@ -108,7 +114,11 @@ fn scatter<T: KernelFloat>(
 
 /// The sum over ranks: a reduce-scatter of the flattened `[1, n, 1]` tensor into even shards,
 /// then an all-gather (as the thread backend).
-fn all_reduce<T: KernelFloat>(comm: &mut NcclSeqParallel, device: &candle_core::Device, x: &Tensor) -> candle_core::Result<Tensor> {
+fn all_reduce<T: KernelFloat>(
+    comm: &mut NcclSeqParallel,
+    device: &candle_core::Device,
+    x: &Tensor,
+) -> candle_core::Result<Tensor> {
     let n = x.elem_count();
     let world = comm.world_size();
     let sizes: Vec<usize> = (0..world).map(|r| n / world + usize::from(r < n % world)).collect();
@@ -149,12 +159,14 @@ impl Collectives for NcclRank {
     }
 
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor, Error> {
-        self.run("all_reduce_sum", |comm| {
-            dispatch_float!(x.dtype(), "all_reduce_sum", T => all_reduce::<T>(comm, &self.device, x))
-        })
+        self.run(
+            "all_reduce_sum",
+            |comm| dispatch_float!(x.dtype(), "all_reduce_sum", T => all_reduce::<T>(comm, &self.device, x)),
+        )
     }
 
     fn fail(&self, why: &str) {
-        *self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(format!("rank {} failed: {why}", self.rank));
+        *self.failed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(format!("rank {} failed: {why}", self.rank));
     }
 }
