@@ -2,13 +2,14 @@
 //! `q`, `k`, `v`.
 //!
 //! The calls into `mesa_kernels::linear_attention` go through [`la_forward`] and
-//! [`la_backward`] only, so a change of that API touches two functions.
+//! [`la_backward`] only (and their state variants [`la_forward_with_state`],
+//! [`la_backward_with_state`]), so a change of that API touches those functions.
 use std::sync::Arc;
 
 use candle_core::{DType, Shape, Tensor};
 use mesa_kernels::feature_map::{self, FavorProjection, FavorStabilizer, FeatureBackwardArgs, FeatureMap};
 use mesa_kernels::linear_attention::{
-    self, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, LinearAttentionSaved,
+    self, BackwardArgs, ForwardArgs, Grads, LinearAttentionConfig, LinearAttentionSaved, StateGrads,
 };
 use mesa_kernels::{TensorMut, TensorRef};
 
@@ -172,18 +173,116 @@ impl LinearAttention {
             la_backward(kernels, saved, args, grads)?;
         }
         let (dphi_q, dphi_k) = (dphi_q.into_tensor()?, dphi_k.into_tensor()?);
+        Ok([
+            self.features_backward::<T>(kernels, q, &phi_q, &dphi_q, true)?,
+            self.features_backward::<T>(kernels, k, &phi_k, &dphi_k, false)?,
+            dv.into_tensor()?,
+        ])
+    }
+
+    /// The configuration.
+    pub(crate) fn config(&self) -> &LinearAttentionConfig {
+        &self.config
+    }
+
+    /// `φ(q)`, `φ(k)` by the feature-map kernel (outside any graph).
+    pub(crate) fn features_detached<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        q: &Tensor,
+        k: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        self.features::<T>(kernels, q, k)
+    }
+
+    /// The feature map's backward: `dx = (∂φ/∂x)ᵀ dφ` from `x`, `φ(x)` and `dφ`, with the
+    /// queries' map (`query`) or the keys'.
+    pub(crate) fn features_backward<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        x: &Tensor,
+        phi: &Tensor,
+        dphi: &Tensor,
+        query: bool,
+    ) -> candle_core::Result<Tensor> {
         let (map_q, map_k) = self.maps();
-        let dx = |x: &Tensor, phi: &Tensor, dphi: &Tensor, map: &FeatureMap<'_>| -> candle_core::Result<Tensor> {
-            let mut dx = Output::<T>::zeros(x.device(), kernels, x.shape())?;
-            {
-                let (xv, pv, dv) = (View::of(x)?, View::of(phi)?, View::of(dphi)?);
-                let (xr, pr, dr) = (xv.tensor_ref::<T>()?, pv.tensor_ref::<T>()?, dv.tensor_ref::<T>()?);
-                let args = FeatureBackwardArgs { x: &xr, phi: Some(&pr), dphi: &dr, dx: &mut dx.tensor_mut()? };
-                feature_map::backward(kernels, map, args).k()?;
-            }
-            dx.into_tensor()
+        let map = if query { map_q } else { map_k };
+        let mut dx = Output::<T>::zeros(x.device(), kernels, x.shape())?;
+        {
+            let (xv, pv, dv) = (View::of(x)?, View::of(phi)?, View::of(dphi)?);
+            let (xr, pr, dr) = (xv.tensor_ref::<T>()?, pv.tensor_ref::<T>()?, dv.tensor_ref::<T>()?);
+            let args = FeatureBackwardArgs { x: &xr, phi: Some(&pr), dphi: &dr, dx: &mut dx.tensor_mut()? };
+            feature_map::backward(kernels, &map, args).k()?;
+        }
+        dx.into_tensor()
+    }
+
+    /// The attention alone (no feature map) on feature-mapped `φ(q)`, `φ(k)` and `v`, from
+    /// `initial` (an f32 `[B, H, M, W]` contiguous state, `W = D + normalize`; `None`: zero),
+    /// outside any graph (causal: the kernels reject a state otherwise). The output and the
+    /// saved states (whose final state includes `initial`).
+    pub(crate) fn attention_with_state<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        phi_q: &Tensor,
+        phi_k: &Tensor,
+        v: &Tensor,
+        initial: Option<&Tensor>,
+    ) -> candle_core::Result<(Output<T>, LinearAttentionSaved)> {
+        let (b, h, l, _) = phi_q.dims4()?;
+        let mut out = Output::<T>::zeros(phi_q.device(), kernels, &Shape::from((b, h, l, v.dim(3)?)))?;
+        let saved = {
+            let (pq, pk, vv) = (View::of(phi_q)?, View::of(phi_k)?, View::of(v)?);
+            let s0 = initial.map(View::of).transpose()?;
+            let s0 = s0.as_ref().map(View::tensor_ref::<f32>).transpose()?;
+            la_forward_with_state(
+                kernels,
+                &self.config,
+                &pq.tensor_ref::<T>()?,
+                &pk.tensor_ref::<T>()?,
+                &vv.tensor_ref::<T>()?,
+                &mut out.tensor_mut()?,
+                s0.as_ref(),
+            )?
         };
-        Ok([dx(q, &phi_q, &dphi_q, &map_q)?, dx(k, &phi_k, &dphi_k, &map_k)?, dv.into_tensor()?])
+        Ok((out, saved))
+    }
+
+    /// The backward of [`LinearAttention::attention_with_state`] with its state gradients:
+    /// `[dφ(q), dφ(k), dv]` and the gradient of the initial state (f32 `[B, H, M, W]`), from
+    /// the forward's inputs and output, the output's gradient and `d_final`, the final
+    /// state's gradient (f32 `[B, H, M, W]` contiguous; `None`: zero).
+    pub(crate) fn attention_backward_with_state<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        saved: &LinearAttentionSaved,
+        phi_qkv: [&Tensor; 3],
+        out: &Tensor,
+        dout: &Tensor,
+        d_final: Option<&Tensor>,
+    ) -> candle_core::Result<([Tensor; 3], Tensor)> {
+        let [phi_q, phi_k, v] = phi_qkv;
+        let dev = phi_q.device();
+        let mut dphi_q = Output::<T>::zeros(dev, kernels, phi_q.shape())?;
+        let mut dphi_k = Output::<T>::zeros(dev, kernels, phi_k.shape())?;
+        let mut dv = Output::<T>::zeros(dev, kernels, v.shape())?;
+        let d = saved.dims();
+        let width = d.dim + usize::from(self.config.normalize);
+        let mut d_initial = Output::<f32>::zeros(dev, kernels, &Shape::from((d.batch, d.heads, d.feat, width)))?;
+        {
+            let views = [View::of(phi_q)?, View::of(phi_k)?, View::of(v)?, View::of(out)?, View::of(dout)?];
+            let [pq, pk, vv, o, g] = [0, 1, 2, 3, 4].map(|i| views[i].tensor_ref::<T>());
+            let (pq, pk, vv, o, g) = (pq?, pk?, vv?, o?, g?);
+            let df = d_final.map(View::of).transpose()?;
+            let df = df.as_ref().map(View::tensor_ref::<f32>).transpose()?;
+            let args = LaBackward { q: &pq, k: &pk, v: &vv, out: &o, dout: &g };
+            let grads =
+                Grads { dq: &mut dphi_q.tensor_mut()?, dk: &mut dphi_k.tensor_mut()?, dv: &mut dv.tensor_mut()? };
+            let mut d_init = d_initial.tensor_mut()?;
+            let states = StateGrads { d_final: df.as_ref(), d_initial: Some(&mut d_init) };
+            la_backward_with_state(kernels, saved, args, grads, states)?;
+        }
+        Ok(([dphi_q.into_tensor()?, dphi_k.into_tensor()?, dv.into_tensor()?], d_initial.into_tensor()?))
     }
 
     /// `φ(q)`, `φ(k)` by the feature-map kernel.
@@ -228,6 +327,20 @@ pub(crate) fn la_forward<'b, T: KernelFloat>(
     linear_attention::forward(kernels, config, ForwardArgs { q, k, v, out }).k()
 }
 
+/// [`la_forward`] from an initial state (thin wrapper over
+/// `mesa_kernels::linear_attention::forward_with_state`).
+pub(crate) fn la_forward_with_state<'b, T: KernelFloat>(
+    kernels: &mesa_kernels::Device,
+    config: &LinearAttentionConfig,
+    q: &TensorRef<'b, T>,
+    k: &TensorRef<'b, T>,
+    v: &TensorRef<'b, T>,
+    out: &mut TensorMut<'b, T>,
+    initial: Option<&TensorRef<'_, f32>>,
+) -> candle_core::Result<LinearAttentionSaved> {
+    linear_attention::forward_with_state(kernels, config, ForwardArgs { q, k, v, out }, initial).k()
+}
+
 /// The tensors of [`la_backward`].
 pub(crate) struct LaBackward<'a, 'b, T> {
     pub q: &'a TensorRef<'b, T>,
@@ -246,6 +359,20 @@ pub(crate) fn la_backward<'b, T: KernelFloat>(
 ) -> candle_core::Result<()> {
     let LaBackward { q, k, v, out, dout } = args;
     linear_attention::backward(kernels, saved, BackwardArgs { q, k, v, out: Some(out), dout, grads }).k()
+}
+
+/// [`la_backward`] with the state gradients (thin wrapper over
+/// `mesa_kernels::linear_attention::backward_with_state`).
+pub(crate) fn la_backward_with_state<'b, T: KernelFloat>(
+    kernels: &mesa_kernels::Device,
+    saved: &LinearAttentionSaved,
+    args: LaBackward<'_, 'b, T>,
+    grads: Grads<'_, 'b, T>,
+    states: StateGrads<'_, '_>,
+) -> candle_core::Result<()> {
+    let LaBackward { q, k, v, out, dout } = args;
+    let args = BackwardArgs { q, k, v, out: Some(out), dout, grads };
+    linear_attention::backward_with_state(kernels, saved, args, states).k()
 }
 
 struct LinearAttentionGrad {

@@ -32,6 +32,7 @@ use crate::error::Error;
 
 mod exec;
 mod group;
+pub mod lasp;
 #[cfg(all(feature = "nccl", feature = "cuda"))]
 mod nccl;
 
