@@ -173,7 +173,7 @@ const TENSOR_CHOICES: [u64; 5] = [1, 2, 4, 8, 16];
 fn cheapest(out: &mut String, budget: u64) -> Result<(), Box<dyn std::error::Error>> {
     writeln!(
         out,
-        "\n## cheapest setting per GPU in {} (t from {TENSOR_CHOICES:?}; order: fewest t, least recompute, SP on, widest activations)\n",
+        "\n## cheapest setting per GPU in {} (t from {TENSOR_CHOICES:?}; order: fewest t, 16/8 bits before 4 before 2, least recompute, SP on, 16 before 8 bits)\n",
         human(budget)
     )?;
     writeln!(out, "| model | cheapest setting | weights+grads+optimizer per GPU | activations per GPU | total |")?;

@@ -44,19 +44,23 @@
 //! 1. **fewer tensor-parallel ranks** `t`: fewer GPUs per model replica and less
 //!    communication (none at `t = 1`; else two all-reduces of `[s, b, h]` per layer in the
 //!    forward and two in the backward, `2(t − 1)/t · sbh` elements sent per rank each, §4.2);
-//! 2. **less recomputation**: none < selective < full (extra forward FLOPs: about 2.7 % for
+//! 2. **codes that keep training as it is**: 16-bit activations and 8-bit codes first (8-bit
+//!    codes trained indistinguishably from f32 in docs/results.md: paired difference
+//!    −0.0002 ± 0.0003; Pan et al. 2021 report no loss), then 4-bit (+0.0066 ± 0.0033, not
+//!    resolved from noise), then 2-bit (gradient cosine to f32 as low as −0.45 there);
+//! 3. **less recomputation**: none < selective < full (extra forward FLOPs: about 2.7 % for
 //!    selective on GPT-3, §5; a whole second forward, about a third of a step, for full);
-//! 3. **sequence parallelism on** before off: it replaces each all-reduce by a
+//! 4. **sequence parallelism on** before off: it replaces each all-reduce by a
 //!    reduce-scatter and an all-gather, the same bytes on the wire (an all-reduce *is* the
 //!    two, §4.2.2), and splits the norms' and dropouts' work by `t` — it costs nothing and
 //!    never keeps more bytes, so whenever it is possible (`t > 1` and `t` divides `s`) it is
-//!    preferred, even with narrower codes;
-//! 4. **wider activations**: 16 bits (exact), then 8-, 4-, 2-bit codes (the least risk to
-//!    accuracy first; Pan et al. 2021 report 8 bits with no loss).
+//!    preferred;
+//! 5. **16 bits before 8-bit codes** (exact before coded, at the same accuracy class).
 //!
-//! The order puts step 2 before step 4: no recomputation with 2-bit codes is preferred over
-//! selective recomputation at 16 bits. A caller who weighs accuracy first can rank the
-//! [`candidate_settings`] with its own key.
+//! So selective recomputation with 8-bit codes is preferred over no recomputation with 4- or
+//! 2-bit codes, and no recomputation with 8-bit codes over selective recomputation at 16
+//! bits. A caller who weighs these otherwise can rank the [`candidate_settings`] with its own
+//! key.
 use std::cmp::Ordering;
 use std::fmt;
 
@@ -80,16 +84,21 @@ pub struct Setting {
 }
 
 impl Setting {
-    /// The comparison key of the documented order (module docs): `t`, recomputation, SP on
-    /// first, 16 bits first, then wider codes first. Injective, so the order is total and
-    /// agrees with `==`.
-    fn key(&self) -> (u64, u8, bool, bool, std::cmp::Reverse<Option<u32>>) {
+    /// The comparison key of the documented order (module docs): `t`, the codes' accuracy
+    /// class (16 and 8 bits, then 4, then 2), recomputation, SP on first, 16 bits before 8.
+    /// Injective, so the order is total and agrees with `==`.
+    fn key(&self) -> (u64, u8, u8, bool, bool) {
         let recompute = match self.recompute {
             Recompute::None => 0,
             Recompute::Selective => 1,
             Recompute::Full => 2,
         };
-        (self.tensor, recompute, !self.sequence, self.code_bits.is_some(), std::cmp::Reverse(self.code_bits))
+        let class = match self.code_bits {
+            None | Some(8) => 0,
+            Some(4) => 1,
+            Some(_) => 2,
+        };
+        (self.tensor, class, recompute, !self.sequence, self.code_bits.is_some())
     }
 
     /// The planner's configuration of this setting for `shape`: [`PlanConfig::megatron`] at
@@ -569,10 +578,13 @@ mod tests {
             s(4, false, Full, Some(2)),
             s(8, true, No, None),
             s(8, true, No, Some(8)),
-            s(8, true, No, Some(2)),
             s(8, false, No, None),
             s(8, true, Selective, None),
+            s(8, true, Selective, Some(8)),
             s(8, true, Full, None),
+            s(8, true, No, Some(4)),
+            s(8, true, Full, Some(4)),
+            s(8, true, No, Some(2)),
             s(16, true, No, None),
         ];
         for w in ordered.windows(2) {
