@@ -38,7 +38,7 @@
 //! `p` ([`ShardStates`]), and the results do not depend on the ranks' timing; with one rank
 //! the op is bitwise the unsharded [`LinearAttention`]. It is not bitwise the unsharded op
 //! for `W > 1` (that would take the serial ring: a hand-off of `final_state_tensor` at a
-//! chunk boundary is bitwise one call, `tests/lasp.rs`).
+//! chunk boundary is bitwise one call, `tests/parallel/lasp.rs`).
 //!
 //! Every rank must run the backward through its output (a zero gradient is fine): the
 //! backward meets the other ranks in a collective, as the forward does.

@@ -3,7 +3,7 @@
 //! layer bit for bit; at t = 2 and 4 its forward is exact to f32 arithmetic and its gradients,
 //! reassembled from the ranks' slices, meet the same per-parameter target as the unsharded
 //! layer's (tests/layer.rs). Replicated gradients are identical on every rank.
-mod common;
+use super::common;
 
 use std::sync::Arc;
 use std::time::Duration;

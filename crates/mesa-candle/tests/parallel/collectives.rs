@@ -1,7 +1,7 @@
 //! Ranks as threads (`parallel::thread_group`): the collectives against host sums, the
 //! conjugate operators' gradients against one process on the whole sequence, and every fault
 //! a group must report on all ranks (docs/sequence_parallel.md).
-mod common;
+use super::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! sequence and (b) an f64 reference, what is bitwise (the prefix over ranks, one rank, the
 //! hand-off of a final state at a chunk boundary), and bad inputs (docs/sequence_parallel.md,
 //! "Linear attention across sequence shards (LASP)").
-mod common;
+use super::common;
 
 use std::sync::Arc;
 use std::time::Duration;
