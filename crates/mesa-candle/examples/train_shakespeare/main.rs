@@ -29,6 +29,10 @@
 //! schedule length, `--batch B` another batch, `--lr X` another peak learning rate. Prints the report (Markdown; `--json`: the JSON instead) and writes
 //! `results.json`, `results.md`, `loss.svg`, `grad_parity.svg` and `running_estimate.svg`
 //! to `--out` (default `target/train_shakespeare`, created before the first run).
+//! `--tp N` (N in 1..=4, dividing the heads and the FFN width) also trains every run on N
+//! tensor- and sequence-parallel ranks (threads; `tp.rs`) from the same seed and compares the
+//! two step by step: `tp.md`, `tp.json` and `loss_tp.svg` in `--out` (the report and
+//! `results.json` are unchanged), the table also printed after the report.
 //! `--fixtures DIR` reads the text from DIR instead of the repository's `fixtures/`. Bytes
 //! are counted by a counting global allocator (`docs/results.md` says how).
 mod data;
@@ -37,6 +41,7 @@ mod parity;
 mod plot;
 mod report;
 mod run;
+mod tp;
 
 use std::path::PathBuf;
 
@@ -110,6 +115,8 @@ struct Args {
     fixtures: PathBuf,
     /// The configuration's default variants at its default seeds and steps.
     default_set: bool,
+    /// `--tp N`: also train every run on N ranks and compare.
+    tp: Option<usize>,
 }
 
 fn list<T: std::str::FromStr>(flag: &str, v: &str) -> Result<Vec<T>, String> {
@@ -121,6 +128,7 @@ fn args() -> Result<Args, String> {
     let (mut config, mut json, mut out) = ("cpu".to_string(), false, PathBuf::from("target/train_shakespeare"));
     let (mut steps, mut batch, mut lr, mut only, mut seeds) = (None, None, None, None::<Vec<String>>, None::<Vec<u64>>);
     let mut fixtures = data::default_fixtures();
+    let mut tp = None;
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or(format!("{a} needs a value"));
         match a.as_str() {
@@ -139,6 +147,10 @@ fn args() -> Result<Args, String> {
                 let v = value()?;
                 lr = Some(v.parse::<f64>().ok().filter(|&x| x > 0.0 && x.is_finite()).ok_or(format!("--lr {v}: a positive number"))?);
             }
+            "--tp" => {
+                let v = value()?;
+                tp = Some(v.parse::<usize>().map_err(|_| format!("--tp {v}: a number of ranks, 1 to 4"))?);
+            }
             "--json" => json = true,
             "--only" => only = Some(list("--only", &value()?)?),
             "--seeds" => seeds = Some(list("--seeds", &value()?)?),
@@ -146,7 +158,7 @@ fn args() -> Result<Args, String> {
             "--fixtures" => fixtures = PathBuf::from(value()?),
             other => {
                 return Err(format!(
-                    "unknown argument {other} (--config smoke|cpu|gpu, --steps N, --batch B, --lr X, --only VARIANT[,VARIANT], --seeds S[,S], --json, --out DIR, --fixtures DIR)"
+                    "unknown argument {other} (--config smoke|cpu|gpu, --steps N, --batch B, --lr X, --only VARIANT[,VARIANT], --seeds S[,S], --tp N, --json, --out DIR, --fixtures DIR)"
                 ))
             }
         }
@@ -180,7 +192,10 @@ fn args() -> Result<Args, String> {
             settings.variants.push(v);
         }
     }
-    Ok(Args { settings, json, out, fixtures, default_set })
+    if let Some(t) = tp {
+        tp::check(&settings, t)?;
+    }
+    Ok(Args { settings, json, out, fixtures, default_set, tp })
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -214,10 +229,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     COUNTER.observe_emulator()?;
     let variants: Vec<Variant> = Variant::all(s).into_iter().filter(|v| s.variants.contains(&v.name)).collect();
     let mut results: Vec<RunResult> = Vec::new();
+    let mut pairs: Vec<tp::Pair> = Vec::new();
     for spec in RunSpec::all(s, &variants) {
         eprintln!("run {} …", spec.name);
         let result = run::train(&COUNTER, &corpus, s, &spec, &device)?;
         eprintln!("  final val loss {:.4}, {:.1} s", result.final_val_loss, result.wall_s);
+        if let Some(t) = args.tp {
+            eprintln!("run {} on {t} ranks …", spec.name);
+            let many = tp::train_tp(&corpus, s, &spec, t, &device)?;
+            let pair = tp::Pair::new(&result, &many);
+            eprintln!(
+                "  final val loss {:.4}, {:.1} s; step losses: max rel. diff {:.2e}, first step over {:.0e}: {}",
+                many.final_val_loss,
+                many.wall_s,
+                pair.max_rel,
+                tp::TARGET_REL,
+                pair.first_over.map_or("none".into(), |s| s.to_string())
+            );
+            pairs.push(pair);
+        }
         results.push(result);
     }
     let summary = report::Summary::new(s, &variants, &results, &corpus, args.default_set);
@@ -237,5 +267,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let md = report::markdown(s, &variants, &results, &summary, &corpus);
     write("results.md", &md)?;
     println!("{}", if args.json { &object } else { &md });
+    if args.tp.is_some() {
+        let table = tp::markdown(s, &pairs);
+        write("tp.md", &table)?;
+        write("tp.json", &serde_json::to_string_pretty(&tp::json(s, &pairs))?)?;
+        plot::losses_tp(&args.out.join("loss_tp.svg"), s, &pairs)?;
+        if args.json {
+            eprintln!("{table}");
+        } else {
+            println!("{table}");
+        }
+    }
     Ok(())
 }

@@ -70,7 +70,7 @@ fn layer_tensors(
         .collect()
 }
 
-fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
@@ -125,6 +125,27 @@ impl Model {
         }
         v.extend(self.head_vars());
         v
+    }
+
+    /// The embeddings' variables (token, position).
+    pub fn embed_vars(&self) -> [Var; 2] {
+        [self.tok.clone(), self.pos.clone()]
+    }
+
+    /// Each layer's whole flat parameters (`ParamLayout::new` order), detached.
+    pub fn layer_flats(&self) -> candle_core::Result<Vec<Tensor>> {
+        let layout = ParamLayout::new(self.config.hidden, self.config.ffn);
+        match &self.stack {
+            Stack::Plain(layers) => layers
+                .iter()
+                .map(|l| {
+                    let named: HashMap<String, Tensor> =
+                        l.iter().map(|(n, v)| (n.to_string(), v.as_tensor().detach())).collect();
+                    layout.flatten(&named, "", self.tok.device())
+                })
+                .collect(),
+            Stack::Mesa(layers) => Ok(layers.iter().map(|l| l.params().as_tensor().detach()).collect()),
+        }
     }
 
     /// The head's variables (final LayerNorm, LM head).

@@ -192,3 +192,73 @@ pub fn estimates(path: &Path, e: &Estimates) -> Res {
     root.present()?;
     Ok(())
 }
+
+/// `--tp`: the training loss of every step on one rank and on `t` ranks, one column per
+/// variant (top: the losses, the single-rank run wide and pale, the `t`-rank run thin on
+/// top; bottom: their relative difference, log scale, zeros drawn at the floor).
+pub fn losses_tp(path: &Path, s: &Settings, pairs: &[crate::tp::Pair]) -> Res {
+    let mut variants: Vec<&'static str> = Vec::new();
+    for p in pairs {
+        if !variants.contains(&p.variant) {
+            variants.push(p.variant);
+        }
+    }
+    let t = pairs.first().map_or(0, |p| p.tp);
+    let cols = variants.len().max(1);
+    let root = SVGBackend::new(path, (520 * cols as u32 + 240, 760)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (plots, key) = root.split_horizontally(520 * cols as u32);
+    let panels = plots.split_evenly((2, cols));
+    let x_max = s.steps as f64;
+    let floor = 1e-9;
+    let mut seeds: Vec<u64> = Vec::new();
+    for p in pairs {
+        if !seeds.contains(&p.seed) {
+            seeds.push(p.seed);
+        }
+    }
+    for (k, v) in variants.iter().enumerate() {
+        let mine: Vec<&crate::tp::Pair> = pairs.iter().filter(|p| p.variant == *v).collect();
+        let (lo, hi) = bounds(mine.iter().flat_map(|p| p.losses_1.iter().chain(&p.losses_t).copied()));
+        let mut chart = ChartBuilder::on(&panels[k])
+            .caption(format!("run {v}: training loss per step, t = 1 and t = {t}"), ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..x_max, lo..hi)?;
+        chart.configure_mesh().x_desc("training step").y_desc("nats / character").draw()?;
+        for p in &mine {
+            let c = color(seeds.iter().position(|&x| x == p.seed).unwrap_or(0));
+            let line = |l: &[f64]| l.iter().enumerate().map(|(i, &y)| ((i + 1) as f64, y)).collect::<Vec<_>>();
+            chart.draw_series(LineSeries::new(line(&p.losses_1), c.mix(0.3).stroke_width(5)))?;
+            chart.draw_series(LineSeries::new(line(&p.losses_t), c.stroke_width(1)))?;
+        }
+        let hi_rel = mine.iter().flat_map(|p| p.rel.iter().copied()).fold(crate::tp::TARGET_REL * 10.0, f64::max) * 2.0;
+        let mut chart = ChartBuilder::on(&panels[cols + k])
+            .caption(format!("run {v}: |loss(t = {t}) − loss(t = 1)| / loss(t = 1)"), ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..x_max, (floor..hi_rel).log_scale())?;
+        chart.configure_mesh().x_desc("training step").y_desc("relative difference").draw()?;
+        let grey = BLACK.mix(0.5);
+        chart.draw_series(LineSeries::new(
+            [(0.0, crate::tp::TARGET_REL), (x_max, crate::tp::TARGET_REL)],
+            grey.stroke_width(1),
+        ))?;
+        for p in &mine {
+            let c = color(seeds.iter().position(|&x| x == p.seed).unwrap_or(0));
+            let pts: Vec<(f64, f64)> = p.rel.iter().enumerate().map(|(i, &r)| ((i + 1) as f64, r.max(floor))).collect();
+            chart.draw_series(LineSeries::new(pts, c.stroke_width(1)))?;
+        }
+    }
+    let mut entries = Vec::new();
+    for (i, seed) in seeds.iter().enumerate() {
+        entries.push((format!("seed {seed}, t = 1 (wide)"), color(i).mix(0.3)));
+        entries.push((format!("seed {seed}, t = {t} (thin)"), color(i)));
+    }
+    entries.push((format!("{:.0e} (target)", crate::tp::TARGET_REL), BLACK.mix(0.5)));
+    legend(&key, &entries)?;
+    root.present()?;
+    Ok(())
+}

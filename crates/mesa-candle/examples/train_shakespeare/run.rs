@@ -276,9 +276,11 @@ pub struct RunResult {
     pub estimates: Option<Estimates>,
     pub parity: Option<Parity>,
     pub wall_s: f64,
+    /// The training loss of every step (`--tp` compares them step by step).
+    pub step_losses: Vec<f64>,
 }
 
-fn learning_rate(s: &Settings, step: usize) -> f64 {
+pub fn learning_rate(s: &Settings, step: usize) -> f64 {
     let warm = (s.steps / 10).max(1);
     if step < warm {
         return s.lr * (step + 1) as f64 / warm as f64;
@@ -288,7 +290,7 @@ fn learning_rate(s: &Settings, step: usize) -> f64 {
 }
 
 /// Windows of the validation text per evaluation batch.
-const VAL_BATCH: usize = 256;
+pub const VAL_BATCH: usize = 256;
 
 /// Mean cross-entropy over every transition of the scored validation text
 /// ([`data::val_windows`]), with the plain-candle forward of the run's parameters.
@@ -309,7 +311,7 @@ fn val_loss(model: &Model, corpus: &Corpus, s: &Settings, device: &Device) -> ca
 }
 
 /// The seed of run `seed`'s data order (one per seed, shared by the runs it pairs).
-fn data_seed(seed: u64) -> u64 {
+pub fn data_seed(seed: u64) -> u64 {
     0x5EED_DA7A ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
@@ -337,6 +339,7 @@ pub fn train(
     let start = Instant::now();
     let mut evals = Vec::with_capacity(eval_at.len());
     let (mut train_sum, mut train_n) = (0.0, 0usize);
+    let mut step_losses = Vec::with_capacity(s.steps);
     let (mut saved, mut saved_range, mut peak_max, mut step_peak) = (0usize, (usize::MAX, 0usize), 0usize, 0usize);
     for (step, starts) in order.iter().enumerate() {
         let step_level = counter.current();
@@ -352,7 +355,9 @@ pub fn train(
         // the head on a leaf: its backward gives dL/dh (the head is not measured)
         let leaf = Var::from_tensor(&h.detach())?;
         let loss = model.head_loss(leaf.as_tensor(), &y)?;
-        train_sum += f64::from(loss.to_scalar::<f32>()?);
+        let step_loss = f64::from(loss.to_scalar::<f32>()?);
+        step_losses.push(step_loss);
+        train_sum += step_loss;
         train_n += 1;
         let mut head_grads = loss.backward()?;
         drop(loss);
@@ -426,5 +431,6 @@ pub fn train(
         estimates: est,
         parity,
         wall_s: start.elapsed().as_secs_f64(),
+        step_losses,
     })
 }
