@@ -33,6 +33,7 @@
 //! tensor- and sequence-parallel ranks (threads; `tp.rs`) from the same seed and compares the
 //! two step by step: `tp.md`, `tp.json` and `loss_tp.svg` in `--out` (the report and
 //! `results.json` are unchanged), the table also printed after the report.
+//! `--replot-tp DIR` redraws `DIR/loss_tp.svg` and prints the table from `DIR/tp.json`.
 //! `--fixtures DIR` reads the text from DIR instead of the repository's `fixtures/`. Bytes
 //! are counted by a counting global allocator (`docs/results.md` says how).
 mod data;
@@ -117,6 +118,8 @@ struct Args {
     default_set: bool,
     /// `--tp N`: also train every run on N ranks and compare.
     tp: Option<usize>,
+    /// `--replot-tp DIR`: redraw `DIR/loss_tp.svg` from `DIR/tp.json`, train nothing.
+    replot_tp: Option<PathBuf>,
 }
 
 fn list<T: std::str::FromStr>(flag: &str, v: &str) -> Result<Vec<T>, String> {
@@ -128,7 +131,7 @@ fn args() -> Result<Args, String> {
     let (mut config, mut json, mut out) = ("cpu".to_string(), false, PathBuf::from("target/train_shakespeare"));
     let (mut steps, mut batch, mut lr, mut only, mut seeds) = (None, None, None, None::<Vec<String>>, None::<Vec<u64>>);
     let mut fixtures = data::default_fixtures();
-    let mut tp = None;
+    let (mut tp, mut replot_tp) = (None, None);
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or(format!("{a} needs a value"));
         match a.as_str() {
@@ -151,6 +154,7 @@ fn args() -> Result<Args, String> {
                 let v = value()?;
                 tp = Some(v.parse::<usize>().map_err(|_| format!("--tp {v}: a number of ranks, 1 to 4"))?);
             }
+            "--replot-tp" => replot_tp = Some(PathBuf::from(value()?)),
             "--json" => json = true,
             "--only" => only = Some(list("--only", &value()?)?),
             "--seeds" => seeds = Some(list("--seeds", &value()?)?),
@@ -195,7 +199,7 @@ fn args() -> Result<Args, String> {
     if let Some(t) = tp {
         tp::check(&settings, t)?;
     }
-    Ok(Args { settings, json, out, fixtures, default_set, tp })
+    Ok(Args { settings, json, out, fixtures, default_set, tp, replot_tp })
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -205,6 +209,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::env::set_var("RAYON_NUM_THREADS", "1");
     let args = args()?;
     let s = &args.settings;
+    if let Some(dir) = &args.replot_tp {
+        // redraw loss_tp.svg and tp.md from a --tp run's tp.json (no training)
+        let text = std::fs::read_to_string(dir.join("tp.json")).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)?;
+        let mut s = s.clone();
+        s.steps = v["steps"].as_u64().ok_or("tp.json: no steps")? as usize;
+        s.batch = v["batch"].as_u64().ok_or("tp.json: no batch")? as usize;
+        let pairs = tp::from_json(&v, &Variant::all(&s))?;
+        plot::losses_tp(&dir.join("loss_tp.svg"), &s, &pairs)?;
+        println!("{}", tp::markdown(&s, &pairs));
+        return Ok(());
+    }
     let device = if s.name == "gpu" {
         if !cfg!(feature = "cuda") {
             return Err(

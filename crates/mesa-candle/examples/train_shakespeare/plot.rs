@@ -240,16 +240,20 @@ pub fn losses_tp(path: &Path, s: &Settings, pairs: &[crate::tp::Pair]) -> Res {
             .x_label_area_size(40)
             .y_label_area_size(60)
             .build_cartesian_2d(0f64..x_max, (floor..hi_rel).log_scale())?;
-        chart.configure_mesh().x_desc("training step").y_desc("relative difference").draw()?;
-        let grey = BLACK.mix(0.5);
+        chart
+            .configure_mesh()
+            .x_desc("training step")
+            .y_desc("relative difference (0 drawn at 1e-9)")
+            .y_label_formatter(&|v| format!("{v:.0e}"))
+            .draw()?;
         chart.draw_series(LineSeries::new(
             [(0.0, crate::tp::TARGET_REL), (x_max, crate::tp::TARGET_REL)],
-            grey.stroke_width(1),
+            BLACK.stroke_width(2),
         ))?;
         for p in &mine {
             let c = color(seeds.iter().position(|&x| x == p.seed).unwrap_or(0));
-            let pts: Vec<(f64, f64)> = p.rel.iter().enumerate().map(|(i, &r)| ((i + 1) as f64, r.max(floor))).collect();
-            chart.draw_series(LineSeries::new(pts, c.stroke_width(1)))?;
+            let pts = p.rel.iter().enumerate().map(|(i, &r)| ((i + 1) as f64, r.max(floor)));
+            chart.draw_series(pts.map(|q| Circle::new(q, 2, c.filled())))?;
         }
     }
     let mut entries = Vec::new();
@@ -257,7 +261,7 @@ pub fn losses_tp(path: &Path, s: &Settings, pairs: &[crate::tp::Pair]) -> Res {
         entries.push((format!("seed {seed}, t = 1 (wide)"), color(i).mix(0.3)));
         entries.push((format!("seed {seed}, t = {t} (thin)"), color(i)));
     }
-    entries.push((format!("{:.0e} (target)", crate::tp::TARGET_REL), BLACK.mix(0.5)));
+    entries.push((format!("{:.0e} (target)", crate::tp::TARGET_REL), BLACK.to_rgba()));
     legend(&key, &entries)?;
     root.present()?;
     Ok(())

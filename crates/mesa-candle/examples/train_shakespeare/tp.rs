@@ -371,8 +371,12 @@ pub struct Pair {
 
 impl Pair {
     pub fn new(one: &RunResult, many: &TpRun) -> Self {
-        let rel: Vec<f64> = one
-            .step_losses
+        Pair::from_parts(&one.step_losses, one.final_val_loss, one.wall_s, many)
+    }
+
+    /// From the single-rank run's step losses, final validation loss and wall time.
+    pub fn from_parts(losses_1: &[f64], val_1: f64, wall_1: f64, many: &TpRun) -> Self {
+        let rel: Vec<f64> = losses_1
             .iter()
             .zip(&many.step_losses)
             .map(|(a, b)| (b - a).abs() / a.abs().max(f64::MIN_POSITIVE))
@@ -383,18 +387,13 @@ impl Pair {
             tp: many.tp,
             max_rel: rel.iter().copied().fold(0.0, f64::max),
             first_over: rel.iter().position(|&r| r > TARGET_REL).map(|i| i + 1),
-            bitwise_steps: one
-                .step_losses
-                .iter()
-                .zip(&many.step_losses)
-                .filter(|(a, b)| a.to_bits() == b.to_bits())
-                .count(),
+            bitwise_steps: losses_1.iter().zip(&many.step_losses).filter(|(a, b)| a.to_bits() == b.to_bits()).count(),
             rel,
-            val_1: one.final_val_loss,
+            val_1,
             val_t: many.final_val_loss,
-            losses_1: one.step_losses.clone(),
+            losses_1: losses_1.to_vec(),
             losses_t: many.step_losses.clone(),
-            wall_1: one.wall_s,
+            wall_1,
             wall_t: many.wall_s,
         }
     }
@@ -469,6 +468,36 @@ pub fn json(s: &Settings, pairs: &[Pair]) -> Value {
             "step_losses_tp": p.losses_t,
         })).collect::<Vec<_>>(),
     })
+}
+
+/// The pairs of a `tp.json` written by [`json`] (`--replot-tp`: redraws `loss_tp.svg`).
+pub fn from_json(v: &Value, variants: &[crate::run::Variant]) -> Result<Vec<Pair>, String> {
+    let bad = || "tp.json: not the file --tp writes".to_string();
+    let floats = |x: &Value| -> Result<Vec<f64>, String> {
+        x.as_array().ok_or_else(bad)?.iter().map(|f| f.as_f64().ok_or_else(bad)).collect()
+    };
+    let mut pairs = Vec::new();
+    for p in v["pairs"].as_array().ok_or_else(bad)? {
+        let name = p["variant"].as_str().ok_or_else(bad)?;
+        let variant = variants.iter().find(|v| v.name == name).ok_or_else(bad)?.name;
+        let (losses_1, losses_t) = (floats(&p["step_losses_t1"])?, floats(&p["step_losses_tp"])?);
+        let val_1 = p["final_val_loss_t1"].as_f64().ok_or_else(bad)?;
+        let wall_1 = p["wall_s_t1"].as_f64().unwrap_or(f64::NAN);
+        pairs.push(Pair::from_parts(
+            &losses_1,
+            val_1,
+            wall_1,
+            &TpRun {
+                variant,
+                seed: p["seed"].as_u64().ok_or_else(bad)?,
+                tp: p["tp"].as_u64().ok_or_else(bad)? as usize,
+                step_losses: losses_t,
+                final_val_loss: p["final_val_loss_tp"].as_f64().ok_or_else(bad)?,
+                wall_s: p["wall_s_tp"].as_f64().unwrap_or(f64::NAN),
+            },
+        ));
+    }
+    Ok(pairs)
 }
 
 #[cfg(test)]
