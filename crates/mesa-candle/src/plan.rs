@@ -183,11 +183,8 @@ pub fn sharded_stack_saved_bytes(
     tensor: usize,
 ) -> Result<u64, Error> {
     let plan = sharded_plan_config(plan_config(config, layers, batch, seq)?, config, seq, tensor)?;
-    let output = output_bytes(&plan.shape)? / tensor as u64;
     let state = (crate::layer::BACKWARD_STATE_BYTES as u64).checked_mul(layers as u64);
-    [plan.total_bytes()?, output].into_iter().try_fold(state.unwrap_or(u64::MAX), u64::checked_add).ok_or_else(|| {
-        Error::Kernel(mesa_kernels::Error::TooLarge { what: "stack".into(), why: "overflows u64".into() })
-    })
+    sharded_total(&plan, tensor, state)
 }
 
 /// [`reference_stack_estimate`] per rank of `tensor` ranks (the plain-f32 estimate with
@@ -203,8 +200,14 @@ pub fn sharded_reference_estimate(
     tensor: usize,
 ) -> Result<u64, Error> {
     let plan = sharded_plan_config(reference_plan_config(config, layers, batch, seq)?, config, seq, tensor)?;
+    sharded_total(&plan, tensor, Some(0))
+}
+
+/// The plan's bytes per rank, the rank's rows of the stack's output and `extra` (`None`: the
+/// count overflowed).
+fn sharded_total(plan: &PlanConfig, tensor: usize, extra: Option<u64>) -> Result<u64, Error> {
     let output = output_bytes(&plan.shape)? / tensor as u64;
-    plan.total_bytes()?.checked_add(output).ok_or_else(|| {
+    [plan.total_bytes()?, output].into_iter().try_fold(extra.unwrap_or(u64::MAX), u64::checked_add).ok_or_else(|| {
         Error::Kernel(mesa_kernels::Error::TooLarge { what: "stack".into(), why: "overflows u64".into() })
     })
 }

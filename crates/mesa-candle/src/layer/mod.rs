@@ -312,6 +312,15 @@ pub struct TransformerLayer {
 }
 
 impl TransformerLayer {
+    fn assemble(
+        config: LayerConfig,
+        layout: Arc<ParamLayout>,
+        params: Var,
+        parallel: Option<Arc<dyn Collectives>>,
+    ) -> Self {
+        TransformerLayer { config, parallel, layout, params, calls: AtomicU64::new(0), running: Mutex::new(None) }
+    }
+
     /// A layer with freshly initialised parameters on `device` ([`ParamLayout::init`]).
     ///
     /// # Errors
@@ -320,14 +329,7 @@ impl TransformerLayer {
         config.validate()?;
         let layout = Arc::new(ParamLayout::new(config.hidden, config.ffn));
         let params = layout.init(device)?;
-        Ok(TransformerLayer {
-            config,
-            parallel: None,
-            layout,
-            params,
-            calls: AtomicU64::new(0),
-            running: Mutex::new(None),
-        })
+        Ok(TransformerLayer::assemble(config, layout, params, None))
     }
 
     /// A layer whose parameters are loaded from per-weight tensors named `prefix + name`
@@ -344,19 +346,12 @@ impl TransformerLayer {
         config.validate()?;
         let layout = Arc::new(ParamLayout::new(config.hidden, config.ffn));
         let params = Var::from_tensor(&layout.flatten(tensors, prefix, device)?)?;
-        Ok(TransformerLayer {
-            config,
-            parallel: None,
-            layout,
-            params,
-            calls: AtomicU64::new(0),
-            running: Mutex::new(None),
-        })
+        Ok(TransformerLayer::assemble(config, layout, params, None))
     }
 
     /// Rank `comm.rank()` of a layer split over the `t = comm.world_size()` ranks of a
-    /// tensor- and sequence-parallel group (Korthikanti et al. 2022, §4.2.2; module docs,
-    /// "Tensor and sequence parallelism"), with its share of the whole layer's flat parameters
+    /// tensor- and sequence-parallel group (Korthikanti et al. 2022, §4.2.2; [`crate::parallel`],
+    /// `docs/sequence_parallel.md`), with its share of the whole layer's flat parameters
     /// `full` ([`ParamLayout::new`] order; [`ParamLayout::shard`] cuts it). Its input and
     /// output are the rank's rows of the sequence, `[B, S_r, C]`; its parameters are the
     /// rank's slices ([`ParamLayout::sharded`]), and their gradient is complete on every rank
@@ -378,14 +373,7 @@ impl TransformerLayer {
         let whole = ParamLayout::new(config.hidden, config.ffn);
         let part = whole.shard(&full.detach().to_dtype(DType::F32)?, comm.rank(), t)?;
         let layout = Arc::new(ParamLayout::sharded(config.hidden, config.ffn, t)?);
-        Ok(TransformerLayer {
-            config,
-            parallel: Some(comm),
-            layout,
-            params: Var::from_tensor(&part)?,
-            calls: AtomicU64::new(0),
-            running: Mutex::new(None),
-        })
+        Ok(TransformerLayer::assemble(config, layout, Var::from_tensor(&part)?, Some(comm)))
     }
 
     /// The group of a [`TransformerLayer::sharded`] layer.

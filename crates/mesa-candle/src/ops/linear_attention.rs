@@ -1,9 +1,9 @@
 //! Chunked linear attention (SLiM, Performer) with its feature maps, as one candle op over
 //! `q`, `k`, `v`.
 //!
-//! The calls into `mesa_kernels::linear_attention` go through [`la_forward`] and
-//! [`la_backward`] only (and their state variants [`la_forward_with_state`],
-//! [`la_backward_with_state`]), so a change of that API touches those functions.
+//! The calls into `mesa_kernels::linear_attention` go through [`la_forward_with_state`],
+//! [`la_backward`] and [`la_backward_with_state`] only, so a change of that API touches those
+//! functions.
 use std::sync::Arc;
 
 use candle_core::{DType, Shape, Tensor};
@@ -130,22 +130,8 @@ impl LinearAttention {
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<(Output<T>, LinearAttentionSaved)> {
-        let (b, h, l, _) = q.dims4()?;
-        let out_shape = Shape::from((b, h, l, v.dim(3)?));
         let (phi_q, phi_k) = self.features::<T>(kernels, q, k)?;
-        let mut out = Output::<T>::zeros(q.device(), kernels, &out_shape)?;
-        let saved = {
-            let (pq, pk, vv) = (View::of(&phi_q)?, View::of(&phi_k)?, View::of(v)?);
-            la_forward(
-                kernels,
-                &self.config,
-                &pq.tensor_ref::<T>()?,
-                &pk.tensor_ref::<T>()?,
-                &vv.tensor_ref::<T>()?,
-                &mut out.tensor_mut()?,
-            )?
-        };
-        Ok((out, saved))
+        self.attention_with_state::<T>(kernels, &phi_q, &phi_k, v, None)
     }
 
     /// The backward on tensors outside any graph: `(dq, dk, dv)` from the forward's inputs
@@ -315,19 +301,7 @@ fn f32_of(t: &Tensor) -> candle_core::Result<Tensor> {
     t.detach().to_dtype(DType::F32)
 }
 
-/// The attention forward (thin wrapper over `mesa_kernels::linear_attention::forward`).
-pub(crate) fn la_forward<'b, T: KernelFloat>(
-    kernels: &mesa_kernels::Device,
-    config: &LinearAttentionConfig,
-    q: &TensorRef<'b, T>,
-    k: &TensorRef<'b, T>,
-    v: &TensorRef<'b, T>,
-    out: &mut TensorMut<'b, T>,
-) -> candle_core::Result<LinearAttentionSaved> {
-    linear_attention::forward(kernels, config, ForwardArgs { q, k, v, out }).k()
-}
-
-/// [`la_forward`] from an initial state (thin wrapper over
+/// The attention forward from an initial state, `None` for zero (thin wrapper over
 /// `mesa_kernels::linear_attention::forward_with_state`).
 pub(crate) fn la_forward_with_state<'b, T: KernelFloat>(
     kernels: &mesa_kernels::Device,

@@ -64,7 +64,7 @@
 use std::cmp::Ordering;
 use std::fmt;
 
-use super::training::{layer_parameters, MemoryBreakdown, Optimizer, TrainingPrecision};
+use super::training::{add, layer_parameters, mul, MemoryBreakdown, Optimizer, TrainingPrecision};
 use super::{CodeFormat, MaskStorage, ModelShape, Parallelism, PlanConfig, Precision, Recompute, SavedPrecision};
 use crate::error::{Error, Result};
 
@@ -216,18 +216,6 @@ pub struct SettingMemory {
     pub activations: u64,
     /// `model_state + activations`.
     pub total: u64,
-}
-
-fn too_large(what: &str) -> Error {
-    Error::too_large(format!("plan: {what}"), "the byte count overflows u64")
-}
-
-fn mul(a: u64, b: u64, what: &str) -> Result<u64> {
-    a.checked_mul(b).ok_or_else(|| too_large(what))
-}
-
-fn add(a: u64, b: u64, what: &str) -> Result<u64> {
-    a.checked_add(b).ok_or_else(|| too_large(what))
 }
 
 impl PaperModel {

@@ -104,15 +104,15 @@ pub struct MemoryBreakdown {
     pub total: u64,
 }
 
-fn too_large(what: &str) -> Error {
+pub(super) fn too_large(what: &str) -> Error {
     Error::too_large(format!("plan: {what}"), "the byte count overflows u64")
 }
 
-fn mul(a: u64, b: u64, what: &str) -> Result<u64> {
+pub(super) fn mul(a: u64, b: u64, what: &str) -> Result<u64> {
     a.checked_mul(b).ok_or_else(|| too_large(what))
 }
 
-fn add(a: u64, b: u64, what: &str) -> Result<u64> {
+pub(super) fn add(a: u64, b: u64, what: &str) -> Result<u64> {
     a.checked_add(b).ok_or_else(|| too_large(what))
 }
 
