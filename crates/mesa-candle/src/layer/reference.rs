@@ -60,9 +60,11 @@ pub fn forward(
 /// weights ([`super::ParamLayout::sharded`] names and shapes, e.g. cut by
 /// [`super::ParamLayout::shard`]). LayerNorms run on the rank's rows with their weights
 /// passed through [`SeqParallel::replicated`] (their gradients are summed over the ranks);
-/// the sequence is all-gathered before the Q, K, V and first FFN projections (column
-/// parallel: the rank's `H/t` heads, `F/t` units) and the partial outputs of the output
-/// projection and second FFN linear are reduce-scattered with their bias. Dropout masks are
+/// the sequence is all-gathered into the Q, K, V and first FFN projections (column parallel:
+/// the rank's `H/t` heads, `F/t` units; [`SeqParallel::column_linear`], which keeps only the
+/// rank's rows for the backward) and the partial outputs of the output
+/// projection and second FFN linear are reduce-scattered with their bias
+/// ([`SeqParallel::row_linear`], which keeps no partial product). Dropout masks are
 /// the rank's part of the unsharded layer's. The result is the rank's rows `[B, S_r, C]`.
 ///
 /// # Errors
@@ -115,24 +117,40 @@ fn forward_impl(
             eps,
         )
     };
-    let gather = |t: &Tensor| sp.map_or_else(|| Ok(t.clone()), |sp| sp.gather(t));
     // `residual + D(t·Wᵀ + b)` of a row-parallel linear, on the rank's rows
     let row_parallel = |t: &Tensor, name: &str, site, residual: &Tensor| -> candle_core::Result<Tensor> {
         let r = match sp {
             None => linear(t, p, name)?,
-            Some(sp) => {
-                let w = p[format!("{name}.weight").as_str()].as_tensor();
-                sp.scatter(&t.broadcast_matmul(&w.t()?)?, p[format!("{name}.bias").as_str()].as_tensor(), None)?
-            }
+            Some(sp) => sp.row_linear(
+                t,
+                p[format!("{name}.weight").as_str()].as_tensor(),
+                p[format!("{name}.bias").as_str()].as_tensor(),
+            )?,
         };
         residual + dropout::apply(&r, mask(site, &[b, n_r, c])?.as_ref())?
     };
     let pre = config.norm == NormPlacement::Pre;
-    let attn_in = gather(&if pre { ln(x, "ln_1")? } else { x.clone() })?;
+    let attn_in = if pre { ln(x, "ln_1")? } else { x.clone() };
+    let (q, k, v) = match sp {
+        None => (
+            linear(&attn_in, p, "attn.q_proj")?,
+            linear(&attn_in, p, "attn.k_proj")?,
+            linear(&attn_in, p, "attn.v_proj")?,
+        ),
+        Some(sp) => {
+            // g and the Q, K, V projections in one op that keeps only the rank's rows
+            let cat = |suffix: &str| {
+                let parts: Vec<&Tensor> =
+                    ["q", "k", "v"].iter().map(|m| p[format!("attn.{m}_proj.{suffix}").as_str()].as_tensor()).collect();
+                Tensor::cat(&parts, 0)
+            };
+            let qkv = sp.column_linear(&attn_in, &cat("weight")?, &cat("bias")?)?;
+            (qkv.narrow(2, 0, h * d)?, qkv.narrow(2, h * d, h * d)?, qkv.narrow(2, 2 * h * d, h * d)?)
+        }
+    };
+    drop(attn_in);
     let heads = |t: Tensor| t.reshape((b, n, h, d))?.transpose(1, 2)?.contiguous();
-    let q = heads(linear(&attn_in, p, "attn.q_proj")?)?;
-    let k = heads(linear(&attn_in, p, "attn.k_proj")?)?;
-    let v = heads(linear(&attn_in, p, "attn.v_proj")?)?;
+    let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
     let o = match &config.attention {
         Attention::Softmax { causal } => {
             let mut s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
@@ -167,8 +185,12 @@ fn forward_impl(
     let o = o.transpose(1, 2)?.contiguous()?.reshape((b, n, h * d))?;
     let z1 = row_parallel(&o, "attn.out_proj", DropoutSite::AttentionResidual, x)?;
     let x2 = if pre { z1 } else { ln(&z1, "ln_1")? };
-    let ffn_in = gather(&if pre { ln(&x2, "ln_2")? } else { x2.clone() })?;
-    let g = linear(&ffn_in, p, "mlp.fc_in")?.gelu_erf()?;
+    let ffn_in = if pre { ln(&x2, "ln_2")? } else { x2.clone() };
+    let u = match sp {
+        None => linear(&ffn_in, p, "mlp.fc_in")?,
+        Some(sp) => sp.column_linear(&ffn_in, p["mlp.fc_in.weight"].as_tensor(), p["mlp.fc_in.bias"].as_tensor())?,
+    };
+    let g = u.gelu_erf()?;
     let z2 = row_parallel(&g, "mlp.fc_out", DropoutSite::FfnResidual, &x2)?;
     if pre {
         Ok(z2)

@@ -151,6 +151,61 @@ impl SeqParallel {
         }
     }
 
+    /// `g` followed by a column-parallel linear: `gather(shard)·Wᵀ + b`, `[B, S_r, C]` →
+    /// `[B, S, N]` for the rank's `W: [N, C]`, `b: [N]`. The same values as
+    /// `gather(shard).broadcast_matmul(&W.t())+b`, but the op keeps only the shard for its
+    /// backward, not the all-gathered `[B, S, C]`: the backward all-gathers the shard again
+    /// for `dW = dyᵀ·x`, and reduce-scatters `dy·W` into the shard's gradient (Korthikanti
+    /// et al. 2022, §4.2.2: what sequence parallelism saves is the replicated input of the
+    /// first linear, `4sbh` of the `10sbh`). Several projections of one input (Q, K, V) share
+    /// one call with their weights concatenated.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a weight or bias that does not fit; as
+    /// [`Collectives::all_gather_seq`].
+    pub fn column_linear(&self, shard: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+        let (n, c) = weight.dims2()?;
+        if shard.dims().last() != Some(&c) || bias.dims() != [n] {
+            return Err(Error::Shape {
+                what: "column-parallel linear: weight [N, C], bias [N] for an input [B, S_r, C]".into(),
+                expected: vec![n, shard.dims().last().copied().unwrap_or(0)],
+                got: weight.dims().to_vec(),
+            }
+            .into());
+        }
+        let full = self.comm.all_gather_seq(&shard.detach(), &self.splits)?;
+        let y = full.broadcast_matmul(&weight.detach().t()?)?.broadcast_add(&bias.detach())?;
+        drop(full);
+        attach(&[shard, weight, bias], crate::ops::tensor_result(&y)?, ColumnLinearGrad(self.clone()))
+    }
+
+    /// A row-parallel linear followed by `ḡ`: `Σ_ranks (x·Wᵀ)[rows of r] + b`, `[B, S, K]`
+    /// (the rank's `K` input features, e.g. its heads' attention output) → `[B, S_r, N]` for
+    /// the rank's `W: [N, K]` and the replicated `b: [N]`. The same values as
+    /// `scatter(&x.broadcast_matmul(&W.t()), b, None)`, but the partial product `[B, S, N]` is
+    /// not kept for the backward (a `scatter` after a separate matmul keeps it as its
+    /// argument): the backward all-gathers the output gradient and computes `dx = dy·W`,
+    /// `dW = dyᵀ·x` and `db = Σ dy` (complete on every rank).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] for a weight or bias that does not fit; as
+    /// [`Collectives::reduce_scatter_seq`].
+    pub fn row_linear(&self, input: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+        let (n, k) = weight.dims2()?;
+        if input.dims().last() != Some(&k) || bias.dims() != [n] {
+            return Err(Error::Shape {
+                what: "row-parallel linear: weight [N, K], bias [N] for an input [B, S, K]".into(),
+                expected: vec![n, input.dims().last().copied().unwrap_or(0)],
+                got: weight.dims().to_vec(),
+            }
+            .into());
+        }
+        let partial = input.detach().broadcast_matmul(&weight.detach().t()?)?;
+        let out = self.comm.reduce_scatter_seq(&partial, &self.splits, Some(&bias.detach()), None)?;
+        drop(partial);
+        attach(&[input, weight, bias], crate::ops::tensor_result(&out)?, RowLinearGrad(self.clone()))
+    }
+
     /// A weight replicated on every rank but applied to each rank's own shard (LayerNorm's
     /// weight and bias): the identity, whose backward sums the gradient over the ranks, so
     /// that every rank steps its copy by the same, complete gradient (Megatron's all-reduce of
@@ -192,6 +247,47 @@ impl Backward for ScatterGrad {
             grads.push(Some(grad.clone()));
         }
         Ok(grads)
+    }
+}
+
+struct ColumnLinearGrad(SeqParallel);
+
+impl Backward for ColumnLinearGrad {
+    fn name(&self) -> &'static str {
+        "mesa-seq-column-linear"
+    }
+    fn backward(&self, args: &[&Tensor], _: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+        let sp = &self.0;
+        let (shard, weight) = (args[0].detach(), args[1].detach());
+        let (n, c) = weight.dims2()?;
+        let dy = grad.reshape(((), n))?;
+        // the input again (not kept by the forward), then the weight's and bias's gradients
+        let full = sp.comm.all_gather_seq(&shard, &sp.splits)?;
+        let d_weight = dy.t()?.matmul(&full.reshape(((), c))?)?;
+        drop(full);
+        let d_bias = dy.sum(0)?;
+        let (b, s) = (grad.dim(0)?, grad.dim(1)?);
+        let d_full = dy.matmul(&weight)?.reshape((b, s, c))?;
+        let d_shard = sp.comm.reduce_scatter_seq(&d_full, &sp.splits, None, None)?;
+        Ok(vec![Some(d_shard), Some(d_weight), Some(d_bias)])
+    }
+}
+
+struct RowLinearGrad(SeqParallel);
+
+impl Backward for RowLinearGrad {
+    fn name(&self) -> &'static str {
+        "mesa-seq-row-linear"
+    }
+    fn backward(&self, args: &[&Tensor], _: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+        let sp = &self.0;
+        let (input, weight) = (args[0].detach(), args[1].detach());
+        let (n, k) = weight.dims2()?;
+        let dy = sp.comm.all_gather_seq(grad, &sp.splits)?.reshape(((), n))?;
+        let d_weight = dy.t()?.matmul(&input.reshape(((), k))?)?;
+        let d_bias = dy.sum(0)?;
+        let d_input = dy.matmul(&weight)?.reshape(input.shape())?;
+        Ok(vec![Some(d_input), Some(d_weight), Some(d_bias)])
     }
 }
 
