@@ -289,3 +289,18 @@ fn all_reduce_is_the_rank_order_sum_on_every_rank() {
         assert_eq!(o.unwrap(), want);
     }
 }
+
+/// A rank that panics between two collectives: `run_ranks` reports the panic as that rank's
+/// error and its peers return `PeerFailed` at once, not after the timeout.
+#[test]
+fn a_rank_that_panics_fails_every_rank_at_once() {
+    let (out, elapsed) = faulty(2, Duration::from_secs(20), |rank| {
+        rank.all_gather_seq(&shard(2), &[2, 2])?;
+        assert!(rank.rank() != 1, "rank 1 breaks on purpose");
+        rank.all_gather_seq(&shard(2), &[2, 2])?;
+        Ok(())
+    });
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    assert!(out[1].as_ref().unwrap_err().to_string().contains("rank 1 breaks on purpose"));
+    assert_eq!(fault_of(out[0].as_ref().unwrap_err()), Some(Fault::PeerFailed { rank: 1 }));
+}
