@@ -3,9 +3,11 @@
 //! mesa-kernels inside candle (candle-core 0.11): a zero-copy bridge from candle's devices,
 //! storage and layouts to the kernels' devices and tensor views ([`View`], [`Output`],
 //! [`kernel_device`]); ops with forward and backward in candle's autograd ([`ops`]); and a
-//! transformer layer as one op that keeps only codes for backward ([`layer`]); the bytes a
-//! stack of them keeps, predicted ([`plan`]). How they fit
-//! and what was measured: `docs/candle.md`.
+//! transformer layer as one op that keeps only codes for backward ([`layer`]); tensor and
+//! sequence parallelism — ranks, the conjugate collectives in autograd, the sharded layer,
+//! linear attention across sequence shards ([`parallel`], `docs/sequence_parallel.md`); the
+//! bytes a stack of them keeps, predicted ([`plan`]). How they fit and what was measured:
+//! `docs/candle.md`.
 //!
 //! # Stream contract
 //!
