@@ -34,7 +34,11 @@ impl Backward for LayerGrad {
                 recomputed.inner.as_ref().ok_or(crate::Error::StateConsumed { op: "transformer layer" })?
             }
         };
-        let (dx, grads) = layer_backward(&self.plan, codes, &x, &params, &grad.to_dtype(DType::F32)?)?;
+        let result = layer_backward(&self.plan, codes, &x, &params, &grad.to_dtype(DType::F32)?);
+        let (dx, grads) = match &self.plan.tp {
+            Some(tp) => crate::parallel::tell_peers(tp.comm.as_ref(), result)?,
+            None => result?,
+        };
         let flat = self
             .plan
             .layout

@@ -361,6 +361,11 @@ impl TransformerLayer {
     /// As [`TransformerLayer::new`]; [`Error::InvalidArgument`] when `t` does not divide the
     /// heads and the FFN width; [`Error::Shape`] when `full` is not the whole layer's.
     pub fn sharded(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
+        let peers = Arc::clone(&comm);
+        crate::parallel::tell_peers(peers.as_ref(), Self::sharded_inner(config, full, comm))
+    }
+
+    fn sharded_inner(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         config.validate()?;
         let t = comm.world_size();
         if t == 0 || config.heads % t != 0 || config.ffn % t != 0 {
@@ -426,6 +431,14 @@ impl TransformerLayer {
     /// As [`TransformerLayer::forward_seeded`]; [`Error::Shape`] when `N_r ≠ splits[r]`;
     /// [`Error::Collective`] when the ranks disagree, one fails or one does not arrive.
     pub fn forward_shard(&self, x: &Tensor, splits: &[usize], seed: u64) -> candle_core::Result<Tensor> {
+        match &self.parallel {
+            // an error of this rank's own must not leave its peers waiting for it
+            Some(comm) => crate::parallel::tell_peers(comm.as_ref(), self.forward_inner(x, splits, seed)),
+            None => self.forward_inner(x, splits, seed),
+        }
+    }
+
+    fn forward_inner(&self, x: &Tensor, splits: &[usize], seed: u64) -> candle_core::Result<Tensor> {
         crate::ops::check_rank("layer input [B, N, C]", x, 3, false)?;
         let tp = match &self.parallel {
             None if splits.is_empty() => None,
@@ -441,8 +454,6 @@ impl TransformerLayer {
                     let what = format!("rank {r}'s rows of the layer input (splits {splits:?})");
                     let (b, c) = (x.dims()[0], x.dims()[2]);
                     let want = vec![b, len.unwrap_or(0), c];
-                    // the peers must not wait for this rank
-                    comm.fail(&format!("{what}: expected {want:?}, got {:?}", x.dims()));
                     return Err(Error::Shape { what, expected: want, got: x.dims().to_vec() }.into());
                 }
                 Some(forward::TpPlan {

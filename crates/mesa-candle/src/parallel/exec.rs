@@ -64,11 +64,8 @@ pub(crate) fn run(kernels: &mut Option<Kernels>, world: usize, posts: Vec<Post>)
             return Err(mismatch(
                 op,
                 format!(
-                    "ranks are out of step: rank 0 made its call #{} ({}), rank {r} its call #{} ({})",
-                    first.call,
-                    first.op.name(),
-                    p.call,
-                    p.op.name()
+                    "ranks are out of step: rank 0 made its call #{} ({:?}), rank {r} its call #{} ({:?})",
+                    first.call, first.op, p.call, p.op
                 ),
             ));
         }
@@ -92,10 +89,23 @@ pub(crate) fn run(kernels: &mut Option<Kernels>, world: usize, posts: Vec<Post>)
         }
     }
     let t0 = &first.tensors[0];
+    let names = |i: usize| match (op, i) {
+        (_, 0) => "input",
+        (Op::ReduceScatter { bias: true, .. }, 1) => "bias",
+        _ => "residual",
+    };
     for (r, p) in posts.iter().enumerate() {
-        for t in &p.tensors {
+        for (i, t) in p.tensors.iter().enumerate() {
             if t.dtype() != t0.dtype() {
-                return Err(mismatch(op, format!("rank {r} passed {:?}, rank 0 {:?}", t.dtype(), t0.dtype())));
+                return Err(mismatch(
+                    op,
+                    format!(
+                        "one dtype for all: rank {r}'s {} is {:?}, rank 0's input {:?}",
+                        names(i),
+                        t.dtype(),
+                        t0.dtype()
+                    ),
+                ));
             }
             if !t.device().same_device(t0.device()) {
                 return Err(Error::DeviceMismatch { op: op.name() });

@@ -110,7 +110,9 @@ impl ShardedLinearAttention {
     ///
     /// # Errors
     /// [`Error::Rank`], [`Error::Shape`] (this rank's tensors disagree; or, on every rank,
-    /// the ranks' `[B, H, M, W]` disagree), [`Error::UnsupportedDType`],
+    /// the ranks' `[B, H, M, W]` or dtypes disagree while their states have one size — where
+    /// the sizes differ, the all-gather's [`Error::Collective`] with
+    /// [`crate::Fault::Mismatch`] comes first), [`Error::UnsupportedDType`],
     /// [`Error::DeviceMismatch`], the collectives' [`Error::Collective`], the kernels'
     /// errors as [`Error::Kernel`].
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
@@ -127,13 +129,18 @@ impl ShardedLinearAttention {
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<(Tensor, ShardStates)> {
+        // an error of this rank's own must not leave its peers waiting for it
+        super::tell_peers(self.comm.as_ref(), self.forward_inner(q, k, v))
+    }
+
+    fn forward_inner(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<(Tensor, ShardStates)> {
         let dtype = q.dtype();
         match dtype {
             DType::F32 | DType::F16 | DType::BF16 => {}
             DType::F64 => {
                 // computed in f32 inside candle's graph, as the per-rank ops do (`crate::ops`)
                 let f = |t: &Tensor| if t.dtype() == DType::F64 { t.to_dtype(DType::F32) } else { Ok(t.clone()) };
-                let (y, states) = self.forward_with_states(&f(q)?, &f(k)?, &f(v)?)?;
+                let (y, states) = self.forward_inner(&f(q)?, &f(k)?, &f(v)?)?;
                 return Ok((y.to_dtype(DType::F64)?, states));
             }
             other => return Err(Error::UnsupportedDType { op: "sharded linear attention", dtype: other }.into()),
@@ -167,7 +174,7 @@ impl ShardedLinearAttention {
         let (phi_q, phi_k) = self.op.features_detached::<f32>(&kernels, &qf, &kf)?;
         let normalize = self.op.config().normalize;
         let local = local_state(&phi_k, &vf, normalize)?;
-        let locals = self.exchange(&local)?;
+        let locals = self.exchange(&local, dtype)?;
         // S0_r and the total, added in rank order from zero: the same on every rank
         let r = self.comm.rank();
         let mut acc = local.zeros_like()?;
@@ -191,35 +198,48 @@ impl ShardedLinearAttention {
 
     /// Every rank's `[B, H, M, W]` state in rank order (one all-gather), after checking that
     /// the ranks agree on `[B, H, M, W]` (each state travels behind its dims).
-    fn exchange(&self, state: &Tensor) -> candle_core::Result<Vec<Tensor>> {
-        exchange(self.comm.as_ref(), state)
+    fn exchange(&self, state: &Tensor, dtype: DType) -> candle_core::Result<Vec<Tensor>> {
+        exchange(self.comm.as_ref(), state, dtype)
     }
 }
 
-fn exchange(comm: &dyn Collectives, state: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+/// Values in front of each exchanged state: `B, H, M, W` and the dtype's code.
+const HEADER: usize = 5;
+
+fn exchange(comm: &dyn Collectives, state: &Tensor, dtype: DType) -> candle_core::Result<Vec<Tensor>> {
     let dims = state.dims4()?;
     let (b, h, m, w) = dims;
     let n = state.elem_count();
     // dims as f32 are exact below 2²⁴ each
-    let header = Tensor::new(&[b as f32, h as f32, m as f32, w as f32], state.device())?;
-    let flat = Tensor::cat(&[&header, &state.flatten_all()?], 0)?.reshape((1, 1, 4 + n))?;
+    // the caller's input dtype as a code, so that ranks of different dtypes disagree too
+    let code = match dtype {
+        DType::F32 => 0.0,
+        DType::F16 => 1.0,
+        DType::BF16 => 2.0,
+        _ => 3.0,
+    };
+    let header = Tensor::new(&[b as f32, h as f32, m as f32, w as f32, code], state.device())?;
+    let flat = Tensor::cat(&[&header, &state.flatten_all()?], 0)?.reshape((1, 1, HEADER + n))?;
     let world = comm.world_size();
     let gathered = comm.all_gather_seq(&flat, &vec![1; world])?;
-    let headers = gathered.narrow(2, 0, 4)?.flatten_all()?.to_vec1::<f32>()?;
+    let headers = gathered.narrow(2, 0, HEADER)?.flatten_all()?.to_vec1::<f32>()?;
     // compared with rank 0's, so that every rank reports the same error
-    let first = &headers[..4];
-    for (p, hp) in headers.chunks(4).enumerate() {
+    let first = &headers[..HEADER];
+    for (p, hp) in headers.chunks(HEADER).enumerate() {
         if hp != first {
             let as_dims = |x: &[f32]| x.iter().map(|&v| v as usize).collect::<Vec<_>>();
             return Err(Error::Shape {
-                what: format!("rank {p}'s linear-attention state [B, H, M, W] (the ranks must agree on B, H, d, D)"),
+                what: format!(
+                    "rank {p}'s linear-attention state [B, H, M, W] and dtype code (f32 0, f16 1, bf16 2): the ranks \
+                     must agree on B, H, d, D and the dtype"
+                ),
                 expected: as_dims(first),
                 got: as_dims(hp),
             }
             .into());
         }
     }
-    (0..world).map(|p| gathered.narrow(1, p, 1)?.narrow(2, 4, n)?.reshape((b, h, m, w))).collect()
+    (0..world).map(|p| gathered.narrow(1, p, 1)?.narrow(2, HEADER, n)?.reshape((b, h, m, w))).collect()
 }
 
 /// A tensor outside the graph in f32 (the computation's precision for every dtype).
@@ -259,6 +279,17 @@ impl Backward for LaspGrad {
         "mesa-sharded-linear-attention"
     }
     fn backward(&self, args: &[&Tensor], res: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+        super::tell_peers(self.comm.as_ref(), self.backward_inner(args, res, grad))
+    }
+}
+
+impl LaspGrad {
+    fn backward_inner(
+        &self,
+        args: &[&Tensor],
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Vec<Option<Tensor>>> {
         let dtype = args[0].dtype();
         let (q, k, v) = (f32_of(args[0])?, f32_of(args[1])?, f32_of(args[2])?);
         let (out, dout) = (f32_of(res)?, f32_of(grad)?);
@@ -272,7 +303,7 @@ impl Backward for LaspGrad {
             &dout,
             None,
         )?;
-        let gs = exchange(self.comm.as_ref(), &g_local)?;
+        let gs = exchange(self.comm.as_ref(), &g_local, dtype)?;
         // D_r = Σ_{p>r} G_p, added from the last rank down (the order a ring's hand-off would
         // take): the same on every rank
         let r = self.comm.rank();

@@ -79,6 +79,19 @@ pub trait Collectives: Send + Sync + fmt::Debug {
     fn fail(&self, why: &str);
 }
 
+/// `result`, after telling the peers when it is an error of this rank's own (bad input, a
+/// kernel's error): they return [`crate::Fault::PeerFailed`] at once instead of waiting for
+/// this rank at their next collective until the timeout. An [`Error::Collective`] every rank
+/// has already got is passed on as it is.
+pub(crate) fn tell_peers<T>(comm: &dyn Collectives, result: candle_core::Result<T>) -> candle_core::Result<T> {
+    if let Err(e) = &result {
+        if !matches!(crate::error::as_mesa_error(e), Some(Error::Collective { .. })) {
+            comm.fail(&e.to_string());
+        }
+    }
+    result
+}
+
 /// One sequence split over a group: the conjugate operators of Korthikanti et al. (2022)
 /// §4.2.2 as candle ops with backward, for `[B, S, C]` activations.
 #[derive(Debug, Clone)]
@@ -164,6 +177,10 @@ impl SeqParallel {
     /// [`Error::Shape`] for a weight or bias that does not fit; as
     /// [`Collectives::all_gather_seq`].
     pub fn column_linear(&self, shard: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+        tell_peers(self.comm.as_ref(), self.column_linear_inner(shard, weight, bias))
+    }
+
+    fn column_linear_inner(&self, shard: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
         let (n, c) = weight.dims2()?;
         if shard.dims().last() != Some(&c) || bias.dims() != [n] {
             return Err(Error::Shape {
@@ -191,6 +208,10 @@ impl SeqParallel {
     /// [`Error::Shape`] for a weight or bias that does not fit; as
     /// [`Collectives::reduce_scatter_seq`].
     pub fn row_linear(&self, input: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+        tell_peers(self.comm.as_ref(), self.row_linear_inner(input, weight, bias))
+    }
+
+    fn row_linear_inner(&self, input: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
         let (n, k) = weight.dims2()?;
         if input.dims().last() != Some(&k) || bias.dims() != [n] {
             return Err(Error::Shape {

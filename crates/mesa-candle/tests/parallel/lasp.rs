@@ -567,22 +567,33 @@ fn bad_inputs_are_errors_on_every_rank() {
     let h16 = t(&[1, 2, 4, 3]).to_dtype(DType::F16).unwrap();
     let e = lasp.forward(&t(&[1, 2, 4, 3]), &h16, &t(&[1, 2, 4, 3])).unwrap_err();
     assert!(matches!(mesa(&e), Some(Error::UnsupportedDType { .. })), "{e}");
-    // ranks that disagree: [B, H] = [1, 2] against [2, 1] (same state size), then another D
-    for (shape1, shape_error) in [([2usize, 1, 4, 3], true), ([1, 2, 4, 4], false)] {
+    // ranks that disagree: [B, H] = [1, 2] against [2, 1] (same state size: the header's
+    // Shape), another D (another state size: the all-gather's Mismatch), another dtype
+    for (shape1, dtype1, shape_error) in
+        [([2usize, 1, 4, 3], DType::F32, true), ([1, 2, 4, 4], DType::F32, false), ([1, 2, 4, 3], DType::F16, true)]
+    {
         let ranks = thread_group(2, Duration::from_secs(20)).unwrap();
         let out = run_ranks(ranks, |rank: Rank| {
             let r = rank.rank();
             let lasp = ShardedLinearAttention::new(elu(LinearAttentionConfig::causal()), Arc::new(rank))
                 .map_err(candle_core::Error::from)?;
-            let (qs, vs) = if r == 0 { ([1, 2, 4, 3], [1, 2, 4, 3]) } else { ([shape1[0], shape1[1], 4, 3], shape1) };
-            lasp.forward(&t(&qs), &t(&qs), &t(&vs)).map(|_| ())
+            let (qs, vs, dt) = if r == 0 {
+                ([1, 2, 4, 3], [1, 2, 4, 3], DType::F32)
+            } else {
+                ([shape1[0], shape1[1], 4, 3], shape1, dtype1)
+            };
+            let c = |s: &[usize]| t(s).to_dtype(dt);
+            lasp.forward(&c(&qs)?, &c(&qs)?, &c(&vs)?).map(|_| ())
         });
         for (r, o) in out.iter().enumerate() {
             let e = o.as_ref().expect_err("ranks that disagree must fail");
             if shape_error {
                 assert!(matches!(mesa(e), Some(Error::Shape { .. })), "rank {r}: {e}");
             } else {
-                assert!(matches!(mesa(e), Some(Error::Collective { .. } | Error::Shape { .. })), "rank {r}: {e}");
+                assert!(
+                    matches!(mesa(e), Some(Error::Collective { fault: mesa_candle::Fault::Mismatch, .. })),
+                    "rank {r}: {e}"
+                );
             }
         }
     }

@@ -306,3 +306,35 @@ fn sharded_reference_layer_matches_the_unsharded_one() {
         }
     }
 }
+
+/// Without `run_ranks` too: a rank whose own input is bad (here f16) tells its peers, which
+/// return `PeerFailed` at once instead of waiting out the group's timeout.
+#[test]
+fn a_rank_with_a_bad_input_tells_its_peers_itself() {
+    let config = config(NormPlacement::Pre, Recompute::None);
+    let full = full_params(&config);
+    let ranks = thread_group(2, Duration::from_secs(30)).unwrap();
+    let t0 = std::time::Instant::now();
+    let out: Vec<candle_core::Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let (config, full) = (config.clone(), full.clone());
+                scope.spawn(move || {
+                    let r = rank.rank();
+                    let layer = TransformerLayer::sharded(config, &full, Arc::new(rank))?;
+                    let dtype = if r == 1 { DType::F16 } else { DType::F32 };
+                    let x = Tensor::zeros((1, 4, 32), dtype, &Device::Cpu)?;
+                    layer.forward_shard(&x, &[4, 4], SEED).map(|_| ())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    assert!(matches!(as_mesa_error(out[1].as_ref().unwrap_err()), Some(Error::UnsupportedDType { .. })));
+    assert!(matches!(
+        as_mesa_error(out[0].as_ref().unwrap_err()),
+        Some(Error::Collective { fault: Fault::PeerFailed { rank: 1 }, .. })
+    ));
+}
