@@ -2,7 +2,8 @@
 //!
 //! mesa-kernels inside candle (candle-core 0.11): a zero-copy bridge from candle's devices,
 //! storage and layouts to the kernels' devices and tensor views ([`View`], [`Output`],
-//! [`kernel_device`]); ops with forward and backward in candle's autograd ([`ops`]); and a
+//! [`kernel_device`]); ops with forward and backward in candle's autograd ([`ops`]), also as
+//! candle-nn's layers and constructors ([`nn`]); and a
 //! transformer layer as one op that keeps only codes for backward ([`layer`]); tensor and
 //! sequence parallelism — ranks, the conjugate collectives in autograd, the sharded layer,
 //! linear attention across sequence shards ([`parallel`], `docs/sequence_parallel.md`); the
@@ -34,9 +35,11 @@ mod bridge;
 mod error;
 pub mod layer;
 pub mod memory;
+pub mod nn;
 pub mod ops;
 pub mod parallel;
 pub mod plan;
+pub mod region;
 
 pub use bridge::{kernel_device, kernel_layout, KernelFloat, Output, View};
 pub use error::{as_mesa_error, Error, Fault};

@@ -261,6 +261,60 @@ pub fn reference_stack_estimate(config: &LayerConfig, layers: usize, batch: usiz
     stack_total(&reference_plan_config(config, layers, batch, seq)?)
 }
 
+/// The planner's configuration of a stack of checkpoint regions ([`crate::region`]), one
+/// per layer of `shape`, whose inputs are kept at `input` precision: every layer keeps only
+/// its input — the planner's full recomputation (Korthikanti et al. 2022, §5: `2sbh` per
+/// layer at 16 bits; `2sbh/t` per rank when `parallel` has sequence parallelism, which
+/// shards the input along the sequence). Whatever runs inside the regions (candle's ops, ours,
+/// the layer op) does not change it.
+#[must_use]
+pub fn region_plan_config(shape: ModelShape, parallel: Parallelism, input: Precision) -> PlanConfig {
+    PlanConfig {
+        shape,
+        parallel,
+        dropout: Dropout { attention: 0.0, residual: 0.0, masks: MaskStorage::Regenerated },
+        recompute: PlanRecompute::Full,
+        saved: SavedPrecision { layer_input: Some(input), ..SavedPrecision::uniform(input) },
+        attention: AttentionKind::Softmax,
+    }
+}
+
+/// Host bytes one region leaves in candle's graph besides its input and output: its op and
+/// the anchor ops of its parameters, their results and their backward state — counted by
+/// [`region_stack_saved_bytes`] per region of `parameters` variables, as a bound from the
+/// types' sizes (a `Tensor`'s header, the one-element anchors and the closure's captures are
+/// a few hundred bytes each).
+#[must_use]
+pub fn region_state_bytes(parameters: usize) -> u64 {
+    crate::region::state_bytes(parameters) as u64
+}
+
+/// Bytes alive for backward after the forward of a stack of `shape.layers` checkpoint
+/// regions ([`crate::region`]) on one device, each region's output the next one's input, all
+/// `[micro_batch, seq, hidden]` at `input` precision: every region's input, the last one's
+/// output, and [`region_state_bytes`] per region of `parameters` variables. The prediction of
+/// what [`measure`](crate::layer::measure::measure) reports for such a stack, whatever runs
+/// inside each region.
+///
+/// # Errors
+/// [`Error::Kernel`] with the planner's errors ([`mesa_kernels::Error::InvalidArgument`] for
+/// zero sizes, [`mesa_kernels::Error::TooLarge`] on overflow).
+pub fn region_stack_saved_bytes(shape: ModelShape, input: Precision, parameters: usize) -> Result<u64, Error> {
+    let plan = region_plan_config(shape, Parallelism::none(), input);
+    let per_element = match input {
+        Precision::F32 => 4,
+        Precision::Half => 2,
+        Precision::Codes(_) => {
+            return Err(Error::InvalidArgument { name: "input", why: "a region keeps its input as it is: f32 or half".into() })
+        }
+    };
+    let output = [shape.micro_batch, shape.seq, shape.hidden, per_element].iter().try_fold(1u64, |a, &f| a.checked_mul(f));
+    let state = region_state_bytes(parameters).checked_mul(shape.layers);
+    [Some(plan.total_bytes()?), output, state].into_iter().try_fold(0u64, |a, b| b.and_then(|b| a.checked_add(b))).ok_or_else(|| {
+        Error::Kernel(mesa_kernels::Error::TooLarge { what: "region stack".into(), why: "overflows u64".into() })
+    })
+}
+
 /// The largest batch `b ≥ 1` with `bytes(b) ≤ budget`, for `bytes` not decreasing in `b`
 /// (overflow counts as not fitting).
 fn largest(budget: u64, bytes: impl Fn(usize) -> Result<u64, Error>) -> Result<Option<u64>, Error> {

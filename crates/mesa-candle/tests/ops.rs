@@ -550,3 +550,307 @@ fn f64_is_computed_in_f32() {
         assert_ne!(flat(&inputs[0]), flat(&inputs32[0]), "{op}");
     }
 }
+
+/// The bound of softmax's `dx` from `s = 1/255` square-root codes on rows of `m` (the
+/// derivation at `softmax_with_mask_gradients_match_f64_candle_within_the_code_step`):
+/// `e_j = (√y_j + s/4)·s + u·y_j` bounds `|ŷ_j − y_j|`; with `c = Σ dy·y`, `E = Σ_j |dy_j|
+/// e_j` per row, `|Δdx_i| ≤ e_i(|dy_i| + |c| + E) + (y_i + e_i)·E`, plus the f32 sums and
+/// the result's rounding.
+fn softmax_dx_bound(y: &[f64], dy: &[f64], g: &[f64], m: usize, u: f64) -> Vec<f64> {
+    let s = 1.0 / 255.0;
+    let mut bound = vec![0.0; y.len()];
+    for row in 0..y.len() / m {
+        let r = row * m..(row + 1) * m;
+        let e: Vec<f64> = r.clone().map(|j| ((y[j].sqrt() + s / 4.0) * s + u * y[j]) * (1.0 + 1e-6)).collect();
+        let c: f64 = r.clone().map(|j| dy[j] * y[j]).sum();
+        let big_e: f64 = r.clone().zip(&e).map(|(j, ej)| dy[j].abs() * ej).sum();
+        let arith = 4.0 * m as f64 * U32 * r.clone().map(|j| dy[j].abs()).sum::<f64>();
+        for (k, j) in r.enumerate() {
+            bound[j] = e[k] * (dy[j].abs() + c.abs() + big_e) + (y[j] + e[k]) * big_e + arith + u * g[j].abs();
+        }
+    }
+    bound
+}
+
+/// Issue 39: a mask computed from a variable gets its gradient, `dx` summed over the axes the
+/// mask was broadcast along (before, backward panicked: "grad not populated"). The issue's
+/// snippet, then a mask `2·b`, `b: [3, 1, 5]`, on `x: [2, 3, 4, 5]` against candle f64.
+#[test]
+fn softmax_mask_from_a_variable_gets_its_gradient() {
+    let mut rng = Rng::new("softmax_mask_gradient");
+    let cpu = candle_core::Device::Cpu;
+    let x = candle_core::Var::new(&[[1f32, 2., 3.]], &cpu).unwrap();
+    let bias = candle_core::Var::new(&[[0f32, 0.5, -0.5]], &cpu).unwrap();
+    let mask = (bias.as_tensor() * 2.0).unwrap();
+    let y = Softmax::default().forward(x.as_tensor(), Some(&mask)).unwrap();
+    let store = y.sum_all().unwrap().backward().unwrap();
+    // Σ_j y_j = 1: both true gradients are 0; dbias = 2·dx, within twice dx's bound
+    let y_ref = flat(&softmax_ref(&Tensor::new(&[[1f64, 3., 2.]], &cpu).unwrap()).unwrap());
+    let dx_bound = softmax_dx_bound(&y_ref, &[1.0; 3], &[0.0; 3], 3, U32);
+    let dbias = store.get(bias.as_tensor()).expect("the mask's variable gets a gradient");
+    assert_eq!(dbias.dims(), [1, 3]);
+    let twice: Vec<f64> = dx_bound.iter().map(|b| 2.0 * b).collect();
+    assert_within("issue 39 dbias", &flat(dbias), &[0.0; 3], &twice);
+    assert_within("issue 39 dx", &flat(store.get(x.as_tensor()).unwrap()), &[0.0; 3], &dx_bound);
+
+    let dev = common::device();
+    let (xs_dims, b_dims) = ([2usize, 3, 4, 5], [3usize, 1, 5]);
+    let m = xs_dims[3];
+    for dtype in DTYPES {
+        let x = rng.tensor(&xs_dims, 0.0, 2.0, dtype);
+        let b = rng.tensor(&b_dims, 0.0, 0.3, dtype);
+        let dy = rng.tensor(&xs_dims, 0.0, 1.0, dtype);
+        let op = Softmax::new(8);
+        let inputs = [x, b];
+        let (y, g) = grads_on(&dev, &inputs, &dy, |t| op.forward(&t[0], Some(&(&t[1] * 2.0)?)));
+        let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| softmax_ref(&t[0].broadcast_add(&(&t[1] * 2.0)?)?));
+        let u = unit(dtype);
+        let fwd: Vec<f64> = y_ref.iter().map(|v| u * v + 16.0 * U32).collect();
+        assert_within(&format!("softmax mask {dtype:?} y"), &y, &y_ref, &fwd);
+        let dys = flat(&dy);
+        // dx as computed (the kernel's; the gradient w.r.t. x + mask), then db = 2·Σ dx over
+        // the broadcast axes (0 and 2), summed in f32 (12 terms) and rounded to the dtype
+        let dx_bound = softmax_dx_bound(&y_ref, &dys, &g_ref[0], m, u);
+        assert_within(&format!("softmax mask {dtype:?} dx"), &g[0], &g_ref[0], &dx_bound);
+        let mut db_bound = vec![0.0; g_ref[1].len()];
+        for (i, (bound, dx)) in dx_bound.iter().zip(&g_ref[0]).enumerate() {
+            let j = ((i / (4 * m)) % 3) * m + i % m;
+            db_bound[j] += 2.0 * (bound + 12.0 * U32 * dx.abs() * 1.01);
+        }
+        for (bound, want) in db_bound.iter_mut().zip(&g_ref[1]) {
+            *bound += u * want.abs();
+        }
+        assert_within(&format!("softmax mask {dtype:?} dmask"), &g[1], &g_ref[1], &db_bound);
+    }
+}
+
+/// Issue 39: a mesa-candle error shows, as a candle error, its own one-line message (not
+/// candle's `WrappedContext` Debug dump), and `as_mesa_error` gets the typed error back,
+/// also through candle's `.context()` and its `Context` trait.
+#[test]
+fn errors_display_their_one_line_message() {
+    use mesa_candle::{as_mesa_error, Error};
+    let cpu = candle_core::Device::Cpu;
+    let z = |dims: &[usize], dtype: DType| Tensor::zeros(dims, dtype, &cpu).unwrap();
+    let la = LinearAttention::new(LinearAttentionConfig::causal(), FeatureKind::Elu1);
+    let f32s = |dims: &[usize]| z(dims, DType::F32);
+    let x = f32s(&[4, 8]);
+    let cases: Vec<(candle_core::Error, &str, fn(&Error) -> bool)> = vec![
+        (
+            la.forward(&f32s(&[2, 5, 4]), &f32s(&[2, 5, 4]), &f32s(&[2, 5, 4])).unwrap_err(),
+            "linear attention queries [B, H, L, d]: expected rank 4, got shape [2, 5, 4] (rank 3)",
+            |e| matches!(e, Error::Rank { .. }),
+        ),
+        (
+            Softmax::default().forward(&x, Some(&f32s(&[3, 8]))).unwrap_err(),
+            "softmax mask (broadcast to the input): expected shape [4, 8], got [3, 8]",
+            |e| matches!(e, Error::Shape { .. }),
+        ),
+        (
+            LayerNorm::new(0.0, exact(8)).forward(&x, &f32s(&[8]), &f32s(&[8])).unwrap_err(),
+            "mesa-kernels: invalid argument `eps`: must be positive and finite, got 0",
+            |e| matches!(e, Error::Kernel(mesa_kernels::Error::InvalidArgument { .. })),
+        ),
+        (
+            Gelu::erf().forward(&z(&[3], DType::U8)).unwrap_err(),
+            "gelu: dtype U8 is not supported (ops: f32, f16, bf16, f64 computed in f32; layer: f32)",
+            |e| matches!(e, Error::UnsupportedDType { op: "gelu", dtype: DType::U8 }),
+        ),
+    ];
+    for (e, want, is) in cases {
+        let shown = e.to_string();
+        assert_eq!(shown, want, "Display of {e:?}");
+        assert!(!shown.contains('\n'), "{shown:?}");
+        let typed = as_mesa_error(&e).unwrap_or_else(|| panic!("no mesa error in {e:?}"));
+        assert!(is(typed), "{typed:?}");
+        assert_eq!(typed.to_string(), want);
+        // a caller's context around it: candle's own formats, the typed error still inside
+        let via_trait = candle_core::Context::context(Err::<(), _>(e), "in layer 3").unwrap_err();
+        assert!(as_mesa_error(&via_trait).is_some_and(|t| is(t)), "{via_trait:?}");
+        let via_method = via_trait.context("in the model");
+        assert!(as_mesa_error(&via_method).is_some_and(|t| is(t)), "{via_method:?}");
+    }
+}
+
+/// `v` (f32 values) rounded to `dtype` once, as f64.
+fn rounded(v: &[f64], dtype: DType) -> Vec<f64> {
+    let t = Tensor::new(v, &candle_core::Device::Cpu).unwrap();
+    flat(&t.to_dtype(dtype).unwrap())
+}
+
+/// Issue 39: f16 and bf16 linear attention is computed in f32 and rounded once at the
+/// results, as `LinearAttention`'s docs say: output and gradients are bitwise the f32 op's on
+/// the same values, rounded to the dtype, and so within the f32 bound of
+/// `linear_attention_gradients_match_f64_candle` plus that one rounding, `u·|w|`. (The
+/// backward's normaliser term read the output as candle holds it, already rounded: f16
+/// `[1, 2, 24, 8]`, a dq was 8.07e-6 off against 7.97e-6 allowed.) Values with a common
+/// offset make the normaliser term (`∝ out`) and the numerator's cancel in `dq`, `dk`, so the
+/// rounding of `out` is not hidden under the size of the result.
+#[test]
+fn linear_attention_16_bit_is_f32_rounded_once() {
+    let mut rng = Rng::new("linear_attention_16_bit");
+    let dev = common::device();
+    let (b, h, l, d, dv) = (1, 2, 24, 8, 8);
+    let favor = LinearAttention::favor(&dev, 16, d, 11).unwrap();
+    for map in [FeatureKind::Elu1, favor] {
+        for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
+            for dtype in [DType::F16, DType::BF16] {
+                let config = LinearAttentionConfig { chunk: 16, memory, ..LinearAttentionConfig::causal() };
+                let op = LinearAttention::new(config, map.clone());
+                let q = rng.tensor(&[b, h, l, d], 0.0, 0.7, dtype);
+                let k = rng.tensor(&[b, h, l, d], 0.0, 0.7, dtype);
+                let v = rng.tensor(&[b, h, l, dv], 4.0, 0.5, dtype);
+                let dy = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
+                let inputs = [q, k, v];
+                let run = |t: &[Tensor]| op.forward(&t[0], &t[1], &t[2]);
+                let (y, g) = grads_on(&dev, &inputs, &dy, run);
+                let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                let (y32, g32) = grads_on(&dev, &inputs.clone().map(|t| f32s(&t)), &f32s(&dy), run);
+                let what = format!("linear attention {map:?} {memory:?} {dtype:?}");
+                assert!(y == rounded(&y32, dtype), "{what}: out is not the f32 op's rounded once");
+                for (name, i) in [("dq", 0), ("dk", 1), ("dv", 2)] {
+                    let want = rounded(&g32[i], dtype);
+                    let differ = (0..want.len()).filter(|&j| g[i][j] != want[j]).count();
+                    assert!(differ == 0, "{what}: {differ} of {} {name} are not the f32 op's rounded once", want.len());
+                }
+                let (y_ref, g_ref) =
+                    grads(&to_f64(&inputs), &dy, |t| linear_attention_ref(t, &map, true, 1e-6));
+                let c = 16.0 * (l * (d + dv)) as f64 * U32;
+                let u = unit(dtype);
+                for (name, got, want) in
+                    [("out", &y, &y_ref), ("dq", &g[0], &g_ref[0]), ("dk", &g[1], &g_ref[1]), ("dv", &g[2], &g_ref[2])]
+                {
+                    let top = want.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+                    let bound: Vec<f64> = want.iter().map(|w| c * (w.abs() + top) * (1.0 + u) + u * w.abs()).collect();
+                    assert_within(&format!("{what} {name}"), got, want, &bound);
+                }
+            }
+        }
+    }
+}
+
+/// Issue 39: RMSNorm of rows of huge finite values (the f32 mean of squares overflowed above
+/// |x| ≈ 1.8e19: rstd = 0, and output, dx and dw were 0) and of tiny ones, in every dtype,
+/// against candle f64 with `rms_norm_gradients_match_f64_candle_within_the_code_step`'s
+/// bounds, plus half the dtype's smallest subnormal for the gradients of the largest rows
+/// (`dx ≈ rstd·g ≈ 3e-39` is subnormal in f32 and bf16).
+#[test]
+fn rms_norm_of_huge_and_tiny_rows_matches_f64_candle() {
+    let mut rng = Rng::new("rms_norm_range");
+    let dev = common::device();
+    let (cols, eps) = (16, 1e-6);
+    for dtype in DTYPES {
+        let (scales, tiny): (&[f64], f64) = match dtype {
+            DType::F16 => (&[1.0, 3e4, 1e-5], 2f64.powi(-25)),
+            DType::BF16 => (&[1.0, 1e20, 3e38, 1e-30], 2f64.powi(-134)),
+            _ => (&[1.0, 1e20, 3e38, 1e-30], 2f64.powi(-150)),
+        };
+        let rows = scales.len();
+        // entries ±(0.5 … 1)·scale: the 3e38 rows stay finite in f32 and bf16
+        let xs: Vec<f64> = (0..rows * cols)
+            .map(|i| {
+                let m = scales[i / cols] * (0.5 + 0.5 * rng.uniform());
+                if rng.next_u64() & 1 == 0 {
+                    m
+                } else {
+                    -m
+                }
+            })
+            .collect();
+        let stored = if dtype == DType::F64 { DType::F32 } else { dtype };
+        let x = Tensor::from_vec(xs, (rows, cols), &candle_core::Device::Cpu).unwrap();
+        let x = x.to_dtype(stored).unwrap().to_dtype(dtype).unwrap();
+        let w = rng.tensor(&[cols], 1.0, 0.5, dtype);
+        let dy = rng.tensor(&[rows, cols], 0.0, 1.0, dtype);
+        let op = RmsNorm::new(eps as f32, exact(8));
+        let inputs = [x.clone(), w.clone()];
+        let (y, g) = grads_on(&dev, &inputs, &dy, |t| op.forward(&t[0], &t[1]));
+        let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| {
+            let rstd = (t[0].sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+            t[0].broadcast_mul(&rstd)?.broadcast_mul(&t[1])
+        });
+        let u = unit(dtype);
+        let (xs, ws, dys) = (flat(&x), flat(&w), flat(&dy));
+        let (xhat, rstd) = normalized(&xs, cols, eps, false);
+        let fwd: Vec<f64> = y_ref.iter().map(|v| u * v.abs() + 16.0 * cols as f64 * U32 * (1.0 + v.abs())).collect();
+        assert_within(&format!("rms norm range {dtype:?} y"), &y, &y_ref, &fwd);
+        let h = 0.5 * step(&xhat, 8) * (1.0 + 1e-4) + 8.0 * U32 * xhat.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+        let nb = norm_bounds(&xhat, &rstd, &ws, &dys, h);
+        let with_u = |b: &[f64], r: &[f64]| -> Vec<f64> {
+            b.iter().zip(r).map(|(b, r)| b + 2.0 * u * r.abs() + tiny).collect()
+        };
+        assert_within(&format!("rms norm range {dtype:?} dx"), &g[0], &g_ref[0], &with_u(&nb.dx, &g_ref[0]));
+        assert_within(&format!("rms norm range {dtype:?} dw"), &g[1], &g_ref[1], &with_u(&nb.dw, &g_ref[1]));
+    }
+}
+
+/// Issue 39: tensors of one call with different dtypes are refused by every op with
+/// `Error::DTypeMismatch` naming both tensors and dtypes (LayerNorm and RMSNorm accepted
+/// them, the others said "dtype F16 is not supported", f64 with f32 ran).
+#[test]
+fn mixed_dtypes_are_a_dtype_mismatch_naming_both_tensors() {
+    use mesa_candle::{as_mesa_error, Error};
+    let cpu = candle_core::Device::Cpu;
+    let z = |dims: &[usize], dtype: DType| Tensor::zeros(dims, dtype, &cpu).unwrap();
+    let (f, hf) = (|d: &[usize]| z(d, DType::F32), |d: &[usize]| z(d, DType::F16));
+    let la = LinearAttention::new(LinearAttentionConfig::causal(), FeatureKind::Elu1);
+    let (ln, rms, lin) = (LayerNorm::new(1e-5, exact(8)), RmsNorm::new(1e-5, exact(8)), CodedLinear::new(exact(8)));
+    let x = f(&[4, 8]);
+    let q = f(&[1, 2, 4, 8]);
+    let tail = "(one dtype for all the op's tensors)";
+    let cases = [
+        (ln.forward(&x, &hf(&[8]), &f(&[8])), "layer norm: weight [C] has dtype F16 but input [..., C] has F32"),
+        (ln.forward(&x, &f(&[8]), &hf(&[8])), "layer norm: bias [C] has dtype F16 but input [..., C] has F32"),
+        (rms.forward(&x, &hf(&[8])), "rms norm: weight [C] has dtype F16 but input [..., C] has F32"),
+        (rms.forward(&z(&[4, 8], DType::F64), &x.get(0).unwrap()), "rms norm: weight [C] has dtype F32 but input [..., C] has F64"),
+        (lin.forward(&x, &hf(&[3, 8]), None), "linear: weight [out, in] has dtype F16 but input [..., in] has F32"),
+        (lin.forward(&x, &f(&[3, 8]), Some(&hf(&[3]))), "linear: bias [out] has dtype F16 but input [..., in] has F32"),
+        (Softmax::default().forward(&x, Some(&hf(&[8]))), "softmax: mask has dtype F16 but input [..., N] has F32"),
+        (la.forward(&q, &hf(&[1, 2, 4, 8]), &q), "linear attention: keys [B, H, L, d] has dtype F16 but queries [B, H, L, d] has F32"),
+        (la.forward(&q, &q, &hf(&[1, 2, 4, 8])), "linear attention: values [B, H, L, D] has dtype F16 but queries [B, H, L, d] has F32"),
+    ];
+    for (r, want) in cases {
+        let e = r.unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::DTypeMismatch { .. })), "{want}: {e}");
+        assert_eq!(e.to_string(), format!("{want} {tail}"));
+    }
+}
+
+/// Issue 39: shape messages name the real problem: the Linear's input's last dimension (not
+/// `[17]` shown as a shape), the empty last axis of a norm's input (not the weight), and
+/// `in = 0` as a typed error (it was candle's reshape error).
+#[test]
+fn shape_messages_name_the_real_problem() {
+    use mesa_candle::{as_mesa_error, Error};
+    let cpu = candle_core::Device::Cpu;
+    let f = |d: &[usize]| Tensor::zeros(d, DType::F32, &cpu).unwrap();
+    let lin = CodedLinear::new(exact(8));
+    let e = lin.forward(&f(&[2, 3, 16]), &f(&[5, 17]), None).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "linear input [..., in] (in = 17: weight [out, in] is [5, 17]): expected shape [2, 3, 17], got [2, 3, 16]"
+    );
+    let e = lin.forward(&f(&[4, 0]), &f(&[3, 0]), None).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { .. })), "{e}");
+    assert_eq!(e.to_string(), "linear weight [out, in]: in must be ≥ 1, got in = 0 (weight [3, 0], input [4, 0])");
+    let e = RmsNorm::new(1e-5, exact(8)).forward(&f(&[4, 0]), &f(&[0])).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { .. })), "{e}");
+    assert_eq!(e.to_string(), "rms norm input [..., C]: C must be ≥ 1, got the empty last axis of shape [4, 0]");
+    let e = LayerNorm::new(1e-5, exact(8)).forward(&f(&[4, 0]), &f(&[0]), &f(&[0])).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { .. })), "{e}");
+    assert_eq!(e.to_string(), "layer norm input [..., C]: C must be ≥ 1, got the empty last axis of shape [4, 0]");
+}
+#[test]
+fn zz_tmp_bf16_subnormal() {
+    let cpu = candle_core::Device::Cpu;
+    let x = Tensor::new(&[[3e38f32, -2e38, 2.5e38, 1e38]], &cpu).unwrap();
+    let w = Tensor::new(&[1f32, 1., 1., 1.], &cpu).unwrap();
+    let dy = Tensor::new(&[[1f32, 0.5, -0.25, 2.]], &cpu).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let op = RmsNorm::new(1e-6, exact(8));
+        let inputs = [x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap()];
+        let (y, g) = grads(&inputs, &dy.to_dtype(dtype).unwrap(), |t| op.forward(&t[0], &t[1]));
+        eprintln!("{dtype:?} y {y:?} dx {:?}", g[0]);
+    }
+}

@@ -43,13 +43,22 @@ pub fn mask(
     shape: &[usize],
     device: &candle_core::Device,
 ) -> candle_core::Result<Option<Tensor>> {
+    keyed_mask(site_key(seed, site), p, shape, device)
+}
+
+/// The mask of Philox key `key` (as [`mask`], without the site), for [`crate::ops::Dropout`].
+pub(crate) fn keyed_mask(
+    key: u64,
+    p: f32,
+    shape: &[usize],
+    device: &candle_core::Device,
+) -> candle_core::Result<Option<Tensor>> {
     if !(0.0..1.0).contains(&p) {
         return Err(crate::Error::InvalidArgument { name: "p", why: format!("must be in [0, 1), got {p}") }.into());
     }
     if p == 0.0 {
         return Ok(None);
     }
-    let key = site_key(seed, site);
     let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| crate::Error::InvalidArgument {
         name: "shape",
         why: format!("{shape:?} has more elements than usize holds"),

@@ -556,8 +556,13 @@ impl TransformerLayer {
 }
 
 impl Module for TransformerLayer {
-    /// [`TransformerLayer::forward_seeded`] with seed `dropout.seed + k` for the `k`-th call.
+    /// [`TransformerLayer::forward_seeded`] with seed `dropout.seed + k` for the `k`-th call;
+    /// inside a checkpoint region, with the region's next key ([`crate::region::next_key`]),
+    /// so that the region's rerun replays the dropout masks.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if crate::region::in_region() {
+            return self.forward_seeded(x, crate::region::next_key());
+        }
         let k = self.calls.fetch_add(1, Ordering::Relaxed);
         self.forward_seeded(x, self.config.dropout.seed.wrapping_add(k))
     }

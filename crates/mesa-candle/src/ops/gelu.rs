@@ -13,7 +13,7 @@ use crate::error::KernelResult;
 /// computed in f32 ([`crate::ops`], "Dtypes").
 ///
 /// Forward: one kernel writes `y` and the codes `Q(x)` (the quantizer's bits, grouping and
-/// running estimate, Mesa §3.1); backward: `dx = dy·gelu'(x̂)`, `x̂` decoded inside the
+/// range: exact by default, or Mesa's running estimate, §3.3); backward: `dx = dy·gelu'(x̂)`, `x̂` decoded inside the
 /// kernel. The gradient's error is bounded by `|dy|·max|gelu''|·step/2`
 /// (`max|gelu''| = 2φ(0) ≈ 0.80` for erf), `step` the codes' quantization step.
 #[derive(Debug)]
@@ -23,23 +23,24 @@ pub struct Gelu {
 }
 
 impl Gelu {
-    /// GELU of `form` keeping its input with `config` (bits 8/4/2, grouping, rounding,
-    /// statistics mode).
+    /// GELU of `form` keeping its input with `config`: [`crate::ops::Codes`] (bits, rounding,
+    /// statistics) or the kernels' [`QuantConfig`] (also grouping).
     #[must_use]
-    pub fn new(form: GeluForm, config: QuantConfig) -> Self {
-        Gelu { form, quant: QuantSlot::new(config) }
+    pub fn new(form: GeluForm, config: impl Into<QuantConfig>) -> Self {
+        Gelu { form, quant: QuantSlot::new(config.into()) }
     }
 
-    /// The erf form with Mesa's defaults: 8 bits, one group, running estimate.
+    /// The erf form with the default [`crate::ops::Codes`]: 8 bits, round to nearest, exact
+    /// statistics (Mesa's running estimate: `Gelu::new(GeluForm::Erf, Codes::default().running())`).
     #[must_use]
     pub fn erf() -> Self {
-        Gelu::new(GeluForm::Erf, QuantConfig::per_tensor())
+        Gelu::new(GeluForm::Erf, super::Codes::default())
     }
 
-    /// The tanh form with Mesa's defaults.
+    /// The tanh form with the default [`crate::ops::Codes`].
     #[must_use]
     pub fn tanh() -> Self {
-        Gelu::new(GeluForm::Tanh, QuantConfig::per_tensor())
+        Gelu::new(GeluForm::Tanh, super::Codes::default())
     }
 }
 

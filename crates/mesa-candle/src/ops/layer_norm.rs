@@ -5,7 +5,7 @@ use mesa_kernels::fused::{
 };
 use mesa_kernels::{QuantConfig, SavedLayerNorm};
 
-use super::{check_rank, f64_via_f32, QuantSlot};
+use super::{check_dtypes, check_rank, f64_via_f32, QuantSlot};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, Output, View};
 use crate::error::{Error, KernelResult};
@@ -24,29 +24,31 @@ pub struct LayerNorm {
 }
 
 impl LayerNorm {
-    /// LayerNorm with `eps` keeping `x̂` with `config`.
+    /// LayerNorm with `eps` keeping `x̂` with `config` ([`crate::ops::Codes`] or a
+    /// [`QuantConfig`]).
     #[must_use]
-    pub fn new(eps: f32, config: QuantConfig) -> Self {
-        LayerNorm { eps, quant: QuantSlot::new(config) }
+    pub fn new(eps: f32, config: impl Into<QuantConfig>) -> Self {
+        LayerNorm { eps, quant: QuantSlot::new(config.into()) }
     }
 
     /// `x: [..., C]`, `weight`, `bias`: `[C]`.
     ///
     /// # Errors
-    /// [`Error::Rank`] (`x` of rank 0), [`Error::Shape`] (weight or bias not `[C]`, `C = 0`),
+    /// [`Error::Rank`] (`x` of rank 0), [`Error::InvalidArgument`] (`C = 0`), [`Error::Shape`]
+    /// (weight or bias not `[C]`), [`Error::DTypeMismatch`] (not one dtype),
     /// [`Error::UnsupportedDType`], [`Error::DeviceMismatch`], the kernels' errors (eps,
     /// layouts) as [`Error::Kernel`].
     pub fn forward(&self, x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+        check_dtypes("layer norm", &[(x, "input [..., C]"), (weight, "weight [C]"), (bias, "bias [C]")])?;
         if let Some(y) = f64_via_f32("layer norm", &[x, weight, bias], |t| self.forward(&t[0], &t[1], &t[2]))? {
             return Ok(y);
         }
         check_rank("layer norm input [..., C]", x, 1, true)?;
         let cols = x.dims().last().copied().unwrap_or(0);
         if cols == 0 {
-            return Err(Error::Shape {
-                what: "layer norm input [..., C], C ≥ 1".into(),
-                expected: vec![1],
-                got: x.dims().to_vec(),
+            return Err(Error::InvalidArgument {
+                name: "layer norm input [..., C]",
+                why: format!("C must be ≥ 1, got the empty last axis of shape {:?}", x.dims()),
             }
             .into());
         }

@@ -2,7 +2,7 @@
 use candle_core::{DType, Tensor};
 use mesa_kernels::{QuantConfig, SavedActivation};
 
-use super::{check_rank, f64_via_f32, tensor_result, QuantSlot};
+use super::{check_dtypes, check_rank, f64_via_f32, tensor_result, QuantSlot};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, Output, View};
 use crate::error::{Error, KernelResult};
@@ -19,32 +19,50 @@ pub struct CodedLinear {
 }
 
 impl CodedLinear {
-    /// A Linear keeping its input with `config`.
+    /// A Linear keeping its input with `config` ([`crate::ops::Codes`] or a [`QuantConfig`]).
     #[must_use]
-    pub fn new(config: QuantConfig) -> Self {
-        CodedLinear { quant: QuantSlot::new(config) }
+    pub fn new(config: impl Into<QuantConfig>) -> Self {
+        CodedLinear { quant: QuantSlot::new(config.into()) }
     }
 
     /// `x: [..., in]`, `weight: [out, in]`, `bias: [out]` or `None`.
     ///
     /// # Errors
-    /// [`Error::Rank`] (`x` of rank 0, weight not of rank 2), [`Error::Shape`] (`x`'s last
-    /// dim not `in`, bias not `[out]`), [`Error::UnsupportedDType`], [`Error::DeviceMismatch`],
-    /// the kernels' errors as [`Error::Kernel`].
+    /// [`Error::Rank`] (`x` of rank 0, weight not of rank 2), [`Error::InvalidArgument`]
+    /// (`in = 0`), [`Error::Shape`] (`x`'s last dim not `in`, bias not `[out]`),
+    /// [`Error::DTypeMismatch`] (not one dtype), [`Error::UnsupportedDType`],
+    /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
     pub fn forward(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let mut args = vec![x, weight];
         args.extend(bias);
+        let mut named = vec![(x, "input [..., in]"), (weight, "weight [out, in]")];
+        named.extend(bias.map(|b| (b, "bias [out]")));
+        check_dtypes("linear", &named)?;
         if let Some(y) = f64_via_f32("linear", &args, |t| self.forward(&t[0], &t[1], t.get(2)))? {
             return Ok(y);
         }
         check_rank("linear input [..., in]", x, 1, true)?;
         check_rank("linear weight [out, in]", weight, 2, false)?;
         let (out_f, in_f) = weight.dims2()?;
+        if in_f == 0 {
+            return Err(Error::InvalidArgument {
+                name: "linear weight [out, in]",
+                why: format!("in must be ≥ 1, got in = 0 (weight {:?}, input {:?})", weight.dims(), x.dims()),
+            }
+            .into());
+        }
         let x_in = x.dims().last().copied().unwrap_or(0);
         if x_in != in_f {
-            return Err(
-                Error::Shape { what: "linear input".into(), expected: vec![in_f], got: x.dims().to_vec() }.into()
-            );
+            let mut expected = x.dims().to_vec();
+            if let Some(last) = expected.last_mut() {
+                *last = in_f;
+            }
+            return Err(Error::Shape {
+                what: format!("linear input [..., in] (in = {in_f}: weight [out, in] is {:?})", weight.dims()),
+                expected,
+                got: x.dims().to_vec(),
+            }
+            .into());
         }
         if let Some(b) = bias {
             if b.dims() != [out_f] {

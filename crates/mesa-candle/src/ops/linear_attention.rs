@@ -13,7 +13,7 @@ use mesa_kernels::linear_attention::{
 };
 use mesa_kernels::{TensorMut, TensorRef};
 
-use super::{check_rank, f64_via_f32, tensor_result};
+use super::{check_dtypes, check_rank, f64_via_f32, tensor_result};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, kernel_device, KernelFloat, Output, View};
 use crate::error::{Error, KernelResult};
@@ -34,13 +34,17 @@ pub enum FeatureKind {
 /// Linear attention `out_t = Σ_{s≤t} (φ(q_t)·φ(k_s)) v_s / g(φ(q_t)·Σ_{s≤t} φ(k_s))` (causal;
 /// bidirectional sums over all `s`), `q, k: [B, H, L, d]`, `v: [B, H, L, D]`, one dtype
 /// (f32, f16, bf16, any strides); f16 and bf16 are computed in f32 and rounded once at the
-/// results (why: the private `f32_of`), f64 is computed in f32 ([`crate::ops`]).
+/// results — output and gradients are bitwise the f32 op's on the same values, rounded to
+/// the dtype (why: the private `f32_of`) —, f64 is computed in f32 ([`crate::ops`]).
 ///
 /// Forward: the feature-map kernel, then the chunked attention kernel, which keeps its
 /// states (per chunk, or the final one only in SLiM mode). Backward: exact gradients of
 /// both, with `φ(q)`, `φ(k)` recomputed from `q` and `k` (which candle's graph holds as
 /// the op's arguments anyway) — in SLiM mode the op itself keeps nothing of size `L` but the
-/// `B·H·L` f32 denominators (when normalised).
+/// `B·H·L` f32 denominators (when normalised). For f16 and bf16 the op keeps nothing: the
+/// backward's normaliser term needs the f32 output, not the rounded one candle holds, so the
+/// backward reruns the f32 forward (features, attention and its states) from `q, k, v`
+/// first, one more forward pass instead of keeping `B·H·L·D` f32 of output.
 #[derive(Debug, Clone)]
 pub struct LinearAttention {
     config: LinearAttentionConfig,
@@ -87,9 +91,13 @@ impl LinearAttention {
     ///
     /// # Errors
     /// [`Error::Rank`] (`q`, `k` or `v` not of rank 4), [`Error::Shape`] (disagreeing `B`,
-    /// `H`, `L`, `d`), [`Error::UnsupportedDType`], [`Error::DeviceMismatch`], the kernels'
-    /// errors as [`Error::Kernel`].
+    /// `H`, `L`, `d`), [`Error::DTypeMismatch`] (not one dtype), [`Error::UnsupportedDType`],
+    /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
+        check_dtypes(
+            "linear attention",
+            &[(q, "queries [B, H, L, d]"), (k, "keys [B, H, L, d]"), (v, "values [B, H, L, D]")],
+        )?;
         if let Some(y) = f64_via_f32("linear attention", &[q, k, v], |t| self.forward(&t[0], &t[1], &t[2]))? {
             return Ok(y);
         }
@@ -110,14 +118,15 @@ impl LinearAttention {
         }
         let kernels = common_device("linear attention", &[q, k, v])?;
         if matches!(q.dtype(), DType::F16 | DType::BF16) {
-            // computed in f32 from the 16-bit inputs, the output rounded once: see `f32_of`
-            let (out, saved) = self.forward_detached::<f32>(&kernels, &f32_of(q)?, &f32_of(k)?, &f32_of(v)?)?;
+            // computed in f32 from the 16-bit inputs, the output rounded once: see `f32_of`;
+            // the states are dropped, the backward reruns this forward (type docs)
+            let (out, _) = self.forward_detached::<f32>(&kernels, &f32_of(q)?, &f32_of(k)?, &f32_of(v)?)?;
             let out = tensor_result(&out.into_tensor()?.to_dtype(q.dtype())?)?;
-            return attach(&[q, k, v], out, LinearAttentionGrad { op: self.clone(), saved, kernels });
+            return attach(&[q, k, v], out, LinearAttentionGrad { op: self.clone(), saved: None, kernels });
         }
         dispatch_float!(q.dtype(), "linear attention", T => {
             let (out, saved) = self.forward_detached::<T>(&kernels, &q.detach(), &k.detach(), &v.detach())?;
-            attach(&[q, k, v], out.into_storage()?, LinearAttentionGrad { op: self.clone(), saved, kernels })
+            attach(&[q, k, v], out.into_storage()?, LinearAttentionGrad { op: self.clone(), saved: Some(saved), kernels })
         })
     }
 
@@ -144,13 +153,28 @@ impl LinearAttention {
         out: &Tensor,
         dout: &Tensor,
     ) -> candle_core::Result<[Tensor; 3]> {
-        let [q, k, v] = qkv;
+        let [q, k, _] = qkv;
         let (phi_q, phi_k) = self.features::<T>(kernels, q, k)?;
+        self.backward_from_features::<T>(kernels, saved, qkv, [&phi_q, &phi_k], out, dout)
+    }
+
+    /// [`LinearAttention::backward_detached`] with `φ(q)`, `φ(k)` given.
+    fn backward_from_features<T: KernelFloat>(
+        &self,
+        kernels: &mesa_kernels::Device,
+        saved: &LinearAttentionSaved,
+        qkv: [&Tensor; 3],
+        phi: [&Tensor; 2],
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> candle_core::Result<[Tensor; 3]> {
+        let [q, k, v] = qkv;
+        let [phi_q, phi_k] = phi;
         let mut dphi_q = Output::<T>::zeros(q.device(), kernels, phi_q.shape())?;
         let mut dphi_k = Output::<T>::zeros(q.device(), kernels, phi_k.shape())?;
         let mut dv = Output::<T>::zeros(q.device(), kernels, v.shape())?;
         {
-            let views = [View::of(&phi_q)?, View::of(&phi_k)?, View::of(v)?, View::of(out)?, View::of(dout)?];
+            let views = [View::of(phi_q)?, View::of(phi_k)?, View::of(v)?, View::of(out)?, View::of(dout)?];
             let [pq, pk, vv, o, d] = [0, 1, 2, 3, 4].map(|i| views[i].tensor_ref::<T>());
             let (pq, pk, vv, o, d) = (pq?, pk?, vv?, o?, d?);
             let args = LaBackward { q: &pq, k: &pk, v: &vv, out: &o, dout: &d };
@@ -160,8 +184,8 @@ impl LinearAttention {
         }
         let (dphi_q, dphi_k) = (dphi_q.into_tensor()?, dphi_k.into_tensor()?);
         Ok([
-            self.features_backward::<T>(kernels, q, &phi_q, &dphi_q, true)?,
-            self.features_backward::<T>(kernels, k, &phi_k, &dphi_k, false)?,
+            self.features_backward::<T>(kernels, q, phi_q, &dphi_q, true)?,
+            self.features_backward::<T>(kernels, k, phi_k, &dphi_k, false)?,
             dv.into_tensor()?,
         ])
     }
@@ -296,7 +320,10 @@ impl LinearAttention {
 /// grows like `1/z` where a position's normaliser `z = φ(q_t)·Σ_{s≤t} φ(k_s)` is small
 /// (FAVOR+ features of a key far below the stabiliser's maximum) and overflows f16 there,
 /// although `dk = (∂φ/∂k)ᵀ dφ` is of ordinary size — kept in f16, `dφ` turned such a `dk`
-/// into ±inf. The op's saved states are f32 either way.
+/// into ±inf. The backward reruns the f32 forward instead of reading the output candle
+/// holds: the normaliser's term `(dO·O)/z` from the rounded `O` is off by up to `u·|dO||O|/z`,
+/// which exceeds one rounding of `dq`, `dk` where that term and the numerator's cancel
+/// (values with a common offset: a dq 8e-6 off against 8e-6 allowed, f16).
 fn f32_of(t: &Tensor) -> candle_core::Result<Tensor> {
     t.detach().to_dtype(DType::F32)
 }
@@ -351,7 +378,8 @@ pub(crate) fn la_backward_with_state<'b, T: KernelFloat>(
 
 struct LinearAttentionGrad {
     op: LinearAttention,
-    saved: LinearAttentionSaved,
+    /// The forward's states; `None` for 16-bit inputs, whose backward reruns the f32 forward.
+    saved: Option<LinearAttentionSaved>,
     kernels: mesa_kernels::Device,
 }
 
@@ -362,13 +390,24 @@ impl Backward for LinearAttentionGrad {
     fn backward(&self, args: &[&Tensor], res: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
         let (q, k, v) = (args[0].detach(), args[1].detach(), args[2].detach());
         let dtype = q.dtype();
-        if matches!(dtype, DType::F16 | DType::BF16) {
-            let (q, k, v, res, grad) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(res)?, f32_of(grad)?);
-            let grads = self.op.backward_detached::<f32>(&self.kernels, &self.saved, [&q, &k, &v], &res, &grad)?;
+        let Some(saved) = &self.saved else {
+            // 16-bit: the f32 forward again, for its f32 output (`res` is rounded) and states
+            let (q, k, v, grad) = (f32_of(&q)?, f32_of(&k)?, f32_of(&v)?, f32_of(grad)?);
+            let (phi_q, phi_k) = self.op.features::<f32>(&self.kernels, &q, &k)?;
+            let (out, saved) = self.op.attention_with_state::<f32>(&self.kernels, &phi_q, &phi_k, &v, None)?;
+            let out = out.into_tensor()?;
+            let grads = self.op.backward_from_features::<f32>(
+                &self.kernels,
+                &saved,
+                [&q, &k, &v],
+                [&phi_q, &phi_k],
+                &out,
+                &grad,
+            )?;
             return grads.into_iter().map(|g| Ok(Some(g.to_dtype(dtype)?))).collect();
-        }
+        };
         dispatch_float!(q.dtype(), "linear attention backward", T => {
-            let [dq, dk, dv] = self.op.backward_detached::<T>(&self.kernels, &self.saved, [&q, &k, &v], res, grad)?;
+            let [dq, dk, dv] = self.op.backward_detached::<T>(&self.kernels, saved, [&q, &k, &v], res, grad)?;
             Ok(vec![Some(dq), Some(dk), Some(dv)])
         })
     }

@@ -5,7 +5,7 @@
 //! | [`Gelu`] (erf, tanh) | codes of `x` | `gelu_backward` decodes in the kernel |
 //! | [`Softmax`] (last axis, additive mask) | codes of `y` (square-root companded) | `softmax_backward` decodes in the kernel |
 //! | [`LayerNorm`] | codes of `x̂`, per-row mean and rstd | `layer_norm_backward` (dx, dweight, dbias) |
-//! | [`RmsNorm`] | codes of `x̂`, per-row rstd | candle ops on the decoded `x̂` (no RMSNorm kernel) |
+//! | [`RmsNorm`] | codes of `x̂`, per-row `1/rstd` | candle ops on the decoded `x̂` (no RMSNorm kernel) |
 //! | [`CodedLinear`] | codes of `x` | `dW = dyᵀ·x̂` from the decoded `x̂`, candle's matmuls |
 //! | [`LinearAttention`] (ReLU, ELU+1, FAVOR+) | the attention's saved states | chunked kernels; φ recomputed from `q`, `k` |
 //!
@@ -14,8 +14,9 @@
 //! `to_dtype`, the op runs on those, and its result is cast back to f64, all inside candle's
 //! graph, so the gradient reaches the f64 arguments through candle's casts. The math is that
 //! of f32 (inputs rounded to f32 once, `|δx| ≤ 2⁻²⁴|x|`), not of f64. Any other dtype is
-//! [`Error::UnsupportedDType`]; a tensor of the wrong rank [`Error::Rank`], of the wrong
-//! shape [`Error::Shape`].
+//! [`Error::UnsupportedDType`]; tensors of one call must share one dtype, else
+//! [`Error::DTypeMismatch`] naming both (no op casts one to another's); a tensor of the wrong
+//! rank [`Error::Rank`], of the wrong shape [`Error::Shape`].
 //!
 //! **What these per-op ops do not save.** Candle's autograd keeps a clone of every argument
 //! of every op until backward (`BackpropOp`, candle-core `op.rs`), so the full-precision input
@@ -26,10 +27,12 @@
 use std::sync::Mutex;
 
 use candle_core::{DType, DeviceLocation, Shape, Storage, Tensor};
-use mesa_kernels::{QuantConfig, Quantizer};
+use mesa_kernels::Quantizer;
 
 use crate::error::{Error, KernelResult};
 
+mod dropout;
+mod codes;
 mod gelu;
 mod layer_norm;
 pub(crate) mod linear;
@@ -37,17 +40,22 @@ mod linear_attention;
 mod rms_norm;
 mod softmax;
 
+pub use dropout::Dropout;
+pub use codes::Codes;
 pub use gelu::Gelu;
 pub use layer_norm::LayerNorm;
 pub use linear::CodedLinear;
 pub use linear_attention::{FeatureKind, LinearAttention};
 pub use rms_norm::RmsNorm;
 pub use softmax::Softmax;
+// what the ops' constructors take, so that common settings need no `mesa_kernels` dependency
+pub use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode, Schedule};
+pub use mesa_kernels::{GeluForm, Grouping, QuantConfig, Rounding, StatsMode};
 
 /// The dtype of an op's first argument, checked: `Ok(None)` for f32, f16 and bf16 (the op
-/// runs natively); for f64, `f` run on the arguments cast to f32 (f64 ones only) and its
-/// result cast back to f64, inside candle's graph; any other dtype
-/// [`Error::UnsupportedDType`].
+/// runs natively); for f64, `f` run on the arguments cast to f32 (f64 ones only: the ops
+/// refuse mixed dtypes first, [`check_dtypes`]) and its result cast back to f64, inside
+/// candle's graph; any other dtype [`Error::UnsupportedDType`].
 pub(crate) fn f64_via_f32(
     op: &'static str,
     args: &[&Tensor],
@@ -64,6 +72,24 @@ pub(crate) fn f64_via_f32(
             Ok(Some(f(&cast)?.to_dtype(DType::F64)?))
         }
         dtype => Err(Error::UnsupportedDType { op, dtype }.into()),
+    }
+}
+
+/// One dtype for all of an op's tensors (each named with its layout, the first the one the
+/// others must match), else [`Error::DTypeMismatch`] naming the first that differs. Checked
+/// before [`f64_via_f32`], so f64 goes to f32 only with f64 alone.
+pub(crate) fn check_dtypes(op: &'static str, named: &[(&Tensor, &str)]) -> candle_core::Result<()> {
+    let Some(((first, of), rest)) = named.split_first() else { return Ok(()) };
+    match rest.iter().find(|(t, _)| t.dtype() != first.dtype()) {
+        None => Ok(()),
+        Some((t, what)) => Err(Error::DTypeMismatch {
+            op,
+            what: (*what).into(),
+            of: (*of).into(),
+            expected: first.dtype(),
+            got: t.dtype(),
+        }
+        .into()),
     }
 }
 

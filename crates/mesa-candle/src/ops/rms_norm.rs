@@ -6,14 +6,16 @@
 use candle_core::{DType, Tensor, D};
 use mesa_kernels::{QuantConfig, SavedActivation};
 
-use super::{check_rank, f64_via_f32, tensor_result, QuantSlot};
+use super::{check_dtypes, check_rank, f64_via_f32, tensor_result, QuantSlot};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, Output, View};
 use crate::error::{Error, KernelResult};
 
 /// `y = x̂·w`, `x̂ = x·rstd`, `rstd = 1/√(mean(x²) + eps)` over the last axis; `x` f32, f16,
 /// bf16 or f64 of rank ≥ 1, `w` `[C]` of `x`'s dtype; arithmetic in f32 (also for f64,
-/// [`crate::ops`]).
+/// [`crate::ops`]) except `mean(x²)`, summed in f64 so that no finite row overflows or
+/// underflows (rows of any finite size give their `x̂`, also beyond `|x| ≈ 1.8e19`, where
+/// the f32 squares overflow). Keeps the codes of `x̂` and the per-row `1/rstd` (f32).
 ///
 /// Backward: `dx = rstd·(g − x̂·mean(g·x̂))` with `g = dy·w`, `dw = Σ_rows dy·x̂`, from the
 /// decoded `x̂`.
@@ -24,31 +26,39 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    /// RMSNorm with `eps` keeping `x̂` with `config`.
+    /// RMSNorm with `eps` keeping `x̂` with `config` ([`crate::ops::Codes`] or a
+    /// [`QuantConfig`]).
     #[must_use]
-    pub fn new(eps: f32, config: QuantConfig) -> Self {
-        RmsNorm { eps, quant: QuantSlot::new(config) }
+    pub fn new(eps: f32, config: impl Into<QuantConfig>) -> Self {
+        RmsNorm { eps, quant: QuantSlot::new(config.into()) }
     }
 
     /// `x: [..., C]`, `weight: [C]`.
     ///
     /// # Errors
-    /// [`Error::Rank`] (`x` of rank 0), [`Error::Shape`] (weight not `[C]`, or `C = 0`),
-    /// [`Error::InvalidArgument`] (eps not positive and finite), [`Error::UnsupportedDType`],
-    /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
+    /// [`Error::Rank`] (`x` of rank 0), [`Error::InvalidArgument`] (`C = 0`; eps not
+    /// positive and finite), [`Error::Shape`] (weight not `[C]`), [`Error::DTypeMismatch`]
+    /// (not one dtype), [`Error::UnsupportedDType`], [`Error::DeviceMismatch`], the kernels'
+    /// errors as [`Error::Kernel`].
     pub fn forward(&self, x: &Tensor, weight: &Tensor) -> candle_core::Result<Tensor> {
+        check_dtypes("rms norm", &[(x, "input [..., C]"), (weight, "weight [C]")])?;
         if let Some(y) = f64_via_f32("rms norm", &[x, weight], |t| self.forward(&t[0], &t[1]))? {
             return Ok(y);
         }
         check_rank("rms norm input [..., C]", x, 1, true)?;
         let cols = x.dims().last().copied().unwrap_or(0);
-        if weight.dims() != [cols] || cols == 0 {
-            return Err(Error::Shape {
-                what: "rms norm weight".into(),
-                expected: vec![cols.max(1)],
-                got: weight.dims().to_vec(),
+        if cols == 0 {
+            return Err(Error::InvalidArgument {
+                name: "rms norm input [..., C]",
+                why: format!("C must be ≥ 1, got the empty last axis of shape {:?}", x.dims()),
             }
             .into());
+        }
+        if weight.dims() != [cols] {
+            return Err(
+                Error::Shape { what: "rms norm weight [C]".into(), expected: vec![cols], got: weight.dims().to_vec() }
+                    .into(),
+            );
         }
         if !(self.eps > 0.0 && self.eps.is_finite()) {
             return Err(Error::InvalidArgument {
@@ -62,21 +72,30 @@ impl RmsNorm {
         }
         let kernels = common_device("rms norm", &[x, weight])?;
         let xf = x.detach().to_dtype(DType::F32)?;
-        let rstd = (xf.sqr()?.mean_keepdim(D::Minus1)? + f64::from(self.eps))?.sqrt()?.recip()?;
-        let xhat = xf.broadcast_mul(&rstd)?;
+        // mean(x²) in f64: the square of every f32 value, 2⁻²⁹⁸ ≤ x² < 2²⁵⁶ (and sums of up to
+        // 2⁷⁶⁷ of them), is a finite normal f64; in f32, x² overflows above |x| ≈ 1.8e19
+        // (rstd = 0: output and gradients 0) and underflows below ≈ 1e-23. (Scaling each row by
+        // a power of two near its max|x| would be exact as well, but candle has no frexp, and
+        // eps would scale by its square, overflowing for tiny rows.) `rms = √(mean(x²) + eps)`
+        // lies in [√eps, max|x|] up to rounding, so it is a normal f32 and the op divides by
+        // it: `rstd = 1/rms` is subnormal for rows near f32's largest values.
+        let mean_sq = x.detach().to_dtype(DType::F64)?.sqr()?.mean_keepdim(D::Minus1)?;
+        let rms = (mean_sq + f64::from(self.eps))?.sqrt()?.to_dtype(DType::F32)?;
+        let xhat = xf.broadcast_div(&rms)?;
         let y = xhat.broadcast_mul(&weight.detach().to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
         let saved = {
             let view = View::of(&xhat)?;
             let xr = view.tensor_ref::<f32>()?;
             self.quant.with(x.device(), &kernels, |q| q.quantize(&xr).k())?
         };
-        attach(&[x, weight], tensor_result(&y)?, RmsNormGrad { saved, rstd, kernels })
+        attach(&[x, weight], tensor_result(&y)?, RmsNormGrad { saved, rms, kernels })
     }
 }
 
 struct RmsNormGrad {
     saved: SavedActivation,
-    rstd: Tensor,
+    /// `1/rstd` per row, `[..., 1]` f32.
+    rms: Tensor,
     kernels: mesa_kernels::Device,
 }
 
@@ -91,7 +110,7 @@ impl Backward for RmsNormGrad {
         let dy = grad.to_dtype(DType::F32)?;
         let g = dy.broadcast_mul(&args[1].detach().to_dtype(DType::F32)?)?;
         let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
-        let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_mul(&self.rstd)?;
+        let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_div(&self.rms)?;
         let cols = xhat.dims().last().copied().unwrap_or(0);
         let dw = (dy * xhat)?.reshape(((), cols))?.sum(0)?;
         Ok(vec![Some(dx.to_dtype(grad.dtype())?), Some(dw.to_dtype(args[1].dtype())?)])

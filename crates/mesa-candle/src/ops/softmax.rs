@@ -3,7 +3,7 @@ use candle_core::Tensor;
 use mesa_kernels::fused::{softmax_backward, softmax_forward, SoftmaxInput};
 use mesa_kernels::{Grouping, Rounding, SavedActivation, SoftmaxCodes, SoftmaxSave};
 
-use super::{check_rank, f64_via_f32};
+use super::{check_dtypes, check_rank, f64_via_f32};
 use crate::attach::{attach, Backward};
 use crate::bridge::{common_device, dispatch_float, Output, View};
 use crate::error::{Error, KernelResult};
@@ -15,7 +15,9 @@ use crate::error::{Error, KernelResult};
 /// `1/(2^bits − 1)`, square-root companded by default: no statistics pass); backward:
 /// `dx = ŷ⊙(dy − Σ_row dy·ŷ)`, `ŷ` decoded inside the kernel. With `s = 1/(2^bits − 1)` the
 /// decoded probabilities satisfy `|ŷ − y| ≤ (√y + s/4)·s` (round to nearest). A fully masked
-/// row (all `−inf`) gives zeros. The mask gets no gradient.
+/// row (all `−inf`) gives zeros. A mask that tracks a gradient (a variable, or computed from
+/// one) gets `dx` — the gradient with respect to `x + mask` — summed over the axes along which
+/// it was broadcast (in f32, then rounded to its dtype), in its own shape; otherwise none.
 #[derive(Debug, Clone, Copy)]
 pub struct Softmax {
     save: SoftmaxSave,
@@ -47,11 +49,14 @@ impl Softmax {
     ///
     /// # Errors
     /// [`Error::Rank`] (`x` of rank 0), [`Error::Shape`] (a mask that does not broadcast to
-    /// `x`), [`Error::UnsupportedDType`], [`Error::DeviceMismatch`], the kernels' errors as
-    /// [`Error::Kernel`].
+    /// `x`), [`Error::DTypeMismatch`] (a mask of another dtype), [`Error::UnsupportedDType`],
+    /// [`Error::DeviceMismatch`], the kernels' errors as [`Error::Kernel`].
     pub fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
         let mut args = vec![x];
         args.extend(mask);
+        let mut named = vec![(x, "input [..., N]")];
+        named.extend(mask.map(|m| (m, "mask")));
+        check_dtypes("softmax", &named)?;
         if let Some(y) = f64_via_f32("softmax", &args, |t| self.forward(&t[0], t.get(1)))? {
             return Ok(y);
         }
@@ -72,7 +77,7 @@ impl Softmax {
                 let input = SoftmaxInput { x: &xr, mask: mr.as_ref() };
                 softmax_forward(&kernels, &self.save, &input, &mut y.tensor_mut()?).k()?
             };
-            attach(&args, y.into_storage()?, SoftmaxGrad { saved, kernels, with_mask: mask.is_some() })
+            attach(&args, y.into_storage()?, SoftmaxGrad { saved, kernels })
         })
     }
 }
@@ -96,23 +101,39 @@ fn broadcasts_to(mask: &[usize], x: &[usize]) -> candle_core::Result<()> {
 struct SoftmaxGrad {
     saved: SavedActivation,
     kernels: mesa_kernels::Device,
-    with_mask: bool,
+}
+
+/// The gradient of a mask of shape `mask` broadcast to `dx`'s shape: `dx` summed over the
+/// axes the mask lacks (leading) or has as 1 where `dx` has more, in f32, as `dtype`.
+fn mask_grad(dx: &Tensor, mask: &[usize], dtype: candle_core::DType) -> candle_core::Result<Tensor> {
+    let dims = dx.dims();
+    let lead = dims.len() - mask.len();
+    let axes: Vec<usize> = (0..dims.len()).filter(|&i| i < lead || (mask[i - lead] == 1 && dims[i] != 1)).collect();
+    let sum = dx.to_dtype(candle_core::DType::F32)?;
+    let sum = if axes.is_empty() { sum } else { sum.sum_keepdim(axes)? };
+    sum.reshape(mask)?.to_dtype(dtype)
 }
 
 impl Backward for SoftmaxGrad {
     fn name(&self) -> &'static str {
         "mesa-softmax"
     }
-    fn backward(&self, _: &[&Tensor], _: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
-        dispatch_float!(grad.dtype(), "softmax backward", T => {
+    fn backward(&self, args: &[&Tensor], _: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+        let dx = dispatch_float!(grad.dtype(), "softmax backward", T => {
             let view = View::of(grad)?;
             let mut dx = Output::<T>::zeros(grad.device(), &self.kernels, grad.shape())?;
             softmax_backward(&self.kernels, &self.saved, &view.tensor_ref::<T>()?, &mut dx.tensor_mut()?).k()?;
-            let mut grads = vec![Some(dx.into_tensor()?)];
-            if self.with_mask {
-                grads.push(None);
-            }
-            Ok(grads)
-        })
+            dx.into_tensor()
+        })?;
+        // the mask's gradient only where candle's graph wants one (an untracked mask: none)
+        let dmask = match args.get(1) {
+            Some(m) if m.track_op() => Some(mask_grad(&dx, m.dims(), m.dtype())?),
+            _ => None,
+        };
+        let mut grads = vec![Some(dx)];
+        if args.len() == 2 {
+            grads.push(dmask);
+        }
+        Ok(grads)
     }
 }
