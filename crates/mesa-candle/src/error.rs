@@ -141,7 +141,10 @@ impl fmt::Display for Error {
                 )
             }
             Error::DTypeMismatch { op, what, of, expected, got } => {
-                write!(f, "{op}: {what} has dtype {got:?} but {of} has {expected:?} (one dtype for all the op's tensors)")
+                write!(
+                    f,
+                    "{op}: {what} has dtype {got:?} but {of} has {expected:?} (one dtype for all the op's tensors)"
+                )
             }
             Error::UnsupportedDevice { op, device } => write!(f, "{op}: device {device} is not supported"),
             Error::DeviceMismatch { op } => write!(f, "{op}: tensors on different devices"),

@@ -4,7 +4,8 @@
 //! storage and layouts to the kernels' devices and tensor views ([`View`], [`Output`],
 //! [`kernel_device`]); ops with forward and backward in candle's autograd ([`ops`]), also as
 //! candle-nn's layers and constructors ([`nn`]); and a
-//! transformer layer as one op that keeps only codes for backward ([`layer`]); tensor and
+//! transformer layer as one op that keeps only codes for backward ([`layer`]); checkpoint
+//! regions, which make any candle code keep only its input for backward ([`region`]); tensor and
 //! sequence parallelism — ranks, the conjugate collectives in autograd, the sharded layer,
 //! linear attention across sequence shards ([`parallel`], `docs/sequence_parallel.md`); the
 //! bytes a stack of them keeps, predicted ([`plan`]). How they fit and what was measured:

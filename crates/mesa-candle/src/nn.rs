@@ -8,10 +8,11 @@
 //! | `rms_norm(size, eps, vb)` → `RmsNorm` | [`rms_norm`] → [`RmsNorm`] | [`RmsNormConfig`] (from an `f64` eps) |
 //! | `ops::softmax_last_dim(xs)` | [`softmax_last_dim`], or `xs.apply(&Softmax::new(bits))` | bits of [`Softmax::new`] (8) |
 //! | `xs.gelu_erf()`, `xs.gelu()` | `xs.apply(&Gelu::erf())`, `xs.apply(&Gelu::tanh())` | [`Codes`] via [`Gelu::new`] |
+//! | `Dropout::new(p)`, `forward(xs, train)` | [`Dropout`] (the same calls) | — (a key, not a mask) |
 //!
-//! Every layer keeps its input for backward as [`Codes`]: 8 bits, round to nearest, each
-//! call's exact range by default (Mesa's running estimate is opt-in, [`Codes::running`]).
-//! What each op keeps and how its backward runs: the table of [`crate::ops`].
+//! Every layer keeps its input for backward as the default [`Codes`] unless given others
+//! (`with_codes`, a config's `codes`); what each op keeps and how its backward runs: the
+//! table of [`crate::ops`].
 //!
 //! The constructors read the names candle-nn reads — `weight` and `bias`, and for the
 //! norms also `gamma` and `beta` when those are present — with candle-nn's initialisation
@@ -27,7 +28,7 @@ use std::sync::Arc;
 use candle_core::{Result, Tensor};
 
 use crate::ops;
-pub use crate::ops::{Codes, Gelu, GeluForm, Rounding, Softmax, StatsMode};
+pub use crate::ops::{Codes, Dropout, Gelu, GeluForm, Rounding, Softmax, StatsMode};
 pub use candle_core::{Module, ModuleT};
 pub use candle_nn::VarBuilder;
 
@@ -214,7 +215,13 @@ impl LayerNorm {
     }
 
     fn from_parts(weight: Tensor, bias: Option<Tensor>, c: LayerNormConfig) -> Self {
-        LayerNorm { weight, bias, remove_mean: c.remove_mean, eps: c.eps, norm: Norm::new(c.remove_mean, c.eps, c.codes) }
+        LayerNorm {
+            weight,
+            bias,
+            remove_mean: c.remove_mean,
+            eps: c.eps,
+            norm: Norm::new(c.remove_mean, c.eps, c.codes),
+        }
     }
 
     /// The weight `[C]`.

@@ -305,14 +305,21 @@ pub fn region_stack_saved_bytes(shape: ModelShape, input: Precision, parameters:
         Precision::F32 => 4,
         Precision::Half => 2,
         Precision::Codes(_) => {
-            return Err(Error::InvalidArgument { name: "input", why: "a region keeps its input as it is: f32 or half".into() })
+            return Err(Error::InvalidArgument {
+                name: "input",
+                why: "a region keeps its input as it is: f32 or half".into(),
+            })
         }
     };
-    let output = [shape.micro_batch, shape.seq, shape.hidden, per_element].iter().try_fold(1u64, |a, &f| a.checked_mul(f));
+    let output =
+        [shape.micro_batch, shape.seq, shape.hidden, per_element].iter().try_fold(1u64, |a, &f| a.checked_mul(f));
     let state = region_state_bytes(parameters).checked_mul(shape.layers);
-    [Some(plan.total_bytes()?), output, state].into_iter().try_fold(0u64, |a, b| b.and_then(|b| a.checked_add(b))).ok_or_else(|| {
-        Error::Kernel(mesa_kernels::Error::TooLarge { what: "region stack".into(), why: "overflows u64".into() })
-    })
+    [Some(plan.total_bytes()?), output, state]
+        .into_iter()
+        .try_fold(0u64, |a, b| b.and_then(|b| a.checked_add(b)))
+        .ok_or_else(|| {
+            Error::Kernel(mesa_kernels::Error::TooLarge { what: "region stack".into(), why: "overflows u64".into() })
+        })
 }
 
 /// The largest batch `b ≥ 1` with `bytes(b) ≤ budget`, for `bytes` not decreasing in `b`

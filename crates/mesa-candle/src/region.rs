@@ -33,7 +33,7 @@
 //! a [`crate::TransformerLayer`] inside a region may take its seed from [`next_key`]. A region
 //! whose rerun differs from its forward — it drew from a generator it cannot replay, such as
 //! candle-nn's `Dropout` or `Tensor::rand*` — fails its backward with
-//! [`Error::RegionReplay`](crate::Error::RegionReplay) instead of returning gradients of a
+//! [`Error::RegionReplay`] instead of returning gradients of a
 //! different function. The check compares the bits of `Σ y` (in the output's dtype) from the
 //! forward and the rerun: one scalar read by the host per run of the region (a device
 //! synchronisation on CUDA); [`Region::verify_replay`] turns it off.
@@ -186,7 +186,8 @@ impl Region {
     where
         F: Fn(&[Tensor]) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
-        let first = inputs.first().ok_or(Error::InvalidArgument { name: "inputs", why: "a region needs one".into() })?;
+        let first =
+            inputs.first().ok_or(Error::InvalidArgument { name: "inputs", why: "a region needs one".into() })?;
         let key = next_key();
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         let y = in_frame(key, false, || f(&detached))?;

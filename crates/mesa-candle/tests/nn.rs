@@ -13,10 +13,10 @@
 //!   by the op's derivative (`|gelu'| ≤ 1.13`; a norm's `rstd·(e + mean e + |x̂|·mean(|x̂|e))`);
 //! * backward: each saved tensor decodes within `h` of its f64 value (half the 8-bit step of
 //!   its exact range widened by its forward error, plus that error and the decode's `fmaf`);
-//!   each op's decoding terms are those of `tests/ops.rs` (a norm's `rstd·(h|m| + |x̂|h·mean|g|
-//!   + h²·mean|g|)`, a Linear's `Σ_rows |dy|·h`, GELU's `|dy|·max|gelu''|·h`), and the
-//!   error of its incoming gradient is carried through the op's exact backward in absolute
-//!   values.
+//!   each op's decoding terms are those of `tests/ops.rs` (a norm's
+//!   `rstd·(h|m| + |x̂|h·mean|g| + h²·mean|g|)`, a Linear's `Σ_rows |dy|·h`, GELU's
+//!   `|dy|·max|gelu''|·h`), and the error of its incoming gradient is carried through the
+//!   op's exact backward in absolute values.
 mod common;
 
 use std::collections::HashMap;
@@ -306,7 +306,7 @@ fn reference(p: &HashMap<&str, Tensor>, x: &Tensor, dy: &Tensor) -> Result<Refer
 fn a_candle_nn_model_with_one_path_changed_matches_candle_in_f64() -> Result<()> {
     let mut rng = Rng::new("nn_model");
     let dev = common::device();
-    let varmap = VarMap::new();
+    let mut varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
     let theirs = with_candle_nn::Mlp::new(vb.clone())?;
     let ours = with_mesa::Mlp::new(vb)?;
@@ -315,7 +315,6 @@ fn a_candle_nn_model_with_one_path_changed_matches_candle_in_f64() -> Result<()>
     assert_eq!(same, vec![true; PARAMS.len()], "both models hold the VarMap's tensors");
 
     let mut values = HashMap::new();
-    let mut varmap = varmap;
     for (name, mean, std) in PARAMS {
         let dims = varmap.data().lock().unwrap()[name].dims().to_vec();
         let t = rng.tensor(&dims, mean, std, DType::F32);
@@ -369,8 +368,7 @@ fn a_candle_nn_model_with_one_path_changed_matches_candle_in_f64() -> Result<()>
     let h_xhat4 = decoded_within(&r.xhat4, &rms.xhat)?;
     let zero_dy = dy64.zeros_like()?;
     let (dh1, dh2, dh3, dh4) = (g("h1"), g("h2"), g("h3"), g("h4"));
-    let rms_g =
-        norm_bwd(false, &r.xhat4, &r.rstd4, &rms.rstd_rel, &p("norm.weight"), &dy64, &zero_dy, h_xhat4, &dh4)?;
+    let rms_g = norm_bwd(false, &r.xhat4, &r.rstd4, &rms.rstd_rel, &p("norm.weight"), &dy64, &zero_dy, h_xhat4, &dh4)?;
     let fc2 = linear_bwd(&r.h3, h_h3, &p("fc2.weight"), &dh4, &rms_g.dx)?;
     let e_dh2 = ((&fc2.dx * (GELU1 + GELU2 * h_h2))?
         + (dh3.abs()? * ((r.h2.abs()? * (8.0 * U))? + (GELU2 * h_h2 + 8.0 * U))?)?
@@ -468,7 +466,10 @@ fn configs_have_candle_nn_defaults() {
     assert_eq!(nn::LayerNormConfig::from(theirs), c);
     assert_eq!(nn::LayerNormConfig::from(1e-6), nn::LayerNormConfig { eps: 1e-6, ..c });
     let rms_off = candle_nn::LayerNormConfig { eps: 1e-6, remove_mean: false, affine: false };
-    assert_eq!(nn::LayerNormConfig::from(rms_off), nn::LayerNormConfig { eps: 1e-6, remove_mean: false, affine: false, codes });
+    assert_eq!(
+        nn::LayerNormConfig::from(rms_off),
+        nn::LayerNormConfig { eps: 1e-6, remove_mean: false, affine: false, codes }
+    );
     assert_eq!(nn::RmsNormConfig::from(1e-6), nn::RmsNormConfig { eps: 1e-6, codes });
 }
 

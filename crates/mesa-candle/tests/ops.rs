@@ -480,7 +480,6 @@ fn bad_ranks_and_shapes_are_typed_errors() {
         let e = r.unwrap_err();
         assert!(matches!(as_mesa_error(&e), Some(Error::Shape { .. })), "{what}: {e}");
     };
-    shape("layer norm C = 0", LayerNorm::new(1e-5, exact(8)).forward(&z(&[4, 0]), &z(&[0]), &z(&[0])));
     shape("linear bias", CodedLinear::new(exact(8)).forward(&z(&[4, 8]), &z(&[3, 8]), Some(&z(&[4]))));
     shape("linear attention values", la.forward(&z(&[1, 2, 5, 4]), &z(&[1, 2, 5, 4]), &z(&[1, 2, 6, 4])));
     // the f64 path checks the same (after its casts)
@@ -672,9 +671,11 @@ fn errors_display_their_one_line_message() {
     }
 }
 
-/// `v` (f32 values) rounded to `dtype` once, as f64.
+/// `v` (f32 values) rounded to `dtype` once, as f64: through f32 (exact), since half's
+/// f64 → bf16 drops the f64's low 32 bits before rounding (an f32's last 3 bits, which decide
+/// some ties).
 fn rounded(v: &[f64], dtype: DType) -> Vec<f64> {
-    let t = Tensor::new(v, &candle_core::Device::Cpu).unwrap();
+    let t = Tensor::new(v, &candle_core::Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
     flat(&t.to_dtype(dtype).unwrap())
 }
 
@@ -713,8 +714,7 @@ fn linear_attention_16_bit_is_f32_rounded_once() {
                     let differ = (0..want.len()).filter(|&j| g[i][j] != want[j]).count();
                     assert!(differ == 0, "{what}: {differ} of {} {name} are not the f32 op's rounded once", want.len());
                 }
-                let (y_ref, g_ref) =
-                    grads(&to_f64(&inputs), &dy, |t| linear_attention_ref(t, &map, true, 1e-6));
+                let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| linear_attention_ref(t, &map, true, 1e-6));
                 let c = 16.0 * (l * (d + dv)) as f64 * U32;
                 let u = unit(dtype);
                 for (name, got, want) in
@@ -732,8 +732,10 @@ fn linear_attention_16_bit_is_f32_rounded_once() {
 /// Issue 39: RMSNorm of rows of huge finite values (the f32 mean of squares overflowed above
 /// |x| ≈ 1.8e19: rstd = 0, and output, dx and dw were 0) and of tiny ones, in every dtype,
 /// against candle f64 with `rms_norm_gradients_match_f64_candle_within_the_code_step`'s
-/// bounds, plus half the dtype's smallest subnormal for the gradients of the largest rows
-/// (`dx ≈ rstd·g ≈ 3e-39` is subnormal in f32 and bf16).
+/// bounds, plus, for the gradients of the largest rows (`dx ≈ rstd·g ≈ 3e-39`, subnormal in
+/// f32 and bf16), half the dtype's smallest subnormal — bf16: its smallest normal, 2⁻¹²⁶, since
+/// candle's CPU bf16 addition (its gradient accumulation, `0 + dx`) flushes subnormals to zero
+/// where the CPU has AVX512-BF16 (`vcvtneps2bf16`, candle-core `cpu/avx.rs`).
 #[test]
 fn rms_norm_of_huge_and_tiny_rows_matches_f64_candle() {
     let mut rng = Rng::new("rms_norm_range");
@@ -742,7 +744,7 @@ fn rms_norm_of_huge_and_tiny_rows_matches_f64_candle() {
     for dtype in DTYPES {
         let (scales, tiny): (&[f64], f64) = match dtype {
             DType::F16 => (&[1.0, 3e4, 1e-5], 2f64.powi(-25)),
-            DType::BF16 => (&[1.0, 1e20, 3e38, 1e-30], 2f64.powi(-134)),
+            DType::BF16 => (&[1.0, 1e20, 3e38, 1e-30], 2f64.powi(-126)),
             _ => (&[1.0, 1e20, 3e38, 1e-30], 2f64.powi(-150)),
         };
         let rows = scales.len();
@@ -776,9 +778,8 @@ fn rms_norm_of_huge_and_tiny_rows_matches_f64_candle() {
         assert_within(&format!("rms norm range {dtype:?} y"), &y, &y_ref, &fwd);
         let h = 0.5 * step(&xhat, 8) * (1.0 + 1e-4) + 8.0 * U32 * xhat.iter().fold(0.0f64, |a, v| a.max(v.abs()));
         let nb = norm_bounds(&xhat, &rstd, &ws, &dys, h);
-        let with_u = |b: &[f64], r: &[f64]| -> Vec<f64> {
-            b.iter().zip(r).map(|(b, r)| b + 2.0 * u * r.abs() + tiny).collect()
-        };
+        let with_u =
+            |b: &[f64], r: &[f64]| -> Vec<f64> { b.iter().zip(r).map(|(b, r)| b + 2.0 * u * r.abs() + tiny).collect() };
         assert_within(&format!("rms norm range {dtype:?} dx"), &g[0], &g_ref[0], &with_u(&nb.dx, &g_ref[0]));
         assert_within(&format!("rms norm range {dtype:?} dw"), &g[1], &g_ref[1], &with_u(&nb.dw, &g_ref[1]));
     }
@@ -802,12 +803,21 @@ fn mixed_dtypes_are_a_dtype_mismatch_naming_both_tensors() {
         (ln.forward(&x, &hf(&[8]), &f(&[8])), "layer norm: weight [C] has dtype F16 but input [..., C] has F32"),
         (ln.forward(&x, &f(&[8]), &hf(&[8])), "layer norm: bias [C] has dtype F16 but input [..., C] has F32"),
         (rms.forward(&x, &hf(&[8])), "rms norm: weight [C] has dtype F16 but input [..., C] has F32"),
-        (rms.forward(&z(&[4, 8], DType::F64), &x.get(0).unwrap()), "rms norm: weight [C] has dtype F32 but input [..., C] has F64"),
+        (
+            rms.forward(&z(&[4, 8], DType::F64), &x.get(0).unwrap()),
+            "rms norm: weight [C] has dtype F32 but input [..., C] has F64",
+        ),
         (lin.forward(&x, &hf(&[3, 8]), None), "linear: weight [out, in] has dtype F16 but input [..., in] has F32"),
         (lin.forward(&x, &f(&[3, 8]), Some(&hf(&[3]))), "linear: bias [out] has dtype F16 but input [..., in] has F32"),
         (Softmax::default().forward(&x, Some(&hf(&[8]))), "softmax: mask has dtype F16 but input [..., N] has F32"),
-        (la.forward(&q, &hf(&[1, 2, 4, 8]), &q), "linear attention: keys [B, H, L, d] has dtype F16 but queries [B, H, L, d] has F32"),
-        (la.forward(&q, &q, &hf(&[1, 2, 4, 8])), "linear attention: values [B, H, L, D] has dtype F16 but queries [B, H, L, d] has F32"),
+        (
+            la.forward(&q, &hf(&[1, 2, 4, 8]), &q),
+            "linear attention: keys [B, H, L, d] has dtype F16 but queries [B, H, L, d] has F32",
+        ),
+        (
+            la.forward(&q, &q, &hf(&[1, 2, 4, 8])),
+            "linear attention: values [B, H, L, D] has dtype F16 but queries [B, H, L, d] has F32",
+        ),
     ];
     for (r, want) in cases {
         let e = r.unwrap_err();
@@ -840,17 +850,4 @@ fn shape_messages_name_the_real_problem() {
     let e = LayerNorm::new(1e-5, exact(8)).forward(&f(&[4, 0]), &f(&[0]), &f(&[0])).unwrap_err();
     assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { .. })), "{e}");
     assert_eq!(e.to_string(), "layer norm input [..., C]: C must be ≥ 1, got the empty last axis of shape [4, 0]");
-}
-#[test]
-fn zz_tmp_bf16_subnormal() {
-    let cpu = candle_core::Device::Cpu;
-    let x = Tensor::new(&[[3e38f32, -2e38, 2.5e38, 1e38]], &cpu).unwrap();
-    let w = Tensor::new(&[1f32, 1., 1., 1.], &cpu).unwrap();
-    let dy = Tensor::new(&[[1f32, 0.5, -0.25, 2.]], &cpu).unwrap();
-    for dtype in [DType::F32, DType::BF16] {
-        let op = RmsNorm::new(1e-6, exact(8));
-        let inputs = [x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap()];
-        let (y, g) = grads(&inputs, &dy.to_dtype(dtype).unwrap(), |t| op.forward(&t[0], &t[1]));
-        eprintln!("{dtype:?} y {y:?} dx {:?}", g[0]);
-    }
 }

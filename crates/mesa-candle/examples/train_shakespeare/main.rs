@@ -33,6 +33,9 @@
 //! tensor- and sequence-parallel ranks (threads; `tp.rs`) from the same seed and compares the
 //! two step by step: `tp.md`, `tp.json` and `loss_tp.svg` in `--out` (the report and
 //! `results.json` are unchanged), the table also printed after the report.
+//! `--regions` runs every layer of the stack inside a checkpoint region
+//! (`mesa_candle::region`): the forward keeps each layer's input only, the backward reruns
+//! the layer (the report's bytes and times then describe the regions).
 //! `--replot-tp DIR` redraws `DIR/loss_tp.svg` and prints the table from `DIR/tp.json`.
 //! `--fixtures DIR` reads the text from DIR instead of the repository's `fixtures/`. Bytes
 //! are counted by a counting global allocator (`docs/results.md` says how).
@@ -79,6 +82,7 @@ fn settings(name: &str) -> Result<Settings, String> {
         parity_probes: 10,
         seeds: vec![0, 1, 2],
         variants: DEFAULT_VARIANTS.to_vec(),
+        regions: false,
     };
     match name {
         "smoke" => Ok(Settings {
@@ -131,7 +135,7 @@ fn args() -> Result<Args, String> {
     let (mut config, mut json, mut out) = ("cpu".to_string(), false, PathBuf::from("target/train_shakespeare"));
     let (mut steps, mut batch, mut lr, mut only, mut seeds) = (None, None, None, None::<Vec<String>>, None::<Vec<u64>>);
     let mut fixtures = data::default_fixtures();
-    let (mut tp, mut replot_tp) = (None, None);
+    let (mut tp, mut replot_tp, mut regions) = (None, None, false);
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or(format!("{a} needs a value"));
         match a.as_str() {
@@ -156,18 +160,20 @@ fn args() -> Result<Args, String> {
             }
             "--replot-tp" => replot_tp = Some(PathBuf::from(value()?)),
             "--json" => json = true,
+            "--regions" => regions = true,
             "--only" => only = Some(list("--only", &value()?)?),
             "--seeds" => seeds = Some(list("--seeds", &value()?)?),
             "--out" => out = PathBuf::from(value()?),
             "--fixtures" => fixtures = PathBuf::from(value()?),
             other => {
                 return Err(format!(
-                    "unknown argument {other} (--config smoke|cpu|gpu, --steps N, --batch B, --lr X, --only VARIANT[,VARIANT], --seeds S[,S], --tp N, --json, --out DIR, --fixtures DIR)"
+                    "unknown argument {other} (--config smoke|cpu|gpu, --steps N, --batch B, --lr X, --only VARIANT[,VARIANT], --seeds S[,S], --tp N, --regions, --json, --out DIR, --fixtures DIR)"
                 ))
             }
         }
     }
     let mut settings = settings(&config)?;
+    settings.regions = regions;
     let default_set = steps.is_none() && batch.is_none() && lr.is_none() && only.is_none() && seeds.is_none();
     if let Some(x) = lr {
         settings.lr = x;

@@ -2,9 +2,11 @@
 //! (mesa-candle's one-op layer, or the plain-candle reference layer), a final LayerNorm and
 //! an untied LM head.
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use mesa_candle::layer::{reference, LayerConfig, ParamLayout, TransformerLayer};
+use mesa_candle::region::checkpoint;
 
 use crate::data::SplitMix;
 
@@ -25,7 +27,7 @@ pub enum Stack {
     /// at full precision (run a).
     Plain(Vec<HashMap<&'static str, Var>>),
     /// mesa-candle's layer: one op per layer that keeps codes.
-    Mesa(Vec<TransformerLayer>),
+    Mesa(Vec<Arc<TransformerLayer>>),
 }
 
 /// The whole model.
@@ -39,6 +41,8 @@ pub struct Model {
     ln_w: Var,
     ln_b: Var,
     head: Var,
+    /// Every layer of the stack in a checkpoint region (`mesa_candle::region`).
+    pub regions: bool,
 }
 
 fn normal(rng: &mut SplitMix, shape: &[usize], std: f64, device: &Device) -> candle_core::Result<Tensor> {
@@ -100,14 +104,14 @@ impl Model {
                 let flat = layout.flatten(&tensors, "", device)?;
                 plain_layers.push(reference::variables(&layout, &flat, DType::F32)?);
             } else {
-                mesa_layers.push(TransformerLayer::from_tensors(config.clone(), &tensors, "", device)?);
+                mesa_layers.push(Arc::new(TransformerLayer::from_tensors(config.clone(), &tensors, "", device)?));
             }
         }
         let stack = if plain { Stack::Plain(plain_layers) } else { Stack::Mesa(mesa_layers) };
         let ln_w = Var::from_tensor(&Tensor::ones(c, DType::F32, device)?)?;
         let ln_b = Var::from_tensor(&Tensor::zeros(c, DType::F32, device)?)?;
         let head = Var::from_tensor(&normal(&mut rng, &[shape.vocab, c], 0.02, device)?)?;
-        Ok(Model { config, tok, pos, stack, ln_w, ln_b, head })
+        Ok(Model { config, tok, pos, stack, ln_w, ln_b, head, regions: false })
     }
 
     /// Every trainable variable, the head's last.
@@ -167,12 +171,23 @@ impl Model {
         match &self.stack {
             Stack::Plain(layers) => {
                 for p in layers {
-                    h = reference::forward(&self.config, p, &h, 0)?;
+                    h = if self.regions {
+                        let (config, p) = (self.config.clone(), p.clone());
+                        checkpoint(&h, move |h| reference::forward(&config, &p, h, 0))?
+                    } else {
+                        reference::forward(&self.config, p, &h, 0)?
+                    };
                 }
             }
             Stack::Mesa(layers) => {
                 for (i, l) in layers.iter().enumerate() {
-                    h = l.forward_seeded(&h, step * layers.len() as u64 + i as u64)?;
+                    let seed = step * layers.len() as u64 + i as u64;
+                    h = if self.regions {
+                        let l = Arc::clone(l);
+                        checkpoint(&h, move |h| l.forward_seeded(h, seed))?
+                    } else {
+                        l.forward_seeded(&h, seed)?
+                    };
                 }
             }
         }

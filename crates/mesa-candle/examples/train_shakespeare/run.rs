@@ -1,4 +1,6 @@
 //! The runs: their settings, one training run and what it measures.
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Var};
@@ -44,6 +46,8 @@ pub struct Settings {
     pub seeds: Vec<u64>,
     /// The variants trained by default (`--only` picks others).
     pub variants: Vec<&'static str>,
+    /// Every layer in a checkpoint region (`--regions`).
+    pub regions: bool,
 }
 
 impl Settings {
@@ -195,7 +199,7 @@ pub struct Estimates {
     pub range: Vec<Vec<Vec<Vec<f32>>>>,
 }
 
-fn record(est: &mut Estimates, step: usize, layers: &[TransformerLayer]) -> Result<(), mesa_candle::Error> {
+fn record(est: &mut Estimates, step: usize, layers: &[Arc<TransformerLayer>]) -> Result<(), mesa_candle::Error> {
     est.steps.push(step);
     if est.offset.is_empty() {
         est.offset = vec![Vec::new(); CodeSite::ALL.len()];
@@ -228,7 +232,7 @@ pub struct SiteCodes {
     pub max_error_steps: f64,
 }
 
-fn tally(codes: &mut [SiteCodes], layers: &[TransformerLayer]) -> Result<(), mesa_candle::Error> {
+fn tally(codes: &mut [SiteCodes], layers: &[Arc<TransformerLayer>]) -> Result<(), mesa_candle::Error> {
     for (c, site) in codes.iter_mut().zip(CodeSite::ALL) {
         for l in layers {
             if let Some(r) = l.code_report(site)? {
@@ -326,7 +330,8 @@ pub fn train(
     let v = &spec.variant;
     let shape = Shape { vocab: corpus.vocab.len(), context: s.context, layers: s.layers };
     let base_level = counter.current();
-    let model = Model::new(v.config.clone(), shape, v.plain, spec.seed, device)?;
+    let mut model = Model::new(v.config.clone(), shape, v.plain, spec.seed, device)?;
+    model.regions = s.regions;
     let params = ParamsAdamW { lr: s.lr, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.01 };
     let mut opt = AdamW::new(model.vars(), params)?;
     let model_bytes = counter.current().saturating_sub(base_level);
@@ -407,8 +412,27 @@ pub fn train(
         }
     }
     let final_val_loss = evals.last().map_or(f64::NAN, |e| e.2);
-    let planned = planned_bytes_per_step(&v.config, v.plain, s.layers, s.batch, s.context);
-    let whole = if v.plain {
+    let planned = if s.regions {
+        // the planner's region mode: each region's input and the last output; the plain layer
+        // reads one variable per weight, ours one flat variable
+        let parameters = match &model.stack {
+            Stack::Plain(layers) => layers.first().map_or(0, HashMap::len),
+            Stack::Mesa(_) => 1,
+        };
+        let shape = mesa_kernels::plan::ModelShape {
+            layers: s.layers as u64,
+            seq: s.context as u64,
+            micro_batch: s.batch as u64,
+            hidden: s.hidden as u64,
+            heads: s.heads as u64,
+            ffn: s.ffn as u64,
+        };
+        Some(mesa_candle::plan::region_stack_saved_bytes(shape, mesa_kernels::plan::Precision::F32, parameters)?)
+    } else {
+        planned_bytes_per_step(&v.config, v.plain, s.layers, s.batch, s.context)
+    };
+    // the whole-step planner does not model regions (their backward's rerun)
+    let whole = if v.plain || s.regions {
         None
     } else {
         let shape = TrainingShape { layers: s.layers, batch: s.batch, seq: s.context, vocab: corpus.vocab.len() };

@@ -523,6 +523,7 @@ mod tests {
             parity_probes: 1,
             seeds: vec![0],
             variants: vec!["a"],
+            regions: false,
         }
     }
 

@@ -57,9 +57,7 @@ impl Dropout {
     }
 
     fn apply(&self, key: u64, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        keyed_mask(key, self.p, x.dims(), x.device())?
-            .map(|m| x.mul(&m.to_dtype(x.dtype())?))
-            .transpose()
+        keyed_mask(key, self.p, x.dims(), x.device())?.map(|m| x.mul(&m.to_dtype(x.dtype())?)).transpose()
     }
 }
 

@@ -8,6 +8,14 @@
 //! | [`RmsNorm`] | codes of `x̂`, per-row `1/rstd` | candle ops on the decoded `x̂` (no RMSNorm kernel) |
 //! | [`CodedLinear`] | codes of `x` | `dW = dyᵀ·x̂` from the decoded `x̂`, candle's matmuls |
 //! | [`LinearAttention`] (ReLU, ELU+1, FAVOR+) | the attention's saved states | chunked kernels; φ recomputed from `q`, `k` |
+//! | [`Dropout`] | a 64-bit key (the mask is regenerated; replayed in [checkpoint regions](crate::region)) | the mask again, times `dy` |
+//!
+//! **Constructors and configs.** An op's `new` takes the [`Codes`] it keeps (the defaults:
+//! exact statistics; Mesa's running estimate is opt-in) or the kernels' [`QuantConfig`]. The
+//! kernels' settings the ops take are re-exported here, so common use needs no
+//! `mesa_kernels` dependency. The norms and the Linear take their weights in `forward`; as
+//! candle-nn layers that hold them, built by candle-nn's constructors from a `VarBuilder`:
+//! [`crate::nn`]. [`Gelu`] and [`Softmax`] (no mask) are `Module`s, [`Dropout`] a `ModuleT`.
 //!
 //! **Dtypes.** f32, f16 and bf16 run natively (the kernels' element types; f32 arithmetic
 //! inside). An f64 tensor is computed in f32: its arguments are cast to f32 by candle's
@@ -23,7 +31,8 @@
 //! of an op stays alive as long as its output's graph, whatever the op itself keeps: the
 //! codes are held *in addition*. The ops give correct, checked gradients where candle-nn's
 //! fused ops have none; memory is saved by [`crate::layer::TransformerLayer`], one graph node
-//! over a whole layer whose internals never enter candle's graph.
+//! over a whole layer whose internals never enter candle's graph, and by
+//! [checkpoint regions](crate::region) around any of these ops.
 use std::sync::Mutex;
 
 use candle_core::{DType, DeviceLocation, Shape, Storage, Tensor};
@@ -31,8 +40,8 @@ use mesa_kernels::Quantizer;
 
 use crate::error::{Error, KernelResult};
 
-mod dropout;
 mod codes;
+mod dropout;
 mod gelu;
 mod layer_norm;
 pub(crate) mod linear;
@@ -40,8 +49,8 @@ mod linear_attention;
 mod rms_norm;
 mod softmax;
 
-pub use dropout::Dropout;
 pub use codes::Codes;
+pub use dropout::Dropout;
 pub use gelu::Gelu;
 pub use layer_norm::LayerNorm;
 pub use linear::CodedLinear;

@@ -55,10 +55,12 @@ impl RmsNorm {
             .into());
         }
         if weight.dims() != [cols] {
-            return Err(
-                Error::Shape { what: "rms norm weight [C]".into(), expected: vec![cols], got: weight.dims().to_vec() }
-                    .into(),
-            );
+            return Err(Error::Shape {
+                what: "rms norm weight [C]".into(),
+                expected: vec![cols],
+                got: weight.dims().to_vec(),
+            }
+            .into());
         }
         if !(self.eps > 0.0 && self.eps.is_finite()) {
             return Err(Error::InvalidArgument {
