@@ -143,7 +143,7 @@ impl fmt::Display for Error {
             Error::DTypeMismatch { op, what, of, expected, got } => {
                 write!(
                     f,
-                    "{op}: {what} has dtype {got:?} but {of} has {expected:?} (one dtype for all the op's tensors)"
+                    "{op}: dtype {got:?} of {what} differs from {expected:?} of {of} (one dtype for all the op's tensors)"
                 )
             }
             Error::UnsupportedDevice { op, device } => write!(f, "{op}: device {device} is not supported"),

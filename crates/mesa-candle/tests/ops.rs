@@ -634,7 +634,8 @@ fn errors_display_their_one_line_message() {
     let la = LinearAttention::new(LinearAttentionConfig::causal(), FeatureKind::Elu1);
     let f32s = |dims: &[usize]| z(dims, DType::F32);
     let x = f32s(&[4, 8]);
-    let cases: Vec<(candle_core::Error, &str, fn(&Error) -> bool)> = vec![
+    type Is = fn(&Error) -> bool;
+    let cases: Vec<(candle_core::Error, &str, Is)> = vec![
         (
             la.forward(&f32s(&[2, 5, 4]), &f32s(&[2, 5, 4]), &f32s(&[2, 5, 4])).unwrap_err(),
             "linear attention queries [B, H, L, d]: expected rank 4, got shape [2, 5, 4] (rank 3)",
@@ -665,9 +666,9 @@ fn errors_display_their_one_line_message() {
         assert_eq!(typed.to_string(), want);
         // a caller's context around it: candle's own formats, the typed error still inside
         let via_trait = candle_core::Context::context(Err::<(), _>(e), "in layer 3").unwrap_err();
-        assert!(as_mesa_error(&via_trait).is_some_and(|t| is(t)), "{via_trait:?}");
+        assert!(as_mesa_error(&via_trait).is_some_and(is), "{via_trait:?}");
         let via_method = via_trait.context("in the model");
-        assert!(as_mesa_error(&via_method).is_some_and(|t| is(t)), "{via_method:?}");
+        assert!(as_mesa_error(&via_method).is_some_and(is), "{via_method:?}");
     }
 }
 
@@ -693,38 +694,43 @@ fn linear_attention_16_bit_is_f32_rounded_once() {
     let dev = common::device();
     let (b, h, l, d, dv) = (1, 2, 24, 8, 8);
     let favor = LinearAttention::favor(&dev, 16, d, 11).unwrap();
-    for map in [FeatureKind::Elu1, favor] {
-        for memory in [MemoryMode::BoundaryStates, MemoryMode::Slim] {
-            for dtype in [DType::F16, DType::BF16] {
-                let config = LinearAttentionConfig { chunk: 16, memory, ..LinearAttentionConfig::causal() };
-                let op = LinearAttention::new(config, map.clone());
-                let q = rng.tensor(&[b, h, l, d], 0.0, 0.7, dtype);
-                let k = rng.tensor(&[b, h, l, d], 0.0, 0.7, dtype);
-                let v = rng.tensor(&[b, h, l, dv], 4.0, 0.5, dtype);
-                let dy = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
-                let inputs = [q, k, v];
-                let run = |t: &[Tensor]| op.forward(&t[0], &t[1], &t[2]);
-                let (y, g) = grads_on(&dev, &inputs, &dy, run);
-                let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-                let (y32, g32) = grads_on(&dev, &inputs.clone().map(|t| f32s(&t)), &f32s(&dy), run);
-                let what = format!("linear attention {map:?} {memory:?} {dtype:?}");
-                assert!(y == rounded(&y32, dtype), "{what}: out is not the f32 op's rounded once");
-                for (name, i) in [("dq", 0), ("dk", 1), ("dv", 2)] {
-                    let want = rounded(&g32[i], dtype);
-                    let differ = (0..want.len()).filter(|&j| g[i][j] != want[j]).count();
-                    assert!(differ == 0, "{what}: {differ} of {} {name} are not the f32 op's rounded once", want.len());
-                }
-                let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| linear_attention_ref(t, &map, true, 1e-6));
-                let c = 16.0 * (l * (d + dv)) as f64 * U32;
-                let u = unit(dtype);
-                for (name, got, want) in
-                    [("out", &y, &y_ref), ("dq", &g[0], &g_ref[0]), ("dk", &g[1], &g_ref[1]), ("dv", &g[2], &g_ref[2])]
-                {
-                    let top = want.iter().fold(0.0f64, |a, v| a.max(v.abs()));
-                    let bound: Vec<f64> = want.iter().map(|w| c * (w.abs() + top) * (1.0 + u) + u * w.abs()).collect();
-                    assert_within(&format!("{what} {name}"), got, want, &bound);
-                }
-            }
+    // each map, memory mode and dtype once
+    let cases = [
+        (FeatureKind::Elu1, MemoryMode::BoundaryStates, DType::F16),
+        (FeatureKind::Elu1, MemoryMode::Slim, DType::BF16),
+        (favor.clone(), MemoryMode::BoundaryStates, DType::BF16),
+        (favor, MemoryMode::Slim, DType::F16),
+    ];
+    for (map, memory, dtype) in cases {
+        let config = LinearAttentionConfig { chunk: 16, memory, ..LinearAttentionConfig::causal() };
+        let op = LinearAttention::new(config, map.clone());
+        let q = rng.tensor(&[b, h, l, d], 0.0, 0.7, dtype);
+        let k = rng.tensor(&[b, h, l, d], 0.0, 0.7, dtype);
+        let v = rng.tensor(&[b, h, l, dv], 4.0, 0.5, dtype);
+        let dy = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
+        let inputs = [q, k, v];
+        let run = |t: &[Tensor]| op.forward(&t[0], &t[1], &t[2]);
+        let (y, g) = grads_on(&dev, &inputs, &dy, run);
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let (y32, g32) = grads_on(&dev, &inputs.clone().map(|t| f32s(&t)), &f32s(&dy), run);
+        let what = format!("linear attention {map:?} {memory:?} {dtype:?}");
+        assert!(y == rounded(&y32, dtype), "{what}: out is not the f32 op's rounded once");
+        for (name, i) in [("dq", 0), ("dk", 1), ("dv", 2)] {
+            let want = rounded(&g32[i], dtype);
+            let differ = (0..want.len()).filter(|&j| g[i][j] != want[j]).count();
+            assert!(differ == 0, "{what}: {differ} of {} {name} are not the f32 op's rounded once", want.len());
+        }
+        let (y_ref, g_ref) = grads(&to_f64(&inputs), &dy, |t| linear_attention_ref(t, &map, true, 1e-6));
+        // the f32 result f is within E = c·(|w| + top) (the f32 test's bound), its rounding r
+        // within u·|f|: |r − w| ≤ E·(1 + u) + u·|w|
+        let c = 16.0 * (l * (d + dv)) as f64 * U32;
+        let u = unit(dtype);
+        for (name, got, want) in
+            [("out", &y, &y_ref), ("dq", &g[0], &g_ref[0]), ("dk", &g[1], &g_ref[1]), ("dv", &g[2], &g_ref[2])]
+        {
+            let top = want.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+            let bound: Vec<f64> = want.iter().map(|w| c * (w.abs() + top) * (1.0 + u) + u * w.abs()).collect();
+            assert_within(&format!("{what} {name}"), got, want, &bound);
         }
     }
 }
@@ -800,23 +806,32 @@ fn mixed_dtypes_are_a_dtype_mismatch_naming_both_tensors() {
     let q = f(&[1, 2, 4, 8]);
     let tail = "(one dtype for all the op's tensors)";
     let cases = [
-        (ln.forward(&x, &hf(&[8]), &f(&[8])), "layer norm: weight [C] has dtype F16 but input [..., C] has F32"),
-        (ln.forward(&x, &f(&[8]), &hf(&[8])), "layer norm: bias [C] has dtype F16 but input [..., C] has F32"),
-        (rms.forward(&x, &hf(&[8])), "rms norm: weight [C] has dtype F16 but input [..., C] has F32"),
+        (ln.forward(&x, &hf(&[8]), &f(&[8])), "layer norm: dtype F16 of weight [C] differs from F32 of input [..., C]"),
+        (ln.forward(&x, &f(&[8]), &hf(&[8])), "layer norm: dtype F16 of bias [C] differs from F32 of input [..., C]"),
+        (rms.forward(&x, &hf(&[8])), "rms norm: dtype F16 of weight [C] differs from F32 of input [..., C]"),
         (
             rms.forward(&z(&[4, 8], DType::F64), &x.get(0).unwrap()),
-            "rms norm: weight [C] has dtype F32 but input [..., C] has F64",
+            "rms norm: dtype F32 of weight [C] differs from F64 of input [..., C]",
         ),
-        (lin.forward(&x, &hf(&[3, 8]), None), "linear: weight [out, in] has dtype F16 but input [..., in] has F32"),
-        (lin.forward(&x, &f(&[3, 8]), Some(&hf(&[3]))), "linear: bias [out] has dtype F16 but input [..., in] has F32"),
-        (Softmax::default().forward(&x, Some(&hf(&[8]))), "softmax: mask has dtype F16 but input [..., N] has F32"),
+        (
+            lin.forward(&x, &hf(&[3, 8]), None),
+            "linear: dtype F16 of weight [out, in] differs from F32 of input [..., in]",
+        ),
+        (
+            lin.forward(&x, &f(&[3, 8]), Some(&hf(&[3]))),
+            "linear: dtype F16 of bias [out] differs from F32 of input [..., in]",
+        ),
+        (
+            Softmax::default().forward(&x, Some(&hf(&[8]))),
+            "softmax: dtype F16 of mask differs from F32 of input [..., N]",
+        ),
         (
             la.forward(&q, &hf(&[1, 2, 4, 8]), &q),
-            "linear attention: keys [B, H, L, d] has dtype F16 but queries [B, H, L, d] has F32",
+            "linear attention: dtype F16 of keys [B, H, L, d] differs from F32 of queries [B, H, L, d]",
         ),
         (
             la.forward(&q, &q, &hf(&[1, 2, 4, 8])),
-            "linear attention: values [B, H, L, D] has dtype F16 but queries [B, H, L, d] has F32",
+            "linear attention: dtype F16 of values [B, H, L, D] differs from F32 of queries [B, H, L, d]",
         ),
     ];
     for (r, want) in cases {

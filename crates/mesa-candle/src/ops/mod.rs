@@ -3,11 +3,11 @@
 //! | op | forward keeps (in the op) | backward |
 //! |---|---|---|
 //! | [`Gelu`] (erf, tanh) | codes of `x` | `gelu_backward` decodes in the kernel |
-//! | [`Softmax`] (last axis, additive mask) | codes of `y` (square-root companded) | `softmax_backward` decodes in the kernel |
+//! | [`Softmax`] (last axis, additive mask) | codes of `y` (square-root companded) | `softmax_backward` decodes in the kernel; a tracked mask gets `dx` summed over its broadcast axes |
 //! | [`LayerNorm`] | codes of `x̂`, per-row mean and rstd | `layer_norm_backward` (dx, dweight, dbias) |
 //! | [`RmsNorm`] | codes of `x̂`, per-row `1/rstd` | candle ops on the decoded `x̂` (no RMSNorm kernel) |
 //! | [`CodedLinear`] | codes of `x` | `dW = dyᵀ·x̂` from the decoded `x̂`, candle's matmuls |
-//! | [`LinearAttention`] (ReLU, ELU+1, FAVOR+) | the attention's saved states | chunked kernels; φ recomputed from `q`, `k` |
+//! | [`LinearAttention`] (ReLU, ELU+1, FAVOR+) | the attention's saved states (f16, bf16: nothing) | chunked kernels; φ recomputed from `q`, `k` (f16, bf16: the f32 forward rerun first) |
 //! | [`Dropout`] | a 64-bit key (the mask is regenerated; replayed in [checkpoint regions](crate::region)) | the mask again, times `dy` |
 //!
 //! **Constructors and configs.** An op's `new` takes the [`Codes`] it keeps (the defaults:

@@ -7,8 +7,9 @@
 //! `mesa_kernels::linear_attention::state`), which the kernels take as an initial state:
 //!
 //! ```text
-//! forward   L_r  = Σ_{s ∈ shard r} φ(k_s) [v_s | 1]ᵀ          (the shard's own sum, one matmul)
-//!           all-gather L_0 … L_{W−1}                              (one collective, B·H·M·W·4 bytes per rank)
+//! forward   all-gather every rank's B, H, d, D, M, W and dtype    (7 values: ranks that disagree fail here, on every rank)
+//!           L_r  = Σ_{s ∈ shard r} φ(k_s) [v_s | 1]ᵀ          (the shard's own sum, one matmul)
+//!           all-gather L_0 … L_{W−1}                              (B·H·M·W·4 bytes per rank)
 //!           S0_r = (((0 + L_0) + L_1) + …) + L_{r−1}               (f32, rank order)
 //!           out  = forward_with_state(φ(q), φ(k), v, initial = S0_r)
 //! backward  dφq, dφk, dv, G_r = backward_with_state(d_final = 0)   (G_r = Σ_t φ(q_t) dO'_tᵀ, the gradient of S0_r)
@@ -44,14 +45,14 @@
 //! backward meets the other ranks in a collective, as the forward does.
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use mesa_kernels::linear_attention::LinearAttentionSaved;
 
 use super::Collectives;
 use crate::attach::{attach, Backward};
 use crate::bridge::common_device;
 use crate::error::Error;
-use crate::ops::{check_rank, tensor_result, LinearAttention};
+use crate::ops::{check_dtypes, check_rank, tensor_result, LinearAttention};
 
 /// Causal linear attention on this rank's shard of a sequence split over `comm`'s ranks
 /// (module docs): the outputs and gradients of [`LinearAttention`] on the whole sequence.
@@ -106,13 +107,16 @@ impl ShardedLinearAttention {
     /// This rank's shard `q, k: [B, H, L_r, d]`, `v: [B, H, L_r, D]` → its output
     /// `[B, H, L_r, D]`. Shards may have any lengths (0 included); `B`, `H`, `d`, `D` must
     /// agree on every rank. Dtypes as [`LinearAttention`] (all computed in f32, 16-bit
-    /// results rounded once). A collective call in the forward and one in the backward.
+    /// results rounded once: bitwise the f32 op's results, rounded; for 16-bit inputs the op
+    /// keeps `S0_r`, `B·H·M·W` f32, instead of the attention's states, and the backward reruns
+    /// the shard's f32 attention from it). Two collective calls in the forward (the ranks'
+    /// dims, then their states) and one in the backward.
     ///
     /// # Errors
     /// [`Error::Rank`], [`Error::Shape`] (this rank's tensors disagree; or, on every rank,
-    /// the ranks' `[B, H, M, W]` or dtypes disagree while their states have one size — where
-    /// the sizes differ, the all-gather's [`Error::Collective`] with
-    /// [`crate::Fault::Mismatch`] comes first), [`Error::UnsupportedDType`],
+    /// the ranks disagree on `B, H, d, D` — the message names each rank's values — or on the
+    /// states' `M, W`: another feature map or normalisation), [`Error::DTypeMismatch`] (this
+    /// rank's tensors, or on every rank the ranks' dtypes, differ), [`Error::UnsupportedDType`],
     /// [`Error::DeviceMismatch`], the collectives' [`Error::Collective`], the kernels'
     /// errors as [`Error::Kernel`].
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Tensor> {
@@ -134,6 +138,10 @@ impl ShardedLinearAttention {
     }
 
     fn forward_inner(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<(Tensor, ShardStates)> {
+        check_dtypes(
+            "sharded linear attention",
+            &[(q, "queries [B, H, L_r, d]"), (k, "keys [B, H, L_r, d]"), (v, "values [B, H, L_r, D]")],
+        )?;
         let dtype = q.dtype();
         match dtype {
             DType::F32 | DType::F16 | DType::BF16 => {}
@@ -160,21 +168,14 @@ impl ShardedLinearAttention {
                 Error::Shape { what: "values".into(), expected: vec![b, h, l, dv], got: v.dims().to_vec() }.into()
             );
         }
-        for t in [k, v] {
-            if t.dtype() != dtype {
-                return Err(Error::UnsupportedDType {
-                    op: "sharded linear attention (mixed dtypes)",
-                    dtype: t.dtype(),
-                }
-                .into());
-            }
-        }
         let kernels = common_device("sharded linear attention", &[q, k, v])?;
         let (qf, kf, vf) = (f32_of(q)?, f32_of(k)?, f32_of(v)?);
         let (phi_q, phi_k) = self.op.features_detached::<f32>(&kernels, &qf, &kf)?;
         let normalize = self.op.config().normalize;
         let local = local_state(&phi_k, &vf, normalize)?;
-        let locals = self.exchange(&local, dtype)?;
+        let (_, _, m, w) = local.dims4()?;
+        agree(self.comm.as_ref(), [b, h, q.dim(3)?, dv, m, w], dtype, q.device())?;
+        let locals = gather_states(self.comm.as_ref(), &local)?;
         // S0_r and the total, added in rank order from zero: the same on every rank
         let r = self.comm.rank();
         let mut acc = local.zeros_like()?;
@@ -187,59 +188,81 @@ impl ShardedLinearAttention {
         }
         let start = (r > 0).then_some(&initial);
         let (out, saved) = self.op.attention_with_state::<f32>(&kernels, &phi_q, &phi_k, &vf, start)?;
-        let grad = LaspGrad { op: self.op.clone(), comm: Arc::clone(&self.comm), saved, kernels };
+        let (op, comm) = (self.op.clone(), Arc::clone(&self.comm));
         let y = if dtype == DType::F32 {
+            let grad = LaspGrad { op, comm, kept: Kept::States(Box::new(saved)), kernels };
             attach(&[q, k, v], out.into_storage()?, grad)?
         } else {
+            // 16-bit: the backward reruns this f32 attention from S0_r (`Kept::Start`)
+            let grad = LaspGrad { op, comm, kept: Kept::Start(start.cloned()), kernels };
             attach(&[q, k, v], tensor_result(&out.into_tensor()?.to_dtype(dtype)?)?, grad)?
         };
         Ok((y, ShardStates { local, initial, total: acc }))
     }
-
-    /// Every rank's `[B, H, M, W]` state in rank order (one all-gather), after checking that
-    /// the ranks agree on `[B, H, M, W]` (each state travels behind its dims).
-    fn exchange(&self, state: &Tensor, dtype: DType) -> candle_core::Result<Vec<Tensor>> {
-        exchange(self.comm.as_ref(), state, dtype)
-    }
 }
 
-/// Values in front of each exchanged state: `B, H, M, W` and the dtype's code.
-const HEADER: usize = 5;
+/// Values of [`agree`]'s all-gather per rank: `B, H, d, D, M, W` and the dtype's code.
+const DIMS: usize = 7;
 
-fn exchange(comm: &dyn Collectives, state: &Tensor, dtype: DType) -> candle_core::Result<Vec<Tensor>> {
-    let dims = state.dims4()?;
-    let (b, h, m, w) = dims;
-    let n = state.elem_count();
-    // dims as f32 are exact below 2²⁴ each
-    // the caller's input dtype as a code, so that ranks of different dtypes disagree too
-    let code = match dtype {
-        DType::F32 => 0.0,
-        DType::F16 => 1.0,
-        DType::BF16 => 2.0,
-        _ => 3.0,
-    };
-    let header = Tensor::new(&[b as f32, h as f32, m as f32, w as f32, code], state.device())?;
-    let flat = Tensor::cat(&[&header, &state.flatten_all()?], 0)?.reshape((1, 1, HEADER + n))?;
+/// The dtype codes of [`agree`] (exact in f32).
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Checks, by one all-gather of [`DIMS`] values per rank, that every rank agrees with rank 0
+/// on `dims` (`B, H, d, D`, then the states' `M, W`) and the input dtype, else the same error
+/// on every rank naming the user's tensors. It runs before any state travels: the states'
+/// sizes follow from these values, and an all-gather of different sizes would fail in the
+/// collective with its own layout's words (the intra-node group's) or not at all (NCCL).
+fn agree(comm: &dyn Collectives, dims: [usize; 6], dtype: DType, device: &Device) -> candle_core::Result<()> {
+    // dims as f32 are exact below 2²⁴ each; f64 inputs arrive here as f32
+    let code = DTYPES.iter().position(|&d| d == dtype).unwrap_or(DTYPES.len());
+    let mine: Vec<f32> = dims.iter().chain([&code]).map(|&x| x as f32).collect();
     let world = comm.world_size();
-    let gathered = comm.all_gather_seq(&flat, &vec![1; world])?;
-    let headers = gathered.narrow(2, 0, HEADER)?.flatten_all()?.to_vec1::<f32>()?;
+    let all = comm.all_gather_seq(&Tensor::from_vec(mine, (1, 1, DIMS), device)?, &vec![1; world])?;
+    let all = all.flatten_all()?.to_vec1::<f32>()?;
+    let as_dims = |x: &[f32]| x.iter().map(|&v| v as usize).collect::<Vec<_>>();
     // compared with rank 0's, so that every rank reports the same error
-    let first = &headers[..HEADER];
-    for (p, hp) in headers.chunks(HEADER).enumerate() {
-        if hp != first {
-            let as_dims = |x: &[f32]| x.iter().map(|&v| v as usize).collect::<Vec<_>>();
-            return Err(Error::Shape {
-                what: format!(
-                    "rank {p}'s linear-attention state [B, H, M, W] and dtype code (f32 0, f16 1, bf16 2): the ranks \
-                     must agree on B, H, d, D and the dtype"
-                ),
-                expected: as_dims(first),
-                got: as_dims(hp),
+    let first = &all[..DIMS];
+    for (p, other) in all.chunks(DIMS).enumerate() {
+        let (expected, got) = (as_dims(first), as_dims(other));
+        let pick = |x: &[usize], i: [usize; 4]| i.map(|i| x[i]).to_vec();
+        if expected[..4] != got[..4] {
+            let what = format!(
+                "sharded linear attention: [B, H, d, D] of rank {p}'s queries, keys [B, H, L_r, d] and values \
+                 [B, H, L_r, D] (every rank's must be rank 0's)"
+            );
+            return Err(Error::Shape { what, expected: expected[..4].to_vec(), got: got[..4].to_vec() }.into());
+        }
+        if expected[4..6] != got[4..6] {
+            let what = format!(
+                "sharded linear attention: rank {p}'s states [B, H, M, W] (every rank's must be rank 0's: one feature \
+                 map and normalisation)"
+            );
+            let (expected, got) = (pick(&expected, [0, 1, 4, 5]), pick(&got, [0, 1, 4, 5]));
+            return Err(Error::Shape { what, expected, got }.into());
+        }
+        if expected[6] != got[6] {
+            let dtype = |c: usize| DTYPES.get(c).copied().unwrap_or(DType::F64);
+            return Err(Error::DTypeMismatch {
+                op: "sharded linear attention",
+                what: format!("rank {p}'s queries, keys and values"),
+                of: "rank 0's".into(),
+                expected: dtype(expected[6]),
+                got: dtype(got[6]),
             }
             .into());
         }
     }
-    (0..world).map(|p| gathered.narrow(1, p, 1)?.narrow(2, HEADER, n)?.reshape((b, h, m, w))).collect()
+    Ok(())
+}
+
+/// Every rank's `[B, H, M, W]` state in rank order (one all-gather); the ranks agreed on
+/// the dims in the forward ([`agree`]).
+fn gather_states(comm: &dyn Collectives, state: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+    let (b, h, m, w) = state.dims4()?;
+    let n = state.elem_count();
+    let world = comm.world_size();
+    let gathered = comm.all_gather_seq(&state.flatten_all()?.reshape((1, 1, n))?, &vec![1; world])?;
+    (0..world).map(|p| gathered.narrow(1, p, 1)?.reshape((b, h, m, w))).collect()
 }
 
 /// A tensor outside the graph in f32 (the computation's precision for every dtype).
@@ -270,8 +293,18 @@ fn local_state(phi_k: &Tensor, v: &Tensor, normalize: bool) -> candle_core::Resu
 struct LaspGrad {
     op: LinearAttention,
     comm: Arc<dyn Collectives>,
-    saved: LinearAttentionSaved,
+    kept: Kept,
     kernels: mesa_kernels::Device,
+}
+
+/// What the forward keeps for the backward.
+enum Kept {
+    /// f32 inputs: the attention's states (its output is candle's result, f32).
+    States(Box<LinearAttentionSaved>),
+    /// 16-bit inputs: `S0_r` (`None` on rank 0), from which the backward reruns the shard's
+    /// f32 attention: the normaliser's gradient needs the f32 output, not the rounded one
+    /// candle holds (`crate::ops::LinearAttention`, same reason).
+    Start(Option<Tensor>),
 }
 
 impl Backward for LaspGrad {
@@ -292,18 +325,21 @@ impl LaspGrad {
     ) -> candle_core::Result<Vec<Option<Tensor>>> {
         let dtype = args[0].dtype();
         let (q, k, v) = (f32_of(args[0])?, f32_of(args[1])?, f32_of(args[2])?);
-        let (out, dout) = (f32_of(res)?, f32_of(grad)?);
+        let dout = f32_of(grad)?;
         let kernels = &self.kernels;
         let (phi_q, phi_k) = self.op.features_detached::<f32>(kernels, &q, &k)?;
-        let ([dphi_q, mut dphi_k, mut dv], g_local) = self.op.attention_backward_with_state::<f32>(
-            kernels,
-            &self.saved,
-            [&phi_q, &phi_k, &v],
-            &out,
-            &dout,
-            None,
-        )?;
-        let gs = exchange(self.comm.as_ref(), &g_local, dtype)?;
+        let rerun;
+        let (saved, out) = match &self.kept {
+            Kept::States(saved) => (saved.as_ref(), f32_of(res)?),
+            Kept::Start(start) => {
+                let (out, saved) = self.op.attention_with_state::<f32>(kernels, &phi_q, &phi_k, &v, start.as_ref())?;
+                rerun = saved;
+                (&rerun, out.into_tensor()?)
+            }
+        };
+        let ([dphi_q, mut dphi_k, mut dv], g_local) =
+            self.op.attention_backward_with_state::<f32>(kernels, saved, [&phi_q, &phi_k, &v], &out, &dout, None)?;
+        let gs = gather_states(self.comm.as_ref(), &g_local)?;
         // D_r = Σ_{p>r} G_p, added from the last rank down (the order a ring's hand-off would
         // take): the same on every rank
         let r = self.comm.rank();

@@ -566,33 +566,83 @@ fn bad_inputs_are_errors_on_every_rank() {
     assert!(matches!(mesa(&e), Some(Error::UnsupportedDType { .. })), "{e}");
     let h16 = t(&[1, 2, 4, 3]).to_dtype(DType::F16).unwrap();
     let e = lasp.forward(&t(&[1, 2, 4, 3]), &h16, &t(&[1, 2, 4, 3])).unwrap_err();
-    assert!(matches!(mesa(&e), Some(Error::UnsupportedDType { .. })), "{e}");
-    // ranks that disagree: [B, H] = [1, 2] against [2, 1] (same state size: the header's
-    // Shape), another D (another state size: the all-gather's Mismatch), another dtype
-    for (shape1, dtype1, shape_error) in
-        [([2usize, 1, 4, 3], DType::F32, true), ([1, 2, 4, 4], DType::F32, false), ([1, 2, 4, 3], DType::F16, true)]
-    {
+    assert!(matches!(mesa(&e), Some(Error::DTypeMismatch { .. })), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "sharded linear attention: dtype F16 of keys [B, H, L_r, d] differs from F32 of queries [B, H, L_r, d] \
+         (one dtype for all the op's tensors)"
+    );
+    // ranks that disagree (rank 0: q, k [1, 2, 4, 3], v [1, 2, 4, 3], f32) on [B, H] (the
+    // same state size), D, d (issue 39: the all-gather of states of different sizes said
+    // "expected [B, S, C] = …", its own layout), the dtype: the same error on every rank,
+    // naming the user's tensors (the ranks' dims travel first, in one all-gather)
+    let dims = "sharded linear attention: [B, H, d, D] of rank 1's queries, keys [B, H, L_r, d] and values \
+                [B, H, L_r, D] (every rank's must be rank 0's): expected shape [1, 2, 3, 3]";
+    let cases = [
+        ([2usize, 1, 4, 3], [2usize, 1, 4, 3], DType::F32, format!("{dims}, got [2, 1, 3, 3]")),
+        ([1, 2, 4, 3], [1, 2, 4, 4], DType::F32, format!("{dims}, got [1, 2, 3, 4]")),
+        ([1, 2, 4, 4], [1, 2, 4, 3], DType::F32, format!("{dims}, got [1, 2, 4, 3]")),
+        (
+            [1, 2, 4, 3],
+            [1, 2, 4, 3],
+            DType::F16,
+            "sharded linear attention: dtype F16 of rank 1's queries, keys and values differs from F32 of rank 0's \
+             (one dtype for all the op's tensors)"
+                .to_string(),
+        ),
+    ];
+    for (qs1, vs1, dtype1, want) in cases {
         let ranks = thread_group(2, Duration::from_secs(20)).unwrap();
         let out = run_ranks(ranks, |rank: Rank| {
             let r = rank.rank();
             let lasp = ShardedLinearAttention::new(elu(LinearAttentionConfig::causal()), Arc::new(rank))
                 .map_err(candle_core::Error::from)?;
-            let (qs, vs, dt) = if r == 0 {
-                ([1, 2, 4, 3], [1, 2, 4, 3], DType::F32)
-            } else {
-                ([shape1[0], shape1[1], 4, 3], shape1, dtype1)
-            };
+            let (qs, vs, dt) = if r == 0 { ([1, 2, 4, 3], [1, 2, 4, 3], DType::F32) } else { (qs1, vs1, dtype1) };
             let c = |s: &[usize]| t(s).to_dtype(dt);
             lasp.forward(&c(&qs)?, &c(&qs)?, &c(&vs)?).map(|_| ())
         });
         for (r, o) in out.iter().enumerate() {
             let e = o.as_ref().expect_err("ranks that disagree must fail");
-            if shape_error {
-                assert!(matches!(mesa(e), Some(Error::Shape { .. })), "rank {r}: {e}");
-            } else {
+            assert!(matches!(mesa(e), Some(Error::Shape { .. } | Error::DTypeMismatch { .. })), "rank {r}: {e}");
+            assert_eq!(e.to_string(), want, "rank {r}");
+        }
+    }
+}
+
+/// Issue 39: 16-bit shards compute in f32 and round once (`ShardedLinearAttention::forward`):
+/// every rank's output and gradients are bitwise the f32 sharded op's on the same values,
+/// rounded to the dtype. (The backward's normaliser term read the output candle holds,
+/// already rounded.) Values with a common offset, so that the rounding of the output is not
+/// hidden under the size of the gradients (`tests/ops.rs`,
+/// `linear_attention_16_bit_is_f32_rounded_once`).
+#[test]
+fn sixteen_bit_shards_are_the_f32_shards_rounded_once() {
+    let mut rng = Rng::new(module_path!());
+    let (b, h, d, dv) = DIMS;
+    let (splits, l) = (vec![9, 7], 16);
+    // bf16 (f16 takes the same path; tests/ops.rs checks both on the unsharded op)
+    for dtype in [DType::BF16] {
+        let op = LinearAttention::new(LinearAttentionConfig { chunk: 4, ..LinearAttentionConfig::causal() }, {
+            FeatureKind::Elu1
+        });
+        let q = rng.tensor(&[b, h, l, d], 0.0, 0.7, dtype);
+        let k = rng.tensor(&[b, h, l, d], 0.0, 0.7, dtype);
+        let v = rng.tensor(&[b, h, l, dv], 4.0, 0.5, dtype);
+        let dy = rng.tensor(&[b, h, l, dv], 0.0, 1.0, dtype);
+        let inputs = [q, k, v];
+        let ranks = run_sharded(&op, &splits, &inputs, &dy);
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let ranks32 = run_sharded(&op, &splits, &inputs.clone().map(|t| f32s(&t)), &f32s(&dy));
+        let rounded = |t: &Tensor| host(&t.to_dtype(dtype).unwrap());
+        for (r, (a, b)) in ranks.iter().zip(&ranks32).enumerate() {
+            assert!(a.y == rounded(&b.y_t), "{dtype:?} rank {r}: out is not the f32 op's rounded once");
+            for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+                let want = rounded(&b.g_t[i]);
+                let differ = (0..want.len()).filter(|&j| a.g[i][j] != want[j]).count();
                 assert!(
-                    matches!(mesa(e), Some(Error::Collective { fault: mesa_candle::Fault::Mismatch, .. })),
-                    "rank {r}: {e}"
+                    differ == 0,
+                    "{dtype:?} rank {r}: {differ} of {} {name} are not the f32 op's rounded once",
+                    want.len()
                 );
             }
         }
