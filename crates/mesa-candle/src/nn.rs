@@ -252,6 +252,17 @@ impl LayerNorm {
 impl Module for LayerNorm {
     /// `xs: [..., C]`; errors of [`ops::LayerNorm::forward`] and [`ops::RmsNorm::forward`].
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        // the kernels take eps in f32: checked here, where the value the caller gave is known
+        // (candle-nn also accepts 0; these ops do not: a zero row would divide 0 by 0)
+        let eps32 = self.eps as f32;
+        if !(eps32 > 0.0 && eps32.is_finite()) {
+            let name = if self.remove_mean { "layer norm eps" } else { "rms norm eps" };
+            return Err(crate::Error::InvalidArgument {
+                name,
+                why: format!("must be positive and finite in f32 (the kernels' precision), got {:e}", self.eps),
+            }
+            .into());
+        }
         match &self.norm {
             Norm::Centered(op) => match &self.bias {
                 Some(bias) => op.forward(xs, &self.weight, bias),

@@ -23,9 +23,15 @@
 //! full forward graph at a time, plus its gradients.
 //!
 //! **Parameters.** Found, not declared: after the forward, the region walks the graph of its
-//! result ([`Tensor::sorted_nodes`]) and takes every variable it reaches, including through
-//! tracked tensors the closure captured. A tracked tensor the closure captures is kept alive
-//! by the closure.
+//! result ([`Tensor::sorted_nodes`]) and takes every variable it reaches.
+//!
+//! **Pass tracked tensors as inputs, do not capture them.** A tracked tensor the closure
+//! captures (an encoder's output read by a decoder's cross-attention, a mask computed from a
+//! variable) is kept alive by the closure, and the region's backward differentiates the whole
+//! graph upstream of it again — earlier regions there rerun once per capturing region — and
+//! hands the upstream variables their gradients itself, summed in another order than
+//! candle's (equal within rounding, not bit for bit). As an input of [`Region::run`] it
+//! costs nothing of that: its gradient goes back through candle's graph like any other.
 //!
 //! **Randomness replays.** Each region draws a 64-bit key; [`next_key`] hands the ops inside
 //! the region keys derived from it in call order, and the rerun hands out the same keys.
@@ -34,13 +40,15 @@
 //! whose rerun differs from its forward — it drew from a generator it cannot replay, such as
 //! candle-nn's `Dropout` or `Tensor::rand*` — fails its backward with
 //! [`Error::RegionReplay`] instead of returning gradients of a
-//! different function. The check compares the bits of `Σ y` (in the output's dtype) from the
-//! forward and the rerun: one scalar read by the host per run of the region (a device
-//! synchronisation on CUDA); [`Region::verify_replay`] turns it off.
+//! different function. The check compares the rerun's output with the forward's (which candle
+//! hands the backward) element by element on their device, NaN equal to NaN: three
+//! comparisons and a sum over the output, and one scalar read by the host per backward of the
+//! region (a device synchronisation on CUDA); [`Region::verify_replay`] turns it off.
 //!
 //! **Exactness.** The gradients equal those of the same code without the region **bit for
 //! bit** when the rerun computes what the forward computed (deterministic ops, the same keys)
-//! and each variable read in the region is read nowhere else: candle's backward of the rerun
+//! and each variable read in the region is read nowhere else, and the region captures no
+//! tracked tensor (above): candle's backward of the rerun
 //! is the same sequence of ops, and the one added term (`0 + g`) is exact. A variable read
 //! both inside and outside a region (tied weights), or in two regions, gets the same terms
 //! summed in another order: equal within the rounding of those sums (`|δ| ≤ γ_m Σ|gᵢ|` for
@@ -164,9 +172,9 @@ impl Region {
         Self::default()
     }
 
-    /// Whether the backward compares its rerun with the forward (`Σ y`, bitwise) and fails
-    /// with [`Error::RegionReplay`] when they differ (default on; off saves one host read
-    /// of a scalar per run of the region).
+    /// Whether the backward compares its rerun's output with the forward's, element by
+    /// element, and fails with [`Error::RegionReplay`] when any differs (default on; off
+    /// saves a few elementwise passes and one host read of a scalar per backward).
     pub fn verify_replay(mut self, on: bool) -> Self {
         self.verify_replay = on;
         self
@@ -191,7 +199,6 @@ impl Region {
         let key = next_key();
         let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
         let y = in_frame(key, false, || f(&detached))?;
-        let digest = if self.verify_replay { Some(digest(&y)?) } else { None };
         let params = variables_of(&y);
         // the region's graph goes with `y`: only its storage, copied once, enters candle's graph
         let result = tensor_result(&y.detach())?;
@@ -203,7 +210,7 @@ impl Region {
         let grad = RegionGrad {
             f: Arc::new(f),
             key,
-            digest,
+            verify: self.verify_replay,
             inputs: inputs.len(),
             params,
             slot,
@@ -297,10 +304,16 @@ impl<M: ModuleT + Send + Sync + 'static> Checkpointed<M> {
 /// to the anchors (which candle runs after the region's op: they are its argument).
 type GradSlot = Arc<Mutex<Option<Vec<Option<Tensor>>>>>;
 
-/// `Σ y` in `y`'s dtype (f64 bits), computed on `y`'s device.
-fn digest(y: &Tensor) -> candle_core::Result<u64> {
-    let s = y.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    Ok(s.to_bits())
+/// The number of elements where `rerun` and `forward` differ (NaN equal to NaN, `−0` to `+0`),
+/// counted on their device; one scalar read by the host.
+fn differing(rerun: &Tensor, forward: &Tensor) -> candle_core::Result<f64> {
+    if rerun.shape() != forward.shape() || rerun.dtype() != forward.dtype() {
+        return Ok(f64::INFINITY);
+    }
+    let differ = rerun.ne(forward)?.to_dtype(DType::F32)?;
+    let both_nan = (rerun.ne(rerun)?.to_dtype(DType::F32)? * forward.ne(forward)?.to_dtype(DType::F32)?)?;
+    // 0/1 values: the sum is 0 exactly when no element differs
+    (differ - both_nan)?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()
 }
 
 /// Every variable `y`'s graph reaches, once each, in candle's order.
@@ -359,7 +372,7 @@ impl Backward for AnchorGrad {
 struct RegionGrad {
     f: Arc<RegionFn>,
     key: u64,
-    digest: Option<u64>,
+    verify: bool,
     inputs: usize,
     /// extra inputs (after the first), as given
     extras: Vec<Tensor>,
@@ -371,7 +384,7 @@ impl Backward for RegionGrad {
     fn name(&self) -> &'static str {
         "mesa-region"
     }
-    fn backward(&self, args: &[&Tensor], _: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+    fn backward(&self, args: &[&Tensor], res: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
         // the inputs as fresh variables (the same storage), the parameters as they are
         // (candle makes a variable only by copying: one transient copy per tracked input)
         let tensors: Vec<Tensor> = std::iter::once(args[0])
@@ -379,16 +392,15 @@ impl Backward for RegionGrad {
             .map(|t| if t.track_op() { Ok(Var::from_tensor(&t.detach())?.into_inner()) } else { Ok(t.detach()) })
             .collect::<candle_core::Result<_>>()?;
         let y = in_frame(self.key, true, || (self.f)(&tensors))?;
-        if let Some(expected) = self.digest {
-            let got = digest(&y)?;
-            if got != expected {
+        if self.verify {
+            let n = differing(&y, &res.detach())?;
+            if n != 0.0 {
                 return Err(Error::RegionReplay {
                     why: format!(
-                        "the rerun's output sums to {} where the forward's summed to {}: the region drew from a \
+                        "{n} of {} elements of the rerun's output differ from the forward's: the region drew from a \
                          generator it cannot replay (candle-nn's Dropout, Tensor::rand*; use mesa_candle::ops::Dropout \
                          or keys from region::next_key) or ran a nondeterministic op",
-                        f64::from_bits(got),
-                        f64::from_bits(expected)
+                        y.elem_count()
                     ),
                 }
                 .into());

@@ -566,3 +566,28 @@ fn gelu_erf_default_uses_exact_statistics() -> Result<()> {
     assert_within("gelu dx after a wide call", &g[0], &g_ref[0], &bound);
     Ok(())
 }
+
+/// A layer fed an input of another width names the input and both widths; an eps the
+/// kernels cannot take (0 in f32) names the op and the value given, not its f32 rounding.
+#[test]
+fn norm_errors_name_the_input_and_the_given_eps() -> Result<()> {
+    let dev = Device::Cpu;
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &dev);
+    let x = Tensor::ones((2, 7), DType::F32, &dev)?;
+    let ln = nn::layer_norm(8, 1e-5, vb.pp("ln"))?;
+    let e = ln.forward(&x).expect_err("width 7 into a layer of 8");
+    assert_eq!(
+        e.to_string(),
+        "layer norm input [..., C] (C = 8: weight [C] is [8]): expected shape [2, 8], got [2, 7]"
+    );
+    let rms = nn::rms_norm(8, 1e-5, vb.pp("rms"))?;
+    let e = rms.forward(&x).expect_err("width 7 into a layer of 8");
+    assert_eq!(e.to_string(), "rms norm input [..., C] (C = 8: weight [C] is [8]): expected shape [2, 8], got [2, 7]");
+    let x = Tensor::ones((2, 8), DType::F32, &dev)?;
+    let e = nn::rms_norm(8, 1e-50, vb.pp("tiny"))?.forward(&x).expect_err("eps 0 in f32");
+    assert_eq!(e.to_string(), "rms norm eps: must be positive and finite in f32 (the kernels' precision), got 1e-50");
+    let e = nn::layer_norm(8, 0.0, vb.pp("zero"))?.forward(&x).expect_err("eps 0");
+    assert!(e.to_string().starts_with("layer norm eps: must be positive"), "{e}");
+    Ok(())
+}

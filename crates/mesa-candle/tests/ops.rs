@@ -402,7 +402,7 @@ fn bad_inputs_are_typed_errors_not_panics() {
     let e = LayerNorm::new(0.0, exact(8)).forward(&x, &w8, &w8).unwrap_err();
     assert!(matches!(as_mesa_error(&e), Some(Error::Kernel(mesa_kernels::Error::InvalidArgument { .. }))), "{e}");
     let e = RmsNorm::new(-1.0, exact(8)).forward(&x, &w8).unwrap_err();
-    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "eps", .. })), "{e}");
+    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "rms norm eps", .. })), "{e}");
     // 3-bit codes: the kernels support 8, 4 and 2
     let e = Gelu::new(GeluForm::Erf, exact(3)).forward(&x).unwrap_err();
     assert!(matches!(as_mesa_error(&e), Some(Error::Kernel(mesa_kernels::Error::Unsupported { .. }))), "{e}");

@@ -201,6 +201,15 @@ fn a_region_with_an_unreplayable_generator_fails_its_backward() {
     let y = checkpoint(x.as_tensor(), |x| candle_nn::ops::dropout(x, 0.5)).unwrap();
     let e = y.sum_all().unwrap().backward().expect_err("the rerun draws another mask");
     assert!(matches!(as_mesa_error(&e), Some(Error::RegionReplay { .. })), "{e}");
+    // outputs whose sum does not see the mask (a checksum would pass them): rows normalised
+    // after the dropout, and a 16-bit output whose 16-bit sum saturates
+    let y = checkpoint(x.as_tensor(), |x| candle_nn::ops::softmax(&candle_nn::ops::dropout(x, 0.5)?, 1)).unwrap();
+    let e = (y * x.as_tensor()).unwrap().sum_all().unwrap().backward().expect_err("softmax of another mask");
+    assert!(matches!(as_mesa_error(&e), Some(Error::RegionReplay { .. })), "{e}");
+    let h = Var::from_tensor(&Tensor::ones((64, 1024), DType::F16, &Device::Cpu).unwrap()).unwrap();
+    let y = checkpoint(h.as_tensor(), |x| candle_nn::ops::dropout(x, 0.5)).unwrap();
+    let e = y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().expect_err("f16, another mask");
+    assert!(matches!(as_mesa_error(&e), Some(Error::RegionReplay { .. })), "{e}");
     // no inputs
     let e = Region::new().run(&[], |t| Ok(t[0].clone())).expect_err("no inputs");
     assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "inputs", .. })), "{e}");

@@ -15,8 +15,10 @@ use crate::layer::dropout::keyed_mask;
 /// ([`crate::region::set_seed`]). The backward regenerates the mask from the key: the op
 /// keeps 8 bytes, not the mask (candle keeps its argument `x`, as for every op).
 ///
-/// Any float dtype (the mask is built in f32, exact in every float dtype: `0` or
-/// `1/(1 − p)` rounded once to the dtype); any shape and device. The masks are generated on
+/// Any float dtype; any shape and device. The mask is built in f32 (`0` or `1/(1 − p)`
+/// rounded to f32) and converted to the dtype: in f64 the scale is that f32 value (for
+/// `p = 0.1`, 1.1111111640930176, not 1.1111111111111112), in f16 and bf16 it is rounded
+/// once more. The masks are generated on
 /// the host (copied to the device for CUDA tensors).
 #[derive(Debug, Clone, Copy)]
 pub struct Dropout {

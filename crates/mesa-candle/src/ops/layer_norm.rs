@@ -52,11 +52,8 @@ impl LayerNorm {
             }
             .into());
         }
-        for (t, what) in [(weight, "layer norm weight"), (bias, "layer norm bias")] {
-            if t.dims() != [cols] {
-                return Err(Error::Shape { what: what.into(), expected: vec![cols], got: t.dims().to_vec() }.into());
-            }
-        }
+        super::check_norm_param("layer norm", "weight [C]", x, weight)?;
+        super::check_norm_param("layer norm", "bias [C]", x, bias)?;
         let kernels = common_device("layer norm", &[x, weight, bias])?;
         dispatch_float!(x.dtype(), "layer norm", T => {
             let (xd, wd, bd) = (x.detach(), weight.contiguous()?.detach(), bias.contiguous()?.detach());

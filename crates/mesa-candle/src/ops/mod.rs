@@ -26,6 +26,11 @@
 //! [`Error::DTypeMismatch`] naming both (no op casts one to another's); a tensor of the wrong
 //! rank [`Error::Rank`], of the wrong shape [`Error::Shape`].
 //!
+//! **Non-finite inputs.** The default [`Codes`] take one offset and scale per tensor, so one
+//! NaN or ±inf in an op's input makes its saved range non-finite and every row's gradient
+//! NaN, finite rows included (the forward is exact either way; the kernels count such
+//! groups: `SavedActivation`). candle's own ops would keep the finite rows' gradients.
+//!
 //! **What these per-op ops do not save.** Candle's autograd keeps a clone of every argument
 //! of every op until backward (`BackpropOp`, candle-core `op.rs`), so the full-precision input
 //! of an op stays alive as long as its output's graph, whatever the op itself keeps: the
@@ -109,6 +114,30 @@ pub(crate) fn check_rank(what: &str, t: &Tensor, expected: usize, at_least: bool
         Ok(())
     } else {
         Err(Error::Rank { what: what.into(), expected, at_least, got: t.dims().to_vec() }.into())
+    }
+}
+
+/// A norm's parameter `param` (`what`, e.g. `"weight [C]"`) is `[C]` for the input `x: [..., C]`,
+/// else [`Error::Shape`]: a rank-1 parameter of another size names the input's `C` and shows
+/// the input's expected and given shapes (the usual cause: an input of another width than
+/// the layer's); any other shape names the parameter.
+pub(crate) fn check_norm_param(op: &str, what: &str, x: &Tensor, param: &Tensor) -> candle_core::Result<()> {
+    let cols = x.dims().last().copied().unwrap_or(0);
+    match param.dims() {
+        [c] if *c == cols => Ok(()),
+        [c] => {
+            let mut expected = x.dims().to_vec();
+            if let Some(last) = expected.last_mut() {
+                *last = *c;
+            }
+            Err(Error::Shape {
+                what: format!("{op} input [..., C] (C = {c}: {what} is [{c}])"),
+                expected,
+                got: x.dims().to_vec(),
+            }
+            .into())
+        }
+        other => Err(Error::Shape { what: format!("{op} {what}"), expected: vec![cols], got: other.to_vec() }.into()),
     }
 }
 

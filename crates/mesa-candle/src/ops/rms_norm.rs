@@ -54,18 +54,11 @@ impl RmsNorm {
             }
             .into());
         }
-        if weight.dims() != [cols] {
-            return Err(Error::Shape {
-                what: "rms norm weight [C]".into(),
-                expected: vec![cols],
-                got: weight.dims().to_vec(),
-            }
-            .into());
-        }
+        super::check_norm_param("rms norm", "weight [C]", x, weight)?;
         if !(self.eps > 0.0 && self.eps.is_finite()) {
             return Err(Error::InvalidArgument {
-                name: "eps",
-                why: format!("must be positive and finite, got {}", self.eps),
+                name: "rms norm eps",
+                why: format!("must be positive and finite, got {:e}", self.eps),
             }
             .into());
         }
