@@ -16,8 +16,8 @@
 //! **Bounds.** Our norms' forward is computed in f32 (no codes); their backward decodes `x̂`
 //! from 8-bit codes (the default [`mesa_candle::ops::Codes`]: exact per-tensor range, round to
 //! nearest): `|x̂_dec − x̂| ≤ h = step/2` (+ the decode's `fmaf`), `step = (max − min)/255` of
-//! `x̂`. That error reaches only the norm's gradients (`dx`, `dw`, `db`): [`norm_bounds`] (as
-//! in `tests/ops.rs`) applied to the reference's gradient of the norm's output, `dn`. The rest
+//! `x̂`. That error reaches only the norm's gradients (`dx`, `dw`, `db`): `common::norm_bounds` (shared
+//! with `tests/ops.rs`) applied to the reference's gradient of the norm's output, `dn`. The rest
 //! is f32 arithmetic, bounded from the reference's values ([`errors`]): the norm's forward
 //! within `64·C·u₃₂·(1 + |n|)` (the bound `tests/ops.rs` checks), a sum of `k` products within
 //! `k·u₃₂` of its magnitudes, `|gelu'| ≤ 1.13` and `|gelu''| ≤ 2φ(0) < 0.8` carrying `h`'s
@@ -27,7 +27,7 @@
 mod common;
 
 use candle_core::{DType, Device, Module, Tensor, Var, D};
-use common::{assert_within, flat, Rng};
+use common::{assert_within, flat, norm_bounds, normalized, Rng};
 
 const U32: f64 = 1.0 / 16_777_216.0;
 const EPS: f64 = 1e-5;
@@ -164,46 +164,6 @@ fn candle_nn_fused_rms_norm_drops_the_norm_gradients() {
     fused_norm_drops_the_gradient(Kind::Rms, "rms_norm", &[1]);
 }
 
-/// `x̂` and `rstd` of each row, in f64 (as `tests/ops.rs`).
-fn normalized(x: &[f64], cols: usize, eps: f64, center: bool) -> (Vec<f64>, Vec<f64>) {
-    let mut xhat = vec![0.0; x.len()];
-    let mut rstd = vec![0.0; x.len() / cols];
-    for (r, row) in x.chunks(cols).enumerate() {
-        let mean = if center { row.iter().sum::<f64>() / cols as f64 } else { 0.0 };
-        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
-        rstd[r] = 1.0 / (var + eps).sqrt();
-        for c in 0..cols {
-            xhat[r * cols + c] = (row[c] - mean) * rstd[r];
-        }
-    }
-    (xhat, rstd)
-}
-
-/// The decoding terms of a norm's gradients (`tests/ops.rs`): `|Δdx_i| ≤ rstd·(h|m| +
-/// |x̂_i|·h·mean|g| + h²·mean|g|)`, `m = mean(g·x̂)`, `g = dy·w`; `|Δdw_j| ≤ Σ_rows |dy_j|·h`;
-/// plus the f32 sums over a row and over the rows.
-#[allow(clippy::needless_range_loop)] // rows and columns index four arrays at once
-fn norm_bounds(xhat: &[f64], rstd: &[f64], w: &[f64], dy: &[f64], h: f64) -> [Vec<f64>; 3] {
-    let cols = w.len();
-    let rows = xhat.len() / cols;
-    let mut dx = vec![0.0; xhat.len()];
-    let (mut dw, mut db) = (vec![0.0; cols], vec![0.0; cols]);
-    for r in 0..rows {
-        let i0 = r * cols;
-        let g: Vec<f64> = (0..cols).map(|c| dy[i0 + c] * w[c]).collect();
-        let m = (0..cols).map(|c| g[c] * xhat[i0 + c]).sum::<f64>() / cols as f64;
-        let mg = g.iter().map(|v| v.abs()).sum::<f64>() / cols as f64;
-        for c in 0..cols {
-            let x = xhat[i0 + c].abs();
-            let arith = 8.0 * cols as f64 * U32 * (g[c].abs() + mg * (1.0 + x));
-            dx[i0 + c] = rstd[r] * (h * m.abs() + x * h * mg + h * h * mg + arith);
-            dw[c] += dy[i0 + c].abs() * (h + 4.0 * rows as f64 * U32 * (1.0 + x));
-            db[c] += dy[i0 + c].abs() * 4.0 * rows as f64 * U32;
-        }
-    }
-    [dx, dw, db]
-}
-
 /// Bounds on the f32 errors of our block's intermediates (the module docs), from the
 /// reference's values: `|n|`, `|h|` (`≥ |gelu(h)|`), `|dh| ≤ 1.13·|dy·W₂|`, and the errors
 /// `E_n`, `E_h`, `E_dh`, `E_dn` of `n`, `h`, `dh`, `dn`.
@@ -287,7 +247,7 @@ fn our_norm_gets_every_gradient(kind: Kind, op: &str) {
     let h = 0.5 * (hi - lo) / 255.0 * (1.0 + 1e-4) + 8.0 * U32 * top;
     let e = errors(&host, &xhat, &dys);
     // the decoding terms, for the reference's dn
-    let [mut bx, mut bw, mut bb] = norm_bounds(&xhat, &rstd, w, &dn_ref, h);
+    let common::NormBounds { dx: mut bx, dw: mut bw, db: mut bb } = norm_bounds(&xhat, &rstd, w, &dn_ref, h);
     let (mut bw1, mut bb1) = (vec![0.0; H * C], vec![0.0; H]);
     let (mut bw2, mut bb2) = (vec![0.0; C * H], vec![0.0; C]);
     let (ur, uc) = (R as f64 * U32, C as f64 * U32);

@@ -158,3 +158,52 @@ pub fn assert_within(what: &str, got: &[f64], want: &[f64], bound: &[f64]) {
     );
     eprintln!("{what}: worst error / bound = {:.3}", worst.1);
 }
+
+/// f32's unit roundoff, `2⁻²⁴`.
+const U32: f64 = 1.0 / 16_777_216.0;
+
+/// `x̂` and `rstd` of each row, in f64.
+pub fn normalized(x: &[f64], cols: usize, eps: f64, center: bool) -> (Vec<f64>, Vec<f64>) {
+    let mut xhat = vec![0.0; x.len()];
+    let mut rstd = vec![0.0; x.len() / cols];
+    for (r, row) in x.chunks(cols).enumerate() {
+        let mean = if center { row.iter().sum::<f64>() / cols as f64 } else { 0.0 };
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
+        rstd[r] = 1.0 / (var + eps).sqrt();
+        for c in 0..cols {
+            xhat[r * cols + c] = (row[c] - mean) * rstd[r];
+        }
+    }
+    (xhat, rstd)
+}
+
+/// The decoding terms of a norm's gradients: `|Δdx_i| ≤ rstd·(h|m| + |x̂_i|·h·mean|g| +
+/// h²·mean|g|)`, `m = mean(g·x̂)`, `g = dy·w` (the centring term of LayerNorm has no `x̂`);
+/// `|Δdw_j| ≤ Σ_rows |dy_j|·h`; plus the f32 sums over a row (`C·u₃₂` of the magnitudes).
+pub struct NormBounds {
+    pub dx: Vec<f64>,
+    pub dw: Vec<f64>,
+    pub db: Vec<f64>,
+}
+
+#[allow(clippy::needless_range_loop)] // rows and columns index four arrays at once
+pub fn norm_bounds(xhat: &[f64], rstd: &[f64], w: &[f64], dy: &[f64], h: f64) -> NormBounds {
+    let cols = w.len();
+    let rows = xhat.len() / cols;
+    let mut dx = vec![0.0; xhat.len()];
+    let (mut dw, mut db) = (vec![0.0; cols], vec![0.0; cols]);
+    for r in 0..rows {
+        let i0 = r * cols;
+        let g: Vec<f64> = (0..cols).map(|c| dy[i0 + c] * w[c]).collect();
+        let m = (0..cols).map(|c| g[c] * xhat[i0 + c]).sum::<f64>() / cols as f64;
+        let mg = g.iter().map(|v| v.abs()).sum::<f64>() / cols as f64;
+        for c in 0..cols {
+            let x = xhat[i0 + c].abs();
+            let arith = 8.0 * cols as f64 * U32 * (g[c].abs() + mg * (1.0 + x));
+            dx[i0 + c] = rstd[r] * (h * m.abs() + x * h * mg + h * h * mg + arith);
+            dw[c] += dy[i0 + c].abs() * (h + 4.0 * rows as f64 * U32 * (1.0 + x));
+            db[c] += dy[i0 + c].abs() * 4.0 * rows as f64 * U32;
+        }
+    }
+    NormBounds { dx, dw, db }
+}
