@@ -193,6 +193,9 @@ fn build_emulation(kernels: &Path, sources: &[PathBuf], contract: &str, out: &Pa
         if sanitizer_flags().is_none() {
             b.flag("-fsanitize=thread").flag("--param=tsan-instrument-func-entry-exit=0");
         }
+        // Line tables (no variables): racecheck's reports name the source lines of both
+        // accesses (addr2line on the instrumented call's return address).
+        b.flag("-g1");
         // The .cu files are C++ to the host compiler; the emulation header is force-included.
         b.flag("-include").flag(&emu_header);
         b.flag("-x").flag("c++");
@@ -384,18 +387,28 @@ fn sanitizer_flags() -> Option<Vec<&'static str>> {
 }
 
 /// The emulator's view of a kernel source: `MESA_EMU_SHARED_POINT(name);` after every
-/// `__shared__` declaration (poisoned when a block first passes it), and a kernel's
+/// `__shared__` declaration (poisoned when a block first passes it), a kernel's
 /// `__launch_bounds__(args)` moved into its body as `MESA_EMU_LAUNCH_BOUNDS(args);` (checked
-/// against the block size). Comments and literals are left alone; line numbers are kept.
+/// against the block size), and `MESA_EMU_LOOP_POINT;` at the top of the braced body of every
+/// `for`, `while` and `do` loop whose body holds a block barrier (`__syncthreads`, a group's
+/// `.sync(`): synccheck then requires every thread at a barrier to be in the same iteration
+/// of each such loop around it. Comments and literals are left alone; line numbers are kept.
 fn emu_rewrite(src: &str) -> String {
     let b = src.as_bytes();
     let mut out = String::with_capacity(src.len() + 256);
     let mut i = 0;
     let mut last_ident = String::new();
     let mut pending_bounds: Option<String> = None;
+    // the `{` of loop bodies that get a loop point
+    let mut loop_bodies = std::collections::BTreeSet::new();
     let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
     while i < b.len() {
         let c = b[i];
+        if c == b'{' && loop_bodies.remove(&i) {
+            out.push_str("{ MESA_EMU_LOOP_POINT;");
+            i += 1;
+            continue;
+        }
         // comments and literals: copied as they are
         if c == b'/' && b.get(i + 1) == Some(&b'/') {
             let end = src[i..].find('\n').map_or(b.len(), |k| i + k);
@@ -425,6 +438,19 @@ fn emu_rewrite(src: &str) -> String {
                 j += 1;
             }
             let word = &src[i..j];
+            if word == "__shared__" && last_ident == "extern" {
+                // `extern __shared__ T name[];`: the launch's dynamic shared memory
+                if let Some(semi) = src[j..].find(';').map(|k| j + k) {
+                    if let Some(decl) = dynamic_shared(&src[j..semi]) {
+                        let cut = out.rfind("extern").unwrap_or(out.len());
+                        out.truncate(cut);
+                        out.push_str(&decl);
+                        i = semi + 1;
+                        last_ident.clear();
+                        continue;
+                    }
+                }
+            }
             if word == "__shared__" && last_ident != "extern" {
                 // the declaration runs to the next `;` outside brackets
                 let (end, names) = shared_declarators(src, j);
@@ -435,6 +461,16 @@ fn emu_rewrite(src: &str) -> String {
                 i = end;
                 last_ident.clear();
                 continue;
+            }
+            if matches!(word, "for" | "while" | "do") {
+                if let Some(open) = loop_body(src, j, word == "do") {
+                    if let Some(close) = matching_brace(src, open) {
+                        let body = &src[open..close];
+                        if body.contains("__syncthreads") || body.contains(".sync(") {
+                            loop_bodies.insert(open);
+                        }
+                    }
+                }
             }
             if word == "__launch_bounds__" {
                 if let Some(close) = matching_paren(src, j) {
@@ -524,6 +560,66 @@ fn shared_declarators(src: &str, from: usize) -> (usize, Vec<String>) {
 }
 
 /// The index of the `)` that closes the `(` at or after `open`.
+/// `T name[]` (after `extern __shared__`, `__align__(n)` allowed) as a pointer to the
+/// launch's dynamic shared memory: `T* name = (T*)::mesa_emu::dynamic_smem();`.
+fn dynamic_shared(decl: &str) -> Option<String> {
+    let mut d = decl.trim().strip_suffix("[]")?.trim().to_string();
+    while let Some(at) = d.find("__align__") {
+        let close = matching_paren(&d, at)?;
+        d.replace_range(at..=close, " ");
+    }
+    let name_at = d.rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))? + 1;
+    let (ty, name) = (d[..name_at].trim(), &d[name_at..]);
+    (!ty.is_empty() && !name.is_empty())
+        .then(|| format!("{ty}* {name} = reinterpret_cast<{ty}*>(::mesa_emu::dynamic_smem());"))
+}
+
+/// The index of the `{` that opens the body of the loop whose keyword ends at `from`: after
+/// the parenthesised header (`for`, `while`) or right away (`do`); `None` for an unbraced
+/// body, and for the `while (…);` that ends a `do` loop.
+fn loop_body(src: &str, from: usize, is_do: bool) -> Option<usize> {
+    let after = if is_do {
+        from
+    } else {
+        let rest = src[from..].trim_start();
+        if !rest.starts_with('(') {
+            return None;
+        }
+        matching_paren(src, from)? + 1
+    };
+    let skipped = src[after..].len() - src[after..].trim_start().len();
+    (src.as_bytes().get(after + skipped) == Some(&b'{')).then_some(after + skipped)
+}
+
+/// The index of the `}` that closes the `{` at `open`, skipping comments and literals.
+fn matching_brace(src: &str, open: usize) -> Option<usize> {
+    let b = src.as_bytes();
+    let mut depth = 0i32;
+    let mut k = open;
+    while k < b.len() {
+        match b[k] {
+            b'/' if b.get(k + 1) == Some(&b'/') => k += src[k..].find('\n').unwrap_or(b.len() - k),
+            b'/' if b.get(k + 1) == Some(&b'*') => k += 2 + src[k + 2..].find("*/").map_or(b.len() - k - 2, |e| e + 1),
+            q @ (b'"' | b'\'') => {
+                k += 1;
+                while k < b.len() && b[k] != q {
+                    k += if b[k] == b'\\' { 2 } else { 1 };
+                }
+            }
+            b'{' => depth += 1,
+            b'}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(k);
+                }
+            }
+            _ => {}
+        }
+        k += 1;
+    }
+    None
+}
+
 fn matching_paren(src: &str, open: usize) -> Option<usize> {
     let b = src.as_bytes();
     let start = open + src[open..].find('(')?;

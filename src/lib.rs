@@ -35,14 +35,17 @@ pub mod emu {
     pub const MESA_EMU_CHECK_INIT: u32 = 2;
     /// Canaries and a guard page after every emulator allocation.
     pub const MESA_EMU_CHECK_MEM: u32 = 4;
-    /// Partial barriers, two barriers in one generation, shuffle/ballot mask mismatches.
+    /// Partial barriers, two barriers in one generation, a barrier met in different loop
+    /// iterations, shuffle/ballot mask mismatches, grid syncs outside cooperative launches.
     pub const MESA_EMU_CHECK_SYNC: u32 = 8;
-    /// Conflicting `__shared__` accesses of two threads with no barrier between them.
+    /// Conflicting `__shared__` or global accesses of two threads with nothing ordering them.
     pub const MESA_EMU_CHECK_RACE: u32 = 16;
     /// Blocks larger than the kernel's `__launch_bounds__`.
     pub const MESA_EMU_CHECK_BOUNDS: u32 = 32;
+    /// (With racecheck) unordered stores of two threads that wrote the same bytes.
+    pub const MESA_EMU_CHECK_BENIGN: u32 = 64;
     /// Every check.
-    pub const MESA_EMU_CHECK_ALL: u32 = 1 | 2 | 4 | 8 | 16 | 32;
+    pub const MESA_EMU_CHECK_ALL: u32 = 1 | 2 | 4 | 8 | 16 | 32 | 64;
 
     extern "C" {
         /// Replaces the configuration (a set of `MESA_EMU_CHECK_*` bits and the base seed).

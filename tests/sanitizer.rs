@@ -339,3 +339,166 @@ fn wmma_product_meets_a_syncwarp() {
     assert_reported(&r, "synccheck", "wmma_meets_syncwarp", 61);
     assert!(r.report.as_deref().is_some_and(|m| m.contains("another warp-wide operation")), "{:?}", r.report);
 }
+
+// Issue 43's classes (kernels/broken/hazards.cu): races in global memory, warp-synchronous
+// code, barriers in loops, cooperative groups, __constant__ stores, benign write-write pairs.
+// Each broken case is reported by its check; each control passes every check with the right
+// result.
+extern "C" {
+    fn mesa_emu_hazard_last_block_fenced(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_last_block_unfenced(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_accumulate_atomic(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_accumulate_plain(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_warp_scan_synced(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_warp_scan_lockstep(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_warp_scan_lockstep_dynamic(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_barrier_in_shifted_iteration(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_tile_sums(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_tile_shuffle_half(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_grid_sync_plain_launch(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_grid_phases_synced(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_grid_phases_unsynced(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_constant_store(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_same_value_stores(a: *const BrokenArgs) -> i32;
+    fn mesa_emu_hazard_different_value_stores(a: *const BrokenArgs) -> i32;
+}
+
+/// Every check but racecheck (and its benign pairs).
+const ALL_BUT_RACE: Checks = Checks::SCHEDULE.with(Checks::INIT).with(Checks::MEM).with(Checks::SYNC).with(Checks::BOUNDS);
+
+fn assert_clean(r: &Run, what: &str) {
+    assert_eq!((r.status, r.report.as_deref()), (0, None), "{what}");
+}
+
+fn assert_mentions(r: &Run, text: &str) {
+    assert!(r.report.as_deref().is_some_and(|m| m.contains(text)), "`{text}` not in {:?}", r.report);
+}
+
+#[test]
+fn last_block_reduction_needs_its_fences() {
+    // integers: every partial and the total are exact in f32, in any order
+    let x = ramp(512);
+    let total: f32 = x.iter().sum();
+    for seed in [71, 72, 73] {
+        let r = run(mesa_emu_hazard_last_block_fenced, Checks::ALL, seed, &x, 16);
+        assert_clean(&r, "fence before the arrival, fence after it");
+        assert_eq!(r.out[8], total, "seed {seed}");
+        let r = run(mesa_emu_hazard_last_block_unfenced, Checks::ALL, seed, &x, 16);
+        assert_reported(&r, "racecheck", "last_block_unfenced", seed);
+        assert_mentions(&r, "read-after-write race on global memory");
+        assert_mentions(&r, "of block (");
+        // both source lines, from the kernels' line tables
+        assert_mentions(&r, "reads at kernels/broken/hazards.cu:");
+        assert_mentions(&r, "wrote it at kernels/broken/hazards.cu:");
+        // the emulator's strong ordering gives the right total: only racecheck sees the bug
+        let r = run(mesa_emu_hazard_last_block_unfenced, ALL_BUT_RACE, seed, &x, 16);
+        assert_clean(&r, "without racecheck");
+        assert_eq!(r.out[8], total);
+    }
+}
+
+#[test]
+fn plain_accumulation_where_an_atomic_was_meant() {
+    let x = ramp(64);
+    let r = run(mesa_emu_hazard_accumulate_atomic, Checks::ALL, 73, &x, 1);
+    assert_clean(&r, "atomicAdd");
+    assert_eq!(r.out[0], x.iter().sum::<f32>());
+    let r = run(mesa_emu_hazard_accumulate_plain, Checks::ALL, 73, &x, 1);
+    assert_reported(&r, "racecheck", "accumulate_plain", 73);
+    assert_mentions(&r, "on global memory (byte 0 of a 4-byte emulator allocation");
+}
+
+#[test]
+fn warp_scan_trusting_lockstep() {
+    let x = ramp(32);
+    let scan: Vec<f32> = x.iter().scan(0.0f32, |acc, v| {
+        *acc += v;
+        Some(*acc)
+    }).collect();
+    for seed in [75, 76] {
+        let r = run(mesa_emu_hazard_warp_scan_synced, Checks::ALL, seed, &x, 32);
+        assert_clean(&r, "__syncwarp between read and write");
+        assert_eq!(r.out, scan);
+    }
+    // (with every check, initcheck may see a lane read its neighbour's entry before the write)
+    let r = run(mesa_emu_hazard_warp_scan_lockstep, Checks::ALL, 75, &x, 32);
+    assert_reported_by(&r, &["racecheck", "initcheck"], "warp_scan_lockstep", 75);
+    let r = run(mesa_emu_hazard_warp_scan_lockstep, Checks::RACE, 75, &x, 32);
+    assert_reported(&r, "racecheck", "warp_scan_lockstep", 75);
+    assert_mentions(&r, "race on __shared__ `s`");
+    // the same kernel on dynamic shared memory (`extern __shared__`), tracked since issue 43
+    let r = run(mesa_emu_hazard_warp_scan_lockstep_dynamic, Checks::RACE, 75, &x, 32);
+    assert_reported(&r, "racecheck", "warp_scan_lockstep_dynamic", 75);
+    assert_mentions(&r, "race on __shared__ `extern __shared__ (dynamic)`");
+    // without racecheck the shuffled schedule changes the result, and nothing says why
+    assert!(wrong_under_some_seed(mesa_emu_hazard_warp_scan_lockstep, &x, &scan, 8));
+}
+
+#[test]
+fn barrier_met_in_different_iterations_of_its_loop() {
+    let x = ramp(64);
+    // every thread passes the one barrier once: count and call site agree
+    let r = run(mesa_emu_hazard_barrier_in_shifted_iteration, Checks::SYNC, 77, &x, 64);
+    assert_reported(&r, "synccheck", "barrier_in_shifted_iteration", 77);
+    assert_mentions(&r, "reached in different iterations of an enclosing loop");
+}
+
+#[test]
+fn cooperative_groups_tiles() {
+    let x = ramp(64);
+    for seed in [79, 80] {
+        let r = run(mesa_emu_hazard_tile_sums, Checks::ALL, seed, &x, 64);
+        assert_clean(&r, "tiles of 16 with cg::reduce");
+        for (i, o) in r.out.iter().enumerate() {
+            let tile = &x[i / 16 * 16..i / 16 * 16 + 16];
+            assert_eq!(*o, tile.iter().sum::<f32>(), "thread {i}");
+        }
+    }
+    let r = run(mesa_emu_hazard_tile_shuffle_half, Checks::ALL, 81, &x, 64);
+    assert_reported(&r, "synccheck", "tile_shuffle_half", 81);
+    assert_mentions(&r, "mask 0x0000ffff");
+}
+
+#[test]
+fn cooperative_groups_grid_sync() {
+    let x = ramp(512);
+    let r = run(mesa_emu_hazard_grid_sync_plain_launch, Checks::SYNC, 83, &x, 512);
+    assert_reported(&r, "synccheck", "grid_sync_plain_launch", 83);
+    assert_mentions(&r, "not cooperative");
+    for seed in [83, 84] {
+        let r = run(mesa_emu_hazard_grid_phases_synced, Checks::ALL, seed, &x, 1024);
+        assert_clean(&r, "a grid sync between the phases");
+        for (i, o) in r.out[512..].iter().enumerate() {
+            assert_eq!(*o, x[(i / 64 + 1) % 8 * 64 + i % 64], "element {i}");
+        }
+        let r = run(mesa_emu_hazard_grid_phases_unsynced, Checks::ALL, seed, &x, 1024);
+        assert_reported(&r, "racecheck", "grid_phases_unsynced", seed);
+        assert_mentions(&r, "race on global memory");
+    }
+}
+
+#[test]
+fn store_into_constant_memory() {
+    let x = ramp(64);
+    let r = run(mesa_emu_hazard_constant_store, Checks::MEM, 85, &x, 64);
+    assert_reported(&r, "memcheck", "constant_store", 85);
+    assert_mentions(&r, "stores into __constant__ memory");
+    let r = run(mesa_emu_hazard_constant_store, Checks::NONE, 85, &x, 64);
+    assert_clean(&r, "unchecked, the store goes unseen");
+}
+
+#[test]
+fn write_write_pairs_benign_and_not() {
+    let x = ramp(64);
+    // every thread stores 1.0: a benign pair, reported only under its own name
+    let r = run(mesa_emu_hazard_same_value_stores, Checks::RACE, 87, &x, 1);
+    assert_clean(&r, "racecheck without `benign`");
+    assert_eq!(r.out[0], 1.0);
+    let r = run(mesa_emu_hazard_same_value_stores, Checks::RACE.with(Checks::BENIGN), 87, &x, 1);
+    assert_reported(&r, "benign", "same_value_stores", 87);
+    assert_mentions(&r, "benign write-write race (both stores wrote the same bytes)");
+    // each thread its own value: a race whatever `benign` says
+    let r = run(mesa_emu_hazard_different_value_stores, Checks::RACE, 87, &x, 1);
+    assert_reported(&r, "racecheck", "different_value_stores", 87);
+    assert_mentions(&r, "write-after-write race on global memory");
+}

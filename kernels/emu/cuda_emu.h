@@ -46,6 +46,9 @@
 // declaration with MESA_EMU_SHARED_POINT(name), which poisons the variable the first time a
 // block passes it (initcheck).
 #define __shared__ static thread_local
+// __constant__ variables share one section, which memcheck treats as read-only: a kernel's
+// store into it fails the launch (on a GPU constant memory cannot be written by a kernel).
+#define __constant__ __attribute__((section("mesa_emu_constant")))
 #define __align__(n) alignas(n)
 
 // ---------------------------------------------------------------------------------------
@@ -83,6 +86,17 @@ const WarpMatrixSlot* warp_matrix_op(const char* what, const void* ptr, unsigned
                                      const void* part, unsigned part_bytes);
 void warp_matrix_done(const char* what);
 void yield_thread();
+// __threadfence(): orders this thread's memory accesses; to racecheck, with a later atomic
+// store it is a release, after an earlier atomic load an acquire (emu_runtime.cpp).
+void threadfence();
+// cooperative_groups' this_grid().sync(): every thread of every block of a cooperative launch.
+void grid_sync(const char* file, int line);
+bool launch_is_cooperative();
+// Barrier divergence (synccheck): build.rs puts MESA_EMU_LOOP_POINT at the top of the body of
+// every loop whose body holds a barrier; a barrier generation needs every thread in the same
+// iteration of each such loop around it.
+void loop_enter(const void* site);
+void loop_leave();
 unsigned char* dynamic_smem();
 int worker_count();
 
@@ -90,7 +104,20 @@ int worker_count();
 // the configuration at block start.
 extern thread_local unsigned tl_checks;
 constexpr unsigned kCheckSchedule = 1u, kCheckInit = 2u, kCheckMem = 4u, kCheckSync = 8u, kCheckRace = 16u,
-                   kCheckBounds = 32u;
+                   kCheckBounds = 32u, kCheckBenign = 64u;
+// One iteration of a loop that holds a barrier (MESA_EMU_LOOP_POINT): entered at the top of
+// the body, left when the body's scope ends (also by `continue`, `break`, `return`).
+struct LoopScope {
+  bool on;
+  explicit LoopScope(const void* site) : on((tl_checks & kCheckSync) != 0) {
+    if (on) loop_enter(site);
+  }
+  ~LoopScope() {
+    if (on) loop_leave();
+  }
+  LoopScope(const LoopScope&) = delete;
+  LoopScope& operator=(const LoopScope&) = delete;
+};
 // A point where the shuffled schedule may switch threads (global loads and stores).
 void memory_point_slow();
 inline void memory_point() {
@@ -121,6 +148,9 @@ int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes,
     ::mesa_emu::shared_point(&(name), sizeof(name), &mesa_emu_epoch_, #name); \
   } while (0)
 #define MESA_EMU_LAUNCH_BOUNDS(max_threads, ...) ::mesa_emu::launch_bounds((max_threads), __func__)
+#define MESA_EMU_LOOP_POINT                                    \
+  static const char mesa_emu_loop_site_ = 0;                   \
+  ::mesa_emu::LoopScope mesa_emu_loop_scope_(&mesa_emu_loop_site_)
 
 #define threadIdx (::mesa_emu::thread_idx())
 #define blockIdx (::mesa_emu::tl_block_idx)
@@ -133,8 +163,9 @@ inline void __syncthreads(const char* file = __builtin_FILE(), int line = __buil
   ::mesa_emu::syncthreads(file, line);
 }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { ::mesa_emu::syncwarp(mask); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { ::mesa_emu::threadfence(); }
+inline void __threadfence_system() { ::mesa_emu::threadfence(); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __nanosleep(unsigned) { ::mesa_emu::yield_thread(); }
 
 // ---------------------------------------------------------------------------------------
@@ -180,20 +211,23 @@ inline bool __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 
 inline bool __all_sync(unsigned m, int pred) { return (__ballot_sync(m, pred) & m) == m; }
 
 // ---------------------------------------------------------------------------------------
-// Atomics (device scope; blocks really run concurrently on the worker pool).
+// Atomics (device scope; blocks really run concurrently on the worker pool). Relaxed, as CUDA's
+// atomicAdd & co. are: racecheck sees them as atomic accesses that order nothing by
+// themselves; with a __threadfence before (release) or after (acquire) they do.
+constexpr auto __mesa_relaxed = std::memory_order_relaxed;
 template <typename T>
 inline T __mesa_atomic_rmw(T* p, T v, int op) {
   std::atomic_ref<T> a(*p);
   if constexpr (std::is_integral_v<T>) {
     switch (op) {
-      case 0: return a.fetch_add(v);
-      case 1: return a.fetch_or(v);
-      case 2: return a.fetch_and(v);
-      case 3: return a.exchange(v);
+      case 0: return a.fetch_add(v, __mesa_relaxed);
+      case 1: return a.fetch_or(v, __mesa_relaxed);
+      case 2: return a.fetch_and(v, __mesa_relaxed);
+      case 3: return a.exchange(v, __mesa_relaxed);
       default: break;
     }
   }
-  T old = a.load();
+  T old = a.load(__mesa_relaxed);
   for (;;) {
     T next = old;
     switch (op) {
@@ -203,7 +237,7 @@ inline T __mesa_atomic_rmw(T* p, T v, int op) {
       case 5: next = std::max(old, v); break;
       default: break;
     }
-    if (a.compare_exchange_weak(old, next)) return old;
+    if (a.compare_exchange_weak(old, next, __mesa_relaxed, __mesa_relaxed)) return old;
   }
 }
 template <typename T> inline T atomicAdd(T* p, T v) { return __mesa_atomic_rmw(p, v, 0); }
@@ -215,14 +249,14 @@ template <typename T> inline T atomicMax(T* p, T v) { return __mesa_atomic_rmw(p
 // CUDA's atomicInc: stores (old >= limit) ? 0 : old + 1, returns old.
 inline unsigned atomicInc(unsigned* p, unsigned limit) {
   std::atomic_ref<unsigned> a(*p);
-  unsigned old = a.load();
-  while (!a.compare_exchange_weak(old, old >= limit ? 0u : old + 1u)) {
+  unsigned old = a.load(__mesa_relaxed);
+  while (!a.compare_exchange_weak(old, old >= limit ? 0u : old + 1u, __mesa_relaxed, __mesa_relaxed)) {
   }
   return old;
 }
 template <typename T> inline T atomicCAS(T* p, T expected, T desired) {
   std::atomic_ref<T> a(*p);
-  a.compare_exchange_strong(expected, desired);
+  a.compare_exchange_strong(expected, desired, __mesa_relaxed, __mesa_relaxed);
   return expected;
 }
 

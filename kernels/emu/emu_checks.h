@@ -31,14 +31,18 @@ enum MesaEmuCheck {
   MESA_EMU_CHECK_INIT = 2,
   /* canaries and a guard page after every emulator allocation */
   MESA_EMU_CHECK_MEM = 4,
-  /* partial barriers, two barriers in one generation, shuffle/ballot mask mismatch, deadlock */
+  /* partial barriers, two barriers in one generation, a barrier met in different iterations of
+   * a loop around it, shuffle/ballot mask mismatch, grid syncs, deadlock */
   MESA_EMU_CHECK_SYNC = 8,
-  /* conflicting __shared__ accesses of two threads with no barrier between them; reads of
-   * shared bytes no thread of the block wrote (with initcheck) */
+  /* conflicting accesses of two threads to __shared__ or global memory with nothing ordering
+   * them (barrier, __syncwarp, grid sync, release/acquire); reads of shared bytes no thread
+   * of the block wrote (with initcheck) */
   MESA_EMU_CHECK_RACE = 16,
   /* blocks larger than the kernel's __launch_bounds__ */
   MESA_EMU_CHECK_BOUNDS = 32,
-  MESA_EMU_CHECK_ALL = 1 | 2 | 4 | 8 | 16 | 32
+  /* (with racecheck) unordered stores of two threads that wrote the same bytes */
+  MESA_EMU_CHECK_BENIGN = 64,
+  MESA_EMU_CHECK_ALL = 1 | 2 | 4 | 8 | 16 | 32 | 64
 };
 
 /* Replaces the configuration (checks: a set of MesaEmuCheck bits; seed: the base seed). */

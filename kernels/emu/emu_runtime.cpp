@@ -23,6 +23,8 @@
 #define MESA_EMU_UCONTEXT 1
 #endif
 
+#include <dlfcn.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +35,7 @@
 #include <string>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 
@@ -139,6 +142,8 @@ thread_local ThreadState* tl_current = nullptr;
 thread_local unsigned tl_checks = 0;
 thread_local uint64_t tl_block_epoch = 0;
 void race_track(void* p, size_t bytes, const char* name);
+struct ThreadState;
+void resolve_pending_write(ThreadState& t);
 
 namespace {
 
@@ -180,6 +185,7 @@ uint32_t parse_checks(const char* s) {
     else if (name == "synccheck" || name == "sync") bits |= MESA_EMU_CHECK_SYNC;
     else if (name == "racecheck" || name == "race") bits |= MESA_EMU_CHECK_RACE;
     else if (name == "bounds") bits |= MESA_EMU_CHECK_BOUNDS;
+    else if (name == "benign") bits |= MESA_EMU_CHECK_BENIGN;
     else if (!name.empty()) std::fprintf(stderr, "mesa emulator: MESA_EMU_CHECK: unknown check `%s` ignored\n", name.c_str());
     at = end + 1;
   }
@@ -206,15 +212,41 @@ uint32_t config_checks() {
 
 // ---------------------------------------------------------------------------------------
 // One launch: what its workers share, and the first failure of a check.
+// racecheck of global memory: an emulator allocation seen by a launch, and its shadow.
+struct GlobalShadow;
+struct RaceRange {
+  uintptr_t lo = 0, hi = 0;
+  GlobalShadow* shadow = nullptr;
+};
+// What a release made visible: the releasing block's barrier generation and thread.
+struct Release {
+  bool set = false;
+  uint32_t gen = 0;
+  uint16_t tid = 0;
+};
+
 struct LaunchCtx {
   const char* kernel = "";
   uint32_t checks = 0;
   uint64_t base_seed = 0;
   uint64_t seed = 0;  // of this launch: base seed and launch shape
+  uint32_t id = 0;    // distinct per launch: global racecheck's launch boundary
+  bool cooperative = false;
+  unsigned long long blocks = 0;
   unsigned char poison = 0xff;
   std::atomic<bool> failed{false};
   std::mutex mutex;
   std::string report;
+  // racecheck: the allocations when the launch began (sorted), and the release clocks of the
+  // addresses atomics released to, per releasing block
+  std::vector<RaceRange> ranges;
+  std::mutex sync_mutex;
+  std::unordered_map<uintptr_t, std::unordered_map<uint32_t, Release>> sync_objects;
+  // this_grid().sync() of a cooperative launch
+  std::mutex grid_mutex;
+  unsigned grid_arrived = 0;
+  uint64_t grid_generation = 0;
+  std::atomic<unsigned long long> blocks_done{0};
 };
 thread_local LaunchCtx* tl_launch = nullptr;
 
@@ -234,25 +266,54 @@ struct ThreadState {
   // 0 running, 1 waiting at __syncthreads, 2 waiting at a warp rendezvous
   int wait = 0;
   uint64_t wait_gen = 0;  // the generation of the barrier or rendezvous waited for
+  unsigned wait_key = 0;  // the warp rendezvous waited in (Warp::meet)
   uint64_t barriers = 0;  // __syncthreads passed (synccheck)
   const char* site_file = "";
   int site_line = 0;
   void* asan_fake = nullptr;  // AddressSanitizer's fake stack while switched out
   Block* block = nullptr;
+  // racecheck across blocks: a __threadfence not yet followed by an atomic store (which then
+  // releases), and the address of the last relaxed atomic load (a later fence acquires it)
+  bool fenced = false;
+  uintptr_t atomic_read = 0;
+  // a write-write conflict whose verdict waits for the store (same value: benign)
+  struct PendingWrite {
+    bool pending = false;
+    uintptr_t addr = 0;
+    unsigned size = 0;
+    unsigned char before[16];
+    std::string what;  // the report, if the values differ
+  } ww;
+  // barrier divergence: the iteration of each enclosing loop that holds a barrier
+  static constexpr unsigned kMaxLoops = 8;
+  struct LoopLevel {
+    const void* site = nullptr;
+    uint32_t iter = 0;
+  };
+  unsigned loop_depth = 0;
+  LoopLevel loops[kMaxLoops];
 };
 
 namespace {
 
 struct KernelAbort {};  // thrown inside a fiber when a check fails: ends the thread
 
-struct Warp {
-  unsigned live = 0;
-  unsigned live_mask = 0;  // lanes that exist and have not exited
+// A warp rendezvous (shuffle, vote, __syncwarp, WMMA operation) and its lanes so far.
+struct Meet {
   unsigned arrived = 0;
   unsigned arrived_mask = 0;
   unsigned mask = 0;  // of the rendezvous in progress (synccheck)
   const char* what = "";
   uint64_t generation = 0;
+};
+
+struct Warp {
+  unsigned live = 0;
+  unsigned live_mask = 0;  // lanes that exist and have not exited
+  // With synccheck, one rendezvous per lowest lane of the mask, so that the tiles of a warp
+  // (cooperative_groups::tiled_partition: disjoint masks) meet on their own; without it, one
+  // of all live lanes, meet[0].
+  Meet meet[32];
   uint32_t speed = 0;  // shuffled schedule: runs in a round when (random & speed) == 0
   uint32_t sync_generation = 0;  // __syncwarp releases only: what orders memory (racecheck)
   // the lanes' values of a shuffle or ballot, in two sets used by alternate rendezvous
@@ -338,6 +399,12 @@ struct Block {
   uint64_t barrier_generation = 0;
   const char* barrier_file = "";  // call site of the barrier generation in progress
   int barrier_line = 0;
+  // the loop iterations of the first thread at the barrier generation in progress (synccheck)
+  unsigned barrier_tid = 0;
+  unsigned barrier_depth = 0;
+  ThreadState::LoopLevel barrier_loops[ThreadState::kMaxLoops];
+  uint32_t linear = 0;            // the block's linear index in the grid (racecheck)
+  uint16_t grid_generation = 0;   // this_grid().sync() passed (racecheck)
   uint64_t progress = 0;  // bumped by every arrival, release, exit and voluntary yield
   uint64_t rng = 0;       // the schedule's generator (xorshift64*)
   bool abort = false;     // a check failed: stop running this block
@@ -369,6 +436,7 @@ const char* check_name(uint32_t bit) {
     case MESA_EMU_CHECK_SYNC: return "synccheck";
     case MESA_EMU_CHECK_RACE: return "racecheck";
     case MESA_EMU_CHECK_BOUNDS: return "bounds";
+    case MESA_EMU_CHECK_BENIGN: return "benign";
     default: return "emulator";
   }
 }
@@ -437,6 +505,7 @@ void fiber_body() {
   ThreadState* self = tl_current;
   try {
     (*self->block->body)();
+    if (self->ww.pending) resolve_pending_write(*self);
   } catch (const KernelAbort&) {
     // a check failed; the block is abandoned
   }
@@ -491,10 +560,11 @@ std::string deadlock_text(const Block& b) {
     s += " " + std::to_string(at_block) + " thread(s) at __syncthreads (" + b.barrier_file + ":" +
          std::to_string(b.barrier_line) + ") of " + std::to_string(b.live) + " live;";
   for (size_t w = 0; w < b.warps.size(); ++w) {
-    const Warp& wp = b.warps[w];
-    if (wp.arrived == 0) continue;
-    s += " warp " + std::to_string(w) + ": lanes " + lanes_text(wp.arrived_mask) + " in " + wp.what + " with mask " +
-         hex32(wp.mask) + ", lanes " + lanes_text(wp.mask & ~wp.arrived_mask) + " of the mask elsewhere;";
+    for (const Meet& m : b.warps[w].meet) {
+      if (m.arrived == 0) continue;
+      s += " warp " + std::to_string(w) + ": lanes " + lanes_text(m.arrived_mask) + " in " + m.what + " with mask " +
+           hex32(m.mask) + ", lanes " + lanes_text(m.mask & ~m.arrived_mask) + " of the mask elsewhere;";
+    }
   }
   return s;
 }
@@ -504,12 +574,13 @@ std::string deadlock_text(const Block& b) {
 bool still_waiting(const Block& b, const ThreadState& t, unsigned i) {
   if (t.wait == 1) return b.barrier_generation == t.wait_gen && b.barrier_arrived < b.live;
   const Warp& w = b.warps[i / 32];
-  if (w.generation != t.wait_gen) return false;
+  const Meet& m = w.meet[t.wait_key];
+  if (m.generation != t.wait_gen) return false;
   if (tl_checks & kCheckSync) {
-    if ((w.mask & ~w.live_mask) != 0) return false;  // to be reported by the waiter
-    return w.arrived < unsigned(__builtin_popcount(w.mask));
+    if ((m.mask & ~w.live_mask) != 0) return false;  // to be reported by the waiter
+    return m.arrived < unsigned(__builtin_popcount(m.mask));
   }
-  return w.arrived < w.live;
+  return m.arrived < w.live;
 }
 
 // The block's floating-point control state: the default of the C ABI (round to nearest, all
@@ -538,6 +609,8 @@ struct FpEnvironment {
   FpEnvironment& operator=(const FpEnvironment&) = delete;
 };
 
+void block_race_start(Block& b);
+
 // Runs one block to completion on the calling OS thread.
 void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long linear, bool cooperative) {
   const FpEnvironment fp_environment;
@@ -547,6 +620,9 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
   tl_checks = l.checks;
   tl_block_epoch += 1;
   const unsigned n = unsigned(b.threads.size());
+  b.linear = uint32_t(linear);
+  b.grid_generation = 0;
+  block_race_start(b);
   b.live = n;
   b.barrier_arrived = 0;
   b.abort = false;
@@ -555,8 +631,10 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
     Warp& wp = b.warps[w];
     wp.live = std::min(32u, n - w * 32u);
     wp.live_mask = wp.live == 32 ? 0xffffffffu : ((1u << wp.live) - 1u);
-    wp.arrived = 0;
-    wp.arrived_mask = 0;
+    for (Meet& m : wp.meet) {
+      m.arrived = 0;
+      m.arrived_mask = 0;
+    }
   }
   if ((l.checks & kCheckInit) && !b.dynamic_smem.empty())
     std::memset(b.dynamic_smem.data(), l.poison, b.dynamic_smem.size());
@@ -571,6 +649,11 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
     t.wait = 0;
     t.barriers = 0;
     t.block = &b;
+    t.fenced = false;
+    t.atomic_read = 0;
+    t.ww.pending = false;
+    t.loop_depth = 0;
+    for (ThreadState::LoopLevel& level : t.loops) level.site = nullptr;
     t.idx = uint3{i % tl_block_dim.x, (i / tl_block_dim.x) % tl_block_dim.y, i / (tl_block_dim.x * tl_block_dim.y)};
 #ifdef MESA_EMU_UCONTEXT
     getcontext(&t.ctx);
@@ -696,6 +779,7 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
 
 void yield_to_scheduler() {
   ThreadState* self = tl_current;
+  if (self->ww.pending) resolve_pending_write(*self);
 #ifdef MESA_EMU_UCONTEXT
   swapcontext(&self->ctx, &self->block->scheduler);
 #else
@@ -720,19 +804,71 @@ int env_threads() {
 
 // ---------------------------------------------------------------------------------------
 // racecheck: the kernels are compiled with GCC's -fsanitize=thread instrumentation, whose
-// callbacks (__tsan_read4, __tsan_write8, ... below) this runtime implements itself — no
-// ThreadSanitizer runtime is linked. Outside a block with racecheck on they return at once.
-// Inside, an access to a tracked __shared__ variable updates a shadow word per 4 bytes: the
-// last writer and reader (thread, block barrier generation, warp __syncwarp generation) and
-// which bytes a thread of this block wrote. Two accesses of different threads, one a write,
-// conflict unless a __syncthreads lies between them, or, in one warp, a __syncwarp. Shuffles
-// and ballots order no memory, as on the GPU.
+// callbacks (__tsan_read4, __tsan_write8, __tsan_atomic32_fetch_add, ... below) this runtime
+// implements itself — no ThreadSanitizer runtime is linked. Outside a block with racecheck or
+// memcheck on they return at once. Inside:
+//  * __shared__ memory (tracked variables and the dynamic shared memory): a shadow word per 4
+//    bytes with the last writer and reader (thread, block barrier generation, warp __syncwarp
+//    generation) and which bytes a thread of this block wrote. Two accesses of different
+//    threads, one a write, conflict unless a __syncthreads lies between them, or, in one
+//    warp, a __syncwarp (Volta's rule: lanes of a warp are not in lockstep). Shuffles and
+//    ballots order no memory, as on the GPU.
+//  * global memory (every emulator allocation): a shadow entry per 4 bytes and launch with
+//    the last writer and reader (block, thread, barrier and __syncwarp generations, grid syncs
+//    passed, atomic or not, the instruction). Two accesses of different threads, one a write,
+//    not both atomic, conflict unless ordered: in one block as above; across blocks by a grid
+//    sync of a cooperative launch, or by a release the later block acquired (below); across
+//    launches always (the launch boundary).
+//  * release and acquire, per block: an atomic store or read-modify-write with release order,
+//    or after a __threadfence of its thread, releases everything its block did before its
+//    barrier generation, and the thread's own accesses; an atomic load or read-modify-write
+//    with acquire order, or a relaxed one followed by a __threadfence of its thread, acquires
+//    what was released to that address, for itself at once and for its block after the next
+//    __syncthreads. (CUDA's fence-plus-flag pattern, threadFenceReduction, atomic_ref.)
+//  * a write-write conflict waits for the store: when it left the bytes that were there (both
+//    threads stored the same value) it is "benign" (its own check), otherwise a race.
+//  * memcheck: a store into __constant__ memory (the section cuda_emu.h puts it in).
 namespace {
+
+// A 32-bit offset of an instruction from this function's code: the source line of an access
+// (symbolised when the report is made, in launch()).
+int32_t pc_offset(uintptr_t pc) {
+  const intptr_t d = intptr_t(pc) - intptr_t(reinterpret_cast<uintptr_t>(&pc_offset));
+  return d > INT32_MIN && d <= INT32_MAX ? int32_t(d) : INT32_MIN;
+}
+std::string pc_text(int32_t off) {
+  if (off == INT32_MIN) return "an unknown line";
+  char b[48];
+  std::snprintf(b, sizeof b, "{pc:%llx}",
+                (unsigned long long)(reinterpret_cast<uintptr_t>(&pc_offset) + intptr_t(off)));
+  return b;
+}
+
+std::string tid_text(unsigned tid) {
+  const unsigned x = tl_block_dim.x, y = tl_block_dim.y;
+  return "(" + std::to_string(tid % x) + "," + std::to_string((tid / x) % y) + "," + std::to_string(tid / (x * y)) + ")";
+}
+std::string block_text(uint32_t linear) {
+  const unsigned x = tl_grid_dim.x, y = tl_grid_dim.y;
+  return "(" + std::to_string(linear % x) + "," + std::to_string((linear / x) % y) + "," +
+         std::to_string(linear / (1ull * x * y)) + ")";
+}
+
+// A write-write conflict: the verdict after the store (resolve_pending_write).
+void defer_write_write(ThreadState& t, uintptr_t a, size_t size, std::string what) {
+  if (t.ww.pending) return;  // one at a time: the first decides
+  t.ww.pending = true;
+  t.ww.addr = a;
+  t.ww.size = unsigned(std::min<size_t>(size, sizeof t.ww.before));
+  std::memcpy(t.ww.before, reinterpret_cast<const void*>(a), t.ww.size);
+  t.ww.what = std::move(what);
+}
 
 struct Shadow {
   uint64_t epoch = 0;  // tl_block_epoch of the entry; older entries count as empty
   uint64_t w_gen = 0, r_gen = 0;
   uint32_t w_wgen = 0, r_wgen = 0;
+  int32_t w_pc = INT32_MIN, r_pc = INT32_MIN;
   uint16_t w_tid = 0, r_tid = 0, r_warp = 0;
   uint8_t written = 0;  // bytes of the granule written in this block
   bool has_writer = false, has_reader = false;
@@ -764,7 +900,7 @@ void race_track(void* p, size_t bytes, const char* name) {
     tl_tracked_lo = UINTPTR_MAX;
     tl_tracked_hi = 0;
   }
-  if (tl_ntracked == kMaxTracked) return;  // more variables than tracked: the rest go unseen
+  if (tl_ntracked == kMaxTracked || bytes == 0) return;  // more variables than tracked: the rest go unseen
   if (tl_shadow_store == nullptr) tl_shadow_store = new std::map<uintptr_t, std::vector<Shadow>>();
   std::vector<Shadow>& sh = (*tl_shadow_store)[reinterpret_cast<uintptr_t>(p)];
   const size_t granules = (bytes + 3) / 4;
@@ -775,31 +911,39 @@ void race_track(void* p, size_t bytes, const char* name) {
   tl_tracked_hi = std::max(tl_tracked_hi, hi);
 }
 
+void resolve_pending_write(ThreadState& t) {
+  t.ww.pending = false;
+  const bool same = std::memcmp(reinterpret_cast<const void*>(t.ww.addr), t.ww.before, t.ww.size) == 0;
+  if (!same) fail_in_block(MESA_EMU_CHECK_RACE, "write-after-write race " + t.ww.what);
+  if (tl_checks & kCheckBenign)
+    fail_in_block(MESA_EMU_CHECK_BENIGN,
+                  "benign write-write race (both stores wrote the same bytes) " + t.ww.what);
+}
+
 namespace {
 
-std::string tid_text(unsigned tid) {
-  const unsigned x = tl_block_dim.x, y = tl_block_dim.y;
-  return "(" + std::to_string(tid % x) + "," + std::to_string((tid / x) % y) + "," + std::to_string(tid / (x * y)) + ")";
-}
-
-[[noreturn]] void race_report(const Tracked& t, uintptr_t a, const char* kind, unsigned other, bool now_write) {
+[[noreturn]] void race_report(const Tracked& t, uintptr_t a, const char* kind, unsigned other, bool now_write,
+                              int32_t now_pc, int32_t other_pc) {
   fail_in_block(MESA_EMU_CHECK_RACE, std::string(kind) + " on __shared__ `" + t.name + "` (byte " +
-                                         std::to_string(a - t.lo) + " of " + std::to_string(t.hi - t.lo) + "): this thread " +
-                                         (now_write ? "writes" : "reads") + ", thread " + tid_text(other) +
-                                         " accessed it with no barrier between");
+                                         std::to_string(a - t.lo) + " of " + std::to_string(t.hi - t.lo) +
+                                         "): this thread " + (now_write ? "writes" : "reads") + " at " +
+                                         pc_text(now_pc) + ", thread " + tid_text(other) + " accessed it at " +
+                                         pc_text(other_pc) + " with no barrier between");
 }
 
-void race_access(uintptr_t a, size_t size, bool write) {
-  if (tl_tracked_epoch != tl_block_epoch) return;
+// An access to __shared__ memory; false when `a` is in no tracked variable.
+bool race_access(uintptr_t a, size_t size, bool write, int32_t pc) {
+  if (tl_tracked_epoch != tl_block_epoch) return false;
   const Tracked* t = nullptr;
   for (int k = 0; k < tl_ntracked; ++k)
     if (a >= tl_tracked[k].lo && a < tl_tracked[k].hi) {
       t = &tl_tracked[k];
       break;
     }
-  if (t == nullptr) return;
+  if (t == nullptr) return false;
   Block& b = *tl_block;
-  const unsigned tid = linear_tid(tl_current);
+  ThreadState& self = *tl_current;
+  const unsigned tid = linear_tid(&self);
   const unsigned warp = tid / 32;
   const uint64_t gen = b.barrier_generation;
   const uint32_t wgen = b.warps[warp].sync_generation;
@@ -814,21 +958,28 @@ void race_access(uintptr_t a, size_t size, bool write) {
     uint8_t bytes = 0;
     for (uintptr_t k = std::max(glo, a); k < std::min(glo + 4, end); ++k) bytes |= uint8_t(1u << (k - glo));
     if (write) {
-      if (s.has_writer && unordered(s.w_tid, s.w_gen, s.w_wgen)) race_report(*t, a, "write-after-write race", s.w_tid, true);
+      if (s.has_writer && unordered(s.w_tid, s.w_gen, s.w_wgen))
+        defer_write_write(self, a, size,
+                          "on __shared__ `" + std::string(t->name) + "` (byte " + std::to_string(a - t->lo) + " of " +
+                              std::to_string(t->hi - t->lo) + "): this thread writes at " + pc_text(pc) +
+                              ", thread " + tid_text(s.w_tid) + " wrote it at " + pc_text(s.w_pc) +
+                              " with no barrier between");
       if (s.has_reader && s.r_gen == gen &&
           (s.r_multi_warp || s.r_warp != warp || (s.r_wgen == wgen && (s.r_many || s.r_tid != tid))))
-        race_report(*t, a, "write-after-read race", s.r_tid, true);
+        race_report(*t, a, "write-after-read race", s.r_tid, true, pc, s.r_pc);
       s.has_writer = true;
       s.w_tid = uint16_t(tid);
       s.w_gen = gen;
       s.w_wgen = wgen;
+      s.w_pc = pc;
       s.has_reader = false;
       s.written |= bytes;
     } else {
       if ((tl_checks & kCheckInit) && (s.written & bytes) != bytes)
         fail_in_block(MESA_EMU_CHECK_INIT, std::string("reads byte ") + std::to_string(a - t->lo) + " of __shared__ `" +
                                                t->name + "`, which no thread of this block has written");
-      if (s.has_writer && unordered(s.w_tid, s.w_gen, s.w_wgen)) race_report(*t, a, "read-after-write race", s.w_tid, false);
+      if (s.has_writer && unordered(s.w_tid, s.w_gen, s.w_wgen))
+        race_report(*t, a, "read-after-write race", s.w_tid, false, pc, s.w_pc);
       if (!s.has_reader || s.r_gen != gen) {
         s.has_reader = true;
         s.r_gen = gen;
@@ -846,18 +997,420 @@ void race_access(uintptr_t a, size_t size, bool write) {
       } else if (tid != s.r_tid) {
         s.r_many = true;
       }
+      s.r_pc = pc;
     }
+  }
+  return true;
+}
+
+// --- global memory ---------------------------------------------------------------------
+
+// Who accessed: block (linear), thread (linear in the block), the block's barrier generation,
+// the warp's __syncwarp generation and the block's grid syncs (both modulo 256: compared for
+// equality only).
+struct Actor {
+  uint32_t block = 0, gen = 0;
+  uint16_t tid = 0;
+  uint8_t wgen = 0, grid = 0;
+};
+
+Actor current_actor() {
+  const Block& b = *tl_block;
+  const unsigned tid = linear_tid(tl_current);
+  return Actor{b.linear, uint32_t(b.barrier_generation), uint16_t(tid), uint8_t(b.warps[tid / 32].sync_generation),
+               uint8_t(b.grid_generation)};
+}
+
+struct GlobalShadow {
+  uint32_t launch;  // LaunchCtx::id of the entry; others count as empty
+  uint32_t w_block, r_block;
+  uint32_t w_gen, r_gen;
+  int32_t w_pc, r_pc;
+  uint16_t w_tid, r_tid;
+  uint8_t w_wgen, r_wgen, w_grid, r_grid;
+  uint8_t flags;
+};
+
+enum : uint8_t {
+  kHasWriter = 1,
+  kWriterAtomic = 2,
+  kHasReader = 4,
+  kReadersAtomic = 8,       // every read since the write was atomic
+  kReadersMany = 16,        // other threads of the reader's warp read at its generations
+  kReadersMultiWarp = 32,   // threads of several warps of the reader's block
+  kReadersOtherBlock = 64,  // a block other than the recorded reader's read since the write
+};
+
+Actor writer_of(const GlobalShadow& s) { return Actor{s.w_block, s.w_gen, s.w_tid, s.w_wgen, s.w_grid}; }
+Actor reader_of(const GlobalShadow& s) { return Actor{s.r_block, s.r_gen, s.r_tid, s.r_wgen, s.r_grid}; }
+
+// Spin locks over the shadow entries, by address (an entry is touched by the blocks of a
+// launch, which run on several OS threads). Held for a few instructions, never across a switch.
+std::atomic<uint8_t> g_shadow_locks[4096];
+struct ShadowLock {
+  std::atomic<uint8_t>& l;
+  explicit ShadowLock(uintptr_t a) : l(g_shadow_locks[((a >> 2) ^ (a >> 14)) & 4095u]) {
+    while (l.exchange(1, std::memory_order_acquire) != 0) {
+    }
+  }
+  ~ShadowLock() { l.store(0, std::memory_order_release); }
+};
+
+// What this block acquired, per releasing block: the release's generation and thread, and
+// where the acquire happened (visible to that thread at once, to the block after a barrier).
+struct Acquired {
+  uint32_t rel_gen = 0, acq_gen = 0;
+  uint16_t rel_tid = 0, acq_tid = 0;
+};
+thread_local std::unordered_map<uint32_t, Acquired> tl_acquired;
+
+// Whether access p (of `many` threads: 0 one, 1 several of its warp, 2 several warps) is
+// ordered before access c of the running thread.
+bool ordered(const Actor& p, int many, const Actor& c) {
+  if (p.block == c.block) {
+    if (p.gen != c.gen) return true;
+    if (many == 0 && p.tid == c.tid) return true;
+    if (many == 2 || p.tid / 32 != c.tid / 32) return false;
+    return p.wgen != c.wgen;
+  }
+  if (p.grid != c.grid) return true;
+  const auto it = tl_acquired.find(p.block);
+  if (it == tl_acquired.end()) return false;
+  const Acquired& q = it->second;
+  const bool covered = p.gen < q.rel_gen || (many == 0 && p.tid == q.rel_tid && p.gen == q.rel_gen);
+  const bool visible = c.tid == q.acq_tid || c.gen > q.acq_gen;
+  return covered && visible;
+}
+
+// The allocations every launch with racecheck sees (mesa_emu_alloc registers, mesa_emu_free
+// unregisters); a shadow is made when a launch first needs it and freed when no such launch
+// runs (another host thread may free an allocation while a launch that saw it runs).
+struct RaceAlloc {
+  size_t bytes = 0;
+  GlobalShadow* shadow = nullptr;
+};
+constexpr size_t kMaxShadowedBytes = size_t(1) << 28;  // larger allocations go unchecked
+std::mutex g_race_mutex;
+std::map<uintptr_t, RaceAlloc> g_race_allocs;
+std::vector<GlobalShadow*> g_race_graveyard;
+unsigned g_race_launches = 0;
+std::atomic<uint32_t> g_launch_ids{0};
+
+void race_register(void* p, size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_race_mutex);
+  g_race_allocs[reinterpret_cast<uintptr_t>(p)] = RaceAlloc{bytes, nullptr};
+}
+
+void race_unregister(void* p) {
+  std::lock_guard<std::mutex> lock(g_race_mutex);
+  const auto it = g_race_allocs.find(reinterpret_cast<uintptr_t>(p));
+  if (it == g_race_allocs.end()) return;
+  if (it->second.shadow != nullptr) {
+    if (g_race_launches == 0) std::free(it->second.shadow);
+    else g_race_graveyard.push_back(it->second.shadow);
+  }
+  g_race_allocs.erase(it);
+}
+
+void race_launch_begin(LaunchCtx& l) {
+  std::lock_guard<std::mutex> lock(g_race_mutex);
+  g_race_launches += 1;
+  l.ranges.reserve(g_race_allocs.size());
+  for (auto& [addr, alloc] : g_race_allocs) {
+    if (alloc.bytes > kMaxShadowedBytes) continue;
+    if (alloc.shadow == nullptr)
+      alloc.shadow = static_cast<GlobalShadow*>(std::calloc((alloc.bytes + 3) / 4, sizeof(GlobalShadow)));
+    if (alloc.shadow != nullptr) l.ranges.push_back(RaceRange{addr, addr + alloc.bytes, alloc.shadow});
   }
 }
 
-inline void on_access(const volatile void* p, size_t size, bool write) {
-  if (__builtin_expect((tl_checks & kCheckRace) == 0, 1) || tl_current == nullptr) return;
+void race_launch_end() {
+  std::lock_guard<std::mutex> lock(g_race_mutex);
+  g_race_launches -= 1;
+  if (g_race_launches == 0) {
+    for (GlobalShadow* s : g_race_graveyard) std::free(s);
+    g_race_graveyard.clear();
+  }
+}
+
+thread_local RaceRange tl_range_hit;
+thread_local uint32_t tl_range_launch = 0;
+
+const RaceRange* find_range(uintptr_t a) {
+  const LaunchCtx& l = *tl_launch;
+  if (tl_range_launch == l.id && a >= tl_range_hit.lo && a < tl_range_hit.hi) return &tl_range_hit;
+  auto it = std::upper_bound(l.ranges.begin(), l.ranges.end(), a,
+                             [](uintptr_t x, const RaceRange& r) { return x < r.lo; });
+  if (it == l.ranges.begin()) return nullptr;
+  --it;
+  if (a >= it->hi) return nullptr;
+  tl_range_hit = *it;
+  tl_range_launch = l.id;
+  return &tl_range_hit;
+}
+
+std::string global_where(const RaceRange& r, uintptr_t a) {
+  return "global memory (byte " + std::to_string(a - r.lo) + " of a " + std::to_string(r.hi - r.lo) +
+         "-byte emulator allocation at " + hex64(r.lo) + ")";
+}
+std::string other_text(const Actor& o, int many) {
+  std::string s = many == 0 ? "thread " + tid_text(o.tid) : "threads (one: " + tid_text(o.tid) + ")";
+  if (o.block != tl_block->linear) s += " of block " + block_text(o.block);
+  return s;
+}
+
+// An access to global memory (an emulator allocation; anything else returns at once).
+void global_access(uintptr_t a, size_t size, bool write, bool atomic, int32_t pc) {
+  const RaceRange* r = find_range(a);
+  if (r == nullptr) return;
+  const uint32_t launch = tl_launch->id;
+  const Actor me = current_actor();
+  std::string race;  // a report to fail with
+  std::string ww;    // a write-write conflict, to be judged after the store
+  const uintptr_t end = std::min<uintptr_t>(a + size, r->hi);
+  for (uintptr_t g = (a - r->lo) / 4; r->lo + g * 4 < end && race.empty(); ++g) {
+    GlobalShadow& s = r->shadow[g];
+    const ShadowLock lock(r->lo + g * 4);
+    if (s.launch != launch) {
+      s = GlobalShadow{};
+      s.launch = launch;
+    }
+    const bool w_conflict = (s.flags & kHasWriter) && !(atomic && (s.flags & kWriterAtomic)) &&
+                            !ordered(writer_of(s), 0, me);
+    if (write) {
+      if (w_conflict) {
+        std::string text = "on " + global_where(*r, a) + ": this thread writes" + (atomic ? " atomically" : "") +
+                           " at " + pc_text(pc) + ", " + other_text(writer_of(s), 0) + " wrote it" +
+                           ((s.flags & kWriterAtomic) ? " atomically" : "") + " at " + pc_text(s.w_pc) +
+                           " with no barrier, grid sync or release/acquire between";
+        if (atomic || (s.flags & kWriterAtomic)) race = "write-after-write race " + text;
+        else if (ww.empty()) ww = std::move(text);
+      }
+      if ((s.flags & kHasReader) && !(atomic && (s.flags & kReadersAtomic)) && race.empty()) {
+        const int many = (s.flags & kReadersMultiWarp) ? 2 : (s.flags & kReadersMany) ? 1 : 0;
+        if (!ordered(reader_of(s), many, me))
+          race = "write-after-read race on " + global_where(*r, a) + ": this thread writes" +
+                 (atomic ? " atomically" : "") + " at " + pc_text(pc) + ", " + other_text(reader_of(s), many) +
+                 " read it at " + pc_text(s.r_pc) + " with no barrier, grid sync or release/acquire between";
+      }
+      s.w_block = me.block;
+      s.w_gen = me.gen;
+      s.w_tid = me.tid;
+      s.w_wgen = me.wgen;
+      s.w_grid = me.grid;
+      s.w_pc = pc;
+      s.flags = uint8_t(kHasWriter | (atomic ? kWriterAtomic : 0));
+    } else {
+      if (w_conflict)
+        race = "read-after-write race on " + global_where(*r, a) + ": this thread reads" +
+               (atomic ? " atomically" : "") + " at " + pc_text(pc) + ", " + other_text(writer_of(s), 0) +
+               " wrote it" + ((s.flags & kWriterAtomic) ? " atomically" : "") + " at " + pc_text(s.w_pc) +
+               " with no barrier, grid sync or release/acquire between";
+      const auto take = [&] {
+        s.r_block = me.block;
+        s.r_gen = me.gen;
+        s.r_tid = me.tid;
+        s.r_wgen = me.wgen;
+        s.r_grid = me.grid;
+      };
+      if (!(s.flags & kHasReader)) {
+        take();
+        s.flags = uint8_t((s.flags & (kHasWriter | kWriterAtomic)) | kHasReader | (atomic ? kReadersAtomic : 0));
+      } else {
+        if (!atomic) s.flags &= uint8_t(~kReadersAtomic);
+        if (s.r_block != me.block) {
+          take();
+          s.flags = uint8_t((s.flags & ~(kReadersMany | kReadersMultiWarp)) | kReadersOtherBlock);
+        } else if (s.r_gen != me.gen) {
+          take();
+          s.flags &= uint8_t(~(kReadersMany | kReadersMultiWarp));
+        } else if (s.r_tid / 32 != me.tid / 32) {
+          s.flags |= kReadersMultiWarp;
+        } else if (s.r_wgen != me.wgen) {
+          take();
+          s.flags &= uint8_t(~kReadersMany);
+        } else if (s.r_tid != me.tid) {
+          s.flags |= kReadersMany;
+        }
+      }
+      s.r_pc = pc;
+    }
+  }
+  if (!race.empty()) fail_in_block(MESA_EMU_CHECK_RACE, race);
+  if (!ww.empty()) defer_write_write(*tl_current, a, size, std::move(ww));
+}
+
+void merge_release(Release& r, uint32_t gen, uint16_t tid) {
+  if (!r.set || gen >= r.gen) r = Release{true, gen, tid};
+}
+
+// A release to address a by the running thread (see the section's comment).
+void release_to(uintptr_t a) {
+  LaunchCtx& l = *tl_launch;
+  const Actor me = current_actor();
+  std::lock_guard<std::mutex> lock(l.sync_mutex);
+  auto& clock = l.sync_objects[a];
+  merge_release(clock[me.block], me.gen, me.tid);
+  for (const auto& [block, q] : tl_acquired)  // what this thread has acquired, passed on
+    if (q.acq_tid == me.tid || me.gen > q.acq_gen) merge_release(clock[block], q.rel_gen, q.rel_tid);
+}
+
+// An acquire from address a by the running thread.
+void acquire_from(uintptr_t a) {
+  LaunchCtx& l = *tl_launch;
+  const Actor me = current_actor();
+  std::lock_guard<std::mutex> lock(l.sync_mutex);
+  const auto it = l.sync_objects.find(a);
+  if (it == l.sync_objects.end()) return;
+  for (const auto& [block, r] : it->second) {
+    if (block == me.block || !r.set) continue;
+    const auto [q, fresh] = tl_acquired.try_emplace(block);
+    if (fresh || r.gen > q->second.rel_gen) q->second = Acquired{r.gen, me.gen, r.tid, me.tid};
+  }
+}
+
+// The __constant__ section (cuda_emu.h); null bounds when no kernel declares one.
+extern "C" char __start_mesa_emu_constant[] __attribute__((weak));
+extern "C" char __stop_mesa_emu_constant[] __attribute__((weak));
+
+bool in_constant(uintptr_t a) {
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(__start_mesa_emu_constant);
+  const uintptr_t hi = reinterpret_cast<uintptr_t>(__stop_mesa_emu_constant);
+  return a >= lo && a < hi;
+}
+
+void access_slow(uintptr_t a, size_t size, bool write, bool atomic, uintptr_t ret) {
+  ThreadState& self = *tl_current;
+  if (self.ww.pending) resolve_pending_write(self);
+  if (write && (tl_checks & kCheckMem) && in_constant(a))
+    fail_in_block(MESA_EMU_CHECK_MEM, "stores into __constant__ memory (byte " +
+                                          std::to_string(a - reinterpret_cast<uintptr_t>(__start_mesa_emu_constant)) +
+                                          " of the constant section) at " + pc_text(pc_offset(ret - 1)) +
+                                          ": read-only to kernels");
+  if (!(tl_checks & kCheckRace)) return;
+  if (a >= tl_tracked_lo && a < tl_tracked_hi) {
+    if (atomic) return;  // shared-memory atomics: never a conflict with each other; not tracked
+    if (race_access(a, size, write, pc_offset(ret - 1))) return;
+  }
+  global_access(a, size, write, atomic, pc_offset(ret - 1));
+}
+
+inline void on_access(const volatile void* p, size_t size, bool write, uintptr_t ret) {
+  if (__builtin_expect((tl_checks & (kCheckRace | kCheckMem)) == 0, 1) || tl_current == nullptr) return;
+  access_slow(reinterpret_cast<uintptr_t>(const_cast<const void*>(p)), size, write, false, ret);
+}
+
+// An atomic operation (mo: the C++ memory order, as __tsan_memory_order numbers it).
+inline void on_atomic(const volatile void* p, size_t size, bool read, bool write, int mo, uintptr_t ret) {
+  if (__builtin_expect((tl_checks & (kCheckRace | kCheckMem)) == 0, 1) || tl_current == nullptr) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(const_cast<const void*>(p));
-  if (a < tl_tracked_lo || a >= tl_tracked_hi) return;  // stale after a new block: race_access checks the epoch
-  race_access(a, size, write);
+  access_slow(a, size, write, true, ret);
+  if (!(tl_checks & kCheckRace) || (a >= tl_tracked_lo && a < tl_tracked_hi)) return;
+  ThreadState& self = *tl_current;
+  constexpr int kAcquire = 2, kRelease = 3, kAcqRel = 4, kSeqCst = 5;
+  if (write && (mo == kRelease || mo == kAcqRel || mo == kSeqCst || self.fenced)) {
+    release_to(a);
+    self.fenced = false;
+  }
+  if (read) {
+    if (mo == kAcquire || mo == kAcqRel || mo == kSeqCst) acquire_from(a);
+    else self.atomic_read = a;
+  }
+}
+
+void block_race_start(Block& b) {
+  tl_acquired.clear();
+  if ((tl_checks & kCheckRace) && b.dynamic_smem.size() > 16)
+    race_track(b.dynamic_smem.data(), b.dynamic_smem.size() - 16, "extern __shared__ (dynamic)");
 }
 
 }  // namespace
+
+void threadfence() {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  ThreadState* t = tl_current;
+  if (t == nullptr || !(tl_checks & kCheckRace)) return;
+  t->fenced = true;
+  if (t->atomic_read != 0) acquire_from(t->atomic_read);
+}
+
+bool launch_is_cooperative() { return tl_launch != nullptr && tl_launch->cooperative; }
+
+void grid_sync(const char* file, int line) {
+  LaunchCtx& l = *tl_launch;
+  Block& b = *tl_block;
+  if (!l.cooperative)
+    fail_in_block(MESA_EMU_CHECK_SYNC, std::string("this_grid().sync() at ") + file + ":" + std::to_string(line) +
+                                           " in a launch that is not cooperative (blocks that have not started "
+                                           "cannot arrive: launch it with MESA_LAUNCH_COOPERATIVE)");
+  syncthreads(file, line);
+  if (linear_tid(tl_current) == 0) {
+    std::unique_lock<std::mutex> lock(l.grid_mutex);
+    const uint64_t gen = l.grid_generation;
+    if (++l.grid_arrived == l.blocks) {
+      l.grid_arrived = 0;
+      l.grid_generation += 1;
+    } else {
+      for (;;) {
+        if (l.grid_generation != gen) break;
+        if (l.blocks_done.load() > 0) {
+          const unsigned long long done = l.blocks_done.load();
+          lock.unlock();
+          fail_in_block(MESA_EMU_CHECK_SYNC, std::string("this_grid().sync() at ") + file + ":" +
+                                                 std::to_string(line) + " reached by part of the grid: " +
+                                                 std::to_string(done) + " block(s) finished without it");
+        }
+        if (l.failed.load()) {
+          lock.unlock();
+          throw KernelAbort{};  // another block failed a check
+        }
+        lock.unlock();
+        std::this_thread::yield();
+        lock.lock();
+      }
+    }
+    b.grid_generation += 1;
+  }
+  syncthreads(file, line);
+}
+
+// Replaces every {pc:ADDR} of a report with the source line of the instruction before ADDR
+// (a return address: the instrumented access's call), by addr2line on the module's line
+// tables (the kernels are compiled with -g1); "an unknown line" where that fails.
+std::string symbolize(const std::string& report) {
+  std::string out;
+  size_t at = 0;
+  while (true) {
+    const size_t open = report.find("{pc:", at);
+    if (open == std::string::npos) break;
+    const size_t close = report.find('}', open);
+    if (close == std::string::npos) break;
+    out += report.substr(at, open - at);
+    const uintptr_t pc = uintptr_t(std::strtoull(report.c_str() + open + 4, nullptr, 16));
+    std::string where = "an unknown line";
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(pc), &info) != 0 && info.dli_fname != nullptr) {
+      char cmd[1024];
+      std::snprintf(cmd, sizeof cmd, "addr2line -C -e '%s' 0x%llx 2>/dev/null", info.dli_fname,
+                    (unsigned long long)(pc - reinterpret_cast<uintptr_t>(info.dli_fbase)));
+      if (FILE* f = popen(cmd, "r")) {
+        char line[512] = "";
+        if (std::fgets(line, sizeof line, f) != nullptr) {
+          std::string s(line);
+          s = s.substr(0, s.find_first_of(" \n"));
+          // the kernels' own path (kernels/…), as the #line of build.rs's copies names it
+          const size_t k = s.rfind("/kernels/");
+          if (k != std::string::npos) s = s.substr(k + 1);
+          if (!s.empty() && s.rfind("??", 0) != 0) where = s;
+        }
+        pclose(f);
+      }
+    }
+    out += where;
+    at = close + 1;
+  }
+  return out + report.substr(at);
+}
 
 long long steady_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -902,6 +1455,61 @@ void launch_bounds(unsigned max_threads, const char* kernel) {
                                              " (a GPU refuses the launch: too many resources requested)");
 }
 
+namespace {
+// Synccheck's rule for barriers in loops: the threads of one barrier generation are in the
+// same iteration of every loop around it that holds a barrier (build.rs marks those loops),
+// else a thread-dependent trip count or branch lets different iterations meet at one call site.
+void check_barrier_loops(Block& b, ThreadState& self, const char* file, int line) {
+  const unsigned depth = std::min(self.loop_depth, ThreadState::kMaxLoops);
+  if (b.barrier_arrived == 0) {
+    b.barrier_tid = linear_tid(&self);
+    b.barrier_depth = depth;
+    std::copy(self.loops, self.loops + depth, b.barrier_loops);
+    return;
+  }
+  for (unsigned d = 0; d < std::max(depth, b.barrier_depth); ++d) {
+    const bool same = d < depth && d < b.barrier_depth && self.loops[d].site == b.barrier_loops[d].site &&
+                      self.loops[d].iter == b.barrier_loops[d].iter;
+    if (same) continue;
+    const unsigned other = b.barrier_tid;
+    const auto where = [](unsigned dd, unsigned n, const ThreadState::LoopLevel* levels) {
+      return dd < n ? "in iteration " + std::to_string(levels[dd].iter) + " of the loop around it at depth " +
+                          std::to_string(dd)
+                    : std::string("outside that loop");
+    };
+    fail_in_block(MESA_EMU_CHECK_SYNC,
+                  std::string("__syncthreads at ") + file + ":" + std::to_string(line) +
+                      " reached in different iterations of an enclosing loop: this thread " +
+                      where(d, depth, self.loops) + ", thread " + std::to_string(other) + " (linear) " +
+                      where(d, b.barrier_depth, b.barrier_loops) +
+                      " (a barrier in a loop needs the same trip count, and the same branch, in every "
+                      "thread of the block)");
+  }
+}
+}  // namespace
+
+void loop_enter(const void* site) {
+  ThreadState* t = tl_current;
+  if (t == nullptr) return;
+  const unsigned d = t->loop_depth;
+  if (d < ThreadState::kMaxLoops) {
+    ThreadState::LoopLevel& level = t->loops[d];
+    if (level.site == site) {
+      level.iter += 1;
+    } else {
+      level.site = site;
+      level.iter = 0;
+    }
+    if (d + 1 < ThreadState::kMaxLoops) t->loops[d + 1].site = nullptr;  // an inner loop starts afresh
+  }
+  t->loop_depth = d + 1;
+}
+
+void loop_leave() {
+  ThreadState* t = tl_current;
+  if (t != nullptr && t->loop_depth > 0) t->loop_depth -= 1;
+}
+
 void syncthreads(const char* file, int line) {
   Block& b = *tl_block;
   ThreadState& self = *tl_current;
@@ -914,6 +1522,7 @@ void syncthreads(const char* file, int line) {
                                              file + ":" + std::to_string(line) + " while others wait at " +
                                              b.barrier_file + ":" + std::to_string(b.barrier_line));
     }
+    check_barrier_loops(b, self, file, line);
   }
   self.barriers += 1;
   const uint64_t gen = b.barrier_generation;
@@ -935,48 +1544,56 @@ void syncthreads(const char* file, int line) {
 }
 
 namespace {
+// The rendezvous a lane with `mask` joins (Warp::meet).
+unsigned meet_key(unsigned mask) {
+  return (tl_checks & kCheckSync) && mask != 0u ? unsigned(__builtin_ctz(mask)) : 0u;
+}
+
 // A rendezvous of the lanes of `mask` (synccheck) or of the warp's live lanes.
 void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool orders_memory = false) {
   ThreadState& self = *tl_current;
   Block& b = *tl_block;
   const bool check = (tl_checks & kCheckSync) != 0;
+  const unsigned key = meet_key(mask);
+  Meet& m = w.meet[key];
   if (check) {
     if (!((mask >> lane) & 1u))
       fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " by lane " + std::to_string(lane) +
                                              ", which is not in its mask " + hex32(mask));
-    if (w.arrived == 0) {
-      w.mask = mask;
-      w.what = what;
-    } else if (w.mask != mask) {
+    if (m.arrived == 0) {
+      m.mask = mask;
+      m.what = what;
+    } else if (m.mask != mask) {
       fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " with mask " + hex32(mask) + " while lanes " +
-                                             lanes_text(w.arrived_mask) + " wait in " + w.what + " with mask " +
-                                             hex32(w.mask));
+                                             lanes_text(m.arrived_mask) + " wait in " + m.what + " with mask " +
+                                             hex32(m.mask));
     }
-  } else if (w.arrived == 0) {
-    w.mask = mask;
-    w.what = what;
+  } else if (m.arrived == 0) {
+    m.mask = mask;
+    m.what = what;
   }
-  const uint64_t gen = w.generation;
-  w.arrived += 1;
-  w.arrived_mask |= 1u << lane;
+  const uint64_t gen = m.generation;
+  m.arrived += 1;
+  m.arrived_mask |= 1u << lane;
   b.progress += 1;
   for (;;) {
-    if (w.generation != gen) break;
-    if (check && (w.mask & ~w.live_mask) != 0)
-      fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " with mask " + hex32(w.mask) + ": lanes " +
-                                             lanes_text(w.mask & ~w.live_mask) +
+    if (m.generation != gen) break;
+    if (check && (m.mask & ~w.live_mask) != 0)
+      fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " with mask " + hex32(m.mask) + ": lanes " +
+                                             lanes_text(m.mask & ~w.live_mask) +
                                              " of the mask have exited or do not exist; lanes " +
-                                             lanes_text(w.arrived_mask) + " arrived");
-    const unsigned expected = check ? unsigned(__builtin_popcount(w.mask)) : w.live;
-    if (w.arrived >= expected) {
-      w.arrived = 0;
-      w.arrived_mask = 0;
-      w.generation += 1;
+                                             lanes_text(m.arrived_mask) + " arrived");
+    const unsigned expected = check ? unsigned(__builtin_popcount(m.mask)) : w.live;
+    if (m.arrived >= expected) {
+      m.arrived = 0;
+      m.arrived_mask = 0;
+      m.generation += 1;
       if (orders_memory) w.sync_generation += 1;
       break;
     }
     self.wait = 2;
     self.wait_gen = gen;
+    self.wait_key = key;
     yield_to_scheduler();
     self.wait = 0;
   }
@@ -1001,7 +1618,7 @@ void warp_exchange(unsigned mask, const void* value, void* out, unsigned size, u
   const unsigned tid = linear_tid(tl_current);
   Warp& w = b.warps[tid / 32];
   const bool check = (tl_checks & kCheckSync) != 0;
-  unsigned char (&slot)[32][16] = w.slot[w.generation & 1u];
+  unsigned char (&slot)[32][16] = w.slot[w.meet[meet_key(mask)].generation & 1u];
   std::memcpy(slot[tid % 32], value, size);
   warp_barrier(w, tid % 32, mask, "a shuffle");
   if (check && !((mask >> (src_lane % 32)) & 1u))
@@ -1016,7 +1633,7 @@ unsigned warp_ballot(unsigned mask, bool pred) {
   const unsigned tid = linear_tid(tl_current);
   Warp& w = b.warps[tid / 32];
   const bool check = (tl_checks & kCheckSync) != 0;
-  unsigned char (&slot)[32][16] = w.slot[w.generation & 1u];
+  unsigned char (&slot)[32][16] = w.slot[w.meet[meet_key(mask)].generation & 1u];
   slot[tid % 32][0] = pred ? 1 : 0;
   warp_barrier(w, tid % 32, mask, "a ballot/vote");
   unsigned bits = 0;
@@ -1046,7 +1663,7 @@ const WarpMatrixSlot* warp_matrix_op(const char* what, const void* ptr, unsigned
     fail_in_block(MESA_EMU_CHECK_MEM, std::string(what) + " at " + hex64(reinterpret_cast<uintptr_t>(ptr)) +
                                           " with ldm " + std::to_string(ldm) +
                                           ": the pointer must be 32-byte aligned and ldm a multiple of 16 bytes");
-  const uint64_t gen = w.generation;
+  const uint64_t gen = w.meet[0].generation;
   WarpMatrixSlot (&set)[32] = w.matrix[gen & 1u];
   set[tid % 32].generation = gen;
   set[tid % 32].op = what;
@@ -1116,6 +1733,11 @@ int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes,
     ctx.seed = splitmix64(ctx.base_seed ^ h);
   }
   ctx.poison = (ctx.base_seed & 1u) ? 0x7f : 0xff;  // NaN in every float type, or huge finite/NaN
+  ctx.id = g_launch_ids.fetch_add(1) + 1;
+  if (ctx.id == 0) ctx.id = g_launch_ids.fetch_add(1) + 1;  // 0 marks an empty shadow entry
+  ctx.cooperative = cooperative;
+  ctx.blocks = blocks;
+  if (ctx.checks & kCheckRace) race_launch_begin(ctx);
   // blocks in the order of a seeded affine permutation i -> (a i + c) mod blocks
   unsigned long long perm_a = 1, perm_c = 0;
   if ((ctx.checks & kCheckSchedule) && blocks > 1) {
@@ -1152,6 +1774,7 @@ int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes,
     b.body = &body;
     if (coop_single) {
       run_block(b, *stacks, decode(only), only, true);
+      ctx.blocks_done.fetch_add(1);
     } else {
       for (;;) {
         if (ctx.failed.load(std::memory_order_relaxed)) break;
@@ -1202,8 +1825,9 @@ int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes,
     status = out_of_memory ? cudaErrorMemoryAllocation : cudaSuccess;
   }
   if (ctx.checks & kCheckMem) check_allocations(ctx);
+  if (ctx.checks & kCheckRace) race_launch_end();
   if (ctx.failed.load()) {
-    if (tl_report.empty()) tl_report = ctx.report;  // the first failure since the last take
+    if (tl_report.empty()) tl_report = symbolize(ctx.report);  // the first failure since the last take
     return kLaunchFailure;
   }
   return status;
@@ -1332,38 +1956,51 @@ void __tsan_func_entry(void*) {}
 void __tsan_func_exit() {}
 void __tsan_vptr_update(void**, void*) {}
 void __tsan_vptr_read(void**) {}
-void __tsan_read_range(void* p, unsigned long n) { mesa_emu::on_access(p, n, false); }
-void __tsan_write_range(void* p, unsigned long n) { mesa_emu::on_access(p, n, true); }
+#define MESA_RET uintptr_t(__builtin_return_address(0))
+void __tsan_read_range(void* p, unsigned long n) { mesa_emu::on_access(p, n, false, MESA_RET); }
+void __tsan_write_range(void* p, unsigned long n) { mesa_emu::on_access(p, n, true, MESA_RET); }
 #define MESA_TSAN_RW(N)                                                                          \
-  void __tsan_read##N(void* p) { mesa_emu::on_access(p, N, false); }                           \
-  void __tsan_write##N(void* p) { mesa_emu::on_access(p, N, true); }                           \
-  void __tsan_unaligned_read##N(void* p) { mesa_emu::on_access(p, N, false); }                 \
-  void __tsan_unaligned_write##N(void* p) { mesa_emu::on_access(p, N, true); }                 \
-  void __tsan_volatile_read##N(void* p) { mesa_emu::on_access(p, N, false); }                  \
-  void __tsan_volatile_write##N(void* p) { mesa_emu::on_access(p, N, true); }
+  void __tsan_read##N(void* p) { mesa_emu::on_access(p, N, false, MESA_RET); }                 \
+  void __tsan_write##N(void* p) { mesa_emu::on_access(p, N, true, MESA_RET); }                 \
+  void __tsan_unaligned_read##N(void* p) { mesa_emu::on_access(p, N, false, MESA_RET); }       \
+  void __tsan_unaligned_write##N(void* p) { mesa_emu::on_access(p, N, true, MESA_RET); }       \
+  void __tsan_volatile_read##N(void* p) { mesa_emu::on_access(p, N, false, MESA_RET); }        \
+  void __tsan_volatile_write##N(void* p) { mesa_emu::on_access(p, N, true, MESA_RET); }
 MESA_TSAN_RW(1)
 MESA_TSAN_RW(2)
 MESA_TSAN_RW(4)
 MESA_TSAN_RW(8)
 MESA_TSAN_RW(16)
 #undef MESA_TSAN_RW
+// Each reports itself to racecheck (on_atomic: access, release, acquire) with the order the
+// kernel asked for.
+#define MESA_RMW(N, a, mo) mesa_emu::on_atomic(a, N, true, true, mo, MESA_RET)
 #define MESA_TSAN_ATOMIC(N, T)                                                                   \
-  T __tsan_atomic##N##_load(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); } \
-  void __tsan_atomic##N##_store(volatile T* a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); } \
-  T __tsan_atomic##N##_exchange(volatile T* a, T v, int) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
-  T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
-  T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
-  T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
-  T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); } \
-  T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
-  T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) { return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
-  int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {        \
+  T __tsan_atomic##N##_load(const volatile T* a, int mo) {                                      \
+    mesa_emu::on_atomic(a, N, true, false, mo, MESA_RET);                                        \
+    return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                 \
+  }                                                                                              \
+  void __tsan_atomic##N##_store(volatile T* a, T v, int mo) {                                   \
+    mesa_emu::on_atomic(a, N, false, true, mo, MESA_RET);                                        \
+    __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                    \
+  }                                                                                              \
+  T __tsan_atomic##N##_exchange(volatile T* a, T v, int mo) { MESA_RMW(N, a, mo); return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int mo) { MESA_RMW(N, a, mo); return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int mo) { MESA_RMW(N, a, mo); return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int mo) { MESA_RMW(N, a, mo); return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int mo) { MESA_RMW(N, a, mo); return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int mo) { MESA_RMW(N, a, mo); return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
+  T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int mo) { MESA_RMW(N, a, mo); return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
+  int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int mo, int) {     \
+    MESA_RMW(N, a, mo);                                                                          \
     return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);   \
   }                                                                                              \
-  int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {          \
+  int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int mo, int) {       \
+    MESA_RMW(N, a, mo);                                                                          \
     return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);   \
   }                                                                                              \
-  T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {              \
+  T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int mo, int) {           \
+    MESA_RMW(N, a, mo);                                                                          \
     __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);          \
     return c;                                                                                    \
   }
@@ -1372,6 +2009,8 @@ MESA_TSAN_ATOMIC(16, unsigned short)
 MESA_TSAN_ATOMIC(32, unsigned int)
 MESA_TSAN_ATOMIC(64, unsigned long long)
 #undef MESA_TSAN_ATOMIC
+#undef MESA_RMW
+#undef MESA_RET
 void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 }  // extern "C"
@@ -1411,6 +2050,7 @@ void* mesa_emu_alloc(size_t bytes, int zeroed) {
     void* p = nullptr;
     if (bytes > SIZE_MAX - 64 || posix_memalign(&p, 64, bytes) != 0) return nullptr;
     std::memset(p, fill, bytes);
+    race_register(p, bytes);
     return p;
   }
   install_segv_handler();
@@ -1434,14 +2074,18 @@ void* mesa_emu_alloc(size_t bytes, int zeroed) {
   g.canary = body - bytes;
   g.owner = std::this_thread::get_id();
   arm_canary(user + bytes, g.canary);
-  std::lock_guard<std::mutex> lock(g_alloc_mutex);
-  g_allocs[reinterpret_cast<uintptr_t>(user)] = g;
+  {
+    std::lock_guard<std::mutex> lock(g_alloc_mutex);
+    g_allocs[reinterpret_cast<uintptr_t>(user)] = g;
+  }
+  race_register(user, bytes);
   return user;
 }
 
 void mesa_emu_free(void* p) {
   using namespace mesa_emu;
   if (p == nullptr) return;
+  race_unregister(p);
   {
     std::lock_guard<std::mutex> lock(g_alloc_mutex);
     auto it = g_allocs.find(reinterpret_cast<uintptr_t>(p));

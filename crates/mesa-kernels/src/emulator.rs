@@ -28,17 +28,24 @@ impl Checks {
     /// contract poisoned.
     pub const INIT: Checks = Checks(sys::MESA_EMU_CHECK_INIT);
     /// Canary bytes after every emulator allocation, checked after each launch, and a guard
-    /// page beyond them.
+    /// page beyond them; a kernel's store into `__constant__` memory.
     pub const MEM: Checks = Checks(sys::MESA_EMU_CHECK_MEM);
-    /// `__syncthreads` reached by part of a block or from two call sites in one generation;
-    /// shuffles, ballots and `__syncwarp` whose arriving lanes differ from their mask.
+    /// `__syncthreads` reached by part of a block, from two call sites in one generation, or
+    /// in different iterations of a loop around it; shuffles, ballots and `__syncwarp` whose
+    /// arriving lanes differ from their mask; grid syncs outside cooperative launches or
+    /// reached by part of the grid.
     pub const SYNC: Checks = Checks(sys::MESA_EMU_CHECK_SYNC);
-    /// Conflicting `__shared__` accesses of two threads of a block with no barrier between
-    /// them (read-after-write, write-after-read, write-after-write), and, with
-    /// [`INIT`](Checks::INIT), reads of shared bytes no thread of the block wrote.
+    /// Conflicting accesses of two threads (read-after-write, write-after-read,
+    /// write-after-write) with nothing ordering them: to `__shared__` memory of a block
+    /// (barrier, `__syncwarp`), and to global memory of a launch (also grid syncs and
+    /// release/acquire pairs across blocks). With [`INIT`](Checks::INIT), reads of shared bytes
+    /// no thread of the block wrote.
     pub const RACE: Checks = Checks(sys::MESA_EMU_CHECK_RACE);
     /// A block larger than the kernel's `__launch_bounds__`.
     pub const BOUNDS: Checks = Checks(sys::MESA_EMU_CHECK_BOUNDS);
+    /// With [`RACE`](Checks::RACE): unordered stores of two threads that wrote the same bytes
+    /// ("benign" write-write pairs), reported under their own name; without it they pass.
+    pub const BENIGN: Checks = Checks(sys::MESA_EMU_CHECK_BENIGN);
     /// Every check.
     pub const ALL: Checks = Checks(sys::MESA_EMU_CHECK_ALL);
 
