@@ -376,6 +376,20 @@ __device__ __forceinline__ unsigned element_random_bits(uint64_t key, int64_t i)
   return (word >> (kSrBits * int(i & 1))) & 0xffffu;
 }
 
+// A group's params as sink_unit reads them to encode. In the softmax forward another thread of
+// the launch may poison the group's scale meanwhile (emit_unit: atomicExch to NaN for a
+// non-finite output); the group then never decodes to finite values, so the codes may use
+// either value, and a 4-byte load sees one or the other. A race by design, declared to the
+// emulator's racecheck as relaxed atomic loads (found by it: issue 43); plain loads on the GPU.
+__device__ __forceinline__ MesaGroupParams sink_params(const MesaGroupParams* p) {
+#ifdef MESA_EMU
+  return MesaGroupParams{std::atomic_ref<float>(const_cast<float&>(p->offset)).load(std::memory_order_relaxed),
+                         std::atomic_ref<float>(const_cast<float&>(p->scale)).load(std::memory_order_relaxed)};
+#else
+  return *p;
+#endif
+}
+
 // sqrt_map: the companded codes of s.sqrt_map, passed by the one producer that uses them
 // (softmax); the others leave it false, a constant that keeps the branch out of their loops.
 // widen (the widening pass, stats NULL): the codes of unflagged groups' elements are kept.
@@ -392,11 +406,11 @@ __device__ __forceinline__ void sink_unit(const CodeSink& s, int64_t i0, const f
   if (s.codes == nullptr) return;
   const float levels = float((1u << s.bits) - 1u);
   unsigned codes[kUnit];
-  const CodeParams p0 = code_params(s.params[g0]);
+  const CodeParams p0 = code_params(sink_params(s.params + g0));
 #pragma unroll
   for (int j = 0; j < kUnit; ++j) {
     const bool on = j < live;
-    const CodeParams p = (one_group || !on) ? p0 : code_params(s.params[s.groups.group(i0 + j)]);
+    const CodeParams p = (one_group || !on) ? p0 : code_params(sink_params(s.params + s.groups.group(i0 + j)));
     // one generator call per element, not per unit: the unit's bits held across the loop
     // spill gelu_forward_kernel<float> (sm_90, 16-byte stack frame)
     const unsigned u = (s.stochastic && on) ? element_random_bits(s.seed, i0 + j) : 0u;

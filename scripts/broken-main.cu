@@ -3,7 +3,11 @@
 // reports what the emulator's checks report (tests/sanitizer.rs, docs/emulator.md).
 //
 //   broken_kernels --list        one line per case: name, the compute-sanitizer tool meant to
-//                                report it ("launch": the launch itself must fail)
+//                                report it ("launch": the launch itself must fail; "tool?": the
+//                                emulator reports it, whether compute-sanitizer does is what the
+//                                run records — issue 43's global races, warp hazards, loop
+//                                barriers, tiles, __constant__ stores. Not listed: the grid sync
+//                                in a plain launch, which may hang a GPU)
 //   broken_kernels CASE          runs one case on device 0 with buffers of exactly its size
 //                                (cudaMalloc, so memcheck sees any byte past them); exit 0
 //                                when the launch and the synchronisation succeed, 3 when
@@ -41,7 +45,16 @@ typedef struct BrokenArgs {
   X(broken_wmma_lane_null_pointer, 512, 256, memcheck)      \
   X(fresh_tile_transpose, 256, 256, racecheck)              \
   X(fresh_shifted_scan, 100, 100, memcheck)                 \
-  X(fresh_shuffle_early_exit, 64, 2, synccheck)
+  X(fresh_shuffle_early_exit, 64, 2, synccheck)                    \
+  X(hazard_last_block_unfenced, 512, 16, racecheck?)                \
+  X(hazard_accumulate_plain, 64, 1, racecheck?)                     \
+  X(hazard_warp_scan_lockstep, 32, 32, racecheck?)                  \
+  X(hazard_warp_scan_lockstep_dynamic, 32, 32, racecheck?)          \
+  X(hazard_barrier_in_shifted_iteration, 64, 64, synccheck?)        \
+  X(hazard_tile_shuffle_half, 64, 64, synccheck?)                   \
+  X(hazard_grid_phases_unsynced, 512, 1024, racecheck?)             \
+  X(hazard_constant_store, 64, 64, memcheck?)                       \
+  X(hazard_different_value_stores, 64, 1, racecheck?)
 #define DECLARE(name, n, out, tool) int mesa_##name(const BrokenArgs* a);
 BROKEN_CASES(DECLARE)
 }

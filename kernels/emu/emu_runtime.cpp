@@ -1029,6 +1029,7 @@ struct GlobalShadow {
   uint16_t w_tid, r_tid;
   uint8_t w_wgen, r_wgen, w_grid, r_grid;
   uint8_t flags;
+  uint8_t w_bytes, r_bytes;  // which bytes of the entry the recorded writer and readers touched
 };
 
 enum : uint8_t {
@@ -1049,7 +1050,7 @@ Actor reader_of(const GlobalShadow& s) { return Actor{s.r_block, s.r_gen, s.r_ti
 std::atomic<uint8_t> g_shadow_locks[4096];
 struct ShadowLock {
   std::atomic<uint8_t>& l;
-  explicit ShadowLock(uintptr_t a) : l(g_shadow_locks[((a >> 2) ^ (a >> 14)) & 4095u]) {
+  explicit ShadowLock(uintptr_t a) : l(g_shadow_locks[((a >> 1) ^ (a >> 13)) & 4095u]) {
     while (l.exchange(1, std::memory_order_acquire) != 0) {
     }
   }
@@ -1089,7 +1090,14 @@ struct RaceAlloc {
   size_t bytes = 0;
   GlobalShadow* shadow = nullptr;
 };
-constexpr size_t kMaxShadowedBytes = size_t(1) << 28;  // larger allocations go unchecked
+// Global memory is shadowed per 2 bytes, 40 bytes of shadow per entry (20 times the
+// allocation, made as the kernels touch it); larger allocations than this go unchecked. An
+// entry records which of its bytes the writer and the readers touched: 8-bit elements of two
+// threads in one entry do not conflict (the entry then remembers the last writer's byte only,
+// so a conflict on the other byte can go unseen), except two threads' reads and writes of
+// neighbouring bytes in one barrier generation (an in-place update of 8-bit elements).
+constexpr size_t kGlobalGranule = 2;
+constexpr size_t kMaxShadowedBytes = size_t(32) << 20;
 std::mutex g_race_mutex;
 std::map<uintptr_t, RaceAlloc> g_race_allocs;
 std::vector<GlobalShadow*> g_race_graveyard;
@@ -1119,7 +1127,8 @@ void race_launch_begin(LaunchCtx& l) {
   for (auto& [addr, alloc] : g_race_allocs) {
     if (alloc.bytes > kMaxShadowedBytes) continue;
     if (alloc.shadow == nullptr)
-      alloc.shadow = static_cast<GlobalShadow*>(std::calloc((alloc.bytes + 3) / 4, sizeof(GlobalShadow)));
+      alloc.shadow = static_cast<GlobalShadow*>(
+          std::calloc((alloc.bytes + kGlobalGranule - 1) / kGlobalGranule, sizeof(GlobalShadow)));
     if (alloc.shadow != nullptr) l.ranges.push_back(RaceRange{addr, addr + alloc.bytes, alloc.shadow});
   }
 }
@@ -1168,15 +1177,19 @@ void global_access(uintptr_t a, size_t size, bool write, bool atomic, int32_t pc
   std::string race;  // a report to fail with
   std::string ww;    // a write-write conflict, to be judged after the store
   const uintptr_t end = std::min<uintptr_t>(a + size, r->hi);
-  for (uintptr_t g = (a - r->lo) / 4; r->lo + g * 4 < end && race.empty(); ++g) {
+  for (uintptr_t g = (a - r->lo) / kGlobalGranule; r->lo + g * kGlobalGranule < end && race.empty(); ++g) {
     GlobalShadow& s = r->shadow[g];
-    const ShadowLock lock(r->lo + g * 4);
+    const uintptr_t glo = r->lo + g * kGlobalGranule;
+    uint8_t bytes = 0;
+    for (uintptr_t k = std::max(glo, a); k < std::min<uintptr_t>(glo + kGlobalGranule, end); ++k)
+      bytes |= uint8_t(1u << (k - glo));
+    const ShadowLock lock(glo);
     if (s.launch != launch) {
       s = GlobalShadow{};
       s.launch = launch;
     }
-    const bool w_conflict = (s.flags & kHasWriter) && !(atomic && (s.flags & kWriterAtomic)) &&
-                            !ordered(writer_of(s), 0, me);
+    const bool w_conflict = (s.flags & kHasWriter) && (s.w_bytes & bytes) != 0 &&
+                            !(atomic && (s.flags & kWriterAtomic)) && !ordered(writer_of(s), 0, me);
     if (write) {
       if (w_conflict) {
         std::string text = "on " + global_where(*r, a) + ": this thread writes" + (atomic ? " atomically" : "") +
@@ -1186,20 +1199,30 @@ void global_access(uintptr_t a, size_t size, bool write, bool atomic, int32_t pc
         if (atomic || (s.flags & kWriterAtomic)) race = "write-after-write race " + text;
         else if (ww.empty()) ww = std::move(text);
       }
-      if ((s.flags & kHasReader) && !(atomic && (s.flags & kReadersAtomic)) && race.empty()) {
+      if ((s.flags & kHasReader) && (s.r_bytes & bytes) != 0 && !(atomic && (s.flags & kReadersAtomic)) &&
+          race.empty()) {
         const int many = (s.flags & kReadersMultiWarp) ? 2 : (s.flags & kReadersMany) ? 1 : 0;
         if (!ordered(reader_of(s), many, me))
           race = "write-after-read race on " + global_where(*r, a) + ": this thread writes" +
                  (atomic ? " atomically" : "") + " at " + pc_text(pc) + ", " + other_text(reader_of(s), many) +
                  " read it at " + pc_text(s.r_pc) + " with no barrier, grid sync or release/acquire between";
       }
+      const bool same_writer = (s.flags & kHasWriter) && s.w_block == me.block && s.w_tid == me.tid &&
+                               s.w_gen == me.gen;
+      s.w_bytes = same_writer ? uint8_t(s.w_bytes | bytes) : bytes;
       s.w_block = me.block;
       s.w_gen = me.gen;
       s.w_tid = me.tid;
       s.w_wgen = me.wgen;
       s.w_grid = me.grid;
       s.w_pc = pc;
-      s.flags = uint8_t(kHasWriter | (atomic ? kWriterAtomic : 0));
+      // the readers of bytes this store left alone stay recorded
+      const bool keep_readers = (s.flags & kHasReader) && (s.r_bytes & ~bytes) != 0;
+      s.r_bytes = keep_readers ? uint8_t(s.r_bytes & ~bytes) : 0;
+      s.flags = uint8_t(kHasWriter | (atomic ? kWriterAtomic : 0) |
+                        (keep_readers ? (s.flags & (kHasReader | kReadersAtomic | kReadersMany | kReadersMultiWarp |
+                                                   kReadersOtherBlock))
+                                      : 0));
     } else {
       if (w_conflict)
         race = "read-after-write race on " + global_where(*r, a) + ": this thread reads" +
@@ -1215,22 +1238,30 @@ void global_access(uintptr_t a, size_t size, bool write, bool atomic, int32_t pc
       };
       if (!(s.flags & kHasReader)) {
         take();
+        s.r_bytes = bytes;
         s.flags = uint8_t((s.flags & (kHasWriter | kWriterAtomic)) | kHasReader | (atomic ? kReadersAtomic : 0));
       } else {
         if (!atomic) s.flags &= uint8_t(~kReadersAtomic);
         if (s.r_block != me.block) {
           take();
+          s.r_bytes = bytes;
           s.flags = uint8_t((s.flags & ~(kReadersMany | kReadersMultiWarp)) | kReadersOtherBlock);
         } else if (s.r_gen != me.gen) {
           take();
+          s.r_bytes = bytes;
           s.flags &= uint8_t(~(kReadersMany | kReadersMultiWarp));
         } else if (s.r_tid / 32 != me.tid / 32) {
+          s.r_bytes |= bytes;
           s.flags |= kReadersMultiWarp;
         } else if (s.r_wgen != me.wgen) {
           take();
+          s.r_bytes = bytes;
           s.flags &= uint8_t(~kReadersMany);
         } else if (s.r_tid != me.tid) {
+          s.r_bytes |= bytes;
           s.flags |= kReadersMany;
+        } else {
+          s.r_bytes |= bytes;
         }
       }
       s.r_pc = pc;
@@ -1974,14 +2005,15 @@ MESA_TSAN_RW(16)
 #undef MESA_TSAN_RW
 // Each reports itself to racecheck (on_atomic: access, release, acquire) with the order the
 // kernel asked for.
-#define MESA_RMW(N, a, mo) mesa_emu::on_atomic(a, N, true, true, mo, MESA_RET)
+// (N: the width in bits)
+#define MESA_RMW(N, a, mo) mesa_emu::on_atomic(a, (N) / 8, true, true, mo, MESA_RET)
 #define MESA_TSAN_ATOMIC(N, T)                                                                   \
   T __tsan_atomic##N##_load(const volatile T* a, int mo) {                                      \
-    mesa_emu::on_atomic(a, N, true, false, mo, MESA_RET);                                        \
+    mesa_emu::on_atomic(a, (N) / 8, true, false, mo, MESA_RET);                                  \
     return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                 \
   }                                                                                              \
   void __tsan_atomic##N##_store(volatile T* a, T v, int mo) {                                   \
-    mesa_emu::on_atomic(a, N, false, true, mo, MESA_RET);                                        \
+    mesa_emu::on_atomic(a, (N) / 8, false, true, mo, MESA_RET);                                  \
     __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                    \
   }                                                                                              \
   T __tsan_atomic##N##_exchange(volatile T* a, T v, int mo) { MESA_RMW(N, a, mo); return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
