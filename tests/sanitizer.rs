@@ -364,7 +364,8 @@ extern "C" {
 }
 
 /// Every check but racecheck (and its benign pairs).
-const ALL_BUT_RACE: Checks = Checks::SCHEDULE.with(Checks::INIT).with(Checks::MEM).with(Checks::SYNC).with(Checks::BOUNDS);
+const ALL_BUT_RACE: Checks =
+    Checks::SCHEDULE.with(Checks::INIT).with(Checks::MEM).with(Checks::SYNC).with(Checks::BOUNDS);
 
 fn assert_clean(r: &Run, what: &str) {
     assert_eq!((r.status, r.report.as_deref()), (0, None), "{what}");
@@ -411,10 +412,13 @@ fn plain_accumulation_where_an_atomic_was_meant() {
 #[test]
 fn warp_scan_trusting_lockstep() {
     let x = ramp(32);
-    let scan: Vec<f32> = x.iter().scan(0.0f32, |acc, v| {
-        *acc += v;
-        Some(*acc)
-    }).collect();
+    let scan: Vec<f32> = x
+        .iter()
+        .scan(0.0f32, |acc, v| {
+            *acc += v;
+            Some(*acc)
+        })
+        .collect();
     for seed in [75, 76] {
         let r = run(mesa_emu_hazard_warp_scan_synced, Checks::ALL, seed, &x, 32);
         assert_clean(&r, "__syncwarp between read and write");
