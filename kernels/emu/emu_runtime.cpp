@@ -314,6 +314,7 @@ struct Warp {
   // (cooperative_groups::tiled_partition: disjoint masks) meet on their own; without it, one
   // of all live lanes, meet[0].
   Meet meet[32];
+  uint32_t used = 0;  // bit k: meet[k] was joined since the block started
   uint32_t speed = 0;  // shuffled schedule: runs in a round when (random & speed) == 0
   uint32_t sync_generation = 0;  // __syncwarp releases only: what orders memory (racecheck)
   // the lanes' values of a shuffle or ballot, in two sets used by alternate rendezvous
@@ -631,10 +632,12 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
     Warp& wp = b.warps[w];
     wp.live = std::min(32u, n - w * 32u);
     wp.live_mask = wp.live == 32 ? 0xffffffffu : ((1u << wp.live) - 1u);
-    for (Meet& m : wp.meet) {
+    for (uint32_t u = wp.used | 1u; u != 0; u &= u - 1) {
+      Meet& m = wp.meet[__builtin_ctz(u)];
       m.arrived = 0;
       m.arrived_mask = 0;
     }
+    wp.used = 0;
   }
   if ((l.checks & kCheckInit) && !b.dynamic_smem.empty())
     std::memset(b.dynamic_smem.data(), l.poison, b.dynamic_smem.size());
@@ -1310,15 +1313,17 @@ bool in_constant(uintptr_t a) {
   return a >= lo && a < hi;
 }
 
+[[noreturn]] void constant_store(uintptr_t a, uintptr_t ret) {
+  fail_in_block(MESA_EMU_CHECK_MEM, "stores into __constant__ memory (byte " +
+                                        std::to_string(a - reinterpret_cast<uintptr_t>(__start_mesa_emu_constant)) +
+                                        " of the constant section) at " + pc_text(pc_offset(ret - 1)) +
+                                        ": read-only to kernels");
+}
+
+// racecheck's part of an access (tl_checks has kCheckRace).
 void access_slow(uintptr_t a, size_t size, bool write, bool atomic, uintptr_t ret) {
   ThreadState& self = *tl_current;
   if (self.ww.pending) resolve_pending_write(self);
-  if (write && (tl_checks & kCheckMem) && in_constant(a))
-    fail_in_block(MESA_EMU_CHECK_MEM, "stores into __constant__ memory (byte " +
-                                          std::to_string(a - reinterpret_cast<uintptr_t>(__start_mesa_emu_constant)) +
-                                          " of the constant section) at " + pc_text(pc_offset(ret - 1)) +
-                                          ": read-only to kernels");
-  if (!(tl_checks & kCheckRace)) return;
   if (a >= tl_tracked_lo && a < tl_tracked_hi) {
     if (atomic) return;  // shared-memory atomics: never a conflict with each other; not tracked
     if (race_access(a, size, write, pc_offset(ret - 1))) return;
@@ -1328,15 +1333,19 @@ void access_slow(uintptr_t a, size_t size, bool write, bool atomic, uintptr_t re
 
 inline void on_access(const volatile void* p, size_t size, bool write, uintptr_t ret) {
   if (__builtin_expect((tl_checks & (kCheckRace | kCheckMem)) == 0, 1) || tl_current == nullptr) return;
-  access_slow(reinterpret_cast<uintptr_t>(const_cast<const void*>(p)), size, write, false, ret);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(const_cast<const void*>(p));
+  if (write && (tl_checks & kCheckMem) && in_constant(a)) constant_store(a, ret);
+  if (tl_checks & kCheckRace) access_slow(a, size, write, false, ret);
 }
 
 // An atomic operation (mo: the C++ memory order, as __tsan_memory_order numbers it).
 inline void on_atomic(const volatile void* p, size_t size, bool read, bool write, int mo, uintptr_t ret) {
   if (__builtin_expect((tl_checks & (kCheckRace | kCheckMem)) == 0, 1) || tl_current == nullptr) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(const_cast<const void*>(p));
+  if (write && (tl_checks & kCheckMem) && in_constant(a)) constant_store(a, ret);
+  if (!(tl_checks & kCheckRace)) return;
   access_slow(a, size, write, true, ret);
-  if (!(tl_checks & kCheckRace) || (a >= tl_tracked_lo && a < tl_tracked_hi)) return;
+  if (a >= tl_tracked_lo && a < tl_tracked_hi) return;
   ThreadState& self = *tl_current;
   constexpr int kAcquire = 2, kRelease = 3, kAcqRel = 4, kSeqCst = 5;
   if (write && (mo == kRelease || mo == kAcqRel || mo == kSeqCst || self.fenced)) {
@@ -1350,7 +1359,7 @@ inline void on_atomic(const volatile void* p, size_t size, bool read, bool write
 }
 
 void block_race_start(Block& b) {
-  tl_acquired.clear();
+  if (!tl_acquired.empty()) tl_acquired.clear();
   if ((tl_checks & kCheckRace) && b.dynamic_smem.size() > 16)
     race_track(b.dynamic_smem.data(), b.dynamic_smem.size() - 16, "extern __shared__ (dynamic)");
 }
@@ -1587,6 +1596,7 @@ void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool 
   const bool check = (tl_checks & kCheckSync) != 0;
   const unsigned key = meet_key(mask);
   Meet& m = w.meet[key];
+  w.used |= 1u << key;
   if (check) {
     if (!((mask >> lane) & 1u))
       fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " by lane " + std::to_string(lane) +

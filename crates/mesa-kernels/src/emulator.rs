@@ -99,7 +99,7 @@ pub fn enable_for_tests() {
 /// a second call returns `None`).
 #[must_use]
 pub fn take_report() -> Option<String> {
-    let mut buf = vec![0u8; 1024];
+    let mut buf = vec![0u8; 4096];
     // SAFETY: `buf` is valid for `buf.len()` bytes.
     let n = unsafe { sys::mesa_emu_take_report(buf.as_mut_ptr().cast::<c_char>(), buf.len()) };
     if n == 0 {
