@@ -1048,16 +1048,29 @@ enum : uint8_t {
 Actor writer_of(const GlobalShadow& s) { return Actor{s.w_block, s.w_gen, s.w_tid, s.w_wgen, s.w_grid}; }
 Actor reader_of(const GlobalShadow& s) { return Actor{s.r_block, s.r_gen, s.r_tid, s.r_wgen, s.r_grid}; }
 
-// Spin locks over the shadow entries, by address (an entry is touched by the blocks of a
-// launch, which run on several OS threads). Held for a few instructions, never across a switch.
+// Spin locks over the shadow entries, one per 64 bytes of memory (hashed): an entry is touched
+// by the blocks of a launch, which run on several OS threads. An access (at most 16 bytes)
+// takes the lock of its first byte and, when it crosses into the next 64 bytes, that one's too
+// (in address order). Held for a few instructions, never across a fiber switch.
 std::atomic<uint8_t> g_shadow_locks[4096];
+std::atomic<uint8_t>& shadow_lock_of(uintptr_t a) { return g_shadow_locks[((a >> 6) ^ (a >> 18)) & 4095u]; }
 struct ShadowLock {
-  std::atomic<uint8_t>& l;
-  explicit ShadowLock(uintptr_t a) : l(g_shadow_locks[((a >> 1) ^ (a >> 13)) & 4095u]) {
-    while (l.exchange(1, std::memory_order_acquire) != 0) {
-    }
+  std::atomic<uint8_t>* l[2] = {nullptr, nullptr};
+  ShadowLock(uintptr_t a, uintptr_t end) {
+    l[0] = &shadow_lock_of(a);
+    if (((end - 1) >> 6) != (a >> 6) && &shadow_lock_of(end - 1) != l[0]) l[1] = &shadow_lock_of(end - 1);
+    if (l[1] != nullptr && l[1] < l[0]) std::swap(l[0], l[1]);  // one order: no deadlock
+    for (std::atomic<uint8_t>* x : l)
+      if (x != nullptr)
+        while (x->exchange(1, std::memory_order_acquire) != 0) {
+        }
   }
-  ~ShadowLock() { l.store(0, std::memory_order_release); }
+  ~ShadowLock() {
+    for (std::atomic<uint8_t>* x : l)
+      if (x != nullptr) x->store(0, std::memory_order_release);
+  }
+  ShadowLock(const ShadowLock&) = delete;
+  ShadowLock& operator=(const ShadowLock&) = delete;
 };
 
 // What this block acquired, per releasing block: the release's generation and thread, and
@@ -1145,20 +1158,32 @@ void race_launch_end() {
   }
 }
 
-thread_local RaceRange tl_range_hit;
+// The last allocations this OS thread found (a kernel reads and writes a few buffers).
+constexpr int kRangeCache = 4;
+thread_local RaceRange tl_range_hit[kRangeCache];
 thread_local uint32_t tl_range_launch = 0;
+thread_local unsigned tl_range_next = 0;
 
 const RaceRange* find_range(uintptr_t a) {
   const LaunchCtx& l = *tl_launch;
-  if (tl_range_launch == l.id && a >= tl_range_hit.lo && a < tl_range_hit.hi) return &tl_range_hit;
-  auto it = std::upper_bound(l.ranges.begin(), l.ranges.end(), a,
-                             [](uintptr_t x, const RaceRange& r) { return x < r.lo; });
-  if (it == l.ranges.begin()) return nullptr;
-  --it;
-  if (a >= it->hi) return nullptr;
-  tl_range_hit = *it;
-  tl_range_launch = l.id;
-  return &tl_range_hit;
+  if (tl_range_launch != l.id) {
+    for (RaceRange& r : tl_range_hit) r = RaceRange{};
+    tl_range_launch = l.id;
+  }
+  for (const RaceRange& r : tl_range_hit)
+    if (a >= r.lo && a < r.hi) return r.shadow != nullptr ? &r : nullptr;
+  const auto next = std::upper_bound(l.ranges.begin(), l.ranges.end(), a,
+                                     [](uintptr_t x, const RaceRange& r) { return x < r.lo; });
+  RaceRange& slot = tl_range_hit[tl_range_next++ % kRangeCache];
+  if (next != l.ranges.begin() && a < std::prev(next)->hi) {
+    slot = *std::prev(next);
+    return &slot;
+  }
+  // a gap between allocations (a fiber's stack, the kernel's arguments, host memory): cached
+  // too, as a range without shadow
+  slot = RaceRange{next == l.ranges.begin() ? 0 : std::prev(next)->hi,
+                   next == l.ranges.end() ? UINTPTR_MAX : next->lo, nullptr};
+  return nullptr;
 }
 
 std::string global_where(const RaceRange& r, uintptr_t a) {
@@ -1180,94 +1205,96 @@ void global_access(uintptr_t a, size_t size, bool write, bool atomic, int32_t pc
   std::string race;  // a report to fail with
   std::string ww;    // a write-write conflict, to be judged after the store
   const uintptr_t end = std::min<uintptr_t>(a + size, r->hi);
-  for (uintptr_t g = (a - r->lo) / kGlobalGranule; r->lo + g * kGlobalGranule < end && race.empty(); ++g) {
-    GlobalShadow& s = r->shadow[g];
-    const uintptr_t glo = r->lo + g * kGlobalGranule;
-    uint8_t bytes = 0;
-    for (uintptr_t k = std::max(glo, a); k < std::min<uintptr_t>(glo + kGlobalGranule, end); ++k)
-      bytes |= uint8_t(1u << (k - glo));
-    const ShadowLock lock(glo);
-    if (s.launch != launch) {
-      s = GlobalShadow{};
-      s.launch = launch;
-    }
-    const bool w_conflict = (s.flags & kHasWriter) && (s.w_bytes & bytes) != 0 &&
-                            !(atomic && (s.flags & kWriterAtomic)) && !ordered(writer_of(s), 0, me);
-    if (write) {
-      if (w_conflict) {
-        std::string text = "on " + global_where(*r, a) + ": this thread writes" + (atomic ? " atomically" : "") +
-                           " at " + pc_text(pc) + ", " + other_text(writer_of(s), 0) + " wrote it" +
-                           ((s.flags & kWriterAtomic) ? " atomically" : "") + " at " + pc_text(s.w_pc) +
-                           " with no barrier, grid sync or release/acquire between";
-        if (atomic || (s.flags & kWriterAtomic)) race = "write-after-write race " + text;
-        else if (ww.empty()) ww = std::move(text);
+  {  // the shadow entries of [a, end), under their locks
+    const ShadowLock lock(a, end);
+    for (uintptr_t g = (a - r->lo) / kGlobalGranule; r->lo + g * kGlobalGranule < end && race.empty(); ++g) {
+      GlobalShadow& s = r->shadow[g];
+      const uintptr_t glo = r->lo + g * kGlobalGranule;
+      uint8_t bytes = 0;
+      for (uintptr_t k = std::max(glo, a); k < std::min<uintptr_t>(glo + kGlobalGranule, end); ++k)
+        bytes |= uint8_t(1u << (k - glo));
+      if (s.launch != launch) {
+        s = GlobalShadow{};
+        s.launch = launch;
       }
-      if ((s.flags & kHasReader) && (s.r_bytes & bytes) != 0 && !(atomic && (s.flags & kReadersAtomic)) &&
-          race.empty()) {
-        const int many = (s.flags & kReadersMultiWarp) ? 2 : (s.flags & kReadersMany) ? 1 : 0;
-        if (!ordered(reader_of(s), many, me))
-          race = "write-after-read race on " + global_where(*r, a) + ": this thread writes" +
-                 (atomic ? " atomically" : "") + " at " + pc_text(pc) + ", " + other_text(reader_of(s), many) +
-                 " read it at " + pc_text(s.r_pc) + " with no barrier, grid sync or release/acquire between";
-      }
-      const bool same_writer = (s.flags & kHasWriter) && s.w_block == me.block && s.w_tid == me.tid &&
-                               s.w_gen == me.gen;
-      s.w_bytes = same_writer ? uint8_t(s.w_bytes | bytes) : bytes;
-      s.w_block = me.block;
-      s.w_gen = me.gen;
-      s.w_tid = me.tid;
-      s.w_wgen = me.wgen;
-      s.w_grid = me.grid;
-      s.w_pc = pc;
-      // the readers of bytes this store left alone stay recorded
-      const bool keep_readers = (s.flags & kHasReader) && (s.r_bytes & ~bytes) != 0;
-      s.r_bytes = keep_readers ? uint8_t(s.r_bytes & ~bytes) : 0;
-      s.flags = uint8_t(kHasWriter | (atomic ? kWriterAtomic : 0) |
-                        (keep_readers ? (s.flags & (kHasReader | kReadersAtomic | kReadersMany | kReadersMultiWarp |
-                                                   kReadersOtherBlock))
-                                      : 0));
-    } else {
-      if (w_conflict)
-        race = "read-after-write race on " + global_where(*r, a) + ": this thread reads" +
-               (atomic ? " atomically" : "") + " at " + pc_text(pc) + ", " + other_text(writer_of(s), 0) +
-               " wrote it" + ((s.flags & kWriterAtomic) ? " atomically" : "") + " at " + pc_text(s.w_pc) +
-               " with no barrier, grid sync or release/acquire between";
-      const auto take = [&] {
-        s.r_block = me.block;
-        s.r_gen = me.gen;
-        s.r_tid = me.tid;
-        s.r_wgen = me.wgen;
-        s.r_grid = me.grid;
-      };
-      if (!(s.flags & kHasReader)) {
-        take();
-        s.r_bytes = bytes;
-        s.flags = uint8_t((s.flags & (kHasWriter | kWriterAtomic)) | kHasReader | (atomic ? kReadersAtomic : 0));
-      } else {
-        if (!atomic) s.flags &= uint8_t(~kReadersAtomic);
-        if (s.r_block != me.block) {
-          take();
-          s.r_bytes = bytes;
-          s.flags = uint8_t((s.flags & ~(kReadersMany | kReadersMultiWarp)) | kReadersOtherBlock);
-        } else if (s.r_gen != me.gen) {
-          take();
-          s.r_bytes = bytes;
-          s.flags &= uint8_t(~(kReadersMany | kReadersMultiWarp));
-        } else if (s.r_tid / 32 != me.tid / 32) {
-          s.r_bytes |= bytes;
-          s.flags |= kReadersMultiWarp;
-        } else if (s.r_wgen != me.wgen) {
-          take();
-          s.r_bytes = bytes;
-          s.flags &= uint8_t(~kReadersMany);
-        } else if (s.r_tid != me.tid) {
-          s.r_bytes |= bytes;
-          s.flags |= kReadersMany;
-        } else {
-          s.r_bytes |= bytes;
+      const bool w_conflict = (s.flags & kHasWriter) && (s.w_bytes & bytes) != 0 &&
+                              !(atomic && (s.flags & kWriterAtomic)) && !ordered(writer_of(s), 0, me);
+      if (write) {
+        if (w_conflict) {
+          std::string text = "on " + global_where(*r, a) + ": this thread writes" + (atomic ? " atomically" : "") +
+                             " at " + pc_text(pc) + ", " + other_text(writer_of(s), 0) + " wrote it" +
+                             ((s.flags & kWriterAtomic) ? " atomically" : "") + " at " + pc_text(s.w_pc) +
+                             " with no barrier, grid sync or release/acquire between";
+          if (atomic || (s.flags & kWriterAtomic)) race = "write-after-write race " + text;
+          else if (ww.empty()) ww = std::move(text);
         }
+        if ((s.flags & kHasReader) && (s.r_bytes & bytes) != 0 && !(atomic && (s.flags & kReadersAtomic)) &&
+            race.empty()) {
+          const int many = (s.flags & kReadersMultiWarp) ? 2 : (s.flags & kReadersMany) ? 1 : 0;
+          if (!ordered(reader_of(s), many, me))
+            race = "write-after-read race on " + global_where(*r, a) + ": this thread writes" +
+                   (atomic ? " atomically" : "") + " at " + pc_text(pc) + ", " + other_text(reader_of(s), many) +
+                   " read it at " + pc_text(s.r_pc) + " with no barrier, grid sync or release/acquire between";
+        }
+        const bool same_writer = (s.flags & kHasWriter) && s.w_block == me.block && s.w_tid == me.tid &&
+                                 s.w_gen == me.gen;
+        s.w_bytes = same_writer ? uint8_t(s.w_bytes | bytes) : bytes;
+        s.w_block = me.block;
+        s.w_gen = me.gen;
+        s.w_tid = me.tid;
+        s.w_wgen = me.wgen;
+        s.w_grid = me.grid;
+        s.w_pc = pc;
+        // the readers of bytes this store left alone stay recorded
+        const bool keep_readers = (s.flags & kHasReader) && (s.r_bytes & ~bytes) != 0;
+        s.r_bytes = keep_readers ? uint8_t(s.r_bytes & ~bytes) : 0;
+        s.flags = uint8_t(kHasWriter | (atomic ? kWriterAtomic : 0) |
+                          (keep_readers ? (s.flags & (kHasReader | kReadersAtomic | kReadersMany | kReadersMultiWarp |
+                                                     kReadersOtherBlock))
+                                        : 0));
+      } else {
+        if (w_conflict)
+          race = "read-after-write race on " + global_where(*r, a) + ": this thread reads" +
+                 (atomic ? " atomically" : "") + " at " + pc_text(pc) + ", " + other_text(writer_of(s), 0) +
+                 " wrote it" + ((s.flags & kWriterAtomic) ? " atomically" : "") + " at " + pc_text(s.w_pc) +
+                 " with no barrier, grid sync or release/acquire between";
+        const auto take = [&] {
+          s.r_block = me.block;
+          s.r_gen = me.gen;
+          s.r_tid = me.tid;
+          s.r_wgen = me.wgen;
+          s.r_grid = me.grid;
+        };
+        if (!(s.flags & kHasReader)) {
+          take();
+          s.r_bytes = bytes;
+          s.flags = uint8_t((s.flags & (kHasWriter | kWriterAtomic)) | kHasReader | (atomic ? kReadersAtomic : 0));
+        } else {
+          if (!atomic) s.flags &= uint8_t(~kReadersAtomic);
+          if (s.r_block != me.block) {
+            take();
+            s.r_bytes = bytes;
+            s.flags = uint8_t((s.flags & ~(kReadersMany | kReadersMultiWarp)) | kReadersOtherBlock);
+          } else if (s.r_gen != me.gen) {
+            take();
+            s.r_bytes = bytes;
+            s.flags &= uint8_t(~(kReadersMany | kReadersMultiWarp));
+          } else if (s.r_tid / 32 != me.tid / 32) {
+            s.r_bytes |= bytes;
+            s.flags |= kReadersMultiWarp;
+          } else if (s.r_wgen != me.wgen) {
+            take();
+            s.r_bytes = bytes;
+            s.flags &= uint8_t(~kReadersMany);
+          } else if (s.r_tid != me.tid) {
+            s.r_bytes |= bytes;
+            s.flags |= kReadersMany;
+          } else {
+            s.r_bytes |= bytes;
+          }
+        }
+        s.r_pc = pc;
       }
-      s.r_pc = pc;
     }
   }
   if (!race.empty()) fail_in_block(MESA_EMU_CHECK_RACE, race);
