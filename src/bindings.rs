@@ -760,6 +760,97 @@ impl Default for MesaLayerNormBackwardArgs {
         }
     }
 }
+pub type MesaSwigluSaved = i32;
+pub const MESA_SWIGLU_SAVE_GATE: MesaSwigluSavedCode = 0;
+pub const MESA_SWIGLU_SAVE_UP: MesaSwigluSavedCode = 1;
+pub type MesaSwigluSavedCode = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaSwigluForwardArgs {
+    pub g: *const ::core::ffi::c_void,
+    pub g_desc: MesaTensorDesc,
+    pub u: *const ::core::ffi::c_void,
+    pub u_desc: MesaTensorDesc,
+    pub y: *mut ::core::ffi::c_void,
+    pub y_desc: MesaTensorDesc,
+    pub sink: MesaCodeSink,
+    pub saved: MesaSwigluSaved,
+    pub _pad: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaSwigluForwardArgs"][::core::mem::size_of::<MesaSwigluForwardArgs>() - 408usize];
+    ["Alignment of MesaSwigluForwardArgs"][::core::mem::align_of::<MesaSwigluForwardArgs>() - 8usize];
+    ["Offset of field: MesaSwigluForwardArgs::g"][::core::mem::offset_of!(MesaSwigluForwardArgs, g) - 0usize];
+    ["Offset of field: MesaSwigluForwardArgs::g_desc"][::core::mem::offset_of!(MesaSwigluForwardArgs, g_desc) - 8usize];
+    ["Offset of field: MesaSwigluForwardArgs::u"][::core::mem::offset_of!(MesaSwigluForwardArgs, u) - 112usize];
+    ["Offset of field: MesaSwigluForwardArgs::u_desc"]
+        [::core::mem::offset_of!(MesaSwigluForwardArgs, u_desc) - 120usize];
+    ["Offset of field: MesaSwigluForwardArgs::y"][::core::mem::offset_of!(MesaSwigluForwardArgs, y) - 224usize];
+    ["Offset of field: MesaSwigluForwardArgs::y_desc"]
+        [::core::mem::offset_of!(MesaSwigluForwardArgs, y_desc) - 232usize];
+    ["Offset of field: MesaSwigluForwardArgs::sink"][::core::mem::offset_of!(MesaSwigluForwardArgs, sink) - 336usize];
+    ["Offset of field: MesaSwigluForwardArgs::saved"][::core::mem::offset_of!(MesaSwigluForwardArgs, saved) - 400usize];
+    ["Offset of field: MesaSwigluForwardArgs::_pad"][::core::mem::offset_of!(MesaSwigluForwardArgs, _pad) - 404usize];
+};
+impl Default for MesaSwigluForwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaSwigluBackwardArgs {
+    pub dy: *const ::core::ffi::c_void,
+    pub dy_desc: MesaTensorDesc,
+    pub g: *const ::core::ffi::c_void,
+    pub g_desc: MesaTensorDesc,
+    pub gate_source: MesaCodeSource,
+    pub u: *const ::core::ffi::c_void,
+    pub u_desc: MesaTensorDesc,
+    pub up_source: MesaCodeSource,
+    pub dg: *mut ::core::ffi::c_void,
+    pub dg_desc: MesaTensorDesc,
+    pub du: *mut ::core::ffi::c_void,
+    pub du_desc: MesaTensorDesc,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaSwigluBackwardArgs"][::core::mem::size_of::<MesaSwigluBackwardArgs>() - 640usize];
+    ["Alignment of MesaSwigluBackwardArgs"][::core::mem::align_of::<MesaSwigluBackwardArgs>() - 8usize];
+    ["Offset of field: MesaSwigluBackwardArgs::dy"][::core::mem::offset_of!(MesaSwigluBackwardArgs, dy) - 0usize];
+    ["Offset of field: MesaSwigluBackwardArgs::dy_desc"]
+        [::core::mem::offset_of!(MesaSwigluBackwardArgs, dy_desc) - 8usize];
+    ["Offset of field: MesaSwigluBackwardArgs::g"][::core::mem::offset_of!(MesaSwigluBackwardArgs, g) - 112usize];
+    ["Offset of field: MesaSwigluBackwardArgs::g_desc"]
+        [::core::mem::offset_of!(MesaSwigluBackwardArgs, g_desc) - 120usize];
+    ["Offset of field: MesaSwigluBackwardArgs::gate_source"]
+        [::core::mem::offset_of!(MesaSwigluBackwardArgs, gate_source) - 224usize];
+    ["Offset of field: MesaSwigluBackwardArgs::u"][::core::mem::offset_of!(MesaSwigluBackwardArgs, u) - 264usize];
+    ["Offset of field: MesaSwigluBackwardArgs::u_desc"]
+        [::core::mem::offset_of!(MesaSwigluBackwardArgs, u_desc) - 272usize];
+    ["Offset of field: MesaSwigluBackwardArgs::up_source"]
+        [::core::mem::offset_of!(MesaSwigluBackwardArgs, up_source) - 376usize];
+    ["Offset of field: MesaSwigluBackwardArgs::dg"][::core::mem::offset_of!(MesaSwigluBackwardArgs, dg) - 416usize];
+    ["Offset of field: MesaSwigluBackwardArgs::dg_desc"]
+        [::core::mem::offset_of!(MesaSwigluBackwardArgs, dg_desc) - 424usize];
+    ["Offset of field: MesaSwigluBackwardArgs::du"][::core::mem::offset_of!(MesaSwigluBackwardArgs, du) - 528usize];
+    ["Offset of field: MesaSwigluBackwardArgs::du_desc"]
+        [::core::mem::offset_of!(MesaSwigluBackwardArgs, du_desc) - 536usize];
+};
+impl Default for MesaSwigluBackwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 unsafe extern "C" {
     pub fn mesa_gelu_forward(args: *const MesaGeluForwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
@@ -811,6 +902,21 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn mesa_emu_layernorm_backward(
         args: *const MesaLayerNormBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_swiglu_forward(args: *const MesaSwigluForwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_swiglu_forward(args: *const MesaSwigluForwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_swiglu_backward(args: *const MesaSwigluBackwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_swiglu_backward(
+        args: *const MesaSwigluBackwardArgs,
         stream: *mut ::core::ffi::c_void,
     ) -> MesaStatus;
 }

@@ -1,4 +1,4 @@
-//! Parity of the fused GELU, softmax and LayerNorm kernels (forward with codes, backward from
+//! Parity of the fused GELU, SwiGLU, softmax and LayerNorm kernels (forward with codes, backward from
 //! codes, plain variants) with the f64 reference (`mesa_kernels::reference::fused`), on every
 //! backend, dtype and bit width, plus the bug classes of the issue.
 //!
@@ -7,6 +7,10 @@
 //! * GELU forward: the erf form's erfc (exp2 and reciprocal approximations, a polynomial:
 //!   `gelu_tail_tol`) and expf within a few ulp, a handful of f32 roundings of
 //!   terms of size ≤ |x|: |y − ref| ≤ u_T·|ref| + 16ε·(|ref| + |x|).
+//! * SwiGLU: σ from expf (≤ 2 ulp) and a Newton reciprocal (≤ 2ε), σ's relative error at most
+//!   the exponential's, then three products: |y − ref| ≤ u_T·|ref| + 16ε·|ref|; silu' =
+//!   σ·(1 + g·σ(−g)) cancels near its root g ≈ −1.28, so dg is bounded absolutely,
+//!   16ε·|dy·u|·(1 + |g|).
 //! * softmax forward: f32 sums of N terms in a per-thread sequence of N/32 then a 5-level tree
 //!   (relative error ≤ (N/32 + 16)ε), exp of an argument with relative error ε·|v − m|:
 //!   |y − ref| ≤ (u_T + (N/32 + 16 + 2·|v − m|)ε)·ref + tiny.
@@ -24,8 +28,9 @@ use half::{bf16, f16};
 use mesa_kernels::fused::{
     self, gelu, gelu_backward, gelu_backward_plain, gelu_forward, layer_norm, layer_norm_backward,
     layer_norm_backward_plain, layer_norm_forward, softmax, softmax_backward, softmax_backward_plain, softmax_forward,
-    GeluBackwardPlain, LayerNormBackward, LayerNormBackwardPlain, LayerNormForward, LayerNormGrads,
-    SoftmaxBackwardPlain, SoftmaxInput,
+    swiglu, swiglu_backward, swiglu_backward_plain, swiglu_forward, GeluBackwardPlain, LayerNormBackward,
+    LayerNormBackwardPlain, LayerNormForward, LayerNormGrads, SoftmaxBackwardPlain, SoftmaxInput, SwigluGrads,
+    SwigluInput, SwigluQuantizers,
 };
 use mesa_kernels::reference::{self, fused as rf, quant as rq};
 use mesa_kernels::{
@@ -2245,4 +2250,191 @@ fn softmax_nan_rows_in_the_separate_code_pass_are_counted_and_poison_their_group
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// SwiGLU
+
+/// SwiGLU forward with codes of both inputs + backward from codes against the reference, and
+/// the codes bit for bit those of twin quantizers with the same history.
+#[allow(clippy::too_many_arguments)]
+fn check_swiglu<T: Element>(
+    device: &Device,
+    quantizers: (&mut Quantizer, &mut Quantizer),
+    twins: (&mut Quantizer, &mut Quantizer),
+    storage: (&[T], &Layout, &Layout),
+    dy: &[T],
+    exact_stats: bool,
+) {
+    let (store, g_layout, u_layout) = storage;
+    let shape = g_layout.shape().to_vec();
+    let n: usize = shape.iter().product();
+    let u_t = common::unit_roundoff(T::DTYPE);
+    let sb = device.upload(store).expect("up");
+    let (gv, uv) = (tref(&sb, g_layout), tref(&sb, u_layout));
+    let input = SwigluInput { gate: &gv, up: &uv };
+    let dense = Layout::contiguous(&shape);
+    let mut y = poisoned::<T>(device, n);
+    let saved = swiglu_forward(
+        device,
+        SwigluQuantizers { gate: quantizers.0, up: quantizers.1 },
+        &input,
+        &mut tmut(&mut y, &dense),
+    )
+    .expect("swiglu_forward");
+    let (gs, us) = (reference::gather(store, g_layout), reference::gather(store, u_layout));
+    for (i, yv) in host(&y).iter().enumerate() {
+        let r = rf::swiglu(gs[i], us[i]);
+        let tol = (u_t + 16.0 * EPS) * r.abs() + tiny(T::DTYPE);
+        assert!((yv - r).abs() <= tol, "swiglu y[{i}] = {yv}, reference {r} (g {}, u {}, tol {tol})", gs[i], us[i]);
+    }
+    // the codes of g and u: those of Quantizer::quantize on each, bit for bit
+    let to_dense = |v: &[f64]| device.upload(&v.iter().map(|x| T::from_f64(*x)).collect::<Vec<T>>()).expect("up");
+    same_as_quantizer(twins.0, &saved.gate, &to_dense(&gs));
+    same_as_quantizer(twins.1, &saved.up, &to_dense(&us));
+    assert_eq!(saved.size_in_bytes(), saved.gate.size_in_bytes() + saved.up.size_in_bytes());
+    // backward from codes vs the reference on the decoded values, and vs exact g, u
+    let (dg_hat, du_hat) = (decode_host(&saved.gate), decode_host(&saved.up));
+    let (sg, su) = (max_scale(&saved.gate), max_scale(&saved.up));
+    let dyb = device.upload(dy).expect("up");
+    let (mut dg, mut du) = (poisoned::<T>(device, n), poisoned::<T>(device, n));
+    swiglu_backward(
+        device,
+        &saved,
+        &tref(&dyb, &dense),
+        SwigluGrads { gate: &mut tmut(&mut dg, &dense), up: &mut tmut(&mut du, &dense) },
+    )
+    .expect("swiglu_backward");
+    let dys = reference::gather(dy, &dense);
+    for (i, (a, b)) in host(&dg).iter().zip(host(&du)).enumerate() {
+        let (g, u, d) = (dg_hat[i], du_hat[i], dys[i]);
+        let (rg, ru) = rf::swiglu_backward(g, u, d);
+        let tg = u_t * rg.abs() + 16.0 * EPS * (d * u).abs() * (1.0 + g.abs()) + tiny(T::DTYPE);
+        let tu = (u_t + 16.0 * EPS) * ru.abs() + tiny(T::DTYPE);
+        assert!((a - rg).abs() <= tg, "swiglu dg[{i}] = {a}, reference {rg} (g^ {g}, u^ {u}, tol {tg})");
+        assert!((b - ru).abs() <= tu, "swiglu du[{i}] = {b}, reference {ru} (g^ {g}, tol {tu})");
+        if exact_stats {
+            // |silu'| <= 1.1 and |silu''| <= 0.5: half a step of g and of u moves the gradients
+            // by at most this much
+            let (eg, eu) = rf::swiglu_backward(gs[i], us[i], d);
+            let qg = d.abs() * (1.1 * 0.5 * su + (us[i].abs() + 0.5 * su) * 0.5 * 0.5 * sg) * 1.01 + tg + u_t * eg.abs();
+            let qu = d.abs() * 1.1 * 0.5 * sg * 1.01 + tu + u_t * eu.abs();
+            assert!((a - eg).abs() <= qg, "swiglu dg[{i}] = {a} vs exact-input backward {eg} (tol {qg})");
+            assert!((b - eu).abs() <= qu, "swiglu du[{i}] = {b} vs exact-input backward {eu} (tol {qu})");
+        }
+    }
+}
+
+#[test]
+fn swiglu_parity_every_dtype_width_and_rounding() {
+    let mut rng = common::rng("swiglu_parity");
+    for device in common::backends() {
+        for dtype in dtypes() {
+            with_dtype!(dtype, T, {
+                for bits in [8, 4, 2] {
+                    for rounding in [Rounding::Nearest, Rounding::Stochastic { seed: 11 }] {
+                        // [B, N, F] with 12 channel groups, gate and up stored side by side as
+                        // the halves of one fused [B, N, 2F] projection
+                        let (b, t, f) = (2usize, 13usize, 96usize);
+                        let whole = Layout::contiguous(&[b, t, 2 * f]);
+                        let gate = Layout::strided(&[b, t, f], whole.strides(), 0).expect("gate view");
+                        let up = Layout::strided(&[b, t, f], whole.strides(), f).expect("up view");
+                        let config = QuantConfig { bits, rounding, ..fused::channel_groups(2, 12) };
+                        let q = || Quantizer::new(&device, config).expect("q");
+                        let (mut qg, mut qu, mut tg, mut tu) = (q(), q(), q(), q());
+                        for batch in 0..2 {
+                            let s: Vec<T> = random(&mut rng, b * t * 2 * f, 0.2, 5.0);
+                            let dy: Vec<T> = random(&mut rng, b * t * f, 0.0, 1.0);
+                            let exact = batch == 0 && rounding == Rounding::Nearest;
+                            check_swiglu(&device, (&mut qg, &mut qu), (&mut tg, &mut tu), (&s, &gate, &up), &dy, exact);
+                        }
+                        // odd total size, one group per tensor, two separate dense tensors in one buffer
+                        let pt = QuantConfig { bits, ..QuantConfig::per_tensor() };
+                        let q = || Quantizer::new(&device, pt).expect("q");
+                        let (mut qg, mut qu, mut tg, mut tu) = (q(), q(), q(), q());
+                        let s: Vec<T> = random(&mut rng, 154, -0.5, 8.0);
+                        let dy: Vec<T> = random(&mut rng, 77, 0.0, 2.0);
+                        let (gate, up) = (Layout::contiguous(&[7, 11]), Layout::strided(&[7, 11], &[11, 1], 77).expect("up"));
+                        check_swiglu(&device, (&mut qg, &mut qu), (&mut tg, &mut tu), (&s, &gate, &up), &dy, true);
+                    }
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn swiglu_plain_forward_and_backward_match_the_reference() {
+    let mut rng = common::rng("swiglu_plain");
+    for device in common::backends() {
+        for dtype in dtypes() {
+            with_dtype!(dtype, T, {
+                // the tails: silu(g) -> 0 below -80, silu(g) -> g above 80, and g = 0
+                let mut s: Vec<T> = random(&mut rng, 2 * 300, 0.0, 12.0);
+                for (k, v) in [-90.0, -30.0, -1.2785, 0.0, 1e-3, 30.0, 90.0].iter().enumerate() {
+                    s[k] = T::from_f64(*v);
+                }
+                let (gate, up) = (Layout::contiguous(&[300]), Layout::strided(&[300], &[1], 300).expect("up"));
+                let sb = device.upload(&s).expect("up");
+                let (gv, uv) = (tref(&sb, &gate), tref(&sb, &up));
+                let input = SwigluInput { gate: &gv, up: &uv };
+                let dense = Layout::contiguous(&[300]);
+                let mut y = poisoned::<T>(&device, 300);
+                swiglu(&device, &input, &mut tmut(&mut y, &dense)).expect("swiglu");
+                let dy: Vec<T> = random(&mut rng, 300, 0.0, 1.0);
+                let dyb = device.upload(&dy).expect("up");
+                let (mut dg, mut du) = (poisoned::<T>(&device, 300), poisoned::<T>(&device, 300));
+                let grads = SwigluGrads { gate: &mut tmut(&mut dg, &dense), up: &mut tmut(&mut du, &dense) };
+                swiglu_backward_plain(&device, &input, &tref(&dyb, &dense), grads).expect("backward");
+                let u_t = common::unit_roundoff(T::DTYPE);
+                let (ys, dgs, dus) = (host(&y), host(&dg), host(&du));
+                for i in 0..300 {
+                    let (g, u, d) = (s[i].to_f64(), s[300 + i].to_f64(), dy[i].to_f64());
+                    let r = rf::swiglu(g, u);
+                    let (rg, ru) = rf::swiglu_backward(g, u, d);
+                    let (ty, tu) = ((u_t + 16.0 * EPS) * r.abs(), (u_t + 16.0 * EPS) * ru.abs());
+                    let tg = u_t * rg.abs() + 16.0 * EPS * (d * u).abs() * (1.0 + g.abs());
+                    let t = tiny(T::DTYPE);
+                    assert!((ys[i] - r).abs() <= ty + t, "{dtype:?} y[{i}] = {} vs {r} (g {g}, u {u})", ys[i]);
+                    assert!((dgs[i] - rg).abs() <= tg + t, "{dtype:?} dg[{i}] = {} vs {rg} (g {g})", dgs[i]);
+                    assert!((dus[i] - ru).abs() <= tu + t, "{dtype:?} du[{i}] = {} vs {ru} (g {g})", dus[i]);
+                }
+            });
+        }
+    }
+}
+
+#[test]
+fn swiglu_bad_input_is_an_error() {
+    let device = common::emulator();
+    let a = device.upload(&[1.0f32; 64]).expect("up");
+    let mut y = device.alloc_zeros::<f32>(64).expect("alloc");
+    let (l8, l4) = (Layout::contiguous(&[8, 8]), Layout::contiguous(&[4, 8]));
+    let (g, u) = (tref(&a, &l8), tref(&a, &l4));
+    // gate and up of different shapes
+    let r = swiglu(&device, &SwigluInput { gate: &g, up: &u }, &mut tmut(&mut y, &l8));
+    assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}");
+    // an output of another shape
+    let r = swiglu(&device, &SwigluInput { gate: &g, up: &g }, &mut tmut(&mut y, &l4));
+    assert!(matches!(r, Err(Error::ShapeMismatch { .. })), "{r:?}");
+    // du over dy: the launch refuses an output that overlaps an input
+    let mut q1 = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let mut q2 = Quantizer::new(&device, QuantConfig::per_tensor()).expect("q");
+    let saved = swiglu_forward(
+        &device,
+        SwigluQuantizers { gate: &mut q1, up: &mut q2 },
+        &SwigluInput { gate: &g, up: &g },
+        &mut tmut(&mut y, &l8),
+    )
+    .expect("forward");
+    let mut storage = vec![0.5f32; 64];
+    let (dy, mut du) = (raw_over(&mut storage), raw_over(&mut storage));
+    let mut dg = device.alloc_zeros::<f32>(64).expect("alloc");
+    let r = swiglu_backward(
+        &device,
+        &saved,
+        &tref(&dy, &l8),
+        SwigluGrads { gate: &mut tmut(&mut dg, &l8), up: &mut tmut(&mut du, &l8) },
+    );
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "du over dy: {r:?}");
 }

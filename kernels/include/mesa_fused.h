@@ -2,7 +2,7 @@
  * §3; BRIEF §5.1): GELU, softmax and LayerNorm forward kernels that write their output AND
  * the codes of what their backward needs in one pass; backward kernels that read those codes
  * directly (dequantized in registers, never materialised). Kernels: kernels/gelu.cu,
- * kernels/softmax.cu, kernels/layernorm.cu; shared device pieces: kernels/quant_common.cuh.
+ * kernels/softmax.cu, kernels/layernorm.cu, kernels/swiglu.cu; shared device pieces: kernels/quant_common.cuh.
  *
  * Codes follow mesa_quant.h exactly (asymmetric affine, logical row-major order of the saved
  * tensor's shape, bits < 8 packed first element in the least significant bits), so a saved
@@ -181,12 +181,59 @@ typedef struct MesaLayerNormBackwardArgs {
   float* dbias;
 } MesaLayerNormBackwardArgs;
 
+/* ---- SwiGLU (Shazeer 2020, eq. 6): y = silu(g) * u, silu(g) = g * sigmoid(g) ------------
+ * Elementwise; g, u, y: same element count and dtype, any strides (logical order: each
+ * tensor's own row-major order of its shape). The sink encodes one input, `saved`: the gate g
+ * (with y written: one read of g and u) or the up projection u (y may then be NULL: a pass
+ * that reads u only). y may be NULL when the sink has codes or statistics.
+ * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
+ * or another output (the safe crate rejects such calls with Error::Aliasing). */
+typedef int32_t MesaSwigluSaved;
+enum MesaSwigluSavedCode {
+  MESA_SWIGLU_SAVE_GATE = 0,
+  MESA_SWIGLU_SAVE_UP = 1
+};
+
+typedef struct MesaSwigluForwardArgs {
+  const void* g;
+  MesaTensorDesc g_desc;
+  const void* u;
+  MesaTensorDesc u_desc;
+  void* y;
+  MesaTensorDesc y_desc;
+  MesaCodeSink sink;
+  MesaSwigluSaved saved;
+  int32_t _pad;
+} MesaSwigluForwardArgs;
+
+/* dg = dy * u * silu'(g), du = dy * silu(g), silu'(g) = sigmoid(g) * (1 + g * sigmoid(-g));
+ * g and u decoded from gate_source and up_source (both set), or read from g and u (both
+ * sources' codes NULL). dy, dg, du (and g, u): same element count and dtype, any strides.
+ * In-place: not supported: every pointer is __restrict__ and no output may overlap an input
+ * or another output (the safe crate rejects such calls with Error::Aliasing). */
+typedef struct MesaSwigluBackwardArgs {
+  const void* dy;
+  MesaTensorDesc dy_desc;
+  const void* g;
+  MesaTensorDesc g_desc;
+  MesaCodeSource gate_source;
+  const void* u;
+  MesaTensorDesc u_desc;
+  MesaCodeSource up_source;
+  void* dg;
+  MesaTensorDesc dg_desc;
+  void* du;
+  MesaTensorDesc du_desc;
+} MesaSwigluBackwardArgs;
+
 MESA_DECLARE_ENTRY(gelu_forward, MesaGeluForwardArgs)
 MESA_DECLARE_ENTRY(gelu_backward, MesaGeluBackwardArgs)
 MESA_DECLARE_ENTRY(softmax_forward, MesaSoftmaxForwardArgs)
 MESA_DECLARE_ENTRY(softmax_backward, MesaSoftmaxBackwardArgs)
 MESA_DECLARE_ENTRY(layernorm_forward, MesaLayerNormForwardArgs)
 MESA_DECLARE_ENTRY(layernorm_backward, MesaLayerNormBackwardArgs)
+MESA_DECLARE_ENTRY(swiglu_forward, MesaSwigluForwardArgs)
+MESA_DECLARE_ENTRY(swiglu_backward, MesaSwigluBackwardArgs)
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,5 @@
 //! Fused producers and consumers of saved activations (Mesa: Pan et al. 2021, §3):
-//! GELU, softmax and LayerNorm whose forward writes the output **and** the codes of what
+//! GELU, SwiGLU, softmax and LayerNorm whose forward writes the output **and** the codes of what
 //! their backward needs in one pass, and whose backward decodes those codes inside the kernel
 //! (no full-precision activation is ever materialised).
 //!
@@ -8,6 +8,7 @@
 //! | [`gelu_forward`] | codes of the input `x` | the [`Quantizer`]'s (running estimate or exact) |
 //! | [`softmax_forward`] | codes of the output `y` only (of `√y` by default: [`SoftmaxCodes`]) | fixed: offset 0, scale `1/(2^bits − 1)` |
 //! | [`layer_norm_forward`] | codes of `x̂ = (x − mean)·rstd`, plus per-row `mean`, `rstd` (f32) | the [`Quantizer`]'s |
+//! | [`swiglu_forward`] | codes of both inputs, the gate `g` and the up projection `u` | two [`Quantizer`]s |
 //!
 //! Every op also has a plain entry point that saves nothing ([`gelu`], [`softmax`],
 //! [`layer_norm`]) and a backward that reads a full-precision saved tensor instead of codes
@@ -100,6 +101,7 @@ use crate::tensor::{TensorMut, TensorRef};
 mod gelu;
 mod layer_norm;
 mod softmax;
+mod swiglu;
 
 pub use gelu::{gelu, gelu_backward, gelu_backward_plain, gelu_forward, GeluBackwardPlain, GeluForm};
 pub use layer_norm::{
@@ -109,6 +111,10 @@ pub use layer_norm::{
 pub use softmax::{
     softmax, softmax_backward, softmax_backward_plain, softmax_forward, SoftmaxBackwardPlain, SoftmaxCodes,
     SoftmaxInput, SoftmaxSave,
+};
+pub use swiglu::{
+    swiglu, swiglu_backward, swiglu_backward_plain, swiglu_forward, SavedSwiglu, SwigluGrads, SwigluInput,
+    SwigluQuantizers,
 };
 
 /// `got` must have the shape `expected`.

@@ -1,4 +1,4 @@
-//! Reference for the fused ops ([`crate::fused`]): GELU, softmax over the last axis,
+//! Reference for the fused ops ([`crate::fused`]): GELU, SwiGLU, softmax over the last axis,
 //! LayerNorm over the last axis, forward and backward, in f64 with plain loops over rows of
 //! logical (row-major) data. Shares no code with the kernels.
 //!
@@ -7,6 +7,20 @@
 //! weight, bias and gradient values missing past the end of a shorter slice count as 0, 1, 0
 //! and 0.
 use crate::fused::GeluForm;
+
+/// SwiGLU (Shazeer 2020, eq. 6): `silu(g)·u`, `silu(g) = g·σ(g)`.
+#[must_use]
+pub fn swiglu(g: f64, u: f64) -> f64 {
+    g * sigmoid(g) * u
+}
+
+/// SwiGLU's gradients `(dg, du) = (dy·u·silu'(g), dy·silu(g))`, with
+/// `silu'(g) = σ(g)·(1 + g·σ(−g))` (the derivative of `g·σ(g)`, since `σ' = σ·σ(−·)`).
+#[must_use]
+pub fn swiglu_backward(g: f64, u: f64, dy: f64) -> (f64, f64) {
+    let (s, sm) = (sigmoid(g), sigmoid(-g));
+    (dy * u * s * (1.0 + g * sm), dy * g * s)
+}
 
 /// `erf(x)` in f64: Maclaurin series below |x| = 3, `1 − erfc` above (both accurate to
 /// ~1e-14 absolute).
@@ -68,7 +82,8 @@ fn erfc_fraction(a: f64) -> f64 {
 }
 
 /// `σ(z) = 1/(1 + e^{−z})` (0 for z → −∞, 1 for z → ∞; no cancellation either way).
-fn sigmoid(z: f64) -> f64 {
+#[must_use]
+pub fn sigmoid(z: f64) -> f64 {
     1.0 / (1.0 + (-z).exp())
 }
 
