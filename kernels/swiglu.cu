@@ -39,11 +39,8 @@ __device__ __forceinline__ Sigmoids sigmoids(float g) {
 
 __device__ __forceinline__ float silu(float g) { return g * sigmoids(g).pos; }
 
-// silu'(g) = σ(g)·(1 + g·σ(−g)), one fmaf
-__device__ __forceinline__ float silu_derivative(float g) {
-  const Sigmoids s = sigmoids(g);
-  return fmaf(__fmul_rn(g, s.neg), s.pos, s.pos);
-}
+// silu'(g) = σ(g)·(1 + g·σ(−g)), one fmaf, from the sigmoids of g
+__device__ __forceinline__ float silu_derivative(float g, Sigmoids s) { return fmaf(__fmul_rn(g, s.neg), s.pos, s.pos); }
 
 // Forward: y = silu(g)·u (y == nullptr: no output), codes of g (kSaveUp false) or of u into
 // the sink. Without y and saving u, g is not read.
@@ -72,7 +69,14 @@ __global__ void __launch_bounds__(kSwigluBlock)
       for (int j = 0; j < kUnit; ++j) out[j] = silu(gs[j]) * us[j];
       store_view_unit(y, yv, y_dense, i0, live, out);
     }
-    if (sink.codes != nullptr || with_stats) sink_unit(sink, i0, save_up ? us : gs, live, run, stats.target());
+    if (sink.codes != nullptr || with_stats) {
+      // the saved input, copied by value: a reference chosen at run time would put both
+      // arrays in local memory
+      float saved[kUnit];
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) saved[j] = save_up ? us[j] : gs[j];
+      sink_unit(sink, i0, saved, live, run, stats.target());
+    }
   }
   if (with_stats) {
     flush(run, stats.target());
@@ -88,28 +92,38 @@ __global__ void __launch_bounds__(kSwigluBlock)
                            bool g_dense, CodeSource g_src, const T* __restrict__ u, Strided uv, bool u_dense,
                            CodeSource u_src, T* __restrict__ dg, Strided dgv, bool dg_dense, T* __restrict__ du,
                            Strided duv, bool du_dense, int64_t n) {
-  const int64_t nunits = ceil_div(n, kUnit);
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t unit = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; unit < nunits; unit += step) {
+  // the bound and the stride re-derived from the parameters in each iteration: loop-invariant
+  // registers live across the two decodes' division calls spilled (sm_90)
+  for (int64_t unit = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; unit < ceil_div(n, kUnit);
+       unit += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i0 = unit * kUnit;
     const int live = int(n - i0 < kUnit ? n - i0 : kUnit);
-    float gs[kUnit], us[kUnit], d[kUnit];
+    // g and dy first: du is stored before u is decoded, so fewer values stay live across
+    // the second decode's calls (the 64-bit group division)
+    float gs[kUnit], d[kUnit];
     if (kCodes) {
       source_unit(g_src, i0, live, gs);
-      source_unit(u_src, i0, live, us);
     } else {
       load_view_unit(g, gv, g_dense, i0, live, gs);
-      load_view_unit(u, uv, u_dense, i0, live, us);
     }
     load_view_unit(dy, dyv, dy_dense, i0, live, d);
-    float dgs[kUnit], dus[kUnit];
+    float dus[kUnit], ds[kUnit];  // ds: dy·silu'(g)
 #pragma unroll
     for (int j = 0; j < kUnit; ++j) {
-      dgs[j] = d[j] * us[j] * silu_derivative(gs[j]);
-      dus[j] = d[j] * silu(gs[j]);
+      const Sigmoids s = sigmoids(gs[j]);
+      dus[j] = d[j] * (gs[j] * s.pos);
+      ds[j] = d[j] * silu_derivative(gs[j], s);
     }
-    store_view_unit(dg, dgv, dg_dense, i0, live, dgs);
     store_view_unit(du, duv, du_dense, i0, live, dus);
+    float us[kUnit];
+    if (kCodes) {
+      source_unit(u_src, i0, live, us);
+    } else {
+      load_view_unit(u, uv, u_dense, i0, live, us);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) ds[j] = ds[j] * us[j];
+    store_view_unit(dg, dgv, dg_dense, i0, live, ds);
   }
 }
 
