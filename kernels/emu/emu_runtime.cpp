@@ -296,7 +296,6 @@ struct ThreadState {
 
 namespace {
 
-struct KernelAbort {};  // thrown inside a fiber when a check fails: ends the thread
 
 // A warp rendezvous (shuffle, vote, __syncwarp, WMMA operation) and its lanes so far.
 struct Meet {
@@ -316,7 +315,12 @@ struct Warp {
   Meet meet[32];
   uint32_t used = 0;  // bit k: meet[k] was joined since the block started
   uint32_t speed = 0;  // shuffled schedule: runs in a round when (random & speed) == 0
-  uint32_t sync_generation = 0;  // __syncwarp releases only: what orders memory (racecheck)
+  // What orders memory within the warp (racecheck): a __syncwarp of every live lane bumps
+  // sync_generation; one of part of the warp (a tile's sync) bumps the generation of each of
+  // its lanes and records its mask. Shuffles and votes order nothing.
+  uint32_t sync_generation = 0;
+  uint16_t lane_generation[32] = {};
+  uint32_t lane_mask[32] = {};
   // the lanes' values of a shuffle or ballot, in two sets used by alternate rendezvous
   // generations (warp_exchange)
   alignas(16) unsigned char slot[2][32][16];
@@ -466,11 +470,31 @@ void record_failure(LaunchCtx& l, uint32_t check, const std::string& what, bool 
   }
 }
 
+// Ends the calling fiber for good, without unwinding its frames: a failure may come from
+// racecheck's callbacks, which the compiler declares nothrow (an exception could not pass
+// them), and the kernel's frames hold nothing whose destructor matters. The block is
+// abandoned (abort), so nothing waits for this thread.
+[[noreturn]] void abandon_fiber() {
+  ThreadState* self = tl_current;
+  Block& b = *self->block;
+  self->done = true;
+  b.live -= 1;
+  b.progress += 1;
+#ifdef MESA_EMU_UCONTEXT
+  setcontext(&b.scheduler);
+#else
+  void* dead_sp = nullptr;
+  MESA_ASAN_START(nullptr, b.sched_bottom, b.sched_size);  // this stack is done
+  mesa_emu_switch(&dead_sp, b.scheduler_sp);
+#endif
+  std::abort();  // an abandoned fiber is never resumed
+}
+
 // A check failed inside a block: record it, stop the block, end the calling thread.
 [[noreturn]] void fail_in_block(uint32_t check, const std::string& what) {
   if (tl_launch != nullptr) record_failure(*tl_launch, check, what, true);
   if (tl_block != nullptr) tl_block->abort = true;
-  throw KernelAbort{};
+  abandon_fiber();
 }
 
 std::string lanes_text(unsigned mask) {
@@ -504,12 +528,8 @@ std::string hex64(uint64_t v) {
 
 void fiber_body() {
   ThreadState* self = tl_current;
-  try {
-    (*self->block->body)();
-    if (self->ww.pending) resolve_pending_write(*self);
-  } catch (const KernelAbort&) {
-    // a check failed; the block is abandoned
-  }
+  (*self->block->body)();  // a failed check leaves through abandon_fiber instead
+  if (self->ww.pending) resolve_pending_write(*self);
   self->done = true;
   self->block->live -= 1;
   self->block->progress += 1;
@@ -638,6 +658,10 @@ void run_block(Block& b, StackSet& stacks, uint3 block_idx, unsigned long long l
       m.arrived_mask = 0;
     }
     wp.used = 0;
+    for (unsigned l = 0; l < 32; ++l) {
+      wp.lane_generation[l] = 0;
+      wp.lane_mask[l] = 0;
+    }
   }
   if ((l.checks & kCheckInit) && !b.dynamic_smem.empty())
     std::memset(b.dynamic_smem.data(), l.poison, b.dynamic_smem.size());
@@ -867,6 +891,19 @@ void defer_write_write(ThreadState& t, uintptr_t a, size_t size, std::string wha
   t.ww.what = std::move(what);
 }
 
+// The warp-order stamp of a lane (racecheck): its warp's count of whole-warp __syncwarps in
+// the high 16 bits, its own count of partial ones (tile syncs) in the low 16.
+uint32_t warp_stamp(const Warp& w, unsigned lane) {
+  return (w.sync_generation << 16) | w.lane_generation[lane];
+}
+// Whether an access with stamp p by lane pl is ordered before one with stamp c by lane cl of
+// the same warp and barrier generation: a whole-warp __syncwarp between them, or a partial one
+// (the last of lane cl's) that held lane pl too.
+bool warp_ordered(const Warp& w, uint32_t p, unsigned pl, uint32_t c, unsigned cl) {
+  if ((p >> 16) != (c >> 16)) return true;
+  return ((w.lane_mask[cl] >> pl) & 1u) != 0 && (p & 0xffffu) != (c & 0xffffu);
+}
+
 struct Shadow {
   uint64_t epoch = 0;  // tl_block_epoch of the entry; older entries count as empty
   uint64_t w_gen = 0, r_gen = 0;
@@ -949,9 +986,10 @@ bool race_access(uintptr_t a, size_t size, bool write, int32_t pc) {
   const unsigned tid = linear_tid(&self);
   const unsigned warp = tid / 32;
   const uint64_t gen = b.barrier_generation;
-  const uint32_t wgen = b.warps[warp].sync_generation;
+  const Warp& wp = b.warps[warp];
+  const uint32_t wgen = warp_stamp(wp, tid % 32);
   auto unordered = [&](unsigned other, uint64_t ogen, uint32_t owgen) {
-    return other != tid && ogen == gen && (other / 32 != warp || owgen == wgen);
+    return other != tid && ogen == gen && (other / 32 != warp || !warp_ordered(wp, owgen, other % 32, wgen, tid % 32));
   };
   const uintptr_t end = std::min<uintptr_t>(a + size, t->hi);
   for (uintptr_t g = (a - t->lo) / 4; t->lo + g * 4 < end; ++g) {
@@ -968,7 +1006,8 @@ bool race_access(uintptr_t a, size_t size, bool write, int32_t pc) {
                               ", thread " + tid_text(s.w_tid) + " wrote it at " + pc_text(s.w_pc) +
                               " with no barrier between");
       if (s.has_reader && s.r_gen == gen &&
-          (s.r_multi_warp || s.r_warp != warp || (s.r_wgen == wgen && (s.r_many || s.r_tid != tid))))
+          (s.r_multi_warp || s.r_warp != warp ||
+           (!warp_ordered(wp, s.r_wgen, s.r_tid % 32, wgen, tid % 32) && (s.r_many || s.r_tid != tid))))
         race_report(*t, a, "write-after-read race", s.r_tid, true, pc, s.r_pc);
       s.has_writer = true;
       s.w_tid = uint16_t(tid);
@@ -993,7 +1032,7 @@ bool race_access(uintptr_t a, size_t size, bool write, int32_t pc) {
         s.r_many = false;
       } else if (warp != s.r_warp) {
         s.r_multi_warp = true;
-      } else if (wgen != s.r_wgen) {  // a later __syncwarp generation of the same warp
+      } else if (warp_ordered(wp, s.r_wgen, s.r_tid % 32, wgen, tid % 32)) {  // after a __syncwarp of the two
         s.r_wgen = wgen;
         s.r_tid = uint16_t(tid);
         s.r_many = false;
@@ -1009,28 +1048,28 @@ bool race_access(uintptr_t a, size_t size, bool write, int32_t pc) {
 // --- global memory ---------------------------------------------------------------------
 
 // Who accessed: block (linear), thread (linear in the block), the block's barrier generation,
-// the warp's __syncwarp generation and the block's grid syncs (both modulo 256: compared for
-// equality only).
+// the lane's warp-order stamp (warp_stamp) and the block's grid syncs (modulo 2^16: compared
+// for equality only).
 struct Actor {
-  uint32_t block = 0, gen = 0;
-  uint16_t tid = 0;
-  uint8_t wgen = 0, grid = 0;
+  uint32_t block = 0, gen = 0, wgen = 0;
+  uint16_t tid = 0, grid = 0;
 };
 
 Actor current_actor() {
   const Block& b = *tl_block;
   const unsigned tid = linear_tid(tl_current);
-  return Actor{b.linear, uint32_t(b.barrier_generation), uint16_t(tid), uint8_t(b.warps[tid / 32].sync_generation),
-               uint8_t(b.grid_generation)};
+  return Actor{b.linear, uint32_t(b.barrier_generation), warp_stamp(b.warps[tid / 32], tid % 32), uint16_t(tid),
+               b.grid_generation};
 }
 
 struct GlobalShadow {
   uint32_t launch;  // LaunchCtx::id of the entry; others count as empty
   uint32_t w_block, r_block;
   uint32_t w_gen, r_gen;
+  uint32_t w_wgen, r_wgen;
   int32_t w_pc, r_pc;
   uint16_t w_tid, r_tid;
-  uint8_t w_wgen, r_wgen, w_grid, r_grid;
+  uint16_t w_grid, r_grid;
   uint8_t flags;
   uint8_t w_bytes, r_bytes;  // which bytes of the entry the recorded writer and readers touched
 };
@@ -1045,8 +1084,8 @@ enum : uint8_t {
   kReadersOtherBlock = 64,  // a block other than the recorded reader's read since the write
 };
 
-Actor writer_of(const GlobalShadow& s) { return Actor{s.w_block, s.w_gen, s.w_tid, s.w_wgen, s.w_grid}; }
-Actor reader_of(const GlobalShadow& s) { return Actor{s.r_block, s.r_gen, s.r_tid, s.r_wgen, s.r_grid}; }
+Actor writer_of(const GlobalShadow& s) { return Actor{s.w_block, s.w_gen, s.w_wgen, s.w_tid, s.w_grid}; }
+Actor reader_of(const GlobalShadow& s) { return Actor{s.r_block, s.r_gen, s.r_wgen, s.r_tid, s.r_grid}; }
 
 // Spin locks over the shadow entries, one per 64 bytes of memory (hashed): an entry is touched
 // by the blocks of a launch, which run on several OS threads. An access (at most 16 bytes)
@@ -1088,7 +1127,7 @@ bool ordered(const Actor& p, int many, const Actor& c) {
     if (p.gen != c.gen) return true;
     if (many == 0 && p.tid == c.tid) return true;
     if (many == 2 || p.tid / 32 != c.tid / 32) return false;
-    return p.wgen != c.wgen;
+    return warp_ordered(tl_block->warps[c.tid / 32], p.wgen, p.tid % 32, c.wgen, c.tid % 32);
   }
   if (p.grid != c.grid) return true;
   const auto it = tl_acquired.find(p.block);
@@ -1282,7 +1321,7 @@ void global_access(uintptr_t a, size_t size, bool write, bool atomic, int32_t pc
           } else if (s.r_tid / 32 != me.tid / 32) {
             s.r_bytes |= bytes;
             s.flags |= kReadersMultiWarp;
-          } else if (s.r_wgen != me.wgen) {
+          } else if (warp_ordered(tl_block->warps[me.tid / 32], s.r_wgen, s.r_tid % 32, me.wgen, me.tid % 32)) {
             take();
             s.r_bytes = bytes;
             s.flags &= uint8_t(~kReadersMany);
@@ -1429,7 +1468,8 @@ void grid_sync(const char* file, int line) {
         }
         if (l.failed.load()) {
           lock.unlock();
-          throw KernelAbort{};  // another block failed a check
+          tl_block->abort = true;  // another block failed a check: end this one too
+          abandon_fiber();
         }
         lock.unlock();
         std::this_thread::yield();
@@ -1611,17 +1651,30 @@ void syncthreads(const char* file, int line) {
 }
 
 namespace {
-// The rendezvous a lane with `mask` joins (Warp::meet).
-unsigned meet_key(unsigned mask) {
-  return (tl_checks & kCheckSync) && mask != 0u ? unsigned(__builtin_ctz(mask)) : 0u;
+// The rendezvous a lane with `mask` joins (Warp::meet): with synccheck, the one in progress
+// with that mask, else a free one, so that the tiles of a warp (and tile 0 and the whole warp)
+// meet separately; without synccheck, meet[0], of every live lane.
+unsigned meet_for(Warp& w, unsigned mask) {
+  if (!(tl_checks & kCheckSync)) return 0;
+  unsigned free_slot = 32;
+  for (unsigned k = 0; k < 32; ++k) {
+    const Meet& m = w.meet[k];
+    if (m.arrived > 0) {
+      if (m.mask == mask) return k;
+    } else if (free_slot == 32) {
+      free_slot = k;
+      if (!((w.used >> k) & 1u)) break;  // the slots above are unused too: none in progress
+    }
+  }
+  return free_slot == 32 ? 0 : free_slot;
 }
 
-// A rendezvous of the lanes of `mask` (synccheck) or of the warp's live lanes.
-void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool orders_memory = false) {
+// A rendezvous of the lanes of `mask` (synccheck) or of the warp's live lanes, in meet[key]
+// (meet_for, taken by the caller where it must know the rendezvous before it arrives).
+void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool orders_memory, unsigned key) {
   ThreadState& self = *tl_current;
   Block& b = *tl_block;
   const bool check = (tl_checks & kCheckSync) != 0;
-  const unsigned key = meet_key(mask);
   Meet& m = w.meet[key];
   w.used |= 1u << key;
   if (check) {
@@ -1656,7 +1709,17 @@ void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool 
       m.arrived = 0;
       m.arrived_mask = 0;
       m.generation += 1;
-      if (orders_memory) w.sync_generation += 1;
+      if (orders_memory) {
+        if ((m.mask & w.live_mask) == w.live_mask) {
+          w.sync_generation += 1;
+        } else {
+          for (unsigned l = 0; l < 32; ++l)
+            if ((m.mask >> l) & 1u) {
+              w.lane_generation[l] += 1;
+              w.lane_mask[l] = m.mask;
+            }
+        }
+      }
       break;
     }
     self.wait = 2;
@@ -1672,7 +1735,8 @@ void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool 
 void syncwarp(unsigned mask) {
   Block& b = *tl_block;
   const unsigned tid = linear_tid(tl_current);
-  warp_barrier(b.warps[tid / 32], tid % 32, mask, "__syncwarp", true);
+  Warp& w = b.warps[tid / 32];
+  warp_barrier(w, tid % 32, mask, "__syncwarp", true, meet_for(w, mask));
 }
 
 // Lanes write their value into the set of the rendezvous' generation, meet, read their
@@ -1686,14 +1750,15 @@ void warp_exchange(unsigned mask, const void* value, void* out, unsigned size, u
   const unsigned tid = linear_tid(tl_current);
   Warp& w = b.warps[tid / 32];
   const bool check = (tl_checks & kCheckSync) != 0;
-  unsigned char (&slot)[32][16] = w.slot[w.meet[meet_key(mask)].generation & 1u];
+  const unsigned key = meet_for(w, mask);
+  unsigned char (&slot)[32][16] = w.slot[w.meet[key].generation & 1u];
   std::memcpy(slot[tid % 32], value, size);
-  warp_barrier(w, tid % 32, mask, "a shuffle");
+  warp_barrier(w, tid % 32, mask, "a shuffle", false, key);
   if (check && !((mask >> (src_lane % 32)) & 1u))
     fail_in_block(MESA_EMU_CHECK_SYNC, "a shuffle with mask " + hex32(mask) + " reads lane " +
                                            std::to_string(src_lane % 32) + ", which is not in the mask");
   std::memcpy(out, slot[src_lane % 32], size);
-  if (check) warp_barrier(w, tid % 32, mask, "a shuffle");
+  if (check) warp_barrier(w, tid % 32, mask, "a shuffle", false, meet_for(w, mask));
 }
 
 unsigned warp_ballot(unsigned mask, bool pred) {
@@ -1701,14 +1766,15 @@ unsigned warp_ballot(unsigned mask, bool pred) {
   const unsigned tid = linear_tid(tl_current);
   Warp& w = b.warps[tid / 32];
   const bool check = (tl_checks & kCheckSync) != 0;
-  unsigned char (&slot)[32][16] = w.slot[w.meet[meet_key(mask)].generation & 1u];
+  const unsigned key = meet_for(w, mask);
+  unsigned char (&slot)[32][16] = w.slot[w.meet[key].generation & 1u];
   slot[tid % 32][0] = pred ? 1 : 0;
-  warp_barrier(w, tid % 32, mask, "a ballot/vote");
+  warp_barrier(w, tid % 32, mask, "a ballot/vote", false, key);
   unsigned bits = 0;
   const unsigned lanes = std::min(32u, unsigned(b.threads.size()) - (tid / 32) * 32);
   for (unsigned l = 0; l < lanes; ++l) bits |= unsigned(slot[l][0]) << l;
   bits &= check ? mask : w.live_mask;  // an exited lane votes 0
-  if (check) warp_barrier(w, tid % 32, mask, "a ballot/vote");
+  if (check) warp_barrier(w, tid % 32, mask, "a ballot/vote", false, meet_for(w, mask));
   return bits;
 }
 
@@ -1731,14 +1797,15 @@ const WarpMatrixSlot* warp_matrix_op(const char* what, const void* ptr, unsigned
     fail_in_block(MESA_EMU_CHECK_MEM, std::string(what) + " at " + hex64(reinterpret_cast<uintptr_t>(ptr)) +
                                           " with ldm " + std::to_string(ldm) +
                                           ": the pointer must be 32-byte aligned and ldm a multiple of 16 bytes");
-  const uint64_t gen = w.meet[0].generation;
+  const unsigned key = meet_for(w, 0xffffffffu);
+  const uint64_t gen = w.meet[key].generation;
   WarpMatrixSlot (&set)[32] = w.matrix[gen & 1u];
   set[tid % 32].generation = gen;
   set[tid % 32].op = what;
   set[tid % 32].ptr = ptr;
   set[tid % 32].ldm = ldm;
   if (part_bytes > 0) std::memcpy(set[tid % 32].part, part, part_bytes);
-  warp_barrier(w, tid % 32, 0xffffffffu, what);
+  warp_barrier(w, tid % 32, 0xffffffffu, what, false, key);
   if (check) {
     // Every lane compares every lane before it acts on its own pointer: the first lane to run
     // on after the rendezvous may use it at once.
@@ -1767,7 +1834,8 @@ void warp_matrix_done(const char* what) {
   if (!(tl_checks & kCheckSync)) return;
   Block& b = *tl_block;
   const unsigned tid = linear_tid(tl_current);
-  warp_barrier(b.warps[tid / 32], tid % 32, 0xffffffffu, what);
+  Warp& w = b.warps[tid / 32];
+  warp_barrier(w, tid % 32, 0xffffffffu, what, false, meet_for(w, 0xffffffffu));
 }
 
 unsigned char* dynamic_smem() { return tl_block->dynamic_smem.data(); }
