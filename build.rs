@@ -391,7 +391,7 @@ fn sanitizer_flags() -> Option<Vec<&'static str>> {
 /// `__launch_bounds__(args)` moved into its body as `MESA_EMU_LAUNCH_BOUNDS(args);` (checked
 /// against the block size), and `MESA_EMU_LOOP_POINT;` at the top of the braced body of every
 /// `for`, `while` and `do` loop whose body holds a block barrier (`__syncthreads`, a group's
-/// `.sync(`): synccheck then requires every thread at a barrier to be in the same iteration
+/// `sync(`): synccheck then requires every thread at a barrier to be in the same iteration
 /// of each such loop around it. Comments and literals are left alone; line numbers are kept.
 fn emu_rewrite(src: &str) -> String {
     let b = src.as_bytes();
@@ -466,7 +466,8 @@ fn emu_rewrite(src: &str) -> String {
                 if let Some(open) = loop_body(src, j, word == "do") {
                     if let Some(close) = matching_brace(src, open) {
                         let body = &src[open..close];
-                        if body.contains("__syncthreads") || body.contains(".sync(") {
+                        // `__syncthreads`, a group's `g.sync()` or `cg::sync(g)` (and, harmlessly, `__syncwarp(`)
+                        if body.contains("__syncthreads") || body.contains("sync(") {
                             loop_bodies.insert(open);
                         }
                     }

@@ -2317,7 +2317,8 @@ fn check_swiglu<T: Element>(
             // |silu'| <= 1.1 and |silu''| <= 0.5: half a step of g and of u moves the gradients
             // by at most this much
             let (eg, eu) = rf::swiglu_backward(gs[i], us[i], d);
-            let qg = d.abs() * (1.1 * 0.5 * su + (us[i].abs() + 0.5 * su) * 0.5 * 0.5 * sg) * 1.01 + tg + u_t * eg.abs();
+            let qg =
+                d.abs() * (1.1 * 0.5 * su + (us[i].abs() + 0.5 * su) * 0.5 * 0.5 * sg) * 1.01 + tg + u_t * eg.abs();
             let qu = d.abs() * 1.1 * 0.5 * sg * 1.01 + tu + u_t * eu.abs();
             assert!((a - eg).abs() <= qg, "swiglu dg[{i}] = {a} vs exact-input backward {eg} (tol {qg})");
             assert!((b - eu).abs() <= qu, "swiglu du[{i}] = {b} vs exact-input backward {eu} (tol {qu})");
@@ -2354,7 +2355,8 @@ fn swiglu_parity_every_dtype_width_and_rounding() {
                         let (mut qg, mut qu, mut tg, mut tu) = (q(), q(), q(), q());
                         let s: Vec<T> = random(&mut rng, 154, -0.5, 8.0);
                         let dy: Vec<T> = random(&mut rng, 77, 0.0, 2.0);
-                        let (gate, up) = (Layout::contiguous(&[7, 11]), Layout::strided(&[7, 11], &[11, 1], 77).expect("up"));
+                        let (gate, up) =
+                            (Layout::contiguous(&[7, 11]), Layout::strided(&[7, 11], &[11, 1], 77).expect("up"));
                         check_swiglu(&device, (&mut qg, &mut qu), (&mut tg, &mut tu), (&s, &gate, &up), &dy, true);
                     }
                 }

@@ -506,3 +506,226 @@ fn write_write_pairs_benign_and_not() {
     assert_reported(&r, "racecheck", "different_value_stores", 87);
     assert_mentions(&r, "write-after-write race on global memory");
 }
+
+// An adversarial review's cases (kernels/broken/review.cu): the broken ones reported by their
+// check, the correct ones clean, each under every check over six seeds.
+const SEEDS: [u64; 6] = [1, 2, 3, 17, 101, 9999];
+
+/// Runs over SEEDS with every check; returns the reports (None = clean) per seed.
+fn verdicts(case: Case, n_in: usize, out_len: usize) -> Vec<(u64, i32, Option<String>, Vec<f32>)> {
+    let x = ramp(n_in);
+    SEEDS
+        .iter()
+        .map(|&s| {
+            let r = run(case, Checks::ALL, s, &x, out_len);
+            eprintln!("seed {s}: status {} report {:?}", r.status, r.report);
+            (s, r.status, r.report, r.out)
+        })
+        .collect()
+}
+
+fn expect_clean(name: &str, case: Case, n_in: usize, out_len: usize) -> Vec<Vec<f32>> {
+    let v = verdicts(case, n_in, out_len);
+    let bad: Vec<_> = v.iter().filter(|r| r.1 != 0 || r.2.is_some()).map(|r| (r.0, r.2.clone())).collect();
+    assert!(bad.is_empty(), "{name}: correct kernel reported: {bad:#?}");
+    v.into_iter().map(|r| r.3).collect()
+}
+
+fn expect_reported(name: &str, case: Case, n_in: usize, out_len: usize, check: &str) {
+    let v = verdicts(case, n_in, out_len);
+    let missed: Vec<u64> = v.iter().filter(|r| r.1 != 719 || r.2.is_none()).map(|r| r.0).collect();
+    assert!(missed.is_empty(), "{name}: broken kernel not reported under seeds {missed:?}");
+    for r in &v {
+        let rep = r.2.as_deref().unwrap_or_default();
+        assert!(rep.contains(&format!("mesa emulator {check}")), "{name}: seed {}: other check: {rep}", r.0);
+    }
+}
+
+macro_rules! cases {
+    ($($f:ident),*) => { extern "C" { $(fn $f(a: *const BrokenArgs) -> i32;)* } };
+}
+cases!(
+    mesa_emu_review_hs_correct,
+    mesa_emu_review_hs_writer_no_fence,
+    mesa_emu_review_hs_reader_no_fence,
+    mesa_emu_review_hs_every_reader_acquires,
+    mesa_emu_review_hs_every_writer_releases,
+    mesa_emu_review_hs_fence_two_flags,
+    mesa_emu_review_hs_atomic_ref,
+    mesa_emu_review_fence_reduction,
+    mesa_emu_review_atomics_only,
+    mesa_emu_review_grid_ping_pong,
+    mesa_emu_review_tiles_8_32,
+    mesa_emu_review_tile_reduce_then_warp_shuffle,
+    mesa_emu_review_narrow,
+    mesa_emu_review_inplace_8,
+    mesa_emu_review_uniform_loops,
+    mesa_emu_review_warp_broadcast_no_syncwarp,
+    mesa_emu_review_other_tile_sync,
+    mesa_emu_review_trip_count_by_warp,
+    mesa_emu_review_trip_count_balanced,
+    mesa_emu_review_shifted_iteration_cg_sync,
+    mesa_emu_review_tile_full_mask,
+    mesa_emu_review_tile_low_mask_everywhere,
+    mesa_emu_review_tile_reads_outside,
+    mesa_emu_review_constant_store_via_arg,
+    mesa_emu_review_constant_atomic,
+    mesa_emu_review_constant_vector_store,
+    mesa_emu_review_neighbour_read_plain,
+    mesa_emu_review_warp_256_syncwarps,
+    mesa_emu_review_grid_256_syncs,
+    mesa_emu_review_race_after_barrier_loop,
+    mesa_emu_review_race_without_loop
+);
+
+// ---- correct kernels: must pass ------------------------------------------------------
+#[test]
+fn ok_hs_correct() {
+    for o in expect_clean("hs_correct", mesa_emu_review_hs_correct, 64, 256) {
+        assert_eq!(o[128], 3.0);
+    }
+}
+#[test]
+fn ok_hs_every_reader_acquires() {
+    expect_clean("hs_every_reader_acquires", mesa_emu_review_hs_every_reader_acquires, 64, 256);
+}
+#[test]
+fn ok_hs_every_writer_releases() {
+    expect_clean("hs_every_writer_releases", mesa_emu_review_hs_every_writer_releases, 64, 256);
+}
+#[test]
+fn ok_hs_fence_two_flags() {
+    expect_clean("hs_fence_two_flags", mesa_emu_review_hs_fence_two_flags, 64, 256);
+}
+#[test]
+fn ok_hs_atomic_ref() {
+    expect_clean("hs_atomic_ref", mesa_emu_review_hs_atomic_ref, 64, 256);
+}
+#[test]
+fn ok_fence_reduction() {
+    let total: f32 = ramp(512).iter().sum();
+    for o in expect_clean("fence_reduction", mesa_emu_review_fence_reduction, 512, 16) {
+        assert_eq!(o[8], total);
+    }
+}
+#[test]
+fn ok_atomics_only() {
+    expect_clean("atomics_only", mesa_emu_review_atomics_only, 512, 8);
+}
+#[test]
+fn ok_grid_ping_pong() {
+    expect_clean("grid_ping_pong", mesa_emu_review_grid_ping_pong, 512, 1024);
+}
+#[test]
+fn ok_tiles_8_32() {
+    let x = ramp(64);
+    for o in expect_clean("tiles_8_32", mesa_emu_review_tiles_8_32, 64, 192) {
+        for t in 0..64 {
+            assert_eq!(o[t], x[t / 8 * 8..t / 8 * 8 + 8].iter().sum::<f32>(), "t8 {t}");
+        }
+    }
+}
+#[test]
+fn ok_tile_reduce_then_warp_shuffle() {
+    expect_clean("tile_reduce_then_warp_shuffle", mesa_emu_review_tile_reduce_then_warp_shuffle, 32, 32);
+}
+#[test]
+fn ok_narrow_8_16_and_inplace_16() {
+    expect_clean("narrow", mesa_emu_review_narrow, 132, 160);
+}
+#[test]
+fn ok_inplace_8() {
+    expect_clean("inplace_8", mesa_emu_review_inplace_8, 132, 160);
+}
+#[test]
+fn ok_uniform_loops() {
+    expect_clean("uniform_loops", mesa_emu_review_uniform_loops, 64, 64);
+}
+
+// ---- broken kernels: must be reported -------------------------------------------------
+#[test]
+fn bad_hs_writer_no_fence() {
+    expect_reported("hs_writer_no_fence", mesa_emu_review_hs_writer_no_fence, 64, 256, "racecheck");
+}
+#[test]
+fn bad_hs_reader_no_fence() {
+    expect_reported("hs_reader_no_fence", mesa_emu_review_hs_reader_no_fence, 64, 256, "racecheck");
+}
+#[test]
+fn bad_neighbour_read_plain() {
+    expect_reported("neighbour_read_plain", mesa_emu_review_neighbour_read_plain, 512, 1024, "racecheck");
+}
+#[test]
+fn bad_warp_broadcast_no_syncwarp() {
+    expect_reported("warp_broadcast", mesa_emu_review_warp_broadcast_no_syncwarp, 32, 32, "");
+}
+#[test]
+fn bad_other_tile_sync() {
+    expect_reported("other_tile_sync", mesa_emu_review_other_tile_sync, 32, 32, "racecheck");
+}
+#[test]
+fn bad_trip_count_by_warp() {
+    expect_reported("trip_count_by_warp", mesa_emu_review_trip_count_by_warp, 64, 64, "synccheck");
+}
+#[test]
+fn bad_trip_count_balanced() {
+    expect_reported("trip_count_balanced", mesa_emu_review_trip_count_balanced, 64, 64, "synccheck");
+}
+#[test]
+fn bad_shifted_iteration_cg_sync() {
+    expect_reported("shifted_iteration_cg_sync", mesa_emu_review_shifted_iteration_cg_sync, 64, 64, "synccheck");
+}
+#[test]
+fn bad_tile_full_mask() {
+    expect_reported("tile_full_mask", mesa_emu_review_tile_full_mask, 32, 32, "synccheck");
+}
+#[test]
+fn bad_tile_low_mask_everywhere() {
+    expect_reported("tile_low_mask", mesa_emu_review_tile_low_mask_everywhere, 32, 32, "synccheck");
+}
+#[test]
+fn bad_tile_reads_outside() {
+    expect_reported("tile_reads_outside", mesa_emu_review_tile_reads_outside, 32, 32, "synccheck");
+}
+#[test]
+fn bad_constant_store_via_arg() {
+    expect_reported("constant_store_via_arg", mesa_emu_review_constant_store_via_arg, 64, 64, "memcheck");
+}
+#[test]
+fn bad_constant_atomic() {
+    expect_reported("constant_atomic", mesa_emu_review_constant_atomic, 64, 64, "memcheck");
+}
+#[test]
+fn bad_constant_vector_store() {
+    expect_reported("constant_vector_store", mesa_emu_review_constant_vector_store, 64, 64, "memcheck");
+}
+
+#[test]
+fn ok_warp_256_syncwarps() {
+    expect_clean("warp_256_syncwarps", mesa_emu_review_warp_256_syncwarps, 32, 32);
+}
+#[test]
+fn ok_grid_256_syncs() {
+    expect_clean("grid_256_syncs", mesa_emu_review_grid_256_syncs, 64, 64);
+}
+#[test]
+fn ok_warp_broadcast_race_only() {
+    // racecheck alone must see the broken broadcast
+    let x = ramp(32);
+    for s in SEEDS {
+        let r = run(mesa_emu_review_warp_broadcast_no_syncwarp, Checks::RACE, s, &x, 32);
+        eprintln!("seed {s}: {:?}", r.report);
+        assert!(r.report.is_some_and(|m| m.contains("racecheck")));
+    }
+}
+
+#[test]
+fn bad_race_after_barrier_loop() {
+    // a report from a kernel with a barrier loop (a LoopScope to unwind) ended the process
+    // (SIGABRT): the failure now leaves its fiber without an exception
+    expect_reported("race_after_barrier_loop", mesa_emu_review_race_after_barrier_loop, 64, 65, "racecheck");
+}
+#[test]
+fn bad_race_without_loop() {
+    expect_reported("race_without_loop", mesa_emu_review_race_without_loop, 64, 65, "racecheck");
+}

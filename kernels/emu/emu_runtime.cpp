@@ -26,6 +26,7 @@
 #include <dlfcn.h>
 
 #include <chrono>
+#include <bitset>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -218,11 +219,13 @@ struct RaceRange {
   uintptr_t lo = 0, hi = 0;
   GlobalShadow* shadow = nullptr;
 };
-// What a release made visible: the releasing block's barrier generation and thread.
+// What releases made visible: the releasing block's latest barrier generation and the
+// threads that released in it.
+using ThreadSet = std::bitset<1024>;  // kMaxThreadsPerBlock
 struct Release {
   bool set = false;
   uint32_t gen = 0;
-  uint16_t tid = 0;
+  ThreadSet tids;
 };
 
 struct LaunchCtx {
@@ -840,12 +843,12 @@ int env_threads() {
 //    threads, one a write, conflict unless a __syncthreads lies between them, or, in one
 //    warp, a __syncwarp (Volta's rule: lanes of a warp are not in lockstep). Shuffles and
 //    ballots order no memory, as on the GPU.
-//  * global memory (every emulator allocation): a shadow entry per 4 bytes and launch with
+//  * global memory (every emulator allocation): a shadow entry per 2 bytes and launch with
 //    the last writer and reader (block, thread, barrier and __syncwarp generations, grid syncs
-//    passed, atomic or not, the instruction). Two accesses of different threads, one a write,
-//    not both atomic, conflict unless ordered: in one block as above; across blocks by a grid
-//    sync of a cooperative launch, or by a release the later block acquired (below); across
-//    launches always (the launch boundary).
+//    passed, atomic or not, the bytes touched, the instruction). Two accesses of different
+//    threads, one a write, not both atomic, conflict unless ordered: in one block as above;
+//    across blocks by a grid sync of a cooperative launch, or by a release the later block
+//    acquired (below); across launches always (the launch boundary).
 //  * release and acquire, per block: an atomic store or read-modify-write with release order,
 //    or after a __threadfence of its thread, releases everything its block did before its
 //    barrier generation, and the thread's own accesses; an atomic load or read-modify-write
@@ -929,7 +932,8 @@ thread_local uint64_t tl_tracked_epoch = 0;
 // The span of this block's tracked variables: most instrumented accesses (global memory,
 // a thread's own arrays) fall outside it and return before race_access is called.
 thread_local uintptr_t tl_tracked_lo = UINTPTR_MAX, tl_tracked_hi = 0;
-thread_local std::map<uintptr_t, std::vector<Shadow>>* tl_shadow_store = nullptr;
+// per OS thread, freed when it ends (helper threads end with their launch)
+thread_local std::unique_ptr<std::map<uintptr_t, std::vector<Shadow>>> tl_shadow_store;
 
 }  // namespace
 
@@ -941,7 +945,7 @@ void race_track(void* p, size_t bytes, const char* name) {
     tl_tracked_hi = 0;
   }
   if (tl_ntracked == kMaxTracked || bytes == 0) return;  // more variables than tracked: the rest go unseen
-  if (tl_shadow_store == nullptr) tl_shadow_store = new std::map<uintptr_t, std::vector<Shadow>>();
+  if (tl_shadow_store == nullptr) tl_shadow_store = std::make_unique<std::map<uintptr_t, std::vector<Shadow>>>();
   std::vector<Shadow>& sh = (*tl_shadow_store)[reinterpret_cast<uintptr_t>(p)];
   const size_t granules = (bytes + 3) / 4;
   if (sh.size() < granules) sh.resize(granules);
@@ -1115,8 +1119,10 @@ struct ShadowLock {
 // What this block acquired, per releasing block: the release's generation and thread, and
 // where the acquire happened (visible to that thread at once, to the block after a barrier).
 struct Acquired {
-  uint32_t rel_gen = 0, acq_gen = 0;
-  uint16_t rel_tid = 0, acq_tid = 0;
+  uint32_t rel_gen = 0;  // the release's generation and threads
+  ThreadSet rel_tids;
+  uint32_t acq_gen = 0;  // the earliest acquire's generation, and the acquiring threads
+  ThreadSet acq_tids;
 };
 thread_local std::unordered_map<uint32_t, Acquired> tl_acquired;
 
@@ -1133,8 +1139,8 @@ bool ordered(const Actor& p, int many, const Actor& c) {
   const auto it = tl_acquired.find(p.block);
   if (it == tl_acquired.end()) return false;
   const Acquired& q = it->second;
-  const bool covered = p.gen < q.rel_gen || (many == 0 && p.tid == q.rel_tid && p.gen == q.rel_gen);
-  const bool visible = c.tid == q.acq_tid || c.gen > q.acq_gen;
+  const bool covered = p.gen < q.rel_gen || (many == 0 && p.gen == q.rel_gen && q.rel_tids.test(p.tid));
+  const bool visible = q.acq_tids.test(c.tid) || c.gen > q.acq_gen;
   return covered && visible;
 }
 
@@ -1230,7 +1236,9 @@ std::string global_where(const RaceRange& r, uintptr_t a) {
          "-byte emulator allocation at " + hex64(r.lo) + ")";
 }
 std::string other_text(const Actor& o, int many) {
-  std::string s = many == 0 ? "thread " + tid_text(o.tid) : "threads (one: " + tid_text(o.tid) + ")";
+  std::string s = many == 0   ? "thread " + tid_text(o.tid)
+                  : many == 1 ? "several threads of warp " + std::to_string(o.tid / 32)
+                              : "threads of several warps";
   if (o.block != tl_block->linear) s += " of block " + block_text(o.block);
   return s;
 }
@@ -1340,8 +1348,14 @@ void global_access(uintptr_t a, size_t size, bool write, bool atomic, int32_t pc
   if (!ww.empty()) defer_write_write(*tl_current, a, size, std::move(ww));
 }
 
-void merge_release(Release& r, uint32_t gen, uint16_t tid) {
-  if (!r.set || gen >= r.gen) r = Release{true, gen, tid};
+void merge_release(Release& r, uint32_t gen, const ThreadSet& tids) {
+  if (!r.set || gen > r.gen) {
+    r.set = true;
+    r.gen = gen;
+    r.tids = tids;
+  } else if (gen == r.gen) {
+    r.tids |= tids;
+  }
 }
 
 // A release to address a by the running thread (see the section's comment).
@@ -1350,9 +1364,11 @@ void release_to(uintptr_t a) {
   const Actor me = current_actor();
   std::lock_guard<std::mutex> lock(l.sync_mutex);
   auto& clock = l.sync_objects[a];
-  merge_release(clock[me.block], me.gen, me.tid);
+  ThreadSet mine;
+  mine.set(me.tid);
+  merge_release(clock[me.block], me.gen, mine);
   for (const auto& [block, q] : tl_acquired)  // what this thread has acquired, passed on
-    if (q.acq_tid == me.tid || me.gen > q.acq_gen) merge_release(clock[block], q.rel_gen, q.rel_tid);
+    if (q.acq_tids.test(me.tid) || me.gen > q.acq_gen) merge_release(clock[block], q.rel_gen, q.rel_tids);
 }
 
 // An acquire from address a by the running thread.
@@ -1364,8 +1380,20 @@ void acquire_from(uintptr_t a) {
   if (it == l.sync_objects.end()) return;
   for (const auto& [block, r] : it->second) {
     if (block == me.block || !r.set) continue;
-    const auto [q, fresh] = tl_acquired.try_emplace(block);
-    if (fresh || r.gen > q->second.rel_gen) q->second = Acquired{r.gen, me.gen, r.tid, me.tid};
+    const auto [it_q, fresh] = tl_acquired.try_emplace(block);
+    Acquired& q = it_q->second;
+    if (fresh || r.gen > q.rel_gen) {
+      q.rel_gen = r.gen;
+      q.rel_tids = r.tids;
+      q.acq_gen = me.gen;
+      q.acq_tids.reset();
+    } else if (r.gen == q.rel_gen) {
+      q.rel_tids |= r.tids;
+      q.acq_gen = std::min(q.acq_gen, me.gen);
+    } else {
+      continue;  // an older release than the one acquired before
+    }
+    q.acq_tids.set(me.tid);
   }
 }
 
@@ -1414,10 +1442,8 @@ inline void on_atomic(const volatile void* p, size_t size, bool read, bool write
   if (a >= tl_tracked_lo && a < tl_tracked_hi) return;
   ThreadState& self = *tl_current;
   constexpr int kAcquire = 2, kRelease = 3, kAcqRel = 4, kSeqCst = 5;
-  if (write && (mo == kRelease || mo == kAcqRel || mo == kSeqCst || self.fenced)) {
-    release_to(a);
-    self.fenced = false;
-  }
+  // (a fence orders every later atomic store of its thread: each is a release)
+  if (write && (mo == kRelease || mo == kAcqRel || mo == kSeqCst || self.fenced)) release_to(a);
   if (read) {
     if (mo == kAcquire || mo == kAcqRel || mo == kSeqCst) acquire_from(a);
     else self.atomic_read = a;
@@ -1498,19 +1524,29 @@ std::string symbolize(const std::string& report) {
     Dl_info info{};
     if (dladdr(reinterpret_cast<void*>(pc), &info) != 0 && info.dli_fname != nullptr) {
       char cmd[1024];
-      std::snprintf(cmd, sizeof cmd, "addr2line -C -e '%s' 0x%llx 2>/dev/null", info.dli_fname,
+      std::snprintf(cmd, sizeof cmd, "addr2line -i -e '%s' 0x%llx 2>/dev/null", info.dli_fname,
                     (unsigned long long)(pc - reinterpret_cast<uintptr_t>(info.dli_fbase)));
       if (FILE* f = popen(cmd, "r")) {
-        char line[512] = "";
-        if (std::fgets(line, sizeof line, f) != nullptr) {
+        // -i: the inlining chain, innermost first (an atomic's line is in libstdc++, then in
+        // cuda_emu.h, then in the kernel): the first line of a kernel source, else of
+        // kernels/, else the innermost
+        std::string first, in_kernels, in_kernel_source;
+        char line[512];
+        while (std::fgets(line, sizeof line, f) != nullptr) {
           std::string s(line);
           s = s.substr(0, s.find_first_of(" \n"));
-          // the kernels' own path (kernels/…), as the #line of build.rs's copies names it
-          const size_t k = s.rfind("/kernels/");
+          if (s.empty() || s.rfind("??", 0) == 0) continue;
+          const size_t k = s.rfind("/kernels/");  // the kernels' own path, as build.rs's #line names it
           if (k != std::string::npos) s = s.substr(k + 1);
-          if (!s.empty() && s.rfind("??", 0) != 0) where = s;
+          if (first.empty()) first = s;
+          if (s.rfind("kernels/", 0) == 0 && in_kernels.empty()) in_kernels = s;
+          if (s.rfind("kernels/", 0) == 0 && s.rfind("kernels/emu/", 0) != 0 && in_kernel_source.empty())
+            in_kernel_source = s;
         }
         pclose(f);
+        if (!in_kernel_source.empty()) where = in_kernel_source;
+        else if (!in_kernels.empty()) where = in_kernels;
+        else if (!first.empty()) where = first;
       }
     }
     out += where;
@@ -1702,8 +1738,8 @@ void warp_barrier(Warp& w, unsigned lane, unsigned mask, const char* what, bool 
     if (check && (m.mask & ~w.live_mask) != 0)
       fail_in_block(MESA_EMU_CHECK_SYNC, std::string(what) + " with mask " + hex32(m.mask) + ": lanes " +
                                              lanes_text(m.mask & ~w.live_mask) +
-                                             " of the mask have exited or do not exist; lanes " +
-                                             lanes_text(m.arrived_mask) + " arrived");
+                                             " of the mask have exited or do not exist (arrived: lanes " +
+                                             lanes_text(m.arrived_mask) + ")");
     const unsigned expected = check ? unsigned(__builtin_popcount(m.mask)) : w.live;
     if (m.arrived >= expected) {
       m.arrived = 0;

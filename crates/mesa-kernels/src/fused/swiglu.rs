@@ -115,7 +115,8 @@ fn encode_pass<T: Element>(
 ) -> Result<()> {
     let x = if which == sys::MESA_SWIGLU_SAVE_GATE { input.gate } else { input.up };
     let empty = x.numel() == 0;
-    let desc = |t: &TensorRef<'_, T>| if empty { Ok(sys::MesaTensorDesc::default()) } else { elem_desc(t.layout(), T::DTYPE) };
+    let desc =
+        |t: &TensorRef<'_, T>| if empty { Ok(sys::MesaTensorDesc::default()) } else { elem_desc(t.layout(), T::DTYPE) };
     let (g_desc, u_desc) = (desc(input.gate)?, desc(input.up)?);
     let y_desc = match (&y, empty) {
         (Some(y), false) => elem_desc(y.layout(), T::DTYPE)?,
