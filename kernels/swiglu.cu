@@ -86,16 +86,17 @@ __global__ void __launch_bounds__(kSwigluBlock)
 
 // Backward: dg = dy·u·silu'(g), du = dy·silu(g), with g and u decoded from codes (kCodes) or
 // read from plain tensors.
+// (at most 64 registers: with more, sm_90's allocator spilled one value of the two decodes'
+// 64-bit group divisions to the stack)
 template <typename T, bool kCodes>
-__global__ void __launch_bounds__(kSwigluBlock)
+__global__ void __launch_bounds__(kSwigluBlock, 4)
     swiglu_backward_kernel(const T* __restrict__ dy, Strided dyv, bool dy_dense, const T* __restrict__ g, Strided gv,
                            bool g_dense, CodeSource g_src, const T* __restrict__ u, Strided uv, bool u_dense,
                            CodeSource u_src, T* __restrict__ dg, Strided dgv, bool dg_dense, T* __restrict__ du,
-                           Strided duv, bool du_dense, int64_t n) {
-  // the bound and the stride re-derived from the parameters in each iteration: loop-invariant
-  // registers live across the two decodes' division calls spilled (sm_90)
-  for (int64_t unit = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; unit < ceil_div(n, kUnit);
-       unit += int64_t(gridDim.x) * blockDim.x) {
+                           Strided duv, bool du_dense, int64_t n, int64_t first_unit) {
+  const int64_t nunits = ceil_div(n, kUnit);
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t unit = first_unit + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; unit < nunits; unit += step) {
     const int64_t i0 = unit * kUnit;
     const int live = int(n - i0 < kUnit ? n - i0 : kUnit);
     // g and dy first: du is stored before u is decoded, so fewer values stay live across
@@ -127,6 +128,41 @@ __global__ void __launch_bounds__(kSwigluBlock)
   }
 }
 
+// Dense backward: dy, dg, du dense and 16-byte aligned, n < 2^31, the codes of g and u of one
+// width kBits with the identity map and units of 8 in one group (the conditions of
+// gelu_backward_dense_kernel), the groups by 32-bit fast division. The same arithmetic as the
+// general kernel, element for element. Whole units only: the last partial unit is the
+// general kernel's (first_unit).
+template <typename T, int kBits>
+__global__ void __launch_bounds__(kSwigluBlock)
+    swiglu_backward_dense_kernel(const T* __restrict__ dy, CodeSource g_src, GroupMap32 g_groups, CodeSource u_src,
+                                 GroupMap32 u_groups, T* __restrict__ dg, T* __restrict__ du, int64_t n) {
+  constexpr unsigned kMask = (1u << kBits) - 1u;
+  const uint32_t nunits = uint32_t(n / kUnit);
+  const uint32_t stride = gridDim.x * blockDim.x;
+  for (uint32_t unit = blockIdx.x * blockDim.x + threadIdx.x; unit < nunits; unit += stride) {
+    const uint32_t i0 = unit * kUnit;
+    const uint64_t gc = load_unit_codes<kBits>(g_src.codes, i0);
+    const uint64_t uc = load_unit_codes<kBits>(u_src.codes, i0);
+    RawUnit<T> d_raw;
+    d_raw.load(dy, i0);
+    const MesaGroupParams gp = g_src.params[g_groups.group(i0)];
+    const MesaGroupParams up = u_src.params[u_groups.group(i0)];
+    float d[kUnit], dgs[kUnit], dus[kUnit];
+    d_raw.to_floats(d);
+#pragma unroll
+    for (int j = 0; j < kUnit; ++j) {
+      const float g = decode(unsigned(gc >> (j * kBits)) & kMask, gp, false);
+      const float u = decode(unsigned(uc >> (j * kBits)) & kMask, up, false);
+      const Sigmoids s = sigmoids(g);
+      dus[j] = d[j] * (g * s.pos);
+      dgs[j] = (d[j] * silu_derivative(g, s)) * u;
+    }
+    store_dense_unit(du + i0, dus);
+    store_dense_unit(dg + i0, dgs);
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Launch policy (host): one grid-stride launch of a few waves.
 inline unsigned swiglu_grid(int64_t n) {
@@ -149,9 +185,43 @@ struct SwigluForwardLaunch {
   }
 };
 
+// Codes a dense kernel can read: identity map, units of 8 in one group, 32-bit indices.
+inline bool swiglu_dense_codes(const CodeSource& s, int64_t n) {
+  return !s.sqrt_map && s.groups.run % kUnit == 0 && group_map32_ok(s.groups, n);
+}
+
 template <typename T>
 struct SwigluBackwardLaunch {
+  template <int kBits>
+  static MesaStatus dense(const MesaSwigluBackwardArgs& a, const CodeSource& gs, const CodeSource& us, int64_t n,
+                          void* stream) {
+    const auto kernel = swiglu_backward_dense_kernel<T, kBits>;
+    const unsigned grid = resident_grid(kernel, n / kUnit, kSwigluBlock);
+    return status_from(MESA_LAUNCH(kernel, dim3(grid), dim3(kSwigluBlock), 0, stream, static_cast<const T*>(a.dy), gs,
+                                   group_map32(gs.groups), us, group_map32(us.groups), static_cast<T*>(a.dg),
+                                   static_cast<T*>(a.du), n));
+  }
+
   static MesaStatus run(const MesaSwigluBackwardArgs& a, void* stream) {
+    const int64_t n = numel(a.dy_desc);
+    if (a.gate_source.codes != nullptr && n >= kUnit) {
+      const CodeSource gs = code_source_from(a.gate_source), us = code_source_from(a.up_source);
+      if (dense16(a.dy, a.dy_desc) && dense16(a.dg, a.dg_desc) && dense16(a.du, a.du_desc) &&
+          n < (int64_t(1) << 31) && gs.bits == us.bits && swiglu_dense_codes(gs, n) && swiglu_dense_codes(us, n)) {
+        MesaStatus s = MESA_STATUS_OK;
+        switch (gs.bits) {
+          case 8: s = dense<8>(a, gs, us, n, stream); break;
+          case 4: s = dense<4>(a, gs, us, n, stream); break;
+          default: s = dense<2>(a, gs, us, n, stream); break;
+        }
+        if (s != MESA_STATUS_OK || n % kUnit == 0) return s;
+        return general(a, stream, 1, n / kUnit);  // the last partial unit
+      }
+    }
+    return general(a, stream, swiglu_grid(n), 0);
+  }
+
+  static MesaStatus general(const MesaSwigluBackwardArgs& a, void* stream, unsigned grid, int64_t first_unit) {
     const int64_t n = numel(a.dy_desc);
     const T* dy = static_cast<const T*>(a.dy);
     T* dg = static_cast<T*>(a.dg);
@@ -159,15 +229,15 @@ struct SwigluBackwardLaunch {
     const Strided dyv = strided_from(a.dy_desc), dgv = strided_from(a.dg_desc), duv = strided_from(a.du_desc);
     const bool dyd = dense16(a.dy, a.dy_desc), dgd = dense16(a.dg, a.dg_desc), dud = dense16(a.du, a.du_desc);
     if (a.gate_source.codes != nullptr)
-      return status_from(MESA_LAUNCH((swiglu_backward_kernel<T, true>), dim3(swiglu_grid(n)), dim3(kSwigluBlock), 0,
-                                     stream, dy, dyv, dyd, static_cast<const T*>(nullptr), Strided{}, false,
+      return status_from(MESA_LAUNCH((swiglu_backward_kernel<T, true>), dim3(grid), dim3(kSwigluBlock), 0, stream, dy,
+                                     dyv, dyd, static_cast<const T*>(nullptr), Strided{}, false,
                                      code_source_from(a.gate_source), static_cast<const T*>(nullptr), Strided{},
-                                     false, code_source_from(a.up_source), dg, dgv, dgd, du, duv, dud, n));
-    return status_from(MESA_LAUNCH((swiglu_backward_kernel<T, false>), dim3(swiglu_grid(n)), dim3(kSwigluBlock), 0,
-                                   stream, dy, dyv, dyd, static_cast<const T*>(a.g), strided_from(a.g_desc),
+                                     false, code_source_from(a.up_source), dg, dgv, dgd, du, duv, dud, n, first_unit));
+    return status_from(MESA_LAUNCH((swiglu_backward_kernel<T, false>), dim3(grid), dim3(kSwigluBlock), 0, stream, dy,
+                                   dyv, dyd, static_cast<const T*>(a.g), strided_from(a.g_desc),
                                    dense16(a.g, a.g_desc), CodeSource{}, static_cast<const T*>(a.u),
                                    strided_from(a.u_desc), dense16(a.u, a.u_desc), CodeSource{}, dg, dgv, dgd, du, duv,
-                                   dud, n));
+                                   dud, n, first_unit));
   }
 };
 

@@ -89,15 +89,16 @@ SPECS = [
          func=r"::layernorm_forward_dense_kernel<__nv_bfloat16, 4, 8, true>", loops=[(r"LDG\.E\.128", 32)],
          bytes=5, avoid=[],
          require=[(r"LDG\.E\.128", 4), (r"STG\.E\.128", 4), (r"STG\.E\.64", 4)], target=0.70),
-    # SwiGLU: the general kernels (one unit of 8 per iteration) on dense views; forward
-    # saving g (reads g and u, writes y and 8-bit codes: 2 + 2 + 2 + 1 bytes), backward from
-    # the codes of g and u (reads dy and two codes, writes dg and du: 2 + 1 + 1 + 2 + 2)
+    # SwiGLU, one unit of 8 per iteration: the general forward on dense views, saving g (reads
+    # g and u, writes y and 8-bit codes: 2 + 2 + 2 + 1 bytes); the dense backward from the
+    # codes of g and u (reads dy and two codes, writes dg and du: 2 + 1 + 1 + 2 + 2)
     dict(name="SwiGLU fwd saving codes of g + stats", file="swiglu",
          func=r"::swiglu_forward_kernel<__nv_bfloat16>", loops=[(r"LDG\.E\.128", 8)],
          bytes=7, avoid=[], require=[(r"LDG\.E\.128", 2), (r"STG\.E\.128", 1), (EXP, 8)], target=0.70),
     dict(name="SwiGLU bwd from codes", file="swiglu",
-         func=r"::swiglu_backward_kernel<__nv_bfloat16, true>", loops=[(r"STG\.E\.128", 8)],
-         bytes=8, avoid=[], require=[(r"LDG\.E\.128", 1), (r"STG\.E\.128", 2), (EXP, 8)], target=0.70),
+         func=r"::swiglu_backward_dense_kernel<__nv_bfloat16, 8>", loops=[(r"STG\.E\.128", 8)],
+         bytes=8, avoid=[], require=[(r"LDG\.E\.128", 1), (r"LDG\.E\.64", 2), (r"STG\.E\.128", 2), (EXP, 8)],
+         target=0.70),
     # sequence-parallel collectives, all ranks on one device: the dense vector loop of one
     # rank's block, one 16-byte vector of output per iteration; reduce-scatter of W = 8 bf16
     # inputs (8 loads, no bias or residual: 8·2 + 2 = 18 bytes per element), all-gather (one
