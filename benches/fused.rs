@@ -1,4 +1,5 @@
-//! Fused producers/consumers of saved activations (GELU, softmax, LayerNorm), bf16, 8-bit codes.
+//! Fused producers/consumers of saved activations (GELU, SwiGLU, softmax, LayerNorm), bf16,
+//! 8-bit codes.
 //!
 //! Pairs (each reports bytes read + written as `Throughput::BytesDecimal`; GB/s divided by the
 //! copy bandwidth measured at start is the fraction of the bytes-moved floor, docs/fused.md):
@@ -12,6 +13,10 @@
 //!   from its codes (5n bytes); the same for softmax (`softmax_backward_*`) and LayerNorm
 //!   (`layernorm_backward_*`: dx plus the deterministic dweight/dbias; the dx and column
 //!   kernels each read dy and the saved x̂, 2·(2+2)n + 2n vs 2·(2+1)n + 2n bytes).
+//! * `swiglu_forward_plain` vs `swiglu_forward_saving`: `y = silu(g)·u`, 6n bytes, vs the same
+//!   plus the codes of g, then a pass writing the codes of u (10n bytes); `swiglu_backward_bf16`
+//!   (10n) vs `swiglu_backward_codes` (8n bytes). g and u: the halves of one [rows, 2·cols]
+//!   projection, as a fused gate-up matmul writes them.
 //!
 //! Working sets: rows sized from the queried L2 (at least 4× of it moved per call); the
 //! emulation runs small shapes. Device choice, copy bandwidth and timing: `benches/common`.
@@ -25,7 +30,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
 use mesa_kernels::fused::{
     self, GeluBackwardPlain, LayerNormBackward, LayerNormBackwardPlain, LayerNormForward, LayerNormGrads,
-    SoftmaxBackwardPlain, SoftmaxInput,
+    SoftmaxBackwardPlain, SoftmaxInput, SwigluGrads, SwigluInput, SwigluQuantizers,
 };
 use mesa_kernels::{
     Buffer, Device, DeviceMemory, DeviceMemoryMut, GeluForm, Layout, QuantConfig, Quantizer, SoftmaxSave, Storage,
@@ -298,6 +303,61 @@ fn bench(c: &mut Criterion) {
                     },
                 )
                 .expect("b")
+            })
+        })
+    });
+
+    // ---- SwiGLU on the halves of one [rows, 2·cols] projection
+    let whole = Layout::contiguous(&[rows, 2 * cols]);
+    let (gl, ul) = (
+        Layout::strided(&[rows, cols], whole.strides(), 0).expect("gate"),
+        Layout::strided(&[rows, cols], whole.strides(), cols).expect("up"),
+    );
+    let gu = upload(device, &data(2 * n, 5));
+    let (gv, uv) = (tref(&gu, &gl), tref(&gu, &ul));
+    let input = SwigluInput { gate: &gv, up: &uv };
+    let mut du = device.alloc_zeros::<bf16>(n).expect("alloc");
+    let (mut qg, mut qu) = (
+        Quantizer::new(device, fused::channel_groups(1, 12)).expect("q"),
+        Quantizer::new(device, fused::channel_groups(1, 12)).expect("q"),
+    );
+    let ssaved =
+        fused::swiglu_forward(device, SwigluQuantizers { gate: &mut qg, up: &mut qu }, &input, &mut tmut(&mut y, &l))
+            .expect("warm-up batch");
+    g.throughput(Throughput::BytesDecimal(6 * n as u64));
+    g.bench_function("swiglu_forward_plain", |b| {
+        b.iter_custom(|it| timed(device, it, || fused::swiglu(device, &input, &mut tmut(&mut y, &l)).expect("swiglu")))
+    });
+    g.throughput(Throughput::BytesDecimal(10 * n as u64));
+    g.bench_function("swiglu_forward_saving", |b| {
+        b.iter_custom(|it| {
+            timed(device, it, || {
+                drop(black_box(
+                    fused::swiglu_forward(
+                        device,
+                        SwigluQuantizers { gate: &mut qg, up: &mut qu },
+                        &input,
+                        &mut tmut(&mut y, &l),
+                    )
+                    .expect("swiglu"),
+                ));
+            })
+        })
+    });
+    g.bench_function("swiglu_backward_bf16", |b| {
+        b.iter_custom(|it| {
+            timed(device, it, || {
+                let grads = SwigluGrads { gate: &mut tmut(&mut dx, &l), up: &mut tmut(&mut du, &l) };
+                fused::swiglu_backward_plain(device, &input, &tref(&dy, &l), grads).expect("bwd")
+            })
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(8 * n as u64));
+    g.bench_function("swiglu_backward_codes", |b| {
+        b.iter_custom(|it| {
+            timed(device, it, || {
+                let grads = SwigluGrads { gate: &mut tmut(&mut dx, &l), up: &mut tmut(&mut du, &l) };
+                fused::swiglu_backward(device, &ssaved, &tref(&dy, &l), grads).expect("bwd")
             })
         })
     });
