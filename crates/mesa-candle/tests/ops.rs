@@ -15,7 +15,7 @@ mod common;
 
 use candle_core::{DType, Module, Tensor, D};
 use common::{assert_within, flat, grads, grads_on, norm_bounds, normalized, to_f64, unit, Rng};
-use mesa_candle::ops::{CodedLinear, FeatureKind, Gelu, LayerNorm, LinearAttention, RmsNorm, Softmax};
+use mesa_candle::ops::{CodedLinear, FeatureKind, Gelu, LayerNorm, LinearAttention, RmsNorm, Softmax, SwiGlu};
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
 use mesa_kernels::{GeluForm, QuantConfig, StatsMode};
 
@@ -85,6 +85,49 @@ fn gelu_gradients_match_f64_candle_within_the_code_step() {
             assert_within(&format!("gelu {form:?} {dtype:?} dx"), &g[0], &g_ref[0], &bound);
         }
     }
+}
+
+#[test]
+fn swiglu_gradients_match_f64_candle_within_the_code_steps() {
+    let mut rng = Rng::new("swiglu");
+    let dev = common::device();
+    for dtype in DTYPES {
+        // the gate a strided view (a transposed tensor), the up projection dense
+        let g_in = rng.tensor(&[29, 6], 0.0, 3.0, dtype).t().unwrap();
+        let u_in = rng.tensor(&[6, 29], 0.5, 2.0, dtype);
+        let dy = rng.tensor(&[6, 29], 0.0, 1.0, dtype);
+        let op = SwiGlu::new(exact(8));
+        let args = [g_in.clone(), u_in.clone()];
+        let (y, gr) = grads_on(&dev, &args, &dy, |t| op.forward(&t[0], &t[1]));
+        // silu(g)·u with candle's differentiable ops: g·σ(g), σ(g) = 1/(1 + e^{−g})
+        let (y_ref, g_ref) = grads(&to_f64(&args), &dy, |t| {
+            let sigma = t[0].neg()?.exp()?.affine(1.0, 1.0)?.recip()?;
+            (&t[0] * sigma)?.mul(&t[1])
+        });
+        let (gs, us, dys) = (flat(&g_in), flat(&u_in), flat(&dy));
+        let u = unit(dtype);
+        let fwd: Vec<f64> = y_ref.iter().map(|v| (u + 16.0 * U32) * v.abs() + 1e-30).collect();
+        assert_within(&format!("swiglu {dtype:?} y"), &y, &y_ref, &fwd);
+        // half a step of g and of u: |silu'| <= 1.1, |silu''| <= 0.5; plus f32 arithmetic and
+        // the gradients' rounding
+        let (hg, hu) = (0.5 * step(&gs, 8) + 4.0 * U32, 0.5 * step(&us, 8) + 4.0 * U32);
+        let dg: Vec<f64> = (0..gs.len())
+            .map(|i| {
+                dys[i].abs()
+                    * (1.1 * hu + (us[i].abs() + hu) * 0.5 * hg + 16.0 * U32 * us[i].abs() * (1.0 + gs[i].abs()))
+                    + u * g_ref[0][i].abs()
+            })
+            .collect();
+        let du: Vec<f64> = (0..gs.len())
+            .map(|i| dys[i].abs() * (1.1 * hg + 16.0 * U32 * gs[i].abs()) + u * g_ref[1][i].abs())
+            .collect();
+        assert_within(&format!("swiglu {dtype:?} dgate"), &gr[0], &g_ref[0], &dg);
+        assert_within(&format!("swiglu {dtype:?} dup"), &gr[1], &g_ref[1], &du);
+    }
+    // shapes that differ are an error, not a panic
+    let (a, b) = (rng.tensor(&[4, 8], 0.0, 1.0, DType::F32), rng.tensor(&[8, 4], 0.0, 1.0, DType::F32));
+    let e = SwiGlu::new(exact(8)).forward(&a, &b).unwrap_err();
+    assert!(e.to_string().contains("swiglu up (vs the gate)"), "{e}");
 }
 
 fn softmax_ref(z: &Tensor) -> candle_core::Result<Tensor> {
