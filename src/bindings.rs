@@ -851,6 +851,53 @@ impl Default for MesaSwigluBackwardArgs {
         }
     }
 }
+pub type MesaRopePairing = i32;
+pub const MESA_ROPE_HALVES: MesaRopePairingCode = 0;
+pub const MESA_ROPE_INTERLEAVED: MesaRopePairingCode = 1;
+pub type MesaRopePairingCode = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaRopeArgs {
+    pub x: *const ::core::ffi::c_void,
+    pub x_desc: MesaTensorDesc,
+    pub y: *mut ::core::ffi::c_void,
+    pub y_desc: MesaTensorDesc,
+    pub seq_len: i64,
+    pub head_dim: i64,
+    pub rotary_dims: i64,
+    pub position_offset: i64,
+    pub base: f32,
+    pub pairing: MesaRopePairing,
+    pub inverse: i32,
+    pub _pad: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaRopeArgs"][::core::mem::size_of::<MesaRopeArgs>() - 272usize];
+    ["Alignment of MesaRopeArgs"][::core::mem::align_of::<MesaRopeArgs>() - 8usize];
+    ["Offset of field: MesaRopeArgs::x"][::core::mem::offset_of!(MesaRopeArgs, x) - 0usize];
+    ["Offset of field: MesaRopeArgs::x_desc"][::core::mem::offset_of!(MesaRopeArgs, x_desc) - 8usize];
+    ["Offset of field: MesaRopeArgs::y"][::core::mem::offset_of!(MesaRopeArgs, y) - 112usize];
+    ["Offset of field: MesaRopeArgs::y_desc"][::core::mem::offset_of!(MesaRopeArgs, y_desc) - 120usize];
+    ["Offset of field: MesaRopeArgs::seq_len"][::core::mem::offset_of!(MesaRopeArgs, seq_len) - 224usize];
+    ["Offset of field: MesaRopeArgs::head_dim"][::core::mem::offset_of!(MesaRopeArgs, head_dim) - 232usize];
+    ["Offset of field: MesaRopeArgs::rotary_dims"][::core::mem::offset_of!(MesaRopeArgs, rotary_dims) - 240usize];
+    ["Offset of field: MesaRopeArgs::position_offset"]
+        [::core::mem::offset_of!(MesaRopeArgs, position_offset) - 248usize];
+    ["Offset of field: MesaRopeArgs::base"][::core::mem::offset_of!(MesaRopeArgs, base) - 256usize];
+    ["Offset of field: MesaRopeArgs::pairing"][::core::mem::offset_of!(MesaRopeArgs, pairing) - 260usize];
+    ["Offset of field: MesaRopeArgs::inverse"][::core::mem::offset_of!(MesaRopeArgs, inverse) - 264usize];
+    ["Offset of field: MesaRopeArgs::_pad"][::core::mem::offset_of!(MesaRopeArgs, _pad) - 268usize];
+};
+impl Default for MesaRopeArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 unsafe extern "C" {
     pub fn mesa_gelu_forward(args: *const MesaGeluForwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
@@ -919,6 +966,12 @@ unsafe extern "C" {
         args: *const MesaSwigluBackwardArgs,
         stream: *mut ::core::ffi::c_void,
     ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_rope(args: *const MesaRopeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_rope(args: *const MesaRopeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 pub type MesaLaMemory = i32;
 pub const MESA_LA_BOUNDARY_STATES: MesaLaMemoryCode = 0;

@@ -293,6 +293,13 @@ inline float __fsub_rn(float a, float b) {
   return a - b;
 }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+// sin(πx) and cos(πx): x reduced modulo 2 exactly in f32 (x − 2·rint(x/2)), then in f64.
+inline void sincospif(float x, float* s, float* c) {
+  const float r = x - 2.0f * std::nearbyint(0.5f * x);
+  const double a = 3.14159265358979323846 * double(r);
+  *s = float(std::sin(a));
+  *c = float(std::cos(a));
+}
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : (x == x ? x : 0.0f)); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }

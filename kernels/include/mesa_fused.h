@@ -2,7 +2,8 @@
  * §3; BRIEF §5.1): GELU, softmax and LayerNorm forward kernels that write their output AND
  * the codes of what their backward needs in one pass; backward kernels that read those codes
  * directly (dequantized in registers, never materialised). Kernels: kernels/gelu.cu,
- * kernels/softmax.cu, kernels/layernorm.cu, kernels/swiglu.cu; shared device pieces: kernels/quant_common.cuh.
+ * kernels/softmax.cu, kernels/layernorm.cu, kernels/swiglu.cu (and RoPE, which keeps
+ * nothing: kernels/rope.cu); shared device pieces: kernels/quant_common.cuh.
  *
  * Codes follow mesa_quant.h exactly (asymmetric affine, logical row-major order of the saved
  * tensor's shape, bits < 8 packed first element in the least significant bits), so a saved
@@ -226,6 +227,36 @@ typedef struct MesaSwigluBackwardArgs {
   MesaTensorDesc du_desc;
 } MesaSwigluBackwardArgs;
 
+/* ---- rotary position embeddings (Su et al. 2021, RoFormer, eq. 34) -----------------------
+ * x, y: logical shape [..., S, D] (seq_len S, head_dim D; the descriptors may merge axes: the
+ * logical order gives the position and the dim), any strides, same dtype. A row at index s of
+ * the sequence axis has position p = position_offset + s; pair i < R/2 of the first R =
+ * rotary_dims dims is rotated by theta = p * base^(-2i/R) (f32, as Hugging Face's cache), by
+ * -theta when `inverse` (the backward: the rotation is orthogonal, nothing is kept). Dims R..D
+ * are copied. Pairing: HALVES (i, i + R/2), GPT-NeoX / Llama / Hugging Face; INTERLEAVED
+ * (2i, 2i + 1), GPT-J. R even, 2 <= R <= D; base > 1.
+ * In-place: not supported: both pointers are __restrict__ (the safe crate rejects overlap). */
+typedef int32_t MesaRopePairing;
+enum MesaRopePairingCode {
+  MESA_ROPE_HALVES = 0,
+  MESA_ROPE_INTERLEAVED = 1
+};
+
+typedef struct MesaRopeArgs {
+  const void* x;
+  MesaTensorDesc x_desc;
+  void* y;
+  MesaTensorDesc y_desc;
+  int64_t seq_len;
+  int64_t head_dim;
+  int64_t rotary_dims;
+  int64_t position_offset;
+  float base;
+  MesaRopePairing pairing;
+  int32_t inverse;
+  int32_t _pad;
+} MesaRopeArgs;
+
 MESA_DECLARE_ENTRY(gelu_forward, MesaGeluForwardArgs)
 MESA_DECLARE_ENTRY(gelu_backward, MesaGeluBackwardArgs)
 MESA_DECLARE_ENTRY(softmax_forward, MesaSoftmaxForwardArgs)
@@ -234,6 +265,7 @@ MESA_DECLARE_ENTRY(layernorm_forward, MesaLayerNormForwardArgs)
 MESA_DECLARE_ENTRY(layernorm_backward, MesaLayerNormBackwardArgs)
 MESA_DECLARE_ENTRY(swiglu_forward, MesaSwigluForwardArgs)
 MESA_DECLARE_ENTRY(swiglu_backward, MesaSwigluBackwardArgs)
+MESA_DECLARE_ENTRY(rope, MesaRopeArgs)
 
 #ifdef __cplusplus
 }

@@ -101,6 +101,7 @@ pub mod plan;
 mod probe;
 pub mod quant;
 pub mod reference;
+pub mod rope;
 mod tensor;
 
 pub use collectives::{Epilogue, SeqParallelGroup, SeqSplits};

@@ -7,6 +7,7 @@ pub mod collectives;
 pub mod fused;
 pub mod linear_attention;
 pub mod quant;
+pub mod rope;
 
 use crate::dtype::Element;
 use crate::error::{Error, Result};
