@@ -15,7 +15,9 @@ mod common;
 
 use candle_core::{DType, Module, Tensor, D};
 use common::{assert_within, flat, grads, grads_on, norm_bounds, normalized, to_f64, unit, Rng};
-use mesa_candle::ops::{CodedLinear, FeatureKind, Gelu, LayerNorm, LinearAttention, RmsNorm, Softmax, SwiGlu};
+use mesa_candle::ops::{
+    CodedLinear, FeatureKind, Gelu, LayerNorm, LinearAttention, RmsNorm, Rope, RopeConfig, RopePairing, Softmax, SwiGlu,
+};
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
 use mesa_kernels::{GeluForm, QuantConfig, StatsMode};
 
@@ -128,6 +130,65 @@ fn swiglu_gradients_match_f64_candle_within_the_code_steps() {
     let (a, b) = (rng.tensor(&[4, 8], 0.0, 1.0, DType::F32), rng.tensor(&[8, 4], 0.0, 1.0, DType::F32));
     let e = SwiGlu::new(exact(8)).forward(&a, &b).unwrap_err();
     assert!(e.to_string().contains("swiglu up (vs the gate)"), "{e}");
+}
+
+/// RoPE of `x: [B, H, S, D]` with candle's differentiable ops in f64: `x·cos + rot(x)·sin`,
+/// `rot` the pair partner with its sign (halves: `[−x₂, x₁]`; interleaved: `(−x_{2i+1}, x_{2i})`).
+fn rope_ref(x: &Tensor, cfg: &RopeConfig) -> candle_core::Result<Tensor> {
+    let (s, d) = (x.dim(2)?, x.dim(3)?);
+    let (mut cos, mut sin) = (vec![0.0f64; s * d], vec![0.0f64; s * d]);
+    for p in 0..s {
+        for j in 0..d {
+            let i = match cfg.pairing {
+                RopePairing::Halves => j % (d / 2),
+                RopePairing::Interleaved => j / 2,
+            };
+            let theta = (cfg.position_offset + p) as f64 * f64::from(cfg.base).powf(-2.0 * i as f64 / d as f64);
+            (cos[p * d + j], sin[p * d + j]) = (theta.cos(), theta.sin());
+        }
+    }
+    let dev = x.device();
+    let (cos, sin) = (Tensor::from_vec(cos, (s, d), dev)?, Tensor::from_vec(sin, (s, d), dev)?);
+    let rot = match cfg.pairing {
+        RopePairing::Halves => Tensor::cat(&[&x.narrow(3, d / 2, d / 2)?.neg()?, &x.narrow(3, 0, d / 2)?], 3)?,
+        RopePairing::Interleaved => {
+            let pairs = x.reshape((x.dim(0)?, x.dim(1)?, s, d / 2, 2))?;
+            let (even, odd) = (pairs.narrow(4, 0, 1)?, pairs.narrow(4, 1, 1)?);
+            Tensor::cat(&[&odd.neg()?, &even], 4)?.reshape(x.shape())?
+        }
+    };
+    x.broadcast_mul(&cos)?.add(&rot.broadcast_mul(&sin)?)
+}
+
+#[test]
+fn rope_gradients_match_f64_candle() {
+    let mut rng = Rng::new("rope");
+    let dev = common::device();
+    for pairing in [RopePairing::Halves, RopePairing::Interleaved] {
+        let cfg = RopeConfig { base: 10_000.0, pairing, rotary_dims: None, position_offset: 3 };
+        for dtype in DTYPES {
+            let x = rng.tensor(&[2, 3, 11, 16], 0.0, 1.0, dtype);
+            let dy = rng.tensor(&[2, 3, 11, 16], 0.0, 1.0, dtype);
+            let op = Rope::new(cfg);
+            let (y, g) = grads_on(&dev, std::slice::from_ref(&x), &dy, |t| op.forward(&t[0]));
+            let (y_ref, g_ref) = grads(&to_f64(std::slice::from_ref(&x)), &dy, |t| rope_ref(&t[0], &cfg));
+            // tests/rope.rs: |Δ| ≤ (|x_a| + |x_b|)·2⁻²⁴·(20θ + 8) + u·|ref|, θ ≤ 14 here; both
+            // members of a pair below 2·max|x|
+            let (xm, dm) = (
+                flat(&x).iter().fold(0.0f64, |m, v| m.max(v.abs())),
+                flat(&dy).iter().fold(0.0f64, |m, v| m.max(v.abs())),
+            );
+            let u = unit(dtype);
+            let fwd: Vec<f64> = y_ref.iter().map(|v| 2.0 * xm * U32 * (20.0 * 14.0 + 8.0) + u * v.abs()).collect();
+            assert_within(&format!("rope {pairing:?} {dtype:?} y"), &y, &y_ref, &fwd);
+            let bwd: Vec<f64> = g_ref[0].iter().map(|v| 2.0 * dm * U32 * (20.0 * 14.0 + 8.0) + u * v.abs()).collect();
+            assert_within(&format!("rope {pairing:?} {dtype:?} dx"), &g[0], &g_ref[0], &bwd);
+        }
+    }
+    let e = Rope::new(RopeConfig { rotary_dims: Some(5), ..RopeConfig::llama(10_000.0) })
+        .forward(&rng.tensor(&[2, 4, 8], 0.0, 1.0, DType::F32))
+        .unwrap_err();
+    assert!(e.to_string().contains("rotary dims"), "{e}");
 }
 
 fn softmax_ref(z: &Tensor) -> candle_core::Result<Tensor> {

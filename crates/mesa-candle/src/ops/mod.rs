@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | [`Gelu`] (erf, tanh) | codes of `x` | `gelu_backward` decodes in the kernel |
 //! | [`SwiGlu`] (`silu(g)·u`) | codes of `g` and of `u` | `swiglu_backward` decodes both in one kernel |
+//! | [`Rope`] (rotary position embeddings) | nothing (its config) | the inverse rotation of `dy` |
 //! | [`Softmax`] (last axis, additive mask) | codes of `y` (square-root companded) | `softmax_backward` decodes in the kernel; a tracked mask gets `dx` summed over its broadcast axes |
 //! | [`LayerNorm`] | codes of `x̂`, per-row mean and rstd | `layer_norm_backward` (dx, dweight, dbias) |
 //! | [`RmsNorm`] | codes of `x̂`, per-row `1/rstd` | candle ops on the decoded `x̂` (no RMSNorm kernel) |
@@ -53,6 +54,7 @@ mod layer_norm;
 pub(crate) mod linear;
 mod linear_attention;
 mod rms_norm;
+mod rope;
 mod softmax;
 mod swiglu;
 
@@ -63,10 +65,12 @@ pub use layer_norm::LayerNorm;
 pub use linear::CodedLinear;
 pub use linear_attention::{FeatureKind, LinearAttention};
 pub use rms_norm::RmsNorm;
+pub use rope::Rope;
 pub use softmax::Softmax;
 pub use swiglu::SwiGlu;
 // what the ops' constructors take, so that common settings need no `mesa_kernels` dependency
 pub use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode, Schedule};
+pub use mesa_kernels::rope::{RopeConfig, RopePairing};
 pub use mesa_kernels::{GeluForm, Grouping, QuantConfig, Rounding, StatsMode};
 
 /// The dtype of an op's first argument, checked: `Ok(None)` for f32, f16 and bf16 (the op
