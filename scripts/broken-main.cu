@@ -19,12 +19,9 @@
 #include <cstring>
 #include <vector>
 
+#include "broken/broken_case.cuh"  // BrokenArgs
+
 extern "C" {
-typedef struct BrokenArgs {
-  float* out;
-  const float* in;
-  int64_t n;
-} BrokenArgs;
 #define BROKEN_CASES(X)                                     \
   X(broken_broadcast_without_barrier, 256, 256, racecheck)  \
   X(broken_reductions_share_scratch, 256, 2, racecheck)     \

@@ -6,15 +6,7 @@
 //
 // Every case has one entry point `mesa[_emu]_broken_<case>(const BrokenArgs*)`, returning the
 // launch's cudaError_t: out[0..n) is written, in[0..n) read (n <= 1024 unless said).
-#include "common.cuh"
-
-extern "C" {
-typedef struct BrokenArgs {
-  float* out;
-  const float* in;
-  int64_t n;
-} BrokenArgs;
-}
+#include "broken_case.cuh"
 
 namespace MESA_NS {
 namespace broken {
@@ -202,10 +194,7 @@ __global__ void wmma_lane_null_pointer(float* out, const float* in) { wmma_tile<
 
 using namespace MESA_NS::broken;
 
-#define MESA_BROKEN_CASE(name, threads, ...)                                                         \
-  extern "C" int MESA_ENTRY(broken_##name)(const BrokenArgs* a) {                                   \
-    return int(MESA_LAUNCH(name, dim3(1), dim3(threads), 0, nullptr, __VA_ARGS__));                 \
-  }
+#define MESA_BROKEN_CASE(name, threads, ...) MESA_BROKEN_ENTRY(broken_##name, name, 1, threads, 0, __VA_ARGS__)
 
 MESA_BROKEN_CASE(broadcast_without_barrier, kBlock, a->out, a->in)
 MESA_BROKEN_CASE(reductions_share_scratch, kBlock, a->out, a->in)

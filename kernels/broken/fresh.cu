@@ -1,15 +1,7 @@
 // fresh.cu — three more broken kernels, written after the checks were (docs/emulator.md):
 // ordinary kernels with one plausible mistake each, not variants of broken.cu's cases.
 // tests/sanitizer.rs asserts that each is reported. Entry points as in broken.cu.
-#include "common.cuh"
-
-extern "C" {
-typedef struct BrokenArgs {
-  float* out;
-  const float* in;
-  int64_t n;
-} BrokenArgs;
-}
+#include "broken_case.cuh"
 
 namespace MESA_NS {
 namespace fresh {

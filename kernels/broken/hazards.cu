@@ -6,18 +6,10 @@
 // tests/sanitizer.rs asserts every verdict; docs/emulator.md describes the checks.
 //
 // Entry points `mesa[_emu]_hazard_<case>(const BrokenArgs*)`, as in broken.cu.
-#include "common.cuh"
+#include "broken_case.cuh"
 
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
-
-extern "C" {
-typedef struct BrokenArgs {
-  float* out;
-  const float* in;
-  int64_t n;
-} BrokenArgs;
-}
 
 namespace cg = cooperative_groups;
 
@@ -174,14 +166,10 @@ __global__ void different_value_stores(float* out, const float* in) { store_one_
 
 using namespace MESA_NS::hazards;
 
-#define MESA_HAZARD_CASE(name, blocks, threads, smem, ...)                                        \
-  extern "C" int MESA_ENTRY(hazard_##name)(const BrokenArgs* a) {                                 \
-    return int(MESA_LAUNCH(name, dim3(blocks), dim3(threads), smem, nullptr, __VA_ARGS__));        \
-  }
-#define MESA_HAZARD_COOPERATIVE(name, blocks, threads, ...)                                       \
-  extern "C" int MESA_ENTRY(hazard_##name)(const BrokenArgs* a) {                                 \
-    return int(MESA_LAUNCH_COOPERATIVE(name, dim3(blocks), dim3(threads), 0, nullptr, __VA_ARGS__)); \
-  }
+#define MESA_HAZARD_CASE(name, blocks, threads, smem, ...) \
+  MESA_BROKEN_ENTRY(hazard_##name, name, blocks, threads, smem, __VA_ARGS__)
+#define MESA_HAZARD_COOPERATIVE(name, blocks, threads, ...) \
+  MESA_BROKEN_ENTRY_COOPERATIVE(hazard_##name, name, blocks, threads, __VA_ARGS__)
 
 MESA_HAZARD_CASE(last_block_fenced, kBlocks, kBlock, 0, a->out, a->in)
 MESA_HAZARD_CASE(last_block_unfenced, kBlocks, kBlock, 0, a->out, a->in)

@@ -4,18 +4,10 @@
 // barriers) that must pass every check. tests/sanitizer.rs runs each over six seeds. Cases
 // the checks miss or misjudge are listed in docs/emulator.md ("Limits"), not here.
 // Entry points `mesa[_emu]_review_<case>(const BrokenArgs*)`.
-#include "common.cuh"
+#include "broken_case.cuh"
 
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
-
-extern "C" {
-typedef struct BrokenArgs {
-  float* out;
-  const float* in;
-  int64_t n;
-} BrokenArgs;
-}
 
 namespace cg = cooperative_groups;
 
@@ -364,7 +356,6 @@ __global__ void neighbour_read_plain(float* out, const float* in) {
   out[512 + i] = out[((blockIdx.x + 1) % gridDim.x) * kB + threadIdx.x];
 }
 
-
 // Lane 0 writes a global value, the warp passes exactly 256 __syncwarps, lane 1 reads it.
 __global__ void warp_256_syncwarps(float* out, const float* in) {
   if (threadIdx.x == 0) out[0] = in[0];
@@ -405,14 +396,9 @@ __global__ void race_without_loop(float* out, const float* in) {
 
 using namespace MESA_NS::review;
 
-#define R_CASE(name, blocks, threads, smem, ...)                                                   \
-  extern "C" int MESA_ENTRY(review_##name)(const BrokenArgs* a) {                                  \
-    return int(MESA_LAUNCH(name, dim3(blocks), dim3(threads), smem, nullptr, __VA_ARGS__));        \
-  }
-#define R_COOP(name, blocks, threads, ...)                                                         \
-  extern "C" int MESA_ENTRY(review_##name)(const BrokenArgs* a) {                                  \
-    return int(MESA_LAUNCH_COOPERATIVE(name, dim3(blocks), dim3(threads), 0, nullptr, __VA_ARGS__)); \
-  }
+#define R_CASE(name, blocks, threads, smem, ...) MESA_BROKEN_ENTRY(review_##name, name, blocks, threads, smem, __VA_ARGS__)
+#define R_COOP(name, blocks, threads, ...) \
+  MESA_BROKEN_ENTRY_COOPERATIVE(review_##name, name, blocks, threads, __VA_ARGS__)
 
 R_COOP(hs_correct, 2, kB, a->out, a->in)
 R_COOP(hs_writer_no_fence, 2, kB, a->out, a->in)

@@ -184,6 +184,40 @@ fn code_source<'a>(launch: &mut Launch<'a>, saved: &'a SavedActivation) -> Resul
     })
 }
 
+/// The widening pass of a producer whose saved tensor is its input (GELU, SwiGLU): the
+/// Quantizer's quantize kernel on the input's grouped view, encoding the widened groups again
+/// (`widen`: the flags of [`crate::quant::ProducerStep::Widen`]).
+///
+/// # Safety
+/// `x` is an input registered on `launch` and described by `grouped`; `sink`'s codes and
+/// params and `widen` are buffers `Quantizer::encode` registered on `launch` and sized for that
+/// input's shape and grouping.
+unsafe fn widen_input(
+    launch: &mut Launch<'_>,
+    x: *const std::ffi::c_void,
+    grouped: &crate::layout::KernelView,
+    sink: &sys::MesaCodeSink,
+    widen: *const u32,
+) -> Result<()> {
+    let args = sys::MesaQuantizeArgs {
+        x,
+        x_desc: grouped.desc,
+        grouping: grouped.grouping,
+        params: sink.params,
+        codes: sink.codes,
+        stats: std::ptr::null_mut(),
+        seed: sink.seed,
+        bits: sink.bits,
+        rounding: sink.rounding,
+        map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
+        _pad: 0,
+        widen,
+        finalize: sys::MesaFusedFinalize::default(),
+    };
+    // SAFETY: the caller's contract: every pointer registered and sized for this launch.
+    unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) }
+}
+
 /// A saved handle can be decoded for a gradient of shape `expect` on `device`.
 fn check_saved(saved: &SavedActivation, device: &Device, expect: &[usize]) -> Result<()> {
     saved.check_backend(device)?;

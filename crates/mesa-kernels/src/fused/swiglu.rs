@@ -136,25 +136,9 @@ fn encode_pass<T: Element>(
     quantizer.encode::<T>(&mut launch, saved, &layout, Finalize::Separate, |launch, step, sink, _| {
         let Some(grouped) = grouped.as_ref() else { return Ok(()) };
         if let ProducerStep::Widen(widen) = step {
-            let args = sys::MesaQuantizeArgs {
-                x: xp,
-                x_desc: grouped.desc,
-                grouping: grouped.grouping,
-                params: sink.params,
-                codes: sink.codes,
-                stats: std::ptr::null_mut(),
-                seed: sink.seed,
-                bits: sink.bits,
-                rounding: sink.rounding,
-                map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
-                _pad: 0,
-                widen,
-                finalize: sys::MesaFusedFinalize::default(),
-            };
-            // SAFETY: x is a registered input described by `grouped.desc`; codes, params and
-            // the widen flags are the handle's and the quantizer's buffers registered by
-            // `encode` and sized there for x's shape and grouping.
-            return unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) };
+            // SAFETY: x is a registered input described by `grouped`; codes, params and the
+            // widen flags are the handle's and the quantizer's, registered and sized by `encode`.
+            return unsafe { super::widen_input(launch, xp, grouped, &sink, widen) };
         }
         let args = sys::MesaSwigluForwardArgs {
             g: gp,
