@@ -574,6 +574,7 @@ cases!(
     mesa_emu_review_neighbour_read_plain,
     mesa_emu_review_warp_256_syncwarps,
     mesa_emu_review_grid_256_syncs,
+    mesa_emu_review_shared_count_no_init_barrier,
     mesa_emu_review_race_after_barrier_loop,
     mesa_emu_review_race_without_loop
 );
@@ -728,4 +729,9 @@ fn bad_race_after_barrier_loop() {
 #[test]
 fn bad_race_without_loop() {
     expect_reported("race_without_loop", mesa_emu_review_race_without_loop, 64, 65, "racecheck");
+}
+#[test]
+fn bad_shared_count_no_init_barrier() {
+    // a plain store racing with shared-memory atomics (atomics were not tracked before)
+    expect_reported("shared_count_no_init_barrier", mesa_emu_review_shared_count_no_init_barrier, 64, 64, "racecheck");
 }

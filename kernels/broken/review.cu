@@ -274,6 +274,16 @@ __global__ void other_tile_sync(float* out, const float* in) {
   }
 }
 
+// A shared counter set to 0 by thread 0 with no barrier before everyone's atomicAdd (a plain
+// store racing with atomics).
+__global__ void shared_count_no_init_barrier(float* out, const float*) {
+  __shared__ unsigned count;
+  if (threadIdx.x == 0) count = 0;
+  atomicAdd(&count, 1u);
+  __syncthreads();
+  out[threadIdx.x] = float(count);
+}
+
 // Thread-dependent trip count around a barrier: warp 0 twice, warp 1 once, then warp 1
 // passes a barrier at the same call site through a second iteration of an outer loop.
 __global__ void trip_count_by_warp(float* out, const float* in) {
@@ -425,6 +435,7 @@ extern "C" int MESA_ENTRY(review_inplace_8)(const BrokenArgs* a) {
 R_CASE(uniform_loops, 1, kB, 0, a->out, a->in)
 R_CASE(warp_broadcast_no_syncwarp, 1, 32, 0, a->out, a->in)
 R_CASE(other_tile_sync, 1, 32, 0, a->out, a->in)
+R_CASE(shared_count_no_init_barrier, 1, kB, 0, a->out, a->in)
 R_CASE(trip_count_by_warp, 1, kB, 0, a->out, a->in)
 R_CASE(trip_count_balanced, 1, kB, 0, a->out, a->in)
 R_CASE(shifted_iteration_cg_sync, 1, kB, 0, a->out, a->in)

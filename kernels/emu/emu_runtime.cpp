@@ -917,6 +917,8 @@ struct Shadow {
   bool has_writer = false, has_reader = false;
   bool r_multi_warp = false;  // readers of this generation in more than one warp
   bool r_many = false;        // another reader than r_tid at (r_warp, r_wgen)
+  bool w_atomic = false;      // the last write was an atomic
+  bool r_atomic = false;      // every read since the last write was atomic
 };
 
 struct Tracked {
@@ -975,8 +977,9 @@ namespace {
                                          pc_text(other_pc) + " with no barrier between");
 }
 
-// An access to __shared__ memory; false when `a` is in no tracked variable.
-bool race_access(uintptr_t a, size_t size, bool write, int32_t pc) {
+// An access to __shared__ memory (atomic: by an atomic operation, which races with no other
+// atomic one); false when `a` is in no tracked variable.
+bool race_access(uintptr_t a, size_t size, bool write, int32_t pc, bool atomic) {
   if (tl_tracked_epoch != tl_block_epoch) return false;
   const Tracked* t = nullptr;
   for (int k = 0; k < tl_ntracked; ++k)
@@ -1002,18 +1005,22 @@ bool race_access(uintptr_t a, size_t size, bool write, int32_t pc) {
     const uintptr_t glo = t->lo + g * 4;
     uint8_t bytes = 0;
     for (uintptr_t k = std::max(glo, a); k < std::min(glo + 4, end); ++k) bytes |= uint8_t(1u << (k - glo));
+    const bool both_atomic_w = atomic && s.w_atomic;
     if (write) {
-      if (s.has_writer && unordered(s.w_tid, s.w_gen, s.w_wgen))
+      if (s.has_writer && !both_atomic_w && unordered(s.w_tid, s.w_gen, s.w_wgen) && (atomic || s.w_atomic))
+        race_report(*t, a, "write-after-write race (one of them atomic)", s.w_tid, true, pc, s.w_pc);
+      if (s.has_writer && !both_atomic_w && unordered(s.w_tid, s.w_gen, s.w_wgen))
         defer_write_write(self, a, size,
                           "on __shared__ `" + std::string(t->name) + "` (byte " + std::to_string(a - t->lo) + " of " +
                               std::to_string(t->hi - t->lo) + "): this thread writes at " + pc_text(pc) +
                               ", thread " + tid_text(s.w_tid) + " wrote it at " + pc_text(s.w_pc) +
                               " with no barrier between");
-      if (s.has_reader && s.r_gen == gen &&
+      if (s.has_reader && s.r_gen == gen && !(atomic && s.r_atomic) &&
           (s.r_multi_warp || s.r_warp != warp ||
            (!warp_ordered(wp, s.r_wgen, s.r_tid % 32, wgen, tid % 32) && (s.r_many || s.r_tid != tid))))
         race_report(*t, a, "write-after-read race", s.r_tid, true, pc, s.r_pc);
       s.has_writer = true;
+      s.w_atomic = atomic;
       s.w_tid = uint16_t(tid);
       s.w_gen = gen;
       s.w_wgen = wgen;
@@ -1024,8 +1031,9 @@ bool race_access(uintptr_t a, size_t size, bool write, int32_t pc) {
       if ((tl_checks & kCheckInit) && (s.written & bytes) != bytes)
         fail_in_block(MESA_EMU_CHECK_INIT, std::string("reads byte ") + std::to_string(a - t->lo) + " of __shared__ `" +
                                                t->name + "`, which no thread of this block has written");
-      if (s.has_writer && unordered(s.w_tid, s.w_gen, s.w_wgen))
+      if (s.has_writer && !both_atomic_w && unordered(s.w_tid, s.w_gen, s.w_wgen))
         race_report(*t, a, "read-after-write race", s.w_tid, false, pc, s.w_pc);
+      s.r_atomic = (s.has_reader && s.r_gen == gen ? s.r_atomic : true) && atomic;
       if (!s.has_reader || s.r_gen != gen) {
         s.has_reader = true;
         s.r_gen = gen;
@@ -1418,10 +1426,7 @@ bool in_constant(uintptr_t a) {
 void access_slow(uintptr_t a, size_t size, bool write, bool atomic, uintptr_t ret) {
   ThreadState& self = *tl_current;
   if (self.ww.pending) resolve_pending_write(self);
-  if (a >= tl_tracked_lo && a < tl_tracked_hi) {
-    if (atomic) return;  // shared-memory atomics: never a conflict with each other; not tracked
-    if (race_access(a, size, write, pc_offset(ret - 1))) return;
-  }
+  if (a >= tl_tracked_lo && a < tl_tracked_hi && race_access(a, size, write, pc_offset(ret - 1), atomic)) return;
   global_access(a, size, write, atomic, pc_offset(ret - 1));
 }
 
