@@ -1159,7 +1159,7 @@ struct RaceAlloc {
   size_t bytes = 0;
   GlobalShadow* shadow = nullptr;
 };
-// Global memory is shadowed per 2 bytes, 40 bytes of shadow per entry (20 times the
+// Global memory is shadowed per 2 bytes, 48 bytes of shadow per entry (24 times the
 // allocation, made as the kernels touch it); larger allocations than this go unchecked. An
 // entry records which of its bytes the writer and the readers touched: 8-bit elements of two
 // threads in one entry do not conflict (the entry then remembers the last writer's byte only,
