@@ -348,7 +348,7 @@ fn running_statistics_start_exact_then_follow_the_moving_average() {
         assert!((s2 - want_r).abs() < 1e-4, "group {g}: range {s2}, EMA of the range {want_r}");
     }
     // every site has its own estimate, one group per head
-    for site in CodeSite::ALL {
+    for site in CodeSite::GPT {
         assert_eq!(running.running_params(site).unwrap().map(|p| p.len()), Some(heads), "{site:?}");
     }
 }
@@ -384,16 +384,16 @@ fn code_report_of_the_running_estimate_counts_clamped_and_widened_groups() {
     let layer = TransformerLayer::new(running_cfg, &dev).unwrap();
     let exact = TransformerLayer::new(exact_cfg, &dev).unwrap();
     let x1 = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32).to_device(&dev).unwrap();
-    for site in CodeSite::ALL {
+    for site in CodeSite::GPT {
         assert_eq!(layer.code_report(site).unwrap(), None, "{site:?}: nothing before the first forward");
     }
     exact.forward_seeded(&x1, 0).unwrap();
-    for site in CodeSite::ALL {
+    for site in CodeSite::GPT {
         assert_eq!(exact.code_report(site).unwrap(), None, "{site:?}: exact statistics report nothing");
     }
     // forward 1: exact statistics of its own batch: nothing clamps, rounding error ≤ 1/2 step
     layer.forward_seeded(&x1, 0).unwrap();
-    for site in CodeSite::ALL {
+    for site in CodeSite::GPT {
         let r = layer.code_report(site).unwrap().expect("a report after the first forward");
         assert_eq!((r.groups, r.batches, r.widened_groups, r.clamped_groups), (heads, 1, 0, 0), "{site:?}");
         assert_eq!((r.max_clamp_steps, r.max_error_steps), (0.0, 0.5), "{site:?}");
@@ -444,8 +444,108 @@ fn code_report_of_the_running_estimate_counts_clamped_and_widened_groups() {
         }
     }
     // every site: within one step of the saved scale (clamped in the band, else widened)
-    for site in CodeSite::ALL {
+    for site in CodeSite::GPT {
         let r = layer.code_report(site).unwrap().unwrap();
         assert!(r.batches == 4 && r.max_clamp_steps <= 1.0 + tol && r.max_error_steps >= 0.5, "{site:?}: {r:?}");
+    }
+}
+
+/// A Llama block (RMSNorm, RoPE, GQA, SwiGLU) of width 64, 8 query heads of 8 dims and
+/// `kv_heads` K/V heads, with dropout so that every mask site is exercised.
+fn llama(kv_heads: usize, recompute: Recompute) -> LayerConfig {
+    LayerConfig {
+        recompute,
+        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+        ..LayerConfig::llama(64, 8, kv_heads, 128)
+    }
+}
+
+#[test]
+fn llama_block_gradients_match_plain_candle_for_every_gqa_ratio() {
+    // GQA ratios 1 (multi-head), 4, and H = 8 (multi-query)
+    for kv in [8, 2, 1] {
+        check(&llama(kv, Recompute::None), &format!("llama H_kv {kv}"));
+    }
+    for recompute in [Recompute::Selective, Recompute::Full] {
+        check(&llama(2, recompute), &format!("llama H_kv 2 {recompute:?}"));
+    }
+}
+
+#[test]
+fn llama_block_rotates_by_its_rope_config() {
+    use mesa_candle::layer::{Block, LlamaBlock};
+    use mesa_candle::ops::{RopeConfig, RopePairing};
+    // GPT-J pairing over half of each head, Llama 3's base, a position offset: the reference
+    // builds its angles independently (f64, host), so a wrong pairing, base or offset fails
+    let rope =
+        RopeConfig { base: 500_000.0, pairing: RopePairing::Interleaved, rotary_dims: Some(4), position_offset: 5 };
+    let cfg = LayerConfig { block: Block::Llama(LlamaBlock { kv_heads: 4, rope }), ..llama(4, Recompute::None) };
+    check(&cfg, "llama interleaved partial rope");
+}
+
+#[test]
+fn llama_checkpoint_names_load_and_bad_llama_configurations_are_typed_errors() {
+    let cfg = LayerConfig::llama(16, 4, 2, 32);
+    let layer = TransformerLayer::new(cfg.clone(), &Device::Cpu).unwrap();
+    let names: Vec<&str> = layer.layout().entries().iter().map(|e| e.name).collect();
+    assert_eq!(
+        names,
+        [
+            "input_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight"
+        ]
+    );
+    let prefix = "model.layers.7.";
+    let mut map: std::collections::HashMap<String, Tensor> = layer
+        .layout()
+        .unflatten(layer.params().as_tensor())
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (format!("{prefix}{n}"), t))
+        .collect();
+    let loaded = TransformerLayer::from_tensors(cfg.clone(), &map, prefix, &Device::Cpu).unwrap();
+    assert_eq!(flat(loaded.params().as_tensor()), flat(layer.params().as_tensor()));
+    // K and V have H_kv·d = 2·4 rows
+    let k = loaded.layout().view(loaded.params().as_tensor(), "self_attn.k_proj.weight").unwrap();
+    assert_eq!(k.dims(), &[8, 16]);
+    assert_eq!(flat(&k), flat(&map["model.layers.7.self_attn.k_proj.weight"]));
+    // the norms start at 1
+    let w = layer.layout().view(layer.params().as_tensor(), "post_attention_layernorm.weight").unwrap();
+    assert!(flat(&w).iter().all(|&v| v == 1.0));
+    let key = "model.layers.7.self_attn.v_proj.weight";
+    map.insert(key.into(), Tensor::zeros((16, 16), DType::F32, &Device::Cpu).unwrap());
+    let e = TransformerLayer::from_tensors(cfg.clone(), &map, prefix, &Device::Cpu).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::Shape { what, .. }) if what == key), "{e}");
+    let mut rope = mesa_candle::ops::RopeConfig::llama(10_000.0);
+    let with_rope = |rope| LayerConfig {
+        block: mesa_candle::layer::Block::Llama(mesa_candle::layer::LlamaBlock { kv_heads: 2, rope }),
+        ..cfg.clone()
+    };
+    rope.rotary_dims = Some(3);
+    let odd_rotary = with_rope(rope);
+    rope.rotary_dims = None;
+    rope.base = 1.0;
+    let bad_base = with_rope(rope);
+    let la = Attention::Linear { config: LinearAttentionConfig::causal(), map: FeatureKind::Elu1 };
+    for (bad, field) in [
+        (LayerConfig::llama(16, 4, 3, 32), "kv_heads"),
+        (LayerConfig::llama(16, 4, 0, 32), "kv_heads"),
+        (LayerConfig { norm: NormPlacement::Post, ..cfg.clone() }, "norm"),
+        (LayerConfig { attention: la, ..cfg.clone() }, "attention"),
+        (odd_rotary, "rope.rotary_dims"),
+        (bad_base, "rope.base"),
+    ] {
+        let e = TransformerLayer::new(bad.clone(), &Device::Cpu).unwrap_err();
+        assert!(
+            matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name, .. }) if *name == field),
+            "{field}: {e}"
+        );
     }
 }

@@ -95,10 +95,13 @@ fn a_stack_of_regions_keeps_its_inputs_and_output() {
     let (layers, b, n, c) = (3, 2, 64, 64);
     let config = LayerConfig::new(c, 4, 4 * c);
     let device = Device::Cpu;
+    // behind `Arc`s: each region's closure then captures two pointers, not a copy of the
+    // config and of the name table (user state, which the planner does not count)
+    let config = std::sync::Arc::new(config);
     let vars: Vec<_> = (0..layers)
         .map(|_| {
-            let l = TransformerLayer::new(config.clone(), &device).unwrap();
-            reference::variables(l.layout(), l.params().as_tensor(), DType::F32).unwrap()
+            let l = TransformerLayer::new((*config).clone(), &device).unwrap();
+            std::sync::Arc::new(reference::variables(l.layout(), l.params().as_tensor(), DType::F32).unwrap())
         })
         .collect();
     let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (b, n, c), &device).unwrap()).unwrap();
@@ -107,7 +110,7 @@ fn a_stack_of_regions_keeps_its_inputs_and_output() {
         measure(&COUNTER, b * n * c * 4, &dy, || {
             vars.iter().try_fold(x.as_tensor().clone(), |h, p| {
                 if regions {
-                    let (cfg, p) = (config.clone(), p.clone());
+                    let (cfg, p) = (std::sync::Arc::clone(&config), std::sync::Arc::clone(p));
                     checkpoint(&h, move |h| reference::forward(&cfg, &p, h, 0))
                 } else {
                     reference::forward(&config, p, &h, 0)

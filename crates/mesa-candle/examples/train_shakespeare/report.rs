@@ -343,7 +343,7 @@ pub fn markdown(s: &Settings, variants: &[Variant], results: &[RunResult], sum: 
     }
     let coded: Vec<&RunResult> = results.iter().filter(|r| r.codes.is_some()).collect();
     if !coded.is_empty() {
-        let names: Vec<String> = CodeSite::ALL.iter().map(|c| format!("{c:?}")).collect();
+        let names: Vec<String> = CodeSite::GPT.iter().map(|c| format!("{c:?}")).collect();
         let _ = writeln!(
             o,
             "Running estimate in training (Mesa §3.3, momentum 0.9): per run and coded tensor, the groups saved with the batch's own range because it left the estimate by more than one step (widened, of all group-batches: groups × layers × steps), and the largest error of a saved element in quantization steps (bound ½ inside the range, exact above it).\n"
@@ -463,7 +463,7 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
             let c = r.codes.as_ref()?;
             Some(json!({
                 "run": r.spec.name,
-                "sites": CodeSite::ALL.iter().zip(c).map(|(site, c)| json!({
+                "sites": CodeSite::GPT.iter().zip(c).map(|(site, c)| json!({
                     "site": format!("{site:?}"),
                     "group_batches": c.groups,
                     "widened": c.widened,

@@ -190,7 +190,7 @@ fn planned_bytes_per_step(layer: &LayerConfig, plain: bool, layers: usize, batch
 }
 
 /// The running estimate over training: `[site][reading][layer][head]`, sites as
-/// [`CodeSite::ALL`].
+/// [`CodeSite::GPT`].
 #[derive(Debug, Clone, Default)]
 pub struct Estimates {
     pub run: String,
@@ -202,10 +202,10 @@ pub struct Estimates {
 fn record(est: &mut Estimates, step: usize, layers: &[Arc<TransformerLayer>]) -> Result<(), mesa_candle::Error> {
     est.steps.push(step);
     if est.offset.is_empty() {
-        est.offset = vec![Vec::new(); CodeSite::ALL.len()];
-        est.range = vec![Vec::new(); CodeSite::ALL.len()];
+        est.offset = vec![Vec::new(); CodeSite::GPT.len()];
+        est.range = vec![Vec::new(); CodeSite::GPT.len()];
     }
-    for (i, site) in CodeSite::ALL.iter().enumerate() {
+    for (i, site) in CodeSite::GPT.iter().enumerate() {
         let (mut off, mut rng) = (Vec::new(), Vec::new());
         for l in layers {
             let levels = ((1u32 << l.config().bits) - 1) as f32;
@@ -233,7 +233,7 @@ pub struct SiteCodes {
 }
 
 fn tally(codes: &mut [SiteCodes], layers: &[Arc<TransformerLayer>]) -> Result<(), mesa_candle::Error> {
-    for (c, site) in codes.iter_mut().zip(CodeSite::ALL) {
+    for (c, site) in codes.iter_mut().zip(CodeSite::GPT) {
         for l in layers {
             if let Some(r) = l.code_report(site)? {
                 c.groups += r.groups as u64;
@@ -275,7 +275,7 @@ pub struct RunResult {
     pub peak_bytes: usize,
     pub planned: Option<u64>,
     pub memory: StepMemory,
-    /// Per site of [`CodeSite::ALL`], under running statistics.
+    /// Per site of [`CodeSite::GPT`], under running statistics.
     pub codes: Option<Vec<SiteCodes>>,
     pub estimates: Option<Estimates>,
     pub parity: Option<Parity>,
@@ -338,7 +338,7 @@ pub fn train(
     let order = data::train_order(corpus.train.len(), s.context, s.batch, s.steps, data_seed(spec.seed));
     let running = !v.plain && v.config.stats == StatsMode::Running;
     let mut est = (running && spec.record).then(|| Estimates { run: spec.name.clone(), ..Estimates::default() });
-    let mut codes = running.then(|| vec![SiteCodes::default(); CodeSite::ALL.len()]);
+    let mut codes = running.then(|| vec![SiteCodes::default(); CodeSite::GPT.len()]);
     let mut parity = (v.plain && spec.record && v.name == "a").then(|| Parity::new(&spec.name, s.parity_every()));
     let eval_at = s.eval_steps();
     let start = Instant::now();

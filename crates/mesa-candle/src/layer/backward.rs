@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::{DType, Tensor};
 
 use super::dropout::{self, DropoutSite};
-use super::forward::{self, Codes, Plan, Saved};
+use super::forward::{self, Codes, Kept, Plan, Saved};
 use super::kernels::SoftmaxSource;
 use super::{NormPlacement, Recompute};
 use crate::attach::Backward;
@@ -34,7 +34,11 @@ impl Backward for LayerGrad {
                 recomputed.inner.as_ref().ok_or(crate::Error::StateConsumed { op: "transformer layer" })?
             }
         };
-        let result = layer_backward(&self.plan, codes, &x, &params, &grad.to_dtype(DType::F32)?);
+        let dy = grad.to_dtype(DType::F32)?;
+        let result = match codes {
+            Kept::Gpt(codes) => layer_backward(&self.plan, codes, &x, &params, &dy),
+            Kept::Llama(codes) => super::llama::backward(&self.plan, codes, &x, &params, &dy),
+        };
         let (dx, grads) = match &self.plan.tp {
             Some(tp) => crate::parallel::tell_peers(tp.comm.as_ref(), result)?,
             None => result?,

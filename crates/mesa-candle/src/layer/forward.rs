@@ -69,6 +69,12 @@ impl Quantizers {
         self.sites[site as usize].running_params()
     }
 
+    /// The quantizers of SwiGLU's gate ([`CodeSite::FfnIn`]) and up projection ([`CodeSite::FfnUp`]).
+    pub fn swiglu(&mut self) -> mesa_kernels::fused::SwigluQuantizers<'_> {
+        let (low, high) = self.sites.split_at_mut(CodeSite::FfnUp as usize);
+        mesa_kernels::fused::SwigluQuantizers { gate: &mut low[CodeSite::FfnIn as usize], up: &mut high[0] }
+    }
+
     /// The report of `site`'s last batch (`None` before it, when not recorded, or for a site
     /// without a quantizer).
     pub fn report(&self, site: CodeSite) -> mesa_kernels::Result<Option<BatchReport>> {
@@ -79,7 +85,16 @@ impl Quantizers {
 /// What one forward keeps for its backward (the module docs' table).
 #[derive(Debug)]
 pub struct Saved {
-    pub(crate) inner: Option<Codes>,
+    pub(crate) inner: Option<Kept>,
+}
+
+/// The codes of one block design. Held inline: the planner counts the backward state's
+/// size as one allocation (`BACKWARD_STATE_BYTES`), and both variants are of similar size.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Kept {
+    Gpt(Codes),
+    Llama(super::llama::Codes),
 }
 
 #[derive(Debug)]
@@ -100,7 +115,11 @@ impl Saved {
     /// [`Recompute::Full`].
     #[must_use]
     pub fn size_in_bytes(&self) -> usize {
-        self.inner.as_ref().map_or(0, |c| {
+        self.inner.as_ref().map_or(0, |kept| {
+            let c = match kept {
+                Kept::Gpt(c) => c,
+                Kept::Llama(l) => return l.size_in_bytes(),
+            };
             let acts = [&c.q, &c.k, &c.v, &c.attn_out, &c.u].iter().map(|s| s.size_in_bytes()).sum::<usize>();
             acts + c.ln1.size_in_bytes()
                 + c.ln2.size_in_bytes()
@@ -123,6 +142,40 @@ impl Plan {
     /// The heads of this rank: `H/t`.
     pub fn local_heads(&self) -> usize {
         self.config.heads / self.tensor()
+    }
+
+    /// The K/V heads of this rank: `H_kv/t`.
+    pub fn local_kv_heads(&self) -> usize {
+        self.config.kv_heads() / self.tensor()
+    }
+
+    /// `[B, H, N, e]` → `[B, H_kv, (H/H_kv)·N, e]`: the query heads that share a KV head as one
+    /// matrix (query head `i` reads KV head `⌊i/(H/H_kv)⌋`, Hugging Face's `repeat_kv` order), so
+    /// a product with the KV head's `[N, e]` serves the whole group without repeating it. A
+    /// reshape of a contiguous tensor; the identity for `H_kv = H`.
+    pub fn group_queries(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, h, n, e) = t.dims4()?;
+        let kv = self.local_kv_heads();
+        t.contiguous()?.reshape((b, kv, h / kv * n, e))
+    }
+
+    /// The inverse of [`Plan::group_queries`]: `[B, H_kv, (H/H_kv)·N, e]` → `[B, H, N, e]`.
+    pub fn ungroup_queries(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, kv, gn, e) = t.dims4()?;
+        let h = self.local_heads();
+        t.contiguous()?.reshape((b, h, gn * kv / h, e))
+    }
+
+    /// `[B, N, H_kv·d]` → `[B, H_kv, N, d]` (contiguous).
+    pub fn split_kv_heads(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, n, _) = t.dims3()?;
+        t.reshape((b, n, self.local_kv_heads(), self.config.head_dim()))?.transpose(1, 2)?.contiguous()
+    }
+
+    /// `[B, H_kv, N, d]` → `[B, N, H_kv·d]` (contiguous).
+    pub fn merge_kv_heads(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, _, n, _) = t.dims4()?;
+        t.transpose(1, 2)?.contiguous()?.reshape((b, n, self.local_kv_heads() * self.config.head_dim()))
     }
 
     /// `g`: the rank's `[B, S_r, C]` shard → the whole `[B, S, C]` (all-gather); the tensor
@@ -221,7 +274,7 @@ impl Plan {
             CodeSite::Q | CodeSite::K | CodeSite::V => self.head_codes(),
             CodeSite::Ln1 | CodeSite::Ln2 => self.token_codes(),
             // a rank's C/t and F/t channels: H/t head-sized slices
-            CodeSite::AttnOut | CodeSite::FfnIn => {
+            CodeSite::AttnOut | CodeSite::FfnIn | CodeSite::FfnUp => {
                 self.codes(Grouping::Channels { axis: 2, groups: self.local_heads() })
             }
         };
@@ -297,7 +350,8 @@ impl Plan {
             .transpose()
     }
 
-    /// `softmax(QKᵀ/√d + mask)` by our softmax kernel; its codes when `save`.
+    /// `softmax(QKᵀ/√d + mask)` by our softmax kernel; its codes when `save`. `q: [B, H, N, d]`,
+    /// `k: [B, H_kv, N, d]` (grouped queries, [`Plan::group_queries`]) → `[B, H, N, N]`.
     pub fn probabilities(
         &self,
         q: &Tensor,
@@ -305,7 +359,7 @@ impl Plan {
         save: bool,
     ) -> candle_core::Result<(Tensor, Option<SavedActivation>)> {
         let scale = 1.0 / (self.config.head_dim() as f64).sqrt();
-        let s = (q.matmul(&k.t()?)? * scale)?;
+        let s = (self.ungroup_queries(&self.group_queries(q)?.matmul(&k.t()?)?)? * scale)?;
         let mask = self.causal_mask(q.dim(2)?)?;
         let save = save.then(|| self.softmax_save());
         self.ctx.softmax(&s, mask.as_ref(), save.as_ref())
@@ -321,6 +375,26 @@ pub(crate) fn run(
     policy: Recompute,
     quant: &mut Quantizers,
 ) -> candle_core::Result<(Tensor, Saved)> {
+    let (y, kept) = match plan.config.block {
+        super::Block::Gpt => {
+            let (y, codes) = run_gpt(plan, x, params, policy, quant)?;
+            (y, Kept::Gpt(codes))
+        }
+        super::Block::Llama(block) => {
+            let (y, codes) = super::llama::forward(plan, &block, x, params, policy, quant)?;
+            (y, Kept::Llama(codes))
+        }
+    };
+    Ok((y, Saved { inner: (policy != Recompute::Full).then_some(kept) }))
+}
+
+fn run_gpt(
+    plan: &Plan,
+    x: &Tensor,
+    params: &Tensor,
+    policy: Recompute,
+    quant: &mut Quantizers,
+) -> candle_core::Result<(Tensor, Codes)> {
     let (cfg, ctx) = (&plan.config, &plan.ctx);
     let w = |name: &str| plan.w(params, name);
     let pre = cfg.norm == NormPlacement::Pre;
@@ -380,7 +454,5 @@ pub(crate) fn run(
     let (Some(ln1), Some(ln2)) = (ln1, ln2) else {
         return Err(crate::Error::StateConsumed { op: "transformer layer" }.into());
     };
-    let codes = Codes { ln1, ln2, q: q_s, k: k_s, v: v_s, p: p_s, attn_out: a_s, u: u_s, la };
-    let inner = (policy != Recompute::Full).then_some(codes);
-    Ok((y, Saved { inner }))
+    Ok((y, Codes { ln1, ln2, q: q_s, k: k_s, v: v_s, p: p_s, attn_out: a_s, u: u_s, la }))
 }

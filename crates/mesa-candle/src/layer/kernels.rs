@@ -5,6 +5,8 @@ use mesa_kernels::fused::{
     softmax_backward_plain, softmax_forward, LayerNormBackward, LayerNormForward, LayerNormGrads, SoftmaxBackwardPlain,
     SoftmaxInput,
 };
+use mesa_kernels::fused::{swiglu_backward, swiglu_forward, SavedSwiglu, SwigluGrads, SwigluInput, SwigluQuantizers};
+use mesa_kernels::rope::{rope, rope_backward, RopeConfig};
 use mesa_kernels::{GeluForm, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave};
 
 use crate::bridge::{Output, View};
@@ -153,6 +155,95 @@ impl Ctx {
             gelu_backward(&self.kernels, GeluForm::Erf, saved, &dv.tensor_ref::<f32>()?, &mut dx.tensor_mut()?).k()?;
         }
         dx.into_tensor()
+    }
+}
+
+/// What an RMSNorm of the layer keeps: the codes of `x̂` and the per-row `rms = 1/rstd`
+/// (`[B, N, 1]` f32).
+#[derive(Debug)]
+pub(crate) struct SavedRms {
+    pub xhat: SavedActivation,
+    pub rms: Tensor,
+}
+
+impl SavedRms {
+    pub fn size_in_bytes(&self) -> usize {
+        self.xhat.size_in_bytes() + self.rms.elem_count() * 4
+    }
+}
+
+impl Ctx {
+    /// RMSNorm forward `x̂·w`, `x̂ = x/rms` ([`crate::ops::RmsNorm`]'s arithmetic), saving the
+    /// codes of `x̂` and `rms`.
+    pub fn rms_norm(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        q: &mut Quantizer,
+    ) -> candle_core::Result<(Tensor, SavedRms)> {
+        let rms = crate::ops::rms_norm::rms_of(x, eps)?;
+        let xhat = x.broadcast_div(&rms)?;
+        let y = xhat.broadcast_mul(w)?;
+        let xhat = self.quantize(&xhat, q)?;
+        Ok((y, SavedRms { xhat, rms }))
+    }
+
+    /// RMSNorm backward from the codes: `(dx, dw)`.
+    pub fn rms_norm_backward(
+        &self,
+        saved: &SavedRms,
+        w: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        crate::ops::rms_norm::rms_norm_grads(&self.decode(&saved.xhat)?, &saved.rms, w, dy)
+    }
+
+    /// `x̂·w` from the saved codes of an RMSNorm: its output, decoded.
+    pub fn rms_norm_output(&self, saved: &SavedRms, w: &Tensor) -> candle_core::Result<Tensor> {
+        self.decode(&saved.xhat)?.broadcast_mul(w)
+    }
+
+    /// RoPE of `x: [B, heads, N, d]`, or its inverse (the backward).
+    pub fn rope(&self, x: &Tensor, config: &RopeConfig, inverse: bool) -> candle_core::Result<Tensor> {
+        let mut y = self.out(x.shape())?;
+        {
+            let xv = View::of(x)?;
+            let (xr, mut yr) = (xv.tensor_ref::<f32>()?, y.tensor_mut()?);
+            if inverse {
+                rope_backward(&self.kernels, config, &xr, &mut yr).k()?;
+            } else {
+                rope(&self.kernels, config, &xr, &mut yr).k()?;
+            }
+        }
+        y.into_tensor()
+    }
+
+    /// SwiGLU `silu(g)·u` saving the codes of `g` and `u`.
+    pub fn swiglu(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        quantizers: SwigluQuantizers<'_>,
+    ) -> candle_core::Result<(Tensor, SavedSwiglu)> {
+        let mut y = self.out(g.shape())?;
+        let saved = {
+            let (gv, uv) = (View::of(g)?, View::of(u)?);
+            let (gr, ur) = (gv.tensor_ref::<f32>()?, uv.tensor_ref::<f32>()?);
+            swiglu_forward(&self.kernels, quantizers, &SwigluInput { gate: &gr, up: &ur }, &mut y.tensor_mut()?).k()?
+        };
+        Ok((y.into_tensor()?, saved))
+    }
+
+    /// SwiGLU backward from the codes: `(dg, du)`.
+    pub fn swiglu_backward(&self, saved: &SavedSwiglu, dy: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let (mut dg, mut du) = (self.out(dy.shape())?, self.out(dy.shape())?);
+        {
+            let dv = View::of(dy)?;
+            let grads = SwigluGrads { gate: &mut dg.tensor_mut()?, up: &mut du.tensor_mut()? };
+            swiglu_backward(&self.kernels, saved, &dv.tensor_ref::<f32>()?, grads).k()?;
+        }
+        Ok((dg.into_tensor()?, du.into_tensor()?))
     }
 }
 

@@ -45,6 +45,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Module, Tensor, Var};
 use mesa_kernels::linear_attention::LinearAttentionConfig;
+use mesa_kernels::rope::RopeConfig;
 use mesa_kernels::{GroupParams, StatsMode};
 
 use crate::attach::attach;
@@ -60,6 +61,7 @@ pub mod dropout;
 pub(crate) const BACKWARD_STATE_BYTES: usize = crate::attach::carrier_bytes::<backward::LayerGrad>();
 mod forward;
 mod kernels;
+mod llama;
 pub mod measure;
 mod params;
 pub mod reference;
@@ -121,14 +123,61 @@ pub enum CodeSite {
     AttnOut,
     /// `x̂` of the second LayerNorm `[B, N, C]`, per head-sized channel slice.
     Ln2,
-    /// The FFN pre-activation `u` `[B, N, F]`, `H` channel slices of `F/H`.
+    /// The FFN pre-activation `u` `[B, N, F]`, `H` channel slices of `F/H` (a Llama block's
+    /// gate projection `g`, the argument of silu).
     FfnIn,
+    /// A Llama block's up projection `u` `[B, N, F]` (the factor of SwiGLU), as
+    /// [`CodeSite::FfnIn`]; a GPT block has none.
+    FfnUp,
 }
 
 impl CodeSite {
     /// Every site, in the order of the forward.
-    pub const ALL: [CodeSite; 7] =
+    pub const ALL: [CodeSite; 8] = [
+        CodeSite::Ln1,
+        CodeSite::Q,
+        CodeSite::K,
+        CodeSite::V,
+        CodeSite::AttnOut,
+        CodeSite::Ln2,
+        CodeSite::FfnIn,
+        CodeSite::FfnUp,
+    ];
+
+    /// The sites of a GPT block ([`Block::Gpt`]): all but [`CodeSite::FfnUp`].
+    pub const GPT: [CodeSite; 7] =
         [CodeSite::Ln1, CodeSite::Q, CodeSite::K, CodeSite::V, CodeSite::AttnOut, CodeSite::Ln2, CodeSite::FfnIn];
+}
+
+/// The design of the block: which norms, projections, position code and MLP.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Block {
+    /// GPT-2 / BERT / ViT: LayerNorm with bias, biased projections, as many K/V heads as Q
+    /// heads, GELU (erf) MLP, no position code (the caller adds it to the input).
+    Gpt,
+    /// Llama / Mistral / Qwen ([`LlamaBlock`]): pre-RMSNorm, no biases, RoPE on Q and K,
+    /// grouped-query attention, SwiGLU MLP.
+    Llama(LlamaBlock),
+}
+
+/// The parts of a Llama-style block (Touvron et al. 2023, §2.2; grouped-query attention:
+/// Ainslie et al. 2023):
+///
+/// ```text
+/// h = RMSNorm₁(x);  x₂ = x + Attn(h)·W_oᵀ;  y = x₂ + (silu(h₂W_gᵀ) ⊙ h₂W_uᵀ)·W_dᵀ,  h₂ = RMSNorm₂(x₂)
+/// Attn(h) = softmax(RoPE(hW_qᵀ)·RoPE(hW_kᵀ)ᵀ/√d + causal) · hW_vᵀ,  query head i reading KV head ⌊i/(H/H_kv)⌋
+/// ```
+///
+/// The K and V codes are kept once per KV head (`[B, H_kv, N, d]`), never repeated: the
+/// products run on the query heads of a group as one `[(H/H_kv)·N, d]` matrix against their
+/// KV head, and the K, V gradients sum over the group inside the same product.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LlamaBlock {
+    /// K/V heads `H_kv`, dividing `heads` (`heads`: multi-head; 1: multi-query).
+    pub kv_heads: usize,
+    /// The rotation of Q and K (base, pairing, rotated dims; Llama: halves, base 10 000 or
+    /// 500 000).
+    pub rope: RopeConfig,
 }
 
 /// How the codes of one [`CodeSite`] fared in the layer's last forward under
@@ -201,6 +250,8 @@ impl DropoutConfig {
 /// The configuration of a [`TransformerLayer`].
 #[derive(Debug, Clone)]
 pub struct LayerConfig {
+    /// The block's design ([`LayerConfig::new`]: GPT; [`LayerConfig::llama`]: Llama).
+    pub block: Block,
     /// Model width `C`.
     pub hidden: usize,
     /// Heads `H` (`C = H·d`).
@@ -230,7 +281,7 @@ pub struct LayerConfig {
     /// a run replays from its seeds; the running estimate's quantizers, kept across calls,
     /// advance their own call counter from the first call's keys.
     pub stochastic_rounding: bool,
-    /// LayerNorm ε.
+    /// ε of the norms (LayerNorm's, or RMSNorm's in a Llama block).
     pub eps: f32,
 }
 
@@ -240,6 +291,7 @@ impl LayerConfig {
     #[must_use]
     pub fn new(hidden: usize, heads: usize, ffn: usize) -> Self {
         LayerConfig {
+            block: Block::Gpt,
             hidden,
             heads,
             ffn,
@@ -251,6 +303,37 @@ impl LayerConfig {
             stats: StatsMode::Exact,
             stochastic_rounding: false,
             eps: 1e-5,
+        }
+    }
+
+    /// A Llama block ([`LlamaBlock`]) of width `hidden`, `heads` query heads and `kv_heads`
+    /// K/V heads, SwiGLU width `ffn`: causal softmax attention, RoPE with base 10 000 over
+    /// the two halves, RMSNorm ε 1e-5, 8-bit codes with exact statistics, no recomputation,
+    /// no dropout (Llama 2's settings; set `rope.base` to 500 000 and `eps` to 1e-5 for
+    /// Llama 3, 1e-6 for Llama 2 7B's checkpoint).
+    #[must_use]
+    pub fn llama(hidden: usize, heads: usize, kv_heads: usize, ffn: usize) -> Self {
+        LayerConfig {
+            block: Block::Llama(LlamaBlock { kv_heads, rope: RopeConfig::llama(10_000.0) }),
+            ..LayerConfig::new(hidden, heads, ffn)
+        }
+    }
+
+    /// K/V heads: `H_kv` of a Llama block, `H` of a GPT block.
+    #[must_use]
+    pub fn kv_heads(&self) -> usize {
+        match self.block {
+            Block::Gpt => self.heads,
+            Block::Llama(l) => l.kv_heads,
+        }
+    }
+
+    /// The sites this block saves codes at ([`CodeSite::GPT`] or [`CodeSite::ALL`]).
+    #[must_use]
+    pub fn sites(&self) -> &'static [CodeSite] {
+        match self.block {
+            Block::Gpt => &CodeSite::GPT,
+            Block::Llama(_) => &CodeSite::ALL,
         }
     }
 
@@ -285,6 +368,30 @@ impl LayerConfig {
         }
         if matches!(self.attention, Attention::Linear { .. }) && self.dropout.attention != 0.0 {
             return bad("dropout.attention", "linear attention has no probabilities to drop".into());
+        }
+        if let Block::Llama(l) = self.block {
+            if l.kv_heads == 0 || self.heads % l.kv_heads != 0 {
+                let why = format!("{} must be a positive divisor of heads {}", l.kv_heads, self.heads);
+                return bad("kv_heads", why);
+            }
+            if self.norm != NormPlacement::Pre {
+                return bad("norm", "a Llama block normalises before each block (NormPlacement::Pre)".into());
+            }
+            if !matches!(self.attention, Attention::Softmax { .. }) {
+                let why = "a Llama block takes softmax attention (grouped linear attention: issue 41)";
+                return bad("attention", why.into());
+            }
+            let d = self.head_dim();
+            let r = l.rope.rotary_dims.unwrap_or(d);
+            if r < 2 || r % 2 != 0 || r > d {
+                return bad(
+                    "rope.rotary_dims",
+                    format!("{r} rotated dims of a head of {d}: an even number from 2 to {d}"),
+                );
+            }
+            if !(l.rope.base.is_finite() && l.rope.base > 1.0) {
+                return bad("rope.base", format!("{} must be finite and > 1", l.rope.base));
+            }
         }
         Ok(())
     }
@@ -327,7 +434,7 @@ impl TransformerLayer {
     /// [`Error::InvalidArgument`] from [`LayerConfig::validate`]; candle's errors.
     pub fn new(config: LayerConfig, device: &candle_core::Device) -> candle_core::Result<Self> {
         config.validate()?;
-        let layout = Arc::new(ParamLayout::new(config.hidden, config.ffn));
+        let layout = Arc::new(ParamLayout::of(&config)?);
         let params = layout.init(device)?;
         Ok(TransformerLayer::assemble(config, layout, params, None))
     }
@@ -344,7 +451,7 @@ impl TransformerLayer {
         device: &candle_core::Device,
     ) -> candle_core::Result<Self> {
         config.validate()?;
-        let layout = Arc::new(ParamLayout::new(config.hidden, config.ffn));
+        let layout = Arc::new(ParamLayout::of(&config)?);
         let params = Var::from_tensor(&layout.flatten(tensors, prefix, device)?)?;
         Ok(TransformerLayer::assemble(config, layout, params, None))
     }
@@ -367,6 +474,10 @@ impl TransformerLayer {
 
     fn sharded_inner(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         config.validate()?;
+        if config.block != Block::Gpt {
+            let why = "a Llama block is not split over ranks yet (issue 40)";
+            return Err(Error::InvalidArgument { name: "block", why: why.into() }.into());
+        }
         let t = comm.world_size();
         if t == 0 || config.heads % t != 0 || config.ffn % t != 0 {
             return Err(Error::InvalidArgument {

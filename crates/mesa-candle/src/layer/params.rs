@@ -5,10 +5,14 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::error::Error;
 
-/// Names, shapes and offsets (in elements) of the parameters inside the flat tensor, in the
-/// usual per-weight names of a pre-/post-LN block (GPT-J / NeoX style): `ln_1`, `attn.q_proj`,
-/// `attn.k_proj`, `attn.v_proj`, `attn.out_proj`, `ln_2`, `mlp.fc_in`, `mlp.fc_out`, each
-/// with `.weight` (`[out, in]` for the projections, as candle-nn's `Linear`) and `.bias`.
+/// Names, shapes and offsets (in elements) of the parameters inside the flat tensor.
+///
+/// A GPT block ([`ParamLayout::new`]) uses the usual per-weight names of a pre-/post-LN block
+/// (GPT-J / NeoX style): `ln_1`, `attn.q_proj`, `attn.k_proj`, `attn.v_proj`,
+/// `attn.out_proj`, `ln_2`, `mlp.fc_in`, `mlp.fc_out`, each with `.weight` (`[out, in]` for
+/// the projections, as candle-nn's `Linear`) and `.bias`. A Llama block
+/// ([`ParamLayout::llama`]) uses Hugging Face's and candle-transformers' names, without
+/// biases.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParamLayout {
     entries: Vec<ParamEntry>,
@@ -100,6 +104,63 @@ impl ParamLayout {
         Tensor::cat(&parts, 0)
     }
 
+    /// The layout of a Llama block ([`super::LlamaBlock`]) in Hugging Face's names (the part
+    /// after `model.layers.N.`): `input_layernorm.weight` `[C]`, `self_attn.q_proj.weight`
+    /// `[C, C]`, `self_attn.k_proj.weight` and `self_attn.v_proj.weight` `[H_kv·d, C]`,
+    /// `self_attn.o_proj.weight` `[C, C]`, `post_attention_layernorm.weight` `[C]`,
+    /// `mlp.gate_proj.weight` and `mlp.up_proj.weight` `[F, C]`, `mlp.down_proj.weight`
+    /// `[C, F]` (`d = C/H`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `heads` does not divide `hidden` or `kv_heads` does
+    /// not divide `heads`.
+    pub fn llama(hidden: usize, heads: usize, kv_heads: usize, ffn: usize) -> Result<Self, Error> {
+        if heads == 0 || hidden % heads != 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::InvalidArgument {
+                name: "kv_heads",
+                why: format!(
+                    "hidden {hidden}, heads {heads}, kv_heads {kv_heads}: H must divide C, H_kv must divide H"
+                ),
+            });
+        }
+        let (c, f, kv) = (hidden, ffn, kv_heads * (hidden / heads));
+        Ok(ParamLayout::from_list(vec![
+            ("input_layernorm.weight", vec![c]),
+            ("self_attn.q_proj.weight", vec![c, c]),
+            ("self_attn.k_proj.weight", vec![kv, c]),
+            ("self_attn.v_proj.weight", vec![kv, c]),
+            ("self_attn.o_proj.weight", vec![c, c]),
+            ("post_attention_layernorm.weight", vec![c]),
+            ("mlp.gate_proj.weight", vec![f, c]),
+            ("mlp.up_proj.weight", vec![f, c]),
+            ("mlp.down_proj.weight", vec![c, f]),
+        ]))
+    }
+
+    /// The unsharded layout of `config`'s block ([`ParamLayout::new`] or [`ParamLayout::llama`]).
+    ///
+    /// # Errors
+    /// As [`ParamLayout::llama`].
+    pub fn of(config: &super::LayerConfig) -> Result<Self, Error> {
+        match config.block {
+            super::Block::Gpt => Ok(ParamLayout::new(config.hidden, config.ffn)),
+            super::Block::Llama(l) => ParamLayout::llama(config.hidden, config.heads, l.kv_heads, config.ffn),
+        }
+    }
+
+    fn from_list(specs: Vec<(&'static str, Vec<usize>)>) -> Self {
+        let mut offset = 0;
+        let entries = specs
+            .into_iter()
+            .map(|(name, shape)| {
+                let e = ParamEntry { name, offset, shape };
+                offset += e.numel();
+                e
+            })
+            .collect();
+        ParamLayout { entries, total: offset }
+    }
+
     fn from_specs(hidden: usize, ffn: usize, tensor: usize) -> Self {
         let (c, f, t) = (hidden, ffn, tensor.max(1));
         let specs: [(&'static str, Vec<usize>); 16] = [
@@ -120,16 +181,7 @@ impl ParamLayout {
             ("mlp.fc_out.weight", vec![c, f / t]),
             ("mlp.fc_out.bias", vec![c]),
         ];
-        let mut offset = 0;
-        let entries = specs
-            .into_iter()
-            .map(|(name, shape)| {
-                let e = ParamEntry { name, offset, shape };
-                offset += e.numel();
-                e
-            })
-            .collect();
-        ParamLayout { entries, total: offset }
+        ParamLayout::from_list(specs.into())
     }
 
     /// The views, in order.
@@ -192,15 +244,16 @@ impl ParamLayout {
         self.entries.iter().map(|e| Ok((e.name, self.view(flat, e.name)?))).collect()
     }
 
-    /// A flat variable initialised as usual: LayerNorm weights 1, biases 0, projection
-    /// weights `N(0, 0.02²)` from candle's generator on `device`.
+    /// A flat variable initialised as usual: norm weights 1, biases 0, projection weights
+    /// `N(0, 0.02²)` from candle's generator on `device`.
     ///
     /// # Errors
     /// candle's errors.
     pub fn init(&self, device: &candle_core::Device) -> candle_core::Result<Var> {
         let mut parts = Vec::with_capacity(self.entries.len());
         for e in &self.entries {
-            let t = if e.name.starts_with("ln_") && e.name.ends_with(".weight") {
+            let norm = e.name.starts_with("ln_") || e.name.ends_with("layernorm.weight");
+            let t = if norm && e.name.ends_with(".weight") {
                 Tensor::ones(e.numel(), DType::F32, device)?
             } else if e.name.ends_with(".bias") {
                 Tensor::zeros(e.numel(), DType::F32, device)?

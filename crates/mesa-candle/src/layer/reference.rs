@@ -86,6 +86,13 @@ fn forward_impl(
     seed: u64,
     sp: Option<&SeqParallel>,
 ) -> candle_core::Result<Tensor> {
+    if let super::Block::Llama(block) = config.block {
+        if sp.is_some() {
+            let why = "a Llama block is not split over ranks yet (issue 40)";
+            return Err(crate::Error::InvalidArgument { name: "block", why: why.into() }.into());
+        }
+        return llama_forward(config, &block, p, x, seed);
+    }
     let (b, n_r, c) = x.dims3()?;
     let (t, rank) = sp.map_or((1, 0), |sp| (sp.comm().world_size(), sp.comm().rank()));
     let (offset, _) = sp.map_or((0, n_r), SeqParallel::shard);
@@ -197,4 +204,98 @@ fn forward_impl(
     } else {
         ln(&z2, "ln_2")
     }
+}
+
+/// `x̂·w`, `x̂ = x/√(mean(x²) + eps)` over the last axis.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+}
+
+/// RoPE (RoFormer eq. 34) of `x: [B, heads, N, d]` with angles `θ = p·base^(−2i/R)` computed
+/// in f64 on the host and rounded to `x`'s dtype.
+fn rope(x: &Tensor, config: &mesa_kernels::rope::RopeConfig) -> candle_core::Result<Tensor> {
+    use mesa_kernels::rope::RopePairing;
+    let (_, _, n, d) = x.dims4()?;
+    let r = config.rotary_dims.unwrap_or(d);
+    let half = r / 2;
+    let mut cos = Vec::with_capacity(n * half);
+    let mut sin = Vec::with_capacity(n * half);
+    for s in 0..n {
+        for i in 0..half {
+            let inv_freq = f64::from(config.base).powf(-2.0 * i as f64 / r as f64);
+            let theta = (config.position_offset + s) as f64 * inv_freq;
+            cos.push(theta.cos());
+            sin.push(theta.sin());
+        }
+    }
+    let cos = Tensor::from_vec(cos, (n, half), x.device())?.to_dtype(x.dtype())?;
+    let sin = Tensor::from_vec(sin, (n, half), x.device())?.to_dtype(x.dtype())?;
+    let rot = x.narrow(3, 0, r)?;
+    let (x1, x2) = match config.pairing {
+        RopePairing::Halves => (rot.narrow(3, 0, half)?, rot.narrow(3, half, half)?),
+        RopePairing::Interleaved => {
+            let pairs = rot.reshape((x.dim(0)?, x.dim(1)?, n, half, 2))?;
+            (pairs.narrow(4, 0, 1)?.squeeze(4)?, pairs.narrow(4, 1, 1)?.squeeze(4)?)
+        }
+    };
+    let y1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+    let y2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+    let rotated = match config.pairing {
+        RopePairing::Halves => Tensor::cat(&[&y1, &y2], 3)?,
+        RopePairing::Interleaved => Tensor::stack(&[&y1, &y2], 4)?.flatten_from(3)?,
+    };
+    if r == d {
+        Ok(rotated)
+    } else {
+        Tensor::cat(&[&rotated, &x.narrow(3, r, d - r)?], 3)
+    }
+}
+
+/// The Llama block ([`super::LlamaBlock`]) in plain candle ops: RMSNorm, projections,
+/// RoPE, K and V repeated to the query heads (Hugging Face's `repeat_kv`), softmax with the
+/// causal mask, SwiGLU as `silu(g)·u`.
+fn llama_forward(
+    config: &LayerConfig,
+    block: &super::LlamaBlock,
+    p: &HashMap<&'static str, Var>,
+    x: &Tensor,
+    seed: u64,
+) -> candle_core::Result<Tensor> {
+    let (b, n, c) = x.dims3()?;
+    let (h, kv, d) = (config.heads, block.kv_heads, config.head_dim());
+    let dtype = x.dtype();
+    let eps = f64::from(config.eps);
+    let w = |name: &str| p[name].as_tensor().clone();
+    let lin = |t: &Tensor, name: &str| t.broadcast_matmul(&w(name).t()?);
+    let mask = |site, dims: &[usize]| -> candle_core::Result<Option<Tensor>> {
+        let prob = if site == DropoutSite::Attention { config.dropout.attention } else { config.dropout.residual };
+        dropout::mask(seed, site, prob, dims, x.device())?.map(|m| m.to_dtype(dtype)).transpose()
+    };
+    let h1 = rms_norm(x, &w("input_layernorm.weight"), eps)?;
+    let heads = |t: Tensor, count: usize| t.reshape((b, n, count, d))?.transpose(1, 2)?.contiguous();
+    let q = rope(&heads(lin(&h1, "self_attn.q_proj.weight")?, h)?, &block.rope)?;
+    let k = rope(&heads(lin(&h1, "self_attn.k_proj.weight")?, kv)?, &block.rope)?;
+    let v = heads(lin(&h1, "self_attn.v_proj.weight")?, kv)?;
+    // repeat_kv: KV head j serves query heads j·g … j·g + g − 1
+    let repeat = |t: &Tensor| -> candle_core::Result<Tensor> {
+        let g = h / kv;
+        Tensor::cat(&vec![t; g], 2)?.reshape((b, kv * g, n, d))
+    };
+    let (k, v) = (repeat(&k)?, repeat(&v)?);
+    let mut s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+    if let Attention::Softmax { causal: true } = config.attention {
+        let m: Vec<f64> = (0..n * n).map(|i| if i % n > i / n { f64::NEG_INFINITY } else { 0.0 }).collect();
+        s = s.broadcast_add(&Tensor::from_vec(m, (n, n), x.device())?.to_dtype(dtype)?)?;
+    }
+    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
+    let prob = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    let prob = dropout::apply(&prob, mask(DropoutSite::Attention, prob.dims())?.as_ref())?;
+    let o = prob.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, n, c))?;
+    let r1 = lin(&o, "self_attn.o_proj.weight")?;
+    let x2 = (x + dropout::apply(&r1, mask(DropoutSite::AttentionResidual, &[b, n, c])?.as_ref())?)?;
+    let h2 = rms_norm(&x2, &w("post_attention_layernorm.weight"), eps)?;
+    let m = (lin(&h2, "mlp.gate_proj.weight")?.silu()? * lin(&h2, "mlp.up_proj.weight")?)?;
+    let r2 = lin(&m, "mlp.down_proj.weight")?;
+    x2 + dropout::apply(&r2, mask(DropoutSite::FfnResidual, &[b, n, c])?.as_ref())?
 }

@@ -53,7 +53,7 @@ mod gelu;
 mod layer_norm;
 pub(crate) mod linear;
 mod linear_attention;
-mod rms_norm;
+pub(crate) mod rms_norm;
 mod rope;
 mod softmax;
 mod swiglu;

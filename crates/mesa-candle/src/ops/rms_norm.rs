@@ -66,17 +66,8 @@ impl RmsNorm {
             return Err(Error::UnsupportedDType { op: "rms norm", dtype: x.dtype() }.into());
         }
         let kernels = common_device("rms norm", &[x, weight])?;
-        let xf = x.detach().to_dtype(DType::F32)?;
-        // mean(x²) in f64: the square of every f32 value, 2⁻²⁹⁸ ≤ x² < 2²⁵⁶ (and sums of up to
-        // 2⁷⁶⁷ of them), is a finite normal f64; in f32, x² overflows above |x| ≈ 1.8e19
-        // (rstd = 0: output and gradients 0) and underflows below ≈ 1e-23. (Scaling each row by
-        // a power of two near its max|x| would be exact as well, but candle has no frexp, and
-        // eps would scale by its square, overflowing for tiny rows.) `rms = √(mean(x²) + eps)`
-        // lies in [√eps, max|x|] up to rounding, so it is a normal f32 and the op divides by
-        // it: `rstd = 1/rms` is subnormal for rows near f32's largest values.
-        let mean_sq = x.detach().to_dtype(DType::F64)?.sqr()?.mean_keepdim(D::Minus1)?;
-        let rms = (mean_sq + f64::from(self.eps))?.sqrt()?.to_dtype(DType::F32)?;
-        let xhat = xf.broadcast_div(&rms)?;
+        let rms = rms_of(&x.detach(), self.eps)?;
+        let xhat = x.detach().to_dtype(DType::F32)?.broadcast_div(&rms)?;
         let y = xhat.broadcast_mul(&weight.detach().to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
         let saved = {
             let view = View::of(&xhat)?;
@@ -102,12 +93,38 @@ impl Backward for RmsNormGrad {
         let mut xhat = Output::<f32>::zeros(grad.device(), &self.kernels, grad.shape())?;
         self.saved.dequantize(&self.kernels, &mut xhat.tensor_mut()?).k()?;
         let xhat = xhat.into_tensor()?;
-        let dy = grad.to_dtype(DType::F32)?;
-        let g = dy.broadcast_mul(&args[1].detach().to_dtype(DType::F32)?)?;
-        let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
-        let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_div(&self.rms)?;
-        let cols = xhat.dims().last().copied().unwrap_or(0);
-        let dw = (dy * xhat)?.reshape(((), cols))?.sum(0)?;
+        let w = args[1].detach().to_dtype(DType::F32)?;
+        let (dx, dw) = rms_norm_grads(&xhat, &self.rms, &w, &grad.to_dtype(DType::F32)?)?;
         Ok(vec![Some(dx.to_dtype(grad.dtype())?), Some(dw.to_dtype(args[1].dtype())?)])
     }
+}
+
+/// `rms = √(mean(x²) + eps)` per row of `x: [..., C]` (any float dtype), as `[..., 1]` f32.
+///
+/// `mean(x²)` is summed in f64: the square of every f32 value, 2⁻²⁹⁸ ≤ x² < 2²⁵⁶ (and sums of
+/// up to 2⁷⁶⁷ of them), is a finite normal f64; in f32, x² overflows above |x| ≈ 1.8e19
+/// (rstd = 0: output and gradients 0) and underflows below ≈ 1e-23. (Scaling each row by a
+/// power of two near its max|x| would be exact as well, but candle has no frexp, and eps would
+/// scale by its square, overflowing for tiny rows.) `rms` lies in `[√eps, max|x|]` up to
+/// rounding, so it is a normal f32 and callers divide by it: `rstd = 1/rms` is subnormal for
+/// rows near f32's largest values.
+pub(crate) fn rms_of(x: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    let mean_sq = x.to_dtype(DType::F64)?.sqr()?.mean_keepdim(D::Minus1)?;
+    (mean_sq + f64::from(eps))?.sqrt()?.to_dtype(DType::F32)
+}
+
+/// RMSNorm's backward in f32 from `x̂` (decoded), `rms` (`[..., 1]`), the weight `[C]` and
+/// `dy`: `dx = (g − x̂·mean(g·x̂))/rms` with `g = dy·w`, and `dw = Σ_rows dy·x̂` (`[C]`).
+pub(crate) fn rms_norm_grads(
+    xhat: &Tensor,
+    rms: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let g = dy.broadcast_mul(w)?;
+    let m = (&g * xhat)?.mean_keepdim(D::Minus1)?;
+    let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_div(rms)?;
+    let cols = xhat.dims().last().copied().unwrap_or(0);
+    let dw = (dy * xhat)?.reshape(((), cols))?.sum(0)?;
+    Ok((dx, dw))
 }

@@ -1,0 +1,212 @@
+//! The Llama block's forward and backward ([`super::LlamaBlock`]): pre-RMSNorm, projections
+//! without bias, RoPE on Q and K, grouped-query softmax attention, SwiGLU MLP.
+//!
+//! What the forward keeps ([`super::Recompute`] as for the GPT block):
+//!
+//! | tensor | kept as | used by |
+//! |---|---|---|
+//! | `x̂` of both RMSNorms `[B, N, C]` | codes (per head-sized channel slice) + per-row `rms` | RMSNorm backwards; the decoded norm output for the next projections' `dW` |
+//! | Q after RoPE `[B, H, N, d]` | codes (per head) | `dK`; selective recomputation of `P` |
+//! | K after RoPE, V `[B, H_kv, N, d]` | codes (per KV head, never repeated) | `dQ`, `dP`; selective recomputation |
+//! | `P` `[B, H, N, N]` ([`super::Recompute::None`] only) | codes of `√P` | softmax backward, `dV` |
+//! | attention output before `W_o` `[B, N, C]` | codes | `dW_o` |
+//! | gate `g` and up `u` projections `[B, N, F]` | codes of each (SwiGLU's forward writes them) | SwiGLU backward; `silu(ĝ)·û` for `dW_d` |
+//!
+//! RoPE is its own pass before the codes of Q and K are written (not yet fused into their
+//! encoding); its backward rotates `dQ`, `dK` back and keeps nothing.
+use std::collections::HashMap;
+
+use candle_core::Tensor;
+use mesa_kernels::fused::SavedSwiglu;
+use mesa_kernels::SavedActivation;
+
+use super::dropout::{self, DropoutSite};
+use super::forward::{Plan, Quantizers};
+use super::kernels::{SavedRms, SoftmaxSource};
+use super::{CodeSite, LlamaBlock, Recompute};
+use crate::ops::linear::linear_forward;
+
+/// What a Llama block's forward keeps (module docs).
+#[derive(Debug)]
+pub(crate) struct Codes {
+    pub ln1: SavedRms,
+    pub ln2: SavedRms,
+    pub q: SavedActivation,
+    pub k: SavedActivation,
+    pub v: SavedActivation,
+    pub p: Option<SavedActivation>,
+    pub attn_out: SavedActivation,
+    pub mlp: SavedSwiglu,
+}
+
+impl Codes {
+    pub fn size_in_bytes(&self) -> usize {
+        let acts = [&self.q, &self.k, &self.v, &self.attn_out].iter().map(|s| s.size_in_bytes()).sum::<usize>();
+        acts + self.ln1.size_in_bytes()
+            + self.ln2.size_in_bytes()
+            + self.p.as_ref().map_or(0, SavedActivation::size_in_bytes)
+            + self.mlp.size_in_bytes()
+    }
+}
+
+/// `residual + D(t·Wᵀ)` of the projection `name` (no bias) with the dropout mask of `site`.
+fn residual_proj(
+    plan: &Plan,
+    params: &Tensor,
+    t: &Tensor,
+    name: &str,
+    site: DropoutSite,
+    residual: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let r = linear_forward(t, &plan.w(params, name)?, None)?;
+    let mask = plan.dropout_mask(site, residual.dims())?;
+    residual + dropout::apply(&r, mask.as_ref())?
+}
+
+/// `t·Wᵀ` of the projection `name` (no bias).
+fn proj(plan: &Plan, params: &Tensor, t: &Tensor, name: &str) -> candle_core::Result<Tensor> {
+    linear_forward(t, &plan.w(params, name)?, None)
+}
+
+/// The forward of `x: [B, N, C]` (detached, as `params`), coding with `quant`.
+pub(crate) fn forward(
+    plan: &Plan,
+    block: &LlamaBlock,
+    x: &Tensor,
+    params: &Tensor,
+    policy: Recompute,
+    quant: &mut Quantizers,
+) -> candle_core::Result<(Tensor, Codes)> {
+    let (cfg, ctx) = (&plan.config, &plan.ctx);
+    let w = |name: &str| plan.w(params, name);
+    let (h1, ln1) = ctx.rms_norm(x, &w("input_layernorm.weight")?, cfg.eps, quant.get(CodeSite::Ln1))?;
+    let q = plan.split_heads(&proj(plan, params, &h1, "self_attn.q_proj.weight")?)?;
+    let k = plan.split_kv_heads(&proj(plan, params, &h1, "self_attn.k_proj.weight")?)?;
+    let v = plan.split_kv_heads(&proj(plan, params, &h1, "self_attn.v_proj.weight")?)?;
+    drop(h1);
+    let q = ctx.rope(&q, &block.rope, false)?;
+    let k = ctx.rope(&k, &block.rope, false)?;
+    let q_s = ctx.quantize(&q, quant.get(CodeSite::Q))?;
+    let k_s = ctx.quantize(&k, quant.get(CodeSite::K))?;
+    let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
+    let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;
+    drop((q, k));
+    let mask = plan.dropout_mask(DropoutSite::Attention, p.dims())?;
+    let p = dropout::apply(&p, mask.as_ref())?;
+    let o = plan.ungroup_queries(&plan.group_queries(&p)?.matmul(&v)?)?;
+    drop((p, v));
+    let a = plan.merge_heads(&o)?;
+    drop(o);
+    let a_s = ctx.quantize(&a, quant.get(CodeSite::AttnOut))?;
+    let x2 = residual_proj(plan, params, &a, "self_attn.o_proj.weight", DropoutSite::AttentionResidual, x)?;
+    drop(a);
+    let (h2, ln2) = ctx.rms_norm(&x2, &w("post_attention_layernorm.weight")?, cfg.eps, quant.get(CodeSite::Ln2))?;
+    let g = proj(plan, params, &h2, "mlp.gate_proj.weight")?;
+    let u = proj(plan, params, &h2, "mlp.up_proj.weight")?;
+    drop(h2);
+    let (m, mlp) = ctx.swiglu(&g, &u, quant.swiglu())?;
+    drop((g, u));
+    let y = residual_proj(plan, params, &m, "mlp.down_proj.weight", DropoutSite::FfnResidual, &x2)?;
+    Ok((y, Codes { ln1, ln2, q: q_s, k: k_s, v: v_s, p: p_s, attn_out: a_s, mlp }))
+}
+
+/// Gradients of `y = t·Wᵀ` (weight `name`) given `dy`: `(dt, dW)`.
+fn proj_backward(
+    plan: &Plan,
+    params: &Tensor,
+    name: &str,
+    t: &Tensor,
+    dy: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let w = plan.w(params, name)?;
+    let (out_f, in_f) = w.dims2()?;
+    let dy2 = dy.reshape(((), out_f))?;
+    let dt = dy2.matmul(&w)?.reshape(t.shape())?;
+    let dw = dy2.t()?.matmul(&t.reshape(((), in_f))?)?;
+    Ok((dt, dw))
+}
+
+/// Every gradient of the block from its codes: `(dx, gradients by parameter name)`.
+pub(crate) fn backward(
+    plan: &Plan,
+    c: &Codes,
+    x: &Tensor,
+    params: &Tensor,
+    dy: &Tensor,
+) -> candle_core::Result<(Tensor, HashMap<&'static str, Tensor>)> {
+    let super::Block::Llama(block) = plan.config.block else {
+        return Err(crate::Error::StateConsumed { op: "llama block" }.into());
+    };
+    let ctx = &plan.ctx;
+    let w = |name: &str| plan.w(params, name);
+    let mut grads = HashMap::new();
+    // MLP: y = x₂ + D₂((silu(g)·u)·W_dᵀ)
+    let m2 = plan.dropout_mask(DropoutSite::FfnResidual, x.dims())?;
+    let d_f = dropout::apply(dy, m2.as_ref())?;
+    let m_hat = (ctx.decode(&c.mlp.gate)?.silu()? * ctx.decode(&c.mlp.up)?)?;
+    let (d_m, dw_d) = proj_backward(plan, params, "mlp.down_proj.weight", &m_hat, &d_f)?;
+    drop((m_hat, d_f));
+    grads.insert("mlp.down_proj.weight", dw_d);
+    let (d_g, d_u) = ctx.swiglu_backward(&c.mlp, &d_m)?;
+    drop(d_m);
+    let w_post = w("post_attention_layernorm.weight")?;
+    let h2 = ctx.rms_norm_output(&c.ln2, &w_post)?;
+    let (d_h2g, dw_g) = proj_backward(plan, params, "mlp.gate_proj.weight", &h2, &d_g)?;
+    let (d_h2u, dw_u) = proj_backward(plan, params, "mlp.up_proj.weight", &h2, &d_u)?;
+    drop((h2, d_g, d_u));
+    grads.insert("mlp.gate_proj.weight", dw_g);
+    grads.insert("mlp.up_proj.weight", dw_u);
+    let (dx_ln2, dw_post) = ctx.rms_norm_backward(&c.ln2, &w_post, &(d_h2g + d_h2u)?)?;
+    grads.insert("post_attention_layernorm.weight", dw_post);
+    let d_x2 = (dy + dx_ln2)?;
+    // attention: x₂ = x + D₁(a·W_oᵀ)
+    let m1 = plan.dropout_mask(DropoutSite::AttentionResidual, x.dims())?;
+    let d_r = dropout::apply(&d_x2, m1.as_ref())?;
+    let a_hat = ctx.decode(&c.attn_out)?;
+    let (d_a, dw_o) = proj_backward(plan, params, "self_attn.o_proj.weight", &a_hat, &d_r)?;
+    drop((a_hat, d_r));
+    grads.insert("self_attn.o_proj.weight", dw_o);
+    let d_o = plan.group_queries(&plan.split_heads(&d_a)?)?;
+    drop(d_a);
+    let (q, k, v) = (ctx.decode(&c.q)?, ctx.decode(&c.k)?, ctx.decode(&c.v)?);
+    // P from its codes, or recomputed from the Q, K codes (selective)
+    let recomputed;
+    let source = match &c.p {
+        Some(p) => SoftmaxSource::Codes(p),
+        None => {
+            recomputed = plan.probabilities(&q, &k, false)?.0;
+            SoftmaxSource::Plain(&recomputed)
+        }
+    };
+    let p_hat = match &source {
+        SoftmaxSource::Codes(p) => ctx.decode(p)?,
+        SoftmaxSource::Plain(p) => (*p).clone(),
+    };
+    let ma = plan.dropout_mask(DropoutSite::Attention, p_hat.dims())?;
+    // dV = Pᵀ·dO summed over each KV head's query heads: one product per group
+    let dv = plan.group_queries(&dropout::apply(&p_hat, ma.as_ref())?)?.t()?.matmul(&d_o)?;
+    drop(p_hat);
+    let d_p = dropout::apply(&plan.ungroup_queries(&d_o.matmul(&v.t()?)?)?, ma.as_ref())?;
+    drop((d_o, v));
+    let d_s = plan.group_queries(&ctx.softmax_backward(source, &d_p)?)?;
+    drop(d_p);
+    let scale = 1.0 / (plan.config.head_dim() as f64).sqrt();
+    let dq = (plan.ungroup_queries(&d_s.matmul(&k)?)? * scale)?;
+    let dk = (d_s.t()?.matmul(&plan.group_queries(&q)?)? * scale)?;
+    drop((d_s, q, k));
+    // through RoPE: the inverse rotation
+    let dq = ctx.rope(&dq, &block.rope, true)?;
+    let dk = ctx.rope(&dk, &block.rope, true)?;
+    let w_in = w("input_layernorm.weight")?;
+    let h1 = ctx.rms_norm_output(&c.ln1, &w_in)?;
+    let (d_hq, dw_q) = proj_backward(plan, params, "self_attn.q_proj.weight", &h1, &plan.merge_heads(&dq)?)?;
+    let (d_hk, dw_k) = proj_backward(plan, params, "self_attn.k_proj.weight", &h1, &plan.merge_kv_heads(&dk)?)?;
+    let (d_hv, dw_v) = proj_backward(plan, params, "self_attn.v_proj.weight", &h1, &plan.merge_kv_heads(&dv)?)?;
+    drop((h1, dq, dk, dv));
+    grads.insert("self_attn.q_proj.weight", dw_q);
+    grads.insert("self_attn.k_proj.weight", dw_k);
+    grads.insert("self_attn.v_proj.weight", dw_v);
+    let (dx_ln1, dw_in) = ctx.rms_norm_backward(&c.ln1, &w_in, &((d_hq + d_hk)? + d_hv)?)?;
+    grads.insert("input_layernorm.weight", dw_in);
+    Ok(((d_x2 + dx_ln1)?, grads))
+}
