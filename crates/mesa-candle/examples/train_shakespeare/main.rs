@@ -1,18 +1,30 @@
-//! A character-level GPT trained on Shakespeare (fixtures/README.md) through mesa-candle's
-//! layer, each run at several seeds and compared seed by seed with its f32 baseline
-//! (`docs/results.md` has the numbers, `scripts/train-results.sh` makes them):
+//! A character-level GPT (or Llama: `--arch llama`) trained on Shakespeare
+//! (fixtures/README.md) through mesa-candle's layer, each run at several seeds and compared
+//! seed by seed with its f32 baseline (`docs/results.md` has the numbers,
+//! `scripts/train-results.sh` makes them):
 //!
-//! | variant | saved for backward | compared with |
-//! |---|---|---|
-//! | a | f32 (plain-candle layer), softmax attention | — |
-//! | b | 8-bit codes, exact statistics | a |
-//! | c | 8-bit codes, running estimate (Mesa §3.3) | a |
-//! | d | 4-bit codes | a |
-//! | e | 8-bit codes, chunked linear attention (ELU+1, SLiM memory mode) | h |
-//! | f | 8-bit codes, selective recomputation (not in the default set) | a |
-//! | g | 8-bit codes, stochastic rounding (not in the default set) | a |
-//! | h | f32 (plain-candle layer), linear attention | — |
-//! | i | 2-bit codes (not in the default set) | a |
+//! | variant | saved for backward | compared with | `--arch llama` |
+//! |---|---|---|---|
+//! | a | f32 (plain-candle layer), softmax attention | — | yes |
+//! | b | 8-bit codes, exact statistics | a | yes |
+//! | c | 8-bit codes, running estimate (Mesa §3.3) | a | yes |
+//! | d | 4-bit codes | a | yes |
+//! | e | 8-bit codes, chunked linear attention (ELU+1, SLiM memory mode) | h | no |
+//! | f | 8-bit codes, selective recomputation (not in the default set) | a | yes |
+//! | g | 8-bit codes, stochastic rounding (not in the default set) | a | yes |
+//! | h | f32 (plain-candle layer), linear attention | — | no |
+//! | i | 2-bit codes (not in the default set) | a | yes |
+//!
+//! `--arch gpt` (the default): token and learnt position embeddings, pre-LN GPT blocks
+//! (`LayerConfig::new`), final LayerNorm, untied head. `--arch llama`: token embedding only
+//! (RoPE, base 10 000, inside the layers), Llama blocks (`LayerConfig::llama`: pre-RMSNorm, no
+//! biases, grouped-query attention, SwiGLU of the configuration's FFN width F), a final
+//! RMSNorm in candle's composed ops, untied head; norm weights 1, every matrix and embedding
+//! `N(0, 0.02²)`. `--kv-heads N` (llama only, dividing the heads) sets the K/V heads;
+//! default: the largest divisor of the heads below them (H/2 for an even H, 1 for the `cpu`
+//! configuration's 2 heads), so that query heads share K/V heads. The Llama block takes
+//! softmax attention only: its default set is a, b, c, d, and `--only e` or `h` is an error;
+//! `--tp` needs `--arch gpt`.
 //!
 //! Each seed sets the initialisation and the data order. Validation scores every
 //! transition of the validation text; candle-nn's AdamW. Run a's first seed also probes
@@ -20,7 +32,7 @@
 //! trajectory; run c's first seed records the running estimate of every coded tensor.
 //!
 //! ```text
-//! cargo run --release -p mesa-candle --example train_shakespeare -- --config cpu [--out DIR]
+//! cargo run --release -p mesa-candle --example train_shakespeare -- --config cpu [--arch llama] [--out DIR]
 //! ```
 //!
 //! `--config smoke` (CI: a few steps of each variant), `cpu` (the documented CPU run, host
@@ -52,7 +64,7 @@ use std::path::PathBuf;
 use candle_core::Device;
 use mesa_candle::CountingAllocator;
 
-use run::{RunResult, RunSpec, Settings, Variant};
+use run::{Arch, RunResult, RunSpec, Settings, Variant};
 
 #[global_allocator]
 static COUNTER: CountingAllocator = CountingAllocator::new();
@@ -83,6 +95,7 @@ fn settings(name: &str) -> Result<Settings, String> {
         seeds: vec![0, 1, 2],
         variants: DEFAULT_VARIANTS.to_vec(),
         regions: false,
+        arch: Arch::Gpt,
     };
     match name {
         "smoke" => Ok(Settings {
@@ -136,10 +149,18 @@ fn args() -> Result<Args, String> {
     let (mut steps, mut batch, mut lr, mut only, mut seeds) = (None, None, None, None::<Vec<String>>, None::<Vec<u64>>);
     let mut fixtures = data::default_fixtures();
     let (mut tp, mut replot_tp, mut regions) = (None, None, false);
+    let (mut arch, mut kv_heads) = ("gpt".to_string(), None);
     while let Some(a) = it.next() {
         let mut value = || it.next().ok_or(format!("{a} needs a value"));
         match a.as_str() {
             "--config" => config = value()?,
+            "--arch" => arch = value()?,
+            "--kv-heads" => {
+                let v = value()?;
+                kv_heads = Some(
+                    v.parse::<usize>().ok().filter(|&n| n > 0).ok_or(format!("--kv-heads {v}: a positive integer"))?,
+                );
+            }
             "--steps" => {
                 let v = value()?;
                 steps =
@@ -167,13 +188,20 @@ fn args() -> Result<Args, String> {
             "--fixtures" => fixtures = PathBuf::from(value()?),
             other => {
                 return Err(format!(
-                    "unknown argument {other} (--config smoke|cpu|gpu, --steps N, --batch B, --lr X, --only VARIANT[,VARIANT], --seeds S[,S], --tp N, --regions, --json, --out DIR, --fixtures DIR)"
+                    "unknown argument {other} (--config smoke|cpu|gpu, --arch gpt|llama, --kv-heads N, --steps N, --batch B, --lr X, --only VARIANT[,VARIANT], --seeds S[,S], --tp N, --regions, --json, --out DIR, --fixtures DIR)"
                 ))
             }
         }
     }
     let mut settings = settings(&config)?;
     settings.regions = regions;
+    settings.arch = match (arch.as_str(), kv_heads) {
+        ("gpt", None) => Arch::Gpt,
+        ("gpt", Some(_)) => return Err("--kv-heads: a GPT block has as many K/V heads as heads (--arch llama)".into()),
+        ("llama", k) => Arch::Llama { kv_heads: k.unwrap_or_else(|| Arch::default_kv_heads(settings.heads)) },
+        (other, _) => return Err(format!("--arch {other}: expected gpt or llama")),
+    };
+    settings.layer().validate().map_err(|e| format!("--arch {arch} with --config {config}: {e}"))?;
     let default_set = steps.is_none() && batch.is_none() && lr.is_none() && only.is_none() && seeds.is_none();
     if let Some(x) = lr {
         settings.lr = x;
@@ -193,13 +221,17 @@ fn args() -> Result<Args, String> {
         }
         settings.seeds = seeds;
     }
-    let names: Vec<&'static str> = Variant::all(&settings).iter().map(|v| v.name).collect();
+    let all = Variant::all(&settings);
+    let names: Vec<&'static str> = all.iter().map(|v| v.name).collect();
+    // the default set holds the variants the block has (a Llama block: no linear attention)
+    settings.variants.retain(|n| all.iter().any(|v| v.name == *n && v.check().is_ok()));
     if let Some(only) = only {
         settings.variants = Vec::new();
         for n in &only {
             let v =
-                names.iter().find(|&&x| x == n).ok_or(format!("--only {n}: the variants are {}", names.join(", ")))?;
-            settings.variants.push(v);
+                all.iter().find(|v| v.name == n).ok_or(format!("--only {n}: the variants are {}", names.join(", ")))?;
+            v.check().map_err(|e| format!("--only {n}: {e}"))?;
+            settings.variants.push(v.name);
         }
     }
     if let Some(t) = tp {

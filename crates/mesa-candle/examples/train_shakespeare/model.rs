@@ -1,11 +1,16 @@
-//! The character-level GPT: token and learnt position embeddings, a stack of pre-LN layers
-//! (mesa-candle's one-op layer, or the plain-candle reference layer), a final LayerNorm and
-//! an untied LM head.
+//! The character-level model: a token embedding, a stack of layers (mesa-candle's one-op
+//! layer, or the plain-candle reference layer) and an untied LM head, in one of two designs
+//! (`--arch`):
+//!
+//! - GPT: learnt position embedding, pre-LN GPT blocks, final LayerNorm;
+//! - Llama: no position embedding (RoPE inside the layers), Llama blocks (pre-RMSNorm,
+//!   grouped-query attention, SwiGLU), final RMSNorm written with candle's composed ops
+//!   (candle-nn's fused `RmsNorm` records no backward).
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use mesa_candle::layer::{reference, LayerConfig, ParamLayout, TransformerLayer};
+use mesa_candle::layer::{reference, Block, LayerConfig, ParamLayout, TransformerLayer};
 use mesa_candle::region::checkpoint;
 
 use crate::data::SplitMix;
@@ -35,11 +40,14 @@ pub struct Model {
     /// The layers' configuration.
     pub config: LayerConfig,
     tok: Var,
-    pos: Var,
+    /// Learnt positions (GPT; a Llama model has none).
+    pos: Option<Var>,
     /// The layers.
     pub stack: Stack,
+    /// The final norm's weight: LayerNorm (GPT) or RMSNorm (Llama).
     ln_w: Var,
-    ln_b: Var,
+    /// The final LayerNorm's bias (GPT; RMSNorm has none).
+    ln_b: Option<Var>,
     head: Var,
     /// Every layer of the stack in a checkpoint region (`mesa_candle::region`).
     pub regions: bool,
@@ -51,8 +59,9 @@ fn normal(rng: &mut SplitMix, shape: &[usize], std: f64, device: &Device) -> can
     Tensor::from_vec(v, shape, device)
 }
 
-/// GPT-2's usual initialisation from the example's own generator (candle's CPU generator
-/// cannot be seeded): LayerNorm weights 1, biases 0, every matrix and embedding `N(0, 0.02²)`.
+/// GPT-2's and Llama's usual initialisation from the example's own generator (candle's CPU
+/// generator cannot be seeded): norm weights 1, biases 0, every matrix and embedding
+/// `N(0, 0.02²)`.
 fn layer_tensors(
     layout: &ParamLayout,
     rng: &mut SplitMix,
@@ -62,7 +71,9 @@ fn layer_tensors(
         .entries()
         .iter()
         .map(|e| {
-            let t = if e.name.starts_with("ln_") && e.name.ends_with(".weight") {
+            // GPT's `ln_1.weight`, Llama's `input_layernorm.weight`, `post_attention_layernorm.weight`
+            let norm = e.name.starts_with("ln_") || e.name.ends_with("layernorm.weight");
+            let t = if norm && e.name.ends_with(".weight") {
                 Tensor::ones(e.shape.as_slice(), DType::F32, device)?
             } else if e.name.ends_with(".bias") {
                 Tensor::zeros(e.shape.as_slice(), DType::F32, device)?
@@ -81,9 +92,18 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> candle_core::
     xc.broadcast_div(&(var + eps)?.sqrt()?)?.broadcast_mul(w)?.broadcast_add(b)
 }
 
+/// RMSNorm `x/√(mean(x²) + eps)·w` over the last axis in candle's composed ops, so that its
+/// backward reaches `x` and `w` (candle-nn's fused `RmsNorm` records none).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+}
+
 impl Model {
     /// A model initialised from `seed`; `plain` picks the reference layer (same weights for
-    /// the same seed either way).
+    /// the same seed either way). `config.block` picks the design: a GPT block draws token
+    /// embedding, positions, the layers and the head in this order, a Llama block the same
+    /// without positions.
     pub fn new(
         config: LayerConfig,
         shape: Shape,
@@ -94,8 +114,10 @@ impl Model {
         let mut rng = SplitMix(seed);
         let c = config.hidden;
         let tok = Var::from_tensor(&normal(&mut rng, &[shape.vocab, c], 0.02, device)?)?;
-        let pos = Var::from_tensor(&normal(&mut rng, &[shape.context, c], 0.02, device)?)?;
-        let layout = ParamLayout::new(c, config.ffn);
+        let llama = matches!(config.block, Block::Llama(_));
+        let pos =
+            if llama { None } else { Some(Var::from_tensor(&normal(&mut rng, &[shape.context, c], 0.02, device)?)?) };
+        let layout = ParamLayout::of(&config)?;
         let mut plain_layers = Vec::new();
         let mut mesa_layers = Vec::new();
         for _ in 0..shape.layers {
@@ -109,14 +131,15 @@ impl Model {
         }
         let stack = if plain { Stack::Plain(plain_layers) } else { Stack::Mesa(mesa_layers) };
         let ln_w = Var::from_tensor(&Tensor::ones(c, DType::F32, device)?)?;
-        let ln_b = Var::from_tensor(&Tensor::zeros(c, DType::F32, device)?)?;
+        let ln_b = if llama { None } else { Some(Var::from_tensor(&Tensor::zeros(c, DType::F32, device)?)?) };
         let head = Var::from_tensor(&normal(&mut rng, &[shape.vocab, c], 0.02, device)?)?;
         Ok(Model { config, tok, pos, stack, ln_w, ln_b, head, regions: false })
     }
 
     /// Every trainable variable, the head's last.
     pub fn vars(&self) -> Vec<Var> {
-        let mut v = vec![self.tok.clone(), self.pos.clone()];
+        let mut v = vec![self.tok.clone()];
+        v.extend(self.pos.clone());
         match &self.stack {
             Stack::Plain(layers) => {
                 for l in layers {
@@ -131,14 +154,14 @@ impl Model {
         v
     }
 
-    /// The embeddings' variables (token, position).
-    pub fn embed_vars(&self) -> [Var; 2] {
-        [self.tok.clone(), self.pos.clone()]
+    /// The embeddings' variables (token; position, which a Llama model has not).
+    pub fn embed_vars(&self) -> (Var, Option<Var>) {
+        (self.tok.clone(), self.pos.clone())
     }
 
-    /// Each layer's whole flat parameters (`ParamLayout::new` order), detached.
+    /// Each layer's whole flat parameters (`ParamLayout::of` order), detached.
     pub fn layer_flats(&self) -> candle_core::Result<Vec<Tensor>> {
-        let layout = ParamLayout::new(self.config.hidden, self.config.ffn);
+        let layout = ParamLayout::of(&self.config)?;
         match &self.stack {
             Stack::Plain(layers) => layers
                 .iter()
@@ -152,16 +175,23 @@ impl Model {
         }
     }
 
-    /// The head's variables (final LayerNorm, LM head).
-    pub fn head_vars(&self) -> [Var; 3] {
-        [self.ln_w.clone(), self.ln_b.clone(), self.head.clone()]
+    /// The head's variables: the final norm's weight (and the LayerNorm's bias), the LM head.
+    pub fn head_vars(&self) -> Vec<Var> {
+        let mut v = vec![self.ln_w.clone()];
+        v.extend(self.ln_b.clone());
+        v.push(self.head.clone());
+        v
     }
 
-    /// Token plus position embedding of `ids: [B, T]` → `[B, T, C]`.
+    /// Token plus position embedding of `ids: [B, T]` → `[B, T, C]` (token embedding only
+    /// in a Llama model).
     pub fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let t = ids.dim(1)?;
         let e = self.tok.as_tensor().embedding(&ids.flatten_all()?)?.reshape((ids.dim(0)?, t, self.config.hidden))?;
-        e.broadcast_add(&self.pos.as_tensor().narrow(0, 0, t)?)
+        match &self.pos {
+            Some(pos) => e.broadcast_add(&pos.as_tensor().narrow(0, 0, t)?),
+            None => Ok(e),
+        }
     }
 
     /// The layer stack for training (graph kept for backward) at training step `step`: layer
@@ -217,7 +247,11 @@ impl Model {
 
     /// The head's logits `[B, T, V]` of the stack output `y: [B, T, C]`.
     fn logits(&self, y: &Tensor) -> candle_core::Result<Tensor> {
-        let n = layer_norm(y, self.ln_w.as_tensor(), self.ln_b.as_tensor(), f64::from(self.config.eps))?;
+        let eps = f64::from(self.config.eps);
+        let n = match &self.ln_b {
+            Some(b) => layer_norm(y, self.ln_w.as_tensor(), b.as_tensor(), eps)?,
+            None => rms_norm(y, self.ln_w.as_tensor(), eps)?,
+        };
         n.broadcast_matmul(&self.head.as_tensor().t()?)
     }
 

@@ -2,7 +2,6 @@
 //! off the data.
 use std::path::Path;
 
-use mesa_candle::layer::CodeSite;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
@@ -152,7 +151,7 @@ pub fn estimates(path: &Path, e: &Estimates) -> Res {
         return Ok(());
     }
     let cols = 2 * layers;
-    let rows = CodeSite::GPT.len();
+    let rows = e.sites.len();
     let root = SVGBackend::new(path, (300 * cols as u32 + 140, 190 * rows as u32 + 40)).into_drawing_area();
     root.fill(&WHITE)?;
     let (title, body) = root.split_vertically(40);
@@ -164,7 +163,7 @@ pub fn estimates(path: &Path, e: &Estimates) -> Res {
     let panels = grid.split_evenly((rows, cols));
     let x_max = e.steps.last().copied().unwrap_or(1) as f64;
     let mut groups = 0;
-    for (si, site) in CodeSite::GPT.iter().enumerate() {
+    for (si, site) in e.sites.iter().enumerate() {
         for l in 0..layers {
             for (k, (what, data)) in [("offset", &e.offset[si]), ("range", &e.range[si])].into_iter().enumerate() {
                 let panel = &panels[si * cols + 2 * l + k];

@@ -1,11 +1,10 @@
 //! Paired statistics over the seeds, the targets, and the table, JSON and Markdown of all runs.
 use std::fmt::Write as _;
 
-use mesa_candle::layer::CodeSite;
 use serde_json::{json, Value};
 
 use crate::data::Corpus;
-use crate::run::{RunResult, Settings, Variant};
+use crate::run::{Arch, RunResult, Settings, Variant};
 
 /// The smallest difference in final validation loss worth reporting, nats per character
 /// (about 1 % of the losses here): the f32 runs' seed spread must stay below it for the
@@ -231,7 +230,10 @@ impl Summary {
                         Some(rel <= PLANNED_PEAK_WITHIN),
                     )
                 }
-                None => (format!("{}: no planned peak", r.spec.name), None),
+                None => match &r.not_planned {
+                    Some(why) => (format!("{}: not planned ({why})", r.spec.name), None),
+                    None => (format!("{}: no planned peak", r.spec.name), None),
+                },
             };
             push(format!("planned_peak_{}", v.name), what, met);
         }
@@ -261,9 +263,15 @@ fn met(m: Option<bool>) -> &'static str {
 /// running estimate, memory and the targets (`print`ed by default, `results.md` in `--out`).
 pub fn markdown(s: &Settings, variants: &[Variant], results: &[RunResult], sum: &Summary, corpus: &Corpus) -> String {
     let mut o = String::new();
+    let arch = match s.arch {
+        Arch::Gpt => String::new(),
+        Arch::Llama { kv_heads } => format!(
+            ", Llama (`--arch llama`: no position embedding, RoPE base 10 000, pre-RMSNorm, grouped-query attention with H_kv={kv_heads}, SwiGLU, final RMSNorm)"
+        ),
+    };
     let _ = writeln!(
         o,
-        "Configuration `{}`: L={} C={} H={} F={} T={} B={}, {} steps, AdamW lr {} (warm-up 10 %, cosine to 10 %), seeds {:?} (each sets the initialisation and the data order; runs of one seed are paired). Validation: all {} transitions of the first {} validation characters (non-overlapping windows of {}, the last aligned to the end); bigram (add-one, fitted on train) on the same transitions: {:.4} nats/char. Smallest effect worth reporting: {MIN_EFFECT} nats/char.\n",
+        "Configuration `{}`{arch}: L={} C={} H={} F={} T={} B={}, {} steps, AdamW lr {} (warm-up 10 %, cosine to 10 %), seeds {:?} (each sets the initialisation and the data order; runs of one seed are paired). Validation: all {} transitions of the first {} validation characters (non-overlapping windows of {}, the last aligned to the end); bigram (add-one, fitted on train) on the same transitions: {:.4} nats/char. Smallest effect worth reporting: {MIN_EFFECT} nats/char.\n",
         s.name, s.layers, s.hidden, s.heads, s.ffn, s.context, s.batch, s.steps, s.lr, s.seeds,
         sum.val_len - 1, sum.val_len, s.context, sum.bigram
     );
@@ -312,13 +320,22 @@ pub fn markdown(s: &Settings, variants: &[Variant], results: &[RunResult], sum: 
         sum.total_wall_s
     );
     if let Some(p) = results.iter().find_map(|r| r.parity.as_ref()) {
+        // the zero-gradient parameters the block has (a Llama block has no key bias)
+        let zero: Vec<&str> = crate::parity::ZERO_GRADIENT
+            .into_iter()
+            .filter(|z| p.series.iter().flat_map(|se| &se.params).any(|(n, _)| n.ends_with(z)))
+            .collect();
+        let left_out = if zero.is_empty() {
+            String::new()
+        } else {
+            format!(", `{}` left out — its exact gradient is 0", zero.join(", "))
+        };
         let _ = writeln!(
             o,
-            "Gradient parity along run {}'s trajectory (probes every {} steps, {} probes; the stack's parameter gradients through our layer, exact statistics, against the f32 gradients of the same weights, batch and output gradient; worst over parameters, `{}` left out — its exact gradient is 0):\n",
+            "Gradient parity along run {}'s trajectory (probes every {} steps, {} probes; the stack's parameter gradients through our layer, exact statistics, against the f32 gradients of the same weights, batch and output gradient; worst over parameters{left_out}):\n",
             p.run,
             p.every,
             p.steps.len(),
-            crate::parity::ZERO_GRADIENT.join(", ")
         );
         let _ = writeln!(o, "| codes | recompute | worst cosine, first probe | worst cosine, last probe | lowest over probes | worst rel. error, last probe | highest over probes |");
         let _ = writeln!(o, "|---|---|---|---|---|---|---|");
@@ -343,7 +360,7 @@ pub fn markdown(s: &Settings, variants: &[Variant], results: &[RunResult], sum: 
     }
     let coded: Vec<&RunResult> = results.iter().filter(|r| r.codes.is_some()).collect();
     if !coded.is_empty() {
-        let names: Vec<String> = CodeSite::GPT.iter().map(|c| format!("{c:?}")).collect();
+        let names: Vec<String> = coded[0].codes.iter().flatten().map(|c| format!("{:?}", c.site)).collect();
         let _ = writeln!(
             o,
             "Running estimate in training (Mesa §3.3, momentum 0.9): per run and coded tensor, the groups saved with the batch's own range because it left the estimate by more than one step (widened, of all group-batches: groups × layers × steps), and the largest error of a saved element in quantization steps (bound ½ inside the range, exact above it).\n"
@@ -388,9 +405,17 @@ pub fn markdown(s: &Settings, variants: &[Variant], results: &[RunResult], sum: 
                 ),
                 format!("{:.4}", p.total as f64 / m.measured_peak as f64),
             ),
-            None => ("— (plain layer: the planner gives a floor only)".into(), "—".into()),
+            None if r.spec.variant.plain => ("— (plain layer: the planner gives a floor only)".into(), "—".into()),
+            None => match &r.not_planned {
+                Some(why) => (format!("— (not planned: {why})"), "—".into()),
+                None => ("—".into(), "—".into()),
+            },
         };
-        let saved = r.planned.map_or("—".into(), |p| format!("{:.4}", p as f64 / r.saved_bytes as f64));
+        let saved = match (r.planned, &r.not_planned) {
+            (Some(p), _) => format!("{:.4}", p as f64 / r.saved_bytes as f64),
+            (None, Some(_)) => "not planned".into(),
+            (None, None) => "—".into(),
+        };
         let _ = writeln!(
             o,
             "| {} | {} KiB | {planned} | {ratio} | {} KiB, {saved} |",
@@ -428,6 +453,7 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
                 "saved_bytes_min_max": [r.saved_range.0, r.saved_range.1],
                 "peak_backward_bytes": r.peak_bytes,
                 "planned_bytes_per_step": r.planned,
+                "not_planned": r.not_planned,
                 "step_peak_bytes": {
                     "measured": r.memory.measured_peak,
                     "planned": r.memory.planned.map(|p| json!({
@@ -463,8 +489,8 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
             let c = r.codes.as_ref()?;
             Some(json!({
                 "run": r.spec.name,
-                "sites": CodeSite::GPT.iter().zip(c).map(|(site, c)| json!({
-                    "site": format!("{site:?}"),
+                "sites": c.iter().map(|c| json!({
+                    "site": format!("{:?}", c.site),
                     "group_batches": c.groups,
                     "widened": c.widened,
                     "max_error_steps": c.max_error_steps,
@@ -474,7 +500,8 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
         .collect();
     json!({
         "config": s.name,
-        "sizes": {"layers": s.layers, "hidden": s.hidden, "heads": s.heads, "ffn": s.ffn, "context": s.context, "batch": s.batch, "steps": s.steps},
+        "arch": s.arch.name(),
+        "sizes": {"layers": s.layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.layer().kv_heads(), "ffn": s.ffn, "context": s.context, "batch": s.batch, "steps": s.steps},
         "seeds": s.seeds,
         "vocab": corpus.vocab.len(),
         "val_chars": sum.val_len,

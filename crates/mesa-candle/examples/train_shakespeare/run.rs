@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use mesa_candle::layer::{Attention, CodeSite, LayerConfig, Recompute, TransformerLayer};
+use mesa_candle::layer::{Attention, Block, CodeSite, LayerConfig, Recompute, TransformerLayer};
 use mesa_candle::ops::FeatureKind;
 use mesa_candle::plan::TrainingShape;
 use mesa_candle::CountingAllocator;
@@ -48,6 +48,36 @@ pub struct Settings {
     pub variants: Vec<&'static str>,
     /// Every layer in a checkpoint region (`--regions`).
     pub regions: bool,
+    /// The model's design (`--arch`, `--kv-heads`).
+    pub arch: Arch,
+}
+
+/// The model's design (`--arch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// GPT-2: learnt positions, pre-LN blocks (LayerNorm, biases, GELU), final LayerNorm.
+    Gpt,
+    /// Llama: no learnt positions (RoPE in the layers), Llama blocks (pre-RMSNorm, no biases,
+    /// grouped-query attention with `kv_heads` K/V heads, SwiGLU), final RMSNorm.
+    Llama {
+        /// K/V heads `H_kv` (`--kv-heads`; dividing the heads).
+        kv_heads: usize,
+    },
+}
+
+impl Arch {
+    /// `--kv-heads`' default: the largest divisor of `heads` below it (`H/2` for an even
+    /// `H ≥ 2`, so that query heads share K/V heads), `1` for one head.
+    pub fn default_kv_heads(heads: usize) -> usize {
+        (1..heads).rev().find(|k| heads % k == 0).unwrap_or(1)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Gpt => "gpt",
+            Arch::Llama { .. } => "llama",
+        }
+    }
 }
 
 impl Settings {
@@ -66,6 +96,14 @@ impl Settings {
     pub fn val_len(&self, corpus: &Corpus) -> usize {
         self.val_chars.map_or(corpus.val.len(), |n| n.min(corpus.val.len()))
     }
+
+    /// The layer of run a: a GPT block or a Llama block of the configuration's sizes.
+    pub fn layer(&self) -> LayerConfig {
+        match self.arch {
+            Arch::Gpt => LayerConfig::new(self.hidden, self.heads, self.ffn),
+            Arch::Llama { kv_heads } => LayerConfig::llama(self.hidden, self.heads, kv_heads, self.ffn),
+        }
+    }
 }
 
 /// One way of training: what the layer keeps for backward, and the f32 run it is compared with.
@@ -80,9 +118,11 @@ pub struct Variant {
 }
 
 impl Variant {
-    /// Every variant: f32 softmax (a) and linear (h) attention, and the compressed ones.
+    /// Every variant: f32 softmax (a) and linear (h) attention, and the compressed ones, on
+    /// the layer of `s.arch` (a variant whose configuration the block rejects, e.g. linear
+    /// attention in a Llama block, fails [`Variant::check`]).
     pub fn all(s: &Settings) -> Vec<Variant> {
-        let base = LayerConfig::new(s.hidden, s.heads, s.ffn);
+        let base = s.layer();
         let linear = Attention::Linear {
             config: LinearAttentionConfig {
                 chunk: s.chunk,
@@ -104,6 +144,22 @@ impl Variant {
             v("h", true, LayerConfig { attention: linear, ..base }, None),
             v("i", false, LayerConfig { bits: 2, ..exact }, Some("a")),
         ]
+    }
+
+    /// Whether the variant exists for the block of its configuration: the reason it does not.
+    pub fn check(&self) -> Result<(), String> {
+        self.config.validate().map_err(|e| {
+            let block = match self.config.block {
+                Block::Gpt => "a GPT block",
+                Block::Llama(_) => "a Llama block (--arch llama)",
+            };
+            format!(
+                "variant {} ({}, {} attention) has no form in {block}: {e}",
+                self.name,
+                self.saved_precision(),
+                self.attention()
+            )
+        })
     }
 
     pub fn saved_precision(&self) -> String {
@@ -179,21 +235,28 @@ impl RunSpec {
 /// The planner's prediction of the bytes alive for backward per step of the layer stack
 /// (the quantity measured here): `mesa_candle::plan::layer_stack_saved_bytes` for our layer,
 /// and for the plain-candle layer the plain-f32 estimate (`reference_stack_estimate`; why it
-/// differs from the measurement: `docs/plan.md`).
-fn planned_bytes_per_step(layer: &LayerConfig, plain: bool, layers: usize, batch: usize, seq: usize) -> Option<u64> {
-    let planned = if plain {
+/// differs from the measurement: `docs/plan.md`). An error (a block the planner does not
+/// model) is the run's "not planned".
+fn planned_bytes_per_step(
+    layer: &LayerConfig,
+    plain: bool,
+    layers: usize,
+    batch: usize,
+    seq: usize,
+) -> Result<u64, mesa_candle::Error> {
+    if plain {
         mesa_candle::plan::reference_stack_estimate(layer, layers, batch, seq)
     } else {
         mesa_candle::plan::layer_stack_saved_bytes(layer, layers, batch, seq)
-    };
-    planned.ok()
+    }
 }
 
-/// The running estimate over training: `[site][reading][layer][head]`, sites as
-/// [`CodeSite::GPT`].
+/// The running estimate over training: `[site][reading][layer][head]`, sites as `sites`.
 #[derive(Debug, Clone, Default)]
 pub struct Estimates {
     pub run: String,
+    /// The block's coded tensors (`LayerConfig::sites`: `CodeSite::GPT` or `CodeSite::ALL`).
+    pub sites: Vec<CodeSite>,
     pub steps: Vec<usize>,
     pub offset: Vec<Vec<Vec<Vec<f32>>>>,
     pub range: Vec<Vec<Vec<Vec<f32>>>>,
@@ -202,10 +265,10 @@ pub struct Estimates {
 fn record(est: &mut Estimates, step: usize, layers: &[Arc<TransformerLayer>]) -> Result<(), mesa_candle::Error> {
     est.steps.push(step);
     if est.offset.is_empty() {
-        est.offset = vec![Vec::new(); CodeSite::GPT.len()];
-        est.range = vec![Vec::new(); CodeSite::GPT.len()];
+        est.offset = vec![Vec::new(); est.sites.len()];
+        est.range = vec![Vec::new(); est.sites.len()];
     }
-    for (i, site) in CodeSite::GPT.iter().enumerate() {
+    for (i, site) in est.sites.iter().enumerate() {
         let (mut off, mut rng) = (Vec::new(), Vec::new());
         for l in layers {
             let levels = ((1u32 << l.config().bits) - 1) as f32;
@@ -221,8 +284,9 @@ fn record(est: &mut Estimates, step: usize, layers: &[Arc<TransformerLayer>]) ->
 
 /// How the running estimate's codes fared over a run, per site (summed over layers and steps;
 /// Mesa §3.3, `TransformerLayer::code_report`).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct SiteCodes {
+    pub site: CodeSite,
     /// Group-batches: groups × layers × steps.
     pub groups: u64,
     /// Of those, saved with the batch's own range (it left the estimate by more than a step).
@@ -232,10 +296,16 @@ pub struct SiteCodes {
     pub max_error_steps: f64,
 }
 
+impl SiteCodes {
+    fn new(site: CodeSite) -> Self {
+        SiteCodes { site, groups: 0, widened: 0, max_error_steps: 0.0 }
+    }
+}
+
 fn tally(codes: &mut [SiteCodes], layers: &[Arc<TransformerLayer>]) -> Result<(), mesa_candle::Error> {
-    for (c, site) in codes.iter_mut().zip(CodeSite::GPT) {
+    for c in codes.iter_mut() {
         for l in layers {
-            if let Some(r) = l.code_report(site)? {
+            if let Some(r) = l.code_report(c.site)? {
                 c.groups += r.groups as u64;
                 c.widened += r.widened_groups as u64;
                 c.max_error_steps = c.max_error_steps.max(r.max_error_steps);
@@ -275,7 +345,10 @@ pub struct RunResult {
     pub peak_bytes: usize,
     pub planned: Option<u64>,
     pub memory: StepMemory,
-    /// Per site of [`CodeSite::GPT`], under running statistics.
+    /// Why the planner predicted nothing for this run (its error: e.g. a block it does not
+    /// model), `None` when it did.
+    pub not_planned: Option<String>,
+    /// Per site of the block (`LayerConfig::sites`), under running statistics.
     pub codes: Option<Vec<SiteCodes>>,
     pub estimates: Option<Estimates>,
     pub parity: Option<Parity>,
@@ -337,8 +410,13 @@ pub fn train(
     let model_bytes = counter.current().saturating_sub(base_level);
     let order = data::train_order(corpus.train.len(), s.context, s.batch, s.steps, data_seed(spec.seed));
     let running = !v.plain && v.config.stats == StatsMode::Running;
-    let mut est = (running && spec.record).then(|| Estimates { run: spec.name.clone(), ..Estimates::default() });
-    let mut codes = running.then(|| vec![SiteCodes::default(); CodeSite::GPT.len()]);
+    let sites = v.config.sites();
+    let mut est = (running && spec.record).then(|| Estimates {
+        run: spec.name.clone(),
+        sites: sites.to_vec(),
+        ..Estimates::default()
+    });
+    let mut codes = running.then(|| sites.iter().copied().map(SiteCodes::new).collect::<Vec<_>>());
     let mut parity = (v.plain && spec.record && v.name == "a").then(|| Parity::new(&spec.name, s.parity_every()));
     let eval_at = s.eval_steps();
     let start = Instant::now();
@@ -412,6 +490,7 @@ pub fn train(
         }
     }
     let final_val_loss = evals.last().map_or(f64::NAN, |e| e.2);
+    let mut not_planned = None;
     let planned = if s.regions {
         // the planner's region mode: each region's input and the last output; the plain layer
         // reads one variable per weight, ours one flat variable
@@ -430,13 +509,23 @@ pub fn train(
         Some(mesa_candle::plan::region_stack_saved_bytes(shape, mesa_kernels::plan::Precision::F32, parameters)?)
     } else {
         planned_bytes_per_step(&v.config, v.plain, s.layers, s.batch, s.context)
+            .map_err(|e| not_planned = Some(e.to_string()))
+            .ok()
     };
     // the whole-step planner does not model regions (their backward's rerun)
     let whole = if v.plain || s.regions {
         None
     } else {
         let shape = TrainingShape { layers: s.layers, batch: s.batch, seq: s.context, vocab: corpus.vocab.len() };
-        Some(mesa_candle::plan::training_step(&v.config, &shape)?)
+        match mesa_candle::plan::training_step(&v.config, &shape) {
+            Ok(p) => Some(p),
+            // a block the planner does not model yet: reported as not planned, the run stands
+            Err(e) if v.config.block != Block::Gpt => {
+                not_planned.get_or_insert(e.to_string());
+                None
+            }
+            Err(e) => return Err(e.into()),
+        }
     };
     Ok(RunResult {
         spec: spec.clone(),
@@ -446,6 +535,7 @@ pub fn train(
         saved_range,
         peak_bytes: peak_max,
         planned,
+        not_planned,
         memory: StepMemory {
             measured_peak: step_peak,
             planned: whole.as_ref().map(|p| p.total),

@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 
 use crate::data::{self, Corpus};
 use crate::model::{layer_norm, Model, Shape};
-use crate::run::{self, RunResult, RunSpec, Settings};
+use crate::run::{self, Arch, RunResult, RunSpec, Settings};
 
 /// The relative per-step loss difference the issue asks for.
 pub const TARGET_REL: f64 = 1e-5;
@@ -37,6 +37,9 @@ pub const TARGET_REL: f64 = 1e-5;
 pub fn check(s: &Settings, tp: usize) -> Result<(), String> {
     if !(1..=4).contains(&tp) {
         return Err(format!("--tp {tp}: expected 1, 2, 3 or 4 ranks"));
+    }
+    if s.arch != Arch::Gpt {
+        return Err(format!("--tp {tp}: a Llama block is not split over ranks yet (issue 40); --tp needs --arch gpt"));
     }
     if s.heads % tp != 0 || s.ffn % tp != 0 || s.hidden % tp != 0 {
         return Err(format!(
@@ -107,8 +110,11 @@ impl RankModel {
                 .collect::<candle_core::Result<_>>()?;
             Layers::Mesa(layers)
         };
-        let [tok, pos] = model.embed_vars();
-        let [ln_w, ln_b, head] = model.head_vars();
+        // a GPT model (`check`): positions, LayerNorm weight and bias, head
+        let gpt = || candle_core::Error::Msg("--tp trains a GPT model only".into());
+        let (tok, pos) = model.embed_vars();
+        let pos = pos.ok_or_else(gpt)?;
+        let [ln_w, ln_b, head]: [Var; 3] = model.head_vars().try_into().map_err(|_| gpt())?;
         Ok(RankModel { config: config.clone(), sp, tok, pos, layers, ln_w, ln_b, head })
     }
 
@@ -524,6 +530,7 @@ mod tests {
             seeds: vec![0],
             variants: vec!["a"],
             regions: false,
+            arch: Arch::Gpt,
         }
     }
 
@@ -559,5 +566,8 @@ mod tests {
         assert!(check(&s, 3).unwrap_err().contains("must divide"));
         assert!(check(&s, 5).unwrap_err().contains("1, 2, 3 or 4"));
         assert!(check(&s, 0).is_err());
+        // the Llama block has no sharded form yet
+        let llama = Settings { arch: Arch::Llama { kv_heads: 1 }, ..tiny() };
+        assert!(check(&llama, 2).unwrap_err().contains("not split over ranks"));
     }
 }
