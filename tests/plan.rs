@@ -120,6 +120,7 @@ fn paper_ratios_and_block_split() {
 fn ours(shape: ModelShape, bits: u32) -> PlanConfig {
     let codes = Precision::Codes(CodeFormat::per_head(bits));
     PlanConfig {
+        block: mesa_kernels::plan::BlockKind::Gpt,
         shape,
         parallel: Parallelism::none(),
         dropout: mesa_kernels::plan::Dropout { attention: 0.1, residual: 0.1, masks: MaskStorage::Regenerated },

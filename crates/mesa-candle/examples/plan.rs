@@ -27,8 +27,8 @@ use mesa_candle::ops::FeatureKind;
 use mesa_candle::plan::{largest_training_batch, training_step, TrainingShape};
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
 use mesa_kernels::plan::{
-    cheapest_setting, largest_micro_batch, paper_models, CodeFormat, MaskStorage, ModelShape, Parallelism, PlanConfig,
-    Precision, Recompute as PlanRecompute, SavedPrecision,
+    cheapest_setting, largest_micro_batch, llama3_models, paper_models, BlockKind, CodeFormat, MaskStorage, ModelShape,
+    Parallelism, PlanConfig, Precision, Recompute as PlanRecompute, SavedPrecision,
 };
 
 /// The training example's CPU configuration (`train_shakespeare --config cpu`): (layers,
@@ -178,9 +178,15 @@ fn cheapest(out: &mut String, budget: u64) -> Result<(), Box<dyn std::error::Err
     )?;
     writeln!(out, "| model | cheapest setting | weights+grads+optimizer per GPU | activations per GPU | total |")?;
     writeln!(out, "|---|---|---:|---:|---:|")?;
-    for m in paper_models() {
+    for m in paper_models().into_iter().chain(llama3_models()) {
         let s = &m.shape;
-        let name = format!("{} (L={} h={} a={} p={})", m.name, s.layers, s.hidden, s.heads, m.pipeline);
+        let name = match m.block {
+            BlockKind::Gpt => format!("{} (L={} h={} a={} p={})", m.name, s.layers, s.hidden, s.heads, m.pipeline),
+            BlockKind::Llama { kv_heads } => format!(
+                "{} (L={} h={} a={} kv={kv_heads} f={} s={} p={})",
+                m.name, s.layers, s.hidden, s.heads, s.ffn, s.seq, m.pipeline
+            ),
+        };
         match cheapest_setting(&m, budget, &TENSOR_CHOICES)? {
             Some((setting, mem)) => writeln!(
                 out,

@@ -52,12 +52,12 @@
 //! the plain-candle reference layer, whose graph keeps every intermediate of its composed ops:
 //! [`reference_training_floor`] is only a floor under that peak.
 use mesa_kernels::plan::{
-    AttentionKind, CodeFormat, Dropout, LinearStates, MaskStorage, ModelShape, Parallelism, PlanConfig, Precision,
-    Recompute as PlanRecompute, SavedPrecision,
+    AttentionKind, BlockKind, CodeFormat, Dropout, LinearStates, MaskStorage, ModelShape, Parallelism, PlanConfig,
+    Precision, Recompute as PlanRecompute, SavedPrecision,
 };
 
 use crate::error::Error;
-use crate::layer::{Attention, LayerConfig, Recompute};
+use crate::layer::{Attention, Block, LayerConfig, Recompute};
 
 mod training;
 
@@ -111,7 +111,13 @@ pub fn plan_config(config: &LayerConfig, layers: usize, batch: usize, seq: usize
             states: LinearStates::Rerun,
         },
     };
+    let (block, norm_row_bytes) = match config.block {
+        // LayerNorm keeps mean and 1/σ per row, RMSNorm its rms
+        Block::Gpt => (BlockKind::Gpt, 8),
+        Block::Llama(l) => (BlockKind::Llama { kv_heads: l.kv_heads as u64 }, 4),
+    };
     Ok(PlanConfig {
+        block,
         shape,
         parallel: Parallelism::none(),
         dropout: Dropout {
@@ -121,7 +127,7 @@ pub fn plan_config(config: &LayerConfig, layers: usize, batch: usize, seq: usize
         },
         recompute: recompute(config.recompute),
         saved: SavedPrecision {
-            norm_row_bytes: 8,
+            norm_row_bytes,
             shared_inputs: true,
             layer_input: Some(Precision::F32),
             ..SavedPrecision::uniform(codes)
@@ -270,6 +276,7 @@ pub fn reference_stack_estimate(config: &LayerConfig, layers: usize, batch: usiz
 #[must_use]
 pub fn region_plan_config(shape: ModelShape, parallel: Parallelism, input: Precision) -> PlanConfig {
     PlanConfig {
+        block: BlockKind::Gpt,
         shape,
         parallel,
         dropout: Dropout { attention: 0.0, residual: 0.0, masks: MaskStorage::Regenerated },

@@ -1,11 +1,18 @@
-//! Checkpoint regions ([`mesa_candle::region`]) on models no one here wrote: candle-transformers
-//! 0.11.1's Llama and T5 encoder at tiny configurations, weights in a `candle_nn::VarMap`
-//! (trainable variables), trained a few steps of AdamW on cross-entropy with and without a
-//! region, from the same initial weights. Issue 39; the numbers are in `docs/results.md`.
+//! Two checks on candle-transformers 0.11.1's models, CPU, f32 (the numbers are in
+//! `docs/results.md`):
 //!
-//! Neither model makes its blocks public (Llama's `Block`, T5's `T5Block` are private), so the
-//! region wraps each model's whole forward: candle keeps the token ids and the model's output,
-//! the backward reruns the forward. The program prints, per model:
+//! * **forward parity of our Llama block** ([`llama_parity`]): candle-transformers' `Llama`
+//!   (grouped-query attention) and the same weights in [`mesa_candle::TransformerLayer`]s built
+//!   with `LayerConfig::llama`, logits compared at every position within an f32 rounding bound,
+//!   and deliberate breaks of our side shown to fail;
+//! * **checkpoint regions** ([`mesa_candle::region`]) on models no one here wrote: its Llama and
+//!   T5 encoder at tiny configurations, weights in a `candle_nn::VarMap` (trainable variables),
+//!   trained a few steps of AdamW on cross-entropy with and without a region, from the same
+//!   initial weights (issue 39).
+//!
+//! For the regions: neither model makes its blocks public (Llama's `Block`, T5's `T5Block` are
+//! private), so the region wraps each model's whole forward: candle keeps the token ids and the
+//! model's output, the backward reruns the forward. The program prints, per model:
 //! * the loss at every step with and without the region, and whether they are equal bit for bit;
 //! * at step 0, each parameter's gradient: max |with − without| and max |without|, or that the
 //!   parameter got **no gradient** (candle-nn 0.11.1's fused `rms_norm`, `layer_norm`,
@@ -15,7 +22,8 @@
 //! * the time of a training step (forward, backward, AdamW), and the median time of a forward
 //!   and backward over many passes, the two paths alternated.
 //!
-//! Run: `cd interop/candle-transformers && MESA_CUDA_DISABLE=1 cargo run --release`.
+//! Exits with an error when a check fails. Run:
+//! `cd interop/candle-transformers && MESA_CUDA_DISABLE=1 cargo run --release`.
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -27,6 +35,8 @@ use candle_transformers::models::{llama, t5};
 use mesa_candle::region::checkpoint;
 use mesa_candle::CountingAllocator;
 
+mod llama_parity;
+
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
 
@@ -36,6 +46,8 @@ const SEQ: usize = 16;
 const VOCAB: usize = 64;
 const HIDDEN: usize = 64;
 const SEED: u64 = 39;
+/// The weights and ids of the forward parity check.
+const PARITY_SEED: u64 = 1;
 /// Forward-and-backward passes timed per path.
 const TIMED: usize = 51;
 
@@ -332,11 +344,17 @@ fn t5_encoder(rng: &mut Rng) -> Result<bool> {
 fn main() -> Result<()> {
     // before any candle op: rayon's pool and gemm read it (crates/mesa-candle/tests/common)
     std::env::set_var("RAYON_NUM_THREADS", "1");
-    println!("# Checkpoint regions on candle-transformers 0.11.1 models (CPU, candle single-threaded)");
-    println!("\n{STEPS} steps of AdamW (lr 1e-2), weights and ids from seed {SEED}, f32.");
+    println!("# candle-transformers 0.11.1 models (CPU, candle single-threaded)");
+    let parity = llama_parity::run(&mut Rng(PARITY_SEED))?;
+    println!("\n# Checkpoint regions\n\n{STEPS} steps of AdamW (lr 1e-2), weights and ids from seed {SEED}, f32.");
     let mut rng = Rng(SEED);
     let a = llama(&mut rng)?;
     let b = t5_encoder(&mut rng)?;
+    if !parity {
+        candle_core::bail!(
+            "our Llama block's forward is not within the bound of candle-transformers', or a break passed"
+        );
+    }
     if !(a && b) {
         candle_core::bail!("a model's losses or gradients differ with the region");
     }

@@ -8,6 +8,9 @@
 //! which the caller holds anyway. Nothing of the layer's internals is a node of candle's
 //! graph: the forward runs on detached tensors and the op holds [`Saved`].
 //!
+//! Two block designs ([`Block`]): GPT below, and Llama ([`LlamaBlock`]: RMSNorm, RoPE,
+//! grouped-query attention, SwiGLU; what it keeps is in its own table, `layer/llama.rs`).
+//!
 //! ```text
 //! pre-LN:  h = LN₁(x);  x₂ = x + D₁(Attn(h));         y = x₂ + D₂(FFN(LN₂(x₂)))
 //! post-LN: x₂ = LN₁(x + D₁(Attn(x)));                 y = LN₂(x₂ + D₂(FFN(x₂)))

@@ -248,7 +248,7 @@ impl Sizes {
 /// Parameters `Ψ` of the training example's model (elements): token embedding `V·C`,
 /// learnt positions `T·C`, `L` layers of `4C² + 2CF + 9C + F`
 /// ([`mesa_kernels::plan::layer_parameters`]), the final LayerNorm `2C`, the untied head
-/// `V·C`.
+/// `V·C`. With Llama blocks: no positions (RoPE), the final RMSNorm `C`.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] from [`LayerConfig::validate`] or for a zero size;
@@ -260,7 +260,11 @@ pub fn training_parameters(config: &LayerConfig, shape: &TrainingShape) -> Resul
     }
     let layers = prod(&[mesa_kernels::plan::layer_parameters(&stack)?, stack.shape.layers], "parameters")?;
     let (v, t, c) = (shape.vocab as u64, stack.shape.seq, stack.shape.hidden);
-    sum(&[prod(&[2, v, c], "embeddings")?, prod(&[t, c], "positions")?, layers, prod(&[2, c], "norm")?], "parameters")
+    let (positions, norm) = match config.block {
+        crate::layer::Block::Gpt => (prod(&[t, c], "positions")?, prod(&[2, c], "norm")?),
+        crate::layer::Block::Llama(_) => (0, c),
+    };
+    sum(&[prod(&[2, v, c], "embeddings")?, positions, layers, norm], "parameters")
 }
 
 /// One layer's forward (`layer/forward.rs`, pre-LN), the input alive. The training forward
@@ -456,17 +460,22 @@ fn layer_backward(tape: &mut Tape, s: &Sizes, config: &LayerConfig) -> Result<()
 /// two f32 moments per parameter, the activations the stack keeps, and every transient the
 /// code allocates, traced through the phases. The step's peak is [`TrainingPlan::total`].
 ///
-/// Modelled: mesa-candle's pre-LN [`crate::TransformerLayer`] without dropout (the
-/// example's runs), softmax or linear attention, any bit width, exact or running statistics,
-/// any recomputation.
+/// Modelled: mesa-candle's pre-LN [`crate::TransformerLayer`] of the GPT block without
+/// dropout (the example's runs), softmax or linear attention, any bit width, exact or running
+/// statistics, any recomputation.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] from [`LayerConfig::validate`], for a zero size, for post-LN
-/// or dropout (not modelled); [`Error::Kernel`] with [`mesa_kernels::Error::TooLarge`] when
+/// [`Error::InvalidArgument`] from [`LayerConfig::validate`], for a zero size, for post-LN,
+/// dropout or the Llama block (not modelled); [`Error::Kernel`] with [`mesa_kernels::Error::TooLarge`] when
 /// a count overflows `u64`.
 pub fn training_step(config: &LayerConfig, shape: &TrainingShape) -> Result<TrainingPlan, Error> {
     use Kind::{Activations as A, Gradients as G, Transient as T};
     let parameters = training_parameters(config, shape)?;
+    if config.block != crate::layer::Block::Gpt {
+        let why = "the step's transients are modelled for the GPT block; a Llama block's saved bytes: \
+                   plan::layer_stack_saved_bytes";
+        return Err(Error::InvalidArgument { name: "block", why: why.into() });
+    }
     if config.norm != NormPlacement::Pre {
         return Err(Error::InvalidArgument { name: "norm", why: "the plan models the example's pre-LN layer".into() });
     }

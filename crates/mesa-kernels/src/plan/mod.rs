@@ -49,7 +49,8 @@ mod training;
 
 pub use search::{largest_fit, largest_micro_batch, largest_sequence};
 pub use setting::{
-    candidate_settings, cheapest_setting, paper_models, setting_memory, PaperModel, Setting, SettingMemory, PAPER_VOCAB,
+    candidate_settings, cheapest_setting, llama3_models, paper_models, setting_memory, PaperModel, Setting,
+    SettingMemory, LLAMA3_VOCAB, PAPER_VOCAB,
 };
 pub use training::{
     largest_training_batch, layer_parameters, MemoryBreakdown, Optimizer, TrainingConfig, TrainingPrecision,
@@ -245,9 +246,28 @@ pub enum AttentionKind {
     },
 }
 
+/// The design of the block: which tensors its MLP and attention keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockKind {
+    /// GPT-2 / BERT (the paper's layer): LayerNorms, `a` K/V heads, GeLU MLP.
+    Gpt,
+    /// Llama (Touvron et al. 2023): RMSNorms, RoPE, grouped-query attention with `kv_heads`
+    /// K/V heads, SwiGLU MLP (gate and up projections of width `f`, then the down
+    /// projection). Per layer it keeps, instead of the GPT block's K and V `[s, b, h]`, K and V
+    /// `[s, b, kv_heads·h/a]`, and instead of the GeLU input, SwiGLU's two inputs `[s, b, f]`.
+    /// Under tensor parallelism each rank holds `kv_heads/t` K/V heads, or one (replicated)
+    /// when `t > kv_heads` (Megatron's split; `t` and `kv_heads` must divide one another).
+    Llama {
+        /// K/V heads, dividing `a`.
+        kv_heads: u64,
+    },
+}
+
 /// Everything the planner needs for one configuration.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PlanConfig {
+    /// The block's design.
+    pub block: BlockKind,
     /// Sizes.
     pub shape: ModelShape,
     /// Tensor and sequence parallelism.
@@ -300,6 +320,10 @@ pub enum SavedTensor {
     Fc1Input,
     /// The GeLU input `[s, b, f]`.
     GeluInput,
+    /// SwiGLU's gate input `g` `[s, b, f]` (Llama).
+    SwigluGate,
+    /// SwiGLU's up input `u` `[s, b, f]` (Llama).
+    SwigluUp,
     /// The FC₂ input `[s, b, f]`.
     Fc2Input,
     /// The FFN block's residual dropout mask.
@@ -423,6 +447,17 @@ impl PlanConfig {
                 return bad("attention", format!("chunk {chunk} and features {features} must be positive"));
             }
         }
+        if let BlockKind::Llama { kv_heads: kv } = self.block {
+            if kv == 0 || s.heads % kv != 0 {
+                return bad("kv_heads", format!("{kv} must be a positive divisor of heads {}", s.heads));
+            }
+            if kv % t != 0 && t % kv != 0 {
+                return bad("kv_heads", format!("{kv} and the tensor-parallel size {t} must divide one another"));
+            }
+            if !matches!(self.attention, AttentionKind::Softmax) {
+                return bad("attention", "a Llama block takes softmax attention".into());
+            }
+        }
         let sv = &self.saved;
         for p in [
             Some(sv.norm),
@@ -481,6 +516,14 @@ impl PlanConfig {
         let tok = product(&[s, b, h], "token tensor")? / t; // split over heads/columns
         let ffn = product(&[s, b, f], "FFN tensor")? / t;
         let heads = a / t;
+        // K and V: `kv_heads/t` heads of `h/a` per rank (one when t > kv_heads), or `h/t`
+        let (kv_tok, kv_local) = match self.block {
+            BlockKind::Gpt => (tok, heads),
+            BlockKind::Llama { kv_heads } => {
+                let local = (kv_heads / t).max(1);
+                (product(&[s, b, local, h / a], "K/V tensor")?, local)
+            }
+        };
         let sv = &self.saved;
         let mut items: Vec<Item> = Vec::new();
         let mut push = |tensor: SavedTensor, elements: u64, bytes: u64| {
@@ -510,7 +553,7 @@ impl PlanConfig {
             push(SavedTensor::QkvInput, n_rep, sv.linear_input.bytes(n_rep, a)?);
         }
         push(SavedTensor::Q, tok, sv.qkv.bytes(tok, heads)?);
-        push(SavedTensor::K, tok, sv.qkv.bytes(tok, heads)?);
+        push(SavedTensor::K, kv_tok, sv.qkv.bytes(kv_tok, kv_local)?);
         if self.recompute == Recompute::None {
             match self.attention {
                 AttentionKind::Softmax => {
@@ -545,7 +588,7 @@ impl PlanConfig {
                 }
             }
         }
-        push(SavedTensor::V, tok, sv.qkv.bytes(tok, heads)?);
+        push(SavedTensor::V, kv_tok, sv.qkv.bytes(kv_tok, kv_local)?);
         push(SavedTensor::OutProjInput, tok, sv.linear_input.bytes(tok, heads)?);
         if self.dropout.residual > 0.0 {
             push(SavedTensor::AttentionResidualMask, n_rep, mask(n_rep)?);
@@ -555,7 +598,13 @@ impl PlanConfig {
         if !sv.shared_inputs {
             push(SavedTensor::Fc1Input, n_rep, sv.linear_input.bytes(n_rep, a)?);
         }
-        push(SavedTensor::GeluInput, ffn, sv.activation.bytes(ffn, heads)?);
+        match self.block {
+            BlockKind::Gpt => push(SavedTensor::GeluInput, ffn, sv.activation.bytes(ffn, heads)?),
+            BlockKind::Llama { .. } => {
+                push(SavedTensor::SwigluGate, ffn, sv.activation.bytes(ffn, heads)?);
+                push(SavedTensor::SwigluUp, ffn, sv.activation.bytes(ffn, heads)?);
+            }
+        }
         if !sv.shared_inputs {
             push(SavedTensor::Fc2Input, ffn, sv.linear_input.bytes(ffn, heads)?);
         }
@@ -578,6 +627,7 @@ impl PlanConfig {
     #[must_use]
     pub fn megatron(shape: ModelShape, parallel: Parallelism, recompute: Recompute) -> Self {
         PlanConfig {
+            block: BlockKind::Gpt,
             shape,
             parallel,
             dropout: Dropout { attention: 0.1, residual: 0.1, masks: MaskStorage::Stored { bytes: 1 } },

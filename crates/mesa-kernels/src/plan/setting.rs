@@ -65,7 +65,9 @@ use std::cmp::Ordering;
 use std::fmt;
 
 use super::training::{add, layer_parameters, mul, MemoryBreakdown, Optimizer, TrainingPrecision};
-use super::{CodeFormat, MaskStorage, ModelShape, Parallelism, PlanConfig, Precision, Recompute, SavedPrecision};
+use super::{
+    BlockKind, CodeFormat, MaskStorage, ModelShape, Parallelism, PlanConfig, Precision, Recompute, SavedPrecision,
+};
 use crate::error::{Error, Result};
 
 /// One way to run a model: tensor and sequence parallelism, recomputation and the width of
@@ -150,11 +152,13 @@ impl fmt::Display for Setting {
     }
 }
 
-/// A model of the paper's Table 3 with its pipeline depth.
+/// A model of the paper's Table 3 (or of [`llama3_models`]) with its pipeline depth.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PaperModel {
-    /// Its name in the paper (`"22B"`, `"175B"`, `"530B"`, `"1T"`).
+    /// Its name (`"22B"`, `"175B"`, `"530B"`, `"1T"`; `"Llama-3 8B"`, `"Llama-3 70B"`).
     pub name: &'static str,
+    /// The block: the paper's GPT, or Llama (no position embedding, untied output head, RMSNorm).
+    pub block: BlockKind,
     /// `L, s, b, h, a, f`.
     pub shape: ModelShape,
     /// Pipeline-parallel size `p` (divides `L`).
@@ -181,6 +185,7 @@ pub const PAPER_VOCAB: u64 = 51_200;
 pub fn paper_models() -> [PaperModel; 4] {
     let model = |name, heads, hidden, layers, pipeline| PaperModel {
         name,
+        block: BlockKind::Gpt,
         shape: ModelShape { layers, seq: 2048, micro_batch: 1, hidden, heads, ffn: 4 * hidden },
         pipeline,
         vocab: PAPER_VOCAB,
@@ -191,6 +196,33 @@ pub fn paper_models() -> [PaperModel; 4] {
         model("530B", 128, 20480, 105, 35),
         model("1T", 160, 25600, 128, 64),
     ]
+}
+
+/// Llama 3's vocabulary (128,256 tokens; Llama Team 2024, *The Llama 3 Herd of Models*,
+/// Table 3).
+pub const LLAMA3_VOCAB: u64 = 128_256;
+
+/// Llama 3 8B and 70B (*The Llama 3 Herd of Models*, Table 3: layers, width, FFN width, 8 K/V
+/// heads) at sequence `s = 8192`, micro-batch 1, with a pipeline depth of our choice: 1 for
+/// 8B, 8 for 70B (10 layers per stage).
+///
+/// | name | `a` | K/V heads | `h` | `f` | `L` | `p` |
+/// |---|---:|---:|---:|---:|---:|---:|
+/// | Llama-3 8B | 32 | 8 | 4096 | 14336 | 32 | 1 |
+/// | Llama-3 70B | 64 | 8 | 8192 | 28672 | 80 | 8 |
+///
+/// [`setting_memory`] counts them without dropout, with an untied output head, RMSNorm (one
+/// f32 per row with codes) and no position embedding.
+#[must_use]
+pub fn llama3_models() -> [PaperModel; 2] {
+    let model = |name, heads, hidden, ffn, layers, pipeline| PaperModel {
+        name,
+        block: BlockKind::Llama { kv_heads: 8 },
+        shape: ModelShape { layers, seq: 8192, micro_batch: 1, hidden, heads, ffn },
+        pipeline,
+        vocab: LLAMA3_VOCAB,
+    };
+    [model("Llama-3 8B", 32, 4096, 14336, 32, 1), model("Llama-3 70B", 64, 8192, 28672, 80, 8)]
 }
 
 /// What one GPU of the first pipeline stage holds under a [`Setting`] (bytes unless said
@@ -225,7 +257,8 @@ impl PaperModel {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the field.
     pub fn validate(&self) -> Result<()> {
-        PlanConfig::megatron(self.shape, Parallelism::none(), Recompute::None).validate()?;
+        PlanConfig { block: self.block, ..PlanConfig::megatron(self.shape, Parallelism::none(), Recompute::None) }
+            .validate()?;
         if self.pipeline == 0 || self.shape.layers % self.pipeline != 0 {
             return Err(Error::invalid_argument(
                 "plan: pipeline",
@@ -248,19 +281,38 @@ impl PaperModel {
 /// bits other than 8, 4, 2). [`Error::TooLarge`] when a count overflows `u64`.
 pub fn setting_memory(model: &PaperModel, setting: &Setting) -> Result<SettingMemory> {
     model.validate()?;
-    let cfg = setting.config(model.shape);
+    let mut cfg = setting.config(model.shape);
+    cfg.block = model.block;
+    if model.block != BlockKind::Gpt {
+        // Llama trains without dropout; RMSNorm keeps one f32 per row
+        cfg.dropout.attention = 0.0;
+        cfg.dropout.residual = 0.0;
+        if setting.code_bits.is_some() {
+            cfg.saved.norm_row_bytes = 4;
+        }
+    }
     let layer = cfg.layer_bytes()?;
     let ModelShape { layers, seq, hidden, .. } = model.shape;
     let t = setting.tensor;
     let p = model.pipeline;
     let per_stage = layers / p;
     let activations = mul(mul(layer.total, per_stage, "stage activations")?, p, "stage activations")?;
-    let embedding = add(
-        mul(model.vocab.div_ceil(t), hidden, "word embedding")?,
-        mul(seq, hidden, "position embedding")?,
-        "embeddings",
-    )?;
-    let final_norm = if p == 1 { mul(2, hidden, "final norm")? } else { 0 };
+    let word = mul(model.vocab.div_ceil(t), hidden, "word embedding")?;
+    let (embedding, final_norm) = match model.block {
+        BlockKind::Gpt => (
+            add(word, mul(seq, hidden, "position embedding")?, "embeddings")?,
+            if p == 1 { mul(2, hidden, "final norm")? } else { 0 },
+        ),
+        // RoPE: no position embedding; the untied output head and the final RMSNorm sit on the
+        // last stage, the first only when p = 1
+        BlockKind::Llama { .. } => {
+            if p == 1 {
+                (add(word, word, "embeddings")?, hidden)
+            } else {
+                (word, 0)
+            }
+        }
+    };
     let parameters = add(
         add(mul(layer_parameters(&cfg)?, per_stage, "stage parameters")?, embedding, "stage parameters")?,
         final_norm,
@@ -302,6 +354,11 @@ pub fn candidate_settings(model: &PaperModel, tensor_choices: &[u64]) -> Result<
     for &t in tensor_choices {
         if heads % t != 0 || hidden % t != 0 || ffn % t != 0 {
             continue;
+        }
+        if let BlockKind::Llama { kv_heads } = model.block {
+            if kv_heads % t != 0 && t % kv_heads != 0 {
+                continue;
+            }
         }
         for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
             for sequence in [true, false] {
@@ -621,5 +678,38 @@ mod tests {
         let s = Setting { tensor: 1, sequence: false, recompute: Recompute::Full, code_bits: None };
         assert!(matches!(setting_memory(&huge, &s), Err(Error::TooLarge { .. })));
         assert_eq!(cheapest_setting(&huge, u64::MAX, &CHOICES).unwrap(), None);
+    }
+
+    #[test]
+    fn llama3_8b_layer_and_parameters_match_the_formulas() {
+        let m = llama3_models()[0];
+        let (s, h, a, f, kv) = (8192u64, 4096u64, 32u64, 14336u64, 1024u64); // kv: 8 heads of 128
+        let at = |tensor, sequence, recompute, code_bits| {
+            setting_memory(&m, &Setting { tensor, sequence, recompute, code_bits }).unwrap()
+        };
+        // 16 bits, no dropout: LN₁ in, QKV in, Q, out-proj in, LN₂ in, FC₁ in (2sh each), K, V
+        // (2s·kv each), gate, up, down in (2sf each), softmax output 2as²
+        let layer = 12 * s * h + 4 * s * kv + 6 * s * f + 2 * a * s * s;
+        assert_eq!(at(1, false, Recompute::None, None).activations, 32 * layer);
+        // t = 2 with SP: everything split by 2 (K, V: 4 of the 8 KV heads)
+        assert_eq!(at(2, true, Recompute::None, None).activations, 32 * layer / 2);
+        // t = 16 > 8 KV heads: each rank keeps one KV head (replicated), the rest / 16
+        let t16 = (12 * s * h + 6 * s * f + 2 * a * s * s) / 16 + 4 * s * 128;
+        assert_eq!(at(16, true, Recompute::None, None).activations, 32 * t16);
+        // 8-bit codes per head, selective, t = 1: x̂ codes of both norms (s·h bytes + 8 per
+        // group of a + 4, one f32 per row), Q, K, V, out-proj in, gate, up
+        let codes = |n: u64, groups: u64| n + 8 * groups + 4;
+        let layer8 = 2 * (codes(s * h, a) + 4 * s)
+            + codes(s * h, a)
+            + 2 * codes(s * kv, 8)
+            + codes(s * h, a)
+            + 2 * codes(s * f, a);
+        assert_eq!(at(1, false, Recompute::Selective, Some(8)).activations, 32 * layer8);
+        // parameters: 32 layers of 2h² + 2h·kv + 3hf + 2h, embedding and untied head v·h
+        // each, final norm h
+        let per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h;
+        let psi = 32 * per_layer + 2 * LLAMA3_VOCAB * h + h;
+        assert_eq!(at(1, false, Recompute::None, None).parameters, psi);
+        assert_eq!(psi, 8_030_261_248, "Llama 3 8B has 8.03 B parameters");
     }
 }

@@ -173,17 +173,30 @@ impl MemoryBreakdown {
 /// out-projection and FC₂ by rows, their biases and the norms replicated), per rank:
 /// `(4h² + 2hf + 3h + f)/t + 6h`.
 ///
+/// A Llama block ([`BlockKind::Llama`](super::BlockKind)), no biases, `k = kv_heads·h/a` K/V
+/// rows: `2h² + 2hk + 3hf + 2h`; per rank `(2h² + 3hf)/t + 2h·k_r + 2h` with `k_r` the
+/// rank's K/V rows (`k/t`, or one head's `h/a` when `t > kv_heads`).
+///
 /// # Errors
 /// [`PlanConfig::validate`]'s errors; [`Error::TooLarge`] on overflow.
 pub fn layer_parameters(config: &PlanConfig) -> Result<u64> {
     config.validate()?;
     let (h, f, t) = (config.shape.hidden, config.shape.ffn, config.parallel.tensor);
     let what = "layer parameters";
-    let split = [mul(mul(4, h, what)?, h, what)?, mul(mul(2, h, what)?, f, what)?, mul(3, h, what)?, f]
-        .iter()
-        .try_fold(0u64, |acc, &v| acc.checked_add(v))
-        .ok_or_else(|| too_large(what))?;
-    add(split / t, mul(6, h, what)?, what)
+    let sum = |terms: &[u64]| terms.iter().try_fold(0u64, |acc, &v| acc.checked_add(v)).ok_or_else(|| too_large(what));
+    match config.block {
+        super::BlockKind::Gpt => {
+            let split = sum(&[mul(mul(4, h, what)?, h, what)?, mul(mul(2, h, what)?, f, what)?, mul(3, h, what)?, f])?;
+            add(split / t, mul(6, h, what)?, what)
+        }
+        super::BlockKind::Llama { kv_heads } => {
+            // Q and W_o: h² each; K and V: h·(kv_heads·h/a) each, a rank holding kv_heads/t
+            // heads or one; gate, up, down: h·f each; two RMSNorm weights, no biases
+            let kv_rows = mul((kv_heads / t).max(1), h / config.shape.heads, what)?;
+            let split = sum(&[mul(mul(2, h, what)?, h, what)?, mul(mul(3, h, what)?, f, what)?])?;
+            add(add(split / t, mul(mul(2, h, what)?, kv_rows, what)?, what)?, mul(2, h, what)?, what)
+        }
+    }
 }
 
 /// A training step: the layer stack of [`PlanConfig`] plus the rest of the model, trained by
