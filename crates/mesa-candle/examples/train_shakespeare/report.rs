@@ -434,12 +434,17 @@ pub fn markdown(s: &Settings, variants: &[Variant], results: &[RunResult], sum: 
 }
 
 /// The JSON object (`results.json`).
+///
+/// A Llama model's object has three more keys: `arch`, `sizes.kv_heads` and each run's
+/// `not_planned` (a GPT model's keeps the keys of the committed CPU results, which CI checks
+/// with `scripts/train-json-shape.py`).
 pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus) -> Value {
+    let llama = matches!(s.arch, Arch::Llama { .. });
     let runs: Vec<Value> = results
         .iter()
         .map(|r| {
             let v = &r.spec.variant;
-            json!({
+            let mut run = json!({
                 "name": r.spec.name,
                 "variant": v.name,
                 "seed": r.spec.seed,
@@ -454,7 +459,6 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
                 "saved_bytes_min_max": [r.saved_range.0, r.saved_range.1],
                 "peak_backward_bytes": r.peak_bytes,
                 "planned_bytes_per_step": r.planned,
-                "not_planned": r.not_planned,
                 "step_peak_bytes": {
                     "measured": r.memory.measured_peak,
                     "planned": r.memory.planned.map(|p| json!({
@@ -465,7 +469,11 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
                 },
                 "wall_s": r.wall_s,
                 "evals": r.evals.iter().map(|e| json!({"step": e.0, "train_loss": if e.1.is_nan() { Value::Null } else { json!(e.1) }, "val_loss": e.2})).collect::<Vec<_>>(),
-            })
+            });
+            if llama {
+                run["not_planned"] = json!(r.not_planned);
+            }
+            run
         })
         .collect();
     let parity = results.iter().find_map(|r| r.parity.as_ref()).map(|p| {
@@ -499,10 +507,9 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
             }))
         })
         .collect();
-    json!({
+    let mut object = json!({
         "config": s.name,
-        "arch": s.arch.name(),
-        "sizes": {"layers": s.layers, "hidden": s.hidden, "heads": s.heads, "kv_heads": s.layer().kv_heads(), "ffn": s.ffn, "context": s.context, "batch": s.batch, "steps": s.steps},
+        "sizes": {"layers": s.layers, "hidden": s.hidden, "heads": s.heads, "ffn": s.ffn, "context": s.context, "batch": s.batch, "steps": s.steps},
         "seeds": s.seeds,
         "vocab": corpus.vocab.len(),
         "val_chars": sum.val_len,
@@ -522,7 +529,12 @@ pub fn json(s: &Settings, results: &[RunResult], sum: &Summary, corpus: &Corpus)
         "running_estimate": codes,
         "total_wall_s": sum.total_wall_s,
         "runs": runs,
-    })
+    });
+    if llama {
+        object["arch"] = json!(s.arch.name());
+        object["sizes"]["kv_heads"] = json!(s.layer().kv_heads());
+    }
+    object
 }
 
 #[cfg(test)]
