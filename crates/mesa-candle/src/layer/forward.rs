@@ -421,8 +421,10 @@ fn run_gpt(
         }
         Some(op) => {
             // its states are not kept: the backward reruns the O(N) core from the codes
-            let (o, _states) = op.forward_detached::<f32>(&ctx.kernels, &q, &k, &v)?;
-            (o.into_tensor()?, None, None)
+            // in f32 for every dtype, as the op computes 16-bit inputs (crate::ops, "Dtypes")
+            let f = |t: &Tensor| t.to_dtype(candle_core::DType::F32);
+            let (o, _states) = op.forward_detached::<f32>(&ctx.kernels, &f(&q)?, &f(&k)?, &f(&v)?)?;
+            (o.into_tensor()?.to_dtype(q.dtype())?, None, None)
         }
     };
     drop((q, k, v));
