@@ -144,9 +144,10 @@ impl Plan {
         self.config.heads / self.tensor()
     }
 
-    /// The K/V heads of this rank: `H_kv/t`.
+    /// The K/V heads of this rank: `H_kv/t`, or the one KV head its query heads read when
+    /// `t > H_kv` (replicated over `t/H_kv` ranks).
     pub fn local_kv_heads(&self) -> usize {
-        self.config.kv_heads() / self.tensor()
+        (self.config.kv_heads() / self.tensor()).max(1)
     }
 
     /// `[B, H, N, e]` → `[B, H_kv, (H/H_kv)·N, e]`: the query heads that share a KV head as one

@@ -489,10 +489,6 @@ impl TransformerLayer {
 
     fn sharded_inner(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         config.validate()?;
-        if config.block != Block::Gpt {
-            let why = "a Llama block is not split over ranks yet (issue 40)";
-            return Err(Error::InvalidArgument { name: "block", why: why.into() }.into());
-        }
         let t = comm.world_size();
         if t == 0 || config.heads % t != 0 || config.ffn % t != 0 {
             return Err(Error::InvalidArgument {
@@ -501,9 +497,9 @@ impl TransformerLayer {
             }
             .into());
         }
-        let whole = ParamLayout::new(config.hidden, config.ffn);
+        let whole = ParamLayout::of(&config)?;
         let part = whole.shard(&full.detach().to_dtype(config.param_dtype)?, comm.rank(), t)?;
-        let layout = Arc::new(ParamLayout::sharded(config.hidden, config.ffn, t)?);
+        let layout = Arc::new(ParamLayout::sharded_of(&config, t)?);
         Ok(TransformerLayer::assemble(config, layout, Var::from_tensor(&part)?, Some(comm)))
     }
 
