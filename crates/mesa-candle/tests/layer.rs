@@ -594,8 +594,14 @@ fn sixteen_bit_layers_stay_within_their_unit_roundoff_of_the_f32_layer() {
         dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
         ..LayerConfig::new(32, 4, 128)
     };
-    let llama = llama(2, Recompute::None);
-    for (config, name) in [(gpt, "gpt"), (llama, "llama")] {
+    // Llama at GQA ratios 1, 4 and 8 (multi-query)
+    let blocks = [
+        (gpt, "gpt"),
+        (llama(8, Recompute::None), "llama H_kv 8"),
+        (llama(2, Recompute::None), "llama H_kv 2"),
+        (llama(1, Recompute::Selective), "llama H_kv 1"),
+    ];
+    for (config, name) in blocks {
         let layer = TransformerLayer::new(config, &common::device()).unwrap();
         let base = relative_errors(&layer, DType::F32, name);
         for (dtype, u) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
