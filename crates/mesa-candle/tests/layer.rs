@@ -34,8 +34,20 @@ fn both(
     dy: &Tensor,
     seed: u64,
 ) -> (Vec<f64>, Vec<f64>, Vec<(String, Vec<f64>, Vec<f64>)>) {
+    let layer = TransformerLayer::new(config.clone(), &common::device()).unwrap();
+    both_with(&layer, config, x, dy, seed)
+}
+
+/// [`both`] with a given layer (its parameters, for the reference too).
+#[allow(clippy::type_complexity)]
+fn both_with(
+    layer: &TransformerLayer,
+    config: &LayerConfig,
+    x: &Tensor,
+    dy: &Tensor,
+    seed: u64,
+) -> (Vec<f64>, Vec<f64>, Vec<(String, Vec<f64>, Vec<f64>)>) {
     let dev = common::device();
-    let layer = TransformerLayer::new(config.clone(), &dev).unwrap();
     let xv = candle_core::Var::from_tensor(&x.to_device(&dev).unwrap()).unwrap();
     let y = layer.forward_seeded(xv.as_tensor(), seed).unwrap();
     let g = (&y * dy.to_device(&dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
@@ -547,5 +559,89 @@ fn llama_checkpoint_names_load_and_bad_llama_configurations_are_typed_errors() {
             matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name, .. }) if *name == field),
             "{field}: {e}"
         );
+    }
+}
+
+/// Normwise relative error of every gradient (and of the output) of our layer in `dtype`
+/// against the f64 reference on the same (rounded) input, output gradient and parameters.
+fn relative_errors(layer: &TransformerLayer, dtype: DType, what: &str) -> Vec<(String, f64)> {
+    let mut rng = Rng::new(what);
+    let (b, n, c) = (2, 16, layer.config().hidden);
+    let x = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32).to_dtype(dtype).unwrap();
+    let dy = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32).to_dtype(dtype).unwrap();
+    let (y, y_ref, grads) = both_with(layer, layer.config(), &x, &dy, 0x5EED);
+    let rel = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(p, q)| (p - q).powi(2)).sum::<f64>().sqrt() / norm(b);
+    let mut out = vec![("y".to_string(), rel(&y, &y_ref))];
+    // a gradient that is zero in exact arithmetic (the key bias of softmax attention, as in
+    // `check`) has no relative error
+    let largest = grads.iter().map(|(_, _, w)| norm(w)).fold(0.0, f64::max);
+    let kept = grads.iter().filter(|(_, _, want)| norm(want) > 1e-9 * largest);
+    out.extend(kept.map(|(name, ours, want)| (name.clone(), rel(ours, want))));
+    out
+}
+
+#[test]
+fn sixteen_bit_layers_stay_within_their_unit_roundoff_of_the_f32_layer() {
+    // Bound: the 16-bit layer differs from the f32 one by rounding, to the dtype, the input
+    // and output gradient (given rounded here, so exact for both), the weights' copy and
+    // every intermediate: along the longest path from an input to a weight gradient, at most
+    // K = 16 such roundings (the weights, the projections' outputs, the scores, the
+    // probabilities, P·V, the residual sums, the norm outputs in the forward; each product
+    // and each kernel's output in the backward), each a relative perturbation ≤ u. To first
+    // order the normwise relative error of each output is at most the f32 layer's own
+    // (the codes' steps, against the same f64 reference) plus K·u. u = 2⁻⁸ (bf16), 2⁻¹¹ (f16).
+    let gpt = LayerConfig {
+        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+        ..LayerConfig::new(32, 4, 128)
+    };
+    // Llama at GQA ratios 1, 4 and 8 (multi-query)
+    let blocks = [
+        (gpt, "gpt"),
+        (llama(8, Recompute::None), "llama H_kv 8"),
+        (llama(2, Recompute::None), "llama H_kv 2"),
+        (llama(1, Recompute::Selective), "llama H_kv 1"),
+    ];
+    for (config, name) in blocks {
+        let layer = TransformerLayer::new(config, &common::device()).unwrap();
+        let base = relative_errors(&layer, DType::F32, name);
+        for (dtype, u) in [(DType::BF16, 2f64.powi(-8)), (DType::F16, 2f64.powi(-11))] {
+            let errs = relative_errors(&layer, dtype, name);
+            assert_eq!(errs.len(), base.len(), "{name} {dtype:?}: the same gradients are compared");
+            for ((p, e32), (p16, e16)) in base.iter().zip(&errs) {
+                assert_eq!(p, p16);
+                let bound = e32 + 16.0 * u;
+                eprintln!("{name} {dtype:?} {p}: relative error {e16:.2e} (f32 layer {e32:.2e}, bound {bound:.2e})");
+                assert!(*e16 <= bound, "{name} {dtype:?} {p}: {e16:.3e} > {bound:.3e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn sixteen_bit_parameters_and_dtype_errors() {
+    for block in ["gpt", "llama"] {
+        let base = if block == "gpt" { LayerConfig::new(16, 2, 32) } else { LayerConfig::llama(16, 2, 1, 32) };
+        let cfg = LayerConfig { param_dtype: DType::BF16, ..base.clone() };
+        let layer = TransformerLayer::new(cfg, &Device::Cpu).unwrap();
+        assert_eq!(layer.params().dtype(), DType::BF16);
+        let x = candle_core::Var::from_tensor(&Tensor::ones((1, 4, 16), DType::BF16, &Device::Cpu).unwrap()).unwrap();
+        let y = layer.forward(x.as_tensor()).unwrap();
+        assert_eq!(y.dtype(), DType::BF16);
+        let g = y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(
+            g.get(layer.params().as_tensor()).unwrap().dtype(),
+            DType::BF16,
+            "{block}: gradient in the parameters' dtype"
+        );
+        assert_eq!(g.get(x.as_tensor()).unwrap().dtype(), DType::BF16);
+        // 16-bit parameters take inputs of their dtype only; f64 inputs are not computed
+        let e = layer.forward(&Tensor::ones((1, 4, 16), DType::F32, &Device::Cpu).unwrap()).unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::DTypeMismatch { .. })), "{e}");
+        let f32_layer = TransformerLayer::new(base.clone(), &Device::Cpu).unwrap();
+        let e = f32_layer.forward(&Tensor::ones((1, 4, 16), DType::F64, &Device::Cpu).unwrap()).unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::UnsupportedDType { .. })), "{e}");
+        let bad = LayerConfig { param_dtype: DType::U8, ..base };
+        let e = TransformerLayer::new(bad, &Device::Cpu).unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "param_dtype", .. })), "{e}");
     }
 }

@@ -32,7 +32,7 @@ const BATCH: usize = 4;
 /// The group's bytes alive after the forward of the stack, over `t` (per rank).
 fn measured_per_rank(config: &LayerConfig, plain: bool, t: usize) -> u64 {
     let c = config.hidden;
-    let whole = ParamLayout::new(c, config.ffn);
+    let whole = ParamLayout::of(config).unwrap();
     let fulls: Vec<Tensor> = (0..LAYERS)
         .map(|_| TransformerLayer::new(config.clone(), &Device::Cpu).unwrap().params().as_tensor().clone())
         .collect();
@@ -48,7 +48,7 @@ fn measured_per_rank(config: &LayerConfig, plain: bool, t: usize) -> u64 {
             .iter()
             .map(|f| TransformerLayer::sharded(config.clone(), f, Arc::clone(&comm)))
             .collect::<candle_core::Result<_>>()?;
-        let local = ParamLayout::sharded(c, config.ffn, t)?;
+        let local = ParamLayout::sharded_of(config, t)?;
         let vars = fulls
             .iter()
             .map(|f| reference::variables(&local, &whole.shard(f, r, t)?, DType::F32))
@@ -109,6 +109,8 @@ fn per_rank_bytes_match_the_tp_sp_plan() {
         for (label, cfg) in [
             ("8-bit", base.clone()),
             ("8-bit, selective", LayerConfig { recompute: Recompute::Selective, ..base.clone() }),
+            // K and V split over the ranks at t = 2, one replicated KV head per rank at t = 4
+            ("Llama 8:2, 8-bit", LayerConfig { dropout: base.dropout, ..LayerConfig::llama(128, 8, 2, 512) }),
         ] {
             let measured = measured_per_rank(&cfg, false, t);
             let planned = sharded_stack_saved_bytes(&cfg, LAYERS, BATCH, SEQ, t).unwrap();

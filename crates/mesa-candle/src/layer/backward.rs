@@ -22,7 +22,9 @@ impl Backward for LayerGrad {
     }
 
     fn backward(&self, args: &[&Tensor], _: &Tensor, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
-        let (x, params) = (args[0].detach(), args[1].detach());
+        // computed in the input's dtype, with the parameters rounded to it
+        let x = args[0].detach();
+        let params = args[1].detach().to_dtype(x.dtype())?;
         let recomputed;
         let codes = match &self.saved.inner {
             Some(c) => c,
@@ -34,7 +36,7 @@ impl Backward for LayerGrad {
                 recomputed.inner.as_ref().ok_or(crate::Error::StateConsumed { op: "transformer layer" })?
             }
         };
-        let dy = grad.to_dtype(DType::F32)?;
+        let dy = grad.to_dtype(x.dtype())?;
         let result = match codes {
             Kept::Gpt(codes) => layer_backward(&self.plan, codes, &x, &params, &dy),
             Kept::Llama(codes) => super::llama::backward(&self.plan, codes, &x, &params, &dy),
@@ -43,16 +45,18 @@ impl Backward for LayerGrad {
             Some(tp) => crate::parallel::tell_peers(tp.comm.as_ref(), result)?,
             None => result?,
         };
+        let pdtype = args[1].dtype();
         let flat = self
             .plan
             .layout
             .entries()
             .iter()
             .map(|e| {
+                // in the parameters' dtype (LayerNorm's kernels write dw, db in f32)
                 grads
                     .get(e.name)
-                    .map(Tensor::flatten_all)
-                    .unwrap_or_else(|| Tensor::zeros(e.numel(), DType::F32, x.device()))
+                    .map(|g| g.flatten_all()?.to_dtype(pdtype))
+                    .unwrap_or_else(|| Tensor::zeros(e.numel(), pdtype, x.device()))
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(vec![Some(dx), Some(Tensor::cat(&flat, 0)?)])
@@ -161,10 +165,14 @@ fn layer_backward(
             // the attention core recomputed from the decoded Q, K, V (O(N): states and output
             // of the same inputs the backward differentiates, so the normaliser's gradient
             // sees the output that belongs to them)
-            let (o_hat, la) = op.forward_detached::<f32>(&ctx.kernels, &q, &k, &v)?;
+            // in f32 for every dtype, as the op computes 16-bit inputs (crate::ops, "Dtypes")
+            let f = |t: &Tensor| t.to_dtype(DType::F32);
+            let (qf, kf, vf) = (f(&q)?, f(&k)?, f(&v)?);
+            let (o_hat, la) = op.forward_detached::<f32>(&ctx.kernels, &qf, &kf, &vf)?;
             let o_hat = o_hat.into_tensor()?;
-            let [dq, dk, dv] = op.backward_detached::<f32>(&ctx.kernels, &la, [&q, &k, &v], &o_hat, &d_o)?;
-            (dq, dk, dv)
+            let [dq, dk, dv] = op.backward_detached::<f32>(&ctx.kernels, &la, [&qf, &kf, &vf], &o_hat, &f(&d_o)?)?;
+            let dt = q.dtype();
+            (dq.to_dtype(dt)?, dk.to_dtype(dt)?, dv.to_dtype(dt)?)
         }
         None => {
             // P from its codes, or recomputed from the Q, K codes (selective)

@@ -89,6 +89,9 @@ fn host_too_large(n: usize) -> crate::Error {
 /// `x ⊙ mask` (nothing when there is no mask).
 pub(crate) fn apply(x: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
     match mask {
+        // masks are made in f32: a 16-bit layer multiplies by their rounding (1/(1 − p) to
+        // the dtype's precision, 0 exactly)
+        Some(m) if m.dtype() != x.dtype() => x.broadcast_mul(&m.to_dtype(x.dtype())?),
         Some(m) => x.broadcast_mul(m),
         None => Ok(x.clone()),
     }

@@ -144,9 +144,10 @@ impl Plan {
         self.config.heads / self.tensor()
     }
 
-    /// The K/V heads of this rank: `H_kv/t`.
+    /// The K/V heads of this rank: `H_kv/t`, or the one KV head its query heads read when
+    /// `t > H_kv` (replicated over `t/H_kv` ranks).
     pub fn local_kv_heads(&self) -> usize {
-        self.config.kv_heads() / self.tensor()
+        (self.config.kv_heads() / self.tensor()).max(1)
     }
 
     /// `[B, H, N, e]` → `[B, H_kv, (H/H_kv)·N, e]`: the query heads that share a KV head as one
@@ -421,8 +422,10 @@ fn run_gpt(
         }
         Some(op) => {
             // its states are not kept: the backward reruns the O(N) core from the codes
-            let (o, _states) = op.forward_detached::<f32>(&ctx.kernels, &q, &k, &v)?;
-            (o.into_tensor()?, None, None)
+            // in f32 for every dtype, as the op computes 16-bit inputs (crate::ops, "Dtypes")
+            let f = |t: &Tensor| t.to_dtype(candle_core::DType::F32);
+            let (o, _states) = op.forward_detached::<f32>(&ctx.kernels, &f(&q)?, &f(&k)?, &f(&v)?)?;
+            (o.into_tensor()?.to_dtype(q.dtype())?, None, None)
         }
     };
     drop((q, k, v));

@@ -1,5 +1,7 @@
-//! Tensor-level calls of our kernels for the layer (f32 tensors of one device).
-use candle_core::Tensor;
+//! Tensor-level calls of our kernels for the layer: tensors of one device in the layer's
+//! compute dtype (f32, f16 or bf16; each call dispatches on its input's dtype, and the
+//! kernels compute in f32).
+use candle_core::{DType, Tensor};
 use mesa_kernels::fused::{
     gelu_backward, gelu_forward, layer_norm_backward, layer_norm_forward, softmax, softmax_backward,
     softmax_backward_plain, softmax_forward, LayerNormBackward, LayerNormForward, LayerNormGrads, SoftmaxBackwardPlain,
@@ -9,7 +11,7 @@ use mesa_kernels::fused::{swiglu_backward, swiglu_forward, SavedSwiglu, SwigluGr
 use mesa_kernels::rope::{rope, rope_backward, RopeConfig};
 use mesa_kernels::{GeluForm, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave};
 
-use crate::bridge::{Output, View};
+use crate::bridge::{dispatch_float, KernelFloat, Output, View};
 use crate::error::KernelResult;
 
 /// What the layer's kernels run on: the candle device and its kernel device.
@@ -19,22 +21,31 @@ pub(crate) struct Ctx {
     pub kernels: mesa_kernels::Device,
 }
 
+const OP: &str = "transformer layer";
+
 impl Ctx {
-    fn out(&self, shape: &candle_core::Shape) -> candle_core::Result<Output<f32>> {
-        Output::<f32>::zeros(&self.candle, &self.kernels, shape)
+    fn out<T: KernelFloat>(&self, shape: &candle_core::Shape) -> candle_core::Result<Output<T>> {
+        Output::<T>::zeros(&self.candle, &self.kernels, shape)
     }
 
     /// Codes of `x` by `q` (the forward's [`super::forward::Quantizers`]).
     pub fn quantize(&self, x: &Tensor, q: &mut Quantizer) -> candle_core::Result<SavedActivation> {
         let view = View::of(x)?;
-        q.quantize(&view.tensor_ref::<f32>()?).k()
+        dispatch_float!(x.dtype(), OP, T => q.quantize(&view.tensor_ref::<T>()?).k())
     }
 
-    /// The decoded tensor of `saved` (shape of the original).
+    /// The decoded tensor of `saved` (shape and dtype of the original).
     pub fn decode(&self, saved: &SavedActivation) -> candle_core::Result<Tensor> {
-        let mut out = self.out(&candle_core::Shape::from(saved.shape()))?;
-        saved.dequantize(&self.kernels, &mut out.tensor_mut()?).k()?;
-        out.into_tensor()
+        let dtype = match saved.dtype() {
+            mesa_kernels::DType::F16 => candle_core::DType::F16,
+            mesa_kernels::DType::BF16 => candle_core::DType::BF16,
+            _ => candle_core::DType::F32,
+        };
+        dispatch_float!(dtype, OP, T => {
+            let mut out = self.out::<T>(&candle_core::Shape::from(saved.shape()))?;
+            saved.dequantize(&self.kernels, &mut out.tensor_mut()?).k()?;
+            out.into_tensor()
+        })
     }
 
     /// LayerNorm forward saving `x̂` codes and statistics.
@@ -46,15 +57,17 @@ impl Ctx {
         eps: f32,
         q: &mut Quantizer,
     ) -> candle_core::Result<(Tensor, SavedLayerNorm)> {
-        let mut y = self.out(x.shape())?;
         let (wc, bc) = (w.contiguous()?, b.contiguous()?);
-        let saved = {
-            let (xv, wv, bv) = (View::of(x)?, View::of(&wc)?, View::of(&bc)?);
-            let (xr, wr, br) = (xv.tensor_ref::<f32>()?, wv.tensor_ref::<f32>()?, bv.tensor_ref::<f32>()?);
-            let args = LayerNormForward { x: &xr, weight: Some(&wr), bias: Some(&br), eps };
-            layer_norm_forward(&self.kernels, q, &args, &mut y.tensor_mut()?).k()?
-        };
-        Ok((y.into_tensor()?, saved))
+        dispatch_float!(x.dtype(), OP, T => {
+            let mut y = self.out::<T>(x.shape())?;
+            let saved = {
+                let (xv, wv, bv) = (View::of(x)?, View::of(&wc)?, View::of(&bc)?);
+                let (xr, wr, br) = (xv.tensor_ref::<T>()?, wv.tensor_ref::<T>()?, bv.tensor_ref::<T>()?);
+                let args = LayerNormForward { x: &xr, weight: Some(&wr), bias: Some(&br), eps };
+                layer_norm_forward(&self.kernels, q, &args, &mut y.tensor_mut()?).k()?
+            };
+            Ok((y.into_tensor()?, saved))
+        })
     }
 
     /// LayerNorm backward: `(dx, dw, db)`.
@@ -65,20 +78,22 @@ impl Ctx {
         dy: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
         let cols = candle_core::Shape::from(w.dims());
-        let (mut dx, mut dw, mut db) = (self.out(dy.shape())?, self.out(&cols)?, self.out(&cols)?);
         let wc = w.contiguous()?;
-        {
-            let (gv, wv) = (View::of(dy)?, View::of(&wc)?);
-            let (gr, wr) = (gv.tensor_ref::<f32>()?, wv.tensor_ref::<f32>()?);
-            let args = LayerNormBackward { saved, weight: Some(&wr), dy: &gr };
-            let grads = LayerNormGrads {
-                dx: &mut dx.tensor_mut()?,
-                dweight: &mut dw.tensor_mut()?,
-                dbias: &mut db.tensor_mut()?,
-            };
-            layer_norm_backward(&self.kernels, &args, grads).k()?;
-        }
-        Ok((dx.into_tensor()?, dw.into_tensor()?, db.into_tensor()?))
+        dispatch_float!(dy.dtype(), OP, T => {
+            let (mut dx, mut dw, mut db) = (self.out::<T>(dy.shape())?, self.out::<f32>(&cols)?, self.out::<f32>(&cols)?);
+            {
+                let (gv, wv) = (View::of(dy)?, View::of(&wc)?);
+                let (gr, wr) = (gv.tensor_ref::<T>()?, wv.tensor_ref::<T>()?);
+                let args = LayerNormBackward { saved, weight: Some(&wr), dy: &gr };
+                let grads = LayerNormGrads {
+                    dx: &mut dx.tensor_mut()?,
+                    dweight: &mut dw.tensor_mut()?,
+                    dbias: &mut db.tensor_mut()?,
+                };
+                layer_norm_backward(&self.kernels, &args, grads).k()?;
+            }
+            Ok((dx.into_tensor()?, dw.into_tensor()?, db.into_tensor()?))
+        })
     }
 
     /// `x̂·w + b` from the saved codes of a LayerNorm: its output, decoded.
@@ -93,68 +108,76 @@ impl Ctx {
         mask: Option<&Tensor>,
         save: Option<&SoftmaxSave>,
     ) -> candle_core::Result<(Tensor, Option<SavedActivation>)> {
-        let mut y = self.out(s.shape())?;
-        let mask = mask.map(|m| m.broadcast_as(s.shape())).transpose()?;
-        let saved = {
-            let sv = View::of(s)?;
-            let mv = mask.as_ref().map(View::of).transpose()?;
-            let sr = sv.tensor_ref::<f32>()?;
-            let mr = mv.as_ref().map(|m| m.tensor_ref::<f32>()).transpose()?;
-            let input = SoftmaxInput { x: &sr, mask: mr.as_ref() };
-            match save {
-                Some(save) => Some(softmax_forward(&self.kernels, save, &input, &mut y.tensor_mut()?).k()?),
-                None => {
-                    softmax(&self.kernels, &input, &mut y.tensor_mut()?).k()?;
-                    None
+        let mask = mask.map(|m| m.to_dtype(s.dtype())?.broadcast_as(s.shape())).transpose()?;
+        dispatch_float!(s.dtype(), OP, T => {
+            let mut y = self.out::<T>(s.shape())?;
+            let saved = {
+                let sv = View::of(s)?;
+                let mv = mask.as_ref().map(View::of).transpose()?;
+                let sr = sv.tensor_ref::<T>()?;
+                let mr = mv.as_ref().map(|m| m.tensor_ref::<T>()).transpose()?;
+                let input = SoftmaxInput { x: &sr, mask: mr.as_ref() };
+                match save {
+                    Some(save) => Some(softmax_forward(&self.kernels, save, &input, &mut y.tensor_mut()?).k()?),
+                    None => {
+                        softmax(&self.kernels, &input, &mut y.tensor_mut()?).k()?;
+                        None
+                    }
                 }
-            }
-        };
-        Ok((y.into_tensor()?, saved))
+            };
+            Ok((y.into_tensor()?, saved))
+        })
     }
 
     /// Softmax backward from codes, or from a full-precision (recomputed) output.
     pub fn softmax_backward(&self, p: SoftmaxSource<'_>, dp: &Tensor) -> candle_core::Result<Tensor> {
-        let mut ds = self.out(dp.shape())?;
-        {
-            let dv = View::of(dp)?;
-            let dr = dv.tensor_ref::<f32>()?;
-            match p {
-                SoftmaxSource::Codes(saved) => {
-                    softmax_backward(&self.kernels, saved, &dr, &mut ds.tensor_mut()?).k()?
-                }
-                SoftmaxSource::Plain(y) => {
-                    let yv = View::of(y)?;
-                    let yr = yv.tensor_ref::<f32>()?;
-                    softmax_backward_plain(
-                        &self.kernels,
-                        &SoftmaxBackwardPlain { y: &yr, dy: &dr },
-                        &mut ds.tensor_mut()?,
-                    )
-                    .k()?;
+        dispatch_float!(dp.dtype(), OP, T => {
+            let mut ds = self.out::<T>(dp.shape())?;
+            {
+                let dv = View::of(dp)?;
+                let dr = dv.tensor_ref::<T>()?;
+                match p {
+                    SoftmaxSource::Codes(saved) => {
+                        softmax_backward(&self.kernels, saved, &dr, &mut ds.tensor_mut()?).k()?
+                    }
+                    SoftmaxSource::Plain(y) => {
+                        let yv = View::of(y)?;
+                        let yr = yv.tensor_ref::<T>()?;
+                        softmax_backward_plain(
+                            &self.kernels,
+                            &SoftmaxBackwardPlain { y: &yr, dy: &dr },
+                            &mut ds.tensor_mut()?,
+                        )
+                        .k()?;
+                    }
                 }
             }
-        }
-        ds.into_tensor()
+            ds.into_tensor()
+        })
     }
 
     /// GELU (erf) forward saving the codes of its input.
     pub fn gelu(&self, u: &Tensor, q: &mut Quantizer) -> candle_core::Result<(Tensor, SavedActivation)> {
-        let mut y = self.out(u.shape())?;
-        let saved = {
-            let uv = View::of(u)?;
-            gelu_forward(&self.kernels, q, GeluForm::Erf, &uv.tensor_ref::<f32>()?, &mut y.tensor_mut()?).k()?
-        };
-        Ok((y.into_tensor()?, saved))
+        dispatch_float!(u.dtype(), OP, T => {
+            let mut y = self.out::<T>(u.shape())?;
+            let saved = {
+                let uv = View::of(u)?;
+                gelu_forward(&self.kernels, q, GeluForm::Erf, &uv.tensor_ref::<T>()?, &mut y.tensor_mut()?).k()?
+            };
+            Ok((y.into_tensor()?, saved))
+        })
     }
 
     /// GELU backward from the codes of its input.
     pub fn gelu_backward(&self, saved: &SavedActivation, dy: &Tensor) -> candle_core::Result<Tensor> {
-        let mut dx = self.out(dy.shape())?;
-        {
-            let dv = View::of(dy)?;
-            gelu_backward(&self.kernels, GeluForm::Erf, saved, &dv.tensor_ref::<f32>()?, &mut dx.tensor_mut()?).k()?;
-        }
-        dx.into_tensor()
+        dispatch_float!(dy.dtype(), OP, T => {
+            let mut dx = self.out::<T>(dy.shape())?;
+            {
+                let dv = View::of(dy)?;
+                gelu_backward(&self.kernels, GeluForm::Erf, saved, &dv.tensor_ref::<T>()?, &mut dx.tensor_mut()?).k()?;
+            }
+            dx.into_tensor()
+        })
     }
 }
 
@@ -173,8 +196,8 @@ impl SavedRms {
 }
 
 impl Ctx {
-    /// RMSNorm forward `x̂·w`, `x̂ = x/rms` ([`crate::ops::RmsNorm`]'s arithmetic), saving the
-    /// codes of `x̂` and `rms`.
+    /// RMSNorm forward `x̂·w`, `x̂ = x/rms` ([`crate::ops::RmsNorm`]'s arithmetic, in f32 for
+    /// every dtype), saving the f32 codes of `x̂` and `rms`; the output in `x`'s dtype.
     pub fn rms_norm(
         &self,
         x: &Tensor,
@@ -183,40 +206,45 @@ impl Ctx {
         q: &mut Quantizer,
     ) -> candle_core::Result<(Tensor, SavedRms)> {
         let rms = crate::ops::rms_norm::rms_of(x, eps)?;
-        let xhat = x.broadcast_div(&rms)?;
-        let y = xhat.broadcast_mul(w)?;
+        let xhat = x.to_dtype(DType::F32)?.broadcast_div(&rms)?;
+        let y = xhat.broadcast_mul(&w.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
         let xhat = self.quantize(&xhat, q)?;
         Ok((y, SavedRms { xhat, rms }))
     }
 
-    /// RMSNorm backward from the codes: `(dx, dw)`.
+    /// RMSNorm backward from the codes, in f32: `(dx, dw)`, `dx` in `dy`'s dtype, `dw` in f32
+    /// (as LayerNorm's kernels write it; the layer rounds it to the parameters' dtype).
     pub fn rms_norm_backward(
         &self,
         saved: &SavedRms,
         w: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        crate::ops::rms_norm::rms_norm_grads(&self.decode(&saved.xhat)?, &saved.rms, w, dy)
+        let (wf, dyf) = (w.to_dtype(DType::F32)?, dy.to_dtype(DType::F32)?);
+        let (dx, dw) = crate::ops::rms_norm::rms_norm_grads(&self.decode(&saved.xhat)?, &saved.rms, &wf, &dyf)?;
+        Ok((dx.to_dtype(dy.dtype())?, dw))
     }
 
-    /// `x̂·w` from the saved codes of an RMSNorm: its output, decoded.
+    /// `x̂·w` from the saved codes of an RMSNorm: its output, decoded, in `w`'s dtype.
     pub fn rms_norm_output(&self, saved: &SavedRms, w: &Tensor) -> candle_core::Result<Tensor> {
-        self.decode(&saved.xhat)?.broadcast_mul(w)
+        self.decode(&saved.xhat)?.broadcast_mul(&w.to_dtype(DType::F32)?)?.to_dtype(w.dtype())
     }
 
     /// RoPE of `x: [B, heads, N, d]`, or its inverse (the backward).
     pub fn rope(&self, x: &Tensor, config: &RopeConfig, inverse: bool) -> candle_core::Result<Tensor> {
-        let mut y = self.out(x.shape())?;
-        {
-            let xv = View::of(x)?;
-            let (xr, mut yr) = (xv.tensor_ref::<f32>()?, y.tensor_mut()?);
-            if inverse {
-                rope_backward(&self.kernels, config, &xr, &mut yr).k()?;
-            } else {
-                rope(&self.kernels, config, &xr, &mut yr).k()?;
+        dispatch_float!(x.dtype(), OP, T => {
+            let mut y = self.out::<T>(x.shape())?;
+            {
+                let xv = View::of(x)?;
+                let (xr, mut yr) = (xv.tensor_ref::<T>()?, y.tensor_mut()?);
+                if inverse {
+                    rope_backward(&self.kernels, config, &xr, &mut yr).k()?;
+                } else {
+                    rope(&self.kernels, config, &xr, &mut yr).k()?;
+                }
             }
-        }
-        y.into_tensor()
+            y.into_tensor()
+        })
     }
 
     /// SwiGLU `silu(g)·u` saving the codes of `g` and `u`.
@@ -226,24 +254,29 @@ impl Ctx {
         u: &Tensor,
         quantizers: SwigluQuantizers<'_>,
     ) -> candle_core::Result<(Tensor, SavedSwiglu)> {
-        let mut y = self.out(g.shape())?;
-        let saved = {
-            let (gv, uv) = (View::of(g)?, View::of(u)?);
-            let (gr, ur) = (gv.tensor_ref::<f32>()?, uv.tensor_ref::<f32>()?);
-            swiglu_forward(&self.kernels, quantizers, &SwigluInput { gate: &gr, up: &ur }, &mut y.tensor_mut()?).k()?
-        };
-        Ok((y.into_tensor()?, saved))
+        dispatch_float!(g.dtype(), OP, T => {
+            let mut y = self.out::<T>(g.shape())?;
+            let saved = {
+                let (gv, uv) = (View::of(g)?, View::of(u)?);
+                let (gr, ur) = (gv.tensor_ref::<T>()?, uv.tensor_ref::<T>()?);
+                let input = SwigluInput { gate: &gr, up: &ur };
+                swiglu_forward(&self.kernels, quantizers, &input, &mut y.tensor_mut()?).k()?
+            };
+            Ok((y.into_tensor()?, saved))
+        })
     }
 
     /// SwiGLU backward from the codes: `(dg, du)`.
     pub fn swiglu_backward(&self, saved: &SavedSwiglu, dy: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        let (mut dg, mut du) = (self.out(dy.shape())?, self.out(dy.shape())?);
-        {
-            let dv = View::of(dy)?;
-            let grads = SwigluGrads { gate: &mut dg.tensor_mut()?, up: &mut du.tensor_mut()? };
-            swiglu_backward(&self.kernels, saved, &dv.tensor_ref::<f32>()?, grads).k()?;
-        }
-        Ok((dg.into_tensor()?, du.into_tensor()?))
+        dispatch_float!(dy.dtype(), OP, T => {
+            let (mut dg, mut du) = (self.out::<T>(dy.shape())?, self.out::<T>(dy.shape())?);
+            {
+                let dv = View::of(dy)?;
+                let grads = SwigluGrads { gate: &mut dg.tensor_mut()?, up: &mut du.tensor_mut()? };
+                swiglu_backward(&self.kernels, saved, &dv.tensor_ref::<T>()?, grads).k()?;
+            }
+            Ok((dg.into_tensor()?, du.into_tensor()?))
+        })
     }
 }
 

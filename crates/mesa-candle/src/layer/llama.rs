@@ -49,7 +49,9 @@ impl Codes {
     }
 }
 
-/// `residual + D(t·Wᵀ)` of the projection `name` (no bias) with the dropout mask of `site`.
+/// `residual + D(t·Wᵀ)` of the row-parallel projection `name` (no bias) on the rank's rows:
+/// without a group the product, its dropout, the residual; with one the partial product, then
+/// the reduce-scatter with the residual fused (dropout: the scatter, then the shard's mask).
 fn residual_proj(
     plan: &Plan,
     params: &Tensor,
@@ -60,7 +62,11 @@ fn residual_proj(
 ) -> candle_core::Result<Tensor> {
     let r = linear_forward(t, &plan.w(params, name)?, None)?;
     let mask = plan.dropout_mask(site, residual.dims())?;
-    residual + dropout::apply(&r, mask.as_ref())?
+    match (&plan.tp, mask) {
+        (None, mask) => residual + dropout::apply(&r, mask.as_ref())?,
+        (Some(_), None) => plan.scatter(&r, None, Some(residual)),
+        (Some(_), Some(m)) => residual + dropout::apply(&plan.scatter(&r, None, None)?, Some(&m))?,
+    }
 }
 
 /// `t·Wᵀ` of the projection `name` (no bias).
@@ -80,6 +86,8 @@ pub(crate) fn forward(
     let (cfg, ctx) = (&plan.config, &plan.ctx);
     let w = |name: &str| plan.w(params, name);
     let (h1, ln1) = ctx.rms_norm(x, &w("input_layernorm.weight")?, cfg.eps, quant.get(CodeSite::Ln1))?;
+    // the whole sequence into the column-parallel projections (g, with a group)
+    let h1 = plan.gather(&h1)?;
     let q = plan.split_heads(&proj(plan, params, &h1, "self_attn.q_proj.weight")?)?;
     let k = plan.split_kv_heads(&proj(plan, params, &h1, "self_attn.k_proj.weight")?)?;
     let v = plan.split_kv_heads(&proj(plan, params, &h1, "self_attn.v_proj.weight")?)?;
@@ -101,6 +109,7 @@ pub(crate) fn forward(
     let x2 = residual_proj(plan, params, &a, "self_attn.o_proj.weight", DropoutSite::AttentionResidual, x)?;
     drop(a);
     let (h2, ln2) = ctx.rms_norm(&x2, &w("post_attention_layernorm.weight")?, cfg.eps, quant.get(CodeSite::Ln2))?;
+    let h2 = plan.gather(&h2)?;
     let g = proj(plan, params, &h2, "mlp.gate_proj.weight")?;
     let u = proj(plan, params, &h2, "mlp.up_proj.weight")?;
     drop(h2);
@@ -141,8 +150,11 @@ pub(crate) fn backward(
     let w = |name: &str| plan.w(params, name);
     let mut grads = HashMap::new();
     // MLP: y = x₂ + D₂((silu(g)·u)·W_dᵀ)
+    // With a group (as the GPT block, `backward.rs`): x, dy and the norms' tensors are the
+    // rank's rows; the projections' output gradients are all-gathered, the column-parallel
+    // projections' input gradients reduce-scattered.
     let m2 = plan.dropout_mask(DropoutSite::FfnResidual, x.dims())?;
-    let d_f = dropout::apply(dy, m2.as_ref())?;
+    let d_f = plan.gather(&dropout::apply(dy, m2.as_ref())?)?;
     let m_hat = (ctx.decode(&c.mlp.gate)?.silu()? * ctx.decode(&c.mlp.up)?)?;
     let (d_m, dw_d) = proj_backward(plan, params, "mlp.down_proj.weight", &m_hat, &d_f)?;
     drop((m_hat, d_f));
@@ -150,18 +162,18 @@ pub(crate) fn backward(
     let (d_g, d_u) = ctx.swiglu_backward(&c.mlp, &d_m)?;
     drop(d_m);
     let w_post = w("post_attention_layernorm.weight")?;
-    let h2 = ctx.rms_norm_output(&c.ln2, &w_post)?;
+    let h2 = plan.gather(&ctx.rms_norm_output(&c.ln2, &w_post)?)?;
     let (d_h2g, dw_g) = proj_backward(plan, params, "mlp.gate_proj.weight", &h2, &d_g)?;
     let (d_h2u, dw_u) = proj_backward(plan, params, "mlp.up_proj.weight", &h2, &d_u)?;
     drop((h2, d_g, d_u));
     grads.insert("mlp.gate_proj.weight", dw_g);
     grads.insert("mlp.up_proj.weight", dw_u);
-    let (dx_ln2, dw_post) = ctx.rms_norm_backward(&c.ln2, &w_post, &(d_h2g + d_h2u)?)?;
-    grads.insert("post_attention_layernorm.weight", dw_post);
+    let d_h2 = plan.scatter(&(d_h2g + d_h2u)?, None, None)?;
+    let (dx_ln2, dw_post) = ctx.rms_norm_backward(&c.ln2, &w_post, &d_h2)?;
     let d_x2 = (dy + dx_ln2)?;
     // attention: x₂ = x + D₁(a·W_oᵀ)
     let m1 = plan.dropout_mask(DropoutSite::AttentionResidual, x.dims())?;
-    let d_r = dropout::apply(&d_x2, m1.as_ref())?;
+    let d_r = plan.gather(&dropout::apply(&d_x2, m1.as_ref())?)?;
     let a_hat = ctx.decode(&c.attn_out)?;
     let (d_a, dw_o) = proj_backward(plan, params, "self_attn.o_proj.weight", &a_hat, &d_r)?;
     drop((a_hat, d_r));
@@ -198,15 +210,49 @@ pub(crate) fn backward(
     let dq = ctx.rope(&dq, &block.rope, true)?;
     let dk = ctx.rope(&dk, &block.rope, true)?;
     let w_in = w("input_layernorm.weight")?;
-    let h1 = ctx.rms_norm_output(&c.ln1, &w_in)?;
+    let h1 = plan.gather(&ctx.rms_norm_output(&c.ln1, &w_in)?)?;
     let (d_hq, dw_q) = proj_backward(plan, params, "self_attn.q_proj.weight", &h1, &plan.merge_heads(&dq)?)?;
     let (d_hk, dw_k) = proj_backward(plan, params, "self_attn.k_proj.weight", &h1, &plan.merge_kv_heads(&dk)?)?;
     let (d_hv, dw_v) = proj_backward(plan, params, "self_attn.v_proj.weight", &h1, &plan.merge_kv_heads(&dv)?)?;
     drop((h1, dq, dk, dv));
+    let (dw_k, dw_v) = replicated_kv_sum(plan, dw_k, dw_v)?;
     grads.insert("self_attn.q_proj.weight", dw_q);
     grads.insert("self_attn.k_proj.weight", dw_k);
     grads.insert("self_attn.v_proj.weight", dw_v);
-    let (dx_ln1, dw_in) = ctx.rms_norm_backward(&c.ln1, &w_in, &((d_hq + d_hk)? + d_hv)?)?;
-    grads.insert("input_layernorm.weight", dw_in);
+    let d_in = plan.scatter(&((d_hq + d_hk)? + d_hv)?, None, None)?;
+    let (dx_ln1, dw_in) = ctx.rms_norm_backward(&c.ln1, &w_in, &d_in)?;
+    if plan.tp.is_some() {
+        // the norms are replicated but each rank normalised its own rows: one all-reduce of
+        // both weights' gradients
+        let summed = plan.all_reduce(&Tensor::stack(&[&dw_in, &dw_post], 0)?)?;
+        grads.insert("input_layernorm.weight", summed.get(0)?);
+        grads.insert("post_attention_layernorm.weight", summed.get(1)?);
+    } else {
+        grads.insert("input_layernorm.weight", dw_in);
+        grads.insert("post_attention_layernorm.weight", dw_post);
+    }
     Ok(((d_x2 + dx_ln1)?, grads))
+}
+
+/// With `t > H_kv` ranks each KV head's weights are replicated over the `t/H_kv` ranks whose
+/// query heads read it, and each rank's gradient holds its own query heads' part: the sum over
+/// those ranks, as one all-reduce over the group of both weights' gradients placed at their
+/// KV head's rows of a zero `[2, H_kv·d, C]` tensor (`2·H_kv·d·C` elements; the sum at each
+/// head's rows is then that head's ranks' sum). Otherwise the gradients as they are.
+fn replicated_kv_sum(plan: &Plan, dw_k: Tensor, dw_v: Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let (Some(tp), super::Block::Llama(block)) = (&plan.tp, plan.config.block) else {
+        return Ok((dw_k, dw_v));
+    };
+    let (t, kv) = (tp.comm.world_size(), block.kv_heads);
+    if t <= kv {
+        return Ok((dw_k, dw_v));
+    }
+    let (rows, c) = dw_k.dims2()?;
+    let head = tp.comm.rank() * kv / t;
+    let both = Tensor::stack(&[&dw_k, &dw_v], 0)?;
+    let before = Tensor::zeros((2, head * rows, c), both.dtype(), both.device())?;
+    let after = Tensor::zeros((2, (kv - head - 1) * rows, c), both.dtype(), both.device())?;
+    let placed = Tensor::cat(&[&before, &both, &after], 1)?;
+    let summed = plan.all_reduce(&placed)?.narrow(1, head * rows, rows)?;
+    Ok((summed.get(0)?, summed.get(1)?))
 }

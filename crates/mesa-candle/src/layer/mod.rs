@@ -286,6 +286,10 @@ pub struct LayerConfig {
     pub stochastic_rounding: bool,
     /// ε of the norms (LayerNorm's, or RMSNorm's in a Llama block).
     pub eps: f32,
+    /// The dtype of the flat parameter variable (and of its gradient): `F32` (master weights;
+    /// the layer then takes f32, f16 or bf16 inputs and computes in the input's dtype with a
+    /// rounded copy of the weights) or `F16`/`BF16` (inputs of that dtype only).
+    pub param_dtype: DType,
 }
 
 impl LayerConfig {
@@ -306,6 +310,7 @@ impl LayerConfig {
             stats: StatsMode::Exact,
             stochastic_rounding: false,
             eps: 1e-5,
+            param_dtype: DType::F32,
         }
     }
 
@@ -363,6 +368,9 @@ impl LayerConfig {
         }
         if !(self.eps > 0.0 && self.eps.is_finite()) {
             return bad("eps", format!("must be positive and finite, got {}", self.eps));
+        }
+        if !matches!(self.param_dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return bad("param_dtype", format!("{:?} (supported: F32, F16, BF16)", self.param_dtype));
         }
         for (name, p) in [("dropout.attention", self.dropout.attention), ("dropout.residual", self.dropout.residual)] {
             if !(0.0..1.0).contains(&p) {
@@ -439,6 +447,10 @@ impl TransformerLayer {
         config.validate()?;
         let layout = Arc::new(ParamLayout::of(&config)?);
         let params = layout.init(device)?;
+        let params = match config.param_dtype {
+            DType::F32 => params,
+            dtype => Var::from_tensor(&params.as_tensor().to_dtype(dtype)?)?,
+        };
         Ok(TransformerLayer::assemble(config, layout, params, None))
     }
 
@@ -455,7 +467,7 @@ impl TransformerLayer {
     ) -> candle_core::Result<Self> {
         config.validate()?;
         let layout = Arc::new(ParamLayout::of(&config)?);
-        let params = Var::from_tensor(&layout.flatten(tensors, prefix, device)?)?;
+        let params = Var::from_tensor(&layout.flatten(tensors, prefix, device)?.to_dtype(config.param_dtype)?)?;
         Ok(TransformerLayer::assemble(config, layout, params, None))
     }
 
@@ -477,10 +489,6 @@ impl TransformerLayer {
 
     fn sharded_inner(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         config.validate()?;
-        if config.block != Block::Gpt {
-            let why = "a Llama block is not split over ranks yet (issue 40)";
-            return Err(Error::InvalidArgument { name: "block", why: why.into() }.into());
-        }
         let t = comm.world_size();
         if t == 0 || config.heads % t != 0 || config.ffn % t != 0 {
             return Err(Error::InvalidArgument {
@@ -489,9 +497,9 @@ impl TransformerLayer {
             }
             .into());
         }
-        let whole = ParamLayout::new(config.hidden, config.ffn);
-        let part = whole.shard(&full.detach().to_dtype(DType::F32)?, comm.rank(), t)?;
-        let layout = Arc::new(ParamLayout::sharded(config.hidden, config.ffn, t)?);
+        let whole = ParamLayout::of(&config)?;
+        let part = whole.shard(&full.detach().to_dtype(config.param_dtype)?, comm.rank(), t)?;
+        let layout = Arc::new(ParamLayout::sharded_of(&config, t)?);
         Ok(TransformerLayer::assemble(config, layout, Var::from_tensor(&part)?, Some(comm)))
     }
 
@@ -521,13 +529,19 @@ impl TransformerLayer {
     }
 
     /// The forward with an explicit dropout seed (the backward and a recomputation reuse it).
-    /// `x: [B, N, C]` f32 → `[B, N, C]`. A [`TransformerLayer::sharded`] layer takes its rank's
-    /// rows `[B, N_r, C]` of a sequence split evenly (`N = t·N_r`:
-    /// [`TransformerLayer::forward_shard`] takes other splits).
+    /// `x: [B, N, C]` → `[B, N, C]` of `x`'s dtype: f32, f16 or bf16 (with parameters of that
+    /// dtype or f32, [`LayerConfig::param_dtype`]). A 16-bit layer computes its projections,
+    /// attention products and codes in the input's dtype, and its norms and softmax in f32
+    /// (inside the kernels; the RMSNorm of a Llama block in f32 candle ops, its `x̂` codes of
+    /// the f32 `x̂`); its parameters' gradient has the parameters' dtype. A
+    /// [`TransformerLayer::sharded`] layer (f32 only) takes its rank's rows `[B, N_r, C]` of a
+    /// sequence split evenly (`N = t·N_r`: [`TransformerLayer::forward_shard`] takes other
+    /// splits).
     ///
     /// # Errors
     /// [`Error::Rank`] (`x` not of rank 3), [`Error::Shape`] (`C` not the configured hidden
-    /// size), [`Error::UnsupportedDType`] (not f32),
+    /// size), [`Error::UnsupportedDType`] (not f32, f16 or bf16; 16-bit on a sharded layer),
+    /// [`Error::DTypeMismatch`] (16-bit parameters and an input of another dtype),
     /// [`Error::DeviceMismatch`], the kernels' errors.
     pub fn forward_seeded(&self, x: &Tensor, seed: u64) -> candle_core::Result<Tensor> {
         let splits = match &self.parallel {
@@ -587,10 +601,8 @@ impl TransformerLayer {
             }
             .into());
         }
-        if x.dtype() != DType::F32 {
-            return Err(Error::UnsupportedDType { op: "transformer layer", dtype: x.dtype() }.into());
-        }
         let params = self.params.as_tensor();
+        self.check_dtypes(x)?;
         let ctx = kernels::Ctx {
             candle: x.device().clone(),
             kernels: crate::bridge::common_device("transformer layer", &[x, params])?,
@@ -606,7 +618,13 @@ impl TransformerLayer {
         let (y, saved) = match self.config.stats {
             StatsMode::Exact => {
                 let mut quant = forward::Quantizers::new(&plan, StatsMode::Exact)?;
-                forward::run(&plan, &x.detach(), &params.detach(), self.config.recompute, &mut quant)?
+                forward::run(
+                    &plan,
+                    &x.detach(),
+                    &params.detach().to_dtype(x.dtype())?,
+                    self.config.recompute,
+                    &mut quant,
+                )?
             }
             StatsMode::Running => {
                 // a panic elsewhere cannot leave a quantizer half-updated: its state is device
@@ -616,7 +634,7 @@ impl TransformerLayer {
                     *guard = Some(forward::Quantizers::new(&plan, StatsMode::Running)?);
                 }
                 let quant = guard.as_mut().ok_or(Error::StateConsumed { op: "transformer layer" })?;
-                forward::run(&plan, &x.detach(), &params.detach(), self.config.recompute, quant)?
+                forward::run(&plan, &x.detach(), &params.detach().to_dtype(x.dtype())?, self.config.recompute, quant)?
             }
         };
         let result = crate::ops::tensor_result(&y)?;
@@ -659,6 +677,24 @@ impl TransformerLayer {
             Some(q) => Ok(q.report(site)?.map(CodeReport::from)),
             None => Ok(None),
         }
+    }
+
+    /// The input's dtype against the parameters' ([`LayerConfig::param_dtype`]).
+    fn check_dtypes(&self, x: &Tensor) -> Result<(), Error> {
+        let op = "transformer layer";
+        if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+            return Err(Error::UnsupportedDType { op, dtype: x.dtype() });
+        }
+        let p = self.params.dtype();
+        if p != DType::F32 && p != x.dtype() {
+            let (what, of) = ("layer input [B, N, C]".to_string(), "parameters (param_dtype)".to_string());
+            return Err(Error::DTypeMismatch { op, what, of, expected: p, got: x.dtype() });
+        }
+        if self.parallel.is_some() && x.dtype() != DType::F32 {
+            // the 16-bit path over ranks is not tested yet
+            return Err(Error::UnsupportedDType { op: "sharded transformer layer (f32 only)", dtype: x.dtype() });
+        }
+        Ok(())
     }
 
     fn linear(&self) -> Option<LinearAttention> {

@@ -17,6 +17,9 @@ use crate::error::Error;
 pub struct ParamLayout {
     entries: Vec<ParamEntry>,
     total: usize,
+    /// A Llama block's `(heads, kv_heads, tensor)` (what [`ParamLayout::shard`] needs beyond
+    /// the shapes); `None` for a GPT block.
+    llama: Option<(usize, usize, usize)>,
 }
 
 /// One named view.
@@ -71,6 +74,9 @@ impl ParamLayout {
     /// [`Error::InvalidArgument`] (`rank ≥ tensor`, `tensor` not dividing the widths, `self`
     /// already sharded), [`Error::Shape`] (`full` not `[total]`); candle's errors.
     pub fn shard(&self, full: &Tensor, rank: usize, tensor: usize) -> candle_core::Result<Tensor> {
+        if let Some((heads, kv_heads, t)) = self.llama {
+            return self.shard_llama(full, rank, tensor, (heads, kv_heads, t));
+        }
         let (c, f) = (self.entry("ln_1.weight")?.shape[0], self.entry("mlp.fc_in.bias")?.shape[0]);
         if self.entry("attn.q_proj.weight")?.shape[0] != c {
             return Err(
@@ -124,7 +130,7 @@ impl ParamLayout {
             });
         }
         let (c, f, kv) = (hidden, ffn, kv_heads * (hidden / heads));
-        Ok(ParamLayout::from_list(vec![
+        let mut layout = ParamLayout::from_list(vec![
             ("input_layernorm.weight", vec![c]),
             ("self_attn.q_proj.weight", vec![c, c]),
             ("self_attn.k_proj.weight", vec![kv, c]),
@@ -134,7 +140,107 @@ impl ParamLayout {
             ("mlp.gate_proj.weight", vec![f, c]),
             ("mlp.up_proj.weight", vec![f, c]),
             ("mlp.down_proj.weight", vec![c, f]),
-        ]))
+        ]);
+        layout.llama = Some((heads, kv_heads, 1));
+        Ok(layout)
+    }
+
+    /// One rank's layout of a Llama block split over `tensor` ranks (Megatron's split, as
+    /// [`ParamLayout::sharded`]): Q, gate and up keep `1/t` of their output rows (`C/t`, `F/t`),
+    /// W_o and down `1/t` of their input columns; K and V keep the rank's `H_kv/t` KV heads, or,
+    /// when `t > H_kv`, the one KV head its query heads read (replicated over `t/H_kv` ranks);
+    /// the norms are whole. Same names and order as [`ParamLayout::llama`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] as [`ParamLayout::llama`], and when `tensor` is 0, does not
+    /// divide `heads` and `ffn`, or `tensor` and `kv_heads` do not divide one another.
+    pub fn llama_sharded(
+        hidden: usize,
+        heads: usize,
+        kv_heads: usize,
+        ffn: usize,
+        tensor: usize,
+    ) -> Result<Self, Error> {
+        ParamLayout::llama(hidden, heads, kv_heads, ffn)?; // the unsharded shape's checks
+        let t = tensor;
+        if t == 0 || heads % t != 0 || ffn % t != 0 || (kv_heads % t != 0 && t % kv_heads != 0) {
+            return Err(Error::InvalidArgument {
+                name: "tensor",
+                why: format!(
+                    "{t} ranks must divide heads {heads} and ffn {ffn}, and divide or be a multiple of kv_heads {kv_heads}"
+                ),
+            });
+        }
+        let (c, f, d) = (hidden, ffn, hidden / heads);
+        let kv = (kv_heads / t).max(1) * d;
+        let mut layout = ParamLayout::from_list(vec![
+            ("input_layernorm.weight", vec![c]),
+            ("self_attn.q_proj.weight", vec![c / t, c]),
+            ("self_attn.k_proj.weight", vec![kv, c]),
+            ("self_attn.v_proj.weight", vec![kv, c]),
+            ("self_attn.o_proj.weight", vec![c, c / t]),
+            ("post_attention_layernorm.weight", vec![c]),
+            ("mlp.gate_proj.weight", vec![f / t, c]),
+            ("mlp.up_proj.weight", vec![f / t, c]),
+            ("mlp.down_proj.weight", vec![c, f / t]),
+        ]);
+        layout.llama = Some((heads, kv_heads, t));
+        Ok(layout)
+    }
+
+    /// The layout of `config`'s block on one of `tensor` ranks ([`ParamLayout::sharded`] or
+    /// [`ParamLayout::llama_sharded`]).
+    ///
+    /// # Errors
+    /// As those.
+    pub fn sharded_of(config: &super::LayerConfig, tensor: usize) -> Result<Self, Error> {
+        match config.block {
+            super::Block::Gpt => ParamLayout::sharded(config.hidden, config.ffn, tensor),
+            super::Block::Llama(l) => {
+                ParamLayout::llama_sharded(config.hidden, config.heads, l.kv_heads, config.ffn, tensor)
+            }
+        }
+    }
+
+    /// [`ParamLayout::shard`] of a Llama block (`self` unsharded: `t = 1`).
+    fn shard_llama(
+        &self,
+        full: &Tensor,
+        rank: usize,
+        tensor: usize,
+        (heads, kv_heads, t): (usize, usize, usize),
+    ) -> candle_core::Result<Tensor> {
+        if t != 1 {
+            return Err(
+                Error::InvalidArgument { name: "layout", why: "shard() cuts the unsharded layout".into() }.into()
+            );
+        }
+        let c = self.entry("input_layernorm.weight")?.shape[0];
+        let f = self.entry("mlp.gate_proj.weight")?.shape[0];
+        let local = ParamLayout::llama_sharded(c, heads, kv_heads, f, tensor)?;
+        if rank >= tensor {
+            return Err(Error::InvalidArgument { name: "rank", why: format!("{rank} is not below {tensor}") }.into());
+        }
+        if full.dims() != [self.total] {
+            let (what, expected, got) = ("flat parameters".into(), vec![self.total], full.dims().to_vec());
+            return Err(Error::Shape { what, expected, got }.into());
+        }
+        let d = c / heads;
+        let mut parts = Vec::with_capacity(local.entries.len());
+        for e in &local.entries {
+            let whole = self.view(full, e.name)?;
+            let part = match (e.name, e.shape.as_slice()) {
+                // the KV heads this rank's query heads read: heads ⌊r·H_kv/t⌋ onwards
+                ("self_attn.k_proj.weight" | "self_attn.v_proj.weight", &[rows, _]) => {
+                    whole.narrow(0, rank * kv_heads / tensor * d, rows)?
+                }
+                (_, &[rows, _]) if whole.dim(0)? != rows => whole.narrow(0, rank * rows, rows)?,
+                (_, &[_, cols]) if whole.dim(1)? != cols => whole.narrow(1, rank * cols, cols)?,
+                _ => whole,
+            };
+            parts.push(part.contiguous()?.flatten_all()?);
+        }
+        Tensor::cat(&parts, 0)
     }
 
     /// The unsharded layout of `config`'s block ([`ParamLayout::new`] or [`ParamLayout::llama`]).
@@ -158,7 +264,7 @@ impl ParamLayout {
                 e
             })
             .collect();
-        ParamLayout { entries, total: offset }
+        ParamLayout { entries, total: offset, llama: None }
     }
 
     fn from_specs(hidden: usize, ffn: usize, tensor: usize) -> Self {

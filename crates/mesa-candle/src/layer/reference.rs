@@ -88,7 +88,8 @@ fn forward_impl(
 ) -> candle_core::Result<Tensor> {
     if let super::Block::Llama(block) = config.block {
         if sp.is_some() {
-            let why = "a Llama block is not split over ranks yet (issue 40)";
+            let why = "the sharded reference is written for the GPT block (the sharded Llama block is \
+                       checked against the unsharded reference)";
             return Err(crate::Error::InvalidArgument { name: "block", why: why.into() }.into());
         }
         return llama_forward(config, &block, p, x, seed);

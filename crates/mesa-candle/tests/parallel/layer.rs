@@ -66,8 +66,8 @@ fn sharded_run(
 /// their split axis, replicated ones checked identical on every rank (bit for bit).
 fn unshard(config: &LayerConfig, per_rank: &[Tensor]) -> Vec<(&'static str, Tensor)> {
     let t = per_rank.len();
-    let local = ParamLayout::sharded(config.hidden, config.ffn, t).unwrap();
-    let whole = ParamLayout::new(config.hidden, config.ffn);
+    let local = ParamLayout::sharded_of(config, t).unwrap();
+    let whole = ParamLayout::of(config).unwrap();
     let parts: Vec<Vec<(&'static str, Tensor)>> = per_rank.iter().map(|g| local.unflatten(g).unwrap()).collect();
     whole
         .entries()
@@ -81,6 +81,15 @@ fn unshard(config: &LayerConfig, per_rank: &[Tensor]) -> Vec<(&'static str, Tens
                     assert_eq!(flat(p), flat(&pieces[0]), "{}: replicated gradient differs on rank {r}", e.name);
                 }
                 pieces[0].clone()
+            } else if l[0] != e.shape[0] && l[0] * t > e.shape[0] {
+                // a Llama block's K or V with t > H_kv: each KV head on t/H_kv ranks, its
+                // gradient summed over them (bit for bit the same on each)
+                let group = l[0] * t / e.shape[0];
+                for (r, p) in pieces.iter().enumerate() {
+                    let first = &pieces[r / group * group];
+                    assert_eq!(flat(p), flat(first), "{}: replicated KV gradient differs on rank {r}", e.name);
+                }
+                Tensor::cat(&pieces.iter().step_by(group).cloned().collect::<Vec<_>>(), 0).unwrap()
             } else {
                 let axis = usize::from(l[0] == e.shape[0]);
                 Tensor::cat(&pieces, axis).unwrap()
@@ -142,7 +151,7 @@ fn one_rank_is_the_unsharded_layer_bitwise() {
 fn check(config: &LayerConfig, what: &str) {
     let (x, dy, _) = inputs(what, config.hidden);
     let full = full_params(config);
-    let vars = reference::variables(&ParamLayout::new(config.hidden, config.ffn), &full, DType::F64).unwrap();
+    let vars = reference::variables(&ParamLayout::of(config).unwrap(), &full, DType::F64).unwrap();
     let x64 = Var::from_tensor(&x.to_dtype(DType::F64).unwrap()).unwrap();
     let y_ref = reference::forward(config, &vars, x64.as_tensor(), SEED).unwrap();
     let g_ref = (&y_ref * dy.to_dtype(DType::F64).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
@@ -201,6 +210,42 @@ fn sharded_linear_attention_layer_matches_the_reference_at_two_and_four_ranks() 
         ..config(NormPlacement::Pre, Recompute::None)
     };
     check(&cfg, "linear attention");
+}
+
+/// The Llama block split over 2 and 4 ranks: K/V heads split (8 query heads, 4 KV heads at
+/// t = 2 and 4) and replicated (2 KV heads at t = 4: each on two ranks, gradients summed), with
+/// every recomputation; against the f64 reference on the whole sequence as above.
+#[test]
+fn sharded_llama_block_matches_the_reference_at_two_and_four_ranks() {
+    let llama = |kv, recompute| LayerConfig {
+        recompute,
+        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+        ..LayerConfig::llama(64, 8, kv, 128)
+    };
+    for (kv, recompute) in [(4, Recompute::None), (2, Recompute::Selective), (1, Recompute::Full)] {
+        check(&llama(kv, recompute), &format!("llama H_kv {kv} {recompute:?}"));
+    }
+}
+
+/// t = 1 through the group is the unsharded Llama block bit for bit.
+#[test]
+fn one_rank_is_the_unsharded_llama_block_bitwise() {
+    let config = LayerConfig {
+        dropout: DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
+        ..LayerConfig::llama(32, 4, 2, 64)
+    };
+    let (x, dy, _) = inputs("one rank llama", 32);
+    let full = full_params(&config);
+    let named = ParamLayout::of(&config).unwrap().unflatten(&full).unwrap();
+    let map = named.into_iter().map(|(n, t)| (n.to_string(), t)).collect();
+    let layer = TransformerLayer::from_tensors(config.clone(), &map, "", &Device::Cpu).unwrap();
+    let xv = Var::from_tensor(&x).unwrap();
+    let y = layer.forward_seeded(xv.as_tensor(), SEED).unwrap();
+    let g = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let got = sharded_run(&config, &full, &x, &dy, 1);
+    assert_eq!(flat(&got[0].0), flat(&y), "forward");
+    assert_eq!(flat(&got[0].1), flat(g.get(xv.as_tensor()).unwrap()), "dx");
+    assert_eq!(flat(&got[0].2), flat(g.get(layer.params().as_tensor()).unwrap()), "dparams");
 }
 
 /// A rank whose input has the wrong number of rows fails, and its peers learn it at once.
