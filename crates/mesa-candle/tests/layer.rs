@@ -559,6 +559,11 @@ fn llama_checkpoint_names_load_and_bad_llama_configurations_are_typed_errors() {
             matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name, .. }) if *name == field),
             "{field}: {e}"
         );
+        // the plain-candle reference refuses it too (it would otherwise run another block)
+        let vars = reference::variables(layer.layout(), layer.params().as_tensor(), DType::F32).unwrap();
+        let x = Tensor::zeros((1, 4, 16), DType::F32, &Device::Cpu).unwrap();
+        let e = reference::forward(&bad, &vars, &x, 0).unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { .. })), "reference, {field}: {e}");
     }
 }
 

@@ -92,6 +92,7 @@ fn forward_impl(
                        checked against the unsharded reference)";
             return Err(crate::Error::InvalidArgument { name: "block", why: why.into() }.into());
         }
+        config.validate()?;
         return llama_forward(config, &block, p, x, seed);
     }
     let (b, n_r, c) = x.dims3()?;
