@@ -5,6 +5,7 @@
 //! papers' equations, slow on purpose.
 pub mod collectives;
 pub mod fused;
+pub mod gated_linear_attention;
 pub mod linear_attention;
 pub mod quant;
 pub mod rope;
