@@ -1,5 +1,5 @@
-//! Fused producers/consumers of saved activations (GELU, SwiGLU, softmax, LayerNorm), bf16,
-//! 8-bit codes.
+//! Fused producers/consumers of saved activations (GELU, SwiGLU, softmax, LayerNorm, RoPE),
+//! bf16, 8-bit codes.
 //!
 //! Pairs (each reports bytes read + written as `Throughput::BytesDecimal`; GB/s divided by the
 //! copy bandwidth measured at start is the fraction of the bytes-moved floor, docs/fused.md):
@@ -17,6 +17,10 @@
 //!   plus the codes of g, then a pass writing the codes of u (10n bytes); `swiglu_backward_bf16`
 //!   (10n) vs `swiglu_backward_codes` (8n bytes). g and u: the halves of one [rows, 2·cols]
 //!   projection, as a fused gate-up matmul writes them.
+//! * `rope_plain` vs `rope_forward_saving`: RoPE (Llama's halves) of queries `[B, H, N, d]`
+//!   (d = 128), 4n bytes, vs the same plus the codes of the rotated output with head-wise
+//!   groups (running estimate, after a first batch), 5n bytes: the rotation fused into the save
+//!   of the Q codes (issue 40).
 //!
 //! Working sets: rows sized from the queried L2 (at least 4× of it moved per call); the
 //! emulation runs small shapes. Device choice, copy bandwidth and timing: `benches/common`.
@@ -32,6 +36,7 @@ use mesa_kernels::fused::{
     self, GeluBackwardPlain, LayerNormBackward, LayerNormBackwardPlain, LayerNormForward, LayerNormGrads,
     SoftmaxBackwardPlain, SoftmaxInput, SwigluGrads, SwigluInput, SwigluQuantizers,
 };
+use mesa_kernels::rope::{self, RopeConfig};
 use mesa_kernels::{
     Buffer, Device, DeviceMemory, DeviceMemoryMut, GeluForm, Layout, QuantConfig, Quantizer, SoftmaxSave, Storage,
     TensorMut, TensorRef,
@@ -358,6 +363,38 @@ fn bench(c: &mut Criterion) {
             timed(device, it, || {
                 let grads = SwigluGrads { gate: &mut tmut(&mut dx, &l), up: &mut tmut(&mut du, &l) };
                 fused::swiglu_backward(device, &ssaved, &tref(&dy, &l), grads).expect("bwd")
+            })
+        })
+    });
+
+    // ---- RoPE of queries [B, H, N, d] (Llama 3's base), saving head-wise codes of the output
+    let (heads, dim) = (32, 128);
+    let tokens = bench.rows_for(5 * heads * dim, 512, 16);
+    let rl = Layout::contiguous(&[1, heads, tokens, dim]);
+    let rn = heads * tokens * dim;
+    bench.floor_note("rope_forward_saving", 5 * rn);
+    let rx = upload(device, &data(rn, 10));
+    let mut ry = device.alloc_zeros::<bf16>(rn).expect("alloc");
+    let rcfg = RopeConfig::llama(500_000.0);
+    let mut rq = Quantizer::new(device, QuantConfig::per_head(1)).expect("q");
+    drop(
+        rope::rope_forward_save(device, &mut rq, &rcfg, &tref(&rx, &rl), &mut tmut(&mut ry, &rl))
+            .expect("warm-up batch"),
+    );
+    g.throughput(Throughput::BytesDecimal(4 * rn as u64));
+    g.bench_function("rope_plain", |b| {
+        b.iter_custom(|it| {
+            timed(device, it, || rope::rope(device, &rcfg, &tref(&rx, &rl), &mut tmut(&mut ry, &rl)).expect("rope"))
+        })
+    });
+    g.throughput(Throughput::BytesDecimal(5 * rn as u64));
+    g.bench_function("rope_forward_saving", |b| {
+        b.iter_custom(|it| {
+            timed(device, it, || {
+                drop(black_box(
+                    rope::rope_forward_save(device, &mut rq, &rcfg, &tref(&rx, &rl), &mut tmut(&mut ry, &rl))
+                        .expect("rope"),
+                ));
             })
         })
     });

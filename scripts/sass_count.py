@@ -99,6 +99,17 @@ SPECS = [
          func=r"::swiglu_backward_dense_kernel<__nv_bfloat16, 8>", loops=[(r"STG\.E\.128", 8)],
          bytes=8, avoid=[], require=[(r"LDG\.E\.128", 1), (r"LDG\.E\.64", 2), (r"STG\.E\.128", 2), (EXP, 8)],
          target=0.70),
+    # RoPE saving the codes of its output (issue 40), the dense kernel: one item of halves is
+    # a unit and its partner unit (16 elements, 8 angles: one sincospif per pair, whose
+    # reduction rounds once, FRND), reads x and writes y and 8-bit codes (2 + 2 + 1 bytes);
+    # running mode (codes + statistics of y). Target 100 % as GELU's erf tail: sincospif alone
+    # is ~27 instructions per pair (13.5 per element) and the quantize pass's encoding with
+    # statistics ~11 per element, 24.5 of the 27.2 a 70 % target would allow
+    dict(name="RoPE fwd saving codes of y + stats (halves)", file="rope",
+         func=r"::rope_save_dense_kernel<__nv_bfloat16, 8, false, true>", loops=[(r"LDG\.E\.128", 16)],
+         bytes=5, avoid=[],
+         require=[(r"LDG\.E\.128", 2), (r"STG\.E\.128", 2), (r"STG\.E\.64", 2), (r"^FRND R", 8)],
+         target=1.00),
     # sequence-parallel collectives, all ranks on one device: the dense vector loop of one
     # rank's block, one 16-byte vector of output per iteration; reduce-scatter of W = 8 bf16
     # inputs (8 loads, no bias or residual: 8·2 + 2 = 18 bytes per element), all-gather (one

@@ -898,6 +898,28 @@ impl Default for MesaRopeArgs {
         }
     }
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaRopeSaveArgs {
+    pub rope: MesaRopeArgs,
+    pub sink: MesaCodeSink,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaRopeSaveArgs"][::core::mem::size_of::<MesaRopeSaveArgs>() - 336usize];
+    ["Alignment of MesaRopeSaveArgs"][::core::mem::align_of::<MesaRopeSaveArgs>() - 8usize];
+    ["Offset of field: MesaRopeSaveArgs::rope"][::core::mem::offset_of!(MesaRopeSaveArgs, rope) - 0usize];
+    ["Offset of field: MesaRopeSaveArgs::sink"][::core::mem::offset_of!(MesaRopeSaveArgs, sink) - 272usize];
+};
+impl Default for MesaRopeSaveArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 unsafe extern "C" {
     pub fn mesa_gelu_forward(args: *const MesaGeluForwardArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
@@ -972,6 +994,12 @@ unsafe extern "C" {
 }
 unsafe extern "C" {
     pub fn mesa_emu_rope(args: *const MesaRopeArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_rope_save(args: *const MesaRopeSaveArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_rope_save(args: *const MesaRopeSaveArgs, stream: *mut ::core::ffi::c_void) -> MesaStatus;
 }
 pub type MesaLaMemory = i32;
 pub const MESA_LA_BOUNDARY_STATES: MesaLaMemoryCode = 0;

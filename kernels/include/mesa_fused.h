@@ -2,8 +2,9 @@
  * §3; BRIEF §5.1): GELU, softmax and LayerNorm forward kernels that write their output AND
  * the codes of what their backward needs in one pass; backward kernels that read those codes
  * directly (dequantized in registers, never materialised). Kernels: kernels/gelu.cu,
- * kernels/softmax.cu, kernels/layernorm.cu, kernels/swiglu.cu (and RoPE, which keeps
- * nothing: kernels/rope.cu); shared device pieces: kernels/quant_common.cuh.
+ * kernels/softmax.cu, kernels/layernorm.cu, kernels/swiglu.cu, kernels/rope.cu (RoPE keeps
+ * nothing for its own backward; its forward can save the codes of its output, the Q and K of
+ * attention); shared device pieces: kernels/quant_common.cuh.
  *
  * Codes follow mesa_quant.h exactly (asymmetric affine, logical row-major order of the saved
  * tensor's shape, bits < 8 packed first element in the least significant bits), so a saved
@@ -257,6 +258,19 @@ typedef struct MesaRopeArgs {
   int32_t _pad;
 } MesaRopeArgs;
 
+/* RoPE whose output's codes are saved in the pass that writes it (issue 40: the rotation fused
+ * into the save of the Q and K codes). `rope` as for mesa_rope, with inverse = 0 (the forward;
+ * its backward keeps nothing and is mesa_rope with inverse = 1); the sink receives the codes
+ * of y — the stored, dtype-rounded output, in y's logical order — exactly as mesa_quantize of
+ * that y would write them, with the statistics of y when sink.stats != NULL. rope.y may be
+ * NULL when sink.codes is NULL (the statistics pass of exact mode: x is read and rotated in
+ * registers, only the statistics are written). sink.map must be IDENTITY.
+ * In-place: not supported: every pointer is __restrict__ (the safe crate rejects overlap). */
+typedef struct MesaRopeSaveArgs {
+  MesaRopeArgs rope;
+  MesaCodeSink sink;
+} MesaRopeSaveArgs;
+
 MESA_DECLARE_ENTRY(gelu_forward, MesaGeluForwardArgs)
 MESA_DECLARE_ENTRY(gelu_backward, MesaGeluBackwardArgs)
 MESA_DECLARE_ENTRY(softmax_forward, MesaSoftmaxForwardArgs)
@@ -266,6 +280,7 @@ MESA_DECLARE_ENTRY(layernorm_backward, MesaLayerNormBackwardArgs)
 MESA_DECLARE_ENTRY(swiglu_forward, MesaSwigluForwardArgs)
 MESA_DECLARE_ENTRY(swiglu_backward, MesaSwigluBackwardArgs)
 MESA_DECLARE_ENTRY(rope, MesaRopeArgs)
+MESA_DECLARE_ENTRY(rope_save, MesaRopeSaveArgs)
 
 #ifdef __cplusplus
 }

@@ -9,6 +9,7 @@
 //! | [`softmax_forward`] | codes of the output `y` only (of `√y` by default: [`SoftmaxCodes`]) | fixed: offset 0, scale `1/(2^bits − 1)` |
 //! | [`layer_norm_forward`] | codes of `x̂ = (x − mean)·rstd`, plus per-row `mean`, `rstd` (f32) | the [`Quantizer`]'s |
 //! | [`swiglu_forward`] | codes of both inputs, the gate `g` and the up projection `u` | two [`Quantizer`]s |
+//! | [`rope_forward_save`](crate::rope::rope_forward_save) (module `rope`) | codes of its output `y = RoPE(x)`, the rotated Q or K attention's backward reads | the [`Quantizer`]'s |
 //!
 //! Every op also has a plain entry point that saves nothing ([`gelu`], [`softmax`],
 //! [`layer_norm`]) and a backward that reads a full-precision saved tensor instead of codes
@@ -184,15 +185,17 @@ fn code_source<'a>(launch: &mut Launch<'a>, saved: &'a SavedActivation) -> Resul
     })
 }
 
-/// The widening pass of a producer whose saved tensor is its input (GELU, SwiGLU): the
-/// Quantizer's quantize kernel on the input's grouped view, encoding the widened groups again
-/// (`widen`: the flags of [`crate::quant::ProducerStep::Widen`]).
+/// The widening pass of a producer whose saved tensor is its input (GELU, SwiGLU) or an
+/// output it wrote in an earlier step (RoPE, [`crate::rope::rope_forward_save`]): the
+/// Quantizer's quantize kernel on that tensor's grouped view, encoding the widened groups
+/// again (`widen`: the flags of [`crate::quant::ProducerStep::Widen`]).
 ///
 /// # Safety
-/// `x` is an input registered on `launch` and described by `grouped`; `sink`'s codes and
-/// params and `widen` are buffers `Quantizer::encode` registered on `launch` and sized for that
-/// input's shape and grouping.
-unsafe fn widen_input(
+/// `x` is a tensor registered on `launch` (an input, or an output written by an earlier
+/// kernel of it) and described by `grouped`; `sink`'s codes and params and `widen` are
+/// buffers `Quantizer::encode` registered on `launch` and sized for that tensor's shape and
+/// grouping.
+pub(crate) unsafe fn widen_input(
     launch: &mut Launch<'_>,
     x: *const std::ffi::c_void,
     grouped: &crate::layout::KernelView,
