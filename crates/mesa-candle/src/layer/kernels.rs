@@ -8,7 +8,7 @@ use mesa_kernels::fused::{
     SoftmaxInput,
 };
 use mesa_kernels::fused::{swiglu_backward, swiglu_forward, SavedSwiglu, SwigluGrads, SwigluInput, SwigluQuantizers};
-use mesa_kernels::rope::{rope, rope_backward, RopeConfig};
+use mesa_kernels::rope::{rope, rope_backward, rope_forward_save, RopeConfig};
 use mesa_kernels::{GeluForm, Quantizer, SavedActivation, SavedLayerNorm, SoftmaxSave};
 
 use crate::bridge::{dispatch_float, KernelFloat, Output, View};
@@ -244,6 +244,24 @@ impl Ctx {
                 }
             }
             y.into_tensor()
+        })
+    }
+
+    /// RoPE of `x: [B, heads, N, d]` saving the codes of its output by `q`, in the same pass
+    /// (rotate, then encode).
+    pub fn rope_save(
+        &self,
+        x: &Tensor,
+        config: &RopeConfig,
+        q: &mut Quantizer,
+    ) -> candle_core::Result<(Tensor, SavedActivation)> {
+        dispatch_float!(x.dtype(), OP, T => {
+            let mut y = self.out::<T>(x.shape())?;
+            let saved = {
+                let xv = View::of(x)?;
+                rope_forward_save(&self.kernels, q, config, &xv.tensor_ref::<T>()?, &mut y.tensor_mut()?).k()?
+            };
+            Ok((y.into_tensor()?, saved))
         })
     }
 

@@ -12,8 +12,8 @@
 //! | attention output before `W_o` `[B, N, C]` | codes | `dW_o` |
 //! | gate `g` and up `u` projections `[B, N, F]` | codes of each (SwiGLU's forward writes them) | SwiGLU backward; `silu(ĝ)·û` for `dW_d` |
 //!
-//! RoPE is its own pass before the codes of Q and K are written (not yet fused into their
-//! encoding); its backward rotates `dQ`, `dK` back and keeps nothing.
+//! RoPE writes Q and K and their codes in one pass ([`mesa_kernels::rope::rope_forward_save`]:
+//! rotate, then encode); its backward rotates `dQ`, `dK` back and keeps nothing.
 use std::collections::HashMap;
 
 use candle_core::Tensor;
@@ -92,10 +92,9 @@ pub(crate) fn forward(
     let k = plan.split_kv_heads(&proj(plan, params, &h1, "self_attn.k_proj.weight")?)?;
     let v = plan.split_kv_heads(&proj(plan, params, &h1, "self_attn.v_proj.weight")?)?;
     drop(h1);
-    let q = ctx.rope(&q, &block.rope, false)?;
-    let k = ctx.rope(&k, &block.rope, false)?;
-    let q_s = ctx.quantize(&q, quant.get(CodeSite::Q))?;
-    let k_s = ctx.quantize(&k, quant.get(CodeSite::K))?;
+    // rotate, then encode, in one pass each
+    let (q, q_s) = ctx.rope_save(&q, &block.rope, quant.get(CodeSite::Q))?;
+    let (k, k_s) = ctx.rope_save(&k, &block.rope, quant.get(CodeSite::K))?;
     let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
     let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;
     drop((q, k));
