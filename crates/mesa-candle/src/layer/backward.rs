@@ -79,6 +79,47 @@ fn proj_backward(
     Ok((dt, dw, dy2.sum(0)?))
 }
 
+/// The gradients `(dQ, dK, dV)` of softmax attention `D(softmax(QKᵀ/√d + mask))·V` from
+/// the decoded `q: [B, H, N, d]`, `k, v: [B, H_kv, N, d]` and `d_o: [B, H, N, d]`, with `P`
+/// from its codes or, without them (selective recomputation), recomputed from `q` and `k`.
+/// The query heads that share a KV head run as one matrix ([`Plan::group_queries`]), so `dK`
+/// and `dV` come out summed over each group (the identity for `H_kv = H`).
+pub(crate) fn softmax_core_backward(
+    plan: &Plan,
+    p_codes: Option<&mesa_kernels::SavedActivation>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let ctx = &plan.ctx;
+    let recomputed;
+    let source = match p_codes {
+        Some(p) => SoftmaxSource::Codes(p),
+        None => {
+            recomputed = plan.probabilities(q, k, false)?.0;
+            SoftmaxSource::Plain(&recomputed)
+        }
+    };
+    let p_hat = match &source {
+        SoftmaxSource::Codes(p) => ctx.decode(p)?,
+        SoftmaxSource::Plain(p) => (*p).clone(),
+    };
+    let ma = plan.dropout_mask(DropoutSite::Attention, p_hat.dims())?;
+    let d_o = plan.group_queries(d_o)?;
+    // dV = Pᵀ·dO, one product per KV group
+    let dv = plan.group_queries(&dropout::apply(&p_hat, ma.as_ref())?)?.t()?.matmul(&d_o)?;
+    drop(p_hat);
+    let d_p = dropout::apply(&plan.ungroup_queries(&d_o.matmul(&v.t()?)?)?, ma.as_ref())?;
+    drop(d_o);
+    let d_s = plan.group_queries(&ctx.softmax_backward(source, &d_p)?)?;
+    drop(d_p);
+    let scale = 1.0 / (plan.config.head_dim() as f64).sqrt();
+    let dq = (plan.ungroup_queries(&d_s.matmul(k)?)? * scale)?;
+    let dk = (d_s.t()?.matmul(&plan.group_queries(q)?)? * scale)?;
+    Ok((dq, dk, dv))
+}
+
 fn insert(grads: &mut HashMap<&'static str, Tensor>, name: &'static str, w: Tensor, b: Tensor) {
     let (wn, bn) = match name {
         "attn.q_proj" => ("attn.q_proj.weight", "attn.q_proj.bias"),
@@ -174,31 +215,7 @@ fn layer_backward(
             let dt = q.dtype();
             (dq.to_dtype(dt)?, dk.to_dtype(dt)?, dv.to_dtype(dt)?)
         }
-        None => {
-            // P from its codes, or recomputed from the Q, K codes (selective)
-            let recomputed;
-            let source = match &c.p {
-                Some(p) => SoftmaxSource::Codes(p),
-                None => {
-                    recomputed = plan.probabilities(&q, &k, false)?.0;
-                    SoftmaxSource::Plain(&recomputed)
-                }
-            };
-            let p_hat = match &source {
-                SoftmaxSource::Codes(p) => ctx.decode(p)?,
-                SoftmaxSource::Plain(p) => (*p).clone(),
-            };
-            let ma = plan.dropout_mask(DropoutSite::Attention, p_hat.dims())?;
-            let dv = dropout::apply(&p_hat, ma.as_ref())?.t()?.matmul(&d_o)?;
-            drop(p_hat);
-            let d_p = dropout::apply(&d_o.matmul(&v.t()?)?, ma.as_ref())?;
-            let d_s = ctx.softmax_backward(source, &d_p)?;
-            drop(d_p);
-            let scale = 1.0 / (cfg.head_dim() as f64).sqrt();
-            let dq = (d_s.matmul(&k)? * scale)?;
-            let dk = (d_s.t()?.matmul(&q)? * scale)?;
-            (dq, dk, dv)
-        }
+        None => softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?,
     };
     drop((q, k, v, a_hat));
     // the projections' input: LN₁'s output (pre, decoded) or the layer input itself (post)

@@ -216,30 +216,30 @@ impl Plan {
         }
     }
 
-    /// `residual + D(t·Wᵀ + b)` of the row-parallel projection `name` (output projection,
-    /// FFN's second linear) on the rank's rows `[B, S_r, C]`: without a group the existing
-    /// order (bias in the linear, dropout, then the residual); with one the partial product,
-    /// then the reduce-scatter with bias and residual fused (dropout: bias only, then the
-    /// shard's mask, then the residual).
+    /// `residual + D(t·Wᵀ + b)` of the row-parallel projection with weight `weight` and bias
+    /// `bias` (parameter names; a Llama block's have no bias) on the rank's rows
+    /// `[B, S_r, C]`: without a group the existing order (bias in the linear, dropout, then the
+    /// residual); with one the partial product, then the reduce-scatter with bias and residual
+    /// fused (dropout: bias only, then the shard's mask, then the residual).
     pub fn row_parallel(
         &self,
         params: &Tensor,
         t: &Tensor,
-        name: &str,
+        (weight, bias): (&str, Option<&str>),
         site: DropoutSite,
         residual: &Tensor,
     ) -> candle_core::Result<Tensor> {
         let (b, n, c) = residual.dims3()?;
         let mask = self.dropout_mask(site, &[b, n, c])?;
+        let bias = bias.map(|name| self.w(params, name)).transpose()?;
         if self.tp.is_none() {
-            let r = dropout::apply(&self.proj(params, t, name)?, mask.as_ref())?;
-            return residual + r;
+            let r = linear_forward(t, &self.w(params, weight)?, bias.as_ref())?;
+            return residual + dropout::apply(&r, mask.as_ref())?;
         }
-        let partial = linear_forward(t, &self.w(params, &format!("{name}.weight"))?, None)?;
-        let bias = self.w(params, &format!("{name}.bias"))?;
+        let partial = linear_forward(t, &self.w(params, weight)?, None)?;
         match mask {
-            None => self.scatter(&partial, Some(&bias), Some(residual)),
-            Some(m) => residual + dropout::apply(&self.scatter(&partial, Some(&bias), None)?, Some(&m))?,
+            None => self.scatter(&partial, bias.as_ref(), Some(residual)),
+            Some(m) => residual + dropout::apply(&self.scatter(&partial, bias.as_ref(), None)?, Some(&m))?,
         }
     }
 
@@ -433,7 +433,8 @@ fn run_gpt(
     drop(o);
     let a_s = ctx.quantize(&a, quant.get(CodeSite::AttnOut))?;
     // x + D₁(a·W_oᵀ + b_o) on the rank's rows (ḡ with a group)
-    let z1 = plan.row_parallel(params, &a, "attn.out_proj", DropoutSite::AttentionResidual, x)?;
+    let out_proj = ("attn.out_proj.weight", Some("attn.out_proj.bias"));
+    let z1 = plan.row_parallel(params, &a, out_proj, DropoutSite::AttentionResidual, x)?;
     drop(a);
     let (x2, ffn_in, ln1, ln2_pre) = if pre {
         let (h2, s2) = ctx.layer_norm(&z1, &w("ln_2.weight")?, &w("ln_2.bias")?, cfg.eps, quant.get(CodeSite::Ln2))?;
@@ -446,7 +447,8 @@ fn run_gpt(
     drop(ffn_in);
     let (g, u_s) = ctx.gelu(&u, quant.get(CodeSite::FfnIn))?;
     drop(u);
-    let z2 = plan.row_parallel(params, &g, "mlp.fc_out", DropoutSite::FfnResidual, &x2)?;
+    let fc_out = ("mlp.fc_out.weight", Some("mlp.fc_out.bias"));
+    let z2 = plan.row_parallel(params, &g, fc_out, DropoutSite::FfnResidual, &x2)?;
     drop((g, x2));
     let (y, ln2) = if pre {
         (z2, ln2_pre)

@@ -22,7 +22,7 @@ use mesa_kernels::SavedActivation;
 
 use super::dropout::{self, DropoutSite};
 use super::forward::{Plan, Quantizers};
-use super::kernels::{SavedRms, SoftmaxSource};
+use super::kernels::SavedRms;
 use super::{CodeSite, LlamaBlock, Recompute};
 use crate::ops::linear::linear_forward;
 
@@ -46,26 +46,6 @@ impl Codes {
             + self.ln2.size_in_bytes()
             + self.p.as_ref().map_or(0, SavedActivation::size_in_bytes)
             + self.mlp.size_in_bytes()
-    }
-}
-
-/// `residual + D(t·Wᵀ)` of the row-parallel projection `name` (no bias) on the rank's rows:
-/// without a group the product, its dropout, the residual; with one the partial product, then
-/// the reduce-scatter with the residual fused (dropout: the scatter, then the shard's mask).
-fn residual_proj(
-    plan: &Plan,
-    params: &Tensor,
-    t: &Tensor,
-    name: &str,
-    site: DropoutSite,
-    residual: &Tensor,
-) -> candle_core::Result<Tensor> {
-    let r = linear_forward(t, &plan.w(params, name)?, None)?;
-    let mask = plan.dropout_mask(site, residual.dims())?;
-    match (&plan.tp, mask) {
-        (None, mask) => residual + dropout::apply(&r, mask.as_ref())?,
-        (Some(_), None) => plan.scatter(&r, None, Some(residual)),
-        (Some(_), Some(m)) => residual + dropout::apply(&plan.scatter(&r, None, None)?, Some(&m))?,
     }
 }
 
@@ -105,7 +85,7 @@ pub(crate) fn forward(
     let a = plan.merge_heads(&o)?;
     drop(o);
     let a_s = ctx.quantize(&a, quant.get(CodeSite::AttnOut))?;
-    let x2 = residual_proj(plan, params, &a, "self_attn.o_proj.weight", DropoutSite::AttentionResidual, x)?;
+    let x2 = plan.row_parallel(params, &a, ("self_attn.o_proj.weight", None), DropoutSite::AttentionResidual, x)?;
     drop(a);
     let (h2, ln2) = ctx.rms_norm(&x2, &w("post_attention_layernorm.weight")?, cfg.eps, quant.get(CodeSite::Ln2))?;
     let h2 = plan.gather(&h2)?;
@@ -114,7 +94,7 @@ pub(crate) fn forward(
     drop(h2);
     let (m, mlp) = ctx.swiglu(&g, &u, quant.swiglu())?;
     drop((g, u));
-    let y = residual_proj(plan, params, &m, "mlp.down_proj.weight", DropoutSite::FfnResidual, &x2)?;
+    let y = plan.row_parallel(params, &m, ("mlp.down_proj.weight", None), DropoutSite::FfnResidual, &x2)?;
     Ok((y, Codes { ln1, ln2, q: q_s, k: k_s, v: v_s, p: p_s, attn_out: a_s, mlp }))
 }
 
@@ -177,34 +157,11 @@ pub(crate) fn backward(
     let (d_a, dw_o) = proj_backward(plan, params, "self_attn.o_proj.weight", &a_hat, &d_r)?;
     drop((a_hat, d_r));
     grads.insert("self_attn.o_proj.weight", dw_o);
-    let d_o = plan.group_queries(&plan.split_heads(&d_a)?)?;
+    let d_o = plan.split_heads(&d_a)?;
     drop(d_a);
     let (q, k, v) = (ctx.decode(&c.q)?, ctx.decode(&c.k)?, ctx.decode(&c.v)?);
-    // P from its codes, or recomputed from the Q, K codes (selective)
-    let recomputed;
-    let source = match &c.p {
-        Some(p) => SoftmaxSource::Codes(p),
-        None => {
-            recomputed = plan.probabilities(&q, &k, false)?.0;
-            SoftmaxSource::Plain(&recomputed)
-        }
-    };
-    let p_hat = match &source {
-        SoftmaxSource::Codes(p) => ctx.decode(p)?,
-        SoftmaxSource::Plain(p) => (*p).clone(),
-    };
-    let ma = plan.dropout_mask(DropoutSite::Attention, p_hat.dims())?;
-    // dV = Pᵀ·dO summed over each KV head's query heads: one product per group
-    let dv = plan.group_queries(&dropout::apply(&p_hat, ma.as_ref())?)?.t()?.matmul(&d_o)?;
-    drop(p_hat);
-    let d_p = dropout::apply(&plan.ungroup_queries(&d_o.matmul(&v.t()?)?)?, ma.as_ref())?;
-    drop((d_o, v));
-    let d_s = plan.group_queries(&ctx.softmax_backward(source, &d_p)?)?;
-    drop(d_p);
-    let scale = 1.0 / (plan.config.head_dim() as f64).sqrt();
-    let dq = (plan.ungroup_queries(&d_s.matmul(&k)?)? * scale)?;
-    let dk = (d_s.t()?.matmul(&plan.group_queries(&q)?)? * scale)?;
-    drop((d_s, q, k));
+    let (dq, dk, dv) = super::backward::softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?;
+    drop((q, k, v, d_o));
     // through RoPE: the inverse rotation
     let dq = ctx.rope(&dq, &block.rope, true)?;
     let dk = ctx.rope(&dk, &block.rope, true)?;

@@ -23,6 +23,7 @@
 //! Tensors are contiguous f64 slices: `q: [B, H, L, M]`, `k: [B, H_kv, L, M]`,
 //! `v: [B, H_kv, L, D]`, the decay `[B, H_kv, L]` or `[H_kv]`, states `[B, H_kv, M, W]` with
 //! `W = D + 1` when normalised (the last column is `z`), else `D`.
+use super::linear_attention::{check_len, count, guard};
 use crate::error::{Error, Result};
 
 /// Sizes.
@@ -94,33 +95,6 @@ pub struct GatedGrads {
     pub da: Vec<f64>,
     /// `[B, H_kv, M, W]`
     pub d_initial: Vec<f64>,
-}
-
-fn count(factors: &[usize], what: &str) -> Result<usize> {
-    if factors.contains(&0) {
-        return Ok(0);
-    }
-    factors
-        .iter()
-        .try_fold(1usize, |a, &f| a.checked_mul(f))
-        .ok_or_else(|| Error::too_large(what, format!("the element count of {factors:?} overflows")))
-}
-
-fn check_len(x: &[f64], shape: &[usize], what: &str) -> Result<()> {
-    let n = count(shape, what)?;
-    if x.len() != n {
-        return Err(Error::shape_mismatch(what, shape, &[x.len()]));
-    }
-    Ok(())
-}
-
-/// `x + ε·sign(x)` (sign(0) = +1).
-fn guard(x: f64, eps: f64) -> f64 {
-    if x >= 0.0 {
-        x + eps
-    } else {
-        x - eps
-    }
 }
 
 impl Gated<'_> {

@@ -41,7 +41,7 @@ pub struct Attention<'a> {
 }
 
 /// The product of `factors` (0 when any is 0), or [`Error::TooLarge`] on overflow.
-fn count(factors: &[usize], what: &str) -> Result<usize> {
+pub(super) fn count(factors: &[usize], what: &str) -> Result<usize> {
     if factors.contains(&0) {
         return Ok(0);
     }
@@ -51,7 +51,7 @@ fn count(factors: &[usize], what: &str) -> Result<usize> {
         .ok_or_else(|| Error::too_large(what, format!("the element count of {factors:?} overflows")))
 }
 
-fn check_len(x: &[f64], shape: &[usize], what: &str) -> Result<()> {
+pub(super) fn check_len(x: &[f64], shape: &[usize], what: &str) -> Result<()> {
     let n = count(shape, what)?;
     if x.len() != n {
         return Err(Error::shape_mismatch(what, shape, &[x.len()]));
