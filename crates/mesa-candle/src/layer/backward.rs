@@ -71,12 +71,25 @@ fn proj_backward(
     t: &Tensor,
     dy: &Tensor,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    let w = plan.w(params, &format!("{name}.weight"))?;
+    let (dt, dw) = weight_backward(plan, params, &format!("{name}.weight"), t, dy)?;
+    let out_f = dw.dim(0)?;
+    Ok((dt, dw, dy.reshape(((), out_f))?.sum(0)?))
+}
+
+/// Gradients of `y = t·Wᵀ` (`W` the parameter named `weight`) given `dy`: `(dt, dW)`.
+pub(crate) fn weight_backward(
+    plan: &Plan,
+    params: &Tensor,
+    weight: &str,
+    t: &Tensor,
+    dy: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let w = plan.w(params, weight)?;
     let (out_f, in_f) = w.dims2()?;
     let dy2 = dy.reshape(((), out_f))?;
     let dt = dy2.matmul(&w)?.reshape(t.shape())?;
     let dw = dy2.t()?.matmul(&t.reshape(((), in_f))?)?;
-    Ok((dt, dw, dy2.sum(0)?))
+    Ok((dt, dw))
 }
 
 /// The gradients `(dQ, dK, dV)` of softmax attention `D(softmax(QKᵀ/√d + mask))·V` from

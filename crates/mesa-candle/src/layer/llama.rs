@@ -20,6 +20,7 @@ use candle_core::Tensor;
 use mesa_kernels::fused::SavedSwiglu;
 use mesa_kernels::SavedActivation;
 
+use super::backward::weight_backward;
 use super::dropout::{self, DropoutSite};
 use super::forward::{Plan, Quantizers};
 use super::kernels::SavedRms;
@@ -98,22 +99,6 @@ pub(crate) fn forward(
     Ok((y, Codes { ln1, ln2, q: q_s, k: k_s, v: v_s, p: p_s, attn_out: a_s, mlp }))
 }
 
-/// Gradients of `y = t·Wᵀ` (weight `name`) given `dy`: `(dt, dW)`.
-fn proj_backward(
-    plan: &Plan,
-    params: &Tensor,
-    name: &str,
-    t: &Tensor,
-    dy: &Tensor,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let w = plan.w(params, name)?;
-    let (out_f, in_f) = w.dims2()?;
-    let dy2 = dy.reshape(((), out_f))?;
-    let dt = dy2.matmul(&w)?.reshape(t.shape())?;
-    let dw = dy2.t()?.matmul(&t.reshape(((), in_f))?)?;
-    Ok((dt, dw))
-}
-
 /// Every gradient of the block from its codes: `(dx, gradients by parameter name)`.
 pub(crate) fn backward(
     plan: &Plan,
@@ -135,15 +120,15 @@ pub(crate) fn backward(
     let m2 = plan.dropout_mask(DropoutSite::FfnResidual, x.dims())?;
     let d_f = plan.gather(&dropout::apply(dy, m2.as_ref())?)?;
     let m_hat = (ctx.decode(&c.mlp.gate)?.silu()? * ctx.decode(&c.mlp.up)?)?;
-    let (d_m, dw_d) = proj_backward(plan, params, "mlp.down_proj.weight", &m_hat, &d_f)?;
+    let (d_m, dw_d) = weight_backward(plan, params, "mlp.down_proj.weight", &m_hat, &d_f)?;
     drop((m_hat, d_f));
     grads.insert("mlp.down_proj.weight", dw_d);
     let (d_g, d_u) = ctx.swiglu_backward(&c.mlp, &d_m)?;
     drop(d_m);
     let w_post = w("post_attention_layernorm.weight")?;
     let h2 = plan.gather(&ctx.rms_norm_output(&c.ln2, &w_post)?)?;
-    let (d_h2g, dw_g) = proj_backward(plan, params, "mlp.gate_proj.weight", &h2, &d_g)?;
-    let (d_h2u, dw_u) = proj_backward(plan, params, "mlp.up_proj.weight", &h2, &d_u)?;
+    let (d_h2g, dw_g) = weight_backward(plan, params, "mlp.gate_proj.weight", &h2, &d_g)?;
+    let (d_h2u, dw_u) = weight_backward(plan, params, "mlp.up_proj.weight", &h2, &d_u)?;
     drop((h2, d_g, d_u));
     grads.insert("mlp.gate_proj.weight", dw_g);
     grads.insert("mlp.up_proj.weight", dw_u);
@@ -154,7 +139,7 @@ pub(crate) fn backward(
     let m1 = plan.dropout_mask(DropoutSite::AttentionResidual, x.dims())?;
     let d_r = plan.gather(&dropout::apply(&d_x2, m1.as_ref())?)?;
     let a_hat = ctx.decode(&c.attn_out)?;
-    let (d_a, dw_o) = proj_backward(plan, params, "self_attn.o_proj.weight", &a_hat, &d_r)?;
+    let (d_a, dw_o) = weight_backward(plan, params, "self_attn.o_proj.weight", &a_hat, &d_r)?;
     drop((a_hat, d_r));
     grads.insert("self_attn.o_proj.weight", dw_o);
     let d_o = plan.split_heads(&d_a)?;
@@ -167,9 +152,9 @@ pub(crate) fn backward(
     let dk = ctx.rope(&dk, &block.rope, true)?;
     let w_in = w("input_layernorm.weight")?;
     let h1 = plan.gather(&ctx.rms_norm_output(&c.ln1, &w_in)?)?;
-    let (d_hq, dw_q) = proj_backward(plan, params, "self_attn.q_proj.weight", &h1, &plan.merge_heads(&dq)?)?;
-    let (d_hk, dw_k) = proj_backward(plan, params, "self_attn.k_proj.weight", &h1, &plan.merge_kv_heads(&dk)?)?;
-    let (d_hv, dw_v) = proj_backward(plan, params, "self_attn.v_proj.weight", &h1, &plan.merge_kv_heads(&dv)?)?;
+    let (d_hq, dw_q) = weight_backward(plan, params, "self_attn.q_proj.weight", &h1, &plan.merge_heads(&dq)?)?;
+    let (d_hk, dw_k) = weight_backward(plan, params, "self_attn.k_proj.weight", &h1, &plan.merge_kv_heads(&dk)?)?;
+    let (d_hv, dw_v) = weight_backward(plan, params, "self_attn.v_proj.weight", &h1, &plan.merge_kv_heads(&dv)?)?;
     drop((h1, dq, dk, dv));
     let (dw_k, dw_v) = replicated_kv_sum(plan, dw_k, dw_v)?;
     grads.insert("self_attn.q_proj.weight", dw_q);
