@@ -93,6 +93,7 @@ pub mod emulator;
 mod error;
 pub mod feature_map;
 pub mod fused;
+pub mod gated_linear_attention;
 mod host_buffer;
 mod launch;
 mod layout;
