@@ -57,6 +57,10 @@ namespace MESA_NS {
 
 constexpr int kGlaThreads = 128;
 constexpr int kGlaChunk = MESA_GLA_MAX_CHUNK;
+// The dk/dv walk asks for at least 4 blocks of 128 threads per SM: that caps its registers at
+// 128 per thread (uncapped it takes 164 on sm_80 for 16-bit inputs); its inner loops over the
+// chunk's rows are not unrolled, so that the cap causes no spills.
+constexpr int kGlaMinBlocks = 4;
 
 // ---------------------------------------------------------------------------------------
 // Device helpers.
@@ -296,7 +300,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
 // over the group's query heads in order (deterministic sums, no atomics). Per-step decay: da
 // into d_decay; per-head: into da_rows [B*H_kv*L] for gla_da_reduce_kernel.
 template <typename T>
-__global__ void __launch_bounds__(kGlaThreads) gla_dkdv_kernel(const MesaGlaBackwardArgs a, float* work_ds,
+__global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_dkdv_kernel(const MesaGlaBackwardArgs a, float* work_ds,
                                                                float* work_dkdv, const float* qdq, float* da_rows) {
   __shared__ ChunkDecay cd;
   __shared__ float E[kGlaChunk][kGlaChunk];  // w_ts (v'_s . dv'_t)
@@ -357,20 +361,20 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dkdv_kernel(const MesaGlaBack
         const int s = int(e / M);
         const int64_t i = e % M;
         float x = dk_acc[e];
-        for (int t = s; t < n; ++t) x = fmaf(E[t][s], gla_load<T>(a.q, b, hq, t0 + t, i), x);
+        _Pragma("unroll 1") for (int t = s; t < n; ++t) x = fmaf(E[t][s], gla_load<T>(a.q, b, hq, t0 + t, i), x);
         dk_acc[e] = x;
       }
       for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x) {
         const int s = int(e / D);
         const int64_t j = e % D;
         float x = dv_acc[e];
-        for (int t = s; t < n; ++t) x = fmaf(A[t][s], gla_load<T>(a.dout, b, hq, t0 + t, j) / g[t], x);
+        _Pragma("unroll 1") for (int t = s; t < n; ++t) x = fmaf(A[t][s], gla_load<T>(a.dout, b, hq, t0 + t, j) / g[t], x);
         dv_acc[e] = x;
       }
       for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) {
         const int64_t i = e / W, j = e % W;
         float x = dS_next[e];
-        for (int t = 0; t < n; ++t) {
+        _Pragma("unroll 1") for (int t = 0; t < n; ++t) {
           const float e_t = inter_weight(cd, t);
           if (e_t == 0.0f) continue;
           const float dvt = j < D ? gla_load<T>(a.dout, b, hq, t0 + t, j) / g[t] : dden[t];
