@@ -6,7 +6,7 @@
 // Math (reference: crates/mesa-kernels/src/reference/gated_linear_attention.rs). For one query
 // head h reading KV head kh = h / (H / H_kv), with v'_s = [v_s | 1] (the 1 only when normalised)
 // and the log-decay a_t <= 0 of kh (per step, or one value per head):
-//   S_t = exp(a_t) S_{t-1} + k_s v'_s^T,   o_t = q_t^T S_t  [ / g(q_t^T z_t) ]
+//   S_t = exp(a_t) S_{t-1} + k_t v'_t^T,   o_t = q_t^T S_t  [ / g(q_t^T z_t) ]
 //   o_t = sum_{s<=t} w_ts (q_t . k_s) v'_s + w_{t,-1} q_t^T S_{-1},  w_ts = exp(sum_{r=s+1..t} a_r)
 //   g(x) = x + eps·sign(x) (sign(0) = +1), z the state's column D.
 //
@@ -35,14 +35,16 @@
 // splits the sequence into independent pieces: the suffix sum restarts there, and da = 0 at
 // the reset row (every weight that spans it is exactly 0). Per-head decay: da summed over B, L.
 //
-// Accuracy of the log-space differences: Lam_t is a prefix sum of up to C values, so in f32
-// it is off by at most (t - t0)·u·sum|a_r| (u = 2^-24), and a weight exp(Lam_t - Lam_s) by a
-// relative error of up to 2·C·u·C·alpha for |a_r| <= alpha (both prefix sums' errors), where
-// the direct sum over r = s+1..t would be off by (t - s)·u·(t - s)·alpha only. Worst case,
-// C = 64 and strongly decaying steps alpha = 8 (exp(-8) per step: the state forgets within
-// two steps): 2·64·64·8·2^-24 = 3.9e-3 relative, where the weight is exp(-8·(t-s)); for the
-// non-negligible weights (t - s small) at the end of the chunk. Smaller chunks shrink it as C^2.
-// (alpha = 1: 4.9e-4; tests/gated_linear_attention.rs derives its bounds from this.)
+// Accuracy of the log-space differences: Lam_t is a prefix sum of at most C values, so in f32
+// it is off by at most C·u·sum_{r=t0..t} |a_r| (u = 2^-24), and the exponent Lam_t - Lam_s of a
+// weight by up to 2·C·u·(|sum_{r=s+1..t} a_r| + C·alpha) for |a_r| <= alpha: both prefix sums'
+// errors, each carrying up to C steps before s that the weight does not span. That is the
+// weight's relative error, where the direct sum over r = s+1..t would be off by
+// (t - s)·u·|sum_{r=s+1..t} a_r| only. Worst case for a chunk of strongly decaying steps,
+// C = 64 and alpha = 8 (exp(-8) per step: the state forgets within a few steps), at the end of
+// the chunk, for the weights that matter (t - s small): 2·64·64·8·2^-24 = 3.9e-3 relative
+// (alpha = 1: 4.9e-4). It shrinks as C^2: a caller with such decays can pick a smaller chunk.
+// (tests/gated_linear_attention.rs adds exactly this term to its bounds.)
 //
 // Work per (b, h) and chunk (FLOPs, FMA = 2): scores C^2 M, outputs 2 C M W + C^2 W, state
 // 2 C M W. Bytes per (b, h): read (2M + D) L sizeof(T) + 4L (decay), write D L sizeof(T) (+4L
