@@ -291,20 +291,76 @@ struct Got {
     ds0: Vec<f64>,
 }
 
+/// How the kernel's `[B, H, L, F]` views are stored: contiguous, or as views of `[B, L, H, F]`
+/// buffers (q, k, v of one packed projection: every stride differs from the contiguous one).
+#[derive(Clone, Copy, PartialEq)]
+enum Storage {
+    Contiguous,
+    SeqMajor,
+}
+
+/// The view of a logical `[B, H, L, F]` tensor in `st`, and the buffer holding `x` that way.
+fn stored<T: Copy>(x: &[T], shape: [usize; 4], st: Storage) -> (Vec<T>, mesa_kernels::Layout) {
+    let [b, h, l, f] = shape;
+    match st {
+        Storage::Contiguous => (x.to_vec(), mesa_kernels::Layout::contiguous(&shape)),
+        Storage::SeqMajor => {
+            let mut buf = Vec::with_capacity(x.len());
+            for bi in 0..b {
+                for li in 0..l {
+                    for hi in 0..h {
+                        buf.extend_from_slice(&x[((bi * h + hi) * l + li) * f..][..f]);
+                    }
+                }
+            }
+            let layout = mesa_kernels::Layout::contiguous(&[b, l, h, f]).transpose(1, 2).expect("transpose");
+            (buf, layout)
+        }
+    }
+}
+
+/// The logical `[B, H, L, F]` order of a buffer written through `stored`'s view.
+fn logical<T: Copy>(buf: &[T], shape: [usize; 4], st: Storage) -> Vec<T> {
+    let [b, h, l, f] = shape;
+    match st {
+        Storage::Contiguous => buf.to_vec(),
+        Storage::SeqMajor => {
+            let mut x = Vec::with_capacity(buf.len());
+            for bi in 0..b {
+                for hi in 0..h {
+                    for li in 0..l {
+                        x.extend_from_slice(&buf[((bi * l + li) * h + hi) * f..][..f]);
+                    }
+                }
+            }
+            x
+        }
+    }
+}
+
+fn view<'a, T>(x: &'a [T], l: &mesa_kernels::Layout) -> TensorRef<'a, T> {
+    TensorRef::new(x, l).expect("input view")
+}
+
 fn run<T: Element>(device: &Device, c: &Case, p: &Problem) -> mesa_kernels::Result<Got> {
+    run_stored::<T>(device, c, p, Storage::Contiguous)
+}
+
+fn run_stored<T: Element>(device: &Device, c: &Case, p: &Problem, st: Storage) -> mesa_kernels::Result<Got> {
     let s = c.s;
     let w = width(c);
-    let (q, k, v, dout) = (to_t::<T>(&p.q), to_t::<T>(&p.k), to_t::<T>(&p.v), to_t::<T>(&p.dout));
     let qs = [s.b, s.h, s.l, s.m];
     let ks = [s.b, s.hkv, s.l, s.m];
     let vs = [s.b, s.hkv, s.l, s.d];
     let os = [s.b, s.h, s.l, s.d];
     let ss = [s.b, s.hkv, s.m, w];
+    let ((q, lq), (k, lk)) = (stored(&to_t::<T>(&p.q), qs, st), stored(&to_t::<T>(&p.k), ks, st));
+    let ((v, lv), (dout, lo)) = (stored(&to_t::<T>(&p.v), vs, st), stored(&to_t::<T>(&p.dout), os, st));
     let ashape: Vec<usize> = match c.mode {
         DecayMode::PerStep => vec![s.b, s.hkv, s.l],
         DecayMode::PerHead => vec![s.hkv],
     };
-    let (qt, kt, vt) = (tr(&q, &qs), tr(&k, &ks), tr(&v, &vs));
+    let (qt, kt, vt) = (view(&q, &lq), view(&k, &lk), view(&v, &lv));
     let at = tr(&p.a, &ashape);
     let decay = match c.mode {
         DecayMode::PerStep => Decay::PerStep(&at),
@@ -314,9 +370,9 @@ fn run<T: Element>(device: &Device, c: &Case, p: &Problem) -> mesa_kernels::Resu
     let config = GatedConfig { normalize: c.normalize, eps: 1e-6, chunk: c.chunk };
     // outputs poisoned: every element must be written
     let nan = T::from_f64(f64::NAN);
-    let mut out = vec![nan; os.iter().product()];
+    let (mut out, _) = stored(&vec![nan; os.iter().product()], os, st);
     let saved = {
-        let mut ot = TensorMut::contiguous(&mut out, &os)?;
+        let mut ot = TensorMut::new(&mut out, &lo)?;
         forward(device, &config, ForwardArgs { q: &qt, k: &kt, v: &vt, decay, initial: s0t.as_ref(), out: &mut ot })?
     };
     let fin = widen(&saved.final_state()?);
@@ -324,12 +380,12 @@ fn run<T: Element>(device: &Device, c: &Case, p: &Problem) -> mesa_kernels::Resu
     let mut da = vec![f32::NAN; p.a.len()];
     let mut ds0 = vec![f32::NAN; ss.iter().product()];
     {
-        let outt = tr(&out, &os);
-        let doutt = tr(&dout, &os);
+        let outt = TensorRef::new(&out, &lo)?;
+        let doutt = view(&dout, &lo);
         let dsft = p.dsf.as_ref().map(|x| tr(x, &ss));
-        let mut dqt = TensorMut::contiguous(&mut dq, &qs)?;
-        let mut dkt = TensorMut::contiguous(&mut dk, &ks)?;
-        let mut dvt = TensorMut::contiguous(&mut dv, &vs)?;
+        let mut dqt = TensorMut::new(&mut dq, &lq)?;
+        let mut dkt = TensorMut::new(&mut dk, &lk)?;
+        let mut dvt = TensorMut::new(&mut dv, &lv)?;
         let mut dat = TensorMut::contiguous(&mut da, &ashape)?;
         let mut ds0t = TensorMut::contiguous(&mut ds0, &ss)?;
         backward(
@@ -355,11 +411,11 @@ fn run<T: Element>(device: &Device, c: &Case, p: &Problem) -> mesa_kernels::Resu
         )?;
     }
     Ok(Got {
-        out: to_f64(&out),
+        out: to_f64(&logical(&out, os, st)),
         fin,
-        dq: to_f64(&dq),
-        dk: to_f64(&dk),
-        dv: to_f64(&dv),
+        dq: to_f64(&logical(&dq, qs, st)),
+        dk: to_f64(&logical(&dk, ks, st)),
+        dv: to_f64(&logical(&dv, vs, st)),
         da: widen(&da),
         ds0: widen(&ds0),
     })
@@ -626,6 +682,31 @@ fn zero_decay_matches_the_ungated_kernel() {
 /// (name, gated, ungated, mag, mag at λ = −1e-3, mag at λ = 1e-3)
 type Compared<'a> = (&'static str, &'a [f64], Vec<f32>, &'a [f64], &'a [f64], &'a [f64]);
 
+/// Views of `[B, L, H, ·]` buffers (strides (L·H·F, F, H·F, 1)) give bit for bit the results of
+/// contiguous ones: the kernel's arithmetic does not depend on the strides. Also L = 0 (the
+/// final state is the initial one, d_initial is d_final, da is 0).
+#[test]
+fn strided_views_and_empty_sequences() {
+    let mut rng = common::rng("gated strided_views_and_empty_sequences");
+    let device = common::emulator();
+    for c in [
+        Case { normalize: true, ..base(sh(2, 4, 2, 19, 3, 4), 5) },
+        Case { mode: DecayMode::PerHead, ..base(sh(1, 3, 1, 11, 4, 2), 4) },
+    ] {
+        let p = make::<bf16>(&c, &mut rng);
+        let a = run_stored::<bf16>(&device, &c, &p, Storage::Contiguous).expect("contiguous");
+        let b = run_stored::<bf16>(&device, &c, &p, Storage::SeqMajor).expect("strided");
+        let pairs = [(&a.out, &b.out), (&a.fin, &b.fin), (&a.dq, &b.dq), (&a.dk, &b.dk), (&a.dv, &b.dv)];
+        for (x, y) in pairs.into_iter().chain([(&a.da, &b.da), (&a.ds0, &b.ds0)]) {
+            assert!(x.iter().zip(y.iter()).all(|(u, v)| u.to_bits() == v.to_bits()), "{c:?}");
+        }
+    }
+    for mode in [DecayMode::PerStep, DecayMode::PerHead] {
+        let c = Case { mode, normalize: true, ..base(sh(2, 2, 1, 0, 3, 2), 4) };
+        parity::<f32>(&device, &c, &mut rng);
+    }
+}
+
 fn is_invalid(name: &'static str) -> impl Fn(&Error) -> bool {
     move |e| matches!(e, Error::InvalidArgument { name: n, .. } if n == name)
 }
@@ -714,5 +795,58 @@ fn bad_inputs_are_typed_errors() {
         )
         .unwrap_err()
     };
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    // the backward: a normalised forward without an initial state, then calls that disagree
+    let config = GatedConfig { normalize: true, ..good };
+    let saved = {
+        let mut ot = TensorMut::contiguous(&mut out, &os).expect("view");
+        forward(
+            &device,
+            &config,
+            ForwardArgs { q: &qt, k: &kt, v: &vt, decay: Decay::PerStep(&at), initial: None, out: &mut ot },
+        )
+        .expect("forward")
+    };
+    let ah = vec![0f32; hkv];
+    let aht = tr(&ah, &[hkv]);
+    let s0 = vec![0f32; b * hkv * m * (d + 1)];
+    let s0t = tr(&s0, &[b, hkv, m, d + 1]);
+    let ot = tr(&out, &os);
+    let bwd = |decay: Decay<'_, '_>,
+               initial: Option<&TensorRef<'_, f32>>,
+               out: Option<&TensorRef<'_, f32>>,
+               da_len: usize| {
+        let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+        let mut da = vec![0f32; da_len];
+        let mut dqt = TensorMut::contiguous(&mut dq, &[b, h, l, m]).expect("view");
+        let mut dkt = TensorMut::contiguous(&mut dk, &[b, hkv, l, m]).expect("view");
+        let mut dvt = TensorMut::contiguous(&mut dv, &[b, hkv, l, d]).expect("view");
+        let dashape: Vec<usize> = if da_len == hkv { vec![hkv] } else { vec![b, hkv, da_len / (b * hkv)] };
+        let mut dat = TensorMut::contiguous(&mut da, &dashape).expect("view");
+        backward(
+            &device,
+            &saved,
+            BackwardArgs {
+                q: &qt,
+                k: &kt,
+                v: &vt,
+                decay,
+                initial,
+                out,
+                dout: &ot,
+                d_final: None,
+                grads: GatedGrads { dq: &mut dqt, dk: &mut dkt, dv: &mut dvt, d_decay: &mut dat, d_initial: None },
+            },
+        )
+    };
+    let n = b * hkv * l;
+    bwd(Decay::PerStep(&at), None, Some(&ot), n).expect("a valid backward");
+    let e = bwd(Decay::PerHead(&aht), None, Some(&ot), hkv).unwrap_err();
+    assert!(is_invalid("decay")(&e), "{e}");
+    let e = bwd(Decay::PerStep(&at), Some(&s0t), Some(&ot), n).unwrap_err();
+    assert!(is_invalid("initial_state")(&e), "{e}");
+    let e = bwd(Decay::PerStep(&at), None, None, n).unwrap_err();
+    assert!(is_invalid("out")(&e), "{e}");
+    let e = bwd(Decay::PerStep(&at), None, Some(&ot), b * hkv * (l + 1)).unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
 }
