@@ -164,7 +164,8 @@ __global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaF
       const float w = s <= t ? intra_weight(cd, t, s) : 0.0f;
       float dot = 0.0f;
       if (w != 0.0f)
-        for (int64_t i = 0; i < M; ++i) dot = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), gla_load<T>(a.k, b, kh, t0 + s, i), dot);
+        for (int64_t i = 0; i < M; ++i)
+          dot = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), gla_load<T>(a.k, b, kh, t0 + s, i), dot);
       P[t][s] = w * dot;
     }
     __syncthreads();
@@ -302,8 +303,8 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
 // over the group's query heads in order (deterministic sums, no atomics). Per-step decay: da
 // into d_decay; per-head: into da_rows [B*H_kv*L] for gla_da_reduce_kernel.
 template <typename T>
-__global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_dkdv_kernel(const MesaGlaBackwardArgs a, float* work_ds,
-                                                               float* work_dkdv, const float* qdq, float* da_rows) {
+__global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
+    gla_dkdv_kernel(const MesaGlaBackwardArgs a, float* work_ds, float* work_dkdv, const float* qdq, float* da_rows) {
   __shared__ ChunkDecay cd;
   __shared__ float E[kGlaChunk][kGlaChunk];  // w_ts (v'_s . dv'_t)
   __shared__ float A[kGlaChunk][kGlaChunk];  // w_ts (q_t . k_s)
@@ -370,7 +371,8 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_dkdv_kernel(co
         const int s = int(e / D);
         const int64_t j = e % D;
         float x = dv_acc[e];
-        _Pragma("unroll 1") for (int t = s; t < n; ++t) x = fmaf(A[t][s], gla_load<T>(a.dout, b, hq, t0 + t, j) / g[t], x);
+        _Pragma("unroll 1") for (int t = s; t < n; ++t)
+            x = fmaf(A[t][s], gla_load<T>(a.dout, b, hq, t0 + t, j) / g[t], x);
         dv_acc[e] = x;
       }
       for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) {
@@ -490,9 +492,13 @@ extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_forward)(const MesaGlaFo
   if (a == nullptr || !gla_shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
   const MesaGlaShape& s = a->shape;
   if (s.batch == 0) return MESA_STATUS_OK;
-  if (a->decay == nullptr || a->final_state == nullptr || a->work == nullptr || (s.normalize && a->den == nullptr))
+  // an empty tensor may come as NULL: the per-step decay when L = 0
+  const bool decay_empty = s.decay_kind == MESA_GLA_DECAY_PER_STEP && s.len == 0;
+  if ((a->decay == nullptr && !decay_empty) || a->final_state == nullptr || a->work == nullptr ||
+      (s.normalize && a->den == nullptr))
     return MESA_STATUS_INVALID_ARGUMENT;
-  if (s.batch > 0 && s.len > 0 && (a->q.data == nullptr || a->k.data == nullptr || a->v.data == nullptr || a->out.data == nullptr))
+  if (s.batch > 0 && s.len > 0 &&
+      (a->q.data == nullptr || a->k.data == nullptr || a->v.data == nullptr || a->out.data == nullptr))
     return MESA_STATUS_INVALID_ARGUMENT;
   return dispatch_dtype<GlaForwardLaunch>(s.dtype, *a, stream);
 }
@@ -500,12 +506,16 @@ extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_forward)(const MesaGlaFo
 extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_backward)(const MesaGlaBackwardArgs* a, void* stream) {
   if (a == nullptr || !gla_shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
   const MesaGlaShape& s = a->shape;
-  if (a->decay == nullptr || a->d_decay == nullptr || a->work == nullptr || a->final_state == nullptr ||
-      (s.normalize && (a->den == nullptr || a->out.data == nullptr)))
+  // an empty tensor may come as NULL: the per-step decay and its gradient when B·L = 0, the
+  // row tensors when B·L = 0
+  const bool decay_empty = s.decay_kind == MESA_GLA_DECAY_PER_STEP && s.batch * s.len == 0;
+  if (((a->decay == nullptr || a->d_decay == nullptr) && !decay_empty) || a->work == nullptr ||
+      a->final_state == nullptr || (s.normalize && a->den == nullptr))
     return MESA_STATUS_INVALID_ARGUMENT;
-  if (s.batch > 0 && s.len > 0 && (a->q.data == nullptr || a->k.data == nullptr || a->v.data == nullptr ||
-                    a->dout.data == nullptr || a->dq.data == nullptr || a->dk.data == nullptr ||
-                    a->dv.data == nullptr))
+  if (s.batch > 0 && s.len > 0 &&
+      (a->q.data == nullptr || a->k.data == nullptr || a->v.data == nullptr || a->dout.data == nullptr ||
+       a->dq.data == nullptr || a->dk.data == nullptr || a->dv.data == nullptr ||
+       (s.normalize && a->out.data == nullptr)))
     return MESA_STATUS_INVALID_ARGUMENT;
   return dispatch_dtype<GlaBackwardLaunch>(s.dtype, *a, stream);
 }
