@@ -19,10 +19,12 @@
 //!   them: the exponent is off by ≤ 2C·u·(|Σ_span a| + C·α) (α = max |a|), which is the weight's
 //!   relative error. So the bound adds `2C·u·(span + C·α·mag)`, with `span` = Σ |Σ_span a|·|term|
 //!   = −∂mag/∂λ for a → (1 + λ)a, a central difference of the reference in f64.
-//! * da comes from `q_t·dq_t − k_t·dk_t` (f32 values before rounding) summed from the end: its
-//!   error is Σ_{t ≥ r} Σ_i (|q_ti|·err(dq_ti) + |k_ti|·err(dk_ti)) plus (M + L + 4)·u times the
-//!   magnitudes, and `⟨dS, S_final⟩`'s (M·W + 4)·u·Σ|dS||S| + Σ|dS|·err(S); per-head decay sums
-//!   those over B and L, plus B·L·u·Σ|da|.
+//! * da comes from `x_t = Σ_h q_t·dq_t − k_t·dk_t` (f32 values before rounding) summed from the
+//!   end: its error is Σ_{t ≥ r} Σ_i (|q_ti|·err(dq_ti) + |k_ti|·err(dk_ti)) plus (M + G + 4)·u
+//!   times those dots' magnitudes, the suffix sum's own roundings u·Σ_{t ≥ r} |partial sum_t|
+//!   (the reference's |da_t|; per-head decay: the terms' magnitudes), and `⟨dS, S_final⟩`'s
+//!   (M·W + 4)·u·Σ|dS||S| + Σ|dS|·err(S); per-head decay sums those over B and L, plus
+//!   B·L·u·Σ|da|.
 //! * 16-bit inputs: the backward reads `out` rounded to T (dden is off by u_T relatively):
 //!   `4·u_T·mag`; outputs round to T: `u_T·|ref|` (plus half the subnormal spacing).
 mod common;
