@@ -11,6 +11,7 @@ pub const MESA_SEQPAR_FLAG_START: u32 = 160;
 pub const MESA_SEQPAR_FLAG_END: u32 = 2208;
 pub const MESA_SEQPAR_FLAG_WORDS: u32 = 4256;
 pub const MESA_LA_MAX_CHUNK: u32 = 64;
+pub const MESA_GLA_MAX_CHUNK: u32 = 64;
 pub type MesaStatus = i32;
 pub const MESA_STATUS_OK: MesaStatusCode = 0;
 pub const MESA_STATUS_INVALID_ARGUMENT: MesaStatusCode = 1;
@@ -1337,6 +1338,161 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn mesa_emu_feature_map_backward(
         args: *const MesaFeatureBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+pub type MesaGlaDecayKind = i32;
+pub const MESA_GLA_DECAY_PER_STEP: MesaGlaDecayKindCode = 0;
+pub const MESA_GLA_DECAY_PER_HEAD: MesaGlaDecayKindCode = 1;
+pub type MesaGlaDecayKindCode = ::core::ffi::c_uint;
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct MesaGlaShape {
+    pub batch: i64,
+    pub heads: i64,
+    pub kv_heads: i64,
+    pub len: i64,
+    pub feat: i64,
+    pub dim: i64,
+    pub chunk: i32,
+    pub dtype: MesaDType,
+    pub normalize: i32,
+    pub eps: f32,
+    pub decay_kind: MesaGlaDecayKind,
+    pub _pad: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaGlaShape"][::core::mem::size_of::<MesaGlaShape>() - 72usize];
+    ["Alignment of MesaGlaShape"][::core::mem::align_of::<MesaGlaShape>() - 8usize];
+    ["Offset of field: MesaGlaShape::batch"][::core::mem::offset_of!(MesaGlaShape, batch) - 0usize];
+    ["Offset of field: MesaGlaShape::heads"][::core::mem::offset_of!(MesaGlaShape, heads) - 8usize];
+    ["Offset of field: MesaGlaShape::kv_heads"][::core::mem::offset_of!(MesaGlaShape, kv_heads) - 16usize];
+    ["Offset of field: MesaGlaShape::len"][::core::mem::offset_of!(MesaGlaShape, len) - 24usize];
+    ["Offset of field: MesaGlaShape::feat"][::core::mem::offset_of!(MesaGlaShape, feat) - 32usize];
+    ["Offset of field: MesaGlaShape::dim"][::core::mem::offset_of!(MesaGlaShape, dim) - 40usize];
+    ["Offset of field: MesaGlaShape::chunk"][::core::mem::offset_of!(MesaGlaShape, chunk) - 48usize];
+    ["Offset of field: MesaGlaShape::dtype"][::core::mem::offset_of!(MesaGlaShape, dtype) - 52usize];
+    ["Offset of field: MesaGlaShape::normalize"][::core::mem::offset_of!(MesaGlaShape, normalize) - 56usize];
+    ["Offset of field: MesaGlaShape::eps"][::core::mem::offset_of!(MesaGlaShape, eps) - 60usize];
+    ["Offset of field: MesaGlaShape::decay_kind"][::core::mem::offset_of!(MesaGlaShape, decay_kind) - 64usize];
+    ["Offset of field: MesaGlaShape::_pad"][::core::mem::offset_of!(MesaGlaShape, _pad) - 68usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaGlaForwardArgs {
+    pub shape: MesaGlaShape,
+    pub q: MesaLaTensor,
+    pub k: MesaLaTensor,
+    pub v: MesaLaTensor,
+    pub out: MesaLaTensor,
+    pub decay: *const f32,
+    pub init_state: *const f32,
+    pub final_state: *mut f32,
+    pub den: *mut f32,
+    pub work: *mut f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaGlaForwardArgs"][::core::mem::size_of::<MesaGlaForwardArgs>() - 272usize];
+    ["Alignment of MesaGlaForwardArgs"][::core::mem::align_of::<MesaGlaForwardArgs>() - 8usize];
+    ["Offset of field: MesaGlaForwardArgs::shape"][::core::mem::offset_of!(MesaGlaForwardArgs, shape) - 0usize];
+    ["Offset of field: MesaGlaForwardArgs::q"][::core::mem::offset_of!(MesaGlaForwardArgs, q) - 72usize];
+    ["Offset of field: MesaGlaForwardArgs::k"][::core::mem::offset_of!(MesaGlaForwardArgs, k) - 112usize];
+    ["Offset of field: MesaGlaForwardArgs::v"][::core::mem::offset_of!(MesaGlaForwardArgs, v) - 152usize];
+    ["Offset of field: MesaGlaForwardArgs::out"][::core::mem::offset_of!(MesaGlaForwardArgs, out) - 192usize];
+    ["Offset of field: MesaGlaForwardArgs::decay"][::core::mem::offset_of!(MesaGlaForwardArgs, decay) - 232usize];
+    ["Offset of field: MesaGlaForwardArgs::init_state"]
+        [::core::mem::offset_of!(MesaGlaForwardArgs, init_state) - 240usize];
+    ["Offset of field: MesaGlaForwardArgs::final_state"]
+        [::core::mem::offset_of!(MesaGlaForwardArgs, final_state) - 248usize];
+    ["Offset of field: MesaGlaForwardArgs::den"][::core::mem::offset_of!(MesaGlaForwardArgs, den) - 256usize];
+    ["Offset of field: MesaGlaForwardArgs::work"][::core::mem::offset_of!(MesaGlaForwardArgs, work) - 264usize];
+};
+impl Default for MesaGlaForwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct MesaGlaBackwardArgs {
+    pub shape: MesaGlaShape,
+    pub q: MesaLaTensor,
+    pub k: MesaLaTensor,
+    pub v: MesaLaTensor,
+    pub out: MesaLaTensor,
+    pub dout: MesaLaTensor,
+    pub dq: MesaLaTensor,
+    pub dk: MesaLaTensor,
+    pub dv: MesaLaTensor,
+    pub decay: *const f32,
+    pub init_state: *const f32,
+    pub final_state: *const f32,
+    pub den: *const f32,
+    pub d_final: *const f32,
+    pub d_decay: *mut f32,
+    pub d_init: *mut f32,
+    pub work: *mut f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of MesaGlaBackwardArgs"][::core::mem::size_of::<MesaGlaBackwardArgs>() - 456usize];
+    ["Alignment of MesaGlaBackwardArgs"][::core::mem::align_of::<MesaGlaBackwardArgs>() - 8usize];
+    ["Offset of field: MesaGlaBackwardArgs::shape"][::core::mem::offset_of!(MesaGlaBackwardArgs, shape) - 0usize];
+    ["Offset of field: MesaGlaBackwardArgs::q"][::core::mem::offset_of!(MesaGlaBackwardArgs, q) - 72usize];
+    ["Offset of field: MesaGlaBackwardArgs::k"][::core::mem::offset_of!(MesaGlaBackwardArgs, k) - 112usize];
+    ["Offset of field: MesaGlaBackwardArgs::v"][::core::mem::offset_of!(MesaGlaBackwardArgs, v) - 152usize];
+    ["Offset of field: MesaGlaBackwardArgs::out"][::core::mem::offset_of!(MesaGlaBackwardArgs, out) - 192usize];
+    ["Offset of field: MesaGlaBackwardArgs::dout"][::core::mem::offset_of!(MesaGlaBackwardArgs, dout) - 232usize];
+    ["Offset of field: MesaGlaBackwardArgs::dq"][::core::mem::offset_of!(MesaGlaBackwardArgs, dq) - 272usize];
+    ["Offset of field: MesaGlaBackwardArgs::dk"][::core::mem::offset_of!(MesaGlaBackwardArgs, dk) - 312usize];
+    ["Offset of field: MesaGlaBackwardArgs::dv"][::core::mem::offset_of!(MesaGlaBackwardArgs, dv) - 352usize];
+    ["Offset of field: MesaGlaBackwardArgs::decay"][::core::mem::offset_of!(MesaGlaBackwardArgs, decay) - 392usize];
+    ["Offset of field: MesaGlaBackwardArgs::init_state"]
+        [::core::mem::offset_of!(MesaGlaBackwardArgs, init_state) - 400usize];
+    ["Offset of field: MesaGlaBackwardArgs::final_state"]
+        [::core::mem::offset_of!(MesaGlaBackwardArgs, final_state) - 408usize];
+    ["Offset of field: MesaGlaBackwardArgs::den"][::core::mem::offset_of!(MesaGlaBackwardArgs, den) - 416usize];
+    ["Offset of field: MesaGlaBackwardArgs::d_final"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_final) - 424usize];
+    ["Offset of field: MesaGlaBackwardArgs::d_decay"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_decay) - 432usize];
+    ["Offset of field: MesaGlaBackwardArgs::d_init"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_init) - 440usize];
+    ["Offset of field: MesaGlaBackwardArgs::work"][::core::mem::offset_of!(MesaGlaBackwardArgs, work) - 448usize];
+};
+impl Default for MesaGlaBackwardArgs {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+unsafe extern "C" {
+    pub fn mesa_gated_linear_attention_forward(
+        args: *const MesaGlaForwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_gated_linear_attention_forward(
+        args: *const MesaGlaForwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_gated_linear_attention_backward(
+        args: *const MesaGlaBackwardArgs,
+        stream: *mut ::core::ffi::c_void,
+    ) -> MesaStatus;
+}
+unsafe extern "C" {
+    pub fn mesa_emu_gated_linear_attention_backward(
+        args: *const MesaGlaBackwardArgs,
         stream: *mut ::core::ffi::c_void,
     ) -> MesaStatus;
 }

@@ -72,5 +72,6 @@ typedef struct MesaTensorDesc {
 #include "mesa_collectives.h"
 #include "mesa_fused.h"
 #include "mesa_linear_attention.h"
+#include "mesa_gated_linear_attention.h"
 
 #endif /* MESA_KERNELS_H */

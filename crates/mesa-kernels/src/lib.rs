@@ -13,6 +13,9 @@
 //! * [`linear_attention`] + [`feature_map`]: chunked causal and bidirectional linear
 //!   attention (SLiM, Performer FAVOR+) with exact gradients and a saved state that can be
 //!   independent of the sequence length.
+//! * [`gated_linear_attention`]: causal linear attention with a decaying state (a log-decay per
+//!   step or per head; RetNet, Mamba-2, GLA), grouped heads, exact gradients including the
+//!   decay's (a first kernel on CUDA cores).
 //! * [`plan`]: the activation-memory planner: bytes a layer keeps for backward per tensor,
 //!   for each precision, parallelism and recomputation (Korthikanti et al. 2022, Table 2),
 //!   and the largest micro-batch or sequence that fits a budget.
@@ -93,6 +96,7 @@ pub mod emulator;
 mod error;
 pub mod feature_map;
 pub mod fused;
+pub mod gated_linear_attention;
 mod host_buffer;
 mod launch;
 mod layout;

@@ -1,0 +1,521 @@
+// gated_linear_attention.cu — gated (decayed) causal linear attention with grouped heads, a
+// first, deliberately plain kernel (issue 41): CUDA-core FMAs, f32 state and arithmetic, one
+// thread block per head walking the chunks in order. No tensor cores, boundary states, packed
+// sequences or LASP yet (docs/linear_attention.md, "Gated linear attention").
+//
+// Math (reference: crates/mesa-kernels/src/reference/gated_linear_attention.rs). For one query
+// head h reading KV head kh = h / (H / H_kv), with v'_s = [v_s | 1] (the 1 only when normalised)
+// and the log-decay a_t <= 0 of kh (per step, or one value per head):
+//   S_t = exp(a_t) S_{t-1} + k_t v'_t^T,   o_t = q_t^T S_t  [ / g(q_t^T z_t) ]
+//   o_t = sum_{s<=t} w_ts (q_t . k_s) v'_s + w_{t,-1} q_t^T S_{-1},  w_ts = exp(sum_{r=s+1..t} a_r)
+//   g(x) = x + eps·sign(x) (sign(0) = +1), z the state's column D.
+//
+// Chunk recurrence (chunk c = rows t0..t0+n-1, S the state entering it). Within the chunk,
+// Lam_t = sum_{r=t0..t} a_r, restarted at a reset (a_r = -inf: Lam_r = 0, seg_t = the last
+// reset row <= t, or none). Weights are differences only, never exp of a positive number
+// (Lam is non-increasing within a segment, also in f32: adding a value <= 0 never rounds up):
+//   intra  w_ts = exp(Lam_t - Lam_s)   (s <= t, s >= seg_t; else exactly 0)
+//   inter  e_t  = exp(Lam_t)           (no reset in t0..t; else exactly 0)
+//   O_c    = diag(e) Q_c S + mask(W ∘ Q_c K_c^T) V'_c
+//   S     <- e_end S + sum_s w_{end,s} k_s v'_s^T
+// so a reset lets nothing cross it and produces no NaN (no -inf - -inf).
+//
+// Backward (dv'_t = [dout_t / g_t | -(dout_t . out_t) / g_t], the second part when normalised):
+//   dq_t = e_t S dv'_t + sum_{s<=t} w_ts (v'_s . dv'_t) k_s          (forward walk, per query head)
+//   dk_s = sum_{t>=s} w_ts (v'_s . dv'_t) q_t + w_{end,s} dS v'_s     (reverse walk, per KV head,
+//   dv_s = sum_{t>=s} w_ts (q_t . k_s) dv_t + w_{end,s} dS^T k_s        over its query heads)
+//   dS   <- e_end dS + sum_t e_t q_t dv'_t^T   (dS: the gradient of the state leaving the chunk)
+// from dS = d_final at the end; d_init is dS after chunk 0.
+// da: with Lam'_t = sum_{r<=t} a_r over the whole sequence, q~_t = exp(Lam'_t) q_t and
+// k~_s = exp(-Lam'_s) k_s, every weighted product is q~_t . k~_s (and the initial state's term
+// exp(Lam'_t) q_t^T S_{-1}), while S_final = exp(Lam'_{L-1}) (S_{-1} + sum_s k~_s v'_s^T). So
+//   dL/dLam'_t = q_t . dq_t - k_t . dk_t  (+ <dS_final, S_final> at t = L-1),
+//   da_r = sum_{t>=r} dL/dLam'_t,
+// summed over the group (q . dq per query head, k . dk once with dk the group's sum). A reset
+// splits the sequence into independent pieces: the suffix sum restarts there, and da = 0 at
+// the reset row (every weight that spans it is exactly 0). Per-head decay: da summed over B, L.
+//
+// Accuracy of the log-space differences: Lam_t is a prefix sum of at most C values, so in f32
+// it is off by at most C·u·sum_{r=t0..t} |a_r| (u = 2^-24), and the exponent Lam_t - Lam_s of a
+// weight by up to 2·C·u·(|sum_{r=s+1..t} a_r| + C·alpha) for |a_r| <= alpha: both prefix sums'
+// errors, each carrying up to C steps before s that the weight does not span. That is the
+// weight's relative error, where the direct sum over r = s+1..t would be off by
+// (t - s)·u·|sum_{r=s+1..t} a_r| only. Worst case for a chunk of strongly decaying steps,
+// C = 64 and alpha = 8 (exp(-8) per step: the state forgets within a few steps), at the end of
+// the chunk, for the weights that matter (t - s small): 2·64·64·8·2^-24 = 3.9e-3 relative
+// (alpha = 1: 4.9e-4). It shrinks as C^2: a caller with such decays can pick a smaller chunk.
+// (tests/gated_linear_attention.rs adds exactly this term to its bounds.)
+//
+// Work per (b, h) and chunk (FLOPs, FMA = 2): scores C^2 M, outputs 2 C M W + C^2 W, state
+// 2 C M W. Bytes per (b, h): read (2M + D) L sizeof(T) + 4L (decay), write D L sizeof(T) (+4L
+// den); the working state M W 4 bytes is read and written once per chunk (L1/L2: it is the
+// block's own). With groups, each query head's block re-reads its KV head's k, v (G times, from
+// L2). Backward: dq walk reads q, k, v, dout (+ out) and writes dq; the dk/dv walk reads k, v
+// once and q, dout (+ out) per group head, writes dk, dv, da.
+#include "common.cuh"
+#include "quant_common.cuh"  // dispatch_dtype
+
+namespace MESA_NS {
+
+constexpr int kGlaThreads = 128;
+constexpr int kGlaChunk = MESA_GLA_MAX_CHUNK;
+// The dk/dv walk asks for at least 4 blocks of 128 threads per SM: that caps its registers at
+// 128 per thread (uncapped it takes 164 on sm_80 for 16-bit inputs); its inner loops over the
+// chunk's rows are not unrolled, so that the cap causes no spills.
+constexpr int kGlaMinBlocks = 4;
+
+// ---------------------------------------------------------------------------------------
+// Device helpers.
+
+// Element (b, h, l, f) of a strided view, as f32.
+template <typename T>
+__device__ __forceinline__ float gla_load(const MesaLaTensor& x, int64_t b, int64_t h, int64_t l, int64_t f) {
+  const T* p = static_cast<const T*>(x.data);
+  return to_float(p[b * x.strides[0] + h * x.strides[1] + l * x.strides[2] + f * x.strides[3]]);
+}
+template <typename T>
+__device__ __forceinline__ void gla_store(const MesaLaTensor& x, int64_t b, int64_t h, int64_t l, int64_t f,
+                                          float v) {
+  T* p = static_cast<T*>(x.data);
+  p[b * x.strides[0] + h * x.strides[1] + l * x.strides[2] + f * x.strides[3]] = from_float<T>(v);
+}
+
+__device__ __forceinline__ float gla_guard(float x, float eps) { return x >= 0.0f ? x + eps : x - eps; }
+
+__device__ __forceinline__ bool is_reset(float a) { return a == -INFINITY; }
+
+// a_t of KV head kh of batch b.
+__device__ __forceinline__ float gla_decay(const float* decay, const MesaGlaShape& s, int64_t b, int64_t kh,
+                                           int64_t t) {
+  return s.decay_kind == MESA_GLA_DECAY_PER_HEAD ? decay[kh] : decay[(b * s.kv_heads + kh) * s.len + t];
+}
+
+// The chunk's log-decays (shared): lam[t] = Lam_t, seg[t] = the last reset row <= t (-1: none).
+struct ChunkDecay {
+  float lam[kGlaChunk];
+  int seg[kGlaChunk];
+};
+
+// One thread walks the chunk's n steps (C <= 64 additions).
+__device__ __forceinline__ void chunk_decay(ChunkDecay& cd, const float* decay, const MesaGlaShape& s, int64_t b,
+                                            int64_t kh, int64_t t0, int n) {
+  float lam = 0.0f;
+  int seg = -1;
+  for (int t = 0; t < n; ++t) {
+    const float a = gla_decay(decay, s, b, kh, t0 + t);
+    if (is_reset(a)) {
+      lam = 0.0f;
+      seg = t;
+    } else {
+      lam += a;
+    }
+    cd.lam[t] = lam;
+    cd.seg[t] = seg;
+  }
+}
+
+// w_ts within the chunk (s <= t).
+__device__ __forceinline__ float intra_weight(const ChunkDecay& cd, int t, int s) {
+  return cd.seg[t] > s ? 0.0f : expf(cd.lam[t] - cd.lam[s]);
+}
+// e_t: the weight of the state entering the chunk at row t.
+__device__ __forceinline__ float inter_weight(const ChunkDecay& cd, int t) {
+  return cd.seg[t] >= 0 ? 0.0f : expf(cd.lam[t]);
+}
+
+// S <- e_end S + sum_s w_{end,s} k_s v'_s^T, thread-strided over the M x W elements.
+template <typename T>
+__device__ void update_state(float* S, const ChunkDecay& cd, const MesaLaTensor& k, const MesaLaTensor& v,
+                             int64_t b, int64_t kh, int64_t t0, int n, int64_t M, int64_t D, int64_t W) {
+  const float e_end = inter_weight(cd, n - 1);
+  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) {
+    const int64_t i = e / W, j = e % W;
+    float x = e_end * S[e];
+    for (int s = 0; s < n; ++s) {
+      const float w = intra_weight(cd, n - 1, s);
+      if (w == 0.0f) continue;
+      const float vs = j < D ? gla_load<T>(v, b, kh, t0 + s, j) : 1.0f;
+      x = fmaf(w * gla_load<T>(k, b, kh, t0 + s, i), vs, x);
+    }
+    S[e] = x;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward: one block per (b, h), walking the chunks in order with its own working state.
+template <typename T>
+__global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaForwardArgs a) {
+  __shared__ ChunkDecay cd;
+  __shared__ float P[kGlaChunk][kGlaChunk];  // w_ts (q_t . k_s), s <= t
+  __shared__ float den[kGlaChunk];
+  const MesaGlaShape& sh = a.shape;
+  const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0);
+  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  float* S = a.work + bh * M * W;
+  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  __syncthreads();
+  for (int64_t t0 = 0; t0 < L; t0 += sh.chunk) {
+    const int n = int(L - t0 < sh.chunk ? L - t0 : sh.chunk);
+    if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
+    __syncthreads();
+    for (int e = threadIdx.x; e < n * n; e += blockDim.x) {
+      const int t = e / n, s = e % n;
+      const float w = s <= t ? intra_weight(cd, t, s) : 0.0f;
+      float dot = 0.0f;
+      if (w != 0.0f)
+        for (int64_t i = 0; i < M; ++i)
+          dot = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), gla_load<T>(a.k, b, kh, t0 + s, i), dot);
+      P[t][s] = w * dot;
+    }
+    __syncthreads();
+    if (sh.normalize) {
+      for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        const float e_t = inter_weight(cd, t);
+        float x = 0.0f;
+        if (e_t != 0.0f)
+          for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), S[i * W + D], x);
+        x *= e_t;
+        for (int s = 0; s <= t; ++s) x += P[t][s];
+        den[t] = gla_guard(x, sh.eps);
+        a.den[bh * L + t0 + t] = den[t];
+      }
+      __syncthreads();
+    }
+    for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x) {
+      const int t = int(e / D);
+      const int64_t j = e % D;
+      const float e_t = inter_weight(cd, t);
+      float x = 0.0f;
+      if (e_t != 0.0f)
+        for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), S[i * W + j], x);
+      x *= e_t;
+      for (int s = 0; s <= t; ++s) x = fmaf(P[t][s], gla_load<T>(a.v, b, kh, t0 + s, j), x);
+      if (sh.normalize) x /= den[t];
+      gla_store<T>(a.out, b, h, t0 + t, j, x);
+    }
+    __syncthreads();
+    update_state<T>(S, cd, a.k, a.v, b, kh, t0, n, M, D, W);
+    __syncthreads();
+  }
+  // the KV head's final state, from the first query head of its group (all compute the same)
+  if (h % (H / sh.kv_heads) == 0)
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) a.final_state[bk * M * W + e] = S[e];
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward.
+
+// Per row t of a chunk: g_t and dden_t = -(dout_t . out_t) / g_t (normalised), else 1 and 0.
+template <typename T>
+__device__ void row_grads(const MesaGlaBackwardArgs& a, int64_t b, int64_t h, int64_t t0, int n, float* g,
+                          float* dden) {
+  const MesaGlaShape& sh = a.shape;
+  for (int t = threadIdx.x; t < n; t += blockDim.x) {
+    if (!sh.normalize) {
+      g[t] = 1.0f;
+      dden[t] = 0.0f;
+      continue;
+    }
+    const float gt = a.den[(b * sh.heads + h) * sh.len + t0 + t];
+    float x = 0.0f;
+    for (int64_t j = 0; j < sh.dim; ++j)
+      x = fmaf(gla_load<T>(a.dout, b, h, t0 + t, j), gla_load<T>(a.out, b, h, t0 + t, j), x);
+    g[t] = gt;
+    dden[t] = -x / gt;
+  }
+}
+
+// E[t][s] = w_ts (v'_s . dv'_t) for s <= t (and, when A is given, A[t][s] = w_ts (q_t . k_s)).
+template <typename T>
+__device__ void chunk_scores(const MesaGlaBackwardArgs& a, const ChunkDecay& cd, int64_t b, int64_t h, int64_t kh,
+                             int64_t t0, int n, const float* g, const float* dden, float (*E)[kGlaChunk],
+                             float (*A)[kGlaChunk]) {
+  const MesaGlaShape& sh = a.shape;
+  for (int e = threadIdx.x; e < n * n; e += blockDim.x) {
+    const int t = e / n, s = e % n;
+    const float w = s <= t ? intra_weight(cd, t, s) : 0.0f;
+    float vd = 0.0f, qk = 0.0f;
+    if (w != 0.0f) {
+      for (int64_t j = 0; j < sh.dim; ++j)
+        vd = fmaf(gla_load<T>(a.v, b, kh, t0 + s, j), gla_load<T>(a.dout, b, h, t0 + t, j), vd);
+      vd = vd / g[t] + dden[t];
+      if (A != nullptr)
+        for (int64_t i = 0; i < sh.feat; ++i)
+          qk = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), gla_load<T>(a.k, b, kh, t0 + s, i), qk);
+    }
+    E[t][s] = w * vd;
+    if (A != nullptr) A[t][s] = w * qk;
+  }
+}
+
+// dq: one block per (b, h), walking forward again from the initial state (as the forward).
+// Writes dq and, per row, q_t . dq_t (f32) to qdq [B*H*L] for da.
+template <typename T>
+__global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwardArgs a, float* work_states,
+                                                             float* work_dq, float* qdq) {
+  __shared__ ChunkDecay cd;
+  __shared__ float E[kGlaChunk][kGlaChunk];
+  __shared__ float g[kGlaChunk];
+  __shared__ float dden[kGlaChunk];
+  const MesaGlaShape& sh = a.shape;
+  const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
+  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  float* S = work_states + bh * M * W;
+  float* tile = work_dq + bh * C * M;  // the chunk's dq in f32
+  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  __syncthreads();
+  for (int64_t t0 = 0; t0 < L; t0 += C) {
+    const int n = int(L - t0 < C ? L - t0 : C);
+    if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
+    row_grads<T>(a, b, h, t0, n, g, dden);
+    __syncthreads();
+    chunk_scores<T>(a, cd, b, h, kh, t0, n, g, dden, E, nullptr);
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < n * M; e += blockDim.x) {
+      const int t = int(e / M);
+      const int64_t i = e % M;
+      const float e_t = inter_weight(cd, t);
+      float x = 0.0f;
+      if (e_t != 0.0f) {
+        for (int64_t j = 0; j < D; ++j) x = fmaf(S[i * W + j], gla_load<T>(a.dout, b, h, t0 + t, j), x);
+        x /= g[t];
+        if (sh.normalize) x = fmaf(S[i * W + D], dden[t], x);
+        x *= e_t;
+      }
+      for (int s = 0; s <= t; ++s) x = fmaf(E[t][s], gla_load<T>(a.k, b, kh, t0 + s, i), x);
+      tile[e] = x;
+      gla_store<T>(a.dq, b, h, t0 + t, i, x);
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+      float x = 0.0f;
+      for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), tile[t * M + i], x);
+      qdq[bh * L + t0 + t] = x;
+    }
+    update_state<T>(S, cd, a.k, a.v, b, kh, t0, n, M, D, W);
+    __syncthreads();
+  }
+}
+
+// dk, dv, dS, da: one block per (b, kh), walking the chunks in reverse and, in each chunk,
+// over the group's query heads in order (deterministic sums, no atomics). Per-step decay: da
+// into d_decay; per-head: into da_rows [B*H_kv*L] for gla_da_reduce_kernel.
+template <typename T>
+__global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
+    gla_dkdv_kernel(const MesaGlaBackwardArgs a, float* work_ds, float* work_dkdv, const float* qdq, float* da_rows) {
+  __shared__ ChunkDecay cd;
+  __shared__ float E[kGlaChunk][kGlaChunk];  // w_ts (v'_s . dv'_t)
+  __shared__ float A[kGlaChunk][kGlaChunk];  // w_ts (q_t . k_s)
+  __shared__ float g[kGlaChunk];
+  __shared__ float dden[kGlaChunk];
+  __shared__ float kdk[kGlaChunk];
+  const MesaGlaShape& sh = a.shape;
+  const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
+  const int64_t G = H / sh.kv_heads;
+  const int64_t bk = blockIdx.x, b = bk / sh.kv_heads, kh = bk % sh.kv_heads;
+  float* dS = work_ds + bk * 2 * M * W;  // the gradient of the state leaving the chunk
+  float* dS_next = dS + M * W;           // ... and of the one entering it
+  float* dk_acc = work_dkdv + bk * C * (M + W);
+  float* dv_acc = dk_acc + C * M;
+  float* da_out = sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows;
+  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) dS[e] = a.d_final ? a.d_final[bk * M * W + e] : 0.0f;
+  float acc = 0.0f;  // thread 0: the suffix sum of dL/dLam'
+  if (threadIdx.x == 0 && a.d_final != nullptr)
+    for (int64_t e = 0; e < M * W; ++e) acc = fmaf(a.d_final[bk * M * W + e], a.final_state[bk * M * W + e], acc);
+  __syncthreads();
+  const int64_t nchunks = (L + C - 1) / C;
+  for (int64_t c = nchunks - 1; c >= 0; --c) {
+    const int64_t t0 = c * C;
+    const int n = int(L - t0 < C ? L - t0 : C);
+    if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
+    __syncthreads();
+    const float e_end = inter_weight(cd, n - 1);
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) dS_next[e] = e_end * dS[e];
+    // the final-state terms through dS
+    for (int64_t e = threadIdx.x; e < n * M; e += blockDim.x) {
+      const int s = int(e / M);
+      const int64_t i = e % M;
+      const float w = intra_weight(cd, n - 1, s);
+      float x = 0.0f;
+      if (w != 0.0f) {
+        for (int64_t j = 0; j < D; ++j) x = fmaf(dS[i * W + j], gla_load<T>(a.v, b, kh, t0 + s, j), x);
+        if (sh.normalize) x += dS[i * W + D];
+      }
+      dk_acc[e] = w * x;
+    }
+    for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x) {
+      const int s = int(e / D);
+      const int64_t j = e % D;
+      const float w = intra_weight(cd, n - 1, s);
+      float x = 0.0f;
+      if (w != 0.0f)
+        for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.k, b, kh, t0 + s, i), dS[i * W + j], x);
+      dv_acc[e] = w * x;
+    }
+    for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) {
+      __syncthreads();  // the previous head's scores have been used
+      row_grads<T>(a, b, hq, t0, n, g, dden);
+      __syncthreads();
+      chunk_scores<T>(a, cd, b, hq, kh, t0, n, g, dden, E, A);
+      __syncthreads();
+      for (int64_t e = threadIdx.x; e < n * M; e += blockDim.x) {
+        const int s = int(e / M);
+        const int64_t i = e % M;
+        float x = dk_acc[e];
+        _Pragma("unroll 1") for (int t = s; t < n; ++t) x = fmaf(E[t][s], gla_load<T>(a.q, b, hq, t0 + t, i), x);
+        dk_acc[e] = x;
+      }
+      for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x) {
+        const int s = int(e / D);
+        const int64_t j = e % D;
+        float x = dv_acc[e];
+        _Pragma("unroll 1") for (int t = s; t < n; ++t)
+            x = fmaf(A[t][s], gla_load<T>(a.dout, b, hq, t0 + t, j) / g[t], x);
+        dv_acc[e] = x;
+      }
+      for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) {
+        const int64_t i = e / W, j = e % W;
+        float x = dS_next[e];
+        _Pragma("unroll 1") for (int t = 0; t < n; ++t) {
+          const float e_t = inter_weight(cd, t);
+          if (e_t == 0.0f) continue;
+          const float dvt = j < D ? gla_load<T>(a.dout, b, hq, t0 + t, j) / g[t] : dden[t];
+          x = fmaf(e_t * gla_load<T>(a.q, b, hq, t0 + t, i), dvt, x);
+        }
+        dS_next[e] = x;
+      }
+    }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < n * M; e += blockDim.x)
+      gla_store<T>(a.dk, b, kh, t0 + e / M, e % M, dk_acc[e]);
+    for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x)
+      gla_store<T>(a.dv, b, kh, t0 + e / D, e % D, dv_acc[e]);
+    for (int s = threadIdx.x; s < n; s += blockDim.x) {
+      float x = 0.0f;
+      for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.k, b, kh, t0 + s, i), dk_acc[s * M + i], x);
+      kdk[s] = x;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int t = n - 1; t >= 0; --t) {
+        float x = -kdk[t];
+        for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
+        acc += x;
+        const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
+        da_out[bk * L + t0 + t] = reset ? 0.0f : acc;
+        if (reset) acc = 0.0f;  // the rows before it form an independent sequence
+      }
+    }
+    float* tmp = dS;
+    dS = dS_next;
+    dS_next = tmp;
+    __syncthreads();
+  }
+  if (a.d_init != nullptr)
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) a.d_init[bk * M * W + e] = dS[e];
+}
+
+// Per-head decay: d_decay[kh] = sum over b and t of da_rows, one block per KV head, in a fixed
+// order (thread-strided partial sums, then a tree).
+__global__ void __launch_bounds__(kGlaThreads) gla_da_reduce_kernel(const float* da_rows, float* d_decay,
+                                                                    int64_t B, int64_t Hkv, int64_t L) {
+  __shared__ float part[kGlaThreads];
+  const int64_t kh = blockIdx.x;
+  float x = 0.0f;
+  for (int64_t e = threadIdx.x; e < B * L; e += blockDim.x) x += da_rows[((e / L) * Hkv + kh) * L + e % L];
+  part[threadIdx.x] = x;
+  __syncthreads();
+  for (int w = kGlaThreads / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) d_decay[kh] = part[0];
+}
+
+// ---------------------------------------------------------------------------------------
+// Launch policy (host): one block of 128 threads per (b, h) — or per (b, kh) for dk/dv —,
+// each walking its L / C chunks in order.
+template <typename T>
+struct GlaForwardLaunch {
+  static MesaStatus run(const MesaGlaForwardArgs& a, void* stream) {
+    const int64_t blocks = a.shape.batch * a.shape.heads;
+    return status_from(MESA_LAUNCH((gla_forward_kernel<T>), dim3(unsigned(blocks)), dim3(kGlaThreads), 0, stream, a));
+  }
+};
+
+template <typename T>
+struct GlaBackwardLaunch {
+  static MesaStatus run(const MesaGlaBackwardArgs& a, void* stream) {
+    const MesaGlaShape& s = a.shape;
+    const int64_t B = s.batch, H = s.heads, Hkv = s.kv_heads, L = s.len, M = s.feat, C = s.chunk;
+    const int64_t W = s.dim + (s.normalize ? 1 : 0);
+    // the scratch, as MESA_GLA_BACKWARD_WORK lays it out
+    float* states = a.work;
+    float* dq_tiles = states + B * H * M * W;
+    float* qdq = dq_tiles + B * H * C * M;
+    float* ds = qdq + B * H * L;
+    float* dkdv = ds + B * Hkv * 2 * M * W;
+    float* da_rows = dkdv + B * Hkv * C * (M + W);
+    cudaError_t e = cudaSuccess;
+    if (B > 0) {
+      e = MESA_LAUNCH((gla_dq_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states, dq_tiles,
+                      qdq);
+      if (e != cudaSuccess) return status_from(e);
+      e = MESA_LAUNCH((gla_dkdv_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv, qdq,
+                      da_rows);
+    }
+    // per-head decay: also with B = 0 (its gradient is then 0)
+    if (e != cudaSuccess || s.decay_kind != MESA_GLA_DECAY_PER_HEAD) return status_from(e);
+    return status_from(MESA_LAUNCH(gla_da_reduce_kernel, dim3(unsigned(Hkv)), dim3(kGlaThreads), 0, stream, da_rows,
+                                   a.d_decay, B, Hkv, L));
+  }
+};
+
+// The entry points' own checks (the safe crate checks everything first, with typed errors).
+inline bool gla_shape_valid(const MesaGlaShape& s) {
+  if (s.batch < 0 || s.heads < 1 || s.kv_heads < 1 || s.heads % s.kv_heads != 0 || s.len < 0 || s.feat < 0 ||
+      s.dim < 0 || s.chunk < 1 || s.chunk > MESA_GLA_MAX_CHUNK)
+    return false;
+  if (s.decay_kind != MESA_GLA_DECAY_PER_STEP && s.decay_kind != MESA_GLA_DECAY_PER_HEAD) return false;
+  if (s.normalize && !(s.eps > 0.0f && s.eps < INFINITY)) return false;
+  // one block per (b, h): the grid's x limit
+  return s.batch * s.heads <= int64_t(0x7fffffff);
+}
+
+}  // namespace MESA_NS
+
+using namespace MESA_NS;
+
+extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_forward)(const MesaGlaForwardArgs* a, void* stream) {
+  if (a == nullptr || !gla_shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
+  const MesaGlaShape& s = a->shape;
+  if (s.batch == 0) return MESA_STATUS_OK;
+  // an empty tensor may come as NULL: the per-step decay when L = 0
+  const bool decay_empty = s.decay_kind == MESA_GLA_DECAY_PER_STEP && s.len == 0;
+  if ((a->decay == nullptr && !decay_empty) || a->final_state == nullptr || a->work == nullptr ||
+      (s.normalize && a->den == nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (s.batch > 0 && s.len > 0 &&
+      (a->q.data == nullptr || a->k.data == nullptr || a->v.data == nullptr || a->out.data == nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  return dispatch_dtype<GlaForwardLaunch>(s.dtype, *a, stream);
+}
+
+extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_backward)(const MesaGlaBackwardArgs* a, void* stream) {
+  if (a == nullptr || !gla_shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
+  const MesaGlaShape& s = a->shape;
+  // an empty tensor may come as NULL: the per-step decay and its gradient when B·L = 0, the
+  // row tensors when B·L = 0
+  const bool decay_empty = s.decay_kind == MESA_GLA_DECAY_PER_STEP && s.batch * s.len == 0;
+  if (((a->decay == nullptr || a->d_decay == nullptr) && !decay_empty) || a->work == nullptr ||
+      a->final_state == nullptr || (s.normalize && a->den == nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (s.batch > 0 && s.len > 0 &&
+      (a->q.data == nullptr || a->k.data == nullptr || a->v.data == nullptr || a->dout.data == nullptr ||
+       a->dq.data == nullptr || a->dk.data == nullptr || a->dv.data == nullptr ||
+       (s.normalize && a->out.data == nullptr)))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  return dispatch_dtype<GlaBackwardLaunch>(s.dtype, *a, stream);
+}

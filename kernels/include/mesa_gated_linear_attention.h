@@ -1,0 +1,99 @@
+/* mesa_gated_linear_attention.h — gated (decayed) causal linear attention with grouped heads
+ * (issue 41): RetNet / Lightning Attention (a fixed log-decay per head), Mamba-2's SSD and
+ * gated linear attention with a scalar gate (a log-decay per step and head).
+ * Kernel and math: kernels/gated_linear_attention.cu.
+ *
+ *   S_t = exp(a_t) S_{t-1} + k_t [v_t | 1]^T,   o_t = q_t^T S_t [ / g(q_t^T z_t) ],   a_t <= 0
+ *   g(x) = x + eps (x >= 0), x - eps (x < 0);  z_t the state's column D (normalize only)
+ *
+ * Query head h (of H) reads KV head h / (H / H_kv): its k, v, decay and state.
+ * q, out, dout, dq: [B, H, L, M or D]; k, v, dk, dv: [B, H_kv, L, M or D] (MesaLaTensor
+ * strided views, one dtype: f32, f16, bf16). decay: f32, contiguous, [B, H_kv, L] (PER_STEP)
+ * or [H_kv] (PER_HEAD); -inf allowed (a reset: nothing crosses that step); values > 0 or
+ * NaN are the caller's to exclude (they live on the device: not checked). States: f32,
+ * contiguous [B, H_kv, M, W], W = D + normalize (column D holds z). Accumulation f32.
+ *
+ * In-place: not supported (no output may overlap an input or another output; inputs may
+ * overlap each other; the safe crate rejects overlap with Error::Aliasing).
+ */
+#ifndef MESA_GATED_LINEAR_ATTENTION_H
+#define MESA_GATED_LINEAR_ATTENTION_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest chunk (a chunk's C x C weights live in shared memory). */
+#define MESA_GLA_MAX_CHUNK 64
+
+typedef int32_t MesaGlaDecayKind;
+enum MesaGlaDecayKindCode {
+  /* [B, H_kv, L]: one log-decay per step and KV head */
+  MESA_GLA_DECAY_PER_STEP = 0,
+  /* [H_kv]: one log-decay per KV head, the same at every step */
+  MESA_GLA_DECAY_PER_HEAD = 1
+};
+
+typedef struct MesaGlaShape {
+  int64_t batch;    /* B */
+  int64_t heads;    /* H: query heads */
+  int64_t kv_heads; /* H_kv: divides H */
+  int64_t len;      /* L */
+  int64_t feat;     /* M: features of q, k */
+  int64_t dim;      /* D: columns of v, out */
+  int32_t chunk;    /* C in [1, MESA_GLA_MAX_CHUNK] */
+  MesaDType dtype;  /* of every tensor view */
+  int32_t normalize;
+  float eps;        /* the guard (normalize): finite, > 0 */
+  MesaGlaDecayKind decay_kind;
+  int32_t _pad;
+} MesaGlaShape;
+
+/* Forward. Reads q, k, v, decay, init_state (NULL: 0). Writes out, final_state (the state
+ * after row L-1, init_state included; L = 0: a copy of init_state or 0), den (normalize:
+ * [B, H, L] f32, the guarded denominators; else may be NULL). work: f32 scratch of
+ * B*H*M*W elements (one working state per query head), contents on entry ignored. */
+typedef struct MesaGlaForwardArgs {
+  MesaGlaShape shape;
+  MesaLaTensor q, k, v, out;
+  const float* decay;
+  const float* init_state;
+  float* final_state;
+  float* den;
+  float* work;
+} MesaGlaForwardArgs;
+
+/* Backward. Reads q, k, v, decay, init_state (the forward's; NULL: 0), out (normalize only),
+ * dout, final_state and den (what the forward wrote), d_final ([B, H_kv, M, W], the final
+ * state's gradient; NULL: 0). Writes dq, dk, dv (dk, dv summed over each KV head's query
+ * heads), d_decay (f32, the decay's shape: [B, H_kv, L] or [H_kv]), d_init ([B, H_kv, M, W];
+ * NULL: not wanted). work: f32 scratch of MESA_GLA_BACKWARD_WORK(B, H, H_kv, L, M, D + normalize,
+ * C) elements, contents on entry ignored. */
+typedef struct MesaGlaBackwardArgs {
+  MesaGlaShape shape;
+  MesaLaTensor q, k, v, out, dout, dq, dk, dv;
+  const float* decay;
+  const float* init_state;
+  const float* final_state;
+  const float* den;
+  const float* d_final;
+  float* d_decay;
+  float* d_init;
+  float* work;
+} MesaGlaBackwardArgs;
+
+/* Scratch of the backward, in f32 elements: per query head a working state, a chunk of dq and
+ * q_t . dq_t per row; per KV head two state gradients, a chunk of dk and dv, and da per row. */
+#define MESA_GLA_BACKWARD_WORK(B, H, HKV, L, M, W, C) \
+  ((B) * (H) * ((M) * (W) + (C) * (M) + (L)) + (B) * (HKV) * (2 * (M) * (W) + (C) * ((M) + (W)) + (L)))
+
+MESA_DECLARE_ENTRY(gated_linear_attention_forward, MesaGlaForwardArgs)
+MESA_DECLARE_ENTRY(gated_linear_attention_backward, MesaGlaBackwardArgs)
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MESA_GATED_LINEAR_ATTENTION_H */

@@ -1,0 +1,854 @@
+//! Parity of the gated linear-attention kernel (`mesa_kernels::gated_linear_attention`, issue 41)
+//! with the f64 reference (`reference::gated_linear_attention`): forward, dq, dk, dv, da, the
+//! final state and the initial state's gradient, on the emulator with its checks on (and a GPU
+//! when one is present), for f32, f16 and bf16, per-step and per-head decay, grouped heads
+//! (1, 4, multi-query), normalised or not, L = 1, odd L and chunk sizes, resets (a = −∞), a long
+//! strongly decaying sequence, and a = 0 against the ungated kernel.
+//!
+//! Tolerances (derived, per element; u = 2⁻²⁴, u_T the storage type's unit roundoff):
+//! * Inputs are exact in T (and the decay in f32); the reference reads the same values in f64,
+//!   so all error is f32 arithmetic plus the final rounding to T.
+//! * Every element is a sum of products of at most a dot over M, over D + 1 (v'·dv', and the
+//!   dden dot), a chain through the state of at most L rows, a sum over ≤ C rows of a chunk, and
+//!   ≤ L/C + 2 products of weights: with the classical bound n·u·Σ|terms|, the chain is
+//!   `n = M + D + 2L + 2C + L/C + 24`, times `mag`, the same sum with every term replaced by its
+//!   absolute value (the reference run on |q|, |k|, [|v| | 1], |S₀|, and for gradients the
+//!   |dout|/|g|, |dden| terms) — computed in f64 below.
+//! * A weight `exp(Λ_t − Λ_s)` comes from prefix sums of ≤ C values of its chunk, each off by
+//!   ≤ C·u·Σ|a| of the prefix, and a prefix spans the weight's own steps plus ≤ C steps before
+//!   them: the exponent is off by ≤ 2C·u·(|Σ_span a| + C·α) (α = max |a|), which is the weight's
+//!   relative error. So the bound adds `2C·u·(span + C·α·mag)`, with `span` = Σ |Σ_span a|·|term|
+//!   = −∂mag/∂λ for a → (1 + λ)a, a central difference of the reference in f64.
+//! * da comes from `x_t = Σ_h q_t·dq_t − k_t·dk_t` (f32 values before rounding) summed from the
+//!   end: its error is Σ_{t ≥ r} Σ_i (|q_ti|·err(dq_ti) + |k_ti|·err(dk_ti)) plus (M + G + 4)·u
+//!   times those dots' magnitudes, the suffix sum's own roundings u·Σ_{t ≥ r} |partial sum_t|
+//!   (the reference's |da_t|; per-head decay: the terms' magnitudes), and `⟨dS, S_final⟩`'s
+//!   (M·W + 4)·u·Σ|dS||S| + Σ|dS|·err(S); per-head decay sums those over B and L, plus
+//!   B·L·u·Σ|da|.
+//! * 16-bit inputs: the backward reads `out` rounded to T (dden is off by u_T relatively):
+//!   `4·u_T·mag`; outputs round to T: `u_T·|ref|` (plus half the subnormal spacing).
+mod common;
+
+use half::{bf16, f16};
+use mesa_kernels::gated_linear_attention::{
+    backward, forward, BackwardArgs, Decay, ForwardArgs, GatedConfig, GatedGrads, MAX_CHUNK,
+};
+use mesa_kernels::linear_attention as la;
+use mesa_kernels::reference::gated_linear_attention as rg;
+use mesa_kernels::{DType, Device, Element, Error, RawDeviceSlice, TensorMut, TensorRef};
+use rand::rngs::StdRng;
+use rand::RngExt;
+
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    b: usize,
+    h: usize,
+    hkv: usize,
+    l: usize,
+    m: usize,
+    d: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum DecayMode {
+    PerStep,
+    PerHead,
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    s: Shape,
+    chunk: usize,
+    normalize: bool,
+    mode: DecayMode,
+    /// max |a| of the finite log-decays
+    alpha: f64,
+    initial: bool,
+    d_final: bool,
+    /// rows (b, kv head, t) set to −∞ (per step), or every KV head with a −∞ rate (per head)
+    resets: Vec<(usize, usize, usize)>,
+}
+
+/// The problem in f64 (values exact in T and, for the decay, f32).
+struct Problem {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    a: Vec<f32>,
+    s0: Option<Vec<f32>>,
+    dout: Vec<f64>,
+    dsf: Option<Vec<f32>>,
+}
+
+fn width(c: &Case) -> usize {
+    c.s.d + usize::from(c.normalize)
+}
+
+fn make<T: Element>(c: &Case, rng: &mut StdRng) -> Problem {
+    let s = c.s;
+    let round = |x: f64| T::from_f64(x).to_f64();
+    let mut vals = |n: usize, pos: bool| -> Vec<f64> {
+        (0..n)
+            .map(|_| {
+                let x: f64 = rng.random_range(-1.0..1.0);
+                round(if pos { x.abs() + 0.1 } else { x })
+            })
+            .collect()
+    };
+    let q = vals(s.b * s.h * s.l * s.m, c.normalize);
+    let k = vals(s.b * s.hkv * s.l * s.m, c.normalize);
+    let v = vals(s.b * s.hkv * s.l * s.d, false);
+    let dout = vals(s.b * s.h * s.l * s.d, false);
+    let w = width(c);
+    let ns = s.b * s.hkv * s.m * w;
+    let s0 = c.initial.then(|| (0..ns).map(|_| rng.random_range(0.1f32..1.0)).collect());
+    let dsf = c.d_final.then(|| (0..ns).map(|_| rng.random_range(-1.0f32..1.0)).collect());
+    let na = match c.mode {
+        DecayMode::PerStep => s.b * s.hkv * s.l,
+        DecayMode::PerHead => s.hkv,
+    };
+    let mut a: Vec<f32> =
+        (0..na).map(|_| if c.alpha > 0.0 { -(rng.random_range(0.0..c.alpha) as f32) } else { 0.0 }).collect();
+    for &(b, kh, t) in &c.resets {
+        match c.mode {
+            DecayMode::PerStep => a[(b * s.hkv + kh) * s.l + t] = f32::NEG_INFINITY,
+            DecayMode::PerHead => a[kh] = f32::NEG_INFINITY,
+        }
+    }
+    Problem { q, k, v, a, s0, dout, dsf }
+}
+
+fn dims(s: Shape) -> rg::GatedDims {
+    rg::GatedDims { batch: s.b, heads: s.h, kv_heads: s.hkv, len: s.l, feat: s.m, dim: s.d }
+}
+
+fn widen(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| f64::from(v)).collect()
+}
+
+/// Reference results: (out, final, dq, dk, dv, da, d_initial).
+struct Ref {
+    out: Vec<f64>,
+    fin: Vec<f64>,
+    g: rg::GatedGrads,
+}
+
+fn reference(c: &Case, p: &Problem) -> Ref {
+    let a = widen(&p.a);
+    let s0 = p.s0.as_deref().map(widen);
+    let gated = rg::Gated {
+        q: &p.q,
+        k: &p.k,
+        v: &p.v,
+        decay: match c.mode {
+            DecayMode::PerStep => rg::Decay::PerStep(&a),
+            DecayMode::PerHead => rg::Decay::PerHead(&a),
+        },
+        dims: dims(c.s),
+        normalize: c.normalize.then_some(1e-6),
+        initial: s0.as_deref(),
+    };
+    let f = rg::forward(&gated).expect("reference forward");
+    let dsf = p.dsf.as_deref().map(widen);
+    let g = rg::backward(&gated, &p.dout, dsf.as_deref()).expect("reference backward");
+    Ref { out: f.out, fin: f.final_state, g }
+}
+
+/// Magnitudes: the reference on absolute values, not normalised, with v' = [|v| | 1] and
+/// dout' = [|dout|/|g| | |dden|], the decay scaled by (1 + lam).
+struct Mag {
+    out: Vec<f64>,
+    fin: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    ds0: Vec<f64>,
+}
+
+fn magnitudes(c: &Case, p: &Problem, r: &Ref, lam: f64) -> Mag {
+    let s = c.s;
+    let (w, d) = (width(c), s.d);
+    let abs = |x: &[f64]| x.iter().map(|v| v.abs()).collect::<Vec<_>>();
+    let mut vp = vec![0.0; s.b * s.hkv * s.l * w];
+    for (row, chunk) in vp.chunks_mut(w).enumerate() {
+        for (j, x) in chunk[..d].iter_mut().enumerate() {
+            *x = p.v[row * d + j].abs();
+        }
+        if c.normalize {
+            chunk[d] = 1.0;
+        }
+    }
+    let den = rg::forward(&rg::Gated {
+        q: &p.q,
+        k: &p.k,
+        v: &p.v,
+        decay: decay_of(c, &widen(&p.a)),
+        dims: dims(s),
+        normalize: c.normalize.then_some(1e-6),
+        initial: p.s0.as_deref().map(widen).as_deref(),
+    })
+    .expect("reference")
+    .den;
+    let mut dp = vec![0.0; s.b * s.h * s.l * w];
+    for (row, chunk) in dp.chunks_mut(w).enumerate() {
+        let g = den[row].abs();
+        let mut dd = 0.0;
+        for (j, x) in chunk[..d].iter_mut().enumerate() {
+            *x = p.dout[row * d + j].abs() / g;
+            dd += (p.dout[row * d + j] * r.out[row * d + j]).abs();
+        }
+        if c.normalize {
+            chunk[d] = dd / g;
+        }
+    }
+    let a: Vec<f64> = p.a.iter().map(|&x| f64::from(x) * (1.0 + lam)).collect();
+    let s0 = p.s0.as_deref().map(|x| abs(&widen(x)));
+    let dsf = p.dsf.as_deref().map(|x| abs(&widen(x)));
+    let gated = rg::Gated {
+        q: &abs(&p.q),
+        k: &abs(&p.k),
+        v: &vp,
+        decay: decay_of(c, &a),
+        dims: rg::GatedDims { dim: w, ..dims(s) },
+        normalize: None,
+        initial: s0.as_deref(),
+    };
+    let f = rg::forward(&gated).expect("magnitudes");
+    let g = rg::backward(&gated, &dp, dsf.as_deref()).expect("magnitudes");
+    // out: the numerator's and the denominator's errors, over |g|
+    let mut out = vec![0.0; s.b * s.h * s.l * d];
+    for row in 0..s.b * s.h * s.l {
+        let gd = den[row].abs();
+        for j in 0..d {
+            let num = f.out[row * w + j];
+            out[row * d + j] =
+                if c.normalize { (num + r.out[row * d + j].abs() * f.out[row * w + d]) / gd } else { num };
+        }
+    }
+    let mut dv = vec![0.0; s.b * s.hkv * s.l * d];
+    for row in 0..s.b * s.hkv * s.l {
+        dv[row * d..][..d].copy_from_slice(&g.dv[row * w..][..d]);
+    }
+    Mag { out, fin: f.final_state, dq: g.dq, dk: g.dk, dv, ds0: g.d_initial }
+}
+
+fn decay_of<'a>(c: &Case, a: &'a [f64]) -> rg::Decay<'a> {
+    match c.mode {
+        DecayMode::PerStep => rg::Decay::PerStep(a),
+        DecayMode::PerHead => rg::Decay::PerHead(a),
+    }
+}
+
+/// The f32 part of the bound of every output (module docs): `tolg = u·(n·mag + 2C·(span + C·α·mag))`.
+fn bound32(c: &Case, mag: &[f64], lo: &[f64], hi: &[f64], ut: f64) -> Vec<f64> {
+    let s = c.s;
+    let n = (s.m + s.d + 2 * s.l + 2 * c.chunk + s.l / c.chunk + 24) as f64;
+    let cc = c.chunk as f64;
+    mag.iter()
+        .zip(lo.iter().zip(hi))
+        .map(|(&m, (&l, &h))| {
+            // −∂mag/∂λ by a central difference (λ = ±1e-3)
+            let span = ((l - h) / 2e-3).max(0.0);
+            U * (n * m + 2.0 * cc * (span + cc * c.alpha * m)) + 4.0 * ut * m
+        })
+        .collect()
+}
+
+/// Checks every element; returns the largest |got − want| / tol.
+fn check(what: &str, c: &Case, got: &[f64], want: &[f64], tolg: &[f64], ut: f64, sub: f64) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = 0f64;
+    for (i, ((&g, &w), &t)) in got.iter().zip(want).zip(tolg).enumerate() {
+        let tol = t + ut * w.abs() + sub;
+        assert!(g.is_finite() && (g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w}, tol {tol:e}: {c:?}");
+        if tol > 0.0 {
+            worst = worst.max((g - w).abs() / tol);
+        }
+    }
+    worst
+}
+
+fn tr<'a, T>(x: &'a [T], shape: &[usize]) -> TensorRef<'a, T> {
+    TensorRef::contiguous(x, shape).expect("input view")
+}
+
+fn to_t<T: Element>(x: &[f64]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f64(v)).collect()
+}
+
+fn to_f64<T: Element>(x: &[T]) -> Vec<f64> {
+    x.iter().map(|&v| v.to_f64()).collect()
+}
+
+/// The kernel's results: (out, final, dq, dk, dv, da, d_initial).
+struct Got {
+    out: Vec<f64>,
+    fin: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    da: Vec<f64>,
+    ds0: Vec<f64>,
+}
+
+/// How the kernel's `[B, H, L, F]` views are stored: contiguous, or as views of `[B, L, H, F]`
+/// buffers (q, k, v of one packed projection: every stride differs from the contiguous one).
+#[derive(Clone, Copy, PartialEq)]
+enum Storage {
+    Contiguous,
+    SeqMajor,
+}
+
+/// The view of a logical `[B, H, L, F]` tensor in `st`, and the buffer holding `x` that way.
+fn stored<T: Copy>(x: &[T], shape: [usize; 4], st: Storage) -> (Vec<T>, mesa_kernels::Layout) {
+    let [b, h, l, f] = shape;
+    match st {
+        Storage::Contiguous => (x.to_vec(), mesa_kernels::Layout::contiguous(&shape)),
+        Storage::SeqMajor => {
+            let mut buf = Vec::with_capacity(x.len());
+            for bi in 0..b {
+                for li in 0..l {
+                    for hi in 0..h {
+                        buf.extend_from_slice(&x[((bi * h + hi) * l + li) * f..][..f]);
+                    }
+                }
+            }
+            let layout = mesa_kernels::Layout::contiguous(&[b, l, h, f]).transpose(1, 2).expect("transpose");
+            (buf, layout)
+        }
+    }
+}
+
+/// The logical `[B, H, L, F]` order of a buffer written through `stored`'s view.
+fn logical<T: Copy>(buf: &[T], shape: [usize; 4], st: Storage) -> Vec<T> {
+    let [b, h, l, f] = shape;
+    match st {
+        Storage::Contiguous => buf.to_vec(),
+        Storage::SeqMajor => {
+            let mut x = Vec::with_capacity(buf.len());
+            for bi in 0..b {
+                for hi in 0..h {
+                    for li in 0..l {
+                        x.extend_from_slice(&buf[((bi * l + li) * h + hi) * f..][..f]);
+                    }
+                }
+            }
+            x
+        }
+    }
+}
+
+fn view<'a, T>(x: &'a [T], l: &mesa_kernels::Layout) -> TensorRef<'a, T> {
+    TensorRef::new(x, l).expect("input view")
+}
+
+fn run<T: Element>(device: &Device, c: &Case, p: &Problem) -> mesa_kernels::Result<Got> {
+    run_stored::<T>(device, c, p, Storage::Contiguous)
+}
+
+fn run_stored<T: Element>(device: &Device, c: &Case, p: &Problem, st: Storage) -> mesa_kernels::Result<Got> {
+    let s = c.s;
+    let w = width(c);
+    let qs = [s.b, s.h, s.l, s.m];
+    let ks = [s.b, s.hkv, s.l, s.m];
+    let vs = [s.b, s.hkv, s.l, s.d];
+    let os = [s.b, s.h, s.l, s.d];
+    let ss = [s.b, s.hkv, s.m, w];
+    let ((q, lq), (k, lk)) = (stored(&to_t::<T>(&p.q), qs, st), stored(&to_t::<T>(&p.k), ks, st));
+    let ((v, lv), (dout, lo)) = (stored(&to_t::<T>(&p.v), vs, st), stored(&to_t::<T>(&p.dout), os, st));
+    let ashape: Vec<usize> = match c.mode {
+        DecayMode::PerStep => vec![s.b, s.hkv, s.l],
+        DecayMode::PerHead => vec![s.hkv],
+    };
+    let (qt, kt, vt) = (view(&q, &lq), view(&k, &lk), view(&v, &lv));
+    let at = tr(&p.a, &ashape);
+    let decay = match c.mode {
+        DecayMode::PerStep => Decay::PerStep(&at),
+        DecayMode::PerHead => Decay::PerHead(&at),
+    };
+    let s0t = p.s0.as_ref().map(|x| tr(x, &ss));
+    let config = GatedConfig { normalize: c.normalize, eps: 1e-6, chunk: c.chunk };
+    // outputs poisoned: every element must be written
+    let nan = T::from_f64(f64::NAN);
+    let (mut out, _) = stored(&vec![nan; os.iter().product()], os, st);
+    let saved = {
+        let mut ot = TensorMut::new(&mut out, &lo)?;
+        forward(device, &config, ForwardArgs { q: &qt, k: &kt, v: &vt, decay, initial: s0t.as_ref(), out: &mut ot })?
+    };
+    let fin = widen(&saved.final_state()?);
+    let (mut dq, mut dk, mut dv) = (vec![nan; q.len()], vec![nan; k.len()], vec![nan; v.len()]);
+    let mut da = vec![f32::NAN; p.a.len()];
+    let mut ds0 = vec![f32::NAN; ss.iter().product()];
+    {
+        let outt = TensorRef::new(&out, &lo)?;
+        let doutt = view(&dout, &lo);
+        let dsft = p.dsf.as_ref().map(|x| tr(x, &ss));
+        let mut dqt = TensorMut::new(&mut dq, &lq)?;
+        let mut dkt = TensorMut::new(&mut dk, &lk)?;
+        let mut dvt = TensorMut::new(&mut dv, &lv)?;
+        let mut dat = TensorMut::contiguous(&mut da, &ashape)?;
+        let mut ds0t = TensorMut::contiguous(&mut ds0, &ss)?;
+        backward(
+            device,
+            &saved,
+            BackwardArgs {
+                q: &qt,
+                k: &kt,
+                v: &vt,
+                decay,
+                initial: s0t.as_ref(),
+                out: Some(&outt),
+                dout: &doutt,
+                d_final: dsft.as_ref(),
+                grads: GatedGrads {
+                    dq: &mut dqt,
+                    dk: &mut dkt,
+                    dv: &mut dvt,
+                    d_decay: &mut dat,
+                    d_initial: Some(&mut ds0t),
+                },
+            },
+        )?;
+    }
+    Ok(Got {
+        out: to_f64(&logical(&out, os, st)),
+        fin,
+        dq: to_f64(&logical(&dq, qs, st)),
+        dk: to_f64(&logical(&dk, ks, st)),
+        dv: to_f64(&logical(&dv, vs, st)),
+        da: widen(&da),
+        ds0: widen(&ds0),
+    })
+}
+
+/// The da bound (module docs), from the dq and dk bounds and magnitudes.
+#[allow(clippy::too_many_arguments)]
+fn da_bound(c: &Case, p: &Problem, r: &Ref, m0: &Mag, tdq: &[f64], tdk: &[f64], tfin: &[f64]) -> Vec<f64> {
+    let s = c.s;
+    let (l, mm, w) = (s.l, s.m, width(c));
+    let g = s.h / s.hkv;
+    // each row's x_t = Σ_h q_t·dq_t − k_t·dk_t: a dot over M, the group's sum, a subtraction
+    let dot = (mm + g + 4) as f64 * U;
+    let mut per_step = vec![0.0; s.b * s.hkv * l];
+    for b in 0..s.b {
+        for kh in 0..s.hkv {
+            let kv = b * s.hkv + kh;
+            // ⟨dS, S_final⟩
+            let mut acc = 0.0;
+            if let Some(dsf) = &p.dsf {
+                for e in 0..mm * w {
+                    let (x, sf) = (f64::from(dsf[kv * mm * w + e]).abs(), m0.fin[kv * mm * w + e]);
+                    acc += x * (tfin[kv * mm * w + e] + (mm * w + 4) as f64 * U * sf);
+                }
+            }
+            // the suffix sum's own roundings: u·|partial sum| per step — the reference's |da|
+            // per step, or (per-head decay, whose per-step da the reference does not give) the
+            // terms' magnitudes
+            let (mut partials, mut terms) = (0.0, 0.0);
+            for t in (0..l).rev() {
+                let (mut x, mut xm) = (0.0, 0.0);
+                for hq in kh * g..(kh + 1) * g {
+                    let row = (b * s.h + hq) * l + t;
+                    for i in 0..mm {
+                        x += p.q[row * mm + i].abs() * (tdq[row * mm + i] + dot * m0.dq[row * mm + i]);
+                        xm += p.q[row * mm + i].abs() * m0.dq[row * mm + i];
+                    }
+                }
+                let row = kv * l + t;
+                for i in 0..mm {
+                    x += p.k[row * mm + i].abs() * (tdk[row * mm + i] + dot * m0.dk[row * mm + i]);
+                    xm += p.k[row * mm + i].abs() * m0.dk[row * mm + i];
+                }
+                acc += x;
+                terms += xm;
+                partials += match c.mode {
+                    DecayMode::PerStep => r.g.da[row].abs(),
+                    DecayMode::PerHead => terms,
+                };
+                per_step[row] = acc + U * partials;
+            }
+        }
+    }
+    match c.mode {
+        DecayMode::PerStep => per_step,
+        DecayMode::PerHead => (0..s.hkv)
+            .map(|kh| {
+                let rows = (0..s.b).flat_map(|b| (0..l).map(move |t| (b * s.hkv + kh) * l + t));
+                let (t, a): (f64, f64) = rows.fold((0.0, 0.0), |(t, a), row| (t + per_step[row], a + per_step[row]));
+                t + (s.b * l) as f64 * U * a
+            })
+            .collect(),
+    }
+}
+
+fn parity<T: Element>(device: &Device, c: &Case, rng: &mut StdRng) {
+    let p = make::<T>(c, rng);
+    let r = reference(c, &p);
+    let got = run::<T>(device, c, &p).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let ut = common::unit_roundoff(T::DTYPE);
+    let sub = common::subnormal_spacing(T::DTYPE);
+    let (m0, lo, hi) = (magnitudes(c, &p, &r, 0.0), magnitudes(c, &p, &r, -1e-3), magnitudes(c, &p, &r, 1e-3));
+    // the backward reads `out` rounded to T only when normalised (dden)
+    let ut16 = if T::DTYPE == DType::F32 || !c.normalize { 0.0 } else { ut };
+    let tout = bound32(c, &m0.out, &lo.out, &hi.out, 0.0);
+    let tfin = bound32(c, &m0.fin, &lo.fin, &hi.fin, 0.0);
+    let tdq = bound32(c, &m0.dq, &lo.dq, &hi.dq, ut16);
+    let tdk = bound32(c, &m0.dk, &lo.dk, &hi.dk, ut16);
+    let tdv = bound32(c, &m0.dv, &lo.dv, &hi.dv, ut16);
+    let tda = da_bound(c, &p, &r, &m0, &tdq, &tdk, &tfin);
+    // d_initial: the reverse chain of dS, bounded as the other outputs
+    let tds0 = bound32(c, &m0.ds0, &lo.ds0, &hi.ds0, ut16);
+    let worst = [
+        check("out", c, &got.out, &r.out, &tout, ut, sub),
+        check("final state", c, &got.fin, &r.fin, &tfin, 0.0, 0.0),
+        check("dq", c, &got.dq, &r.g.dq, &tdq, ut, sub),
+        check("dk", c, &got.dk, &r.g.dk, &tdk, ut, sub),
+        check("dv", c, &got.dv, &r.g.dv, &tdv, ut, sub),
+        check("da", c, &got.da, &r.g.da, &tda, 0.0, 0.0),
+        check("d_initial", c, &got.ds0, &r.g.d_initial, &tds0, 0.0, 0.0),
+    ];
+    let ratios: Vec<String> = worst.iter().map(|x| format!("{x:.1e}")).collect();
+    eprintln!(
+        "{} {:?} C={} normalize={} {:?}: error / bound (out, final, dq, dk, dv, da, d_initial) = {}",
+        T::DTYPE.name(),
+        c.s,
+        c.chunk,
+        c.normalize,
+        c.mode,
+        ratios.join(" ")
+    );
+}
+
+fn base(s: Shape, chunk: usize) -> Case {
+    Case {
+        s,
+        chunk,
+        normalize: false,
+        mode: DecayMode::PerStep,
+        alpha: 1.0,
+        initial: true,
+        d_final: true,
+        resets: Vec::new(),
+    }
+}
+
+fn sh(b: usize, h: usize, hkv: usize, l: usize, m: usize, d: usize) -> Shape {
+    Shape { b, h, hkv, l, m, d }
+}
+
+#[test]
+fn matches_the_reference_f32() {
+    let mut rng = common::rng("gated matches_the_reference_f32");
+    let cases = vec![
+        base(sh(1, 1, 1, 1, 3, 2), 1),   // L = 1
+        base(sh(2, 4, 4, 37, 5, 3), 7),  // odd L and chunk, GQA ratio 1
+        base(sh(1, 8, 2, 45, 4, 5), 16), // GQA ratio 4
+        base(sh(2, 3, 1, 21, 6, 4), 5),  // multi-query
+        base(sh(1, 2, 1, 70, 3, 3), 64), // a full chunk and a tail
+        Case { normalize: true, ..base(sh(2, 4, 2, 29, 4, 3), 9) },
+        Case { mode: DecayMode::PerHead, ..base(sh(2, 4, 2, 33, 4, 3), 8) },
+        Case { mode: DecayMode::PerHead, normalize: true, ..base(sh(1, 3, 3, 19, 3, 2), 4) },
+        Case { initial: false, d_final: false, ..base(sh(1, 2, 2, 26, 4, 4), 13) },
+        Case { initial: false, d_final: true, normalize: true, ..base(sh(1, 4, 1, 17, 3, 3), 3) },
+    ];
+    for device in common::backends() {
+        for c in &cases {
+            parity::<f32>(&device, c, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn matches_the_reference_f16_bf16() {
+    let mut rng = common::rng("gated matches_the_reference_f16_bf16");
+    let cases = vec![
+        base(sh(1, 4, 1, 23, 4, 3), 6),
+        Case { normalize: true, ..base(sh(2, 2, 2, 19, 3, 4), 5) },
+        Case { mode: DecayMode::PerHead, ..base(sh(1, 4, 2, 17, 4, 2), 8) },
+    ];
+    for device in common::backends() {
+        for c in &cases {
+            parity::<f16>(&device, c, &mut rng);
+            parity::<bf16>(&device, c, &mut rng);
+        }
+    }
+}
+
+/// a = −∞ resets the state: at row 0, inside a chunk, on a chunk boundary, twice in a row, at
+/// the last row, and a per-head rate of −∞ (every step a reset). No NaN, reference parity
+/// (whose weights across a reset are exactly 0).
+#[test]
+fn resets_without_nan() {
+    let mut rng = common::rng("gated resets_without_nan");
+    let s = sh(2, 4, 2, 30, 4, 3);
+    let resets = vec![(0, 0, 0), (0, 0, 5), (0, 1, 8), (0, 1, 9), (1, 0, 16), (1, 1, 29), (1, 0, 23)];
+    let cases = vec![
+        Case { resets: resets.clone(), ..base(s, 8) },
+        Case { resets: resets.clone(), normalize: true, ..base(s, 7) },
+        Case { mode: DecayMode::PerHead, resets: vec![(0, 1, 0)], ..base(s, 8) },
+    ];
+    for device in common::backends() {
+        for c in &cases {
+            parity::<f32>(&device, c, &mut rng);
+        }
+    }
+}
+
+/// A long sequence of strongly decaying steps (|a| up to 4: the state forgets in a few steps),
+/// L in the thousands, full chunks of 64: the log-space differences' error stays within the
+/// header's bound.
+#[test]
+fn long_sequence_strong_decay() {
+    let mut rng = common::rng("gated long_sequence_strong_decay");
+    let c = Case { alpha: 4.0, ..base(sh(1, 2, 1, 2000, 4, 4), 64) };
+    let device = common::emulator();
+    parity::<f32>(&device, &c, &mut rng);
+}
+
+/// a = 0 against the ungated kernel (`linear_attention`, H_kv = H): not bitwise — the two sum
+/// in different orders (the ungated kernel tiles 32 columns, scans chunk sums, and runs f16/bf16
+/// on tensor cores with split bf16 pairs) — but within the sum of the two bounds: each is
+/// within its own derived bound of the same f64 value.
+#[test]
+fn zero_decay_matches_the_ungated_kernel() {
+    let mut rng = common::rng("gated zero_decay_matches_the_ungated_kernel");
+    let device = common::emulator();
+    for normalize in [false, true] {
+        let mut c = base(sh(2, 3, 3, 41, 5, 4), 16);
+        c.normalize = normalize;
+        c.alpha = 0.0;
+        c.initial = false;
+        c.d_final = false;
+        let mut p = make::<f32>(&c, &mut rng);
+        p.a.iter_mut().for_each(|x| *x = 0.0);
+        let got = run::<f32>(&device, &c, &p).expect("gated");
+        let s = c.s;
+        let (q, k, v, dout) = (to_t::<f32>(&p.q), to_t::<f32>(&p.k), to_t::<f32>(&p.v), to_t::<f32>(&p.dout));
+        let qs = [s.b, s.h, s.l, s.m];
+        let vs = [s.b, s.h, s.l, s.d];
+        let config =
+            la::LinearAttentionConfig { normalize, eps: 1e-6, chunk: 16, ..la::LinearAttentionConfig::causal() };
+        let mut out = vec![0f32; q.len() / s.m * s.d];
+        let (qt, kt, vt) = (tr(&q, &qs), tr(&k, &qs), tr(&v, &vs));
+        let saved = {
+            let mut ot = TensorMut::contiguous(&mut out, &vs).expect("view");
+            la::forward(&device, &config, la::ForwardArgs { q: &qt, k: &kt, v: &vt, out: &mut ot }).expect("ungated")
+        };
+        let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+        {
+            let (ot, dt) = (tr(&out, &vs), tr(&dout, &vs));
+            let mut dqt = TensorMut::contiguous(&mut dq, &qs).expect("view");
+            let mut dkt = TensorMut::contiguous(&mut dk, &qs).expect("view");
+            let mut dvt = TensorMut::contiguous(&mut dv, &vs).expect("view");
+            la::backward(
+                &device,
+                &saved,
+                la::BackwardArgs {
+                    q: &qt,
+                    k: &kt,
+                    v: &vt,
+                    out: Some(&ot),
+                    dout: &dt,
+                    grads: la::Grads { dq: &mut dqt, dk: &mut dkt, dv: &mut dvt },
+                },
+            )
+            .expect("ungated backward");
+        }
+        let r = reference(&c, &p);
+        let (m0, lo, hi) = (magnitudes(&c, &p, &r, 0.0), magnitudes(&c, &p, &r, -1e-3), magnitudes(&c, &p, &r, 1e-3));
+        let pairs: [Compared<'_>; 4] = [
+            ("out", &got.out, out, &m0.out, &lo.out, &hi.out),
+            ("dq", &got.dq, dq, &m0.dq, &lo.dq, &hi.dq),
+            ("dk", &got.dk, dk, &m0.dk, &lo.dk, &hi.dk),
+            ("dv", &got.dv, dv, &m0.dv, &lo.dv, &hi.dv),
+        ];
+        let mut worst = 0f64;
+        for (what, gated, ungated, m, l, h) in pairs {
+            let tol = bound32(&c, m, l, h, 0.0);
+            for (i, ((&g, &u), &t)) in gated.iter().zip(&ungated).zip(&tol).enumerate() {
+                let diff = (g - f64::from(u)).abs();
+                assert!(
+                    diff <= 2.0 * t,
+                    "{what}[{i}] (normalize {normalize}): gated {g}, ungated {u}, bound {:e}",
+                    2.0 * t
+                );
+                worst = worst.max(diff / m[i].max(f64::MIN_POSITIVE));
+            }
+        }
+        eprintln!("a = 0, normalize {normalize}: largest |gated − ungated| / mag = {worst:e}");
+    }
+}
+
+/// (name, gated, ungated, mag, mag at λ = −1e-3, mag at λ = 1e-3)
+type Compared<'a> = (&'static str, &'a [f64], Vec<f32>, &'a [f64], &'a [f64], &'a [f64]);
+
+/// Views of `[B, L, H, ·]` buffers (strides (L·H·F, F, H·F, 1)) give bit for bit the results of
+/// contiguous ones: the kernel's arithmetic does not depend on the strides. Also L = 0 (the
+/// final state is the initial one, d_initial is d_final, da is 0).
+#[test]
+fn strided_views_and_empty_sequences() {
+    let mut rng = common::rng("gated strided_views_and_empty_sequences");
+    let device = common::emulator();
+    for c in [
+        Case { normalize: true, ..base(sh(2, 4, 2, 19, 3, 4), 5) },
+        Case { mode: DecayMode::PerHead, ..base(sh(1, 3, 1, 11, 4, 2), 4) },
+    ] {
+        let p = make::<bf16>(&c, &mut rng);
+        let a = run_stored::<bf16>(&device, &c, &p, Storage::Contiguous).expect("contiguous");
+        let b = run_stored::<bf16>(&device, &c, &p, Storage::SeqMajor).expect("strided");
+        let pairs = [(&a.out, &b.out), (&a.fin, &b.fin), (&a.dq, &b.dq), (&a.dk, &b.dk), (&a.dv, &b.dv)];
+        for (x, y) in pairs.into_iter().chain([(&a.da, &b.da), (&a.ds0, &b.ds0)]) {
+            assert!(x.iter().zip(y.iter()).all(|(u, v)| u.to_bits() == v.to_bits()), "{c:?}");
+        }
+    }
+    for mode in [DecayMode::PerStep, DecayMode::PerHead] {
+        let c = Case { mode, normalize: true, ..base(sh(2, 2, 1, 0, 3, 2), 4) };
+        parity::<f32>(&device, &c, &mut rng);
+    }
+}
+
+fn is_invalid(name: &'static str) -> impl Fn(&Error) -> bool {
+    move |e| matches!(e, Error::InvalidArgument { name: n, .. } if n == name)
+}
+
+/// Every bad input is a typed error before any launch.
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let device = common::emulator();
+    let (b, h, hkv, l, m, d) = (1, 4, 2, 5, 3, 2);
+    let q = vec![0f32; b * h * l * m];
+    let k = vec![0f32; b * hkv * l * m];
+    let v = vec![0f32; b * hkv * l * d];
+    let a = vec![0f32; b * hkv * l];
+    let (qt, kt, vt, at) =
+        (tr(&q, &[b, h, l, m]), tr(&k, &[b, hkv, l, m]), tr(&v, &[b, hkv, l, d]), tr(&a, &[b, hkv, l]));
+    let mut out = vec![0f32; b * h * l * d];
+    let fwd = |config: GatedConfig,
+               k: &TensorRef<'_, f32>,
+               v: &TensorRef<'_, f32>,
+               decay: Decay<'_, '_>,
+               out: &mut [f32],
+               oshape: &[usize]| {
+        let mut ot = TensorMut::contiguous(out, oshape).expect("view");
+        forward(&device, &config, ForwardArgs { q: &qt, k, v, decay, initial: None, out: &mut ot }).map(|_| ())
+    };
+    let good = GatedConfig::default();
+    let os = [b, h, l, d];
+    for chunk in [0, MAX_CHUNK + 1] {
+        let e = fwd(GatedConfig { chunk, ..good }, &kt, &vt, Decay::PerStep(&at), &mut out, &os).unwrap_err();
+        assert!(is_invalid("chunk")(&e), "{e}");
+    }
+    let e = fwd(GatedConfig { normalize: true, eps: 0.0, ..good }, &kt, &vt, Decay::PerStep(&at), &mut out, &os)
+        .unwrap_err();
+    assert!(is_invalid("eps")(&e), "{e}");
+    // H_kv = 3 does not divide H = 4
+    let k3 = vec![0f32; b * 3 * l * m];
+    let v3 = vec![0f32; b * 3 * l * d];
+    let e =
+        fwd(good, &tr(&k3, &[b, 3, l, m]), &tr(&v3, &[b, 3, l, d]), Decay::PerStep(&at), &mut out, &os).unwrap_err();
+    assert!(is_invalid("kv_heads")(&e), "{e}");
+    // v with another length, the decay of the wrong shape, out of the wrong shape
+    let e =
+        fwd(good, &kt, &tr(&v[..b * hkv * 4 * d], &[b, hkv, 4, d]), Decay::PerStep(&at), &mut out, &os).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    let e = fwd(good, &kt, &vt, Decay::PerHead(&at), &mut out, &os).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    let e = fwd(good, &kt, &vt, Decay::PerStep(&at), &mut out[..b * h * l * (d - 1)], &[b, h, l, d - 1]).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    // q of rank 3
+    let e = {
+        let q3 = tr(&q, &[b * h, l, m]);
+        let mut ot = TensorMut::contiguous(&mut out, &os).expect("view");
+        forward(
+            &device,
+            &good,
+            ForwardArgs { q: &q3, k: &kt, v: &vt, decay: Decay::PerStep(&at), initial: None, out: &mut ot },
+        )
+        .unwrap_err()
+    };
+    assert!(matches!(e, Error::InvalidLayout { .. }), "{e}");
+    // out over v (views of one host buffer: on the emulator a raw slice is a host address)
+    let mut vo = vec![0f32; b * h * l * d];
+    // SAFETY: `vo` outlives both views and the (synchronous) emulated call.
+    let raw = unsafe { RawDeviceSlice::<f32>::new(vo.as_mut_ptr() as u64, vo.len()) };
+    let mut raw_out = raw;
+    let e = {
+        let vview = TensorRef::contiguous(&raw, &[b, hkv, l, d]).expect("view");
+        let mut ot = TensorMut::contiguous(&mut raw_out, &os).expect("view");
+        forward(
+            &device,
+            &good,
+            ForwardArgs { q: &qt, k: &kt, v: &vview, decay: Decay::PerStep(&at), initial: None, out: &mut ot },
+        )
+        .unwrap_err()
+    };
+    assert!(matches!(e, Error::Aliasing { first: "v", second: "out" }), "{e}");
+    // a state of the wrong shape
+    let s0 = vec![0f32; b * hkv * m * (d + 1)];
+    let e = {
+        let s0t = tr(&s0, &[b, hkv, m, d + 1]);
+        let mut ot = TensorMut::contiguous(&mut out, &os).expect("view");
+        forward(
+            &device,
+            &good,
+            ForwardArgs { q: &qt, k: &kt, v: &vt, decay: Decay::PerStep(&at), initial: Some(&s0t), out: &mut ot },
+        )
+        .unwrap_err()
+    };
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    // the backward: a normalised forward without an initial state, then calls that disagree
+    let config = GatedConfig { normalize: true, ..good };
+    let saved = {
+        let mut ot = TensorMut::contiguous(&mut out, &os).expect("view");
+        forward(
+            &device,
+            &config,
+            ForwardArgs { q: &qt, k: &kt, v: &vt, decay: Decay::PerStep(&at), initial: None, out: &mut ot },
+        )
+        .expect("forward")
+    };
+    let ah = vec![0f32; hkv];
+    let aht = tr(&ah, &[hkv]);
+    let s0 = vec![0f32; b * hkv * m * (d + 1)];
+    let s0t = tr(&s0, &[b, hkv, m, d + 1]);
+    let ot = tr(&out, &os);
+    let bwd = |decay: Decay<'_, '_>,
+               initial: Option<&TensorRef<'_, f32>>,
+               out: Option<&TensorRef<'_, f32>>,
+               da_len: usize| {
+        let (mut dq, mut dk, mut dv) = (vec![0f32; q.len()], vec![0f32; k.len()], vec![0f32; v.len()]);
+        let mut da = vec![0f32; da_len];
+        let mut dqt = TensorMut::contiguous(&mut dq, &[b, h, l, m]).expect("view");
+        let mut dkt = TensorMut::contiguous(&mut dk, &[b, hkv, l, m]).expect("view");
+        let mut dvt = TensorMut::contiguous(&mut dv, &[b, hkv, l, d]).expect("view");
+        let dashape: Vec<usize> = if da_len == hkv { vec![hkv] } else { vec![b, hkv, da_len / (b * hkv)] };
+        let mut dat = TensorMut::contiguous(&mut da, &dashape).expect("view");
+        backward(
+            &device,
+            &saved,
+            BackwardArgs {
+                q: &qt,
+                k: &kt,
+                v: &vt,
+                decay,
+                initial,
+                out,
+                dout: &ot,
+                d_final: None,
+                grads: GatedGrads { dq: &mut dqt, dk: &mut dkt, dv: &mut dvt, d_decay: &mut dat, d_initial: None },
+            },
+        )
+    };
+    let n = b * hkv * l;
+    bwd(Decay::PerStep(&at), None, Some(&ot), n).expect("a valid backward");
+    let e = bwd(Decay::PerHead(&aht), None, Some(&ot), hkv).unwrap_err();
+    assert!(is_invalid("decay")(&e), "{e}");
+    let e = bwd(Decay::PerStep(&at), Some(&s0t), Some(&ot), n).unwrap_err();
+    assert!(is_invalid("initial_state")(&e), "{e}");
+    let e = bwd(Decay::PerStep(&at), None, None, n).unwrap_err();
+    assert!(is_invalid("out")(&e), "{e}");
+    let e = bwd(Decay::PerStep(&at), None, Some(&ot), b * hkv * (l + 1)).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+}
