@@ -137,7 +137,7 @@ impl fmt::Display for Error {
             Error::UnsupportedDType { op, dtype } => {
                 write!(
                     f,
-                    "{op}: dtype {dtype:?} is not supported (ops: f32, f16, bf16, f64 computed in f32; layer: f32)"
+                    "{op}: dtype {dtype:?} is not supported (ops: f32, f16, bf16, f64 computed in f32; layer: f32, f16, bf16)"
                 )
             }
             Error::DTypeMismatch { op, what, of, expected, got } => {

@@ -514,6 +514,9 @@ fn llama_checkpoint_names_load_and_bad_llama_configurations_are_typed_errors() {
             "mlp.down_proj.weight"
         ]
     );
+    // sizes whose parameter count overflows are an error, never a wrap or a panic
+    let e = mesa_candle::layer::ParamLayout::llama(1 << 62, 1, 1, 2).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { name: "hidden", .. }), "{e}");
     let prefix = "model.layers.7.";
     let mut map: std::collections::HashMap<String, Tensor> = layer
         .layout()
@@ -547,6 +550,7 @@ fn llama_checkpoint_names_load_and_bad_llama_configurations_are_typed_errors() {
     let bad_base = with_rope(rope);
     let la = Attention::Linear { config: LinearAttentionConfig::causal(), map: FeatureKind::Elu1 };
     for (bad, field) in [
+        (LayerConfig::llama(1 << 33, 8, 1, 1 << 33), "hidden"),
         (LayerConfig::llama(16, 4, 3, 32), "kv_heads"),
         (LayerConfig::llama(16, 4, 0, 32), "kv_heads"),
         (LayerConfig { norm: NormPlacement::Post, ..cfg.clone() }, "norm"),

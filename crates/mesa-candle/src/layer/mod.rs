@@ -317,8 +317,8 @@ impl LayerConfig {
     /// A Llama block ([`LlamaBlock`]) of width `hidden`, `heads` query heads and `kv_heads`
     /// K/V heads, SwiGLU width `ffn`: causal softmax attention, RoPE with base 10 000 over
     /// the two halves, RMSNorm ε 1e-5, 8-bit codes with exact statistics, no recomputation,
-    /// no dropout (Llama 2's settings; set `rope.base` to 500 000 and `eps` to 1e-5 for
-    /// Llama 3, 1e-6 for Llama 2 7B's checkpoint).
+    /// no dropout (Llama 2's settings; Llama 3's base is 500 000; a checkpoint's
+    /// `rms_norm_eps` and `rope_theta` are in its `config.json`).
     #[must_use]
     pub fn llama(hidden: usize, heads: usize, kv_heads: usize, ffn: usize) -> Self {
         LayerConfig {
@@ -369,6 +369,16 @@ impl LayerConfig {
         if !(self.eps > 0.0 && self.eps.is_finite()) {
             return bad("eps", format!("must be positive and finite, got {}", self.eps));
         }
+        // the parameter count (GPT: 4C² + 2CF + 9C + F; Llama: 2C² + 2C·H_kv·d + 3CF + 2C,
+        // both below 4C² + 3CF + 9C + F) and its bytes fit in usize
+        let (c, f) = (self.hidden, self.ffn);
+        let count = c.checked_mul(c).and_then(|c2| c2.checked_mul(4)).and_then(|a| {
+            let cf = c.checked_mul(f)?.checked_mul(3)?;
+            a.checked_add(cf)?.checked_add(c.checked_mul(9)?)?.checked_add(f)?.checked_mul(4)
+        });
+        if count.is_none() {
+            return bad("hidden", format!("hidden {c} and ffn {f}: the parameters' bytes overflow usize"));
+        }
         if !matches!(self.param_dtype, DType::F32 | DType::F16 | DType::BF16) {
             return bad("param_dtype", format!("{:?} (supported: F32, F16, BF16)", self.param_dtype));
         }
@@ -414,7 +424,8 @@ impl LayerConfig {
     }
 }
 
-/// A transformer layer whose parameters are one flat f32 variable with named views
+/// A transformer layer whose parameters are one flat variable (f32, or the 16-bit
+/// [`LayerConfig::param_dtype`]) with named views
 /// ([`ParamLayout`]); its forward is one node of candle's graph (module docs).
 #[derive(Debug)]
 pub struct TransformerLayer {
@@ -489,6 +500,11 @@ impl TransformerLayer {
 
     fn sharded_inner(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         config.validate()?;
+        if config.param_dtype != DType::F32 {
+            // its forward takes f32 inputs only (the 16-bit path over ranks is not tested)
+            let op = "sharded transformer layer (f32 only)";
+            return Err(Error::UnsupportedDType { op, dtype: config.param_dtype }.into());
+        }
         let t = comm.world_size();
         if t == 0 || config.heads % t != 0 || config.ffn % t != 0 {
             return Err(Error::InvalidArgument {
@@ -521,7 +537,8 @@ impl TransformerLayer {
         &self.layout
     }
 
-    /// The flat parameter variable `[total]` (f32): hand it to an optimiser; its gradient is
+    /// The flat parameter variable `[total]` ([`LayerConfig::param_dtype`]): hand it to an
+    /// optimiser; its gradient is
     /// flat too ([`ParamLayout::unflatten`] names the pieces).
     #[must_use]
     pub fn params(&self) -> &Var {

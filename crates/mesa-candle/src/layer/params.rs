@@ -1,4 +1,5 @@
-//! The layer's parameters: one flat f32 tensor with named views in a fixed order.
+//! The layer's parameters: one flat tensor (the layer's `param_dtype`) with named views in a
+//! fixed order.
 use std::collections::HashMap;
 
 use candle_core::{DType, Tensor, Var};
@@ -130,7 +131,7 @@ impl ParamLayout {
             });
         }
         let (c, f, kv) = (hidden, ffn, kv_heads * (hidden / heads));
-        let mut layout = ParamLayout::from_list(vec![
+        let mut layout = ParamLayout::from_list_checked(vec![
             ("input_layernorm.weight", vec![c]),
             ("self_attn.q_proj.weight", vec![c, c]),
             ("self_attn.k_proj.weight", vec![kv, c]),
@@ -140,7 +141,7 @@ impl ParamLayout {
             ("mlp.gate_proj.weight", vec![f, c]),
             ("mlp.up_proj.weight", vec![f, c]),
             ("mlp.down_proj.weight", vec![c, f]),
-        ]);
+        ])?;
         layout.llama = Some((heads, kv_heads, 1));
         Ok(layout)
     }
@@ -173,7 +174,7 @@ impl ParamLayout {
         }
         let (c, f, d) = (hidden, ffn, hidden / heads);
         let kv = (kv_heads / t).max(1) * d;
-        let mut layout = ParamLayout::from_list(vec![
+        let mut layout = ParamLayout::from_list_checked(vec![
             ("input_layernorm.weight", vec![c]),
             ("self_attn.q_proj.weight", vec![c / t, c]),
             ("self_attn.k_proj.weight", vec![kv, c]),
@@ -183,7 +184,7 @@ impl ParamLayout {
             ("mlp.gate_proj.weight", vec![f / t, c]),
             ("mlp.up_proj.weight", vec![f / t, c]),
             ("mlp.down_proj.weight", vec![c, f / t]),
-        ]);
+        ])?;
         layout.llama = Some((heads, kv_heads, t));
         Ok(layout)
     }
@@ -251,6 +252,20 @@ impl ParamLayout {
         match config.block {
             super::Block::Gpt => Ok(ParamLayout::new(config.hidden, config.ffn)),
             super::Block::Llama(l) => ParamLayout::llama(config.hidden, config.heads, l.kv_heads, config.ffn),
+        }
+    }
+
+    /// [`ParamLayout::from_list`] with every element count and offset checked.
+    fn from_list_checked(specs: Vec<(&'static str, Vec<usize>)>) -> Result<Self, Error> {
+        let total = specs.iter().try_fold(0usize, |acc, (_, shape)| {
+            shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).and_then(|n| acc.checked_add(n))
+        });
+        match total {
+            Some(_) => Ok(ParamLayout::from_list(specs)),
+            None => Err(Error::InvalidArgument {
+                name: "hidden",
+                why: "the layer's parameter count overflows usize".into(),
+            }),
         }
     }
 

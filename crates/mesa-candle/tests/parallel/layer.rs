@@ -268,6 +268,11 @@ fn a_rank_with_the_wrong_rows_fails_every_rank() {
         as_mesa_error(out[0].as_ref().unwrap_err()),
         Some(Error::Collective { fault: Fault::PeerFailed { rank: 1 }, .. })
     ));
+    // 16-bit parameters on ranks are refused when the layer is made (its forward is f32 only)
+    let bf16 = LayerConfig { param_dtype: DType::BF16, ..config.clone() };
+    let ranks = thread_group(2, Duration::from_secs(30)).unwrap();
+    let e = TransformerLayer::sharded(bf16, &full, Arc::new(ranks[0].clone())).unwrap_err();
+    assert!(matches!(as_mesa_error(&e), Some(Error::UnsupportedDType { .. })), "{e}");
     // and a t that does not divide the heads is refused before any collective
     let ranks = thread_group(3, Duration::from_secs(30)).unwrap();
     let e = TransformerLayer::sharded(config.clone(), &full, Arc::new(ranks[0].clone())).unwrap_err();
