@@ -162,9 +162,13 @@ fn region_bookkeeping_matches_the_planner() {
             .alive_after_forward
         };
         let _ = run();
+        // the least of three readings: the counter sees every thread of the process, and one
+        // CI run (2026-12-07, 2 loaded cores) read 892 bytes more once, not reproduced in 11
+        // runs since; the region's own bookkeeping is the same every time
+        let alive = (0..3).map(|_| run()).min().unwrap_or(0);
         // the output's data; its header is in the region's bookkeeping. The closure's Vec of
         // k handles (8 + 24 + 8k... bytes: its buffer) is the caller's capture: subtracted.
-        let measured = run() as i64 - (2 * 64 * 64 * 4) as i64 - (8 * k) as i64;
+        let measured = alive as i64 - (2 * 64 * 64 * 4) as i64 - (8 * k) as i64;
         let planned = mesa_candle::plan::region_state_bytes(k) as i64;
         eprintln!("{k} parameters: {measured} bytes of bookkeeping, planned {planned}");
         assert!((measured - planned).abs() <= 32, "{k} parameters: measured {measured}, planned {planned}");
