@@ -418,8 +418,13 @@ mod tests {
         // a layer count that fits u64 but no machine: answered at once (no per-layer loop)
         let deep = training_step(&good, &TrainingShape { layers: 1 << 40, ..shape }).unwrap();
         assert!(deep.total.total > 1 << 50);
+        // a layer whose parameters' bytes overflow usize is refused by the config itself
         let wide = LayerConfig::new(1 << 31, 1, 1 << 31);
         let e = training_step(&wide, &shape).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { name: "hidden", .. }), "{e}");
+        // one that fits usize but whose step overflows the planner's u64 counts: TooLarge
+        let wide = LayerConfig::new(1 << 28, 1, 1 << 28);
+        let e = training_step(&wide, &TrainingShape { batch: 1 << 40, ..shape }).unwrap_err();
         assert!(matches!(e, Error::Kernel(mesa_kernels::Error::TooLarge { .. })), "{e}");
     }
 

@@ -711,7 +711,7 @@ fn errors_display_their_one_line_message() {
         ),
         (
             Gelu::erf().forward(&z(&[3], DType::U8)).unwrap_err(),
-            "gelu: dtype U8 is not supported (ops: f32, f16, bf16, f64 computed in f32; layer: f32)",
+            "gelu: dtype U8 is not supported (ops: f32, f16, bf16, f64 computed in f32; layer: f32, f16, bf16)",
             |e| matches!(e, Error::UnsupportedDType { op: "gelu", dtype: DType::U8 }),
         ),
     ];
