@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
       });
       __syncthreads();
       if (!rows) continue;
-#pragma unroll
+#pragma unroll 1
       for (int kk = 0; kk < kGlaTile / 16; ++kk) {
         FragA qh, ql;
         wmma::load_matrix_sync(qh, tl.x.ab.a.hi + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
