@@ -204,249 +204,6 @@ __global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaF
 }
 
 // ---------------------------------------------------------------------------------------
-// Forward on tensor cores (f16, bf16: kTensorCores<T>). The same chunk recurrence as
-// gla_forward_kernel, its products as 16x16x16 bf16 MMAs with f32 accumulators over split
-// pairs (split_mma.cuh): a 16-bit input is exact in hi (+ lo for f16), an f32 value (P, the
-// state, the weighted rows) within 2^-18 relative, so each term of a product is off by at
-// most 3·2^-18 of its magnitude and a term that passes two products (P then P V', the
-// state then Q~ S) by 6·2^-18. The chunk is padded to 64 rows with zeros (any C <= 64):
-//   P   = Q_c K_c^T                   (MMA; then W ∘ P and the mask in f32, split)
-//   O   = Q~_c S + P V'_c             Q~_t = e_t q_t (f32, split); S the f32 state, split
-//   S  <- e_end S + K~_c^T V'_c       K~_s = w_{end,s} k_s (f32, split); e_end S in f32
-// The denominators stay scalar f32 (as gla_forward_kernel): g_t = e_t q_t . z + sum_s P_ts.
-// Per block (4 warps): warp w owns row block w of P (column blocks 0..w; those above the
-// diagonal are never computed) and of O (64 x 32 per value tile: 2 blocks); U = K~^T V' (32 x
-// 32 per feature and value tile) is 2 x 2 blocks, one per warp. Operand tiles are row-major
-// [row][column] pairs in shared memory; K^T is K's tile read column-major.
-// Not like gla_forward_kernel: a non-finite v_s reaches, through the masked zeros of its
-// diagonal 16 x 16 block, the rows t < s of that block (the scalar kernel sums s <= t only).
-constexpr int kGlaTile = 32;             // features (of M) and value columns (of D, W) per tile
-constexpr int kGlaLdR = kGlaTile + 8;    // row tiles [64][32]: Q, K, Q~, K~, V' (bf16 pairs)
-constexpr int kGlaLdS = kGlaTile + 8;    // the state tile [32][32] (bf16 pair)
-constexpr int kGlaLdP = kGlaChunk + 8;   // W ∘ P [64][64] (bf16 pair)
-constexpr int kGlaLdPf = kGlaChunk + 4;  // P as accumulated [64][64] (f32)
-constexpr int kGlaLdO = kGlaTile + 4;    // O [64][32] and U [32][32] staged (f32)
-constexpr int kGlaWarps = kGlaThreads / kWarpSize;
-static_assert(kGlaWarps * 16 == kGlaChunk, "one 16-row block of the chunk per warp");
-
-// 38 912 bytes; each union's members are used in phases separated by block barriers.
-struct GlaTcTiles {
-  union alignas(32) {
-    struct {
-      SplitTile<kGlaChunk, kGlaLdR> a, b;
-    } ab;  // Q, K (scores); K~, V' (state update)
-    struct {
-      SplitTile<kGlaChunk, kGlaLdR> a;
-      SplitTile<kGlaTile, kGlaLdS> s;
-    } as;                                 // Q~, S (inter)
-    SplitTile<kGlaChunk, kGlaLdR> v;      // V' (intra)
-    float pf[kGlaChunk * kGlaLdPf];       // P as accumulated
-    float o[kGlaChunk * kGlaLdO];         // O before its global write
-  } x;
-  union alignas(32) {
-    SplitTile<kGlaChunk, kGlaLdP> p;      // W ∘ P
-    float u[kGlaTile * kGlaLdO];          // U before the state's update
-  } y;
-};
-
-// dst[r][c] = value(r, c) split, for the 64 (or 32) rows and 32 columns of a tile; value gives
-// 0 past the chunk's rows and the operand's width. Two columns per thread and step.
-template <int kRows, int kLd, typename F>
-__device__ __forceinline__ void gla_tile(SplitTile<kRows, kLd>& dst, F value) {
-  for (int e = threadIdx.x; e < kRows * kGlaTile / 2; e += blockDim.x) {
-    const int r = e / (kGlaTile / 2), c = (e % (kGlaTile / 2)) * 2;
-    put_split(dst.hi, dst.lo, r * kLd + c, value(r, c), value(r, c + 1));
-  }
-}
-
-// w_ts (q_t . k_s) from the accumulated P: exactly 0 where the weight is (a reset between s
-// and t), whatever the product.
-__device__ __forceinline__ float gla_score(const ChunkDecay& cd, const float* pf, int t, int s) {
-  const float w = intra_weight(cd, t, s);
-  return w == 0.0f ? 0.0f : w * pf[t * kGlaLdPf + s];
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_kernel(const MesaGlaForwardArgs a) {
-  __shared__ ChunkDecay cd;
-  __shared__ GlaTcTiles tl;
-  __shared__ float den[kGlaChunk];
-  // f16 values need their lo tile (bf16: exactly 0, its MMAs skipped); f32 values always do
-  constexpr bool kLo = std::is_same_v<T, __half>;
-  const MesaGlaShape& sh = a.shape;
-  const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0);
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
-  const int warp = int(threadIdx.x) / kWarpSize;
-  float* S = a.work + bh * M * W;
-  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
-  for (int64_t t0 = 0; t0 < L; t0 += sh.chunk) {
-    const int n = int(L - t0 < sh.chunk ? L - t0 : sh.chunk);
-    const bool rows = warp * 16 < n;  // this warp's row block holds rows of the chunk
-    __syncthreads();                   // the previous chunk's state update is done
-    if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
-    // P = Q_c K_c^T: row block `warp`, column blocks 0..warp
-    FragAcc acc_p[kGlaWarps];
-#pragma unroll
-    for (int j = 0; j < kGlaWarps; ++j) wmma::fill_fragment(acc_p[j], 0.0f);
-    for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
-      __syncthreads();
-      gla_tile(tl.x.ab.a, [&](int r, int c) {
-        return r < n && f0 + c < M ? gla_load<T>(a.q, b, h, t0 + r, f0 + c) : 0.0f;
-      });
-      gla_tile(tl.x.ab.b, [&](int r, int c) {
-        return r < n && f0 + c < M ? gla_load<T>(a.k, b, kh, t0 + r, f0 + c) : 0.0f;
-      });
-      __syncthreads();
-      if (!rows) continue;
-#pragma unroll 1
-      for (int kk = 0; kk < kGlaTile / 16; ++kk) {
-        FragA qh, ql;
-        wmma::load_matrix_sync(qh, tl.x.ab.a.hi + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
-        if (kLo) wmma::load_matrix_sync(ql, tl.x.ab.a.lo + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
-#pragma unroll
-        for (int j = 0; j < kGlaWarps; ++j) {
-          if (j > warp) continue;
-          FragBt kh_, kl_;  // K_c^T: K's [row][feature] tile read column-major
-          wmma::load_matrix_sync(kh_, tl.x.ab.b.hi + j * 16 * kGlaLdR + kk * 16, kGlaLdR);
-          if (kLo) wmma::load_matrix_sync(kl_, tl.x.ab.b.lo + j * 16 * kGlaLdR + kk * 16, kGlaLdR);
-          mma_split(acc_p[j], qh, ql, kLo, kh_, kl_, kLo);
-        }
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kGlaWarps; ++j)
-      if (j <= warp)
-        wmma::store_matrix_sync(tl.x.pf + warp * 16 * kGlaLdPf + j * 16, acc_p[j], kGlaLdPf, wmma::mem_row_major);
-    __syncthreads();
-    // W ∘ P, masked (s <= t < n), split; the denominators from it in f32
-    for (int e = threadIdx.x; e < kGlaChunk * kGlaChunk / 2; e += blockDim.x) {
-      const int t = e / (kGlaChunk / 2), s = (e % (kGlaChunk / 2)) * 2;
-      const float p0 = t < n && s <= t ? gla_score(cd, tl.x.pf, t, s) : 0.0f;
-      const float p1 = t < n && s + 1 <= t ? gla_score(cd, tl.x.pf, t, s + 1) : 0.0f;
-      put_split(tl.y.p.hi, tl.y.p.lo, t * kGlaLdP + s, p0, p1);
-    }
-    if (sh.normalize) {
-      for (int t = threadIdx.x; t < n; t += blockDim.x) {
-        const float e_t = inter_weight(cd, t);
-        float x = 0.0f;
-        if (e_t != 0.0f)
-          for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), S[i * W + D], x);
-        x *= e_t;
-        for (int s = 0; s <= t; ++s) x += gla_score(cd, tl.x.pf, t, s);
-        den[t] = gla_guard(x, sh.eps);
-        a.den[bh * L + t0 + t] = den[t];
-      }
-    }
-    // O = Q~_c S + (W ∘ P) V'_c, per value tile of 32 columns
-    for (int64_t d0 = 0; d0 < D; d0 += kGlaTile) {
-      FragAcc acc_o[2];
-      wmma::fill_fragment(acc_o[0], 0.0f);
-      wmma::fill_fragment(acc_o[1], 0.0f);
-      for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
-        __syncthreads();
-        gla_tile(tl.x.as.a, [&](int r, int c) {
-          const float e_r = r < n ? inter_weight(cd, r) : 0.0f;
-          return e_r != 0.0f && f0 + c < M ? e_r * gla_load<T>(a.q, b, h, t0 + r, f0 + c) : 0.0f;
-        });
-        gla_tile(tl.x.as.s, [&](int r, int c) {
-          return f0 + r < M && d0 + c < D ? S[(f0 + r) * W + d0 + c] : 0.0f;
-        });
-        __syncthreads();
-        if (!rows) continue;
-#pragma unroll
-        for (int kk = 0; kk < kGlaTile / 16; ++kk) {
-          FragA qh, ql;
-          wmma::load_matrix_sync(qh, tl.x.as.a.hi + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
-          wmma::load_matrix_sync(ql, tl.x.as.a.lo + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
-#pragma unroll
-          for (int jo = 0; jo < 2; ++jo) {
-            FragB sh_, sl_;
-            wmma::load_matrix_sync(sh_, tl.x.as.s.hi + kk * 16 * kGlaLdS + jo * 16, kGlaLdS);
-            wmma::load_matrix_sync(sl_, tl.x.as.s.lo + kk * 16 * kGlaLdS + jo * 16, kGlaLdS);
-            mma_split(acc_o[jo], qh, ql, true, sh_, sl_, true);
-          }
-        }
-      }
-      __syncthreads();
-      gla_tile(tl.x.v, [&](int r, int c) {
-        return r < n && d0 + c < D ? gla_load<T>(a.v, b, kh, t0 + r, d0 + c) : 0.0f;
-      });
-      __syncthreads();
-      if (rows) {
-#pragma unroll 1
-        for (int kk = 0; kk <= warp; ++kk) {
-          FragA ph, pl;
-          wmma::load_matrix_sync(ph, tl.y.p.hi + warp * 16 * kGlaLdP + kk * 16, kGlaLdP);
-          wmma::load_matrix_sync(pl, tl.y.p.lo + warp * 16 * kGlaLdP + kk * 16, kGlaLdP);
-#pragma unroll
-          for (int jo = 0; jo < 2; ++jo) {
-            FragB vh, vl;
-            wmma::load_matrix_sync(vh, tl.x.v.hi + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
-            if (kLo) wmma::load_matrix_sync(vl, tl.x.v.lo + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
-            mma_split(acc_o[jo], ph, pl, true, vh, vl, kLo);
-          }
-        }
-      }
-      __syncthreads();
-      wmma::store_matrix_sync(tl.x.o + warp * 16 * kGlaLdO, acc_o[0], kGlaLdO, wmma::mem_row_major);
-      wmma::store_matrix_sync(tl.x.o + warp * 16 * kGlaLdO + 16, acc_o[1], kGlaLdO, wmma::mem_row_major);
-      __syncthreads();
-      for (int e = threadIdx.x; e < kGlaChunk * kGlaTile; e += blockDim.x) {
-        const int t = e / kGlaTile, c = e % kGlaTile;
-        if (t >= n || d0 + c >= D) continue;
-        float x = tl.x.o[t * kGlaLdO + c];
-        if (sh.normalize) x /= den[t];
-        gla_store<T>(a.out, b, h, t0 + t, d0 + c, x);
-      }
-    }
-    // S <- e_end S + K~_c^T V'_c, per value tile (of W) and feature tile: U block (warp / 2,
-    // warp % 2) of 32 x 32 per warp. V' rows of weight 0 are loaded as 0 (a non-finite v_s
-    // before a reset then stays out of the state, as in gla_forward_kernel).
-    const float e_end = inter_weight(cd, n - 1);
-    for (int64_t d0 = 0; d0 < W; d0 += kGlaTile) {
-      __syncthreads();
-      gla_tile(tl.x.ab.b, [&](int r, int c) {
-        if (r >= n || d0 + c >= W || intra_weight(cd, n - 1, r) == 0.0f) return 0.0f;
-        return d0 + c < D ? gla_load<T>(a.v, b, kh, t0 + r, d0 + c) : 1.0f;
-      });
-      for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
-        __syncthreads();
-        gla_tile(tl.x.ab.a, [&](int r, int c) {
-          const float w = r < n ? intra_weight(cd, n - 1, r) : 0.0f;
-          return w != 0.0f && f0 + c < M ? w * gla_load<T>(a.k, b, kh, t0 + r, f0 + c) : 0.0f;
-        });
-        __syncthreads();
-        FragAcc acc_u;
-        wmma::fill_fragment(acc_u, 0.0f);
-        const int wi = warp / 2, wj = warp % 2;
-#pragma unroll 1
-        for (int kk = 0; kk * 16 < n; ++kk) {
-          FragAt kh_, kl_;  // K~_c^T: K~'s [row][feature] tile read column-major
-          FragB vh, vl;
-          wmma::load_matrix_sync(kh_, tl.x.ab.a.hi + kk * 16 * kGlaLdR + wi * 16, kGlaLdR);
-          wmma::load_matrix_sync(kl_, tl.x.ab.a.lo + kk * 16 * kGlaLdR + wi * 16, kGlaLdR);
-          wmma::load_matrix_sync(vh, tl.x.ab.b.hi + kk * 16 * kGlaLdR + wj * 16, kGlaLdR);
-          if (kLo) wmma::load_matrix_sync(vl, tl.x.ab.b.lo + kk * 16 * kGlaLdR + wj * 16, kGlaLdR);
-          mma_split(acc_u, kh_, kl_, true, vh, vl, kLo);
-        }
-        wmma::store_matrix_sync(tl.y.u + wi * 16 * kGlaLdO + wj * 16, acc_u, kGlaLdO, wmma::mem_row_major);
-        __syncthreads();
-        for (int e = threadIdx.x; e < kGlaTile * kGlaTile; e += blockDim.x) {
-          const int64_t i = f0 + e / kGlaTile, j = d0 + e % kGlaTile;
-          if (i < M && j < W) S[i * W + j] = fmaf(e_end, S[i * W + j], tl.y.u[(e / kGlaTile) * kGlaLdO + e % kGlaTile]);
-        }
-      }
-    }
-  }
-  __syncthreads();
-  // the KV head's final state, from the first query head of its group (all compute the same)
-  if (h % (H / sh.kv_heads) == 0)
-    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) a.final_state[bk * M * W + e] = S[e];
-}
-
-// ---------------------------------------------------------------------------------------
 // Backward.
 
 // Per row t of a chunk: g_t and dden_t = -(dout_t . out_t) / g_t (normalised), else 1 and 0.
@@ -678,6 +435,345 @@ __global__ void __launch_bounds__(kGlaThreads) gla_da_reduce_kernel(const float*
 }
 
 // ---------------------------------------------------------------------------------------
+// Tensor cores (f16, bf16: kTensorCores<T>): the forward and the dq walk, with the same chunk
+// recurrence as gla_forward_kernel and gla_dq_kernel, their chunk products as 16x16x16 bf16
+// MMAs with f32 accumulators over split pairs (split_mma.cuh): a 16-bit input is exact in hi
+// (+ lo for f16), an f32 value (the weighted scores, the state, rows scaled by a weight or
+// divided by g) within 2^-18 relative, so each term of a product is off by at most 3·2^-18 of
+// its magnitude and a term that passes two products (P then P V', the state's update then
+// Q~ S) by 6·2^-18. The chunk is padded to 64 rows with zeros (any C <= 64):
+//   forward  P   = Q_c K_c^T                MMA; then W ∘ P (and the mask) in f32, split
+//            O   = Q~_c S + (W ∘ P) V'_c     Q~_t = e_t q_t (f32); S the f32 state
+//   dq       E   = dout_c V_c^T             MMA; then E_ts = w_ts (E_ts / g_t + dden_t), split
+//            dq  = Y~_c S^T + E K_c          Y~_t = e_t dv'_t (f32)
+//   both     S  <- e_end S + K~_c^T V'_c      K~_s = w_{end,s} k_s (f32); e_end S in f32
+// The denominators, g, dden and q_t . dq_t stay scalar f32 (as the CUDA-core kernels).
+// Per block (4 warps): warp w owns row block w of P (column blocks 0..w; the blocks above the
+// diagonal are never computed) and of the outputs (64 x 32 per tile of 32 columns: two 16 x 16
+// blocks); U = K~^T V' (32 x 32 per feature and value tile) is 2 x 2 blocks, one per warp.
+// Operand tiles are row-major [row][column] pairs in shared memory, a transposed operand read
+// column-major. Not as in the CUDA-core kernels: a non-finite value of v (forward) or k (dq)
+// at row s reaches, through the masked zeros of its diagonal 16 x 16 block, the rows t < s of
+// that block (the scalar kernels sum s <= t only).
+constexpr int kGlaTile = 32;             // features (of M) and value columns (of D, W) per tile
+constexpr int kGlaLdR = kGlaTile + 8;    // row tiles [64][32] (bf16 pairs)
+constexpr int kGlaLdS = kGlaTile + 8;    // the state tile [32][32] (bf16 pair)
+constexpr int kGlaLdP = kGlaChunk + 8;   // the weighted scores [64][64] (bf16 pair)
+constexpr int kGlaLdPf = kGlaChunk + 4;  // the scores as accumulated [64][64] (f32)
+constexpr int kGlaLdO = kGlaTile + 4;    // outputs [64][32] and U [32][32] staged (f32)
+constexpr int kGlaWarps = kGlaThreads / kWarpSize;
+static_assert(kGlaWarps * 16 == kGlaChunk, "one 16-row block of the chunk per warp");
+
+// 38 912 bytes; each union's members are used in phases separated by block barriers.
+struct GlaTcTiles {
+  union alignas(32) {
+    struct {
+      SplitTile<kGlaChunk, kGlaLdR> a, b;
+    } ab;  // the two operands of the scores; K~, V' of the state update
+    struct {
+      SplitTile<kGlaChunk, kGlaLdR> a;
+      SplitTile<kGlaTile, kGlaLdS> s;
+    } as;                             // Q~ (Y~) and a state tile
+    SplitTile<kGlaChunk, kGlaLdR> v;  // the right operand of the weighted scores
+    float pf[kGlaChunk * kGlaLdPf];   // the scores as accumulated
+    float o[kGlaChunk * kGlaLdO];     // outputs before their global write
+  } x;
+  union alignas(32) {
+    SplitTile<kGlaChunk, kGlaLdP> p;  // the weighted scores
+    float u[kGlaTile * kGlaLdO];      // U before the state's update
+  } y;
+};
+
+// dst[r][c] = value(r, c) split, for the 64 (or 32) rows and 32 columns of a tile; value gives
+// 0 past the chunk's rows and the operand's width. Two columns per thread and step.
+template <int kRows, int kLd, typename F>
+__device__ __forceinline__ void gla_tile(SplitTile<kRows, kLd>& dst, F value) {
+  for (int e = threadIdx.x; e < kRows * kGlaTile / 2; e += blockDim.x) {
+    const int r = e / (kGlaTile / 2), c = (e % (kGlaTile / 2)) * 2;
+    put_split(dst.hi, dst.lo, r * kLd + c, value(r, c), value(r, c + 1));
+  }
+}
+
+// acc[j] (j <= warp) = A_c B_c^T over `width` columns (tiles of 32): the row block `warp` of
+// the chunk's scores, column blocks 0..warp. a(r, c), b(r, c): the operands' values (row r of
+// the chunk, column c), 0 past the chunk's rows and the width. kLo: their lo tiles are used.
+template <bool kLo, typename FA, typename FB>
+__device__ __forceinline__ void gla_tc_scores(GlaTcTiles& tl, int64_t width, int n, FA a, FB b,
+                                              FragAcc (&acc)[kGlaWarps]) {
+  const int warp = int(threadIdx.x) / kWarpSize;
+#pragma unroll
+  for (int j = 0; j < kGlaWarps; ++j) wmma::fill_fragment(acc[j], 0.0f);
+  for (int64_t c0 = 0; c0 < width; c0 += kGlaTile) {
+    __syncthreads();
+    gla_tile(tl.x.ab.a, [&](int r, int c) { return a(r, c0 + c); });
+    gla_tile(tl.x.ab.b, [&](int r, int c) { return b(r, c0 + c); });
+    __syncthreads();
+    if (warp * 16 >= n) continue;
+#pragma unroll 1
+    for (int kk = 0; kk < kGlaTile / 16; ++kk) {
+      FragA ah, al;
+      wmma::load_matrix_sync(ah, tl.x.ab.a.hi + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
+      if (kLo) wmma::load_matrix_sync(al, tl.x.ab.a.lo + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
+#pragma unroll
+      for (int j = 0; j < kGlaWarps; ++j) {
+        if (j > warp) continue;
+        FragBt bh, bl;  // B_c^T: B's [row][column] tile read column-major
+        wmma::load_matrix_sync(bh, tl.x.ab.b.hi + j * 16 * kGlaLdR + kk * 16, kGlaLdR);
+        if (kLo) wmma::load_matrix_sync(bl, tl.x.ab.b.lo + j * 16 * kGlaLdR + kk * 16, kGlaLdR);
+        mma_split(acc[j], ah, al, kLo, bh, bl, kLo);
+      }
+    }
+  }
+}
+
+// The scores as accumulated into tl.x.pf (kept there for the scalar row sums), then
+// tl.y.p = f(t, s, score) split for s <= t < n, 0 elsewhere. Ends with a barrier.
+template <typename F>
+__device__ __forceinline__ void gla_tc_stage(GlaTcTiles& tl, FragAcc (&acc)[kGlaWarps], int n, F f) {
+  const int warp = int(threadIdx.x) / kWarpSize;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kGlaWarps; ++j)
+    if (j <= warp)
+      wmma::store_matrix_sync(tl.x.pf + warp * 16 * kGlaLdPf + j * 16, acc[j], kGlaLdPf, wmma::mem_row_major);
+  __syncthreads();
+  for (int e = threadIdx.x; e < kGlaChunk * kGlaChunk / 2; e += blockDim.x) {
+    const int t = e / (kGlaChunk / 2), s = (e % (kGlaChunk / 2)) * 2;
+    const float p0 = t < n && s <= t ? f(t, s, tl.x.pf[t * kGlaLdPf + s]) : 0.0f;
+    const float p1 = t < n && s + 1 <= t ? f(t, s + 1, tl.x.pf[t * kGlaLdPf + s + 1]) : 0.0f;
+    put_split(tl.y.p.hi, tl.y.p.lo, t * kGlaLdP + s, p0, p1);
+  }
+  __syncthreads();
+}
+
+// The outputs of one tile of 32 columns, acc[jo] = row block `warp`, columns 16 jo..16 jo + 15:
+//   acc = A B (over `inner`, tiles of 32) + (tl.y.p) C_c
+// a(r, k): row r of the chunk (f32 values: split with lo), b(k, c), c(s, c): 0 past the
+// widths. kCLo: C's lo tiles are used (B's always are). Then out(t, c, value) for every row
+// t < n and column c < 32 of the tile, from tl.x.o (f32).
+template <bool kCLo, typename FA, typename FB, typename FC, typename FO>
+__device__ __forceinline__ void gla_tc_rows(GlaTcTiles& tl, int64_t inner, int n, FA a, FB b, FC c, FO out) {
+  const int warp = int(threadIdx.x) / kWarpSize;
+  const bool rows = warp * 16 < n;
+  FragAcc acc[2];
+  wmma::fill_fragment(acc[0], 0.0f);
+  wmma::fill_fragment(acc[1], 0.0f);
+  for (int64_t k0 = 0; k0 < inner; k0 += kGlaTile) {
+    __syncthreads();
+    gla_tile(tl.x.as.a, [&](int r, int k) { return a(r, k0 + k); });
+    gla_tile(tl.x.as.s, [&](int k, int cc) { return b(k0 + k, cc); });
+    __syncthreads();
+    if (!rows) continue;
+#pragma unroll
+    for (int kk = 0; kk < kGlaTile / 16; ++kk) {
+      FragA ah, al;
+      wmma::load_matrix_sync(ah, tl.x.as.a.hi + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
+      wmma::load_matrix_sync(al, tl.x.as.a.lo + warp * 16 * kGlaLdR + kk * 16, kGlaLdR);
+#pragma unroll
+      for (int jo = 0; jo < 2; ++jo) {
+        FragB bh, bl;
+        wmma::load_matrix_sync(bh, tl.x.as.s.hi + kk * 16 * kGlaLdS + jo * 16, kGlaLdS);
+        wmma::load_matrix_sync(bl, tl.x.as.s.lo + kk * 16 * kGlaLdS + jo * 16, kGlaLdS);
+        mma_split(acc[jo], ah, al, true, bh, bl, true);
+      }
+    }
+  }
+  __syncthreads();
+  gla_tile(tl.x.v, c);
+  __syncthreads();
+  if (rows) {
+#pragma unroll 1
+    for (int kk = 0; kk <= warp; ++kk) {
+      FragA ph, pl;
+      wmma::load_matrix_sync(ph, tl.y.p.hi + warp * 16 * kGlaLdP + kk * 16, kGlaLdP);
+      wmma::load_matrix_sync(pl, tl.y.p.lo + warp * 16 * kGlaLdP + kk * 16, kGlaLdP);
+#pragma unroll
+      for (int jo = 0; jo < 2; ++jo) {
+        FragB ch, cl;
+        wmma::load_matrix_sync(ch, tl.x.v.hi + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
+        if (kCLo) wmma::load_matrix_sync(cl, tl.x.v.lo + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
+        mma_split(acc[jo], ph, pl, true, ch, cl, kCLo);
+      }
+    }
+  }
+  __syncthreads();
+  wmma::store_matrix_sync(tl.x.o + warp * 16 * kGlaLdO, acc[0], kGlaLdO, wmma::mem_row_major);
+  wmma::store_matrix_sync(tl.x.o + warp * 16 * kGlaLdO + 16, acc[1], kGlaLdO, wmma::mem_row_major);
+  __syncthreads();
+  for (int e = threadIdx.x; e < kGlaChunk * kGlaTile; e += blockDim.x) {
+    const int t = e / kGlaTile, cc = e % kGlaTile;
+    if (t < n) out(t, cc, tl.x.o[t * kGlaLdO + cc]);
+  }
+}
+
+// S <- e_end S + K~_c^T V'_c (K~_s = w_{end,s} k_s), per value tile (of W) and feature tile:
+// U block (warp / 2, warp % 2) of 32 x 32 per warp. V' rows of weight 0 are loaded as 0 (a
+// non-finite v_s before a reset stays out of the state, as in update_state).
+template <typename T>
+__device__ void gla_tc_update(GlaTcTiles& tl, const ChunkDecay& cd, float* S, const MesaLaTensor& k,
+                              const MesaLaTensor& v, int64_t b, int64_t kh, int64_t t0, int n, int64_t M, int64_t D,
+                              int64_t W) {
+  constexpr bool kLo = std::is_same_v<T, __half>;  // bf16 values: lo = 0, skipped
+  const int warp = int(threadIdx.x) / kWarpSize, wi = warp / 2, wj = warp % 2;
+  const float e_end = inter_weight(cd, n - 1);
+  for (int64_t d0 = 0; d0 < W; d0 += kGlaTile) {
+    __syncthreads();
+    gla_tile(tl.x.ab.b, [&](int r, int c) {
+      if (r >= n || d0 + c >= W || intra_weight(cd, n - 1, r) == 0.0f) return 0.0f;
+      return d0 + c < D ? gla_load<T>(v, b, kh, t0 + r, d0 + c) : 1.0f;
+    });
+    for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
+      __syncthreads();
+      gla_tile(tl.x.ab.a, [&](int r, int c) {
+        const float w = r < n ? intra_weight(cd, n - 1, r) : 0.0f;
+        return w != 0.0f && f0 + c < M ? w * gla_load<T>(k, b, kh, t0 + r, f0 + c) : 0.0f;
+      });
+      __syncthreads();
+      FragAcc acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll 1
+      for (int kk = 0; kk * 16 < n; ++kk) {
+        FragAt kh_, kl_;  // K~_c^T: K~'s [row][feature] tile read column-major
+        FragB vh, vl;
+        wmma::load_matrix_sync(kh_, tl.x.ab.a.hi + kk * 16 * kGlaLdR + wi * 16, kGlaLdR);
+        wmma::load_matrix_sync(kl_, tl.x.ab.a.lo + kk * 16 * kGlaLdR + wi * 16, kGlaLdR);
+        wmma::load_matrix_sync(vh, tl.x.ab.b.hi + kk * 16 * kGlaLdR + wj * 16, kGlaLdR);
+        if (kLo) wmma::load_matrix_sync(vl, tl.x.ab.b.lo + kk * 16 * kGlaLdR + wj * 16, kGlaLdR);
+        mma_split(acc, kh_, kl_, true, vh, vl, kLo);
+      }
+      wmma::store_matrix_sync(tl.y.u + wi * 16 * kGlaLdO + wj * 16, acc, kGlaLdO, wmma::mem_row_major);
+      __syncthreads();
+      for (int e = threadIdx.x; e < kGlaTile * kGlaTile; e += blockDim.x) {
+        const int64_t i = f0 + e / kGlaTile, j = d0 + e % kGlaTile;
+        if (i < M && j < W) S[i * W + j] = fmaf(e_end, S[i * W + j], tl.y.u[(e / kGlaTile) * kGlaLdO + e % kGlaTile]);
+      }
+    }
+  }
+}
+
+// Forward on tensor cores: one block per (b, h), as gla_forward_kernel.
+template <typename T>
+__global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_kernel(const MesaGlaForwardArgs a) {
+  __shared__ ChunkDecay cd;
+  __shared__ GlaTcTiles tl;
+  __shared__ float den[kGlaChunk];
+  constexpr bool kLo = std::is_same_v<T, __half>;  // 16-bit values: lo only for f16
+  const MesaGlaShape& sh = a.shape;
+  const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0);
+  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  float* S = a.work + bh * M * W;
+  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  for (int64_t t0 = 0; t0 < L; t0 += sh.chunk) {
+    const int n = int(L - t0 < sh.chunk ? L - t0 : sh.chunk);
+    __syncthreads();  // the previous chunk's state update is done
+    if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
+    // P = Q_c K_c^T, then W ∘ P
+    FragAcc acc[kGlaWarps];
+    gla_tc_scores<kLo>(
+        tl, M, n, [&](int r, int64_t c) { return r < n && c < M ? gla_load<T>(a.q, b, h, t0 + r, c) : 0.0f; },
+        [&](int r, int64_t c) { return r < n && c < M ? gla_load<T>(a.k, b, kh, t0 + r, c) : 0.0f; }, acc);
+    gla_tc_stage(tl, acc, n, [&](int t, int s, float p) {
+      const float w = intra_weight(cd, t, s);
+      return w == 0.0f ? 0.0f : w * p;
+    });
+    if (sh.normalize) {
+      for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        const float e_t = inter_weight(cd, t);
+        float x = 0.0f;
+        if (e_t != 0.0f)
+          for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), S[i * W + D], x);
+        x *= e_t;
+        for (int s = 0; s <= t; ++s) {
+          const float w = intra_weight(cd, t, s);
+          x += w == 0.0f ? 0.0f : w * tl.x.pf[t * kGlaLdPf + s];
+        }
+        den[t] = gla_guard(x, sh.eps);
+        a.den[bh * L + t0 + t] = den[t];
+      }
+    }
+    // O = Q~_c S + (W ∘ P) V'_c, per value tile of 32 columns
+    for (int64_t d0 = 0; d0 < D; d0 += kGlaTile) {
+      __syncthreads();  // (synccheck: a loop around barriers holds one itself)
+      gla_tc_rows<kLo>(
+          tl, M, n,
+          [&](int r, int64_t i) {
+            const float e_r = r < n ? inter_weight(cd, r) : 0.0f;
+            return e_r != 0.0f && i < M ? e_r * gla_load<T>(a.q, b, h, t0 + r, i) : 0.0f;
+          },
+          [&](int64_t i, int c) { return i < M && d0 + c < D ? S[i * W + d0 + c] : 0.0f; },
+          [&](int s, int c) { return s < n && d0 + c < D ? gla_load<T>(a.v, b, kh, t0 + s, d0 + c) : 0.0f; },
+          [&](int t, int c, float x) {
+            if (d0 + c < D) gla_store<T>(a.out, b, h, t0 + t, d0 + c, sh.normalize ? x / den[t] : x);
+          });
+    }
+    gla_tc_update<T>(tl, cd, S, a.k, a.v, b, kh, t0, n, M, D, W);
+  }
+  __syncthreads();
+  // the KV head's final state, from the first query head of its group (all compute the same)
+  if (h % (H / sh.kv_heads) == 0)
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) a.final_state[bk * M * W + e] = S[e];
+}
+
+// dq on tensor cores: one block per (b, h), as gla_dq_kernel (the same scratch and qdq).
+template <typename T>
+__global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
+    gla_dq_tc_kernel(const MesaGlaBackwardArgs a, float* work_states, float* work_dq, float* qdq) {
+  __shared__ ChunkDecay cd;
+  __shared__ GlaTcTiles tl;
+  __shared__ float g[kGlaChunk];
+  __shared__ float dden[kGlaChunk];
+  constexpr bool kLo = std::is_same_v<T, __half>;
+  const MesaGlaShape& sh = a.shape;
+  const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
+  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
+  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  float* S = work_states + bh * M * W;
+  float* tile = work_dq + bh * C * M;  // the chunk's dq in f32
+  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  for (int64_t t0 = 0; t0 < L; t0 += C) {
+    const int n = int(L - t0 < C ? L - t0 : C);
+    __syncthreads();
+    if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
+    row_grads<T>(a, b, h, t0, n, g, dden);
+    // E = dout_c V_c^T, then w_ts (E_ts / g_t + dden_t)
+    FragAcc acc[kGlaWarps];
+    gla_tc_scores<kLo>(
+        tl, D, n, [&](int r, int64_t c) { return r < n && c < D ? gla_load<T>(a.dout, b, h, t0 + r, c) : 0.0f; },
+        [&](int r, int64_t c) { return r < n && c < D ? gla_load<T>(a.v, b, kh, t0 + r, c) : 0.0f; }, acc);
+    gla_tc_stage(tl, acc, n, [&](int t, int s, float x) {
+      const float w = intra_weight(cd, t, s);
+      return w == 0.0f ? 0.0f : w * (x / g[t] + dden[t]);
+    });
+    // dq = Y~_c S^T + E K_c, per feature tile of 32
+    for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
+      __syncthreads();  // (synccheck: a loop around barriers holds one itself)
+      gla_tc_rows<kLo>(
+          tl, W, n,
+          [&](int r, int64_t j) {
+            const float e_r = r < n ? inter_weight(cd, r) : 0.0f;
+            if (e_r == 0.0f || j >= W) return 0.0f;
+            return e_r * (j < D ? gla_load<T>(a.dout, b, h, t0 + r, j) / g[r] : dden[r]);
+          },
+          [&](int64_t j, int c) { return j < W && f0 + c < M ? S[(f0 + c) * W + j] : 0.0f; },
+          [&](int s, int c) { return s < n && f0 + c < M ? gla_load<T>(a.k, b, kh, t0 + s, f0 + c) : 0.0f; },
+          [&](int t, int c, float x) {
+            if (f0 + c >= M) return;
+            tile[t * M + f0 + c] = x;
+            gla_store<T>(a.dq, b, h, t0 + t, f0 + c, x);
+          });
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+      float x = 0.0f;
+      for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), tile[t * M + i], x);
+      qdq[bh * L + t0 + t] = x;
+    }
+    gla_tc_update<T>(tl, cd, S, a.k, a.v, b, kh, t0, n, M, D, W);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Launch policy (host): one block of 128 threads per (b, h) — or per (b, kh) for dk/dv —,
 // each walking its L / C chunks in order.
 template <typename T>
@@ -706,8 +802,12 @@ struct GlaBackwardLaunch {
     float* da_rows = dkdv + B * Hkv * C * (M + W);
     cudaError_t e = cudaSuccess;
     if (B > 0) {
-      e = MESA_LAUNCH((gla_dq_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states, dq_tiles,
-                      qdq);
+      if constexpr (kTensorCores<T>)
+        e = MESA_LAUNCH((gla_dq_tc_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states,
+                        dq_tiles, qdq);
+      else
+        e = MESA_LAUNCH((gla_dq_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states, dq_tiles,
+                        qdq);
       if (e != cudaSuccess) return status_from(e);
       e = MESA_LAUNCH((gla_dkdv_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv, qdq,
                       da_rows);

@@ -836,7 +836,9 @@ fn step_recurrence_matches_the_quadratic_reference() {
             DecayMode::PerStep => per_step.iter().map(|x| rel * x).collect(),
             DecayMode::PerHead => (0..sh_.hkv)
                 .map(|kh| {
-                    rel * (0..sh_.b).map(|b| per_step[(b * sh_.hkv + kh) * sh_.l..][..sh_.l].iter().sum::<f64>()).sum::<f64>()
+                    rel * (0..sh_.b)
+                        .map(|b| per_step[(b * sh_.hkv + kh) * sh_.l..][..sh_.l].iter().sum::<f64>())
+                        .sum::<f64>()
                 })
                 .collect(),
         };
