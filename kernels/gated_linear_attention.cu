@@ -488,7 +488,7 @@ struct GlaTcTiles {
 // 0 past the chunk's rows and the operand's width. Two columns per thread and step.
 template <int kRows, int kLd, typename F>
 __device__ __forceinline__ void gla_tile(SplitTile<kRows, kLd>& dst, F value) {
-  for (int e = threadIdx.x; e < kRows * kGlaTile / 2; e += blockDim.x) {
+  for (int e = fresh_tid(); e < kRows * kGlaTile / 2; e += blockDim.x) {
     const int r = e / (kGlaTile / 2), c = (e % (kGlaTile / 2)) * 2;
     put_split(dst.hi, dst.lo, r * kLd + c, value(r, c), value(r, c + 1));
   }
@@ -500,7 +500,7 @@ __device__ __forceinline__ void gla_tile(SplitTile<kRows, kLd>& dst, F value) {
 template <bool kLo, typename FA, typename FB>
 __device__ __forceinline__ void gla_tc_scores(GlaTcTiles& tl, int64_t width, int n, FA a, FB b,
                                               FragAcc (&acc)[kGlaWarps]) {
-  const int warp = int(threadIdx.x) / kWarpSize;
+  const int warp = fresh_tid() / kWarpSize;
 #pragma unroll
   for (int j = 0; j < kGlaWarps; ++j) wmma::fill_fragment(acc[j], 0.0f);
   for (int64_t c0 = 0; c0 < width; c0 += kGlaTile) {
@@ -530,14 +530,14 @@ __device__ __forceinline__ void gla_tc_scores(GlaTcTiles& tl, int64_t width, int
 // tl.y.p = f(t, s, score) split for s <= t < n, 0 elsewhere. Ends with a barrier.
 template <typename F>
 __device__ __forceinline__ void gla_tc_stage(GlaTcTiles& tl, FragAcc (&acc)[kGlaWarps], int n, F f) {
-  const int warp = int(threadIdx.x) / kWarpSize;
+  const int warp = fresh_tid() / kWarpSize;
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < kGlaWarps; ++j)
     if (j <= warp)
       wmma::store_matrix_sync(tl.x.pf + warp * 16 * kGlaLdPf + j * 16, acc[j], kGlaLdPf, wmma::mem_row_major);
   __syncthreads();
-  for (int e = threadIdx.x; e < kGlaChunk * kGlaChunk / 2; e += blockDim.x) {
+  for (int e = fresh_tid(); e < kGlaChunk * kGlaChunk / 2; e += blockDim.x) {
     const int t = e / (kGlaChunk / 2), s = (e % (kGlaChunk / 2)) * 2;
     const float p0 = t < n && s <= t ? f(t, s, tl.x.pf[t * kGlaLdPf + s]) : 0.0f;
     const float p1 = t < n && s + 1 <= t ? f(t, s + 1, tl.x.pf[t * kGlaLdPf + s + 1]) : 0.0f;
@@ -547,13 +547,16 @@ __device__ __forceinline__ void gla_tc_stage(GlaTcTiles& tl, FragAcc (&acc)[kGla
 }
 
 // The outputs of one tile of 32 columns, acc[jo] = row block `warp`, columns 16 jo..16 jo + 15:
-//   acc = A B (over `inner`, tiles of 32) + (tl.y.p) C_c
-// a(r, k): row r of the chunk (f32 values: split with lo), b(k, c), c(s, c): 0 past the
-// widths. kCLo: C's lo tiles are used (B's always are). Then out(t, c, value) for every row
-// t < n and column c < 32 of the tile, from tl.x.o (f32).
-template <bool kCLo, typename FA, typename FB, typename FC, typename FO>
+//   acc = A B (over `inner`, tiles of 32; none when inner = 0) + P C_c,
+// P the weighted scores in tl.y.p as they are (kP = kGlaP: row t sums s <= t), transposed
+// (kGlaPt: row s sums t >= s) or not at all (kGlaNoP). a(r, k): row r of the chunk (f32
+// values: split with lo), b(k, c), c(s, c): 0 past the widths. kCLo: C's lo tiles are used
+// (B's always are). Then out(t, c, value) for every row t < n and column c < 32 of the tile,
+// from tl.x.o (f32).
+enum GlaP { kGlaNoP = 0, kGlaP = 1, kGlaPt = 2 };
+template <int kP, bool kCLo, typename FA, typename FB, typename FC, typename FO>
 __device__ __forceinline__ void gla_tc_rows(GlaTcTiles& tl, int64_t inner, int n, FA a, FB b, FC c, FO out) {
-  const int warp = int(threadIdx.x) / kWarpSize;
+  const int warp = fresh_tid() / kWarpSize;
   const bool rows = warp * 16 < n;
   FragAcc acc[2];
   wmma::fill_fragment(acc[0], 0.0f);
@@ -579,9 +582,11 @@ __device__ __forceinline__ void gla_tc_rows(GlaTcTiles& tl, int64_t inner, int n
     }
   }
   __syncthreads();
-  gla_tile(tl.x.v, c);
-  __syncthreads();
-  if (rows) {
+  if (kP != kGlaNoP) {
+    gla_tile(tl.x.v, c);
+    __syncthreads();
+  }
+  if (kP == kGlaP && rows) {
 #pragma unroll 1
     for (int kk = 0; kk <= warp; ++kk) {
       FragA ph, pl;
@@ -596,59 +601,85 @@ __device__ __forceinline__ void gla_tc_rows(GlaTcTiles& tl, int64_t inner, int n
       }
     }
   }
-  __syncthreads();
+  if (kP == kGlaPt && rows) {
+#pragma unroll 1
+    for (int kk = warp; kk * 16 < n; ++kk) {
+      FragAt ph, pl;  // P^T: P's [t][s] tile read column-major
+      wmma::load_matrix_sync(ph, tl.y.p.hi + kk * 16 * kGlaLdP + warp * 16, kGlaLdP);
+      wmma::load_matrix_sync(pl, tl.y.p.lo + kk * 16 * kGlaLdP + warp * 16, kGlaLdP);
+#pragma unroll
+      for (int jo = 0; jo < 2; ++jo) {
+        FragB ch, cl;
+        wmma::load_matrix_sync(ch, tl.x.v.hi + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
+        if (kCLo) wmma::load_matrix_sync(cl, tl.x.v.lo + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
+        mma_split(acc[jo], ph, pl, true, ch, cl, kCLo);
+      }
+    }
+  }
+  if (kP != kGlaNoP) __syncthreads();
   wmma::store_matrix_sync(tl.x.o + warp * 16 * kGlaLdO, acc[0], kGlaLdO, wmma::mem_row_major);
   wmma::store_matrix_sync(tl.x.o + warp * 16 * kGlaLdO + 16, acc[1], kGlaLdO, wmma::mem_row_major);
   __syncthreads();
-  for (int e = threadIdx.x; e < kGlaChunk * kGlaTile; e += blockDim.x) {
+  for (int e = fresh_tid(); e < kGlaChunk * kGlaTile; e += blockDim.x) {
     const int t = e / kGlaTile, cc = e % kGlaTile;
     if (t < n) out(t, cc, tl.x.o[t * kGlaLdO + cc]);
   }
 }
 
-// S <- e_end S + K~_c^T V'_c (K~_s = w_{end,s} k_s), per value tile (of W) and feature tile:
-// U block (warp / 2, warp % 2) of 32 x 32 per warp. V' rows of weight 0 are loaded as 0 (a
-// non-finite v_s before a reset stays out of the state, as in update_state).
-template <typename T>
-__device__ void gla_tc_update(GlaTcTiles& tl, const ChunkDecay& cd, float* S, const MesaLaTensor& k,
-                              const MesaLaTensor& v, int64_t b, int64_t kh, int64_t t0, int n, int64_t M, int64_t D,
-                              int64_t W) {
-  constexpr bool kLo = std::is_same_v<T, __half>;  // bf16 values: lo = 0, skipped
-  const int warp = int(threadIdx.x) / kWarpSize, wi = warp / 2, wj = warp % 2;
-  const float e_end = inter_weight(cd, n - 1);
-  for (int64_t d0 = 0; d0 < W; d0 += kGlaTile) {
+// U = A_c^T B_c over the chunk's rows, per tile of 32 columns of B (width wb) and of A (width
+// wa): U block (warp / 2, warp % 2) of 32 x 32 per warp; then f(i, j, U_ij) for i < wa, j < wb
+// (one thread per element). a(r, i): f32 values (split with lo), b(r, j): kBLo, its lo tiles.
+template <bool kBLo, typename FA, typename FB, typename F>
+__device__ __forceinline__ void gla_tc_cols(GlaTcTiles& tl, int n, int64_t wa, int64_t wb, FA a, FB b, F f) {
+  const int warp = fresh_tid() / kWarpSize, wi = warp / 2, wj = warp % 2;
+  for (int64_t j0 = 0; j0 < wb; j0 += kGlaTile) {
     __syncthreads();
-    gla_tile(tl.x.ab.b, [&](int r, int c) {
-      if (r >= n || d0 + c >= W || intra_weight(cd, n - 1, r) == 0.0f) return 0.0f;
-      return d0 + c < D ? gla_load<T>(v, b, kh, t0 + r, d0 + c) : 1.0f;
-    });
-    for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
+    gla_tile(tl.x.ab.b, [&](int r, int c) { return b(r, j0 + c); });
+    for (int64_t i0 = 0; i0 < wa; i0 += kGlaTile) {
       __syncthreads();
-      gla_tile(tl.x.ab.a, [&](int r, int c) {
-        const float w = r < n ? intra_weight(cd, n - 1, r) : 0.0f;
-        return w != 0.0f && f0 + c < M ? w * gla_load<T>(k, b, kh, t0 + r, f0 + c) : 0.0f;
-      });
+      gla_tile(tl.x.ab.a, [&](int r, int c) { return a(r, i0 + c); });
       __syncthreads();
       FragAcc acc;
       wmma::fill_fragment(acc, 0.0f);
 #pragma unroll 1
       for (int kk = 0; kk * 16 < n; ++kk) {
-        FragAt kh_, kl_;  // K~_c^T: K~'s [row][feature] tile read column-major
-        FragB vh, vl;
-        wmma::load_matrix_sync(kh_, tl.x.ab.a.hi + kk * 16 * kGlaLdR + wi * 16, kGlaLdR);
-        wmma::load_matrix_sync(kl_, tl.x.ab.a.lo + kk * 16 * kGlaLdR + wi * 16, kGlaLdR);
-        wmma::load_matrix_sync(vh, tl.x.ab.b.hi + kk * 16 * kGlaLdR + wj * 16, kGlaLdR);
-        if (kLo) wmma::load_matrix_sync(vl, tl.x.ab.b.lo + kk * 16 * kGlaLdR + wj * 16, kGlaLdR);
-        mma_split(acc, kh_, kl_, true, vh, vl, kLo);
+        FragAt ah, al;  // A_c^T: A's [row][column] tile read column-major
+        FragB bh, bl;
+        wmma::load_matrix_sync(ah, tl.x.ab.a.hi + kk * 16 * kGlaLdR + wi * 16, kGlaLdR);
+        wmma::load_matrix_sync(al, tl.x.ab.a.lo + kk * 16 * kGlaLdR + wi * 16, kGlaLdR);
+        wmma::load_matrix_sync(bh, tl.x.ab.b.hi + kk * 16 * kGlaLdR + wj * 16, kGlaLdR);
+        if (kBLo) wmma::load_matrix_sync(bl, tl.x.ab.b.lo + kk * 16 * kGlaLdR + wj * 16, kGlaLdR);
+        mma_split(acc, ah, al, true, bh, bl, kBLo);
       }
       wmma::store_matrix_sync(tl.y.u + wi * 16 * kGlaLdO + wj * 16, acc, kGlaLdO, wmma::mem_row_major);
       __syncthreads();
-      for (int e = threadIdx.x; e < kGlaTile * kGlaTile; e += blockDim.x) {
-        const int64_t i = f0 + e / kGlaTile, j = d0 + e % kGlaTile;
-        if (i < M && j < W) S[i * W + j] = fmaf(e_end, S[i * W + j], tl.y.u[(e / kGlaTile) * kGlaLdO + e % kGlaTile]);
+      for (int e = fresh_tid(); e < kGlaTile * kGlaTile; e += blockDim.x) {
+        const int64_t i = i0 + e / kGlaTile, j = j0 + e % kGlaTile;
+        if (i < wa && j < wb) f(i, j, tl.y.u[(e / kGlaTile) * kGlaLdO + e % kGlaTile]);
       }
     }
   }
+}
+
+// S <- e_end S + K~_c^T V'_c (K~_s = w_{end,s} k_s). V' rows of weight 0 are loaded as 0 (a
+// non-finite v_s before a reset stays out of the state, as in update_state).
+template <typename T>
+__device__ __forceinline__ void gla_tc_update(GlaTcTiles& tl, const ChunkDecay& cd, float* S, const MesaLaTensor& k,
+                                              const MesaLaTensor& v, int64_t b, int64_t kh, int64_t t0, int n,
+                                              int64_t M, int64_t D, int64_t W) {
+  constexpr bool kLo = std::is_same_v<T, __half>;  // bf16 values: lo = 0, skipped
+  const float e_end = inter_weight(cd, n - 1);
+  gla_tc_cols<kLo>(
+      tl, n, M, W,
+      [&](int r, int64_t i) {
+        const float w = r < n ? intra_weight(cd, n - 1, r) : 0.0f;
+        return w != 0.0f && i < M ? w * gla_load<T>(k, b, kh, t0 + r, i) : 0.0f;
+      },
+      [&](int r, int64_t j) {
+        if (r >= n || j >= W || intra_weight(cd, n - 1, r) == 0.0f) return 0.0f;
+        return j < D ? gla_load<T>(v, b, kh, t0 + r, j) : 1.0f;
+      },
+      [&](int64_t i, int64_t j, float u) { S[i * W + j] = fmaf(e_end, S[i * W + j], u); });
 }
 
 // Forward on tensor cores: one block per (b, h), as gla_forward_kernel.
@@ -695,7 +726,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
     // O = Q~_c S + (W ∘ P) V'_c, per value tile of 32 columns
     for (int64_t d0 = 0; d0 < D; d0 += kGlaTile) {
       __syncthreads();  // (synccheck: a loop around barriers holds one itself)
-      gla_tc_rows<kLo>(
+      gla_tc_rows<kGlaP, kLo>(
           tl, M, n,
           [&](int r, int64_t i) {
             const float e_r = r < n ? inter_weight(cd, r) : 0.0f;
@@ -748,7 +779,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
     // dq = Y~_c S^T + E K_c, per feature tile of 32
     for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
       __syncthreads();  // (synccheck: a loop around barriers holds one itself)
-      gla_tc_rows<kLo>(
+      gla_tc_rows<kGlaP, kLo>(
           tl, W, n,
           [&](int r, int64_t j) {
             const float e_r = r < n ? inter_weight(cd, r) : 0.0f;
@@ -771,6 +802,155 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
     }
     gla_tc_update<T>(tl, cd, S, a.k, a.v, b, kh, t0, n, M, D, W);
   }
+}
+
+// dk, dv, dS, da on tensor cores: one block per (b, kh), as gla_dkdv_kernel (the same scratch,
+// walk, group order and da). Per chunk, with V~'_s = w_{end,s} v'_s, K~_s = w_{end,s} k_s:
+//   dk  = V~'_c dS^T + sum_h E_h^T Q_h,c            E = w ∘ (dout V^T / g + dden), as dq's
+//   dv  = K~_c dS[:, :D] + sum_h A_h^T (dout_h,c / g) A = w ∘ (Q K^T)
+//   dS' = e_end dS + sum_h Q~_h,c^T dv'_h,c          Q~_t = e_t q_t
+template <typename T>
+__global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
+    gla_dkdv_tc_kernel(const MesaGlaBackwardArgs a, float* work_ds, float* work_dkdv, const float* qdq, float* da_rows) {
+  __shared__ ChunkDecay cd;
+  __shared__ GlaTcTiles tl;
+  __shared__ float g[kGlaChunk];
+  __shared__ float dden[kGlaChunk];
+  __shared__ float kdk[kGlaChunk];
+  constexpr bool kLo = std::is_same_v<T, __half>;
+  const MesaGlaShape& sh = a.shape;
+  const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
+  const int64_t G = H / sh.kv_heads;
+  const int64_t bk = blockIdx.x, b = bk / sh.kv_heads, kh = bk % sh.kv_heads;
+  float* dS = work_ds + bk * 2 * M * W;  // the gradient of the state leaving the chunk
+  float* dS_next = dS + M * W;           // ... and of the one entering it
+  float* dk_acc = work_dkdv + bk * C * (M + W);
+  float* dv_acc = dk_acc + C * M;
+  float* da_out = sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows;
+  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) dS[e] = a.d_final ? a.d_final[bk * M * W + e] : 0.0f;
+  float acc = 0.0f;  // thread 0: the suffix sum of dL/dLam'
+  if (threadIdx.x == 0 && a.d_final != nullptr)
+    for (int64_t e = 0; e < M * W; ++e) acc = fmaf(a.d_final[bk * M * W + e], a.final_state[bk * M * W + e], acc);
+  const int64_t nchunks = (L + C - 1) / C;
+  for (int64_t c = nchunks - 1; c >= 0; --c) {
+    const int64_t t0 = c * C;
+    const int n = int(L - t0 < C ? L - t0 : C);
+    __syncthreads();
+    if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
+    __syncthreads();
+    const float e_end = inter_weight(cd, n - 1);
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) dS_next[e] = e_end * dS[e];
+    // the final-state terms through dS: dk = V~'_c dS^T, dv = K~_c dS[:, :D]
+    for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
+      __syncthreads();  // (synccheck: a loop around barriers holds one itself)
+      gla_tc_rows<kGlaNoP, false>(
+          tl, W, n,
+          [&](int r, int64_t j) {
+            const float w = r < n ? intra_weight(cd, n - 1, r) : 0.0f;
+            if (w == 0.0f || j >= W) return 0.0f;
+            return j < D ? w * gla_load<T>(a.v, b, kh, t0 + r, j) : w;
+          },
+          [&](int64_t j, int cc) { return j < W && f0 + cc < M ? dS[(f0 + cc) * W + j] : 0.0f; },
+          [&](int, int) { return 0.0f; },
+          [&](int t, int cc, float x) {
+            if (f0 + cc < M) dk_acc[t * M + f0 + cc] = x;
+          });
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += kGlaTile) {
+      __syncthreads();  // (synccheck)
+      gla_tc_rows<kGlaNoP, false>(
+          tl, M, n,
+          [&](int r, int64_t i) {
+            const float w = r < n ? intra_weight(cd, n - 1, r) : 0.0f;
+            return w != 0.0f && i < M ? w * gla_load<T>(a.k, b, kh, t0 + r, i) : 0.0f;
+          },
+          [&](int64_t i, int cc) { return i < M && d0 + cc < D ? dS[i * W + d0 + cc] : 0.0f; },
+          [&](int, int) { return 0.0f; },
+          [&](int t, int cc, float x) {
+            if (d0 + cc < D) dv_acc[t * D + d0 + cc] = x;
+          });
+    }
+    for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) {
+      __syncthreads();  // the previous head's scores have been used
+      row_grads<T>(a, b, hq, t0, n, g, dden);
+      // dk += E^T Q_c
+      FragAcc sc[kGlaWarps];
+      gla_tc_scores<kLo>(
+          tl, D, n, [&](int r, int64_t j) { return r < n && j < D ? gla_load<T>(a.dout, b, hq, t0 + r, j) : 0.0f; },
+          [&](int r, int64_t j) { return r < n && j < D ? gla_load<T>(a.v, b, kh, t0 + r, j) : 0.0f; }, sc);
+      gla_tc_stage(tl, sc, n, [&](int t, int s, float x) {
+        const float w = intra_weight(cd, t, s);
+        return w == 0.0f ? 0.0f : w * (x / g[t] + dden[t]);
+      });
+      for (int64_t f0 = 0; f0 < M; f0 += kGlaTile) {
+        __syncthreads();  // (synccheck)
+        gla_tc_rows<kGlaPt, kLo>(
+            tl, 0, n, [&](int, int64_t) { return 0.0f; }, [&](int64_t, int) { return 0.0f; },
+            [&](int t, int cc) { return t < n && f0 + cc < M ? gla_load<T>(a.q, b, hq, t0 + t, f0 + cc) : 0.0f; },
+            [&](int s, int cc, float x) {
+              if (f0 + cc < M) dk_acc[s * M + f0 + cc] += x;
+            });
+      }
+      // dv += A^T (dout_c / g)
+      gla_tc_scores<kLo>(
+          tl, M, n, [&](int r, int64_t i) { return r < n && i < M ? gla_load<T>(a.q, b, hq, t0 + r, i) : 0.0f; },
+          [&](int r, int64_t i) { return r < n && i < M ? gla_load<T>(a.k, b, kh, t0 + r, i) : 0.0f; }, sc);
+      gla_tc_stage(tl, sc, n, [&](int t, int s, float x) {
+        const float w = intra_weight(cd, t, s);
+        return w == 0.0f ? 0.0f : w * x;
+      });
+      for (int64_t d0 = 0; d0 < D; d0 += kGlaTile) {
+        __syncthreads();  // (synccheck)
+        gla_tc_rows<kGlaPt, true>(
+            tl, 0, n, [&](int, int64_t) { return 0.0f; }, [&](int64_t, int) { return 0.0f; },
+            [&](int t, int cc) {
+              return t < n && d0 + cc < D ? gla_load<T>(a.dout, b, hq, t0 + t, d0 + cc) / g[t] : 0.0f;
+            },
+            [&](int s, int cc, float x) {
+              if (d0 + cc < D) dv_acc[s * D + d0 + cc] += x;
+            });
+      }
+      // dS' += Q~_c^T dv'_c
+      gla_tc_cols<true>(
+          tl, n, M, W,
+          [&](int r, int64_t i) {
+            const float e_r = r < n ? inter_weight(cd, r) : 0.0f;
+            return e_r != 0.0f && i < M ? e_r * gla_load<T>(a.q, b, hq, t0 + r, i) : 0.0f;
+          },
+          [&](int r, int64_t j) {
+            if (r >= n || j >= W) return 0.0f;
+            return j < D ? gla_load<T>(a.dout, b, hq, t0 + r, j) / g[r] : dden[r];
+          },
+          [&](int64_t i, int64_t j, float u) { dS_next[i * W + j] += u; });
+    }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < n * M; e += blockDim.x)
+      gla_store<T>(a.dk, b, kh, t0 + e / M, e % M, dk_acc[e]);
+    for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x)
+      gla_store<T>(a.dv, b, kh, t0 + e / D, e % D, dv_acc[e]);
+    for (int s = threadIdx.x; s < n; s += blockDim.x) {
+      float x = 0.0f;
+      for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.k, b, kh, t0 + s, i), dk_acc[s * M + i], x);
+      kdk[s] = x;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int t = n - 1; t >= 0; --t) {
+        float x = -kdk[t];
+        for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
+        acc += x;
+        const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
+        da_out[bk * L + t0 + t] = reset ? 0.0f : acc;
+        if (reset) acc = 0.0f;  // the rows before it form an independent sequence
+      }
+    }
+    float* tmp = dS;
+    dS = dS_next;
+    dS_next = tmp;
+  }
+  __syncthreads();
+  if (a.d_init != nullptr)
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) a.d_init[bk * M * W + e] = dS[e];
 }
 
 // ---------------------------------------------------------------------------------------
@@ -809,8 +989,12 @@ struct GlaBackwardLaunch {
         e = MESA_LAUNCH((gla_dq_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states, dq_tiles,
                         qdq);
       if (e != cudaSuccess) return status_from(e);
-      e = MESA_LAUNCH((gla_dkdv_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv, qdq,
-                      da_rows);
+      if constexpr (kTensorCores<T>)
+        e = MESA_LAUNCH((gla_dkdv_tc_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
+                        qdq, da_rows);
+      else
+        e = MESA_LAUNCH((gla_dkdv_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
+                        qdq, da_rows);
     }
     // per-head decay: also with B = 0 (its gradient is then 0)
     if (e != cudaSuccess || s.decay_kind != MESA_GLA_DECAY_PER_HEAD) return status_from(e);

@@ -181,19 +181,6 @@ __device__ __forceinline__ int64_t seq_of_chunk(const Product& p, int64_t g) {
   return lo;
 }
 
-// threadIdx.x, read again at each call (asm volatile): the shared-memory offsets derived from
-// it are recomputed where they are used instead of held in registers through the whole kernel
-// (the compiler hoists them out of the item loop otherwise; two blocks per SM need at most 128
-// registers, and the tensor-core kernels are at that bound).
-__device__ __forceinline__ int fresh_tid() {
-#ifdef MESA_EMU
-  return int(threadIdx.x);
-#else
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  return t;
-#endif
-}
 
 template <typename T>
 __device__ __forceinline__ float load_operand(const Operand& p, int64_t b, int64_t h, int64_t bh, int64_t L,

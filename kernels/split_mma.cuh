@@ -72,6 +72,20 @@ __device__ __forceinline__ void mma_split(FragAcc& d, const FA& ah, const FA& al
   if (a_lo) wmma::mma_sync(d, al, bh, d);
 }
 
+// threadIdx.x, read again at each call (asm volatile): the shared-memory offsets derived from
+// it are recomputed where they are used instead of held in registers through the whole kernel
+// (the compiler hoists them out of the loops otherwise; the tensor-core kernels are at their
+// bound of 128 registers: linear_attention.cu, gated_linear_attention.cu).
+__device__ __forceinline__ int fresh_tid() {
+#ifdef MESA_EMU
+  return int(threadIdx.x);
+#else
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#endif
+}
+
 // Host: rows of t readable as 16-byte runs of 16-bit elements (the tile loads' fast path):
 // stride-1 features and every row start 16-byte aligned.
 template <typename T>

@@ -38,9 +38,10 @@ STABILIZERS = {0: "none", 1: "row max", 2: "bound", 3: "sequence max"}
 MAX_REGS = 128
 # gated linear attention: the kernels whose f16/bf16 instances must issue HMMA (any 16-bit
 # instance of them: the CUDA-core forward instantiated for f16 fails), and how many 16-bit
-# instances there are (the tensor-core forward and dq walk x 2 dtypes)
-GLA_TENSOR_CORES = ("gla_forward_tc_kernel", "gla_forward_kernel", "gla_dq_tc_kernel", "gla_dq_kernel")
-GLA_EXPECTED = 4
+# instances there are (the tensor-core forward, dq walk and dk/dv walk x 2 dtypes)
+GLA_TENSOR_CORES = ("gla_forward_tc_kernel", "gla_forward_kernel", "gla_dq_tc_kernel", "gla_dq_kernel",
+                    "gla_dkdv_tc_kernel", "gla_dkdv_kernel")
+GLA_EXPECTED = 6
 
 
 def instance(mangled):
