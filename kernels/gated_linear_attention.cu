@@ -1,7 +1,10 @@
-// gated_linear_attention.cu — gated (decayed) causal linear attention with grouped heads, a
-// first, deliberately plain kernel (issue 41): CUDA-core FMAs, f32 state and arithmetic, one
-// thread block per head walking the chunks in order. No tensor cores, boundary states, packed
-// sequences or LASP yet (docs/linear_attention.md, "Gated linear attention").
+// gated_linear_attention.cu — gated (decayed) causal linear attention with grouped heads
+// (issue 41): f32 state and arithmetic, one thread block per head walking the chunks in order.
+// f32 inputs run on CUDA-core FMAs (gla_forward_kernel, gla_dq_kernel, gla_dkdv_kernel); f16
+// and bf16 inputs run every chunk product on tensor cores as split bf16 pairs (the *_tc_kernel
+// instances, "Tensor cores" below; kTensorCores<T> picks per dtype, as linear_attention.cu). No
+// boundary states, packed sequences or LASP yet (docs/linear_attention.md, "Gated linear
+// attention").
 //
 // Math (reference: crates/mesa-kernels/src/reference/gated_linear_attention.rs). For one query
 // head h reading KV head kh = h / (H / H_kv), with v'_s = [v_s | 1] (the 1 only when normalised)
@@ -435,26 +438,35 @@ __global__ void __launch_bounds__(kGlaThreads) gla_da_reduce_kernel(const float*
 }
 
 // ---------------------------------------------------------------------------------------
-// Tensor cores (f16, bf16: kTensorCores<T>): the forward and the dq walk, with the same chunk
-// recurrence as gla_forward_kernel and gla_dq_kernel, their chunk products as 16x16x16 bf16
-// MMAs with f32 accumulators over split pairs (split_mma.cuh): a 16-bit input is exact in hi
-// (+ lo for f16), an f32 value (the weighted scores, the state, rows scaled by a weight or
-// divided by g) within 2^-18 relative, so each term of a product is off by at most 3·2^-18 of
-// its magnitude and a term that passes two products (P then P V', the state's update then
-// Q~ S) by 6·2^-18. The chunk is padded to 64 rows with zeros (any C <= 64):
+// Tensor cores (f16, bf16: kTensorCores<T>): the forward and the backward's two walks, with the
+// same chunk recurrence, scratch and scalar parts as the CUDA-core kernels above, their chunk
+// products as 16x16x16 bf16 MMAs with f32 accumulators over split pairs (split_mma.cuh): a
+// 16-bit input is exact in hi (+ lo for f16), an f32 value (the weighted scores, the state and
+// its gradient, rows scaled by a weight or divided by g) within 2^-18 relative, so each term of
+// a product is off by at most 3·2^-18 of its magnitude and a term that passes two products (P
+// then P V', the state's update then Q~ S) by 6·2^-18. The chunk is padded to 64 rows with
+// zeros (any C <= 64; only the 16-row blocks holding rows are computed):
 //   forward  P   = Q_c K_c^T                MMA; then W ∘ P (and the mask) in f32, split
 //            O   = Q~_c S + (W ∘ P) V'_c     Q~_t = e_t q_t (f32); S the f32 state
 //   dq       E   = dout_c V_c^T             MMA; then E_ts = w_ts (E_ts / g_t + dden_t), split
 //            dq  = Y~_c S^T + E K_c          Y~_t = e_t dv'_t (f32)
 //   both     S  <- e_end S + K~_c^T V'_c      K~_s = w_{end,s} k_s (f32); e_end S in f32
-// The denominators, g, dden and q_t . dq_t stay scalar f32 (as the CUDA-core kernels).
-// Per block (4 warps): warp w owns row block w of P (column blocks 0..w; the blocks above the
-// diagonal are never computed) and of the outputs (64 x 32 per tile of 32 columns: two 16 x 16
-// blocks); U = K~^T V' (32 x 32 per feature and value tile) is 2 x 2 blocks, one per warp.
-// Operand tiles are row-major [row][column] pairs in shared memory, a transposed operand read
-// column-major. Not as in the CUDA-core kernels: a non-finite value of v (forward) or k (dq)
-// at row s reaches, through the masked zeros of its diagonal 16 x 16 block, the rows t < s of
-// that block (the scalar kernels sum s <= t only).
+//   dk/dv    dk  = V~'_c dS^T + sum_h E_h^T Q_h,c        V~'_s = w_{end,s} v'_s (f32)
+//            dv  = K~_c dS[:, :D] + sum_h A_h^T (dout_h,c / g)   A = W ∘ (Q K^T)
+//            dS <- e_end dS + sum_h Q~_h,c^T dv'_h,c
+// The denominators, g, dden, q_t . dq_t, k_s . dk_s and da stay scalar f32, as above.
+// Per block (4 warps): warp w owns row block w of the scores (column blocks 0..w; the blocks
+// above the diagonal are never computed) and of the outputs (64 x 32 per tile of 32 columns:
+// two 16 x 16 blocks); U = X_c^T Y_c (32 x 32 per pair of column tiles: the state update, dS)
+// is 2 x 2 blocks, one per warp. Operand tiles are [row][column] bf16 pairs in shared memory
+// (38 912 B, reused by the phases of a chunk), a transposed operand read column-major; each is
+// loaded element by element with its strides (no 16-byte path yet). FLOPs as the CUDA-core
+// kernels' (x3 MMAs per f32 pair, x1-3 per 16-bit one); global reads per chunk of the forward:
+// q once for P and once per value tile (Q~), k once for P and once per value tile of W (K~),
+// v twice; the backward's likewise per product.
+// Not as in the CUDA-core kernels: a non-finite input value at row s reaches, through the
+// masked zeros of its diagonal 16 x 16 block, the rows of that block the mask hides from it
+// (the scalar kernels sum the visible entries only).
 constexpr int kGlaTile = 32;             // features (of M) and value columns (of D, W) per tile
 constexpr int kGlaLdR = kGlaTile + 8;    // row tiles [64][32] (bf16 pairs)
 constexpr int kGlaLdS = kGlaTile + 8;    // the state tile [32][32] (bf16 pair)
