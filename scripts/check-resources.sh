@@ -23,9 +23,9 @@
 # 16-byte vectors. On sm_90 it then counts the instructions each memory-bound kernel's dense
 # hot path issues per element (scripts/sass_count.py: one line per kernel with the word
 # `budget`) and fails when one is over its limit (the method: docs/kernels.md, "Static
-# instruction budget"), and checks that the f16/bf16 linear-attention kernels issue
-# tensor-core instructions within their register gates (scripts/sass_tensor_cores.py, per
-# architecture).
+# instruction budget"), and checks that the f16/bf16 linear-attention kernels (ungated and
+# gated) issue tensor-core instructions within their register gates
+# (scripts/sass_tensor_cores.py, per architecture).
 #
 #   scripts/check-resources.sh                  # compile, sm_90
 #   scripts/check-resources.sh 80 90            # or MESA_RESOURCE_ARCHS="80 90"

@@ -14,8 +14,10 @@
 //!
 //! The kernel (`kernels/gated_linear_attention.cu`, whose header has the chunk recurrence, the
 //! backward and `da` derivations, the bytes moved and the accuracy of the log-space differences)
-//! is a first, plain one: one thread block per head walking the chunks in order, f32 state and
-//! arithmetic on CUDA cores. The f64 oracle is [`crate::reference::gated_linear_attention`].
+//! walks the chunks in order, one thread block per head, with f32 state and arithmetic: f32
+//! inputs on CUDA cores, f16 and bf16 inputs with every chunk product on tensor cores (bf16
+//! split pairs, each product term within 3·2⁻¹⁸ of its magnitude; docs/linear_attention.md).
+//! The f64 oracle is [`crate::reference::gated_linear_attention`].
 //!
 //! Shapes: `q, out, dout, dq: [B, H, L, M | D]`, `k, dk: [B, H_kv, L, M]`, `v, dv:
 //! [B, H_kv, L, D]` (rank-4 views, any strides, one dtype: f32, f16 or bf16); the decay and its
