@@ -464,9 +464,8 @@ __global__ void __launch_bounds__(kGlaThreads) gla_da_reduce_kernel(const float*
 // kernels' (x3 MMAs per f32 pair, x1-3 per 16-bit one); global reads per chunk of the forward:
 // q once for P and once per value tile (Q~), k once for P and once per value tile of W (K~),
 // v twice; the backward's likewise per product.
-// Not as in the CUDA-core kernels: a non-finite input value at row s reaches, through the
-// masked zeros of its diagonal 16 x 16 block, the rows of that block the mask hides from it
-// (the scalar kernels sum the visible entries only).
+// A non-finite input value in a masked product (P C_c, P^T C_c) is kept out of the rows the
+// mask hides from it by summing its diagonal 16 x 16 block with scalar FMAs (gla_tc_rows).
 constexpr int kGlaTile = 32;             // features (of M) and value columns (of D, W) per tile
 constexpr int kGlaLdR = kGlaTile + 8;    // row tiles [64][32] (bf16 pairs)
 constexpr int kGlaLdS = kGlaTile + 8;    // the state tile [32][32] (bf16 pair)
@@ -476,7 +475,8 @@ constexpr int kGlaLdO = kGlaTile + 4;    // outputs [64][32] and U [32][32] stag
 constexpr int kGlaWarps = kGlaThreads / kWarpSize;
 static_assert(kGlaWarps * 16 == kGlaChunk, "one 16-row block of the chunk per warp");
 
-// 38 912 bytes; each union's members are used in phases separated by block barriers.
+// 38 912 bytes; each union's members are used in phases separated by block barriers (vo.o
+// beside vo.v: the diagonal blocks' scalar sums read C while O is staged).
 struct GlaTcTiles {
   union alignas(32) {
     struct {
@@ -486,9 +486,11 @@ struct GlaTcTiles {
       SplitTile<kGlaChunk, kGlaLdR> a;
       SplitTile<kGlaTile, kGlaLdS> s;
     } as;                             // Q~ (Y~) and a state tile
-    SplitTile<kGlaChunk, kGlaLdR> v;  // the right operand of the weighted scores
-    float pf[kGlaChunk * kGlaLdPf];   // the scores as accumulated
-    float o[kGlaChunk * kGlaLdO];     // outputs before their global write
+    float pf[kGlaChunk * kGlaLdPf];  // the scores as accumulated
+    struct {
+      SplitTile<kGlaChunk, kGlaLdR> v;  // the right operand of the weighted scores
+      float o[kGlaChunk * kGlaLdO];     // outputs before their global write (v still read)
+    } vo;
   } x;
   union alignas(32) {
     SplitTile<kGlaChunk, kGlaLdP> p;  // the weighted scores
@@ -594,21 +596,35 @@ __device__ __forceinline__ void gla_tc_rows(GlaTcTiles& tl, int64_t inner, int n
     }
   }
   __syncthreads();
+  // A masked zero of P times a non-finite C value is NaN, and in an MMA it reaches the rows the
+  // mask hides from that value. Only the diagonal 16 x 16 block mixes them (the blocks beyond
+  // it are never computed): when the warp's 16 rows of C hold a non-finite value (in hi; lo is
+  // always finite), that block is summed with scalar FMAs over its visible entries instead.
+  bool diag_scalar = false;
   if (kP != kGlaNoP) {
-    gla_tile(tl.x.v, c);
+    gla_tile(tl.x.vo.v, c);
     __syncthreads();
+    const int lane = fresh_tid() % kWarpSize;
+    bool bad = false;
+#pragma unroll 1
+    for (int i = lane; i < 16 * kGlaTile; i += kWarpSize) {
+      const float x = __bfloat162float(tl.x.vo.v.hi[(warp * 16 + i / kGlaTile) * kGlaLdR + i % kGlaTile]);
+      bad = bad || !(x - x == 0.0f);
+    }
+    diag_scalar = __any_sync(0xffffffffu, bad);
   }
   if (kP == kGlaP && rows) {
 #pragma unroll 1
     for (int kk = 0; kk <= warp; ++kk) {
+      if (diag_scalar && kk == warp) continue;
       FragA ph, pl;
       wmma::load_matrix_sync(ph, tl.y.p.hi + warp * 16 * kGlaLdP + kk * 16, kGlaLdP);
       wmma::load_matrix_sync(pl, tl.y.p.lo + warp * 16 * kGlaLdP + kk * 16, kGlaLdP);
 #pragma unroll
       for (int jo = 0; jo < 2; ++jo) {
         FragB ch, cl;
-        wmma::load_matrix_sync(ch, tl.x.v.hi + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
-        if (kCLo) wmma::load_matrix_sync(cl, tl.x.v.lo + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
+        wmma::load_matrix_sync(ch, tl.x.vo.v.hi + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
+        if (kCLo) wmma::load_matrix_sync(cl, tl.x.vo.v.lo + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
         mma_split(acc[jo], ph, pl, true, ch, cl, kCLo);
       }
     }
@@ -616,25 +632,44 @@ __device__ __forceinline__ void gla_tc_rows(GlaTcTiles& tl, int64_t inner, int n
   if (kP == kGlaPt && rows) {
 #pragma unroll 1
     for (int kk = warp; kk * 16 < n; ++kk) {
+      if (diag_scalar && kk == warp) continue;
       FragAt ph, pl;  // P^T: P's [t][s] tile read column-major
       wmma::load_matrix_sync(ph, tl.y.p.hi + kk * 16 * kGlaLdP + warp * 16, kGlaLdP);
       wmma::load_matrix_sync(pl, tl.y.p.lo + kk * 16 * kGlaLdP + warp * 16, kGlaLdP);
 #pragma unroll
       for (int jo = 0; jo < 2; ++jo) {
         FragB ch, cl;
-        wmma::load_matrix_sync(ch, tl.x.v.hi + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
-        if (kCLo) wmma::load_matrix_sync(cl, tl.x.v.lo + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
+        wmma::load_matrix_sync(ch, tl.x.vo.v.hi + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
+        if (kCLo) wmma::load_matrix_sync(cl, tl.x.vo.v.lo + kk * 16 * kGlaLdR + jo * 16, kGlaLdR);
         mma_split(acc[jo], ph, pl, true, ch, cl, kCLo);
       }
     }
   }
   if (kP != kGlaNoP) __syncthreads();
-  wmma::store_matrix_sync(tl.x.o + warp * 16 * kGlaLdO, acc[0], kGlaLdO, wmma::mem_row_major);
-  wmma::store_matrix_sync(tl.x.o + warp * 16 * kGlaLdO + 16, acc[1], kGlaLdO, wmma::mem_row_major);
+  wmma::store_matrix_sync(tl.x.vo.o + warp * 16 * kGlaLdO, acc[0], kGlaLdO, wmma::mem_row_major);
+  wmma::store_matrix_sync(tl.x.vo.o + warp * 16 * kGlaLdO + 16, acc[1], kGlaLdO, wmma::mem_row_major);
+  if (diag_scalar && rows) {
+    // out[r][cc] += sum over the block's visible x of P(r, x) C[x][cc], in x order, from the
+    // pairs (hi + lo): P(r, x) = P[r][x] for x <= r (kGlaP), P[x][r] for x >= r (kGlaPt)
+    __syncwarp();  // the warp's store_matrix_sync is done
+    const int lane = fresh_tid() % kWarpSize;
+    const int r = warp * 16 + lane / 2, c0 = (lane % 2) * 16;
+#pragma unroll 1
+    for (int j = 0; j < 16; ++j) {
+      float x = tl.x.vo.o[r * kGlaLdO + c0 + j];
+#pragma unroll 1
+      for (int y = warp * 16; y < warp * 16 + 16; ++y) {
+        if (kP == kGlaP ? y > r : y < r) continue;
+        const int pi = kP == kGlaP ? r * kGlaLdP + y : y * kGlaLdP + r;
+        x = fmaf(split_value(tl.y.p, pi), split_value(tl.x.vo.v, y * kGlaLdR + c0 + j), x);
+      }
+      tl.x.vo.o[r * kGlaLdO + c0 + j] = x;
+    }
+  }
   __syncthreads();
   for (int e = fresh_tid(); e < kGlaChunk * kGlaTile; e += blockDim.x) {
     const int t = e / kGlaTile, cc = e % kGlaTile;
-    if (t < n) out(t, cc, tl.x.o[t * kGlaLdO + cc]);
+    if (t < n) out(t, cc, tl.x.vo.o[t * kGlaLdO + cc]);
   }
 }
 

@@ -847,6 +847,79 @@ fn step_recurrence_matches_the_quadratic_reference() {
     }
 }
 
+/// A non-finite input value at row s leaves the rows the mask hides from it finite and correct:
+/// `v_s` (the forward's `P V'`), `k_s` (the forward's scores and `dq`'s `E K`) for the rows
+/// t < s, `q_t` (the dk/dv walk's `Eᵀ Q`) for the rows s > t. On tensor cores the masked zeros
+/// of the diagonal 16×16 block would carry it into those rows as NaN (0·∞) through the MMA;
+/// the kernels sum that block with scalar FMAs instead when its rows hold a non-finite value.
+/// Row 21 lies in the second 16-row block of a chunk of 32: rows 16..20 share its block.
+#[test]
+fn a_non_finite_value_stays_out_of_the_rows_it_cannot_see() {
+    let mut rng = common::rng("gated a_non_finite_value_stays_out_of_the_rows_it_cannot_see");
+    let device = common::emulator();
+    let c = Case { initial: false, d_final: false, ..base(sh(1, 2, 1, 40, 5, 3), 32) };
+    let row = 21;
+    fn one<T: Element>(device: &Device, c: &Case, rng: &mut StdRng, row: usize) {
+        let s = c.s;
+        let p = make::<T>(c, rng);
+        let r = reference(c, &p);
+        let (m0, lo, hi) = (magnitudes(c, &p, &r, 0.0), magnitudes(c, &p, &r, -1e-3), magnitudes(c, &p, &r, 1e-3));
+        let tc = T::DTYPE != DType::F32;
+        let (ut, sub) = (common::unit_roundoff(T::DTYPE), common::subnormal_spacing(T::DTYPE));
+        let tout = bound32(c, &m0.out, &lo.out, &hi.out, 0.0, tc);
+        let tdq = bound32(c, &m0.dq, &lo.dq, &hi.dq, 0.0, tc);
+        let tdk = bound32(c, &m0.dk, &lo.dk, &hi.dk, 0.0, tc);
+        // the elements of rows `rows` of every head (width f) of a [B, heads, L, f] tensor
+        let pick = |x: &[f64], heads: usize, f: usize, rows: &dyn Fn(usize) -> bool| -> Vec<f64> {
+            (0..s.b * heads * s.l * f).filter(|i| rows((i / f) % s.l)).map(|i| x[i]).collect()
+        };
+        let cmp = |what: &str,
+                   got: &[f64],
+                   want: &[f64],
+                   tol: &[f64],
+                   heads: usize,
+                   f: usize,
+                   rows: &dyn Fn(usize) -> bool| {
+            check(
+                what,
+                c,
+                &pick(got, heads, f, rows),
+                &pick(want, heads, f, rows),
+                &pick(tol, heads, f, rows),
+                ut,
+                sub,
+            );
+        };
+        let before = |t: usize| t < row;
+        let after = |t: usize| t > row;
+        // v_s = ∞: the outputs before it
+        let mut pv = make::<T>(c, rng);
+        (pv.q, pv.k, pv.v, pv.dout) = (p.q.clone(), p.k.clone(), p.v.clone(), p.dout.clone());
+        pv.a.clone_from(&p.a);
+        pv.v[row * s.d + 1] = f64::INFINITY;
+        let g = run::<T>(device, c, &pv).expect("v = inf");
+        cmp("out (v inf)", &g.out, &r.out, &tout, s.h, s.d, &before);
+        // k_s = ∞: the outputs and dq before it
+        let mut pk = make::<T>(c, rng);
+        (pk.q, pk.k, pk.v, pk.dout) = (p.q.clone(), p.k.clone(), p.v.clone(), p.dout.clone());
+        pk.a.clone_from(&p.a);
+        pk.k[row * s.m + 2] = f64::INFINITY;
+        let g = run::<T>(device, c, &pk).expect("k = inf");
+        cmp("out (k inf)", &g.out, &r.out, &tout, s.h, s.d, &before);
+        cmp("dq (k inf)", &g.dq, &r.g.dq, &tdq, s.h, s.m, &before);
+        // q_t = ∞ (query head 0): dk after it
+        let mut pq = make::<T>(c, rng);
+        (pq.q, pq.k, pq.v, pq.dout) = (p.q.clone(), p.k.clone(), p.v.clone(), p.dout.clone());
+        pq.a.clone_from(&p.a);
+        pq.q[row * s.m] = f64::INFINITY;
+        let g = run::<T>(device, c, &pq).expect("q = inf");
+        cmp("dk (q inf)", &g.dk, &r.g.dk, &tdk, s.hkv, s.m, &after);
+    }
+    one::<f32>(&device, &c, &mut rng, row);
+    one::<f16>(&device, &c, &mut rng, row);
+    one::<bf16>(&device, &c, &mut rng, row);
+}
+
 /// a = 0 against the ungated kernel (`linear_attention`, H_kv = H): not bitwise — the two sum
 /// in different orders (the ungated kernel tiles 32 columns, scans chunk sums, and runs f16/bf16
 /// on tensor cores with split bf16 pairs) — but within the sum of the two bounds: each is
