@@ -2,8 +2,9 @@
 //! with the f64 reference (`reference::gated_linear_attention`): forward, dq, dk, dv, da, the
 //! final state and the initial state's gradient, on the emulator with its checks on (and a GPU
 //! when one is present), for f32, f16 and bf16, per-step and per-head decay, grouped heads
-//! (1, 4, multi-query), normalised or not, L = 1, odd L and chunk sizes, resets (a = −∞), a long
-//! strongly decaying sequence, and a = 0 against the ungated kernel.
+//! (1, 4, multi-query), normalised or not, L = 1, odd L and chunk sizes, resets (a = −∞), long
+//! strongly decaying sequences (L = 2000; L = 16K against a step recurrence), a non-finite input
+//! kept out of the rows that do not see it, and a = 0 against the ungated kernel.
 //!
 //! Tolerances (derived, per element; u = 2⁻²⁴, u_T the storage type's unit roundoff):
 //! * Inputs are exact in T (and the decay in f32); the reference reads the same values in f64,
