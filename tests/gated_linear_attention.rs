@@ -733,7 +733,7 @@ fn matches_the_reference_f16_bf16() {
 
 /// a = −∞ resets the state: at row 0, inside a chunk, on a chunk boundary, twice in a row, at
 /// the last row, and a per-head rate of −∞ (every step a reset). No NaN, reference parity
-/// (whose weights across a reset are exactly 0).
+/// (whose weights across a reset are exactly 0). f32 on CUDA cores, bf16 on tensor cores.
 #[test]
 fn resets_without_nan() {
     let mut rng = common::rng("gated resets_without_nan");
@@ -747,6 +747,7 @@ fn resets_without_nan() {
     for device in common::backends() {
         for c in &cases {
             parity::<f32>(&device, c, &mut rng);
+            parity::<bf16>(&device, c, &mut rng); // tensor cores
         }
     }
 }
