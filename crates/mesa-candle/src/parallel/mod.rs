@@ -31,6 +31,7 @@ use crate::attach::{attach, Backward};
 use crate::error::Error;
 
 mod exec;
+pub mod gated_lasp;
 mod group;
 pub mod lasp;
 #[cfg(all(feature = "nccl", feature = "cuda"))]
