@@ -206,7 +206,7 @@ fn run(c: &Case, rng: &mut Rng) {
         // term 1: dout/den; term 2: v = 1, dout = (dout·o)/den (module docs)
         let den = &fw.den;
         let g1: Vec<f64> = (0..dout.len()).map(|i| dout[i] / den[i / d]).collect();
-        let (m1, t1) = magnitudes(c, dims, [&pq, &pk, &vf], &a_steps, None, &g1, None);
+        let (_, t1) = magnitudes(c, dims, [&pq, &pk, &vf], &a_steps, None, &g1, None);
         let ones = vec![1.0; b * hkv * l];
         let g2: Vec<f64> = (0..b * h * l)
             .map(|r| (0..d).map(|j| (dout[r * d + j] * fw.out[r * d + j]).abs()).sum::<f64>() / den[r])
@@ -216,7 +216,6 @@ fn run(c: &Case, rng: &mut Rng) {
         let (mn, _) = magnitudes(c, dims, [&pq, &pk, &vf], &a_steps, None, &dout, None);
         let out: Vec<f64> = (0..mn.out.len()).map(|i| mn.out[i] / den[i / d] + fw.out[i].abs()).collect();
         let add = |x: &[f64], y: &[f64]| x.iter().zip(y).map(|(p, q)| p + q).collect::<Vec<_>>();
-        let _ = m1;
         (out, vec![], add(&t1.dq, &t2.dq), add(&t1.dk, &t2.dk), t1.dv)
     } else {
         let (mf, mg) = magnitudes(c, dims, [&pq, &pk, &vf], &a_steps, s0f.as_deref(), &dout, d_final.as_deref());
@@ -267,8 +266,9 @@ fn run(c: &Case, rng: &mut Rng) {
     };
     for bi in 0..b {
         for kh in 0..hkv {
-            let (mut err, mut mag) = fin_term(bi, kh);
-            mag *= (m * c.width() + 4) as f64 * U;
+            // ⟨d_final, S_final⟩: its dot's roundings and the final state's error
+            let (fin_mag, fin_err) = fin_term(bi, kh);
+            let mut err = fin_err + (m * c.width() + 4) as f64 * U * fin_mag;
             let mut dots_mag = 0.0;
             for r in (0..l).rev() {
                 for hh in kh * group..(kh + 1) * group {
@@ -284,8 +284,8 @@ fn run(c: &Case, rng: &mut Rng) {
                     dots_mag += pk[i].abs() * mag_dk[i];
                 }
                 let at = (bi * hkv + kh) * l + r;
-                tda[at] = err + mag + (m + group + l + 4) as f64 * U * dots_mag;
-                mda[at] = dots_mag + mag / ((m * c.width() + 4) as f64 * U);
+                tda[at] = err + (m + group + l + 4) as f64 * U * dots_mag;
+                mda[at] = dots_mag + fin_mag;
             }
         }
     }
