@@ -54,15 +54,14 @@
 //! "Linear attention across sequence shards (LASP)".
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Shape, Tensor};
-use mesa_kernels::gated_linear_attention::{
-    self, BackwardArgs, Decay, ForwardArgs, GatedConfig, GatedGrads, GatedSaved,
-};
+use candle_core::{DType, Device, Tensor};
+use mesa_kernels::gated_linear_attention::{GatedConfig, GatedSaved};
 
 use super::Collectives;
 use crate::attach::{attach, Backward};
-use crate::bridge::{common_device, KernelFloat, Output, View};
-use crate::error::{Error, KernelResult};
+use crate::bridge::common_device;
+use crate::error::Error;
+use crate::ops::gated_linear_attention::{gla_backward, gla_forward, GlaGrads};
 use crate::ops::{check_dtypes, check_rank, tensor_result};
 
 const OP: &str = "sharded gated linear attention";
@@ -423,98 +422,6 @@ fn f32_of(t: &Tensor) -> candle_core::Result<Tensor> {
     t.detach().to_dtype(DType::F32)
 }
 
-/// The decay's kind, from its rank.
-fn decay_of<'a, 'b>(a: &'a mesa_kernels::TensorRef<'b, f32>) -> Decay<'a, 'b> {
-    if a.shape().len() == 1 {
-        Decay::PerHead(a)
-    } else {
-        Decay::PerStep(a)
-    }
-}
-
-/// The gated kernel's forward on tensors outside any graph (`a` and `initial` f32 contiguous).
-fn gla_forward<T: KernelFloat>(
-    kernels: &mesa_kernels::Device,
-    config: &GatedConfig,
-    qkv: [&Tensor; 3],
-    a: &Tensor,
-    initial: Option<&Tensor>,
-) -> candle_core::Result<(Output<T>, GatedSaved)> {
-    let [q, k, v] = qkv;
-    let (b, h, l, _) = q.dims4()?;
-    let mut out = Output::<T>::zeros(q.device(), kernels, &Shape::from((b, h, l, v.dim(3)?)))?;
-    let saved = {
-        let (qv, kv, vv, av) = (View::of(q)?, View::of(k)?, View::of(v)?, View::of(a)?);
-        let (qr, kr, vr) = (qv.tensor_ref::<T>()?, kv.tensor_ref::<T>()?, vv.tensor_ref::<T>()?);
-        let ar = av.tensor_ref::<f32>()?;
-        let s0 = initial.map(View::of).transpose()?;
-        let s0 = s0.as_ref().map(View::tensor_ref::<f32>).transpose()?;
-        let mut o = out.tensor_mut()?;
-        let args = ForwardArgs { q: &qr, k: &kr, v: &vr, decay: decay_of(&ar), initial: s0.as_ref(), out: &mut o };
-        gated_linear_attention::forward(kernels, config, args).k()?
-    };
-    Ok((out, saved))
-}
-
-/// `[dq, dk, dv]`, `da` (shaped as `a`) and the initial state's gradient (when `initial`).
-struct KernelGrads {
-    dqkv: [Tensor; 3],
-    da: Tensor,
-    d_initial: Option<Tensor>,
-}
-
-/// The gated kernel's backward on tensors outside any graph, `d_final = 0`.
-fn gla_backward<T: KernelFloat>(
-    kernels: &mesa_kernels::Device,
-    saved: &GatedSaved,
-    qkv: [&Tensor; 3],
-    a: &Tensor,
-    initial: Option<&Tensor>,
-    out: Option<&Tensor>,
-    dout: &Tensor,
-) -> candle_core::Result<KernelGrads> {
-    let [q, k, v] = qkv;
-    let dev = q.device();
-    let mut dq = Output::<T>::zeros(dev, kernels, q.shape())?;
-    let mut dk = Output::<T>::zeros(dev, kernels, k.shape())?;
-    let mut dv = Output::<T>::zeros(dev, kernels, v.shape())?;
-    let mut da = Output::<f32>::zeros(dev, kernels, a.shape())?;
-    let mut d_init = match initial {
-        Some(s) => Some(Output::<f32>::zeros(dev, kernels, s.shape())?),
-        None => None,
-    };
-    {
-        let (qv, kv, vv, av, gv) = (View::of(q)?, View::of(k)?, View::of(v)?, View::of(a)?, View::of(dout)?);
-        let (qr, kr, vr) = (qv.tensor_ref::<T>()?, kv.tensor_ref::<T>()?, vv.tensor_ref::<T>()?);
-        let (ar, gr) = (av.tensor_ref::<f32>()?, gv.tensor_ref::<T>()?);
-        let ov = out.map(View::of).transpose()?;
-        let or = ov.as_ref().map(View::tensor_ref::<T>).transpose()?;
-        let s0 = initial.map(View::of).transpose()?;
-        let s0 = s0.as_ref().map(View::tensor_ref::<f32>).transpose()?;
-        let (mut dqm, mut dkm, mut dvm, mut dam) =
-            (dq.tensor_mut()?, dk.tensor_mut()?, dv.tensor_mut()?, da.tensor_mut()?);
-        let mut dim = d_init.as_mut().map(Output::tensor_mut).transpose()?;
-        let grads = GatedGrads { dq: &mut dqm, dk: &mut dkm, dv: &mut dvm, d_decay: &mut dam, d_initial: dim.as_mut() };
-        let args = BackwardArgs {
-            q: &qr,
-            k: &kr,
-            v: &vr,
-            decay: decay_of(&ar),
-            initial: s0.as_ref(),
-            out: or.as_ref(),
-            dout: &gr,
-            d_final: None,
-            grads,
-        };
-        gated_linear_attention::backward(kernels, saved, args).k()?;
-    }
-    Ok(KernelGrads {
-        dqkv: [dq.into_tensor()?, dk.into_tensor()?, dv.into_tensor()?],
-        da: da.into_tensor()?,
-        d_initial: d_init.map(Output::into_tensor).transpose()?,
-    })
-}
-
 struct ShardGrad {
     config: GatedConfig,
     comm: Arc<dyn Collectives>,
@@ -560,14 +467,17 @@ impl ShardGrad {
             (None, true) => Some(f32_of(res)?),
             (None, false) => None,
         };
-        let KernelGrads { dqkv: [dq, mut dk, mut dv], mut da, d_initial } = gla_backward::<f32>(
+        let GlaGrads { dqkv: [dq, mut dk, mut dv], mut da, d_initial } = gla_backward::<f32>(
             &self.kernels,
+            &self.config,
             &self.saved,
             [&q, &k, &v],
             &a,
             self.start.as_ref(),
             out.as_ref(),
             &dout,
+            None,
+            self.start.is_some(),
         )?;
         let g_local = match d_initial {
             Some(g) => g,

@@ -315,3 +315,180 @@ fn bad_decay_fails_every_rank() {
         assert!(e.to_string().contains("rank 1's log-decay"), "rank {r}: {e}");
     }
 }
+
+/// Normalised (the state's extra column `z` crosses the hand-off as a column of the state):
+/// q and k positive (`|N(0, 0.7)| + 0.05`, so `g = q·z > 0` has no cancellation), against the
+/// reference on the whole sequence for 1, 2 and 4 ranks, per step and per head, grouped heads,
+/// resets.
+///
+/// Bounds: the normalised op is the plain one on `v' = [v | 1]` followed by the division by
+/// `g`, so each result's magnitude is the plain reference (no normaliser) on |q|, |k|,
+/// `[|v| | 1]` with the upstream gradient `[|dy_t|/g_t | |dy_t|·|o_t|/g_t]` (`dnum` and the
+/// magnitude of `dden = −(dy_t·o_t)/g_t`); `g` keeps its relative error (positive terms), the
+/// output adds `|o|`. The chain gains the division and `dden`'s dot over D: `N + D + 4`.
+#[test]
+fn normalised_shards_match_the_reference() {
+    let mut rng = Rng::new(module_path!());
+    let (s, l, eps) = (Dims { b: 2, h: 4, hkv: 2, m: 5, d: 4 }, 23, 1e-6f32);
+    for kind in [Kind::PerStep, Kind::PerHead] {
+        let resets: Vec<(usize, usize, usize)> = match kind {
+            Kind::PerStep => vec![(0, 0, 3), (1, 1, 11), (0, 1, 6)],
+            Kind::PerHead => vec![(0, 1, 0)],
+        };
+        let mut p = problem(&mut rng, s, l, kind, 0.5, &resets);
+        let positive = |t: &Tensor| (t.abs().unwrap() + 0.05).unwrap();
+        p.q = positive(&p.q);
+        p.k = positive(&p.k);
+        let Dims { b, h, hkv, m, d } = s;
+        let (q, k, v, dy, a) = (host(&p.q), host(&p.k), host(&p.v), host(&p.dy), host(&p.a));
+        let decay = if kind == Kind::PerStep { rg::Decay::PerStep(&a) } else { rg::Decay::PerHead(&a) };
+        let dims = rg::GatedDims { batch: b, heads: h, kv_heads: hkv, len: l, feat: m, dim: d };
+        let g = rg::Gated { q: &q, k: &k, v: &v, decay, dims, normalize: Some(f64::from(eps)), initial: None };
+        let fwd = rg::forward(&g).unwrap();
+        let grads = rg::backward(&g, &dy, None).unwrap();
+        let want = [fwd.out.clone(), grads.dq, grads.dk, grads.dv, grads.da];
+        // magnitudes: the plain reference on [|v| | 1] (absolute output o_abs first)
+        let v1: Vec<f64> =
+            (0..b * hkv * l).flat_map(|r| v[r * d..(r + 1) * d].iter().map(|x| x.abs()).chain([1.0])).collect();
+        let dims1 = rg::GatedDims { dim: d + 1, ..dims };
+        let plain = rg::Gated { q: &q, k: &k, v: &v1, decay, dims: dims1, normalize: None, initial: None };
+        let num = rg::forward(&plain).unwrap().out;
+        let mut up = vec![0.0; b * h * l * (d + 1)];
+        let mut out_mag = vec![0.0; b * h * l * d];
+        for r in 0..b * h * l {
+            let den = fwd.den[r];
+            let o_abs: f64 = (0..d).map(|j| dy[r * d + j].abs() * num[r * (d + 1) + j] / den).sum();
+            for j in 0..d {
+                up[r * (d + 1) + j] = dy[r * d + j].abs() / den;
+                out_mag[r * d + j] = num[r * (d + 1) + j] / den + fwd.out[r * d + j].abs();
+            }
+            up[r * (d + 1) + d] = o_abs / den;
+        }
+        let mg = rg::backward(&plain, &up, None).unwrap();
+        let dv_mag: Vec<f64> = (0..b * hkv * l * d).map(|i| mg.dv[(i / d) * (d + 1) + i % d]).collect();
+        let mags = [out_mag, mg.dq, mg.dk, dv_mag];
+        let config = GatedConfig { normalize: true, eps, chunk: 4 };
+        for sp in [&[23][..], &[11, 12], &[6, 5, 0, 12]] {
+            let what = format!("normalised {kind:?} splits={sp:?}");
+            let got = assemble(&ok(run_sharded(config, sp, &p)), kind);
+            let n = (m + 2 * d + 3 * l + 8 + l / 4 + 4 * sp.len() + 2 + 44) as f64
+                + (8 * (l + 4) + sp.len() * l) as f64 * p.alpha;
+            let bound: Vec<Vec<f64>> = mags.iter().map(|x| x.iter().map(|y| U * n * y).collect()).collect();
+            // da: as the module docs, with these magnitudes
+            let (qa, ka) = (host(&p.q), host(&p.k));
+            let gsz = h / hkv;
+            let mut per_bk = vec![0.0; b * hkv];
+            for bi in 0..b {
+                for hh in 0..h {
+                    let kh = hh / gsz;
+                    for i in 0..l * m {
+                        let (qi, ki) = (((bi * h + hh) * l) * m + i, ((bi * hkv + kh) * l) * m + i);
+                        let first = hh % gsz == 0;
+                        let t = qa[qi] * mags[1][qi] + if first { ka[ki] * mags[2][ki] } else { 0.0 };
+                        let e = qa[qi] * bound[1][qi] + if first { ka[ki] * bound[2][ki] } else { 0.0 };
+                        per_bk[bi * hkv + kh] += e + (m + 2 * l + gsz + 8) as f64 * U * t;
+                    }
+                }
+            }
+            let da_bound: Vec<f64> = match kind {
+                Kind::PerStep => (0..b * hkv * l).map(|i| per_bk[i / l]).collect(),
+                Kind::PerHead => (0..hkv)
+                    .map(|kh| {
+                        (0..b).map(|bi| per_bk[bi * hkv + kh]).sum::<f64>()
+                            * (b * l) as f64
+                            * (1.0 + (b * l * l) as f64 * U)
+                    })
+                    .collect(),
+            };
+            for (i, name) in ["out", "dq", "dk", "dv", "da"].iter().enumerate() {
+                let bd = if i < 4 { &bound[i] } else { &da_bound };
+                common::assert_within(&format!("{what} {name}"), &got[i], &want[i], bd);
+            }
+        }
+    }
+}
+
+/// f16, bf16 and f64 inputs are computed in f32: on inputs holding the same values, every
+/// rank's output and gradients are the f32 op's, rounded once to the dtype (the decay's
+/// gradient stays f32), bitwise — 4 ranks, normalised or not.
+#[test]
+fn other_dtypes_are_the_f32_results_rounded() {
+    let mut rng = Rng::new(module_path!());
+    let (s, l) = (Dims { b: 1, h: 4, hkv: 2, m: 4, d: 3 }, 17);
+    let splits = [5, 0, 7, 5];
+    for normalize in [false, true] {
+        let config = GatedConfig { normalize, chunk: 4, ..GatedConfig::default() };
+        for dtype in [DType::BF16, DType::F16, DType::F64] {
+            let mut p = problem(&mut rng, s, l, Kind::PerStep, 0.5, &[(0, 1, 7)]);
+            if normalize {
+                p.q = (p.q.abs().unwrap() + 0.05).unwrap();
+                p.k = (p.k.abs().unwrap() + 0.05).unwrap();
+            }
+            let round = |t: &Tensor| t.to_dtype(dtype).unwrap();
+            let p16 = Problem {
+                q: round(&p.q),
+                k: round(&p.k),
+                v: round(&p.v),
+                a: p.a.clone(),
+                dy: round(&p.dy),
+                alpha: p.alpha,
+            };
+            let back = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let p32 = Problem {
+                q: back(&p16.q),
+                k: back(&p16.k),
+                v: back(&p16.v),
+                a: p.a.clone(),
+                dy: back(&p16.dy),
+                alpha: p.alpha,
+            };
+            let (got, want) = (ok(run_sharded(config, &splits, &p16)), ok(run_sharded(config, &splits, &p32)));
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                let what = format!("{dtype:?} normalize={normalize} rank {r}");
+                assert_eq!(g.y.dtype(), dtype, "{what}");
+                assert_eq!(host(&g.y), host(&round(&w.y)), "{what} out");
+                for i in 0..3 {
+                    assert_eq!(host(&g.g[i]), host(&round(&w.g[i])), "{what} gradient {i}");
+                }
+                assert_eq!(host(&g.g[3]), host(&w.g[3]), "{what} da");
+            }
+        }
+    }
+}
+
+/// With one rank the sharded op is the candle op `ops::GatedLinearAttention` (identity map)
+/// on the whole sequence, bitwise: output and gradients, f32 and bf16, normalised or not, per
+/// step and per head.
+#[test]
+fn one_rank_is_bitwise_the_candle_op() {
+    let mut rng = Rng::new(module_path!());
+    let (s, l) = (Dims { b: 2, h: 4, hkv: 2, m: 5, d: 4 }, 21);
+    for kind in [Kind::PerStep, Kind::PerHead] {
+        for normalize in [false, true] {
+            for dtype in [DType::F32, DType::BF16] {
+                let mut p = problem(&mut rng, s, l, kind, 0.7, &[(0, 1, 9)]);
+                if normalize {
+                    p.q = (p.q.abs().unwrap() + 0.05).unwrap();
+                    p.k = (p.k.abs().unwrap() + 0.05).unwrap();
+                }
+                for t in [&mut p.q, &mut p.k, &mut p.v, &mut p.dy] {
+                    *t = t.to_dtype(dtype).unwrap();
+                }
+                let config = GatedConfig { normalize, chunk: 8, ..GatedConfig::default() };
+                let got = ok(run_sharded(config, &[l], &p)).remove(0);
+                let op = mesa_candle::ops::GatedLinearAttention::new(config, None);
+                let vars: Vec<Var> = [&p.q, &p.k, &p.v, &p.a].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+                let y = op
+                    .forward(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor())
+                    .unwrap();
+                let grads = (&y * &p.dy).unwrap().sum_all().unwrap().backward().unwrap();
+                let what = format!("{kind:?} normalize={normalize} {dtype:?}");
+                assert_eq!(host(&got.y), host(&y), "{what} out");
+                for (i, var) in vars.iter().enumerate() {
+                    let want = grads.get(var.as_tensor()).expect("a gradient");
+                    assert_eq!(host(&got.g[i]), host(want), "{what} gradient {i}");
+                }
+            }
+        }
+    }
+}
