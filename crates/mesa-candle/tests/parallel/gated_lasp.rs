@@ -492,3 +492,53 @@ fn one_rank_is_bitwise_the_candle_op() {
         }
     }
 }
+
+/// The hand-off's states: every rank derives the same bits for the whole sequence's final
+/// state (`total`), rank `r + 1` starts from `exp(A_r)·S0_r + L_r` of rank `r` exactly (the
+/// fold in rank order), and `total` is the reference's final state on the whole sequence
+/// within `u·N·mag` (the bound of the module docs; `mag` the reference's final state on |k|,
+/// |v|).
+#[test]
+fn states_are_the_same_bits_on_every_rank() {
+    let mut rng = Rng::new(module_path!());
+    let (s, l) = (Dims { b: 2, h: 2, hkv: 2, m: 4, d: 3 }, 19);
+    let splits = [4, 6, 0, 9];
+    let p = problem(&mut rng, s, l, Kind::PerStep, 0.5, &[(1, 0, 10), (0, 1, 2)]);
+    let ranks = thread_group(splits.len(), Duration::from_secs(60)).unwrap();
+    let states = run_ranks(ranks, |rank: Rank| {
+        let r = rank.rank();
+        let (o, len) = (splits[..r].iter().sum::<usize>(), splits[r]);
+        let op = ShardedGatedLinearAttention::new(GatedConfig { chunk: 4, ..GatedConfig::default() }, Arc::new(rank));
+        let sh = |t: &Tensor| t.narrow(2, o, len).unwrap().contiguous().unwrap();
+        Ok(op.forward_with_states(&sh(&p.q), &sh(&p.k), &sh(&p.v), &sh(&p.a))?.1)
+    });
+    let states: Vec<_> = states.into_iter().map(|s| s.unwrap()).collect();
+    let bits =
+        |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for r in 0..splits.len() {
+        assert_eq!(bits(&states[r].total), bits(&states[0].total), "rank {r}'s total");
+        if r + 1 < splits.len() {
+            let (b, hkv) = (s.b, s.hkv);
+            let next = (states[r]
+                .initial
+                .broadcast_mul(&states[r].log_decay.exp().unwrap().reshape((b, hkv, 1, 1)).unwrap())
+                .unwrap()
+                + &states[r].local)
+                .unwrap();
+            assert_eq!(bits(&states[r + 1].initial), bits(&next), "rank {}'s initial state", r + 1);
+        }
+    }
+    let (k, v, a) = (host(&p.k), host(&p.v), host(&p.a));
+    let (ka, va): (Vec<f64>, Vec<f64>) = (k.iter().map(|x| x.abs()).collect(), v.iter().map(|x| x.abs()).collect());
+    let q = vec![0.0; s.b * s.h * l * s.m];
+    let dims = rg::GatedDims { batch: s.b, heads: s.h, kv_heads: s.hkv, len: l, feat: s.m, dim: s.d };
+    let run = |k: &[f64], v: &[f64]| {
+        let g = rg::Gated { q: &q, k, v, decay: rg::Decay::PerStep(&a), dims, normalize: None, initial: None };
+        rg::forward(&g).unwrap().final_state
+    };
+    let (want, mag) = (run(&k, &v), run(&ka, &va));
+    let n = (s.m + s.d + 3 * l + 8 + l / 4 + 4 * splits.len() + 41) as f64
+        + (8 * (l + 4) + splits.len() * l) as f64 * p.alpha;
+    let bound: Vec<f64> = mag.iter().map(|x| U * n * x).collect();
+    common::assert_within("total state", &host(&states[0].total), &want, &bound);
+}
