@@ -125,7 +125,10 @@ impl ShardedGatedLinearAttention {
     /// `[B, H, L_r, D]`. Shards may have any lengths (0 included); `B`, `H`, `H_kv`, `M`, `D`,
     /// the dtype and the decay's kind must agree on every rank. `q`, `k`, `v` one of f32, f16,
     /// bf16 (computed in f32, the output rounded once; f64 computed in f32 too, `a` then f32 or
-    /// f64). Gradients reach `q`, `k`, `v` and `a`. Two collective calls in the forward (the
+    /// f64). Gradients reach `q`, `k`, `v` and `a`. A per-head decay is replicated: every rank
+    /// must pass the same values (not checked), and each rank's gradient of it is its shard's
+    /// part — their sum over the ranks (an all-reduce, as for any replicated parameter) is the
+    /// whole sequence's. Two collective calls in the forward (the
     /// ranks' sizes, then their `(L_r, A_r)`) and one in the backward.
     ///
     /// # Errors

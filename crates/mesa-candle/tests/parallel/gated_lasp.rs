@@ -187,10 +187,21 @@ fn bounds(s: Dims, l: usize, c: usize, world: usize, p: &Problem, kind: Kind) ->
     [out, dq, dk, dv, da]
 }
 
+/// The candle op `ops::GatedLinearAttention` on the whole sequence: out, dq, dk, dv, da.
+fn unsharded_op(config: GatedConfig, p: &Problem) -> [Vec<f64>; 5] {
+    let op = mesa_candle::ops::GatedLinearAttention::new(config, None);
+    let vars: Vec<Var> = [&p.q, &p.k, &p.v, &p.a].iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let y = op.forward(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor()).unwrap();
+    let grads = (&y * &p.dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = |i: usize| host(grads.get(vars[i].as_tensor()).expect("a gradient"));
+    [host(&y), g(0), g(1), g(2), g(3)]
+}
+
 /// Every rank's output and gradients, assembled, against the f64 reference on the whole
-/// sequence for 1, 2 and 4 ranks (one shard empty), per-step and per-head decay, 1, 2 and 4
-/// query heads per KV head, resets inside a shard and on the first row of shards 1 and 3
-/// (rows 6 and 11: the splits start there), chunks 4 and 64.
+/// sequence (and the unsharded candle op, within twice the bound) for 1, 2 and 4 ranks (one
+/// shard empty), per-step and per-head decay, 1, 2 and 4 query heads per KV head, resets inside
+/// a shard and on the first row of shards 1 and 3 (rows 6 and 11: the splits start there),
+/// chunks 4 and 64.
 #[test]
 fn shards_match_the_reference_on_the_whole_sequence() {
     let mut rng = Rng::new(module_path!());
@@ -213,8 +224,12 @@ fn shards_match_the_reference_on_the_whole_sequence() {
                     let what = format!("{kind:?} H={h} H_kv={hkv} chunk={chunk} splits={sp:?}");
                     let got = assemble(&ok(run_sharded(config, sp, &p)), kind);
                     let bound = bounds(s, l, chunk.min(l), sp.len(), &p, kind);
+                    let unsharded = unsharded_op(config, &p);
                     for (i, name) in ["out", "dq", "dk", "dv", "da"].iter().enumerate() {
                         common::assert_within(&format!("{what} {name}"), &got[i], &want[i], &bound[i]);
+                        // two f32 computations, each within the bound
+                        let twice: Vec<f64> = bound[i].iter().map(|x| 2.0 * x).collect();
+                        common::assert_within(&format!("{what} {name} vs the op"), &got[i], &unsharded[i], &twice);
                     }
                 }
             }
