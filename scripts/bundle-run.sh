@@ -47,7 +47,7 @@ SECTIONS=(
     "short-benches   core       70"   # criterion, warm-up 0.5 s, measurement 1 s
     "gpu-only-tests  extended   90"   # tests that only a GPU runs (cross-stream, graphs, >2^31)
     "example         extended   60"   # compress_report on the fixture, JSON kept
-    "peer-baselines  extended  120"   # fla-core's chunk_linear_attn on the bench's shapes
+    "peer-baselines  extended  235"   # fla-core's chunk_linear_attn and chunk_simple_gla on the benches' shapes
     "full-benches    extended  300"   # criterion's default times (3 s warm-up, 5 s measurement)
 )
 
@@ -330,8 +330,8 @@ bench_times() {
     echo --warm-up-time "$warm" --measurement-time "$measure" --sample-size 10
 }
 
-# Short tier subsets (criterion's name filter), GPU only: one sequence length of six.
-declare -A SHORT_BENCH_FILTER=([linear_attention]=_T8192_)
+# Short tier subsets (criterion's name filter), GPU only: one sequence length of each bench's three.
+declare -A SHORT_BENCH_FILTER=([linear_attention]=_T8192_ [gated_linear_attention]=_T8192_)
 
 sec_short_benches() {
     local b name filter

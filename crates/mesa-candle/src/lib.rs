@@ -2,7 +2,8 @@
 //!
 //! mesa-kernels inside candle (candle-core 0.11): a zero-copy bridge from candle's devices,
 //! storage and layouts to the kernels' devices and tensor views ([`View`], [`Output`],
-//! [`kernel_device`]); ops with forward and backward in candle's autograd ([`ops`]), also as
+//! [`kernel_device`]); ops with forward and backward in candle's autograd ([`ops`]; gated linear attention with
+//! grouped heads: [`ops::GatedLinearAttention`]), also as
 //! candle-nn's layers and constructors ([`nn`]); and a
 //! transformer layer as one op that keeps only codes for backward ([`layer`]); checkpoint
 //! regions, which make any candle code keep only its input for backward ([`region`]); tensor and

@@ -10,6 +10,7 @@
 //! | [`RmsNorm`] | codes of `x̂`, per-row `1/rstd` | candle ops on the decoded `x̂` (no RMSNorm kernel) |
 //! | [`CodedLinear`] | codes of `x` | `dW = dyᵀ·x̂` from the decoded `x̂`, candle's matmuls |
 //! | [`LinearAttention`] (ReLU, ELU+1, FAVOR+) | the attention's saved states (f16, bf16: nothing) | chunked kernels; φ recomputed from `q`, `k` (f16, bf16: the f32 forward rerun first) |
+//! | [`GatedLinearAttention`] (decay per step or head, grouped heads; identity or a feature map) | its final state (and denominators when normalised) | the gated kernel's backward; `φ` recomputed; `da`, `d(initial)` too (normalised 16-bit: the f32 forward rerun first) |
 //! | [`Dropout`] | a 64-bit key (the mask is regenerated; replayed in [checkpoint regions](crate::region)) | the mask again, times `dy` |
 //!
 //! **Constructors and configs.** An op's `new` takes the [`Codes`] it keeps (the defaults:
@@ -49,6 +50,7 @@ use crate::error::{Error, KernelResult};
 
 mod codes;
 mod dropout;
+pub(crate) mod gated_linear_attention;
 mod gelu;
 mod layer_norm;
 pub(crate) mod linear;
@@ -60,6 +62,7 @@ mod swiglu;
 
 pub use codes::Codes;
 pub use dropout::Dropout;
+pub use gated_linear_attention::GatedLinearAttention;
 pub use gelu::Gelu;
 pub use layer_norm::LayerNorm;
 pub use linear::CodedLinear;
@@ -69,6 +72,7 @@ pub use rope::Rope;
 pub use softmax::Softmax;
 pub use swiglu::SwiGlu;
 // what the ops' constructors take, so that common settings need no `mesa_kernels` dependency
+pub use mesa_kernels::gated_linear_attention::GatedConfig;
 pub use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode, Schedule};
 pub use mesa_kernels::rope::{RopeConfig, RopePairing};
 pub use mesa_kernels::{GeluForm, Grouping, QuantConfig, Rounding, StatsMode};

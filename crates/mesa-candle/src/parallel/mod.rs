@@ -1,7 +1,8 @@
 //! Tensor and sequence parallelism inside candle's autograd (Korthikanti et al. 2022, §4.2.2):
 //! the conjugate collectives `g` (all-gather along the sequence in the forward, reduce-scatter
 //! in the backward) and `ḡ` (reduce-scatter in the forward, all-gather in the backward), the
-//! ranks that run them, and linear attention across sequence shards ([`lasp`]).
+//! ranks that run them, and linear attention across sequence shards ([`lasp`]; with decay,
+//! [`gated_lasp`]).
 //!
 //! A rank holds the `[B, S_r, C]` shard of a `[B, S, C]` activation (batch first, as
 //! [`crate::layer`]; shard `r` is rows `o_r .. o_r + S_r` of axis 1). Every rank runs the same
@@ -31,6 +32,7 @@ use crate::attach::{attach, Backward};
 use crate::error::Error;
 
 mod exec;
+pub mod gated_lasp;
 mod group;
 pub mod lasp;
 #[cfg(all(feature = "nccl", feature = "cuda"))]

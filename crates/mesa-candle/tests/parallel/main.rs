@@ -6,5 +6,6 @@
 mod common;
 
 mod collectives;
+mod gated_lasp;
 mod lasp;
 mod layer;
