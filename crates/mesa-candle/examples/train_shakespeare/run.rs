@@ -183,6 +183,7 @@ impl Variant {
         match self.config.attention {
             Attention::Softmax { .. } => "softmax",
             Attention::Linear { .. } => "linear",
+            Attention::Gated { .. } => "gated",
         }
     }
 

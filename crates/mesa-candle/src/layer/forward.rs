@@ -24,6 +24,7 @@ pub(crate) struct Plan {
     pub ctx: Ctx,
     pub seed: u64,
     pub linear: Option<LinearAttention>,
+    pub gated: Option<super::gated::GatedCore>,
     pub tp: Option<TpPlan>,
 }
 
@@ -414,6 +415,10 @@ fn run_gpt(
     let k_s = ctx.quantize(&k, quant.get(CodeSite::K))?;
     let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
     let (o, p_s, la) = match &plan.linear {
+        None if plan.gated.is_some() => {
+            let core = plan.gated.as_ref().ok_or(crate::Error::StateConsumed { op: "transformer layer" })?;
+            (core.forward(&ctx.kernels, &q, &k, &v)?, None, None)
+        }
         None => {
             let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;
             let mask = plan.dropout_mask(DropoutSite::Attention, p.dims())?;
