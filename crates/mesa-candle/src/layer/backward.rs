@@ -228,7 +228,7 @@ fn layer_backward(
             let dt = q.dtype();
             (dq.to_dtype(dt)?, dk.to_dtype(dt)?, dv.to_dtype(dt)?)
         }
-        None => match &plan.gated {
+        None => match plan.gated_core()? {
             Some(core) => core.backward(&ctx.kernels, &q, &k, &v, &d_o)?,
             None => softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?,
         },

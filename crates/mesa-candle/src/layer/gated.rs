@@ -5,8 +5,22 @@
 //! the block), the backward reruns it from the decoded Q̂, K̂, V̂ — `O(N)`, as linear attention.
 use candle_core::{DType, Tensor};
 
+use super::forward::Plan;
+use super::Attention;
 use crate::ops::gated_linear_attention::{gla_backward, gla_forward};
 use crate::ops::GatedConfig;
+
+impl Plan {
+    /// The gated core of the call (`None` for other attention), its decays copied to the
+    /// layer's device. Made when used, not kept in the plan: the plan lives until the backward
+    /// and the planner counts its bytes as a fixed per-layer overhead.
+    pub fn gated_core(&self) -> candle_core::Result<Option<GatedCore>> {
+        let Attention::Gated { config, log_decay } = &self.config.attention else { return Ok(None) };
+        let decay = Tensor::from_vec(log_decay.clone(), log_decay.len(), &self.ctx.candle)?;
+        let scale = 1.0 / (self.config.head_dim() as f64).sqrt();
+        Ok(Some(GatedCore { config: *config, decay, scale }))
+    }
+}
 
 /// The core of one call: the kernel's configuration and the log-decays `[H_kv]` (f32, on the
 /// layer's device; no gradient: they are fixed).

@@ -77,7 +77,7 @@ pub(crate) fn forward(
     let (q, q_s) = ctx.rope_save(&q, &block.rope, quant.get(CodeSite::Q))?;
     let (k, k_s) = ctx.rope_save(&k, &block.rope, quant.get(CodeSite::K))?;
     let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
-    let (o, p_s) = match &plan.gated {
+    let (o, p_s) = match plan.gated_core()? {
         // grouped heads inside the kernel: K, V never repeated
         Some(core) => (core.forward(&ctx.kernels, &q, &k, &v)?, None),
         None => {
@@ -150,7 +150,7 @@ pub(crate) fn backward(
     let d_o = plan.split_heads(&d_a)?;
     drop(d_a);
     let (q, k, v) = (ctx.decode(&c.q)?, ctx.decode(&c.k)?, ctx.decode(&c.v)?);
-    let (dq, dk, dv) = match &plan.gated {
+    let (dq, dk, dv) = match plan.gated_core()? {
         Some(core) => core.backward(&ctx.kernels, &q, &k, &v, &d_o)?,
         None => super::backward::softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?,
     };

@@ -681,7 +681,6 @@ impl TransformerLayer {
             ctx,
             seed,
             linear: self.linear(),
-            gated: self.gated(x.device())?,
             tp,
         });
         let (y, saved) = match self.config.stats {
@@ -771,15 +770,6 @@ impl TransformerLayer {
             Attention::Linear { config, map } => Some(LinearAttention::new(*config, map.clone())),
             Attention::Softmax { .. } | Attention::Gated { .. } => None,
         }
-    }
-
-    /// The gated core with its decays on `device` (a sharded layer has none:
-    /// [`TransformerLayer::sharded`] refuses gated attention).
-    fn gated(&self, device: &candle_core::Device) -> candle_core::Result<Option<gated::GatedCore>> {
-        let Attention::Gated { config, log_decay } = &self.config.attention else { return Ok(None) };
-        let decay = Tensor::from_vec(log_decay.clone(), log_decay.len(), device)?;
-        let scale = 1.0 / (self.config.head_dim() as f64).sqrt();
-        Ok(Some(gated::GatedCore { config: *config, decay, scale }))
     }
 }
 
