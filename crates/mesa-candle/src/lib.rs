@@ -47,3 +47,4 @@ pub use bridge::{kernel_device, kernel_layout, KernelFloat, Output, View};
 pub use error::{as_mesa_error, Error, Fault};
 pub use layer::{LayerConfig, TransformerLayer};
 pub use memory::CountingAllocator;
+pub use ops::GatedLinearAttention;

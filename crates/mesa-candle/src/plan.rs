@@ -110,6 +110,15 @@ pub fn plan_config(config: &LayerConfig, layers: usize, batch: usize, seq: usize
             normalize: la.normalize,
             states: LinearStates::Rerun,
         },
+        // counted as ungated causal linear attention of the same sizes (its φ(Q), φ(K)
+        // copies stand for the gated core's scaled f32 queries and keys)
+        Attention::Gated { config: g, .. } => AttentionKind::Linear {
+            causal: true,
+            chunk: g.chunk as u64,
+            features: shape.hidden / shape.heads,
+            normalize: g.normalize,
+            states: LinearStates::Rerun,
+        },
     };
     let (block, norm_row_bytes) = match config.block {
         // LayerNorm keeps mean and 1/σ per row, RMSNorm its rms

@@ -10,7 +10,7 @@ use common::{flat, Rng};
 use mesa_candle::layer::{
     reference, Attention, DropoutConfig, LayerConfig, NormPlacement, Recompute, TransformerLayer,
 };
-use mesa_candle::ops::FeatureKind;
+use mesa_candle::ops::{FeatureKind, GatedConfig};
 use mesa_candle::{as_mesa_error, Error};
 use mesa_kernels::linear_attention::LinearAttentionConfig;
 
@@ -134,6 +134,29 @@ fn linear_attention_layer_gradients_match_plain_candle() {
             ..config(norm, Recompute::None)
         };
         check(&cfg, &format!("linear attention {map:?} {norm:?}"));
+    }
+}
+
+/// Gated linear attention (issue 41) against its quadratic masked form in the reference:
+/// RetNet's decays and user-given ones (a head with no memory, `−∞`, among them), pre- and
+/// post-LN, every recomputation policy.
+#[test]
+fn gated_attention_layer_gradients_match_plain_candle() {
+    let given = Attention::Gated {
+        config: GatedConfig { chunk: 8, ..GatedConfig::default() },
+        log_decay: vec![-0.05, -0.5, f32::NEG_INFINITY, 0.0],
+    };
+    for (attention, norm, recompute, what) in [
+        (Attention::retnet(4), NormPlacement::Pre, Recompute::None, "retnet pre-LN"),
+        (Attention::retnet(4), NormPlacement::Pre, Recompute::Full, "retnet pre-LN full recomputation"),
+        (given, NormPlacement::Post, Recompute::Selective, "given decays post-LN"),
+    ] {
+        let cfg = LayerConfig {
+            attention,
+            dropout: DropoutConfig { attention: 0.0, residual: 0.1, seed: 0 },
+            ..config(norm, recompute)
+        };
+        check(&cfg, &format!("gated attention {what}"));
     }
 }
 
@@ -483,6 +506,20 @@ fn llama_block_gradients_match_plain_candle_for_every_gqa_ratio() {
     }
 }
 
+/// A Llama block with gated attention: grouped heads inside the kernel (K, V never repeated),
+/// one decay per KV head, against the reference's repeated K, V in the quadratic form.
+#[test]
+fn llama_block_with_gated_attention_matches_plain_candle() {
+    for kv in [8, 2, 1] {
+        let cfg = LayerConfig {
+            attention: Attention::retnet(kv),
+            dropout: DropoutConfig { attention: 0.0, residual: 0.1, seed: 0 },
+            ..llama(kv, Recompute::None)
+        };
+        check(&cfg, &format!("llama gated H_kv {kv}"));
+    }
+}
+
 #[test]
 fn llama_block_rotates_by_its_rope_config() {
     use mesa_candle::layer::{Block, LlamaBlock};
@@ -555,6 +592,49 @@ fn llama_checkpoint_names_load_and_bad_llama_configurations_are_typed_errors() {
         (LayerConfig::llama(16, 4, 0, 32), "kv_heads"),
         (LayerConfig { norm: NormPlacement::Post, ..cfg.clone() }, "norm"),
         (LayerConfig { attention: la, ..cfg.clone() }, "attention"),
+        (LayerConfig { attention: Attention::retnet(4), ..cfg.clone() }, "log_decay"),
+        (
+            LayerConfig {
+                attention: Attention::Gated { config: GatedConfig::default(), log_decay: vec![-0.1, 0.2] },
+                ..cfg.clone()
+            },
+            "log_decay",
+        ),
+        (
+            LayerConfig {
+                attention: Attention::Gated { config: GatedConfig::default(), log_decay: vec![-0.1, f32::NAN] },
+                ..cfg.clone()
+            },
+            "log_decay",
+        ),
+        (
+            LayerConfig {
+                attention: Attention::Gated {
+                    config: GatedConfig { chunk: 65, ..GatedConfig::default() },
+                    log_decay: vec![-0.1; 2],
+                },
+                ..cfg.clone()
+            },
+            "attention.config.chunk",
+        ),
+        (
+            LayerConfig {
+                attention: Attention::Gated {
+                    config: GatedConfig { normalize: true, ..GatedConfig::default() },
+                    log_decay: vec![-0.1; 2],
+                },
+                ..cfg.clone()
+            },
+            "attention.config.normalize",
+        ),
+        (
+            LayerConfig {
+                attention: Attention::retnet(2),
+                dropout: DropoutConfig { attention: 0.1, residual: 0.0, seed: 0 },
+                ..cfg.clone()
+            },
+            "dropout.attention",
+        ),
         (odd_rotary, "rope.rotary_dims"),
         (bad_base, "rope.base"),
     ] {

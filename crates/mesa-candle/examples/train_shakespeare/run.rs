@@ -6,7 +6,7 @@ use std::time::Instant;
 use candle_core::{Device, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use mesa_candle::layer::{Attention, Block, CodeSite, LayerConfig, Recompute, TransformerLayer};
-use mesa_candle::ops::FeatureKind;
+use mesa_candle::ops::{FeatureKind, GatedConfig};
 use mesa_candle::plan::TrainingShape;
 use mesa_candle::CountingAllocator;
 use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
@@ -118,7 +118,7 @@ pub struct Variant {
 }
 
 impl Variant {
-    /// Every variant: f32 softmax (a) and linear (h) attention, and the compressed ones, on
+    /// Every variant: f32 softmax (a), linear (h) and gated (k) attention, and the compressed ones, on
     /// the layer of `s.arch` (a variant whose configuration the block rejects, e.g. linear
     /// attention in a Llama block, fails [`Variant::check`]).
     pub fn all(s: &Settings) -> Vec<Variant> {
@@ -131,6 +131,13 @@ impl Variant {
             },
             map: FeatureKind::Elu1,
         };
+        // RetNet's decays, one per KV head (gated attention, issue 41)
+        let gated = match Attention::retnet(base.kv_heads()) {
+            Attention::Gated { config, log_decay } => {
+                Attention::Gated { config: GatedConfig { chunk: s.chunk, ..config }, log_decay }
+            }
+            other => other,
+        };
         let exact = LayerConfig { stats: StatsMode::Exact, ..base.clone() };
         let v = |name, plain, config, baseline| Variant { name, plain, config, baseline };
         vec![
@@ -141,8 +148,10 @@ impl Variant {
             v("e", false, LayerConfig { attention: linear.clone(), ..exact.clone() }, Some("h")),
             v("f", false, LayerConfig { recompute: Recompute::Selective, ..exact.clone() }, Some("a")),
             v("g", false, LayerConfig { stochastic_rounding: true, ..exact.clone() }, Some("a")),
-            v("h", true, LayerConfig { attention: linear, ..base }, None),
-            v("i", false, LayerConfig { bits: 2, ..exact }, Some("a")),
+            v("h", true, LayerConfig { attention: linear, ..base.clone() }, None),
+            v("i", false, LayerConfig { bits: 2, ..exact.clone() }, Some("a")),
+            v("j", false, LayerConfig { attention: gated.clone(), ..exact }, Some("k")),
+            v("k", true, LayerConfig { attention: gated, ..base }, None),
         ]
     }
 
@@ -183,6 +192,7 @@ impl Variant {
         match self.config.attention {
             Attention::Softmax { .. } => "softmax",
             Attention::Linear { .. } => "linear",
+            Attention::Gated { .. } => "gated",
         }
     }
 

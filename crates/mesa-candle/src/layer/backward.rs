@@ -228,7 +228,10 @@ fn layer_backward(
             let dt = q.dtype();
             (dq.to_dtype(dt)?, dk.to_dtype(dt)?, dv.to_dtype(dt)?)
         }
-        None => softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?,
+        None => match plan.gated_core()? {
+            Some(core) => core.backward(&ctx.kernels, &q, &k, &v, &d_o)?,
+            None => softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?,
+        },
     };
     drop((q, k, v, a_hat));
     // the projections' input: LN₁'s output (pre, decoded) or the layer input itself (post)

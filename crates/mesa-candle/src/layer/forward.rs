@@ -413,14 +413,15 @@ fn run_gpt(
     let q_s = ctx.quantize(&q, quant.get(CodeSite::Q))?;
     let k_s = ctx.quantize(&k, quant.get(CodeSite::K))?;
     let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
-    let (o, p_s, la) = match &plan.linear {
-        None => {
+    let (o, p_s, la) = match (&plan.linear, plan.gated_core()?) {
+        (None, Some(core)) => (core.forward(&ctx.kernels, &q, &k, &v)?, None, None),
+        (None, None) => {
             let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;
             let mask = plan.dropout_mask(DropoutSite::Attention, p.dims())?;
             let o = dropout::apply(&p, mask.as_ref())?.matmul(&v)?;
             (o, p_s, None)
         }
-        Some(op) => {
+        (Some(op), _) => {
             // its states are not kept: the backward reruns the O(N) core from the codes
             // in f32 for every dtype, as the op computes 16-bit inputs (crate::ops, "Dtypes")
             let f = |t: &Tensor| t.to_dtype(candle_core::DType::F32);

@@ -1,5 +1,5 @@
 //! The Llama block's forward and backward ([`super::LlamaBlock`]): pre-RMSNorm, projections
-//! without bias, RoPE on Q and K, grouped-query softmax attention, SwiGLU MLP.
+//! without bias, RoPE on Q and K, grouped-query softmax (or gated linear) attention, SwiGLU MLP.
 //!
 //! What the forward keeps ([`super::Recompute`] as for the GPT block):
 //!
@@ -8,7 +8,7 @@
 //! | `x̂` of both RMSNorms `[B, N, C]` | codes (per head-sized channel slice) + per-row `rms` | RMSNorm backwards; the decoded norm output for the next projections' `dW` |
 //! | Q after RoPE `[B, H, N, d]` | codes (per head) | `dK`; selective recomputation of `P` |
 //! | K after RoPE, V `[B, H_kv, N, d]` | codes (per KV head, never repeated) | `dQ`, `dP`; selective recomputation |
-//! | `P` `[B, H, N, N]` ([`super::Recompute::None`] only) | codes of `√P` | softmax backward, `dV` |
+//! | `P` `[B, H, N, N]` ([`super::Recompute::None`] only, softmax attention) | codes of `√P` | softmax backward, `dV` |
 //! | attention output before `W_o` `[B, N, C]` | codes | `dW_o` |
 //! | gate `g` and up `u` projections `[B, N, F]` | codes of each (SwiGLU's forward writes them) | SwiGLU backward; `silu(ĝ)·û` for `dW_d` |
 //!
@@ -77,12 +77,17 @@ pub(crate) fn forward(
     let (q, q_s) = ctx.rope_save(&q, &block.rope, quant.get(CodeSite::Q))?;
     let (k, k_s) = ctx.rope_save(&k, &block.rope, quant.get(CodeSite::K))?;
     let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
-    let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;
-    drop((q, k));
-    let mask = plan.dropout_mask(DropoutSite::Attention, p.dims())?;
-    let p = dropout::apply(&p, mask.as_ref())?;
-    let o = plan.ungroup_queries(&plan.group_queries(&p)?.matmul(&v)?)?;
-    drop((p, v));
+    let (o, p_s) = match plan.gated_core()? {
+        // grouped heads inside the kernel: K, V never repeated
+        Some(core) => (core.forward(&ctx.kernels, &q, &k, &v)?, None),
+        None => {
+            let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;
+            let mask = plan.dropout_mask(DropoutSite::Attention, p.dims())?;
+            let p = dropout::apply(&p, mask.as_ref())?;
+            (plan.ungroup_queries(&plan.group_queries(&p)?.matmul(&v)?)?, p_s)
+        }
+    };
+    drop((q, k, v));
     let a = plan.merge_heads(&o)?;
     drop(o);
     let a_s = ctx.quantize(&a, quant.get(CodeSite::AttnOut))?;
@@ -145,7 +150,10 @@ pub(crate) fn backward(
     let d_o = plan.split_heads(&d_a)?;
     drop(d_a);
     let (q, k, v) = (ctx.decode(&c.q)?, ctx.decode(&c.k)?, ctx.decode(&c.v)?);
-    let (dq, dk, dv) = super::backward::softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?;
+    let (dq, dk, dv) = match plan.gated_core()? {
+        Some(core) => core.backward(&ctx.kernels, &q, &k, &v, &d_o)?,
+        None => super::backward::softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?,
+    };
     drop((q, k, v, d_o));
     // through RoPE: the inverse rotation
     let dq = ctx.rope(&dq, &block.rope, true)?;

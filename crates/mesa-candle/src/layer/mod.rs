@@ -15,7 +15,8 @@
 //! pre-LN:  h = LN₁(x);  x₂ = x + D₁(Attn(h));         y = x₂ + D₂(FFN(LN₂(x₂)))
 //! post-LN: x₂ = LN₁(x + D₁(Attn(x)));                 y = LN₂(x₂ + D₂(FFN(x₂)))
 //! Attn(h) = merge(softmax(QKᵀ/√d + causal) ⊙ D_P · V)·W_oᵀ + b_o,  Q = hW_qᵀ + b_q, …
-//!           (or chunked linear attention over φ(Q), φ(K), V)
+//!           (or chunked linear attention over φ(Q), φ(K), V; or gated linear attention
+//!           over Q/√d, K, V with a fixed decay per head)
 //! FFN(h)  = GELU_erf(hW₁ᵀ + b₁)·W₂ᵀ + b₂
 //! ```
 //!
@@ -28,7 +29,7 @@
 //! | `P` `[B,H,N,N]` (softmax attention, [`Recompute::None`] only) | codes of `√P` (fixed range) | softmax backward, `dV` |
 //! | attention output before `W_o` | codes | `dW_o`; linear attention's backward |
 //! | FFN pre-activation `u` | codes | GELU backward; `GELU(û)` for `dW₂` |
-//! | linear attention | nothing more: its `O(N)` core is rerun in backward from the Q, K, V codes | its backward |
+//! | linear attention, gated or not | nothing more: its `O(N)` core is rerun in backward from the Q, K, V codes | its backward |
 //! | dropout masks | nothing: a Philox key (8 bytes) | regenerated ([`dropout`]) |
 //!
 //! [`Recompute::Selective`] (Korthikanti et al. 2022, §4.2) keeps no `P`: the backward
@@ -53,11 +54,12 @@ use mesa_kernels::{GroupParams, StatsMode};
 
 use crate::attach::attach;
 use crate::error::Error;
-use crate::ops::{FeatureKind, LinearAttention};
+use crate::ops::{FeatureKind, GatedConfig, LinearAttention};
 use crate::parallel::Collectives;
 
 mod backward;
 pub mod dropout;
+mod gated;
 
 /// Host bytes one layer's forward leaves in candle's graph besides its tensors: the boxed
 /// backward state (what it saved, described, and its plan), counted by the planner.
@@ -97,6 +99,29 @@ pub enum Attention {
         /// The feature map.
         map: FeatureKind,
     },
+    /// Causal gated linear attention (issue 41; RetNet, Sun et al. 2023, §2.1–2.2, without its
+    /// group norm and output gate): `S_t = γ_h S_{t−1} + k_t v_tᵀ`, `o_t = (q_t/√d)ᵀ S_t` per
+    /// head, a fixed decay `γ_h = exp(a_h)` per KV head, over Q, K, V as they are (no feature
+    /// map; the queries scaled by `1/√d` as softmax attention's logits). A Llama block's query
+    /// heads read their KV head's K, V and decay without repeating them. No probabilities,
+    /// hence no attention dropout. [`Attention::retnet`] gives RetNet's decays.
+    Gated {
+        /// The kernel's chunk (`normalize` must be false: [`LayerConfig::validate`]).
+        config: GatedConfig,
+        /// The log-decays `a_h = ln γ_h` (natural log, `≤ 0`; `−∞`: no memory), one per KV
+        /// head ([`LayerConfig::kv_heads`]: `H` in a GPT block).
+        log_decay: Vec<f32>,
+    },
+}
+
+impl Attention {
+    /// Gated attention with RetNet's decays (Sun et al. 2023, §3.1: `γ_h = 1 − 2^(−5−h)` for
+    /// head `h` of `kv_heads`, `a_h = ln γ_h`), not normalised, chunks of 64.
+    #[must_use]
+    pub fn retnet(kv_heads: usize) -> Attention {
+        let log_decay = (0..kv_heads).map(|h| (1.0 - 2f64.powi(-5 - h as i32)).ln() as f32).collect();
+        Attention::Gated { config: GatedConfig::default(), log_decay }
+    }
 }
 
 /// What the forward keeps and the backward recomputes (module docs).
@@ -387,8 +412,27 @@ impl LayerConfig {
                 return bad(name, format!("{p} is outside [0, 1)"));
             }
         }
-        if matches!(self.attention, Attention::Linear { .. }) && self.dropout.attention != 0.0 {
+        if !matches!(self.attention, Attention::Softmax { .. }) && self.dropout.attention != 0.0 {
             return bad("dropout.attention", "linear attention has no probabilities to drop".into());
+        }
+        if let Attention::Gated { config, log_decay } = &self.attention {
+            if log_decay.len() != self.kv_heads() {
+                let why = format!("{} values for {} KV heads (one per KV head)", log_decay.len(), self.kv_heads());
+                return bad("log_decay", why);
+            }
+            if let Some(a) = log_decay.iter().find(|a| a.is_nan() || **a > 0.0) {
+                return bad("log_decay", format!("{a} is not ≤ 0 (a natural-log decay; −∞: no memory)"));
+            }
+            let max = mesa_kernels::gated_linear_attention::MAX_CHUNK;
+            if config.chunk == 0 || config.chunk > max {
+                return bad("attention.config.chunk", format!("{} is outside 1..={max}", config.chunk));
+            }
+            if config.normalize {
+                // Q·Σ K of either sign: a denominator near 0, the guard ε its only bound. Tried:
+                // at 8 bits the gradients' cosines to the f64 reference fell to 0.1–0.7
+                let why = "the layer's gated attention is not normalised (no feature map keeps Q·ΣK away from 0)";
+                return bad("attention.config.normalize", why.into());
+            }
         }
         if let Block::Llama(l) = self.block {
             if l.kv_heads == 0 || self.heads % l.kv_heads != 0 {
@@ -398,8 +442,9 @@ impl LayerConfig {
             if self.norm != NormPlacement::Pre {
                 return bad("norm", "a Llama block normalises before each block (NormPlacement::Pre)".into());
             }
-            if !matches!(self.attention, Attention::Softmax { .. }) {
-                let why = "a Llama block takes softmax attention (grouped linear attention: issue 41)";
+            if matches!(self.attention, Attention::Linear { .. }) {
+                let why =
+                    "a Llama block takes softmax or gated attention (ungated linear attention has no grouped heads)";
                 return bad("attention", why.into());
             }
             let d = self.head_dim();
@@ -492,7 +537,8 @@ impl TransformerLayer {
     ///
     /// # Errors
     /// As [`TransformerLayer::new`]; [`Error::InvalidArgument`] when `t` does not divide the
-    /// heads and the FFN width; [`Error::Shape`] when `full` is not the whole layer's.
+    /// heads and the FFN width, or for gated attention (not done for a sharded layer);
+    /// [`Error::Shape`] when `full` is not the whole layer's.
     pub fn sharded(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         let peers = Arc::clone(&comm);
         crate::parallel::tell_peers(peers.as_ref(), Self::sharded_inner(config, full, comm))
@@ -500,6 +546,11 @@ impl TransformerLayer {
 
     fn sharded_inner(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         config.validate()?;
+        if matches!(config.attention, Attention::Gated { .. }) {
+            // each rank would need its own heads' decays: not done
+            let why = "gated attention in a sharded layer is not supported yet".into();
+            return Err(Error::InvalidArgument { name: "attention", why }.into());
+        }
         if config.param_dtype != DType::F32 {
             // its forward takes f32 inputs only (the 16-bit path over ranks is not tested)
             let op = "sharded transformer layer (f32 only)";
@@ -717,7 +768,7 @@ impl TransformerLayer {
     fn linear(&self) -> Option<LinearAttention> {
         match &self.config.attention {
             Attention::Linear { config, map } => Some(LinearAttention::new(*config, map.clone())),
-            Attention::Softmax { .. } => None,
+            Attention::Softmax { .. } | Attention::Gated { .. } => None,
         }
     }
 }

@@ -190,6 +190,11 @@ fn forward_impl(
             let den = (a.sum_keepdim(D::Minus1)? + f64::from(la.eps))?;
             a.matmul(&v)?.broadcast_div(&den)?
         }
+        Attention::Gated { .. } if sp.is_some() => {
+            let why = "gated attention in a sharded layer is not in the reference (the layer refuses it)".into();
+            return Err(crate::Error::InvalidArgument { name: "attention", why }.into());
+        }
+        Attention::Gated { config: g, log_decay } => gated_quadratic(&q, &k, &v, g, log_decay)?,
     };
     let o = o.transpose(1, 2)?.contiguous()?.reshape((b, n, h * d))?;
     let z1 = row_parallel(&o, "attn.out_proj", DropoutSite::AttentionResidual, x)?;
@@ -254,6 +259,40 @@ fn rope(x: &Tensor, config: &mesa_kernels::rope::RopeConfig) -> candle_core::Res
     }
 }
 
+/// Gated attention ([`Attention::Gated`]) in its quadratic masked form, `q, k, v: [B, H, N, d]`
+/// (K, V repeated to the query heads; `log_decay` per KV head, query head `h` reading KV head
+/// `⌊h/(H/H_kv)⌋`): `O = ((Q/√d)Kᵀ ∘ W) V` with `W_ts = exp(Σ_{r=s+1..t} a) = exp((t−s)·a_h)`
+/// for `s ≤ t`, else 0 (`W` a constant built on the host in f64); normalised, each row divided by
+/// the guarded row sum `g(x) = x + ε·sign(x)` of that matrix.
+fn gated_quadratic(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    config: &mesa_kernels::gated_linear_attention::GatedConfig,
+    log_decay: &[f32],
+) -> candle_core::Result<Tensor> {
+    let (_, h, n, d) = q.dims4()?;
+    let group = h / log_decay.len().max(1);
+    let mut w = vec![0f64; h * n * n];
+    for hh in 0..h {
+        let a = f64::from(log_decay[hh / group.max(1)]);
+        for t in 0..n {
+            for s in 0..=t {
+                w[(hh * n + t) * n + s] = if s == t { 1.0 } else { ((t - s) as f64 * a).exp() };
+            }
+        }
+    }
+    let w = Tensor::from_vec(w, (1, h, n, n), q.device())?.to_dtype(q.dtype())?;
+    let a = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_mul(&w)?;
+    let o = a.matmul(v)?;
+    if !config.normalize {
+        return Ok(o);
+    }
+    let den = a.sum_keepdim(D::Minus1)?;
+    let sign = ((den.ge(0.0)?.to_dtype(q.dtype())? * 2.0)? - 1.0)?;
+    o.broadcast_div(&(den + (sign * f64::from(config.eps))?)?)
+}
+
 /// The Llama block ([`super::LlamaBlock`]) in plain candle ops: RMSNorm, projections,
 /// RoPE, K and V repeated to the query heads (Hugging Face's `repeat_kv`), softmax with the
 /// causal mask, SwiGLU as `silu(g)·u`.
@@ -285,15 +324,20 @@ fn llama_forward(
         Tensor::cat(&vec![t; g], 2)?.reshape((b, kv * g, n, d))
     };
     let (k, v) = (repeat(&k)?, repeat(&v)?);
-    let mut s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
-    if let Attention::Softmax { causal: true } = config.attention {
-        let m: Vec<f64> = (0..n * n).map(|i| if i % n > i / n { f64::NEG_INFINITY } else { 0.0 }).collect();
-        s = s.broadcast_add(&Tensor::from_vec(m, (n, n), x.device())?.to_dtype(dtype)?)?;
-    }
-    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
-    let prob = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    let prob = dropout::apply(&prob, mask(DropoutSite::Attention, prob.dims())?.as_ref())?;
-    let o = prob.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, n, c))?;
+    let o = if let Attention::Gated { config: g, log_decay } = &config.attention {
+        gated_quadratic(&q, &k, &v, g, log_decay)?
+    } else {
+        let mut s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+        if let Attention::Softmax { causal: true } = config.attention {
+            let m: Vec<f64> = (0..n * n).map(|i| if i % n > i / n { f64::NEG_INFINITY } else { 0.0 }).collect();
+            s = s.broadcast_add(&Tensor::from_vec(m, (n, n), x.device())?.to_dtype(dtype)?)?;
+        }
+        let e = s.broadcast_sub(&s.max_keepdim(D::Minus1)?.detach())?.exp()?;
+        let prob = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        let prob = dropout::apply(&prob, mask(DropoutSite::Attention, prob.dims())?.as_ref())?;
+        prob.matmul(&v)?
+    };
+    let o = o.transpose(1, 2)?.contiguous()?.reshape((b, n, c))?;
     let r1 = lin(&o, "self_attn.o_proj.weight")?;
     let x2 = (x + dropout::apply(&r1, mask(DropoutSite::AttentionResidual, &[b, n, c])?.as_ref())?)?;
     let h2 = rms_norm(&x2, &w("post_attention_layernorm.weight"), eps)?;

@@ -313,7 +313,7 @@ fn layer_forward(tape: &mut Tape, s: &Sizes, config: &LayerConfig, rerun: bool) 
             tape.alloc(T, u)?;
             tape.free(T, s.att)?;
         }
-        Attention::Linear { .. } => {
+        Attention::Linear { .. } | Attention::Gated { .. } => {
             // φ(Q), φ(K) and the output (states: the final one, a few KB, not counted)
             tape.alloc(T, 3 * u)?;
             tape.free(T, 2 * u)?;
@@ -407,7 +407,7 @@ fn layer_backward(tape: &mut Tape, s: &Sizes, config: &LayerConfig) -> Result<()
             }
             3 * u
         }
-        Attention::Linear { .. } => {
+        Attention::Linear { .. } | Attention::Gated { .. } => {
             // the core rerun: φ(Q̂), φ(K̂), output; its backward: φ again, dφ(Q), dφ(K), dV,
             // then dQ, dK through the feature map
             tape.alloc(T, 3 * u)?;
