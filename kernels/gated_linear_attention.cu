@@ -93,6 +93,22 @@ __device__ __forceinline__ float gla_decay(const float* decay, const MesaGlaShap
   return s.decay_kind == MESA_GLA_DECAY_PER_HEAD ? decay[kh] : decay[(b * s.kv_heads + kh) * s.len + t];
 }
 
+// The rows one block walks: batch b of the row tensors (q, k, v, ..., den, a per-step decay),
+// unit u of the states (state u * H_kv + kh), rows begin..end. Unpacked: u = b = the block's
+// batch, rows 0..L; packed: b = 0, u = the sequence n, rows o_n..o_{n+1}.
+struct GlaSpan {
+  int64_t b, u, begin, end;
+};
+__device__ __forceinline__ GlaSpan gla_span(const MesaGlaShape& s, int64_t u) {
+  if (s.packing.seq_offsets == nullptr) return {u, u, 0, s.len};
+  return {0, u, s.packing.seq_offsets[u], s.packing.seq_offsets[u + 1]};
+}
+
+// Blocks per head: B, or N packed sequences.
+inline int64_t gla_units(const MesaGlaShape& s) {
+  return s.packing.seq_offsets != nullptr ? s.packing.nseq : s.batch;
+}
+
 // The chunk's log-decays (shared): lam[t] = Lam_t, seg[t] = the last reset row <= t (-1: none).
 struct ChunkDecay {
   float lam[kGlaChunk];
@@ -153,13 +169,14 @@ __global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaF
   __shared__ float den[kGlaChunk];
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0);
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  const int64_t bh = blockIdx.x, h = bh % H;
+  const GlaSpan span = gla_span(sh, bh / H);
+  const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
   float* S = a.work + bh * M * W;
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
   __syncthreads();
-  for (int64_t t0 = 0; t0 < L; t0 += sh.chunk) {
-    const int n = int(L - t0 < sh.chunk ? L - t0 : sh.chunk);
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += sh.chunk) {
+    const int n = int(span.end - t0 < sh.chunk ? span.end - t0 : sh.chunk);
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     __syncthreads();
     for (int e = threadIdx.x; e < n * n; e += blockDim.x) {
@@ -181,7 +198,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaF
         x *= e_t;
         for (int s = 0; s <= t; ++s) x += P[t][s];
         den[t] = gla_guard(x, sh.eps);
-        a.den[bh * L + t0 + t] = den[t];
+        a.den[(b * H + h) * L + t0 + t] = den[t];
       }
       __syncthreads();
     }
@@ -263,14 +280,15 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
   __shared__ float dden[kGlaChunk];
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  const int64_t bh = blockIdx.x, h = bh % H;
+  const GlaSpan span = gla_span(sh, bh / H);
+  const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
   float* S = work_states + bh * M * W;
   float* tile = work_dq + bh * C * M;  // the chunk's dq in f32
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
   __syncthreads();
-  for (int64_t t0 = 0; t0 < L; t0 += C) {
-    const int n = int(L - t0 < C ? L - t0 : C);
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += C) {
+    const int n = int(span.end - t0 < C ? span.end - t0 : C);
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     row_grads<T>(a, b, h, t0, n, g, dden);
     __syncthreads();
@@ -295,7 +313,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
     for (int t = threadIdx.x; t < n; t += blockDim.x) {
       float x = 0.0f;
       for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), tile[t * M + i], x);
-      qdq[bh * L + t0 + t] = x;
+      qdq[(b * H + h) * L + t0 + t] = x;
     }
     update_state<T>(S, cd, a.k, a.v, b, kh, t0, n, M, D, W);
     __syncthreads();
@@ -317,7 +335,9 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
   const int64_t G = H / sh.kv_heads;
-  const int64_t bk = blockIdx.x, b = bk / sh.kv_heads, kh = bk % sh.kv_heads;
+  const int64_t bk = blockIdx.x, kh = bk % sh.kv_heads;
+  const GlaSpan span = gla_span(sh, bk / sh.kv_heads);
+  const int64_t b = span.b;
   float* dS = work_ds + bk * 2 * M * W;  // the gradient of the state leaving the chunk
   float* dS_next = dS + M * W;           // ... and of the one entering it
   float* dk_acc = work_dkdv + bk * C * (M + W);
@@ -328,10 +348,10 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   if (threadIdx.x == 0 && a.d_final != nullptr)
     for (int64_t e = 0; e < M * W; ++e) acc = fmaf(a.d_final[bk * M * W + e], a.final_state[bk * M * W + e], acc);
   __syncthreads();
-  const int64_t nchunks = (L + C - 1) / C;
+  const int64_t nchunks = (span.end - span.begin + C - 1) / C;
   for (int64_t c = nchunks - 1; c >= 0; --c) {
-    const int64_t t0 = c * C;
-    const int n = int(L - t0 < C ? L - t0 : C);
+    const int64_t t0 = span.begin + c * C;
+    const int n = int(span.end - t0 < C ? span.end - t0 : C);
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     __syncthreads();
     const float e_end = inter_weight(cd, n - 1);
@@ -407,7 +427,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
         for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
         acc += x;
         const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
-        da_out[bk * L + t0 + t] = reset ? 0.0f : acc;
+        da_out[(b * sh.kv_heads + kh) * L + t0 + t] = reset ? 0.0f : acc;
         if (reset) acc = 0.0f;  // the rows before it form an independent sequence
       }
     }
@@ -738,12 +758,13 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
   constexpr bool kLo = std::is_same_v<T, __half>;  // 16-bit values: lo only for f16
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0);
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  const int64_t bh = blockIdx.x, h = bh % H;
+  const GlaSpan span = gla_span(sh, bh / H);
+  const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
   float* S = a.work + bh * M * W;
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
-  for (int64_t t0 = 0; t0 < L; t0 += sh.chunk) {
-    const int n = int(L - t0 < sh.chunk ? L - t0 : sh.chunk);
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += sh.chunk) {
+    const int n = int(span.end - t0 < sh.chunk ? span.end - t0 : sh.chunk);
     __syncthreads();  // the previous chunk's state update is done
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     // P = Q_c K_c^T, then W ∘ P
@@ -767,7 +788,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
           x += w == 0.0f ? 0.0f : w * tl.x.pf[t * kGlaLdPf + s];
         }
         den[t] = gla_guard(x, sh.eps);
-        a.den[bh * L + t0 + t] = den[t];
+        a.den[(b * H + h) * L + t0 + t] = den[t];
       }
     }
     // O = Q~_c S + (W ∘ P) V'_c, per value tile of 32 columns
@@ -804,13 +825,14 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   constexpr bool kLo = std::is_same_v<T, __half>;
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  const int64_t bh = blockIdx.x, h = bh % H;
+  const GlaSpan span = gla_span(sh, bh / H);
+  const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
   float* S = work_states + bh * M * W;
   float* tile = work_dq + bh * C * M;  // the chunk's dq in f32
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
-  for (int64_t t0 = 0; t0 < L; t0 += C) {
-    const int n = int(L - t0 < C ? L - t0 : C);
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += C) {
+    const int n = int(span.end - t0 < C ? span.end - t0 : C);
     __syncthreads();
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     row_grads<T>(a, b, h, t0, n, g, dden);
@@ -845,7 +867,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
     for (int t = threadIdx.x; t < n; t += blockDim.x) {
       float x = 0.0f;
       for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), tile[t * M + i], x);
-      qdq[bh * L + t0 + t] = x;
+      qdq[(b * H + h) * L + t0 + t] = x;
     }
     gla_tc_update<T>(tl, cd, S, a.k, a.v, b, kh, t0, n, M, D, W);
   }
@@ -868,7 +890,9 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
   const int64_t G = H / sh.kv_heads;
-  const int64_t bk = blockIdx.x, b = bk / sh.kv_heads, kh = bk % sh.kv_heads;
+  const int64_t bk = blockIdx.x, kh = bk % sh.kv_heads;
+  const GlaSpan span = gla_span(sh, bk / sh.kv_heads);
+  const int64_t b = span.b;
   float* dS = work_ds + bk * 2 * M * W;  // the gradient of the state leaving the chunk
   float* dS_next = dS + M * W;           // ... and of the one entering it
   float* dk_acc = work_dkdv + bk * C * (M + W);
@@ -878,10 +902,10 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   float acc = 0.0f;  // thread 0: the suffix sum of dL/dLam'
   if (threadIdx.x == 0 && a.d_final != nullptr)
     for (int64_t e = 0; e < M * W; ++e) acc = fmaf(a.d_final[bk * M * W + e], a.final_state[bk * M * W + e], acc);
-  const int64_t nchunks = (L + C - 1) / C;
+  const int64_t nchunks = (span.end - span.begin + C - 1) / C;
   for (int64_t c = nchunks - 1; c >= 0; --c) {
-    const int64_t t0 = c * C;
-    const int n = int(L - t0 < C ? L - t0 : C);
+    const int64_t t0 = span.begin + c * C;
+    const int n = int(span.end - t0 < C ? span.end - t0 : C);
     __syncthreads();
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     __syncthreads();
@@ -987,7 +1011,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
         for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
         acc += x;
         const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
-        da_out[bk * L + t0 + t] = reset ? 0.0f : acc;
+        da_out[(b * sh.kv_heads + kh) * L + t0 + t] = reset ? 0.0f : acc;
         if (reset) acc = 0.0f;  // the rows before it form an independent sequence
       }
     }
@@ -1006,7 +1030,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
 template <typename T>
 struct GlaForwardLaunch {
   static MesaStatus run(const MesaGlaForwardArgs& a, void* stream) {
-    const dim3 blocks(unsigned(a.shape.batch * a.shape.heads));
+    const dim3 blocks(unsigned(gla_units(a.shape) * a.shape.heads));
     if constexpr (kTensorCores<T>)
       return status_from(MESA_LAUNCH((gla_forward_tc_kernel<T>), blocks, dim3(kGlaThreads), 0, stream, a));
     else
@@ -1019,28 +1043,28 @@ struct GlaBackwardLaunch {
   static MesaStatus run(const MesaGlaBackwardArgs& a, void* stream) {
     const MesaGlaShape& s = a.shape;
     const int64_t B = s.batch, H = s.heads, Hkv = s.kv_heads, L = s.len, M = s.feat, C = s.chunk;
-    const int64_t W = s.dim + (s.normalize ? 1 : 0);
-    // the scratch, as MESA_GLA_BACKWARD_WORK lays it out
+    const int64_t W = s.dim + (s.normalize ? 1 : 0), N = gla_units(s);
+    // the scratch, as MESA_GLA_PACKED_BACKWARD_WORK lays it out (unpacked: N = B)
     float* states = a.work;
-    float* dq_tiles = states + B * H * M * W;
-    float* qdq = dq_tiles + B * H * C * M;
+    float* dq_tiles = states + N * H * M * W;
+    float* qdq = dq_tiles + N * H * C * M;
     float* ds = qdq + B * H * L;
-    float* dkdv = ds + B * Hkv * 2 * M * W;
-    float* da_rows = dkdv + B * Hkv * C * (M + W);
+    float* dkdv = ds + N * Hkv * 2 * M * W;
+    float* da_rows = dkdv + N * Hkv * C * (M + W);
     cudaError_t e = cudaSuccess;
-    if (B > 0) {
+    if (N > 0) {
       if constexpr (kTensorCores<T>)
-        e = MESA_LAUNCH((gla_dq_tc_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states,
+        e = MESA_LAUNCH((gla_dq_tc_kernel<T>), dim3(unsigned(N * H)), dim3(kGlaThreads), 0, stream, a, states,
                         dq_tiles, qdq);
       else
-        e = MESA_LAUNCH((gla_dq_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states, dq_tiles,
+        e = MESA_LAUNCH((gla_dq_kernel<T>), dim3(unsigned(N * H)), dim3(kGlaThreads), 0, stream, a, states, dq_tiles,
                         qdq);
       if (e != cudaSuccess) return status_from(e);
       if constexpr (kTensorCores<T>)
-        e = MESA_LAUNCH((gla_dkdv_tc_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
+        e = MESA_LAUNCH((gla_dkdv_tc_kernel<T>), dim3(unsigned(N * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
                         qdq, da_rows);
       else
-        e = MESA_LAUNCH((gla_dkdv_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
+        e = MESA_LAUNCH((gla_dkdv_kernel<T>), dim3(unsigned(N * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
                         qdq, da_rows);
     }
     // per-head decay: also with B = 0 (its gradient is then 0)
@@ -1057,8 +1081,10 @@ inline bool gla_shape_valid(const MesaGlaShape& s) {
     return false;
   if (s.decay_kind != MESA_GLA_DECAY_PER_STEP && s.decay_kind != MESA_GLA_DECAY_PER_HEAD) return false;
   if (s.normalize && !(s.eps > 0.0f && s.eps < INFINITY)) return false;
-  // one block per (b, h): the grid's x limit
-  return s.batch * s.heads <= int64_t(0x7fffffff);
+  // packed: B = 1 and N >= 1 sequences (the offsets themselves are the caller's to check)
+  if (s.packing.seq_offsets != nullptr && (s.batch != 1 || s.packing.nseq < 1)) return false;
+  // one block per (b or sequence, h): the grid's x limit
+  return gla_units(s) * s.heads <= int64_t(0x7fffffff);
 }
 
 }  // namespace MESA_NS
