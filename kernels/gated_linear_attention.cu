@@ -66,6 +66,9 @@ constexpr int kGlaChunk = MESA_GLA_MAX_CHUNK;
 // 128 per thread (uncapped it takes 164 on sm_80 for 16-bit inputs); its inner loops over the
 // chunk's rows are not unrolled, so that the cap causes no spills.
 constexpr int kGlaMinBlocks = 4;
+// The f32 forward asks for 6 blocks per SM (at most 80 registers): left to itself, ptxas holds
+// it to 64 registers and spills since the packed row range (a per-block end row) became live.
+constexpr int kGlaForwardMinBlocks = 6;
 
 // ---------------------------------------------------------------------------------------
 // Device helpers.
@@ -100,8 +103,13 @@ struct GlaSpan {
   int64_t b, u, begin, end;
 };
 __device__ __forceinline__ GlaSpan gla_span(const MesaGlaShape& s, int64_t u) {
-  if (s.packing.seq_offsets == nullptr) return {u, u, 0, s.len};
-  return {0, u, s.packing.seq_offsets[u], s.packing.seq_offsets[u + 1]};
+  const int64_t* o = s.packing.seq_offsets;
+  GlaSpan r;
+  r.b = o != nullptr ? 0 : u;
+  r.u = u;
+  r.begin = o != nullptr ? o[u] : 0;
+  r.end = o != nullptr ? o[u + 1] : s.len;
+  return r;
 }
 
 // Blocks per head: B, or N packed sequences.
@@ -163,7 +171,7 @@ __device__ void update_state(float* S, const ChunkDecay& cd, const MesaLaTensor&
 // ---------------------------------------------------------------------------------------
 // Forward: one block per (b, h), walking the chunks in order with its own working state.
 template <typename T>
-__global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaForwardArgs a) {
+__global__ void __launch_bounds__(kGlaThreads, kGlaForwardMinBlocks) gla_forward_kernel(const MesaGlaForwardArgs a) {
   __shared__ ChunkDecay cd;
   __shared__ float P[kGlaChunk][kGlaChunk];  // w_ts (q_t . k_s), s <= t
   __shared__ float den[kGlaChunk];
@@ -173,6 +181,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaF
   const GlaSpan span = gla_span(sh, bh / H);
   const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
   float* S = a.work + bh * M * W;
+  float* den_h = a.den + (b * H + h) * L;  // this head's denominators (normalize)
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
   __syncthreads();
   for (int64_t t0 = span.begin; t0 < span.end; t0 += sh.chunk) {
@@ -198,7 +207,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaF
         x *= e_t;
         for (int s = 0; s <= t; ++s) x += P[t][s];
         den[t] = gla_guard(x, sh.eps);
-        a.den[(b * H + h) * L + t0 + t] = den[t];
+        den_h[t0 + t] = den[t];
       }
       __syncthreads();
     }
@@ -342,7 +351,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   float* dS_next = dS + M * W;           // ... and of the one entering it
   float* dk_acc = work_dkdv + bk * C * (M + W);
   float* dv_acc = dk_acc + C * M;
-  float* da_out = sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows;
+  float* da_kh = (sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows) + (b * sh.kv_heads + kh) * L;
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) dS[e] = a.d_final ? a.d_final[bk * M * W + e] : 0.0f;
   float acc = 0.0f;  // thread 0: the suffix sum of dL/dLam'
   if (threadIdx.x == 0 && a.d_final != nullptr)
@@ -427,7 +436,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
         for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
         acc += x;
         const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
-        da_out[(b * sh.kv_heads + kh) * L + t0 + t] = reset ? 0.0f : acc;
+        da_kh[t0 + t] = reset ? 0.0f : acc;
         if (reset) acc = 0.0f;  // the rows before it form an independent sequence
       }
     }
@@ -897,7 +906,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   float* dS_next = dS + M * W;           // ... and of the one entering it
   float* dk_acc = work_dkdv + bk * C * (M + W);
   float* dv_acc = dk_acc + C * M;
-  float* da_out = sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows;
+  float* da_kh = (sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows) + (b * sh.kv_heads + kh) * L;
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) dS[e] = a.d_final ? a.d_final[bk * M * W + e] : 0.0f;
   float acc = 0.0f;  // thread 0: the suffix sum of dL/dLam'
   if (threadIdx.x == 0 && a.d_final != nullptr)
@@ -1011,7 +1020,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
         for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
         acc += x;
         const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
-        da_out[(b * sh.kv_heads + kh) * L + t0 + t] = reset ? 0.0f : acc;
+        da_kh[t0 + t] = reset ? 0.0f : acc;
         if (reset) acc = 0.0f;  // the rows before it form an independent sequence
       }
     }
