@@ -2,9 +2,11 @@
 // (issue 41): f32 state and arithmetic, one thread block per head walking the chunks in order.
 // f32 inputs run on CUDA-core FMAs (gla_forward_kernel, gla_dq_kernel, gla_dkdv_kernel); f16
 // and bf16 inputs run every chunk product on tensor cores as split bf16 pairs (the *_tc_kernel
-// instances, "Tensor cores" below; kTensorCores<T> picks per dtype, as linear_attention.cu). No
-// boundary states, packed sequences or LASP yet (docs/linear_attention.md, "Gated linear
-// attention").
+// instances, "Tensor cores" below; kTensorCores<T> picks per dtype, as linear_attention.cu).
+// Packed variable-length sequences (shape.packing): one block per (sequence, head) instead of
+// per (b, head), its rows o_n..o_{n+1} (gla_span), its state n; the recurrence below applies to
+// each sequence alone (rows, chunks and Lam' counted from its first row). No boundary states or
+// LASP yet (docs/linear_attention.md, "Gated linear attention").
 //
 // Math (reference: crates/mesa-kernels/src/reference/gated_linear_attention.rs). For one query
 // head h reading KV head kh = h / (H / H_kv), with v'_s = [v_s | 1] (the 1 only when normalised)
@@ -1035,7 +1037,8 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
 
 // ---------------------------------------------------------------------------------------
 // Launch policy (host): one block of 128 threads per (b, h) — or per (b, kh) for dk/dv —,
-// each walking its L / C chunks in order.
+// each walking its L / C chunks in order; packed, per (sequence, h) and (sequence, kh), each
+// walking its sequence's chunks.
 template <typename T>
 struct GlaForwardLaunch {
   static MesaStatus run(const MesaGlaForwardArgs& a, void* stream) {
