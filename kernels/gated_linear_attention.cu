@@ -114,9 +114,31 @@ __device__ __forceinline__ GlaSpan gla_span(const MesaGlaShape& s, int64_t u) {
   return r;
 }
 
+// Boundary states: the first global chunk of unit u, and the unit of global chunk g (packed:
+// the last sequence n with chunk_offsets[n] <= g, by bisection; empty sequences own no chunk).
+__device__ __forceinline__ int64_t gla_first_chunk(const MesaGlaShape& s, int64_t u) {
+  return s.packing.seq_offsets != nullptr ? s.packing.chunk_offsets[u] : u * ((s.len + s.chunk - 1) / s.chunk);
+}
+__device__ __forceinline__ int64_t gla_chunk_unit(const MesaGlaShape& s, int64_t g) {
+  if (s.packing.seq_offsets == nullptr) return g / ((s.len + s.chunk - 1) / s.chunk);
+  int64_t lo = 0, hi = s.packing.nseq - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (s.packing.chunk_offsets[mid] <= g)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 // Blocks per head: B, or N packed sequences.
 inline int64_t gla_units(const MesaGlaShape& s) {
   return s.packing.seq_offsets != nullptr ? s.packing.nseq : s.batch;
+}
+// Chunks of all units (the boundary states' count per KV head).
+inline int64_t gla_chunks(const MesaGlaShape& s) {
+  return s.packing.seq_offsets != nullptr ? s.packing.nchunks : s.batch * ((s.len + s.chunk - 1) / s.chunk);
 }
 
 // The chunk's log-decays (shared): lam[t] = Lam_t, seg[t] = the last reset row <= t (-1: none).
@@ -185,9 +207,17 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaForwardMinBlocks) gla_forward
   float* S = a.work + bh * M * W;
   float* den_h = a.den + (b * H + h) * L;  // this head's denominators (normalize)
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  // boundary states: the group's first query head writes the state entering each chunk
+  float* bnd = a.boundary != nullptr && h % (H / sh.kv_heads) == 0
+                   ? a.boundary + (gla_first_chunk(sh, span.u) * sh.kv_heads + kh) * M * W
+                   : nullptr;
   __syncthreads();
   for (int64_t t0 = span.begin; t0 < span.end; t0 += sh.chunk) {
     const int n = int(span.end - t0 < sh.chunk ? span.end - t0 : sh.chunk);
+    if (bnd != nullptr) {
+      for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) bnd[e] = S[e];
+      bnd += sh.kv_heads * M * W;
+    }
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     __syncthreads();
     for (int e = threadIdx.x; e < n * n; e += blockDim.x) {
@@ -280,9 +310,11 @@ __device__ void chunk_scores(const MesaGlaBackwardArgs& a, const ChunkDecay& cd,
   }
 }
 
-// dq: one block per (b, h), walking forward again from the initial state (as the forward).
+// dq: one block per (b, h), walking forward again from the initial state (as the forward);
+// kBoundary: one block per (chunk, h), reading the state entering its chunk from the forward's
+// boundary states (the same values the walk recomputes: the same dq, bit for bit).
 // Writes dq and, per row, q_t . dq_t (f32) to qdq [B*H*L] for da.
-template <typename T>
+template <typename T, bool kBoundary>
 __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwardArgs a, float* work_states,
                                                              float* work_dq, float* qdq) {
   __shared__ ChunkDecay cd;
@@ -292,11 +324,23 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
   const int64_t bh = blockIdx.x, h = bh % H;
-  const GlaSpan span = gla_span(sh, bh / H);
-  const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
-  float* S = work_states + bh * M * W;
+  const int64_t kh = h / (H / sh.kv_heads);
+  GlaSpan span;
+  float* S;
+  if constexpr (kBoundary) {  // block (g, h): chunk g alone, from its boundary state (read only)
+    const int64_t g = bh / H;
+    span = gla_span(sh, gla_chunk_unit(sh, g));
+    span.begin += (g - gla_first_chunk(sh, span.u)) * C;
+    span.end = span.end - span.begin < C ? span.end : span.begin + C;
+    S = const_cast<float*>(a.boundary) + (g * sh.kv_heads + kh) * M * W;
+  } else {  // block (u, h): every chunk of unit u, walking the state
+    span = gla_span(sh, bh / H);
+    S = work_states + bh * M * W;
+    const int64_t bk = span.u * sh.kv_heads + kh;
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  }
+  const int64_t b = span.b;
   float* tile = work_dq + bh * C * M;  // the chunk's dq in f32
-  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
   __syncthreads();
   for (int64_t t0 = span.begin; t0 < span.end; t0 += C) {
     const int n = int(span.end - t0 < C ? span.end - t0 : C);
@@ -326,7 +370,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
       for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), tile[t * M + i], x);
       qdq[(b * H + h) * L + t0 + t] = x;
     }
-    update_state<T>(S, cd, a.k, a.v, b, kh, t0, n, M, D, W);
+    if constexpr (!kBoundary) update_state<T>(S, cd, a.k, a.v, b, kh, t0, n, M, D, W);
     __syncthreads();
   }
 }
@@ -774,9 +818,17 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
   const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
   float* S = a.work + bh * M * W;
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  // boundary states: the group's first query head writes the state entering each chunk
+  float* bnd = a.boundary != nullptr && h % (H / sh.kv_heads) == 0
+                   ? a.boundary + (gla_first_chunk(sh, span.u) * sh.kv_heads + kh) * M * W
+                   : nullptr;
   for (int64_t t0 = span.begin; t0 < span.end; t0 += sh.chunk) {
     const int n = int(span.end - t0 < sh.chunk ? span.end - t0 : sh.chunk);
     __syncthreads();  // the previous chunk's state update is done
+    if (bnd != nullptr) {
+      for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) bnd[e] = S[e];
+      bnd += sh.kv_heads * M * W;
+    }
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     // P = Q_c K_c^T, then W ∘ P
     FragAcc acc[kGlaWarps];
@@ -825,8 +877,9 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
     for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) a.final_state[bk * M * W + e] = S[e];
 }
 
-// dq on tensor cores: one block per (b, h), as gla_dq_kernel (the same scratch and qdq).
-template <typename T>
+// dq on tensor cores: one block per (b, h) or (chunk, h), as gla_dq_kernel (the same scratch
+// and qdq).
+template <typename T, bool kBoundary>
 __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
     gla_dq_tc_kernel(const MesaGlaBackwardArgs a, float* work_states, float* work_dq, float* qdq) {
   __shared__ ChunkDecay cd;
@@ -837,11 +890,23 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
   const int64_t bh = blockIdx.x, h = bh % H;
-  const GlaSpan span = gla_span(sh, bh / H);
-  const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
-  float* S = work_states + bh * M * W;
+  const int64_t kh = h / (H / sh.kv_heads);
+  GlaSpan span;
+  float* S;
+  if constexpr (kBoundary) {  // block (g, h): chunk g alone, from its boundary state (read only)
+    const int64_t g = bh / H;
+    span = gla_span(sh, gla_chunk_unit(sh, g));
+    span.begin += (g - gla_first_chunk(sh, span.u)) * C;
+    span.end = span.end - span.begin < C ? span.end : span.begin + C;
+    S = const_cast<float*>(a.boundary) + (g * sh.kv_heads + kh) * M * W;
+  } else {  // block (u, h): every chunk of unit u, walking the state
+    span = gla_span(sh, bh / H);
+    S = work_states + bh * M * W;
+    const int64_t bk = span.u * sh.kv_heads + kh;
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  }
+  const int64_t b = span.b;
   float* tile = work_dq + bh * C * M;  // the chunk's dq in f32
-  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
   for (int64_t t0 = span.begin; t0 < span.end; t0 += C) {
     const int n = int(span.end - t0 < C ? span.end - t0 : C);
     __syncthreads();
@@ -880,7 +945,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
       for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), tile[t * M + i], x);
       qdq[(b * H + h) * L + t0 + t] = x;
     }
-    gla_tc_update<T>(tl, cd, S, a.k, a.v, b, kh, t0, n, M, D, W);
+    if constexpr (!kBoundary) gla_tc_update<T>(tl, cd, S, a.k, a.v, b, kh, t0, n, M, D, W);
   }
 }
 
@@ -1055,22 +1120,31 @@ struct GlaBackwardLaunch {
   static MesaStatus run(const MesaGlaBackwardArgs& a, void* stream) {
     const MesaGlaShape& s = a.shape;
     const int64_t B = s.batch, H = s.heads, Hkv = s.kv_heads, L = s.len, M = s.feat, C = s.chunk;
-    const int64_t W = s.dim + (s.normalize ? 1 : 0), N = gla_units(s);
-    // the scratch, as MESA_GLA_PACKED_BACKWARD_WORK lays it out (unpacked: N = B)
+    const int64_t W = s.dim + (s.normalize ? 1 : 0), N = gla_units(s), NCH = gla_chunks(s);
+    // the scratch, as MESA_GLA_PACKED_BACKWARD_WORK lays it out (unpacked: N = B), or with
+    // boundary states MESA_GLA_BOUNDARY_BACKWARD_WORK (no working states, a dq chunk per block)
+    const bool boundary = a.boundary != nullptr;
     float* states = a.work;
-    float* dq_tiles = states + N * H * M * W;
-    float* qdq = dq_tiles + N * H * C * M;
+    float* dq_tiles = boundary ? a.work : states + N * H * M * W;
+    float* qdq = dq_tiles + (boundary ? NCH : N) * H * C * M;
     float* ds = qdq + B * H * L;
     float* dkdv = ds + N * Hkv * 2 * M * W;
     float* da_rows = dkdv + N * Hkv * C * (M + W);
     cudaError_t e = cudaSuccess;
     if (N > 0) {
-      if constexpr (kTensorCores<T>)
-        e = MESA_LAUNCH((gla_dq_tc_kernel<T>), dim3(unsigned(N * H)), dim3(kGlaThreads), 0, stream, a, states,
-                        dq_tiles, qdq);
-      else
-        e = MESA_LAUNCH((gla_dq_kernel<T>), dim3(unsigned(N * H)), dim3(kGlaThreads), 0, stream, a, states, dq_tiles,
-                        qdq);
+      if (boundary && NCH > 0) {
+        const dim3 grid(unsigned(NCH * H));
+        if constexpr (kTensorCores<T>)
+          e = MESA_LAUNCH((gla_dq_tc_kernel<T, true>), grid, dim3(kGlaThreads), 0, stream, a, states, dq_tiles, qdq);
+        else
+          e = MESA_LAUNCH((gla_dq_kernel<T, true>), grid, dim3(kGlaThreads), 0, stream, a, states, dq_tiles, qdq);
+      } else if (!boundary) {
+        const dim3 grid(unsigned(N * H));
+        if constexpr (kTensorCores<T>)
+          e = MESA_LAUNCH((gla_dq_tc_kernel<T, false>), grid, dim3(kGlaThreads), 0, stream, a, states, dq_tiles, qdq);
+        else
+          e = MESA_LAUNCH((gla_dq_kernel<T, false>), grid, dim3(kGlaThreads), 0, stream, a, states, dq_tiles, qdq);
+      }
       if (e != cudaSuccess) return status_from(e);
       if constexpr (kTensorCores<T>)
         e = MESA_LAUNCH((gla_dkdv_tc_kernel<T>), dim3(unsigned(N * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
@@ -1099,12 +1173,20 @@ inline bool gla_shape_valid(const MesaGlaShape& s) {
   return gla_units(s) * s.heads <= int64_t(0x7fffffff);
 }
 
+// Boundary states (given): packed, the chunk offsets too; one dq block per (chunk, h).
+inline bool gla_boundary_valid(const MesaGlaShape& s, const void* boundary) {
+  if (boundary == nullptr) return true;
+  if (s.packing.seq_offsets != nullptr && s.packing.chunk_offsets == nullptr) return false;
+  return gla_chunks(s) * s.heads <= int64_t(0x7fffffff);
+}
+
 }  // namespace MESA_NS
 
 using namespace MESA_NS;
 
 extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_forward)(const MesaGlaForwardArgs* a, void* stream) {
-  if (a == nullptr || !gla_shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
+  if (a == nullptr || !gla_shape_valid(a->shape) || !gla_boundary_valid(a->shape, a->boundary))
+    return MESA_STATUS_INVALID_ARGUMENT;
   const MesaGlaShape& s = a->shape;
   if (s.batch == 0) return MESA_STATUS_OK;
   // an empty tensor may come as NULL: the per-step decay when L = 0
@@ -1119,7 +1201,8 @@ extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_forward)(const MesaGlaFo
 }
 
 extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_backward)(const MesaGlaBackwardArgs* a, void* stream) {
-  if (a == nullptr || !gla_shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
+  if (a == nullptr || !gla_shape_valid(a->shape) || !gla_boundary_valid(a->shape, a->boundary))
+    return MESA_STATUS_INVALID_ARGUMENT;
   const MesaGlaShape& s = a->shape;
   // an empty tensor may come as NULL: the per-step decay and its gradient when B·L = 0, the
   // row tensors when B·L = 0

@@ -1402,10 +1402,11 @@ pub struct MesaGlaForwardArgs {
     pub final_state: *mut f32,
     pub den: *mut f32,
     pub work: *mut f32,
+    pub boundary: *mut f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaGlaForwardArgs"][::core::mem::size_of::<MesaGlaForwardArgs>() - 304usize];
+    ["Size of MesaGlaForwardArgs"][::core::mem::size_of::<MesaGlaForwardArgs>() - 312usize];
     ["Alignment of MesaGlaForwardArgs"][::core::mem::align_of::<MesaGlaForwardArgs>() - 8usize];
     ["Offset of field: MesaGlaForwardArgs::shape"][::core::mem::offset_of!(MesaGlaForwardArgs, shape) - 0usize];
     ["Offset of field: MesaGlaForwardArgs::q"][::core::mem::offset_of!(MesaGlaForwardArgs, q) - 104usize];
@@ -1419,6 +1420,7 @@ const _: () = {
         [::core::mem::offset_of!(MesaGlaForwardArgs, final_state) - 280usize];
     ["Offset of field: MesaGlaForwardArgs::den"][::core::mem::offset_of!(MesaGlaForwardArgs, den) - 288usize];
     ["Offset of field: MesaGlaForwardArgs::work"][::core::mem::offset_of!(MesaGlaForwardArgs, work) - 296usize];
+    ["Offset of field: MesaGlaForwardArgs::boundary"][::core::mem::offset_of!(MesaGlaForwardArgs, boundary) - 304usize];
 };
 impl Default for MesaGlaForwardArgs {
     fn default() -> Self {
@@ -1449,10 +1451,11 @@ pub struct MesaGlaBackwardArgs {
     pub d_decay: *mut f32,
     pub d_init: *mut f32,
     pub work: *mut f32,
+    pub boundary: *const f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaGlaBackwardArgs"][::core::mem::size_of::<MesaGlaBackwardArgs>() - 488usize];
+    ["Size of MesaGlaBackwardArgs"][::core::mem::size_of::<MesaGlaBackwardArgs>() - 496usize];
     ["Alignment of MesaGlaBackwardArgs"][::core::mem::align_of::<MesaGlaBackwardArgs>() - 8usize];
     ["Offset of field: MesaGlaBackwardArgs::shape"][::core::mem::offset_of!(MesaGlaBackwardArgs, shape) - 0usize];
     ["Offset of field: MesaGlaBackwardArgs::q"][::core::mem::offset_of!(MesaGlaBackwardArgs, q) - 104usize];
@@ -1473,6 +1476,8 @@ const _: () = {
     ["Offset of field: MesaGlaBackwardArgs::d_decay"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_decay) - 464usize];
     ["Offset of field: MesaGlaBackwardArgs::d_init"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_init) - 472usize];
     ["Offset of field: MesaGlaBackwardArgs::work"][::core::mem::offset_of!(MesaGlaBackwardArgs, work) - 480usize];
+    ["Offset of field: MesaGlaBackwardArgs::boundary"]
+        [::core::mem::offset_of!(MesaGlaBackwardArgs, boundary) - 488usize];
 };
 impl Default for MesaGlaBackwardArgs {
     fn default() -> Self {

@@ -44,7 +44,8 @@ mod common;
 
 use half::{bf16, f16};
 use mesa_kernels::gated_linear_attention::{
-    backward, forward, forward_packed, BackwardArgs, Decay, ForwardArgs, GatedConfig, GatedGrads, MAX_CHUNK,
+    backward, forward, forward_packed, forward_with, BackwardArgs, Decay, ForwardArgs, ForwardOptions, GatedConfig,
+    GatedGrads, MemoryMode, MAX_CHUNK,
 };
 use mesa_kernels::linear_attention as la;
 use mesa_kernels::reference::gated_linear_attention as rg;
@@ -505,6 +506,18 @@ fn run_with<T: Element>(
     st: Storage,
     offsets: Option<&[usize]>,
 ) -> mesa_kernels::Result<Got> {
+    run_opts::<T>(device, c, p, st, &ForwardOptions { seq_offsets: offsets, ..ForwardOptions::default() })
+}
+
+/// One forward (`forward_with` these options) and backward.
+fn run_opts<T: Element>(
+    device: &Device,
+    c: &Case,
+    p: &Problem,
+    st: Storage,
+    opts: &ForwardOptions<'_>,
+) -> mesa_kernels::Result<Got> {
+    let offsets = opts.seq_offsets;
     let s = c.s;
     let w = width(c);
     let units = offsets.map_or(s.b, |o| o.len() - 1);
@@ -533,10 +546,13 @@ fn run_with<T: Element>(
     let saved = {
         let mut ot = TensorMut::new(&mut out, &lo)?;
         let args = ForwardArgs { q: &qt, k: &kt, v: &vt, decay, initial: s0t.as_ref(), out: &mut ot };
-        match offsets {
-            Some(o) => forward_packed(device, &config, o, args)?,
-            None => forward(device, &config, args)?,
-        }
+        let saved = match (offsets, opts.memory) {
+            (Some(o), MemoryMode::Slim) => forward_packed(device, &config, o, args)?,
+            (None, MemoryMode::Slim) => forward(device, &config, args)?,
+            _ => forward_with(device, &config, opts, args)?,
+        };
+        assert_eq!(saved.memory(), opts.memory);
+        saved
     };
     let fin = widen(&saved.final_state()?);
     let (mut dq, mut dk, mut dv) = (vec![nan; q.len()], vec![nan; k.len()], vec![nan; v.len()]);
@@ -1206,19 +1222,28 @@ fn offsets_of(lens: &[usize]) -> Vec<usize> {
 /// output is bitwise equal to the per-sequence calls' — except a per-head decay's gradient,
 /// which the packed call sums over all rows at once (its bound below). The per-sequence calls
 /// are the unpacked kernel that the parity tests above check against the f64 reference.
-fn packed_matches_per_sequence<T: Element>(device: &Device, c: &Case, lens: &[usize], rng: &mut StdRng) {
+/// A packed problem (`c.s.b = 1`, `c.s.l` = the sum of `lens`): its states `[N, H_kv, M, W]`,
+/// and the offsets.
+fn packed_problem<T: Element>(c: &Case, lens: &[usize], rng: &mut StdRng) -> (Problem, Vec<usize>) {
     let s = c.s;
-    let (n, w) = (lens.len(), width(c));
+    let n = lens.len();
     let offsets = offsets_of(lens);
     assert_eq!((s.b, offsets[n]), (1, s.l), "a packed case is B = 1 with L = the sum of the lengths");
     let mut p = make::<T>(&Case { initial: false, d_final: false, ..c.clone() }, rng);
-    let ns = s.hkv * s.m * w; // one sequence's state
+    let ns = s.hkv * s.m * width(c); // one sequence's state
     if c.initial {
         p.s0 = Some((0..n * ns).map(|_| rng.random_range(0.1f32..1.0)).collect());
     }
     if c.d_final {
         p.dsf = Some((0..n * ns).map(|_| rng.random_range(-1.0f32..1.0)).collect());
     }
+    (p, offsets)
+}
+
+fn packed_matches_per_sequence<T: Element>(device: &Device, c: &Case, lens: &[usize], rng: &mut StdRng) {
+    let s = c.s;
+    let ns = s.hkv * s.m * width(c); // one sequence's state
+    let (p, offsets) = packed_problem::<T>(c, lens, rng);
     let got = run_with::<T>(device, c, &p, Storage::Contiguous, Some(&offsets)).expect("packed");
     for (i, (&o, &len)) in offsets.iter().zip(lens).enumerate() {
         let sub = Problem {
@@ -1377,4 +1402,58 @@ fn packed_bad_offsets_are_typed_errors() {
     )
     .unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "d_final of [1, …] for 2 sequences: {e}");
+}
+
+/// Boundary states (`MemoryMode::BoundaryStates`): the forward keeps the state entering every
+/// chunk and the backward's dq runs one block per (chunk, query head) from them instead of
+/// walking again. The forward's walk and the dq walk compute those states with the same update
+/// from the same inputs in the same order, so every result is bit for bit the SLiM mode's
+/// (asserted bitwise, finite): f32 and bf16, per-step and per-head decay, GQA, normalised,
+/// resets, L not a multiple of the chunk, L = 0, packed sequences with empty ones.
+#[test]
+fn boundary_states_give_the_walks_results() {
+    let mut rng = common::rng("gated boundary_states_give_the_walks_results");
+    let device = common::emulator();
+    let same = |c: &Case, x: &Got, y: &Got| {
+        let pairs = [(&x.out, &y.out), (&x.fin, &y.fin), (&x.dq, &y.dq), (&x.dk, &y.dk), (&x.dv, &y.dv)];
+        for (what, (a, b)) in ["out", "final", "dq", "dk", "dv", "da", "d_initial"]
+            .into_iter()
+            .zip(pairs.into_iter().chain([(&x.da, &y.da), (&x.ds0, &y.ds0)]))
+        {
+            assert_eq!(a.len(), b.len(), "{what}");
+            for (j, (u, v)) in a.iter().zip(b.iter()).enumerate() {
+                assert!(u.is_finite() && u.to_bits() == v.to_bits(), "{what}[{j}]: boundary {v}, walk {u} ({c:?})");
+            }
+        }
+    };
+    let boundary = ForwardOptions { memory: MemoryMode::BoundaryStates, seq_offsets: None };
+    let cases = [
+        base(sh(2, 4, 2, 37, 5, 3), 7),
+        Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(2, 2, 1, 29, 4, 3), 8) },
+        Case { resets: vec![(1, 0, 3), (0, 1, 20)], ..base(sh(2, 4, 2, 33, 3, 4), 16) },
+        base(sh(2, 2, 1, 0, 3, 2), 4),
+    ];
+    for c in &cases {
+        let p = make::<f32>(c, &mut rng);
+        let walk = run::<f32>(&device, c, &p).expect("walk");
+        same(c, &walk, &run_opts::<f32>(&device, c, &p, Storage::Contiguous, &boundary).expect("boundary"));
+        let p = make::<bf16>(c, &mut rng);
+        let walk = run::<bf16>(&device, c, &p).expect("walk");
+        same(c, &walk, &run_opts::<bf16>(&device, c, &p, Storage::Contiguous, &boundary).expect("boundary"));
+    }
+    let lens = [5usize, 0, 17, 16, 3, 0];
+    let l = lens.iter().sum();
+    for c in [
+        base(sh(1, 4, 2, l, 3, 4), 8),
+        Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(1, 2, 1, l, 3, 4), 4) },
+    ] {
+        let (p, offsets) = packed_problem::<f32>(&c, &lens, &mut rng);
+        let walk = run_with::<f32>(&device, &c, &p, Storage::Contiguous, Some(&offsets)).expect("walk");
+        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary };
+        same(&c, &walk, &run_opts::<f32>(&device, &c, &p, Storage::Contiguous, &opts).expect("boundary"));
+        let (p, offsets) = packed_problem::<bf16>(&c, &lens, &mut rng);
+        let walk = run_with::<bf16>(&device, &c, &p, Storage::Contiguous, Some(&offsets)).expect("walk");
+        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary };
+        same(&c, &walk, &run_opts::<bf16>(&device, &c, &p, Storage::Contiguous, &opts).expect("boundary"));
+    }
 }

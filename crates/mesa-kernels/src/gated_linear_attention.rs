@@ -66,6 +66,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::linear_attention::packing::{self, Packing};
+pub use crate::linear_attention::MemoryMode;
 use crate::linear_attention::{la_tensor, rank4, to_i64};
 use crate::tensor::{TensorMut, TensorRef};
 
@@ -166,6 +167,27 @@ pub struct GatedDims {
     pub dim: usize,
 }
 
+/// Options of [`forward_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardOptions<'a> {
+    /// What the forward keeps for the backward. [`MemoryMode::Slim`] (the default here): only
+    /// the final state, memory independent of `L`; the backward's `dq` walks the chunks again
+    /// from the initial state. [`MemoryMode::BoundaryStates`]: also the state entering every
+    /// chunk, `chunks·H_kv·M·W` f32 (`chunks = B·⌈L/C⌉`, packed `Σ_n ⌈len_n/C⌉`); the backward's
+    /// `dq` then runs one block per (chunk, query head) from them (parallel over chunks) with
+    /// a scratch of `chunks·H·C·M` f32 for its rows, and gives bit for bit the same results.
+    pub memory: MemoryMode,
+    /// Packed sequences' offsets, as [`forward_packed`]'s; `None`: not packed.
+    pub seq_offsets: Option<&'a [usize]>,
+}
+
+impl Default for ForwardOptions<'_> {
+    /// SLiM memory, not packed: what [`forward`] does.
+    fn default() -> Self {
+        ForwardOptions { memory: MemoryMode::Slim, seq_offsets: None }
+    }
+}
+
 /// The tensors of [`forward`].
 #[derive(Debug)]
 pub struct ForwardArgs<'a, 'b, T> {
@@ -228,6 +250,7 @@ pub struct BackwardArgs<'a, 'b, T> {
 pub struct GatedSaved {
     final_state: Buffer<f32>,
     packing: Option<Packing>,
+    boundary: Option<Buffer<f32>>,
     den: Option<Buffer<f32>>,
     dims: GatedDims,
     config: GatedConfig,
@@ -251,6 +274,15 @@ impl GatedSaved {
     #[must_use]
     pub fn dims(&self) -> GatedDims {
         self.dims
+    }
+    /// What the forward kept ([`ForwardOptions::memory`]).
+    #[must_use]
+    pub fn memory(&self) -> MemoryMode {
+        if self.boundary.is_some() {
+            MemoryMode::BoundaryStates
+        } else {
+            MemoryMode::Slim
+        }
     }
     /// `N` when made by [`forward_packed`] (the states are then `[N, H_kv, M, W]`).
     #[must_use]
@@ -390,7 +422,7 @@ fn shape_sys(
 /// 4; a decay or state not contiguous), [`Error::ShapeMismatch`] (naming the tensor),
 /// [`Error::Aliasing`], [`Error::TooLarge`], [`Error::WrongBackend`], CUDA errors.
 pub fn forward<T: Element>(device: &Device, config: &GatedConfig, args: ForwardArgs<'_, '_, T>) -> Result<GatedSaved> {
-    forward_impl(device, config, args, None)
+    forward_with(device, config, &ForwardOptions::default(), args)
 }
 
 /// Forward over `N` packed variable-length sequences (flash-linear-attention's `cu_seqlens`):
@@ -411,15 +443,23 @@ pub fn forward_packed<T: Element>(
     seq_offsets: &[usize],
     args: ForwardArgs<'_, '_, T>,
 ) -> Result<GatedSaved> {
-    forward_impl(device, config, args, Some(seq_offsets))
+    forward_with(device, config, &ForwardOptions { seq_offsets: Some(seq_offsets), ..ForwardOptions::default() }, args)
 }
 
-fn forward_impl<T: Element>(
+/// [`forward`] (or [`forward_packed`]) with [`ForwardOptions`]: the memory mode and packed
+/// sequences. With [`MemoryMode::BoundaryStates`] it also allocates and writes the boundary
+/// states (`chunks·H_kv·M·W` f32, kept in the returned [`GatedSaved`]).
+///
+/// # Errors
+/// As [`forward`] and [`forward_packed`]; [`Error::TooLarge`] when `chunks·H` exceeds
+/// `2³¹ − 1` with boundary states (one `dq` block per (chunk, query head)).
+pub fn forward_with<T: Element>(
     device: &Device,
     config: &GatedConfig,
+    options: &ForwardOptions<'_>,
     args: ForwardArgs<'_, '_, T>,
-    seq_offsets: Option<&[usize]>,
 ) -> Result<GatedSaved> {
+    let seq_offsets = options.seq_offsets;
     config.check()?;
     let ForwardArgs { q, k, v, decay, initial, out } = args;
     let dims = dims_of(q, k, v)?;
@@ -438,6 +478,18 @@ fn forward_impl<T: Element>(
     let units = packing.as_ref().map_or(dims.batch, |p| p.n);
     let w = dims.dim + usize::from(config.normalize);
     let sshape = [units, dims.kv_heads, dims.feat, w];
+    let boundary = match options.memory {
+        MemoryMode::Slim => None,
+        MemoryMode::BoundaryStates => {
+            let chunks =
+                packing.as_ref().map_or(dims.batch.saturating_mul(dims.len.div_ceil(config.chunk)), |p| p.nchunks);
+            if chunks.saturating_mul(dims.heads) > i32::MAX as usize {
+                return Err(Error::too_large("chunks·heads", format!("{chunks}·{}: one dq block each", dims.heads)));
+            }
+            let n = product(&[chunks, dims.kv_heads, dims.feat, w], "boundary states")?;
+            Some(device.alloc_for_kernel::<f32>(n.max(1))?)
+        }
+    };
     if let Some(s0) = initial {
         check_state(s0, &sshape, "initial_state")?;
     }
@@ -447,6 +499,7 @@ fn forward_impl<T: Element>(
     let mut saved = GatedSaved {
         final_state: device.alloc_for_kernel::<f32>(state.max(1))?,
         packing,
+        boundary,
         den: if config.normalize { Some(device.alloc_for_kernel::<f32>(den.max(1))?) } else { None },
         dims,
         config: *config,
@@ -458,7 +511,7 @@ fn forward_impl<T: Element>(
         return Ok(saved);
     }
     let mut scratch = device.alloc_for_kernel::<f32>(work.max(1))?;
-    let GatedSaved { final_state, den, packing, .. } = &mut saved;
+    let GatedSaved { final_state, den, packing, boundary, .. } = &mut saved;
     let mut launch = Launch::new(device);
     let packing = packing::to_sys(packing.as_ref(), &mut launch)?;
     let args = sys::MesaGlaForwardArgs {
@@ -478,6 +531,10 @@ fn forward_impl<T: Element>(
             None => std::ptr::null_mut(),
         },
         work: launch.write_buffer(&mut scratch, "forward scratch")?,
+        boundary: match boundary.as_mut() {
+            Some(b) => launch.write_buffer(b, "boundary states")?,
+            None => std::ptr::null_mut(),
+        },
     };
     // SAFETY: q, k, v, out are registered rank-4 views with the shapes checked above (q, out
     // [B, H, L, ·], k, v [B, H_kv, L, ·], H_kv | H), inside their buffers (TensorRef/TensorMut::new);
@@ -485,7 +542,8 @@ fn forward_impl<T: Element>(
     // f32 view of the kind's shape; the initial state a registered contiguous [U, H_kv, M, W]
     // f32 view (U = B, or N packed: the offsets checked by packing::pack, on the device, with
     // B = 1); the final state, denominators and scratch buffers hold U·H_kv·M·W, B·H·L and
-    // U·H·M·W f32 as the header requires.
+    // U·H·M·W f32 as the header requires, the boundary states (when given) chunks·H_kv·M·W
+    // (chunks: B·⌈L/C⌉, or the packing's nchunks with its chunk offsets uploaded).
     unsafe {
         launch.launch(
             "gated_linear_attention_forward",
@@ -500,14 +558,18 @@ fn forward_impl<T: Element>(
 }
 
 /// f32 elements of the backward's scratch (`MESA_GLA_PACKED_BACKWARD_WORK` of the header, with
-/// `units` = `N` packed sequences or `B`).
-fn backward_work(d: &GatedDims, units: usize, w: usize, chunk: usize) -> Result<usize> {
+/// `units` = `N` packed sequences or `B`; with boundary states of `chunks` chunks,
+/// `MESA_GLA_BOUNDARY_BACKWARD_WORK`).
+fn backward_work(d: &GatedDims, units: usize, chunks: Option<usize>, w: usize, chunk: usize) -> Result<usize> {
     let per_q = [d.feat.checked_mul(w), chunk.checked_mul(d.feat)];
     let per_kv = [d.feat.checked_mul(w).and_then(|x| x.checked_mul(2)), chunk.checked_mul(d.feat + w)];
     let sum = |xs: &[Option<usize>]| xs.iter().try_fold(0usize, |a, x| x.and_then(|x| a.checked_add(x)));
     let too_large = || Error::too_large("backward scratch", format!("the element count for {d:?} overflows"));
     let parts = [
-        product(&[units, d.heads, sum(&per_q).ok_or_else(too_large)?], "backward scratch")?,
+        match chunks {
+            Some(nch) => product(&[nch, d.heads, chunk, d.feat], "backward scratch")?,
+            None => product(&[units, d.heads, sum(&per_q).ok_or_else(too_large)?], "backward scratch")?,
+        },
         product(&[d.batch, d.heads, d.len], "backward scratch")?,
         product(&[units, d.kv_heads, sum(&per_kv).ok_or_else(too_large)?], "backward scratch")?,
         product(&[d.batch, d.kv_heads, d.len], "backward scratch")?,
@@ -590,7 +652,11 @@ pub fn backward<T: Element>(device: &Device, saved: &GatedSaved, args: BackwardA
     if b == 0 && decay.kind() == DecayKind::PerStep {
         return Ok(());
     }
-    let work = backward_work(&dims, saved.units(), saved.width(), config.chunk)?;
+    let chunks = saved.boundary.as_ref().map(|_| match saved.packing.as_ref() {
+        Some(p) => p.nchunks,
+        None => dims.batch * dims.len.div_ceil(config.chunk),
+    });
+    let work = backward_work(&dims, saved.units(), chunks, saved.width(), config.chunk)?;
     let mut work = device.alloc_for_kernel::<f32>(work.max(1))?;
     let mut launch = Launch::new(device);
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
@@ -628,14 +694,19 @@ pub fn backward<T: Element>(device: &Device, saved: &GatedSaved, args: BackwardA
             None => std::ptr::null_mut(),
         },
         work: launch.write_buffer(&mut work, "backward scratch")?,
+        boundary: match saved.boundary.as_ref() {
+            Some(b) => launch.read_buffer(b, "boundary states")?,
+            None => std::ptr::null(),
+        },
     };
     // SAFETY: every view is registered, rank 4 with the forward's dims (checked above) and
     // inside its buffer; no gradient overlaps an input or another gradient (the builder's
     // aliasing check); the decay and its gradient are contiguous f32 of the kind's shape; the
     // states are registered contiguous [U, H_kv, M, W] f32 views (U = B, or N with the
     // forward's checked offsets); the saved buffers were sized by the forward for these dims
-    // (same dtype, decay kind and backend checked above); the scratch holds
-    // MESA_GLA_PACKED_BACKWARD_WORK f32 (backward_work).
+    // (same dtype, decay kind and backend checked above), the boundary states too; the
+    // scratch holds MESA_GLA_PACKED_BACKWARD_WORK f32, or MESA_GLA_BOUNDARY_BACKWARD_WORK with
+    // boundary states (backward_work).
     unsafe {
         launch.launch(
             "gated_linear_attention_backward",
