@@ -5,7 +5,9 @@
 // instances, "Tensor cores" below; kTensorCores<T> picks per dtype, as linear_attention.cu).
 // Packed variable-length sequences (shape.packing): one block per (sequence, head) instead of
 // per (b, head), its rows o_n..o_{n+1} (gla_span), its state n; the recurrence below applies to
-// each sequence alone (rows, chunks and Lam' counted from its first row). No boundary states or
+// each sequence alone (rows, chunks and Lam' counted from its first row). Boundary states
+// (args.boundary non-NULL): the forward also writes the state entering each chunk, and dq runs
+// one block per (chunk, h) from them (gla_dq_kernel<T, true>), bit for bit the walk's dq. No
 // LASP yet (docs/linear_attention.md, "Gated linear attention").
 //
 // Math (reference: crates/mesa-kernels/src/reference/gated_linear_attention.rs). For one query

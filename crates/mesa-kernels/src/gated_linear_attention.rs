@@ -31,6 +31,11 @@
 //! (initial, final and their gradients) is then `[N, H_kv, M, W]`. The result is bitwise that of
 //! one call per sequence, except a per-head decay's gradient (one sum over all rows).
 //!
+//! Memory ([`forward_with`], [`ForwardOptions`]): [`MemoryMode::Slim`] by default (only the final
+//! state; the backward's `dq` walks the chunks again), or [`MemoryMode::BoundaryStates`] (the
+//! state entering every chunk is kept and `dq` is parallel over chunks; the same results bit for
+//! bit).
+//!
 //! The decay's values are on the device and are not checked: they must be `≤ 0` or `−∞` (a
 //! NaN gives NaN outputs; a positive value is used as given).
 //!
@@ -582,7 +587,9 @@ fn backward_work(d: &GatedDims, units: usize, chunks: Option<usize>, w: usize, c
 ///
 /// `saved` is the forward's; `q, k, v, decay, initial` must be the forward's inputs; `out` (the
 /// forward's output) is required when normalised. Allocates (stream-ordered) a scratch of
-/// `B·H·(M·W + C·M + L) + B·H_kv·(2·M·W + C·(M + W) + L)` f32.
+/// `B·H·(M·W + C·M + L) + B·H_kv·(2·M·W + C·(M + W) + L)` f32 (packed: `N` for `B` in the
+/// state and chunk terms; with boundary states `chunks·H·C·M` replaces `B·H·(M·W + C·M)`, and
+/// `dq` runs parallel over chunks from the saved states).
 ///
 /// In-place: not supported (a gradient overlapping an input or another gradient →
 /// [`Error::Aliasing`]).
