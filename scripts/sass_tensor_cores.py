@@ -125,7 +125,8 @@ def main():
         inst, favor, gla = instance(name), favor_instance(name), gla_instance(name)
         if gla is not None:
             kernel, t = gla
-            label = kernel + (f"<{t}>" if t else "")
+            base, _, flag = kernel.partition(", ")
+            label = base + (f"<{t}>" if t else "") + (f", {flag}" if flag else "")
             if t in ("f16", "bf16") and kernel in GLA_TENSOR_CORES:
                 gla_seen += 1
             else:
