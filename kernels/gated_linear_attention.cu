@@ -2,9 +2,13 @@
 // (issue 41): f32 state and arithmetic, one thread block per head walking the chunks in order.
 // f32 inputs run on CUDA-core FMAs (gla_forward_kernel, gla_dq_kernel, gla_dkdv_kernel); f16
 // and bf16 inputs run every chunk product on tensor cores as split bf16 pairs (the *_tc_kernel
-// instances, "Tensor cores" below; kTensorCores<T> picks per dtype, as linear_attention.cu). No
-// boundary states, packed sequences or LASP yet (docs/linear_attention.md, "Gated linear
-// attention").
+// instances, "Tensor cores" below; kTensorCores<T> picks per dtype, as linear_attention.cu).
+// Packed variable-length sequences (shape.packing): one block per (sequence, head) instead of
+// per (b, head), its rows o_n..o_{n+1} (gla_span), its state n; the recurrence below applies to
+// each sequence alone (rows, chunks and Lam' counted from its first row). Boundary states
+// (args.boundary non-NULL): the forward also writes the state entering each chunk, and dq runs
+// one block per (chunk, h) from them (gla_dq_kernel<T, true>), bit for bit the walk's dq. No
+// LASP yet (docs/linear_attention.md, "Gated linear attention").
 //
 // Math (reference: crates/mesa-kernels/src/reference/gated_linear_attention.rs). For one query
 // head h reading KV head kh = h / (H / H_kv), with v'_s = [v_s | 1] (the 1 only when normalised)
@@ -66,6 +70,9 @@ constexpr int kGlaChunk = MESA_GLA_MAX_CHUNK;
 // 128 per thread (uncapped it takes 164 on sm_80 for 16-bit inputs); its inner loops over the
 // chunk's rows are not unrolled, so that the cap causes no spills.
 constexpr int kGlaMinBlocks = 4;
+// The f32 forward asks for 6 blocks per SM (at most 80 registers): left to itself, ptxas holds
+// it to 64 registers and spills since the packed row range (a per-block end row) became live.
+constexpr int kGlaForwardMinBlocks = 6;
 
 // ---------------------------------------------------------------------------------------
 // Device helpers.
@@ -91,6 +98,49 @@ __device__ __forceinline__ bool is_reset(float a) { return a == -INFINITY; }
 __device__ __forceinline__ float gla_decay(const float* decay, const MesaGlaShape& s, int64_t b, int64_t kh,
                                            int64_t t) {
   return s.decay_kind == MESA_GLA_DECAY_PER_HEAD ? decay[kh] : decay[(b * s.kv_heads + kh) * s.len + t];
+}
+
+// The rows one block walks: batch b of the row tensors (q, k, v, ..., den, a per-step decay),
+// unit u of the states (state u * H_kv + kh), rows begin..end. Unpacked: u = b = the block's
+// batch, rows 0..L; packed: b = 0, u = the sequence n, rows o_n..o_{n+1}.
+struct GlaSpan {
+  int64_t b, u, begin, end;
+};
+__device__ __forceinline__ GlaSpan gla_span(const MesaGlaShape& s, int64_t u) {
+  const int64_t* o = s.packing.seq_offsets;
+  GlaSpan r;
+  r.b = o != nullptr ? 0 : u;
+  r.u = u;
+  r.begin = o != nullptr ? o[u] : 0;
+  r.end = o != nullptr ? o[u + 1] : s.len;
+  return r;
+}
+
+// Boundary states: the first global chunk of unit u, and the unit of global chunk g (packed:
+// the last sequence n with chunk_offsets[n] <= g, by bisection; empty sequences own no chunk).
+__device__ __forceinline__ int64_t gla_first_chunk(const MesaGlaShape& s, int64_t u) {
+  return s.packing.seq_offsets != nullptr ? s.packing.chunk_offsets[u] : u * ((s.len + s.chunk - 1) / s.chunk);
+}
+__device__ __forceinline__ int64_t gla_chunk_unit(const MesaGlaShape& s, int64_t g) {
+  if (s.packing.seq_offsets == nullptr) return g / ((s.len + s.chunk - 1) / s.chunk);
+  int64_t lo = 0, hi = s.packing.nseq - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (s.packing.chunk_offsets[mid] <= g)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// Blocks per head: B, or N packed sequences.
+inline int64_t gla_units(const MesaGlaShape& s) {
+  return s.packing.seq_offsets != nullptr ? s.packing.nseq : s.batch;
+}
+// Chunks of all units (the boundary states' count per KV head).
+inline int64_t gla_chunks(const MesaGlaShape& s) {
+  return s.packing.seq_offsets != nullptr ? s.packing.nchunks : s.batch * ((s.len + s.chunk - 1) / s.chunk);
 }
 
 // The chunk's log-decays (shared): lam[t] = Lam_t, seg[t] = the last reset row <= t (-1: none).
@@ -147,19 +197,29 @@ __device__ void update_state(float* S, const ChunkDecay& cd, const MesaLaTensor&
 // ---------------------------------------------------------------------------------------
 // Forward: one block per (b, h), walking the chunks in order with its own working state.
 template <typename T>
-__global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaForwardArgs a) {
+__global__ void __launch_bounds__(kGlaThreads, kGlaForwardMinBlocks) gla_forward_kernel(const MesaGlaForwardArgs a) {
   __shared__ ChunkDecay cd;
   __shared__ float P[kGlaChunk][kGlaChunk];  // w_ts (q_t . k_s), s <= t
   __shared__ float den[kGlaChunk];
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0);
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  const int64_t bh = blockIdx.x, h = bh % H;
+  const GlaSpan span = gla_span(sh, bh / H);
+  const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
   float* S = a.work + bh * M * W;
+  float* den_h = a.den + (b * H + h) * L;  // this head's denominators (normalize)
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  // boundary states: the group's first query head writes the state entering each chunk
+  float* bnd = a.boundary != nullptr && h % (H / sh.kv_heads) == 0
+                   ? a.boundary + (gla_first_chunk(sh, span.u) * sh.kv_heads + kh) * M * W
+                   : nullptr;
   __syncthreads();
-  for (int64_t t0 = 0; t0 < L; t0 += sh.chunk) {
-    const int n = int(L - t0 < sh.chunk ? L - t0 : sh.chunk);
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += sh.chunk) {
+    const int n = int(span.end - t0 < sh.chunk ? span.end - t0 : sh.chunk);
+    if (bnd != nullptr) {
+      for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) bnd[e] = S[e];
+      bnd += sh.kv_heads * M * W;
+    }
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     __syncthreads();
     for (int e = threadIdx.x; e < n * n; e += blockDim.x) {
@@ -181,7 +241,7 @@ __global__ void __launch_bounds__(kGlaThreads) gla_forward_kernel(const MesaGlaF
         x *= e_t;
         for (int s = 0; s <= t; ++s) x += P[t][s];
         den[t] = gla_guard(x, sh.eps);
-        a.den[bh * L + t0 + t] = den[t];
+        den_h[t0 + t] = den[t];
       }
       __syncthreads();
     }
@@ -252,9 +312,11 @@ __device__ void chunk_scores(const MesaGlaBackwardArgs& a, const ChunkDecay& cd,
   }
 }
 
-// dq: one block per (b, h), walking forward again from the initial state (as the forward).
+// dq: one block per (b, h), walking forward again from the initial state (as the forward);
+// kBoundary: one block per (chunk, h), reading the state entering its chunk from the forward's
+// boundary states (the same values the walk recomputes: the same dq, bit for bit).
 // Writes dq and, per row, q_t . dq_t (f32) to qdq [B*H*L] for da.
-template <typename T>
+template <typename T, bool kBoundary>
 __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwardArgs a, float* work_states,
                                                              float* work_dq, float* qdq) {
   __shared__ ChunkDecay cd;
@@ -263,14 +325,27 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
   __shared__ float dden[kGlaChunk];
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
-  float* S = work_states + bh * M * W;
+  const int64_t bh = blockIdx.x, h = bh % H;
+  const int64_t kh = h / (H / sh.kv_heads);
+  GlaSpan span;
+  float* S;
+  if constexpr (kBoundary) {  // block (g, h): chunk g alone, from its boundary state (read only)
+    const int64_t g = bh / H;
+    span = gla_span(sh, gla_chunk_unit(sh, g));
+    span.begin += (g - gla_first_chunk(sh, span.u)) * C;
+    span.end = span.end - span.begin < C ? span.end : span.begin + C;
+    S = const_cast<float*>(a.boundary) + (g * sh.kv_heads + kh) * M * W;
+  } else {  // block (u, h): every chunk of unit u, walking the state
+    span = gla_span(sh, bh / H);
+    S = work_states + bh * M * W;
+    const int64_t bk = span.u * sh.kv_heads + kh;
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  }
+  const int64_t b = span.b;
   float* tile = work_dq + bh * C * M;  // the chunk's dq in f32
-  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
   __syncthreads();
-  for (int64_t t0 = 0; t0 < L; t0 += C) {
-    const int n = int(L - t0 < C ? L - t0 : C);
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += C) {
+    const int n = int(span.end - t0 < C ? span.end - t0 : C);
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     row_grads<T>(a, b, h, t0, n, g, dden);
     __syncthreads();
@@ -295,9 +370,9 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
     for (int t = threadIdx.x; t < n; t += blockDim.x) {
       float x = 0.0f;
       for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), tile[t * M + i], x);
-      qdq[bh * L + t0 + t] = x;
+      qdq[(b * H + h) * L + t0 + t] = x;
     }
-    update_state<T>(S, cd, a.k, a.v, b, kh, t0, n, M, D, W);
+    if constexpr (!kBoundary) update_state<T>(S, cd, a.k, a.v, b, kh, t0, n, M, D, W);
     __syncthreads();
   }
 }
@@ -317,21 +392,23 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
   const int64_t G = H / sh.kv_heads;
-  const int64_t bk = blockIdx.x, b = bk / sh.kv_heads, kh = bk % sh.kv_heads;
+  const int64_t bk = blockIdx.x, kh = bk % sh.kv_heads;
+  const GlaSpan span = gla_span(sh, bk / sh.kv_heads);
+  const int64_t b = span.b;
   float* dS = work_ds + bk * 2 * M * W;  // the gradient of the state leaving the chunk
   float* dS_next = dS + M * W;           // ... and of the one entering it
   float* dk_acc = work_dkdv + bk * C * (M + W);
   float* dv_acc = dk_acc + C * M;
-  float* da_out = sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows;
+  float* da_kh = (sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows) + (b * sh.kv_heads + kh) * L;
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) dS[e] = a.d_final ? a.d_final[bk * M * W + e] : 0.0f;
   float acc = 0.0f;  // thread 0: the suffix sum of dL/dLam'
   if (threadIdx.x == 0 && a.d_final != nullptr)
     for (int64_t e = 0; e < M * W; ++e) acc = fmaf(a.d_final[bk * M * W + e], a.final_state[bk * M * W + e], acc);
   __syncthreads();
-  const int64_t nchunks = (L + C - 1) / C;
+  const int64_t nchunks = (span.end - span.begin + C - 1) / C;
   for (int64_t c = nchunks - 1; c >= 0; --c) {
-    const int64_t t0 = c * C;
-    const int n = int(L - t0 < C ? L - t0 : C);
+    const int64_t t0 = span.begin + c * C;
+    const int n = int(span.end - t0 < C ? span.end - t0 : C);
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     __syncthreads();
     const float e_end = inter_weight(cd, n - 1);
@@ -407,7 +484,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
         for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
         acc += x;
         const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
-        da_out[bk * L + t0 + t] = reset ? 0.0f : acc;
+        da_kh[t0 + t] = reset ? 0.0f : acc;
         if (reset) acc = 0.0f;  // the rows before it form an independent sequence
       }
     }
@@ -738,13 +815,22 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
   constexpr bool kLo = std::is_same_v<T, __half>;  // 16-bit values: lo only for f16
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0);
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
+  const int64_t bh = blockIdx.x, h = bh % H;
+  const GlaSpan span = gla_span(sh, bh / H);
+  const int64_t b = span.b, kh = h / (H / sh.kv_heads), bk = span.u * sh.kv_heads + kh;
   float* S = a.work + bh * M * W;
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
-  for (int64_t t0 = 0; t0 < L; t0 += sh.chunk) {
-    const int n = int(L - t0 < sh.chunk ? L - t0 : sh.chunk);
+  // boundary states: the group's first query head writes the state entering each chunk
+  float* bnd = a.boundary != nullptr && h % (H / sh.kv_heads) == 0
+                   ? a.boundary + (gla_first_chunk(sh, span.u) * sh.kv_heads + kh) * M * W
+                   : nullptr;
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += sh.chunk) {
+    const int n = int(span.end - t0 < sh.chunk ? span.end - t0 : sh.chunk);
     __syncthreads();  // the previous chunk's state update is done
+    if (bnd != nullptr) {
+      for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) bnd[e] = S[e];
+      bnd += sh.kv_heads * M * W;
+    }
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     // P = Q_c K_c^T, then W ∘ P
     FragAcc acc[kGlaWarps];
@@ -767,7 +853,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
           x += w == 0.0f ? 0.0f : w * tl.x.pf[t * kGlaLdPf + s];
         }
         den[t] = gla_guard(x, sh.eps);
-        a.den[bh * L + t0 + t] = den[t];
+        a.den[(b * H + h) * L + t0 + t] = den[t];
       }
     }
     // O = Q~_c S + (W ∘ P) V'_c, per value tile of 32 columns
@@ -793,8 +879,9 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks) gla_forward_tc_ker
     for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) a.final_state[bk * M * W + e] = S[e];
 }
 
-// dq on tensor cores: one block per (b, h), as gla_dq_kernel (the same scratch and qdq).
-template <typename T>
+// dq on tensor cores: one block per (b, h) or (chunk, h), as gla_dq_kernel (the same scratch
+// and qdq).
+template <typename T, bool kBoundary>
 __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
     gla_dq_tc_kernel(const MesaGlaBackwardArgs a, float* work_states, float* work_dq, float* qdq) {
   __shared__ ChunkDecay cd;
@@ -804,13 +891,26 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   constexpr bool kLo = std::is_same_v<T, __half>;
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
-  const int64_t bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int64_t kh = h / (H / sh.kv_heads), bk = b * sh.kv_heads + kh;
-  float* S = work_states + bh * M * W;
+  const int64_t bh = blockIdx.x, h = bh % H;
+  const int64_t kh = h / (H / sh.kv_heads);
+  GlaSpan span;
+  float* S;
+  if constexpr (kBoundary) {  // block (g, h): chunk g alone, from its boundary state (read only)
+    const int64_t g = bh / H;
+    span = gla_span(sh, gla_chunk_unit(sh, g));
+    span.begin += (g - gla_first_chunk(sh, span.u)) * C;
+    span.end = span.end - span.begin < C ? span.end : span.begin + C;
+    S = const_cast<float*>(a.boundary) + (g * sh.kv_heads + kh) * M * W;
+  } else {  // block (u, h): every chunk of unit u, walking the state
+    span = gla_span(sh, bh / H);
+    S = work_states + bh * M * W;
+    const int64_t bk = span.u * sh.kv_heads + kh;
+    for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
+  }
+  const int64_t b = span.b;
   float* tile = work_dq + bh * C * M;  // the chunk's dq in f32
-  for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) S[e] = a.init_state ? a.init_state[bk * M * W + e] : 0.0f;
-  for (int64_t t0 = 0; t0 < L; t0 += C) {
-    const int n = int(L - t0 < C ? L - t0 : C);
+  for (int64_t t0 = span.begin; t0 < span.end; t0 += C) {
+    const int n = int(span.end - t0 < C ? span.end - t0 : C);
     __syncthreads();
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     row_grads<T>(a, b, h, t0, n, g, dden);
@@ -845,9 +945,9 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
     for (int t = threadIdx.x; t < n; t += blockDim.x) {
       float x = 0.0f;
       for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.q, b, h, t0 + t, i), tile[t * M + i], x);
-      qdq[bh * L + t0 + t] = x;
+      qdq[(b * H + h) * L + t0 + t] = x;
     }
-    gla_tc_update<T>(tl, cd, S, a.k, a.v, b, kh, t0, n, M, D, W);
+    if constexpr (!kBoundary) gla_tc_update<T>(tl, cd, S, a.k, a.v, b, kh, t0, n, M, D, W);
   }
 }
 
@@ -868,20 +968,22 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
   const MesaGlaShape& sh = a.shape;
   const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, W = D + (sh.normalize ? 1 : 0), C = sh.chunk;
   const int64_t G = H / sh.kv_heads;
-  const int64_t bk = blockIdx.x, b = bk / sh.kv_heads, kh = bk % sh.kv_heads;
+  const int64_t bk = blockIdx.x, kh = bk % sh.kv_heads;
+  const GlaSpan span = gla_span(sh, bk / sh.kv_heads);
+  const int64_t b = span.b;
   float* dS = work_ds + bk * 2 * M * W;  // the gradient of the state leaving the chunk
   float* dS_next = dS + M * W;           // ... and of the one entering it
   float* dk_acc = work_dkdv + bk * C * (M + W);
   float* dv_acc = dk_acc + C * M;
-  float* da_out = sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows;
+  float* da_kh = (sh.decay_kind == MESA_GLA_DECAY_PER_STEP ? a.d_decay : da_rows) + (b * sh.kv_heads + kh) * L;
   for (int64_t e = threadIdx.x; e < M * W; e += blockDim.x) dS[e] = a.d_final ? a.d_final[bk * M * W + e] : 0.0f;
   float acc = 0.0f;  // thread 0: the suffix sum of dL/dLam'
   if (threadIdx.x == 0 && a.d_final != nullptr)
     for (int64_t e = 0; e < M * W; ++e) acc = fmaf(a.d_final[bk * M * W + e], a.final_state[bk * M * W + e], acc);
-  const int64_t nchunks = (L + C - 1) / C;
+  const int64_t nchunks = (span.end - span.begin + C - 1) / C;
   for (int64_t c = nchunks - 1; c >= 0; --c) {
-    const int64_t t0 = c * C;
-    const int n = int(L - t0 < C ? L - t0 : C);
+    const int64_t t0 = span.begin + c * C;
+    const int n = int(span.end - t0 < C ? span.end - t0 : C);
     __syncthreads();
     if (threadIdx.x == 0) chunk_decay(cd, a.decay, sh, b, kh, t0, n);
     __syncthreads();
@@ -987,7 +1089,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
         for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
         acc += x;
         const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
-        da_out[bk * L + t0 + t] = reset ? 0.0f : acc;
+        da_kh[t0 + t] = reset ? 0.0f : acc;
         if (reset) acc = 0.0f;  // the rows before it form an independent sequence
       }
     }
@@ -1002,11 +1104,12 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
 
 // ---------------------------------------------------------------------------------------
 // Launch policy (host): one block of 128 threads per (b, h) — or per (b, kh) for dk/dv —,
-// each walking its L / C chunks in order.
+// each walking its L / C chunks in order; packed, per (sequence, h) and (sequence, kh), each
+// walking its sequence's chunks.
 template <typename T>
 struct GlaForwardLaunch {
   static MesaStatus run(const MesaGlaForwardArgs& a, void* stream) {
-    const dim3 blocks(unsigned(a.shape.batch * a.shape.heads));
+    const dim3 blocks(unsigned(gla_units(a.shape) * a.shape.heads));
     if constexpr (kTensorCores<T>)
       return status_from(MESA_LAUNCH((gla_forward_tc_kernel<T>), blocks, dim3(kGlaThreads), 0, stream, a));
     else
@@ -1019,28 +1122,37 @@ struct GlaBackwardLaunch {
   static MesaStatus run(const MesaGlaBackwardArgs& a, void* stream) {
     const MesaGlaShape& s = a.shape;
     const int64_t B = s.batch, H = s.heads, Hkv = s.kv_heads, L = s.len, M = s.feat, C = s.chunk;
-    const int64_t W = s.dim + (s.normalize ? 1 : 0);
-    // the scratch, as MESA_GLA_BACKWARD_WORK lays it out
+    const int64_t W = s.dim + (s.normalize ? 1 : 0), N = gla_units(s), NCH = gla_chunks(s);
+    // the scratch, as MESA_GLA_PACKED_BACKWARD_WORK lays it out (unpacked: N = B), or with
+    // boundary states MESA_GLA_BOUNDARY_BACKWARD_WORK (no working states, a dq chunk per block)
+    const bool boundary = a.boundary != nullptr;
     float* states = a.work;
-    float* dq_tiles = states + B * H * M * W;
-    float* qdq = dq_tiles + B * H * C * M;
+    float* dq_tiles = boundary ? a.work : states + N * H * M * W;
+    float* qdq = dq_tiles + (boundary ? NCH : N) * H * C * M;
     float* ds = qdq + B * H * L;
-    float* dkdv = ds + B * Hkv * 2 * M * W;
-    float* da_rows = dkdv + B * Hkv * C * (M + W);
+    float* dkdv = ds + N * Hkv * 2 * M * W;
+    float* da_rows = dkdv + N * Hkv * C * (M + W);
     cudaError_t e = cudaSuccess;
-    if (B > 0) {
-      if constexpr (kTensorCores<T>)
-        e = MESA_LAUNCH((gla_dq_tc_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states,
-                        dq_tiles, qdq);
-      else
-        e = MESA_LAUNCH((gla_dq_kernel<T>), dim3(unsigned(B * H)), dim3(kGlaThreads), 0, stream, a, states, dq_tiles,
-                        qdq);
+    if (N > 0) {
+      if (boundary && NCH > 0) {
+        const dim3 grid(unsigned(NCH * H));
+        if constexpr (kTensorCores<T>)
+          e = MESA_LAUNCH((gla_dq_tc_kernel<T, true>), grid, dim3(kGlaThreads), 0, stream, a, states, dq_tiles, qdq);
+        else
+          e = MESA_LAUNCH((gla_dq_kernel<T, true>), grid, dim3(kGlaThreads), 0, stream, a, states, dq_tiles, qdq);
+      } else if (!boundary) {
+        const dim3 grid(unsigned(N * H));
+        if constexpr (kTensorCores<T>)
+          e = MESA_LAUNCH((gla_dq_tc_kernel<T, false>), grid, dim3(kGlaThreads), 0, stream, a, states, dq_tiles, qdq);
+        else
+          e = MESA_LAUNCH((gla_dq_kernel<T, false>), grid, dim3(kGlaThreads), 0, stream, a, states, dq_tiles, qdq);
+      }
       if (e != cudaSuccess) return status_from(e);
       if constexpr (kTensorCores<T>)
-        e = MESA_LAUNCH((gla_dkdv_tc_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
+        e = MESA_LAUNCH((gla_dkdv_tc_kernel<T>), dim3(unsigned(N * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
                         qdq, da_rows);
       else
-        e = MESA_LAUNCH((gla_dkdv_kernel<T>), dim3(unsigned(B * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
+        e = MESA_LAUNCH((gla_dkdv_kernel<T>), dim3(unsigned(N * Hkv)), dim3(kGlaThreads), 0, stream, a, ds, dkdv,
                         qdq, da_rows);
     }
     // per-head decay: also with B = 0 (its gradient is then 0)
@@ -1057,8 +1169,17 @@ inline bool gla_shape_valid(const MesaGlaShape& s) {
     return false;
   if (s.decay_kind != MESA_GLA_DECAY_PER_STEP && s.decay_kind != MESA_GLA_DECAY_PER_HEAD) return false;
   if (s.normalize && !(s.eps > 0.0f && s.eps < INFINITY)) return false;
-  // one block per (b, h): the grid's x limit
-  return s.batch * s.heads <= int64_t(0x7fffffff);
+  // packed: B = 1 and N >= 1 sequences (the offsets themselves are the caller's to check)
+  if (s.packing.seq_offsets != nullptr && (s.batch != 1 || s.packing.nseq < 1)) return false;
+  // one block per (b or sequence, h): the grid's x limit
+  return gla_units(s) * s.heads <= int64_t(0x7fffffff);
+}
+
+// Boundary states (given): packed, the chunk offsets too; one dq block per (chunk, h).
+inline bool gla_boundary_valid(const MesaGlaShape& s, const void* boundary) {
+  if (boundary == nullptr) return true;
+  if (s.packing.seq_offsets != nullptr && s.packing.chunk_offsets == nullptr) return false;
+  return gla_chunks(s) * s.heads <= int64_t(0x7fffffff);
 }
 
 }  // namespace MESA_NS
@@ -1066,7 +1187,8 @@ inline bool gla_shape_valid(const MesaGlaShape& s) {
 using namespace MESA_NS;
 
 extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_forward)(const MesaGlaForwardArgs* a, void* stream) {
-  if (a == nullptr || !gla_shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
+  if (a == nullptr || !gla_shape_valid(a->shape) || !gla_boundary_valid(a->shape, a->boundary))
+    return MESA_STATUS_INVALID_ARGUMENT;
   const MesaGlaShape& s = a->shape;
   if (s.batch == 0) return MESA_STATUS_OK;
   // an empty tensor may come as NULL: the per-step decay when L = 0
@@ -1081,7 +1203,8 @@ extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_forward)(const MesaGlaFo
 }
 
 extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_backward)(const MesaGlaBackwardArgs* a, void* stream) {
-  if (a == nullptr || !gla_shape_valid(a->shape)) return MESA_STATUS_INVALID_ARGUMENT;
+  if (a == nullptr || !gla_shape_valid(a->shape) || !gla_boundary_valid(a->shape, a->boundary))
+    return MESA_STATUS_INVALID_ARGUMENT;
   const MesaGlaShape& s = a->shape;
   // an empty tensor may come as NULL: the per-step decay and its gradient when B·L = 0, the
   // row tensors when B·L = 0

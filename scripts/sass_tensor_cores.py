@@ -40,8 +40,8 @@ MAX_REGS = 128
 # instance of them: the CUDA-core forward instantiated for f16 fails), and how many 16-bit
 # instances there are (the tensor-core forward, dq walk and dk/dv walk x 2 dtypes)
 GLA_TENSOR_CORES = ("gla_forward_tc_kernel", "gla_forward_kernel", "gla_dq_tc_kernel", "gla_dq_kernel",
-                    "gla_dkdv_tc_kernel", "gla_dkdv_kernel")
-GLA_EXPECTED = 6
+                    "gla_dq_tc_kernel, boundary", "gla_dq_kernel, boundary", "gla_dkdv_tc_kernel", "gla_dkdv_kernel")
+GLA_EXPECTED = 8  # forward, dq (walk and boundary states), dk/dv; f16 and bf16
 
 
 def instance(mangled):
@@ -65,11 +65,13 @@ def favor_instance(mangled):
 
 
 def gla_instance(mangled):
-    """(kernel, dtype) of a gated linear-attention kernel (dtype None: not a template), or None."""
-    m = re.match(r"_ZN17mesa_cuda_kernels\d+(gla_\w+?_kernel)(?:I(6__half|13__nv_bfloat16|f)E)?E", mangled)
+    """(kernel, dtype) of a gated linear-attention kernel (dtype None: not a template), or None.
+    The dq walks' boundary-state instances (template flag true) are named `<kernel>, boundary`."""
+    m = re.match(r"_ZN17mesa_cuda_kernels\d+(gla_\w+?_kernel)(?:I(6__half|13__nv_bfloat16|f)(Lb[01])?E)?E", mangled)
     if not m:
         return None
-    return m.group(1), TYPES.get(m.group(2)) if m.group(2) else None
+    kernel = m.group(1) + (", boundary" if m.group(3) == "Lb1" else "")
+    return kernel, TYPES.get(m.group(2)) if m.group(2) else None
 
 
 def hmma_counts(sass):
@@ -123,7 +125,8 @@ def main():
         inst, favor, gla = instance(name), favor_instance(name), gla_instance(name)
         if gla is not None:
             kernel, t = gla
-            label = kernel + (f"<{t}>" if t else "")
+            base, _, flag = kernel.partition(", ")
+            label = base + (f"<{t}>" if t else "") + (f", {flag}" if flag else "")
             if t in ("f16", "bf16") and kernel in GLA_TENSOR_CORES:
                 gla_seen += 1
             else:

@@ -1346,7 +1346,7 @@ pub const MESA_GLA_DECAY_PER_STEP: MesaGlaDecayKindCode = 0;
 pub const MESA_GLA_DECAY_PER_HEAD: MesaGlaDecayKindCode = 1;
 pub type MesaGlaDecayKindCode = ::core::ffi::c_uint;
 #[repr(C)]
-#[derive(Debug, Default, Copy, Clone)]
+#[derive(Debug, Copy, Clone)]
 pub struct MesaGlaShape {
     pub batch: i64,
     pub heads: i64,
@@ -1360,10 +1360,11 @@ pub struct MesaGlaShape {
     pub eps: f32,
     pub decay_kind: MesaGlaDecayKind,
     pub _pad: i32,
+    pub packing: MesaLaPacking,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaGlaShape"][::core::mem::size_of::<MesaGlaShape>() - 72usize];
+    ["Size of MesaGlaShape"][::core::mem::size_of::<MesaGlaShape>() - 104usize];
     ["Alignment of MesaGlaShape"][::core::mem::align_of::<MesaGlaShape>() - 8usize];
     ["Offset of field: MesaGlaShape::batch"][::core::mem::offset_of!(MesaGlaShape, batch) - 0usize];
     ["Offset of field: MesaGlaShape::heads"][::core::mem::offset_of!(MesaGlaShape, heads) - 8usize];
@@ -1377,7 +1378,17 @@ const _: () = {
     ["Offset of field: MesaGlaShape::eps"][::core::mem::offset_of!(MesaGlaShape, eps) - 60usize];
     ["Offset of field: MesaGlaShape::decay_kind"][::core::mem::offset_of!(MesaGlaShape, decay_kind) - 64usize];
     ["Offset of field: MesaGlaShape::_pad"][::core::mem::offset_of!(MesaGlaShape, _pad) - 68usize];
+    ["Offset of field: MesaGlaShape::packing"][::core::mem::offset_of!(MesaGlaShape, packing) - 72usize];
 };
+impl Default for MesaGlaShape {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct MesaGlaForwardArgs {
@@ -1391,23 +1402,25 @@ pub struct MesaGlaForwardArgs {
     pub final_state: *mut f32,
     pub den: *mut f32,
     pub work: *mut f32,
+    pub boundary: *mut f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaGlaForwardArgs"][::core::mem::size_of::<MesaGlaForwardArgs>() - 272usize];
+    ["Size of MesaGlaForwardArgs"][::core::mem::size_of::<MesaGlaForwardArgs>() - 312usize];
     ["Alignment of MesaGlaForwardArgs"][::core::mem::align_of::<MesaGlaForwardArgs>() - 8usize];
     ["Offset of field: MesaGlaForwardArgs::shape"][::core::mem::offset_of!(MesaGlaForwardArgs, shape) - 0usize];
-    ["Offset of field: MesaGlaForwardArgs::q"][::core::mem::offset_of!(MesaGlaForwardArgs, q) - 72usize];
-    ["Offset of field: MesaGlaForwardArgs::k"][::core::mem::offset_of!(MesaGlaForwardArgs, k) - 112usize];
-    ["Offset of field: MesaGlaForwardArgs::v"][::core::mem::offset_of!(MesaGlaForwardArgs, v) - 152usize];
-    ["Offset of field: MesaGlaForwardArgs::out"][::core::mem::offset_of!(MesaGlaForwardArgs, out) - 192usize];
-    ["Offset of field: MesaGlaForwardArgs::decay"][::core::mem::offset_of!(MesaGlaForwardArgs, decay) - 232usize];
+    ["Offset of field: MesaGlaForwardArgs::q"][::core::mem::offset_of!(MesaGlaForwardArgs, q) - 104usize];
+    ["Offset of field: MesaGlaForwardArgs::k"][::core::mem::offset_of!(MesaGlaForwardArgs, k) - 144usize];
+    ["Offset of field: MesaGlaForwardArgs::v"][::core::mem::offset_of!(MesaGlaForwardArgs, v) - 184usize];
+    ["Offset of field: MesaGlaForwardArgs::out"][::core::mem::offset_of!(MesaGlaForwardArgs, out) - 224usize];
+    ["Offset of field: MesaGlaForwardArgs::decay"][::core::mem::offset_of!(MesaGlaForwardArgs, decay) - 264usize];
     ["Offset of field: MesaGlaForwardArgs::init_state"]
-        [::core::mem::offset_of!(MesaGlaForwardArgs, init_state) - 240usize];
+        [::core::mem::offset_of!(MesaGlaForwardArgs, init_state) - 272usize];
     ["Offset of field: MesaGlaForwardArgs::final_state"]
-        [::core::mem::offset_of!(MesaGlaForwardArgs, final_state) - 248usize];
-    ["Offset of field: MesaGlaForwardArgs::den"][::core::mem::offset_of!(MesaGlaForwardArgs, den) - 256usize];
-    ["Offset of field: MesaGlaForwardArgs::work"][::core::mem::offset_of!(MesaGlaForwardArgs, work) - 264usize];
+        [::core::mem::offset_of!(MesaGlaForwardArgs, final_state) - 280usize];
+    ["Offset of field: MesaGlaForwardArgs::den"][::core::mem::offset_of!(MesaGlaForwardArgs, den) - 288usize];
+    ["Offset of field: MesaGlaForwardArgs::work"][::core::mem::offset_of!(MesaGlaForwardArgs, work) - 296usize];
+    ["Offset of field: MesaGlaForwardArgs::boundary"][::core::mem::offset_of!(MesaGlaForwardArgs, boundary) - 304usize];
 };
 impl Default for MesaGlaForwardArgs {
     fn default() -> Self {
@@ -1438,30 +1451,33 @@ pub struct MesaGlaBackwardArgs {
     pub d_decay: *mut f32,
     pub d_init: *mut f32,
     pub work: *mut f32,
+    pub boundary: *const f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of MesaGlaBackwardArgs"][::core::mem::size_of::<MesaGlaBackwardArgs>() - 456usize];
+    ["Size of MesaGlaBackwardArgs"][::core::mem::size_of::<MesaGlaBackwardArgs>() - 496usize];
     ["Alignment of MesaGlaBackwardArgs"][::core::mem::align_of::<MesaGlaBackwardArgs>() - 8usize];
     ["Offset of field: MesaGlaBackwardArgs::shape"][::core::mem::offset_of!(MesaGlaBackwardArgs, shape) - 0usize];
-    ["Offset of field: MesaGlaBackwardArgs::q"][::core::mem::offset_of!(MesaGlaBackwardArgs, q) - 72usize];
-    ["Offset of field: MesaGlaBackwardArgs::k"][::core::mem::offset_of!(MesaGlaBackwardArgs, k) - 112usize];
-    ["Offset of field: MesaGlaBackwardArgs::v"][::core::mem::offset_of!(MesaGlaBackwardArgs, v) - 152usize];
-    ["Offset of field: MesaGlaBackwardArgs::out"][::core::mem::offset_of!(MesaGlaBackwardArgs, out) - 192usize];
-    ["Offset of field: MesaGlaBackwardArgs::dout"][::core::mem::offset_of!(MesaGlaBackwardArgs, dout) - 232usize];
-    ["Offset of field: MesaGlaBackwardArgs::dq"][::core::mem::offset_of!(MesaGlaBackwardArgs, dq) - 272usize];
-    ["Offset of field: MesaGlaBackwardArgs::dk"][::core::mem::offset_of!(MesaGlaBackwardArgs, dk) - 312usize];
-    ["Offset of field: MesaGlaBackwardArgs::dv"][::core::mem::offset_of!(MesaGlaBackwardArgs, dv) - 352usize];
-    ["Offset of field: MesaGlaBackwardArgs::decay"][::core::mem::offset_of!(MesaGlaBackwardArgs, decay) - 392usize];
+    ["Offset of field: MesaGlaBackwardArgs::q"][::core::mem::offset_of!(MesaGlaBackwardArgs, q) - 104usize];
+    ["Offset of field: MesaGlaBackwardArgs::k"][::core::mem::offset_of!(MesaGlaBackwardArgs, k) - 144usize];
+    ["Offset of field: MesaGlaBackwardArgs::v"][::core::mem::offset_of!(MesaGlaBackwardArgs, v) - 184usize];
+    ["Offset of field: MesaGlaBackwardArgs::out"][::core::mem::offset_of!(MesaGlaBackwardArgs, out) - 224usize];
+    ["Offset of field: MesaGlaBackwardArgs::dout"][::core::mem::offset_of!(MesaGlaBackwardArgs, dout) - 264usize];
+    ["Offset of field: MesaGlaBackwardArgs::dq"][::core::mem::offset_of!(MesaGlaBackwardArgs, dq) - 304usize];
+    ["Offset of field: MesaGlaBackwardArgs::dk"][::core::mem::offset_of!(MesaGlaBackwardArgs, dk) - 344usize];
+    ["Offset of field: MesaGlaBackwardArgs::dv"][::core::mem::offset_of!(MesaGlaBackwardArgs, dv) - 384usize];
+    ["Offset of field: MesaGlaBackwardArgs::decay"][::core::mem::offset_of!(MesaGlaBackwardArgs, decay) - 424usize];
     ["Offset of field: MesaGlaBackwardArgs::init_state"]
-        [::core::mem::offset_of!(MesaGlaBackwardArgs, init_state) - 400usize];
+        [::core::mem::offset_of!(MesaGlaBackwardArgs, init_state) - 432usize];
     ["Offset of field: MesaGlaBackwardArgs::final_state"]
-        [::core::mem::offset_of!(MesaGlaBackwardArgs, final_state) - 408usize];
-    ["Offset of field: MesaGlaBackwardArgs::den"][::core::mem::offset_of!(MesaGlaBackwardArgs, den) - 416usize];
-    ["Offset of field: MesaGlaBackwardArgs::d_final"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_final) - 424usize];
-    ["Offset of field: MesaGlaBackwardArgs::d_decay"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_decay) - 432usize];
-    ["Offset of field: MesaGlaBackwardArgs::d_init"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_init) - 440usize];
-    ["Offset of field: MesaGlaBackwardArgs::work"][::core::mem::offset_of!(MesaGlaBackwardArgs, work) - 448usize];
+        [::core::mem::offset_of!(MesaGlaBackwardArgs, final_state) - 440usize];
+    ["Offset of field: MesaGlaBackwardArgs::den"][::core::mem::offset_of!(MesaGlaBackwardArgs, den) - 448usize];
+    ["Offset of field: MesaGlaBackwardArgs::d_final"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_final) - 456usize];
+    ["Offset of field: MesaGlaBackwardArgs::d_decay"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_decay) - 464usize];
+    ["Offset of field: MesaGlaBackwardArgs::d_init"][::core::mem::offset_of!(MesaGlaBackwardArgs, d_init) - 472usize];
+    ["Offset of field: MesaGlaBackwardArgs::work"][::core::mem::offset_of!(MesaGlaBackwardArgs, work) - 480usize];
+    ["Offset of field: MesaGlaBackwardArgs::boundary"]
+        [::core::mem::offset_of!(MesaGlaBackwardArgs, boundary) - 488usize];
 };
 impl Default for MesaGlaBackwardArgs {
     fn default() -> Self {

@@ -44,7 +44,8 @@ mod common;
 
 use half::{bf16, f16};
 use mesa_kernels::gated_linear_attention::{
-    backward, forward, BackwardArgs, Decay, ForwardArgs, GatedConfig, GatedGrads, MAX_CHUNK,
+    backward, forward, forward_packed, forward_with, BackwardArgs, Decay, ForwardArgs, ForwardOptions, GatedConfig,
+    GatedGrads, MemoryMode, MAX_CHUNK,
 };
 use mesa_kernels::linear_attention as la;
 use mesa_kernels::reference::gated_linear_attention as rg;
@@ -493,13 +494,38 @@ fn run<T: Element>(device: &Device, c: &Case, p: &Problem) -> mesa_kernels::Resu
 }
 
 fn run_stored<T: Element>(device: &Device, c: &Case, p: &Problem, st: Storage) -> mesa_kernels::Result<Got> {
+    run_with::<T>(device, c, p, st, None)
+}
+
+/// One forward and backward; `offsets`: packed sequences (`forward_packed`; the states
+/// `p.s0`, `p.dsf` then `[N, H_kv, M, W]`).
+fn run_with<T: Element>(
+    device: &Device,
+    c: &Case,
+    p: &Problem,
+    st: Storage,
+    offsets: Option<&[usize]>,
+) -> mesa_kernels::Result<Got> {
+    run_opts::<T>(device, c, p, st, &ForwardOptions { seq_offsets: offsets, ..ForwardOptions::default() })
+}
+
+/// One forward (`forward_with` these options) and backward.
+fn run_opts<T: Element>(
+    device: &Device,
+    c: &Case,
+    p: &Problem,
+    st: Storage,
+    opts: &ForwardOptions<'_>,
+) -> mesa_kernels::Result<Got> {
+    let offsets = opts.seq_offsets;
     let s = c.s;
     let w = width(c);
+    let units = offsets.map_or(s.b, |o| o.len() - 1);
     let qs = [s.b, s.h, s.l, s.m];
     let ks = [s.b, s.hkv, s.l, s.m];
     let vs = [s.b, s.hkv, s.l, s.d];
     let os = [s.b, s.h, s.l, s.d];
-    let ss = [s.b, s.hkv, s.m, w];
+    let ss = [units, s.hkv, s.m, w];
     let ((q, lq), (k, lk)) = (stored(&to_t::<T>(&p.q), qs, st), stored(&to_t::<T>(&p.k), ks, st));
     let ((v, lv), (dout, lo)) = (stored(&to_t::<T>(&p.v), vs, st), stored(&to_t::<T>(&p.dout), os, st));
     let ashape: Vec<usize> = match c.mode {
@@ -519,7 +545,14 @@ fn run_stored<T: Element>(device: &Device, c: &Case, p: &Problem, st: Storage) -
     let (mut out, _) = stored(&vec![nan; os.iter().product()], os, st);
     let saved = {
         let mut ot = TensorMut::new(&mut out, &lo)?;
-        forward(device, &config, ForwardArgs { q: &qt, k: &kt, v: &vt, decay, initial: s0t.as_ref(), out: &mut ot })?
+        let args = ForwardArgs { q: &qt, k: &kt, v: &vt, decay, initial: s0t.as_ref(), out: &mut ot };
+        let saved = match (offsets, opts.memory) {
+            (Some(o), MemoryMode::Slim) => forward_packed(device, &config, o, args)?,
+            (None, MemoryMode::Slim) => forward(device, &config, args)?,
+            _ => forward_with(device, &config, opts, args)?,
+        };
+        assert_eq!(saved.memory(), opts.memory);
+        saved
     };
     let fin = widen(&saved.final_state()?);
     let (mut dq, mut dk, mut dv) = (vec![nan; q.len()], vec![nan; k.len()], vec![nan; v.len()]);
@@ -1166,4 +1199,261 @@ fn bad_inputs_are_typed_errors() {
     assert!(is_invalid("out")(&e), "{e}");
     let e = bwd(Decay::PerStep(&at), None, Some(&ot), b * hkv * (l + 1)).unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+}
+
+/// Rows `o..o + n` of every head of a `[1, heads, L, f]` tensor, as `[1, heads, n, f]`.
+fn rows_of<X: Copy>(x: &[X], heads: usize, l: usize, f: usize, o: usize, n: usize) -> Vec<X> {
+    (0..heads).flat_map(|h| x[(h * l + o) * f..(h * l + o + n) * f].iter().copied()).collect()
+}
+
+/// `[0, l_0, l_0 + l_1, …]`
+fn offsets_of(lens: &[usize]) -> Vec<usize> {
+    std::iter::once(0)
+        .chain(lens.iter().scan(0, |o, &x| {
+            *o += x;
+            Some(*o)
+        }))
+        .collect()
+}
+
+/// Packed sequences (`c.s.b = 1`, `c.s.l` = the sum of `lens`) against one call per sequence.
+/// A sequence's blocks walk the same chunks from its first row, with the same arithmetic in
+/// the same order as a call of that sequence alone (row indices shift, values do not), so every
+/// output is bitwise equal to the per-sequence calls' — except a per-head decay's gradient,
+/// which the packed call sums over all rows at once (its bound below). The per-sequence calls
+/// are the unpacked kernel that the parity tests above check against the f64 reference.
+/// A packed problem (`c.s.b = 1`, `c.s.l` = the sum of `lens`): its states `[N, H_kv, M, W]`,
+/// and the offsets.
+fn packed_problem<T: Element>(c: &Case, lens: &[usize], rng: &mut StdRng) -> (Problem, Vec<usize>) {
+    let s = c.s;
+    let n = lens.len();
+    let offsets = offsets_of(lens);
+    assert_eq!((s.b, offsets[n]), (1, s.l), "a packed case is B = 1 with L = the sum of the lengths");
+    let mut p = make::<T>(&Case { initial: false, d_final: false, ..c.clone() }, rng);
+    let ns = s.hkv * s.m * width(c); // one sequence's state
+    if c.initial {
+        p.s0 = Some((0..n * ns).map(|_| rng.random_range(0.1f32..1.0)).collect());
+    }
+    if c.d_final {
+        p.dsf = Some((0..n * ns).map(|_| rng.random_range(-1.0f32..1.0)).collect());
+    }
+    (p, offsets)
+}
+
+fn packed_matches_per_sequence<T: Element>(device: &Device, c: &Case, lens: &[usize], rng: &mut StdRng) {
+    let s = c.s;
+    let ns = s.hkv * s.m * width(c); // one sequence's state
+    let (p, offsets) = packed_problem::<T>(c, lens, rng);
+    let got = run_with::<T>(device, c, &p, Storage::Contiguous, Some(&offsets)).expect("packed");
+    for (i, (&o, &len)) in offsets.iter().zip(lens).enumerate() {
+        let sub = Problem {
+            q: rows_of(&p.q, s.h, s.l, s.m, o, len),
+            k: rows_of(&p.k, s.hkv, s.l, s.m, o, len),
+            v: rows_of(&p.v, s.hkv, s.l, s.d, o, len),
+            a: match c.mode {
+                DecayMode::PerStep => rows_of(&p.a, s.hkv, s.l, 1, o, len),
+                DecayMode::PerHead => p.a.clone(),
+            },
+            s0: p.s0.as_ref().map(|x| x[i * ns..(i + 1) * ns].to_vec()),
+            dout: rows_of(&p.dout, s.h, s.l, s.d, o, len),
+            dsf: p.dsf.as_ref().map(|x| x[i * ns..(i + 1) * ns].to_vec()),
+        };
+        let one = run::<T>(device, &Case { s: Shape { l: len, ..s }, ..c.clone() }, &sub).expect("one sequence");
+        let same = |what: &str, x: &[f64], y: &[f64]| {
+            assert_eq!(x.len(), y.len(), "{what}");
+            for (j, (a, b)) in x.iter().zip(y).enumerate() {
+                assert!(
+                    a.is_finite() && a.to_bits() == b.to_bits(),
+                    "{what} of sequence {i}, element {j}: packed {a}, alone {b} ({c:?}, lengths {lens:?})"
+                );
+            }
+        };
+        same("out", &rows_of(&got.out, s.h, s.l, s.d, o, len), &one.out);
+        same("dq", &rows_of(&got.dq, s.h, s.l, s.m, o, len), &one.dq);
+        same("dk", &rows_of(&got.dk, s.hkv, s.l, s.m, o, len), &one.dk);
+        same("dv", &rows_of(&got.dv, s.hkv, s.l, s.d, o, len), &one.dv);
+        same("final state", &got.fin[i * ns..(i + 1) * ns], &one.fin);
+        same("d_initial", &got.ds0[i * ns..(i + 1) * ns], &one.ds0);
+        if c.mode == DecayMode::PerStep {
+            same("da", &rows_of(&got.da, s.hkv, s.l, 1, o, len), &one.da);
+        }
+    }
+    if c.mode == DecayMode::PerHead {
+        // A per-step call with the head's rate at every row computes the per-head call's da rows
+        // bitwise (the kernel reads equal values), and those rows are bitwise the per-sequence
+        // ones (checked above for per-step decay). The per-head call sums them in
+        // gla_da_reduce_kernel: thread-strided partial sums of ⌈L/128⌉ rows, then a tree of 7
+        // levels; each f32 addition is off by ≤ u·|its result| ≤ u·Σ|rows|, and a row passes
+        // ≤ ⌈L/128⌉ + 7 of them: |d_decay − Σ rows| ≤ (⌈L/128⌉ + 7)·u·Σ|rows|.
+        let cs = Case { mode: DecayMode::PerStep, ..c.clone() };
+        let ps = Problem {
+            q: p.q.clone(),
+            k: p.k.clone(),
+            v: p.v.clone(),
+            a: (0..s.hkv).flat_map(|kh| std::iter::repeat_n(p.a[kh], s.l)).collect(),
+            s0: p.s0.clone(),
+            dout: p.dout.clone(),
+            dsf: p.dsf.clone(),
+        };
+        let rows = run_with::<T>(device, &cs, &ps, Storage::Contiguous, Some(&offsets)).expect("packed per step").da;
+        for kh in 0..s.hkv {
+            let r = &rows[kh * s.l..(kh + 1) * s.l];
+            let sum: f64 = r.iter().sum();
+            let bound = (s.l.div_ceil(128) + 7) as f64 * U * r.iter().map(|x| x.abs()).sum::<f64>();
+            let err = (got.da[kh] - sum).abs();
+            assert!(err <= bound, "d_decay[{kh}] = {} vs Σ rows {sum}: {err:e} > {bound:e} ({c:?})", got.da[kh]);
+        }
+    }
+}
+
+/// Packed variable-length sequences equal one call per sequence: f32 (CUDA cores) and bf16
+/// (tensor cores), per-step and per-head decay, grouped heads, normalised or not, with and
+/// without initial states, empty sequences (first, inner, last), lengths that are not a
+/// multiple of the chunk, a full chunk, and a reset inside a sequence.
+#[test]
+fn packed_sequences_match_one_call_per_sequence() {
+    let mut rng = common::rng("gated packed_sequences_match_one_call_per_sequence");
+    let device = common::emulator();
+    let lens = [5usize, 0, 17, 16, 3, 0];
+    let l: usize = lens.iter().sum();
+    let f32_cases = [
+        base(sh(1, 4, 2, l, 3, 4), 8),
+        Case { normalize: true, initial: false, ..base(sh(1, 2, 1, l, 4, 3), 5) },
+        Case { mode: DecayMode::PerHead, ..base(sh(1, 4, 2, l, 3, 2), 8) },
+        // a reset at row 3 of the third sequence (KV head 1)
+        Case { resets: vec![(0, 1, 5 + 3)], ..base(sh(1, 4, 2, l, 3, 3), 4) },
+    ];
+    for c in &f32_cases {
+        packed_matches_per_sequence::<f32>(&device, c, &lens, &mut rng);
+    }
+    let bf16_cases = [
+        base(sh(1, 4, 2, l, 5, 3), 16),
+        Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(1, 2, 1, l, 3, 4), 8) },
+    ];
+    for c in &bf16_cases {
+        packed_matches_per_sequence::<bf16>(&device, c, &lens, &mut rng);
+    }
+    // one sequence, and a first sequence that is empty
+    packed_matches_per_sequence::<f32>(&device, &base(sh(1, 2, 2, 9, 2, 2), 4), &[9], &mut rng);
+    packed_matches_per_sequence::<bf16>(&device, &base(sh(1, 2, 1, 7, 2, 3), 4), &[0, 7], &mut rng);
+}
+
+/// Bad offsets and states of the unpacked shape are typed errors naming the argument.
+#[test]
+fn packed_bad_offsets_are_typed_errors() {
+    let device = common::emulator();
+    let (h, hkv, l, m, d) = (2, 1, 5, 3, 2);
+    let q = vec![0f32; 2 * h * l * m];
+    let k = vec![0f32; 2 * hkv * l * m];
+    let v = vec![0f32; 2 * hkv * l * d];
+    let a = vec![0f32; 2 * hkv * l];
+    let mut out = vec![0f32; 2 * h * l * d];
+    let fwd = |b: usize, offsets: &[usize], initial: Option<&TensorRef<'_, f32>>, out: &mut [f32]| {
+        let (qt, kt) = (tr(&q[..b * h * l * m], &[b, h, l, m]), tr(&k[..b * hkv * l * m], &[b, hkv, l, m]));
+        let (vt, at) = (tr(&v[..b * hkv * l * d], &[b, hkv, l, d]), tr(&a[..b * hkv * l], &[b, hkv, l]));
+        let mut ot = TensorMut::contiguous(&mut out[..b * h * l * d], &[b, h, l, d]).expect("view");
+        let args = ForwardArgs { q: &qt, k: &kt, v: &vt, decay: Decay::PerStep(&at), initial, out: &mut ot };
+        forward_packed(&device, &GatedConfig { chunk: 2, ..GatedConfig::default() }, offsets, args)
+    };
+    let bad: [&[usize]; 6] = [&[], &[0], &[1, 5], &[0, 4], &[0, 6], &[0, 3, 2, 5]];
+    for o in bad {
+        let e = fwd(1, o, None, &mut out).unwrap_err();
+        assert!(is_invalid("seq_offsets")(&e), "{o:?}: {e}");
+    }
+    let e = fwd(2, &[0, 5], None, &mut out).unwrap_err();
+    assert!(is_invalid("seq_offsets")(&e), "B = 2: {e}");
+    // two sequences: states are [2, H_kv, M, D], not [B = 1, …]
+    let s1 = vec![0f32; hkv * m * d];
+    let e = fwd(1, &[0, 2, 5], Some(&tr(&s1, &[1, hkv, m, d])), &mut out).unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
+    let saved = fwd(1, &[0, 2, 5], None, &mut out).expect("a valid packed forward");
+    assert_eq!(saved.sequences(), Some(2));
+    assert_eq!(saved.final_state().expect("state").len(), 2 * hkv * m * d);
+    let (qt, kt, vt, at) = (
+        tr(&q[..h * l * m], &[1, h, l, m]),
+        tr(&k[..hkv * l * m], &[1, hkv, l, m]),
+        tr(&v[..hkv * l * d], &[1, hkv, l, d]),
+        tr(&a[..hkv * l], &[1, hkv, l]),
+    );
+    let dout = vec![0f32; h * l * d];
+    let (mut dq, mut dk, mut dv, mut da) =
+        (vec![0f32; h * l * m], vec![0f32; hkv * l * m], vec![0f32; hkv * l * d], vec![0f32; hkv * l]);
+    let dst = tr(&s1, &[1, hkv, m, d]);
+    let e = backward(
+        &device,
+        &saved,
+        BackwardArgs {
+            q: &qt,
+            k: &kt,
+            v: &vt,
+            decay: Decay::PerStep(&at),
+            initial: None,
+            out: None,
+            dout: &tr(&dout, &[1, h, l, d]),
+            d_final: Some(&dst),
+            grads: GatedGrads {
+                dq: &mut TensorMut::contiguous(&mut dq, &[1, h, l, m]).expect("view"),
+                dk: &mut TensorMut::contiguous(&mut dk, &[1, hkv, l, m]).expect("view"),
+                dv: &mut TensorMut::contiguous(&mut dv, &[1, hkv, l, d]).expect("view"),
+                d_decay: &mut TensorMut::contiguous(&mut da, &[1, hkv, l]).expect("view"),
+                d_initial: None,
+            },
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::ShapeMismatch { .. }), "d_final of [1, …] for 2 sequences: {e}");
+}
+
+/// Boundary states (`MemoryMode::BoundaryStates`): the forward keeps the state entering every
+/// chunk and the backward's dq runs one block per (chunk, query head) from them instead of
+/// walking again. The forward's walk and the dq walk compute those states with the same update
+/// from the same inputs in the same order, so every result is bit for bit the SLiM mode's
+/// (asserted bitwise, finite): f32 and bf16, per-step and per-head decay, GQA, normalised,
+/// resets, L not a multiple of the chunk, L = 0, packed sequences with empty ones.
+#[test]
+fn boundary_states_give_the_walks_results() {
+    let mut rng = common::rng("gated boundary_states_give_the_walks_results");
+    let device = common::emulator();
+    let same = |c: &Case, x: &Got, y: &Got| {
+        let pairs = [(&x.out, &y.out), (&x.fin, &y.fin), (&x.dq, &y.dq), (&x.dk, &y.dk), (&x.dv, &y.dv)];
+        for (what, (a, b)) in ["out", "final", "dq", "dk", "dv", "da", "d_initial"]
+            .into_iter()
+            .zip(pairs.into_iter().chain([(&x.da, &y.da), (&x.ds0, &y.ds0)]))
+        {
+            assert_eq!(a.len(), b.len(), "{what}");
+            for (j, (u, v)) in a.iter().zip(b.iter()).enumerate() {
+                assert!(u.is_finite() && u.to_bits() == v.to_bits(), "{what}[{j}]: boundary {v}, walk {u} ({c:?})");
+            }
+        }
+    };
+    let boundary = ForwardOptions { memory: MemoryMode::BoundaryStates, seq_offsets: None };
+    let cases = [
+        base(sh(2, 4, 2, 37, 5, 3), 7),
+        Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(2, 2, 1, 29, 4, 3), 8) },
+        Case { resets: vec![(1, 0, 3), (0, 1, 20)], ..base(sh(2, 4, 2, 33, 3, 4), 16) },
+        base(sh(2, 2, 1, 0, 3, 2), 4),
+    ];
+    for c in &cases {
+        let p = make::<f32>(c, &mut rng);
+        let walk = run::<f32>(&device, c, &p).expect("walk");
+        same(c, &walk, &run_opts::<f32>(&device, c, &p, Storage::Contiguous, &boundary).expect("boundary"));
+        let p = make::<bf16>(c, &mut rng);
+        let walk = run::<bf16>(&device, c, &p).expect("walk");
+        same(c, &walk, &run_opts::<bf16>(&device, c, &p, Storage::Contiguous, &boundary).expect("boundary"));
+    }
+    let lens = [5usize, 0, 17, 16, 3, 0];
+    let l = lens.iter().sum();
+    for c in [
+        base(sh(1, 4, 2, l, 3, 4), 8),
+        Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(1, 2, 1, l, 3, 4), 4) },
+    ] {
+        let (p, offsets) = packed_problem::<f32>(&c, &lens, &mut rng);
+        let walk = run_with::<f32>(&device, &c, &p, Storage::Contiguous, Some(&offsets)).expect("walk");
+        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary };
+        same(&c, &walk, &run_opts::<f32>(&device, &c, &p, Storage::Contiguous, &opts).expect("boundary"));
+        let (p, offsets) = packed_problem::<bf16>(&c, &lens, &mut rng);
+        let walk = run_with::<bf16>(&device, &c, &p, Storage::Contiguous, Some(&offsets)).expect("walk");
+        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary };
+        same(&c, &walk, &run_opts::<bf16>(&device, &c, &p, Storage::Contiguous, &opts).expect("boundary"));
+    }
 }

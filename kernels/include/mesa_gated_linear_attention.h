@@ -13,6 +13,12 @@
  * NaN are the caller's to exclude (they live on the device: not checked). States: f32,
  * contiguous [B, H_kv, M, W], W = D + normalize (column D holds z). Accumulation f32.
  *
+ * Packed variable-length sequences (shape.packing, as MesaLaPacking: seq_offsets non-NULL):
+ * B = 1, sequence n is rows o_n..o_{n+1} of every head, each walked by its own blocks from its
+ * own initial state; no state crosses sequences. Every state (init, final, d_final, d_init)
+ * is then [N, H_kv, M, W]; the row tensors, den and a per-step decay keep B = 1. Only
+ * seq_offsets and nseq are read, and chunk_offsets and nchunks with boundary states.
+ *
  * In-place: not supported (no output may overlap an input or another output; inputs may
  * overlap each other; the safe crate rejects overlap with Error::Aliasing).
  */
@@ -49,12 +55,13 @@ typedef struct MesaGlaShape {
   float eps;        /* the guard (normalize): finite, > 0 */
   MesaGlaDecayKind decay_kind;
   int32_t _pad;
+  MesaLaPacking packing; /* seq_offsets NULL: not packed */
 } MesaGlaShape;
 
 /* Forward. Reads q, k, v, decay, init_state (NULL: 0). Writes out, final_state (the state
  * after row L-1, init_state included; L = 0: a copy of init_state or 0), den (normalize:
  * [B, H, L] f32, the guarded denominators; else may be NULL). work: f32 scratch of
- * B*H*M*W elements (one working state per query head), contents on entry ignored. */
+ * B*H*M*W elements (packed: N*H*M*W) (one working state per query head), contents on entry ignored. */
 typedef struct MesaGlaForwardArgs {
   MesaGlaShape shape;
   MesaLaTensor q, k, v, out;
@@ -63,6 +70,11 @@ typedef struct MesaGlaForwardArgs {
   float* final_state;
   float* den;
   float* work;
+  /* Boundary states (NULL: none, SLiM-like memory): the state entering every chunk (of the KV
+   * head, init_state included), [chunks, H_kv, M, W] f32, chunk c of batch b at
+   * b*ceil(L/C) + c (chunks = B*ceil(L/C)), of packed sequence n at chunk_offsets[n] + c
+   * (chunks = nchunks; chunk_offsets then required). */
+  float* boundary;
 } MesaGlaForwardArgs;
 
 /* Backward. Reads q, k, v, decay, init_state (the forward's; NULL: 0), out (normalize only),
@@ -82,12 +94,23 @@ typedef struct MesaGlaBackwardArgs {
   float* d_decay;
   float* d_init;
   float* work;
+  /* The forward's boundary states (NULL: the dq walk recomputes them from init_state). Given,
+   * dq runs one block per (chunk, query head) from them and work holds
+   * MESA_GLA_BOUNDARY_BACKWARD_WORK elements. */
+  const float* boundary;
 } MesaGlaBackwardArgs;
 
 /* Scratch of the backward, in f32 elements: per query head a working state, a chunk of dq and
- * q_t . dq_t per row; per KV head two state gradients, a chunk of dk and dv, and da per row. */
-#define MESA_GLA_BACKWARD_WORK(B, H, HKV, L, M, W, C) \
-  ((B) * (H) * ((M) * (W) + (C) * (M) + (L)) + (B) * (HKV) * (2 * (M) * (W) + (C) * ((M) + (W)) + (L)))
+ * q_t . dq_t per row; per KV head two state gradients, a chunk of dk and dv, and da per row.
+ * Packed (N sequences, B = 1): the states and chunks per (sequence, head), the rows once. */
+#define MESA_GLA_BACKWARD_WORK(B, H, HKV, L, M, W, C) MESA_GLA_PACKED_BACKWARD_WORK(B, B, H, HKV, L, M, W, C)
+/* With boundary states (NCH chunks in all, as the forward's boundary): a chunk of dq per
+ * (chunk, query head), no working states. */
+#define MESA_GLA_BOUNDARY_BACKWARD_WORK(NCH, N, B, H, HKV, L, M, W, C) \
+  ((NCH) * (H) * (C) * (M) + (B) * (H) * (L) + (N) * (HKV) * (2 * (M) * (W) + (C) * ((M) + (W))) + (B) * (HKV) * (L))
+#define MESA_GLA_PACKED_BACKWARD_WORK(N, B, H, HKV, L, M, W, C)                                         \
+  ((N) * (H) * ((M) * (W) + (C) * (M)) + (B) * (H) * (L) + (N) * (HKV) * (2 * (M) * (W) + (C) * ((M) + (W))) + \
+   (B) * (HKV) * (L))
 
 MESA_DECLARE_ENTRY(gated_linear_attention_forward, MesaGlaForwardArgs)
 MESA_DECLARE_ENTRY(gated_linear_attention_backward, MesaGlaBackwardArgs)

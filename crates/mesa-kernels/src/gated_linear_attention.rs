@@ -25,6 +25,17 @@
 //! ([`Decay::PerHead`]); states f32, contiguous, `[B, H_kv, M, W]` with `W = D + 1` when
 //! normalised (the last column is `z`), else `D`.
 //!
+//! Packed variable-length sequences ([`forward_packed`], flash-linear-attention's
+//! `cu_seqlens`): `B = 1`, sequence `n` is rows `o_n..o_{n+1}` of every head, each walked from
+//! its own initial state (or zero) by its own blocks, no state crossing sequences; every state
+//! (initial, final and their gradients) is then `[N, H_kv, M, W]`. The result is bitwise that of
+//! one call per sequence, except a per-head decay's gradient (one sum over all rows).
+//!
+//! Memory ([`forward_with`], [`ForwardOptions`]): [`MemoryMode::Slim`] by default (only the final
+//! state; the backward's `dq` walks the chunks again), or [`MemoryMode::BoundaryStates`] (the
+//! state entering every chunk is kept and `dq` is parallel over chunks; the same results bit for
+//! bit).
+//!
 //! The decay's values are on the device and are not checked: they must be `≤ 0` or `−∞` (a
 //! NaN gives NaN outputs; a positive value is used as given).
 //!
@@ -59,6 +70,8 @@ use crate::device::{Buffer, Device, Kind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::Launch;
+use crate::linear_attention::packing::{self, Packing};
+pub use crate::linear_attention::MemoryMode;
 use crate::linear_attention::{la_tensor, rank4, to_i64};
 use crate::tensor::{TensorMut, TensorRef};
 
@@ -159,6 +172,27 @@ pub struct GatedDims {
     pub dim: usize,
 }
 
+/// Options of [`forward_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardOptions<'a> {
+    /// What the forward keeps for the backward. [`MemoryMode::Slim`] (the default here): only
+    /// the final state, memory independent of `L`; the backward's `dq` walks the chunks again
+    /// from the initial state. [`MemoryMode::BoundaryStates`]: also the state entering every
+    /// chunk, `chunks·H_kv·M·W` f32 (`chunks = B·⌈L/C⌉`, packed `Σ_n ⌈len_n/C⌉`); the backward's
+    /// `dq` then runs one block per (chunk, query head) from them (parallel over chunks) with
+    /// a scratch of `chunks·H·C·M` f32 for its rows, and gives bit for bit the same results.
+    pub memory: MemoryMode,
+    /// Packed sequences' offsets, as [`forward_packed`]'s; `None`: not packed.
+    pub seq_offsets: Option<&'a [usize]>,
+}
+
+impl Default for ForwardOptions<'_> {
+    /// SLiM memory, not packed: what [`forward`] does.
+    fn default() -> Self {
+        ForwardOptions { memory: MemoryMode::Slim, seq_offsets: None }
+    }
+}
+
 /// The tensors of [`forward`].
 #[derive(Debug)]
 pub struct ForwardArgs<'a, 'b, T> {
@@ -170,7 +204,8 @@ pub struct ForwardArgs<'a, 'b, T> {
     pub v: &'a TensorRef<'b, T>,
     /// The log-decay.
     pub decay: Decay<'a, 'b>,
-    /// The state before row 0, `[B, H_kv, M, W]` f32 contiguous; `None`: zero.
+    /// The state before row 0, `[B, H_kv, M, W]` (packed: `[N, H_kv, M, W]`) f32 contiguous;
+    /// `None`: zero.
     pub initial: Option<&'a TensorRef<'b, f32>>,
     /// The output `[B, H, L, D]` (written).
     pub out: &'a mut TensorMut<'b, T>,
@@ -187,7 +222,7 @@ pub struct GatedGrads<'a, 'b, T> {
     pub dv: &'a mut TensorMut<'b, T>,
     /// The decay's gradient, f32 contiguous, shaped as the decay (`[H_kv]`: summed over `B`, `L`).
     pub d_decay: &'a mut TensorMut<'b, f32>,
-    /// The initial state's gradient `[B, H_kv, M, W]` f32 contiguous; `None`: not wanted.
+    /// The initial state's gradient `[B | N, H_kv, M, W]` f32 contiguous; `None`: not wanted.
     pub d_initial: Option<&'a mut TensorMut<'b, f32>>,
 }
 
@@ -209,7 +244,7 @@ pub struct BackwardArgs<'a, 'b, T> {
     pub out: Option<&'a TensorRef<'b, T>>,
     /// The upstream gradient `[B, H, L, D]`.
     pub dout: &'a TensorRef<'b, T>,
-    /// The final state's gradient `[B, H_kv, M, W]` f32 contiguous; `None`: zero.
+    /// The final state's gradient `[B | N, H_kv, M, W]` f32 contiguous; `None`: zero.
     pub d_final: Option<&'a TensorRef<'b, f32>>,
     /// The gradients (written).
     pub grads: GatedGrads<'a, 'b, T>,
@@ -219,6 +254,8 @@ pub struct BackwardArgs<'a, 'b, T> {
 /// denominators `[B, H, L]` f32.
 pub struct GatedSaved {
     final_state: Buffer<f32>,
+    packing: Option<Packing>,
+    boundary: Option<Buffer<f32>>,
     den: Option<Buffer<f32>>,
     dims: GatedDims,
     config: GatedConfig,
@@ -243,7 +280,21 @@ impl GatedSaved {
     pub fn dims(&self) -> GatedDims {
         self.dims
     }
-    /// The final state `[B, H_kv, M, W]` (row-major). Synchronises.
+    /// What the forward kept ([`ForwardOptions::memory`]).
+    #[must_use]
+    pub fn memory(&self) -> MemoryMode {
+        if self.boundary.is_some() {
+            MemoryMode::BoundaryStates
+        } else {
+            MemoryMode::Slim
+        }
+    }
+    /// `N` when made by [`forward_packed`] (the states are then `[N, H_kv, M, W]`).
+    #[must_use]
+    pub fn sequences(&self) -> Option<usize> {
+        self.packing.as_ref().map(|p| p.n)
+    }
+    /// The final state `[B, H_kv, M, W]` (packed: `[N, H_kv, M, W]`, row-major). Synchronises.
     ///
     /// # Errors
     /// A CUDA copy error.
@@ -252,7 +303,7 @@ impl GatedSaved {
         v.truncate(self.state_len());
         Ok(v)
     }
-    /// The final state as a `[B, H_kv, M, W]` f32 view (the next piece's initial state). No copy.
+    /// The final state as a `[B | N, H_kv, M, W]` f32 view (the next piece's initial state). No copy.
     ///
     /// # Errors
     /// None in practice (the buffer holds the state).
@@ -269,8 +320,12 @@ impl GatedSaved {
     fn width(&self) -> usize {
         self.dims.dim + usize::from(self.config.normalize)
     }
+    /// Blocks per head: `B`, or `N` packed sequences.
+    fn units(&self) -> usize {
+        self.sequences().unwrap_or(self.dims.batch)
+    }
     fn state_shape(&self) -> [usize; 4] {
-        [self.dims.batch, self.dims.kv_heads, self.dims.feat, self.width()]
+        [self.units(), self.dims.kv_heads, self.dims.feat, self.width()]
     }
     fn state_len(&self) -> usize {
         self.state_shape().iter().product()
@@ -292,7 +347,7 @@ fn expect(got: &[usize], want: &[usize], what: &str) -> Result<()> {
     Ok(())
 }
 
-/// A state tensor: `[B, H_kv, M, W]`, contiguous.
+/// A state tensor: `[B | N, H_kv, M, W]`, contiguous.
 fn check_state(t: &TensorRef<'_, f32>, want: &[usize; 4], what: &str) -> Result<()> {
     expect(t.shape(), want, what)?;
     if !t.layout().is_contiguous() {
@@ -332,8 +387,15 @@ fn dims_of<T>(q: &TensorRef<'_, T>, k: &TensorRef<'_, T>, v: &TensorRef<'_, T>) 
     Ok(GatedDims { batch: b, heads: h, kv_heads: hkv, len: l, feat: m, dim: d })
 }
 
-fn shape_sys(d: &GatedDims, c: &GatedConfig, dtype: DType, decay: DecayKind) -> Result<sys::MesaGlaShape> {
+fn shape_sys(
+    d: &GatedDims,
+    c: &GatedConfig,
+    dtype: DType,
+    decay: DecayKind,
+    packing: sys::MesaLaPacking,
+) -> Result<sys::MesaGlaShape> {
     Ok(sys::MesaGlaShape {
+        packing,
         batch: to_i64(d.batch, "batch")?,
         heads: to_i64(d.heads, "heads")?,
         kv_heads: to_i64(d.kv_heads, "kv_heads")?,
@@ -365,21 +427,84 @@ fn shape_sys(d: &GatedDims, c: &GatedConfig, dtype: DType, decay: DecayKind) -> 
 /// 4; a decay or state not contiguous), [`Error::ShapeMismatch`] (naming the tensor),
 /// [`Error::Aliasing`], [`Error::TooLarge`], [`Error::WrongBackend`], CUDA errors.
 pub fn forward<T: Element>(device: &Device, config: &GatedConfig, args: ForwardArgs<'_, '_, T>) -> Result<GatedSaved> {
+    forward_with(device, config, &ForwardOptions::default(), args)
+}
+
+/// Forward over `N` packed variable-length sequences (flash-linear-attention's `cu_seqlens`):
+/// `B = 1`, sequence `n` is rows `seq_offsets[n]..seq_offsets[n + 1]` of every head (empty
+/// sequences allowed), starting from its own initial state (`initial`: `[N, H_kv, M, W]`) or
+/// zero; no state crosses sequences. The saved final states are `[N, H_kv, M, W]` (an empty
+/// sequence's is its initial state); [`backward`] takes them as they are (its `initial`,
+/// `d_final` and `d_initial` then `[N, H_kv, M, W]`; a per-head decay's gradient summed over all
+/// sequences). Bitwise equal to one [`forward`] per sequence (the same chunks from each
+/// sequence's first row). One block per (sequence, head); scratch `N·H·M·W` f32.
+///
+/// # Errors
+/// As [`forward`], and [`Error::InvalidArgument`] naming `"seq_offsets"` (`B ≠ 1`, fewer than 2
+/// offsets, not starting at 0 or not ending at `L`, decreasing).
+pub fn forward_packed<T: Element>(
+    device: &Device,
+    config: &GatedConfig,
+    seq_offsets: &[usize],
+    args: ForwardArgs<'_, '_, T>,
+) -> Result<GatedSaved> {
+    forward_with(device, config, &ForwardOptions { seq_offsets: Some(seq_offsets), ..ForwardOptions::default() }, args)
+}
+
+/// [`forward`] (or [`forward_packed`]) with [`ForwardOptions`]: the memory mode and packed
+/// sequences. With [`MemoryMode::BoundaryStates`] it also allocates and writes the boundary
+/// states (`chunks·H_kv·M·W` f32, kept in the returned [`GatedSaved`]).
+///
+/// # Errors
+/// As [`forward`] and [`forward_packed`]; [`Error::TooLarge`] when `chunks·H` exceeds
+/// `2³¹ − 1` with boundary states (one `dq` block per (chunk, query head)).
+pub fn forward_with<T: Element>(
+    device: &Device,
+    config: &GatedConfig,
+    options: &ForwardOptions<'_>,
+    args: ForwardArgs<'_, '_, T>,
+) -> Result<GatedSaved> {
+    let seq_offsets = options.seq_offsets;
     config.check()?;
     let ForwardArgs { q, k, v, decay, initial, out } = args;
     let dims = dims_of(q, k, v)?;
     expect(out.shape(), &[dims.batch, dims.heads, dims.len, dims.dim], "out")?;
     check_decay(&decay, &dims)?;
+    let packing = match seq_offsets {
+        Some(o) => {
+            let p = packing::pack(device, o, dims.batch, dims.len, config.chunk)?;
+            if p.n.saturating_mul(dims.heads) > i32::MAX as usize {
+                return Err(Error::too_large("sequences·heads", format!("{}·{}: one block per head", p.n, dims.heads)));
+            }
+            Some(p)
+        }
+        None => None,
+    };
+    let units = packing.as_ref().map_or(dims.batch, |p| p.n);
     let w = dims.dim + usize::from(config.normalize);
-    let sshape = [dims.batch, dims.kv_heads, dims.feat, w];
+    let sshape = [units, dims.kv_heads, dims.feat, w];
+    let boundary = match options.memory {
+        MemoryMode::Slim => None,
+        MemoryMode::BoundaryStates => {
+            let chunks =
+                packing.as_ref().map_or(dims.batch.saturating_mul(dims.len.div_ceil(config.chunk)), |p| p.nchunks);
+            if chunks.saturating_mul(dims.heads) > i32::MAX as usize {
+                return Err(Error::too_large("chunks·heads", format!("{chunks}·{}: one dq block each", dims.heads)));
+            }
+            let n = product(&[chunks, dims.kv_heads, dims.feat, w], "boundary states")?;
+            Some(device.alloc_for_kernel::<f32>(n.max(1))?)
+        }
+    };
     if let Some(s0) = initial {
         check_state(s0, &sshape, "initial_state")?;
     }
     let state = product(&sshape, "final state")?;
     let den = product(&[dims.batch, dims.heads, dims.len], "denominators")?;
-    let work = product(&[dims.batch, dims.heads, dims.feat, w], "forward scratch")?;
+    let work = product(&[units, dims.heads, dims.feat, w], "forward scratch")?;
     let mut saved = GatedSaved {
         final_state: device.alloc_for_kernel::<f32>(state.max(1))?,
+        packing,
+        boundary,
         den: if config.normalize { Some(device.alloc_for_kernel::<f32>(den.max(1))?) } else { None },
         dims,
         config: *config,
@@ -391,10 +516,11 @@ pub fn forward<T: Element>(device: &Device, config: &GatedConfig, args: ForwardA
         return Ok(saved);
     }
     let mut scratch = device.alloc_for_kernel::<f32>(work.max(1))?;
-    let GatedSaved { final_state, den, .. } = &mut saved;
+    let GatedSaved { final_state, den, packing, boundary, .. } = &mut saved;
     let mut launch = Launch::new(device);
+    let packing = packing::to_sys(packing.as_ref(), &mut launch)?;
     let args = sys::MesaGlaForwardArgs {
-        shape: shape_sys(&dims, config, T::DTYPE, decay.kind())?,
+        shape: shape_sys(&dims, config, T::DTYPE, decay.kind(), packing)?,
         q: la_tensor(q.layout(), launch.input(q, "q")?.cast_mut()),
         k: la_tensor(k.layout(), launch.input(k, "k")?.cast_mut()),
         v: la_tensor(v.layout(), launch.input(v, "v")?.cast_mut()),
@@ -410,13 +536,19 @@ pub fn forward<T: Element>(device: &Device, config: &GatedConfig, args: ForwardA
             None => std::ptr::null_mut(),
         },
         work: launch.write_buffer(&mut scratch, "forward scratch")?,
+        boundary: match boundary.as_mut() {
+            Some(b) => launch.write_buffer(b, "boundary states")?,
+            None => std::ptr::null_mut(),
+        },
     };
     // SAFETY: q, k, v, out are registered rank-4 views with the shapes checked above (q, out
     // [B, H, L, ·], k, v [B, H_kv, L, ·], H_kv | H), inside their buffers (TensorRef/TensorMut::new);
     // out overlaps no input (the builder's aliasing check); the decay is a registered contiguous
-    // f32 view of the kind's shape; the initial state a registered contiguous [B, H_kv, M, W]
-    // f32 view; the final state, denominators and scratch buffers hold B·H_kv·M·W, B·H·L and
-    // B·H·M·W f32 as the header requires.
+    // f32 view of the kind's shape; the initial state a registered contiguous [U, H_kv, M, W]
+    // f32 view (U = B, or N packed: the offsets checked by packing::pack, on the device, with
+    // B = 1); the final state, denominators and scratch buffers hold U·H_kv·M·W, B·H·L and
+    // U·H·M·W f32 as the header requires, the boundary states (when given) chunks·H_kv·M·W
+    // (chunks: B·⌈L/C⌉, or the packing's nchunks with its chunk offsets uploaded).
     unsafe {
         launch.launch(
             "gated_linear_attention_forward",
@@ -430,15 +562,24 @@ pub fn forward<T: Element>(device: &Device, config: &GatedConfig, args: ForwardA
     Ok(saved)
 }
 
-/// f32 elements of the backward's scratch (`MESA_GLA_BACKWARD_WORK` of the header).
-fn backward_work(d: &GatedDims, w: usize, chunk: usize) -> Result<usize> {
-    let per_q = [d.feat.checked_mul(w), chunk.checked_mul(d.feat), Some(d.len)];
-    let per_kv = [d.feat.checked_mul(w).and_then(|x| x.checked_mul(2)), chunk.checked_mul(d.feat + w), Some(d.len)];
-    let sum = |xs: [Option<usize>; 3]| xs.iter().try_fold(0usize, |a, x| x.and_then(|x| a.checked_add(x)));
+/// f32 elements of the backward's scratch (`MESA_GLA_PACKED_BACKWARD_WORK` of the header, with
+/// `units` = `N` packed sequences or `B`; with boundary states of `chunks` chunks,
+/// `MESA_GLA_BOUNDARY_BACKWARD_WORK`).
+fn backward_work(d: &GatedDims, units: usize, chunks: Option<usize>, w: usize, chunk: usize) -> Result<usize> {
+    let per_q = [d.feat.checked_mul(w), chunk.checked_mul(d.feat)];
+    let per_kv = [d.feat.checked_mul(w).and_then(|x| x.checked_mul(2)), chunk.checked_mul(d.feat + w)];
+    let sum = |xs: &[Option<usize>]| xs.iter().try_fold(0usize, |a, x| x.and_then(|x| a.checked_add(x)));
     let too_large = || Error::too_large("backward scratch", format!("the element count for {d:?} overflows"));
-    let q = product(&[d.batch, d.heads, sum(per_q).ok_or_else(too_large)?], "backward scratch")?;
-    let kv = product(&[d.batch, d.kv_heads, sum(per_kv).ok_or_else(too_large)?], "backward scratch")?;
-    q.checked_add(kv).filter(|&n| n < i64::MAX as usize / 16).ok_or_else(too_large)
+    let parts = [
+        match chunks {
+            Some(nch) => product(&[nch, d.heads, chunk, d.feat], "backward scratch")?,
+            None => product(&[units, d.heads, sum(&per_q).ok_or_else(too_large)?], "backward scratch")?,
+        },
+        product(&[d.batch, d.heads, d.len], "backward scratch")?,
+        product(&[units, d.kv_heads, sum(&per_kv).ok_or_else(too_large)?], "backward scratch")?,
+        product(&[d.batch, d.kv_heads, d.len], "backward scratch")?,
+    ];
+    sum(&parts.map(Some)).filter(|&n| n < i64::MAX as usize / 16).ok_or_else(too_large)
 }
 
 /// Gradients of [`forward`]: writes `dq`, `dk`, `dv` (the last two summed over each KV head's
@@ -446,7 +587,9 @@ fn backward_work(d: &GatedDims, w: usize, chunk: usize) -> Result<usize> {
 ///
 /// `saved` is the forward's; `q, k, v, decay, initial` must be the forward's inputs; `out` (the
 /// forward's output) is required when normalised. Allocates (stream-ordered) a scratch of
-/// `B·H·(M·W + C·M + L) + B·H_kv·(2·M·W + C·(M + W) + L)` f32.
+/// `B·H·(M·W + C·M + L) + B·H_kv·(2·M·W + C·(M + W) + L)` f32 (packed: `N` for `B` in the
+/// state and chunk terms; with boundary states `chunks·H·C·M` replaces `B·H·(M·W + C·M)`, and
+/// `dq` runs parallel over chunks from the saved states).
 ///
 /// In-place: not supported (a gradient overlapping an input or another gradient →
 /// [`Error::Aliasing`]).
@@ -516,11 +659,17 @@ pub fn backward<T: Element>(device: &Device, saved: &GatedSaved, args: BackwardA
     if b == 0 && decay.kind() == DecayKind::PerStep {
         return Ok(());
     }
-    let mut work = device.alloc_for_kernel::<f32>(backward_work(&dims, saved.width(), config.chunk)?.max(1))?;
+    let chunks = saved.boundary.as_ref().map(|_| match saved.packing.as_ref() {
+        Some(p) => p.nchunks,
+        None => dims.batch * dims.len.div_ceil(config.chunk),
+    });
+    let work = backward_work(&dims, saved.units(), chunks, saved.width(), config.chunk)?;
+    let mut work = device.alloc_for_kernel::<f32>(work.max(1))?;
     let mut launch = Launch::new(device);
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
+    let packing = packing::to_sys(saved.packing.as_ref(), &mut launch)?;
     let args = sys::MesaGlaBackwardArgs {
-        shape: shape_sys(&dims, &config, T::DTYPE, decay.kind())?,
+        shape: shape_sys(&dims, &config, T::DTYPE, decay.kind(), packing)?,
         q: la_tensor(q.layout(), launch.input(q, "q")?.cast_mut()),
         k: la_tensor(k.layout(), launch.input(k, "k")?.cast_mut()),
         v: la_tensor(v.layout(), launch.input(v, "v")?.cast_mut()),
@@ -552,13 +701,19 @@ pub fn backward<T: Element>(device: &Device, saved: &GatedSaved, args: BackwardA
             None => std::ptr::null_mut(),
         },
         work: launch.write_buffer(&mut work, "backward scratch")?,
+        boundary: match saved.boundary.as_ref() {
+            Some(b) => launch.read_buffer(b, "boundary states")?,
+            None => std::ptr::null(),
+        },
     };
     // SAFETY: every view is registered, rank 4 with the forward's dims (checked above) and
     // inside its buffer; no gradient overlaps an input or another gradient (the builder's
     // aliasing check); the decay and its gradient are contiguous f32 of the kind's shape; the
-    // states are registered contiguous [B, H_kv, M, W] f32 views; the saved buffers were sized
-    // by the forward for these dims (same dtype, decay kind and backend checked above); the
-    // scratch holds MESA_GLA_BACKWARD_WORK f32 (backward_work).
+    // states are registered contiguous [U, H_kv, M, W] f32 views (U = B, or N with the
+    // forward's checked offsets); the saved buffers were sized by the forward for these dims
+    // (same dtype, decay kind and backend checked above), the boundary states too; the
+    // scratch holds MESA_GLA_PACKED_BACKWARD_WORK f32, or MESA_GLA_BOUNDARY_BACKWARD_WORK with
+    // boundary states (backward_work).
     unsafe {
         launch.launch(
             "gated_linear_attention_backward",

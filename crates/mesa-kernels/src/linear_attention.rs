@@ -80,7 +80,7 @@ use crate::launch::Launch;
 use crate::layout::Layout;
 use crate::tensor::{TensorMut, TensorRef};
 
-mod packing;
+pub(crate) mod packing;
 pub mod state;
 
 pub use state::StateGrads;
@@ -488,17 +488,7 @@ fn la_shape<'a>(
     packing: Option<&'a packing::Packing>,
     launch: &mut Launch<'a>,
 ) -> Result<sys::MesaLaShape> {
-    let packing = match packing {
-        Some(p) => sys::MesaLaPacking {
-            seq_offsets: launch.read_buffer(&p.offsets, "seq_offsets")?,
-            chunk_offsets: launch.read_buffer(&p.chunks, "chunk offsets")?,
-            nseq: to_i64(p.n, "sequences")?,
-            nchunks: to_i64(p.nchunks, "chunks")?,
-        },
-        None => {
-            sys::MesaLaPacking { seq_offsets: std::ptr::null(), chunk_offsets: std::ptr::null(), nseq: 0, nchunks: 0 }
-        }
-    };
+    let packing = packing::to_sys(packing, launch)?;
     Ok(sys::MesaLaShape {
         packing,
         batch: to_i64(d.batch, "batch")?,

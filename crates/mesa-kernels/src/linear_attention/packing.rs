@@ -3,10 +3,16 @@
 //! from the zero state (or its own initial state) and no state crosses from one sequence to
 //! the next: the result equals one call per sequence. States are per (sequence, head),
 //! `[N, H, M, W]`.
+//!
+//! Shared by [`crate::linear_attention`] and [`crate::gated_linear_attention`].
+use mesa_kernels_sys as sys;
+
 use crate::device::{Buffer, Device};
 use crate::error::{Error, Result};
+use crate::launch::Launch;
+use crate::linear_attention::to_i64;
 
-/// The checked offsets of [`super::forward_packed`], on the device.
+/// The checked offsets of a packed call, on the device.
 pub(crate) struct Packing {
     /// `N`, the number of sequences.
     pub(crate) n: usize,
@@ -63,5 +69,23 @@ pub(crate) fn pack(device: &Device, offsets: &[usize], batch: usize, len: usize,
         nchunks: total,
         offsets: device.upload(&rows)?,
         chunks: device.upload(&chunks)?,
+    })
+}
+
+/// The kernels' view of `packing` (registered with `launch`); `None`: not packed.
+///
+/// # Errors
+/// [`Error::WrongBackend`] (buffers of another backend), [`Error::TooLarge`].
+pub(crate) fn to_sys<'a>(packing: Option<&'a Packing>, launch: &mut Launch<'a>) -> Result<sys::MesaLaPacking> {
+    Ok(match packing {
+        Some(p) => sys::MesaLaPacking {
+            seq_offsets: launch.read_buffer(&p.offsets, "seq_offsets")?,
+            chunk_offsets: launch.read_buffer(&p.chunks, "chunk offsets")?,
+            nseq: to_i64(p.n, "sequences")?,
+            nchunks: to_i64(p.nchunks, "chunks")?,
+        },
+        None => {
+            sys::MesaLaPacking { seq_offsets: std::ptr::null(), chunk_offsets: std::ptr::null(), nseq: 0, nchunks: 0 }
+        }
     })
 }
