@@ -236,10 +236,11 @@ pub fn rope_forward_save<T: Element>(
         )),
     };
     let layout = y.layout().clone();
+    let (mut view, meta) = saved.view_mut()?;
     let mut launch = Launch::new(device);
     let xp = launch.input(x, "input")?;
     let yp = launch.output(y, "output")?;
-    quantizer.encode::<T>(&mut launch, &mut saved, &layout, Finalize::Separate, |launch, step, sink, _| {
+    *meta = quantizer.encode::<T>(&mut launch, &mut view, &layout, Finalize::Separate, |launch, step, sink, _| {
         let Some((x_desc, y_desc, grouped)) = views.as_ref() else { return Ok(()) };
         if let ProducerStep::Widen(widen) = step {
             // SAFETY: y is a registered output, written in full by the previous step of this

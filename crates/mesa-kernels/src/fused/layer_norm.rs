@@ -225,6 +225,7 @@ fn forward_saving<T: Element>(
     };
     let layout = x.layout().clone();
     let SavedLayerNorm { xhat, mean, rstd } = saved;
+    let (mut xview, xmeta) = xhat.view_mut()?;
     let mut launch = Launch::new(device);
     let xp = launch.input(x, "input")?;
     let wp = affine(&mut launch, args.weight, "weight")?;
@@ -232,7 +233,7 @@ fn forward_saving<T: Element>(
     let yp = launch.output(y, "output")?;
     let mp = launch.write_buffer(mean, "mean")?;
     let rp = launch.write_buffer(rstd, "rstd")?;
-    quantizer.encode::<T>(&mut launch, xhat, &layout, Finalize::Separate, |launch, step, sink, _| {
+    *xmeta = quantizer.encode::<T>(&mut launch, &mut xview, &layout, Finalize::Separate, |launch, step, sink, _| {
         // encode runs no step for an empty tensor
         let Some((x_desc, y_desc)) = descs else { return Ok(()) };
         let base = sys::MesaLayerNormForwardArgs {
@@ -428,12 +429,17 @@ fn backward<T: Element>(
         |l: &Layout, what: &str| if empty { Ok(empty_rows_desc(cols, T::DTYPE)) } else { row_desc(l, T::DTYPE, what) };
     let dy_desc = desc(dy.layout(), "dy")?;
     let dx_desc = desc(dx.layout(), "dx")?;
+    let codes_view = match xhat {
+        Xhat::Codes(saved, _) if !empty => Some(saved.view()?),
+        _ => None,
+    };
     let mut launch = Launch::new(device);
     let (source, xhat_p, xhat_desc, rstd_p) = match xhat {
         // no rows: nothing is read; the kernel only zeroes dweight and dbias
         _ if empty => (sys::MesaCodeSource::default(), std::ptr::null(), dy_desc, std::ptr::null()),
-        Xhat::Codes(saved, rstd) => {
-            let source = code_source(&mut launch, saved)?;
+        Xhat::Codes(_, rstd) => {
+            let view = codes_view.as_ref().ok_or(Error::KernelArgument { op: "LayerNorm backward codes" })?;
+            let source = code_source(&mut launch, view)?;
             (source, std::ptr::null(), sys::MesaTensorDesc::default(), launch.read_buffer(rstd, "saved rstd")?)
         }
         Xhat::Plain(h, rstd) => {

@@ -303,8 +303,9 @@ pub fn softmax_backward<T: Element>(
     if dy.numel() == 0 {
         return Ok(());
     }
+    let view = saved.view()?;
     let mut launch = Launch::new(device);
-    let source = code_source(&mut launch, saved)?;
+    let source = code_source(&mut launch, &view)?;
     let args = sys::MesaSoftmaxBackwardArgs {
         dy_desc: row_desc(dy.layout(), T::DTYPE, "dy")?,
         dx_desc: row_desc(dx.layout(), T::DTYPE, "dx")?,

@@ -125,6 +125,7 @@ fn encode_pass<T: Element>(
     // the widening pass re-encodes x alone: the Quantizer's pass on x's grouped view
     let grouped = if empty { None } else { Some(kernel_view(x.layout(), &quantizer.config().grouping, T::DTYPE)?) };
     let layout = x.layout().clone();
+    let (mut view, meta) = saved.view_mut()?;
     let mut launch = Launch::new(device);
     let gp = launch.input(input.gate, "gate")?;
     let up = launch.input(input.up, "up projection")?;
@@ -133,7 +134,7 @@ fn encode_pass<T: Element>(
         None => std::ptr::null_mut(),
     };
     let xp = if which == sys::MESA_SWIGLU_SAVE_GATE { gp } else { up };
-    quantizer.encode::<T>(&mut launch, saved, &layout, Finalize::Separate, |launch, step, sink, _| {
+    *meta = quantizer.encode::<T>(&mut launch, &mut view, &layout, Finalize::Separate, |launch, step, sink, _| {
         let Some(grouped) = grouped.as_ref() else { return Ok(()) };
         if let ProducerStep::Widen(widen) = step {
             // SAFETY: x is a registered input described by `grouped`; codes, params and the
@@ -211,9 +212,10 @@ pub fn swiglu_backward<T: Element>(
     if dy.numel() == 0 {
         return Ok(());
     }
+    let (gate, up) = (saved.gate.view()?, saved.up.view()?);
     let mut launch = Launch::new(device);
-    let gate_source = code_source(&mut launch, &saved.gate)?;
-    let up_source = code_source(&mut launch, &saved.up)?;
+    let gate_source = code_source(&mut launch, &gate)?;
+    let up_source = code_source(&mut launch, &up)?;
     let args = sys::MesaSwigluBackwardArgs {
         dy_desc: elem_desc(dy.layout(), T::DTYPE)?,
         dg_desc: elem_desc(grads.gate.layout(), T::DTYPE)?,
