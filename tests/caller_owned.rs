@@ -11,8 +11,8 @@ mod common;
 use half::{bf16, f16};
 use mesa_kernels::fused::{gelu_backward, gelu_backward_view, gelu_forward, gelu_forward_to, GeluForm};
 use mesa_kernels::{
-    saved_sizes, Buffer, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer,
-    RawDeviceSlice, Rounding, SavedMeta, SavedSizes, SavedView, SavedViewMut, StatsMode, TensorMut, TensorRef,
+    saved_sizes, Buffer, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer, RawDeviceSlice,
+    Rounding, SavedMeta, SavedSizes, SavedView, SavedViewMut, StatsMode, TensorMut, TensorRef,
 };
 use rand::rngs::StdRng;
 use rand::RngExt;
@@ -78,7 +78,10 @@ impl CallerSaved {
         let params = self.params.to_vec().unwrap();
         let counter = self.counter.to_vec().unwrap();
         let (c, g) = (self.sizes.code_bytes, self.sizes.groups);
-        assert!(codes[..CODE_OFF].iter().chain(&codes[CODE_OFF + c..]).all(|&b| b == POISON), "codes written outside the view");
+        assert!(
+            codes[..CODE_OFF].iter().chain(&codes[CODE_OFF + c..]).all(|&b| b == POISON),
+            "codes written outside the view"
+        );
         let pbits = |p: &GroupParams| [p.offset.to_bits(), p.scale.to_bits()];
         let poison = pbits(&poison_params());
         assert!(
@@ -86,7 +89,10 @@ impl CallerSaved {
             "parameters written outside the view"
         );
         let cp = u32::from_ne_bytes([POISON; 4]);
-        assert!(counter[..COUNTER_OFF].iter().chain(&counter[COUNTER_OFF + 1..]).all(|&v| v == cp), "counter written outside the view");
+        assert!(
+            counter[..COUNTER_OFF].iter().chain(&counter[COUNTER_OFF + 1..]).all(|&v| v == cp),
+            "counter written outside the view"
+        );
         let p: Vec<u32> = params[PARAM_OFF..PARAM_OFF + g].iter().flat_map(pbits).collect();
         (codes[CODE_OFF..CODE_OFF + c].to_vec(), p, counter[COUNTER_OFF])
     }
@@ -207,7 +213,8 @@ fn gelu_parity<T: Element>(device: &Device, rng: &mut StdRng) {
                 let dyt = TensorRef::contiguous(&dy, &SHAPE).unwrap();
                 let mut dx1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
                 let mut dx2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
-                gelu_backward(device, form, &owned, &dyt, &mut TensorMut::contiguous(&mut dx1, &SHAPE).unwrap()).unwrap();
+                gelu_backward(device, form, &owned, &dyt, &mut TensorMut::contiguous(&mut dx1, &SHAPE).unwrap())
+                    .unwrap();
                 gelu_backward_view(
                     device,
                     form,

@@ -45,8 +45,8 @@ use crate::layout::{kernel_view, Grouping, Layout};
 use crate::tensor::{TensorMut, TensorRef};
 
 mod saved_view;
+pub(crate) use saved_view::check_code_address;
 pub use saved_view::{saved_sizes, SavedSizes, SavedView, SavedViewMut, CODE_ALIGN};
-use saved_view::check_code_address;
 
 /// Decoding parameters of one group: `x̂ = code · scale + offset` (f32).
 ///
@@ -503,47 +503,48 @@ impl Quantizer {
         let device = self.device.clone();
         let mut launch = Launch::new(&device);
         let xp = launch.input(x, "input")?;
-        let meta = self.encode::<T>(&mut launch, saved, x.layout(), Finalize::InPass, |launch, step, sink, finalize| {
-            // SAFETY (both kernels): `xp` is the registered input view described by
-            // `view.desc`; the sink's codes/params/stats are the saved handle's and the
-            // quantizer's buffers, registered by `encode` and sized there for this tensor.
-            // (`encode` runs no step for an empty tensor, the only case without a view.)
-            let view = view.as_ref().ok_or(Error::KernelArgument { op: "quantize of an empty tensor" })?;
-            match step {
-                ProducerStep::Stats => {
-                    let args = sys::MesaQuantStatsArgs {
-                        x: xp,
-                        x_desc: view.desc,
-                        grouping: view.grouping,
-                        stats: sink.stats,
-                        finalize,
-                    };
-                    unsafe { launch.launch("quant_stats", &args, sys::mesa_quant_stats, sys::mesa_emu_quant_stats) }
+        let meta =
+            self.encode::<T>(&mut launch, saved, x.layout(), Finalize::InPass, |launch, step, sink, finalize| {
+                // SAFETY (both kernels): `xp` is the registered input view described by
+                // `view.desc`; the sink's codes/params/stats are the saved handle's and the
+                // quantizer's buffers, registered by `encode` and sized there for this tensor.
+                // (`encode` runs no step for an empty tensor, the only case without a view.)
+                let view = view.as_ref().ok_or(Error::KernelArgument { op: "quantize of an empty tensor" })?;
+                match step {
+                    ProducerStep::Stats => {
+                        let args = sys::MesaQuantStatsArgs {
+                            x: xp,
+                            x_desc: view.desc,
+                            grouping: view.grouping,
+                            stats: sink.stats,
+                            finalize,
+                        };
+                        unsafe { launch.launch("quant_stats", &args, sys::mesa_quant_stats, sys::mesa_emu_quant_stats) }
+                    }
+                    ProducerStep::Codes | ProducerStep::CodesAndStats | ProducerStep::Widen(_) => {
+                        let widen = match step {
+                            ProducerStep::Widen(flags) => flags,
+                            _ => std::ptr::null(),
+                        };
+                        let args = sys::MesaQuantizeArgs {
+                            x: xp,
+                            x_desc: view.desc,
+                            grouping: view.grouping,
+                            params: sink.params,
+                            codes: sink.codes,
+                            stats: sink.stats,
+                            seed: sink.seed,
+                            bits: sink.bits,
+                            rounding: sink.rounding,
+                            map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
+                            _pad: 0,
+                            widen,
+                            finalize,
+                        };
+                        unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) }
+                    }
                 }
-                ProducerStep::Codes | ProducerStep::CodesAndStats | ProducerStep::Widen(_) => {
-                    let widen = match step {
-                        ProducerStep::Widen(flags) => flags,
-                        _ => std::ptr::null(),
-                    };
-                    let args = sys::MesaQuantizeArgs {
-                        x: xp,
-                        x_desc: view.desc,
-                        grouping: view.grouping,
-                        params: sink.params,
-                        codes: sink.codes,
-                        stats: sink.stats,
-                        seed: sink.seed,
-                        bits: sink.bits,
-                        rounding: sink.rounding,
-                        map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
-                        _pad: 0,
-                        widen,
-                        finalize,
-                    };
-                    unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) }
-                }
-            }
-        })?;
+            })?;
         launch.finish()?;
         Ok(meta)
     }
@@ -584,14 +585,7 @@ impl Quantizer {
         if !same_stream(launch.device(), &self.device) {
             return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
         }
-        let meta = SavedMeta {
-            shape: layout.shape().to_vec(),
-            strides: layout.strides().to_vec(),
-            dtype: T::DTYPE,
-            bits: self.config.bits,
-            grouping: self.config.grouping,
-            companding: Companding::None,
-        };
+        let meta = self.meta_for(layout, T::DTYPE);
         let groups = saved.check_sizes(&meta)?.groups;
         // the caller's memory is registered (backend, alignment, aliasing) before anything runs
         let SavedViewMut { codes, params, nonfinite } = saved;
@@ -705,6 +699,18 @@ impl Quantizer {
             });
         }
         Ok(meta)
+    }
+
+    /// What codes of a tensor of `layout` and `dtype` saved by this quantizer encode.
+    pub(crate) fn meta_for(&self, layout: &Layout, dtype: DType) -> SavedMeta {
+        SavedMeta {
+            shape: layout.shape().to_vec(),
+            strides: layout.strides().to_vec(),
+            dtype,
+            bits: self.config.bits,
+            grouping: self.config.grouping,
+            companding: Companding::None,
+        }
     }
 
     /// What this batch does: whether it is the first, whether it takes the exact (two-pass)
@@ -846,7 +852,7 @@ unsafe fn copy_registered<T: Copy>(launch: &Launch<'_>, src: *const T, dst: *mut
 ///
 /// # Safety
 /// `dst` comes from `launch`'s registrations and holds `len` elements.
-unsafe fn zero_registered<T: Copy>(launch: &Launch<'_>, dst: *mut T, len: usize) -> Result<()> {
+pub(crate) unsafe fn zero_registered<T: Copy>(launch: &Launch<'_>, dst: *mut T, len: usize) -> Result<()> {
     let bytes = len * std::mem::size_of::<T>();
     match launch.device().kind() {
         Kind::Emulator => {
@@ -859,6 +865,30 @@ unsafe fn zero_registered<T: Copy>(launch: &Launch<'_>, dst: *mut T, len: usize)
             // SAFETY: the caller's contract; ordered on the op's stream, guards held
             unsafe { cudarc::driver::result::memset_d8_async(dst as u64, 0, bytes, s.cu_stream()) }
                 .map_err(Error::driver("zeroing saved parameters"))
+        }
+    }
+}
+
+/// Copies `src` to `dst` (an address of a buffer registered on `launch` for writing, at
+/// least `src.len()` elements), ordered on its stream; on CUDA the stream is synchronised
+/// before `src` is released (used for a handful of parameters of an empty tensor only).
+///
+/// # Safety
+/// `dst` comes from `launch`'s registrations and holds `src.len()` elements.
+pub(crate) unsafe fn write_registered<T: Copy>(launch: &Launch<'_>, dst: *mut T, src: &[T]) -> Result<()> {
+    match launch.device().kind() {
+        Kind::Emulator => {
+            // SAFETY: the caller's contract; `src` is host memory, not registered
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+            Ok(())
+        }
+        Kind::Cuda(s) => {
+            s.context().bind_to_thread().map_err(Error::driver("binding the stream's context"))?;
+            // SAFETY: the caller's contract; the copy completes (synchronize below) before
+            // `src` can be released
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst as u64, src, s.cu_stream()) }
+                .map_err(Error::driver("writing saved parameters"))?;
+            s.synchronize().map_err(Error::driver("writing saved parameters"))
         }
     }
 }
@@ -1040,10 +1070,7 @@ impl SavedView<'_> {
     }
 
     /// Registers the codes and parameters as inputs of `launch` (codes' alignment checked).
-    pub(crate) fn register<'a>(
-        &'a self,
-        launch: &mut Launch<'a>,
-    ) -> Result<(*const u8, *const sys::MesaGroupParams)> {
+    pub(crate) fn register<'a>(&'a self, launch: &mut Launch<'a>) -> Result<(*const u8, *const sys::MesaGroupParams)> {
         let codes = launch.input(&self.codes, "saved codes")?.cast::<u8>();
         check_code_address(codes as usize, "saved codes")?;
         let params = launch.input(&self.params, "saved parameters")?.cast();
@@ -1193,16 +1220,6 @@ impl SavedActivation {
             nonfinite: device.upload(&[0u32])?,
             meta: meta.clone(),
         })
-    }
-
-    /// Mutable access to (codes, params, nonfinite) for a producer kernel.
-    pub(crate) fn parts_mut(&mut self) -> (&mut Buffer<u8>, &mut Buffer<GroupParams>, &mut Buffer<u32>) {
-        (&mut self.codes, &mut self.params, &mut self.nonfinite)
-    }
-
-    /// `(i / run) % count` map of the groups over the logical shape: (run, count).
-    pub(crate) fn group_map(&self) -> Result<(usize, usize)> {
-        self.meta.group_map()
     }
 
     /// Checks that the handle lives on `device`'s backend.

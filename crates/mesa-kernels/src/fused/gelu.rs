@@ -8,7 +8,9 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::layout::kernel_view;
-use crate::quant::{same_stream, Finalize, ProducerStep, Quantizer, SavedActivation, SavedMeta, SavedView, SavedViewMut};
+use crate::quant::{
+    same_stream, Finalize, ProducerStep, Quantizer, SavedActivation, SavedMeta, SavedView, SavedViewMut,
+};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// The GELU variant (Hendrycks & Gimpel 2016).

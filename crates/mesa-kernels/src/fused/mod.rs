@@ -105,19 +105,21 @@ mod softmax;
 mod swiglu;
 
 pub use gelu::{
-    gelu, gelu_backward, gelu_backward_plain, gelu_backward_view, gelu_forward, gelu_forward_to, GeluBackwardPlain, GeluForm,
+    gelu, gelu_backward, gelu_backward_plain, gelu_backward_view, gelu_forward, gelu_forward_to, GeluBackwardPlain,
+    GeluForm,
 };
 pub use layer_norm::{
-    layer_norm, layer_norm_backward, layer_norm_backward_plain, layer_norm_forward, LayerNormBackward,
-    LayerNormBackwardPlain, LayerNormForward, LayerNormGrads, SavedLayerNorm,
+    layer_norm, layer_norm_backward, layer_norm_backward_plain, layer_norm_backward_view, layer_norm_forward,
+    layer_norm_forward_to, LayerNormBackward, LayerNormBackwardPlain, LayerNormBackwardView, LayerNormForward,
+    LayerNormGrads, LayerNormSaveMut, SavedLayerNorm,
 };
 pub use softmax::{
-    softmax, softmax_backward, softmax_backward_plain, softmax_forward, SoftmaxBackwardPlain, SoftmaxCodes,
-    SoftmaxInput, SoftmaxSave,
+    softmax, softmax_backward, softmax_backward_plain, softmax_backward_view, softmax_forward, softmax_forward_to,
+    SoftmaxBackwardPlain, SoftmaxCodes, SoftmaxInput, SoftmaxSave,
 };
 pub use swiglu::{
-    swiglu, swiglu_backward, swiglu_backward_plain, swiglu_forward, SavedSwiglu, SwigluGrads, SwigluInput,
-    SwigluQuantizers,
+    swiglu, swiglu_backward, swiglu_backward_plain, swiglu_backward_view, swiglu_forward, swiglu_forward_to,
+    SavedSwiglu, SwigluGrads, SwigluInput, SwigluMeta, SwigluQuantizers, SwigluSaveMut, SwigluSavedView,
 };
 
 /// `got` must have the shape `expected`.

@@ -9,7 +9,7 @@
 //! methods run through these views (one code path).
 use crate::error::{Error, Result};
 use crate::layout::Layout;
-use crate::quant::{code_bytes, checked_numel, GroupParams, QuantConfig, SavedMeta};
+use crate::quant::{checked_numel, code_bytes, GroupParams, QuantConfig, SavedMeta};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// Alignment in bytes the packed codes need (the kernels store 8 codes of one unit as one
