@@ -9,7 +9,14 @@
 mod common;
 
 use half::{bf16, f16};
-use mesa_kernels::fused::{gelu_backward, gelu_backward_view, gelu_forward, gelu_forward_to, GeluForm};
+use mesa_kernels::fused::{
+    gelu_backward, gelu_backward_view, gelu_forward, gelu_forward_to, layer_norm_backward, layer_norm_backward_view,
+    layer_norm_forward, layer_norm_forward_to, softmax_backward, softmax_backward_view, softmax_forward,
+    softmax_forward_to, swiglu_backward, swiglu_backward_view, swiglu_forward, swiglu_forward_to, GeluForm,
+    LayerNormBackward, LayerNormBackwardView, LayerNormForward, LayerNormGrads, LayerNormSaveMut, SoftmaxCodes,
+    SoftmaxInput, SoftmaxSave, SwigluGrads, SwigluInput, SwigluQuantizers, SwigluSaveMut, SwigluSavedView,
+};
+use mesa_kernels::rope::{rope_forward_save, rope_forward_save_to, RopeConfig, RopePairing};
 use mesa_kernels::{
     saved_sizes, Buffer, Device, Element, Error, GroupParams, Grouping, Layout, QuantConfig, Quantizer, RawDeviceSlice,
     Rounding, SavedMeta, SavedSizes, SavedView, SavedViewMut, StatsMode, TensorMut, TensorRef,
@@ -42,7 +49,10 @@ struct CallerSaved {
 
 impl CallerSaved {
     fn new(device: &Device, shape: &[usize], config: &QuantConfig) -> Self {
-        let sizes = saved_sizes(shape, config).expect("saved_sizes");
+        CallerSaved::sized(device, saved_sizes(shape, config).expect("saved_sizes"))
+    }
+
+    fn sized(device: &Device, sizes: SavedSizes) -> Self {
         CallerSaved {
             sizes,
             codes: device.upload(&vec![POISON; CODE_OFF + sizes.code_bytes + TAIL]).expect("codes"),
@@ -451,4 +461,361 @@ fn an_empty_tensor_zeroes_the_caller_parameters_and_counts_no_batch() {
     assert!(codes.is_empty());
     assert_eq!((params, counter), (vec![0; 6], 0));
     assert_eq!(q.batches(), 0);
+}
+
+/// The configs of [`configs`] for rows of `cols` (channel groups of 4 only where they divide).
+fn configs_for(cols: usize) -> Vec<QuantConfig> {
+    configs()
+        .into_iter()
+        .map(|c| match c.grouping {
+            Grouping::Channels { .. } if cols % 4 != 0 => QuantConfig { grouping: Grouping::Tensor, ..c },
+            _ => c,
+        })
+        .collect()
+}
+
+/// Rows whose codes start on a byte, and rows of 13 (4 and 2 bits: the second code pass).
+const SHAPES: [[usize; 2]; 2] = [SHAPE, [4, 13]];
+
+fn upload_t<T: Element>(device: &Device, rng: &mut StdRng, n: usize, center: f64, spread: f64) -> Buffer<T> {
+    device.upload(&random::<T>(rng, n, center, spread)).unwrap()
+}
+
+fn layer_norm_parity<T: Element>(device: &Device, rng: &mut StdRng) {
+    for shape in SHAPES {
+        let (rows, cols) = (shape[0], shape[1]);
+        let n = rows * cols;
+        for config in configs_for(cols) {
+            let mut owned_q = Quantizer::new(device, config).unwrap();
+            let mut caller_q = Quantizer::new(device, config).unwrap();
+            let w = upload_t::<T>(device, rng, cols, 1.0, 0.5);
+            let b = upload_t::<T>(device, rng, cols, 0.0, 0.5);
+            let wv = TensorRef::contiguous(&w, &[cols]).unwrap();
+            let bv = TensorRef::contiguous(&b, &[cols]).unwrap();
+            for k in 0..3 {
+                let what = format!("{} {shape:?} {config:?} batch {k}", T::DTYPE.name());
+                let x = upload_t::<T>(device, rng, n, k as f64, 1.0 + 3.0 * k as f64);
+                let xt = TensorRef::contiguous(&x, &shape).unwrap();
+                let args = LayerNormForward { x: &xt, weight: Some(&wv), bias: Some(&bv), eps: 1e-5 };
+                let mut y1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
+                let mut y2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
+                let owned =
+                    layer_norm_forward(device, &mut owned_q, &args, &mut TensorMut::contiguous(&mut y1, &shape).unwrap())
+                        .unwrap();
+                let mut caller = CallerSaved::new(device, &shape, &config);
+                let mut mean = device.upload(&vec![f32::NAN; rows + 2]).unwrap();
+                let mut rstd = device.upload(&vec![f32::NAN; rows + 2]).unwrap();
+                let mut mean_v = TensorMut::new(&mut mean, &Layout::strided(&[rows], &[1], 1).unwrap()).unwrap();
+                let mut rstd_v = TensorMut::new(&mut rstd, &Layout::strided(&[rows], &[1], 2).unwrap()).unwrap();
+                let mut xview = caller.view_mut();
+                let meta = layer_norm_forward_to(
+                    device,
+                    &mut caller_q,
+                    &args,
+                    &mut TensorMut::contiguous(&mut y2, &shape).unwrap(),
+                    LayerNormSaveMut { xhat: &mut xview, mean: &mut mean_v, rstd: &mut rstd_v },
+                )
+                .unwrap();
+                drop(xview);
+                assert_eq!(bits_of(&y1.to_vec().unwrap()), bits_of(&y2.to_vec().unwrap()), "{what}: y");
+                assert_eq!(caller.read(), owned_parts(owned.xhat()), "{what}: codes, parameters, counter");
+                let mean = mean.to_vec().unwrap();
+                let rstd = rstd.to_vec().unwrap();
+                assert_eq!(bits_of(&mean[1..=rows]), bits_of(&owned.mean().to_vec().unwrap()), "{what}: mean");
+                assert_eq!(bits_of(&rstd[2..rows + 2]), bits_of(&owned.rstd().to_vec().unwrap()), "{what}: rstd");
+                assert!(mean[0].is_nan() && mean[rows + 1].is_nan() && rstd[..2].iter().all(|v| v.is_nan()));
+
+                let dy = upload_t::<T>(device, rng, n, 0.0, 1.0);
+                let dyt = TensorRef::contiguous(&dy, &shape).unwrap();
+                let grads = |which: usize| {
+                    let mut dx = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
+                    let mut dw = device.upload(&vec![f32::NAN; cols]).unwrap();
+                    let mut db = device.upload(&vec![f32::NAN; cols]).unwrap();
+                    let g = LayerNormGrads {
+                        dx: &mut TensorMut::contiguous(&mut dx, &shape).unwrap(),
+                        dweight: &mut TensorMut::contiguous(&mut dw, &[cols]).unwrap(),
+                        dbias: &mut TensorMut::contiguous(&mut db, &[cols]).unwrap(),
+                    };
+                    if which == 0 {
+                        let a = LayerNormBackward { saved: &owned, weight: Some(&wv), dy: &dyt };
+                        layer_norm_backward(device, &a, g).unwrap();
+                    } else {
+                        let xhat = caller.view(meta.clone());
+                        let rstd_r = TensorRef::new(&rstd, &Layout::strided(&[rows], &[1], 2).unwrap()).unwrap();
+                        let a = LayerNormBackwardView { xhat: &xhat, rstd: &rstd_r, weight: Some(&wv), dy: &dyt };
+                        layer_norm_backward_view(device, &a, g).unwrap();
+                    }
+                    (bits_of(&dx.to_vec().unwrap()), bits_of(&dw.to_vec().unwrap()), bits_of(&db.to_vec().unwrap()))
+                };
+                let (a, b) = (grads(0), grads(1));
+                assert_eq!(a, b, "{what}: dx, dweight, dbias");
+            }
+        }
+    }
+}
+
+#[test]
+fn layer_norm_to_and_backward_view_match_the_owned_path() {
+    let mut rng = common::rng("layer_norm_to_and_backward_view_match_the_owned_path");
+    for device in common::backends() {
+        layer_norm_parity::<f32>(&device, &mut rng);
+        layer_norm_parity::<f16>(&device, &mut rng);
+        layer_norm_parity::<bf16>(&device, &mut rng);
+    }
+}
+
+fn softmax_parity<T: Element>(device: &Device, rng: &mut StdRng) {
+    for shape in SHAPES {
+        let n = shape[0] * shape[1];
+        for bits in [8, 4, 2] {
+            for (codes, rounding) in
+                [(SoftmaxCodes::Sqrt, Rounding::Nearest), (SoftmaxCodes::Linear, Rounding::Stochastic { seed: 3 })]
+            {
+                let save = SoftmaxSave { bits, codes, grouping: Grouping::Heads { axis: 0 }, rounding };
+                let what = format!("{} {shape:?} {save:?}", T::DTYPE.name());
+                let mut data = random::<T>(rng, n, 0.0, 4.0);
+                data[3] = T::from_f64(f64::NAN);
+                let x = device.upload(&data).unwrap();
+                let xt = TensorRef::contiguous(&x, &shape).unwrap();
+                let input = SoftmaxInput::new(&xt);
+                let mut y1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
+                let mut y2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
+                let owned =
+                    softmax_forward(device, &save, &input, &mut TensorMut::contiguous(&mut y1, &shape).unwrap()).unwrap();
+                let mut caller = CallerSaved::sized(device, save.saved_sizes(&shape).unwrap());
+                let meta = softmax_forward_to(
+                    device,
+                    &save,
+                    &input,
+                    &mut TensorMut::contiguous(&mut y2, &shape).unwrap(),
+                    &mut caller.view_mut(),
+                )
+                .unwrap();
+                assert_eq!(meta.companding(), owned.companding());
+                assert_eq!(bits_of(&y1.to_vec().unwrap()), bits_of(&y2.to_vec().unwrap()), "{what}: y");
+                let parts = caller.read();
+                assert!(parts.2 > 0, "{what}: the NaN row is counted");
+                assert_eq!(parts, owned_parts(&owned), "{what}: codes, parameters, counter");
+                let dy = upload_t::<T>(device, rng, n, 0.0, 1.0);
+                let dyt = TensorRef::contiguous(&dy, &shape).unwrap();
+                let mut dx1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
+                let mut dx2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
+                softmax_backward(device, &owned, &dyt, &mut TensorMut::contiguous(&mut dx1, &shape).unwrap()).unwrap();
+                softmax_backward_view(
+                    device,
+                    &caller.view(meta),
+                    &dyt,
+                    &mut TensorMut::contiguous(&mut dx2, &shape).unwrap(),
+                )
+                .unwrap();
+                assert_eq!(bits_of(&dx1.to_vec().unwrap()), bits_of(&dx2.to_vec().unwrap()), "{what}: dx");
+            }
+        }
+    }
+    // an empty input: the fixed parameters, a zero counter, in the caller's poisoned memory
+    let save = SoftmaxSave { bits: 4, ..SoftmaxSave::per_head(1) };
+    let shape = [0, 3, 8];
+    let x = device.alloc_zeros::<T>(0).unwrap();
+    let mut y = device.alloc_zeros::<T>(0).unwrap();
+    let xt = TensorRef::contiguous(&x, &shape).unwrap();
+    let owned =
+        softmax_forward(device, &save, &SoftmaxInput::new(&xt), &mut TensorMut::contiguous(&mut y, &shape).unwrap())
+            .unwrap();
+    let mut caller = CallerSaved::sized(device, save.saved_sizes(&shape).unwrap());
+    let _meta = softmax_forward_to(
+        device,
+        &save,
+        &SoftmaxInput::new(&xt),
+        &mut TensorMut::contiguous(&mut y, &shape).unwrap(),
+        &mut caller.view_mut(),
+    )
+    .unwrap();
+    let parts = caller.read();
+    assert_eq!(parts.1.len(), 6);
+    assert_eq!(parts, owned_parts(&owned), "empty softmax");
+}
+
+#[test]
+fn softmax_to_and_backward_view_match_the_owned_path() {
+    let mut rng = common::rng("softmax_to_and_backward_view_match_the_owned_path");
+    for device in common::backends() {
+        softmax_parity::<f32>(&device, &mut rng);
+        softmax_parity::<f16>(&device, &mut rng);
+        softmax_parity::<bf16>(&device, &mut rng);
+    }
+}
+
+fn swiglu_parity<T: Element>(device: &Device, rng: &mut StdRng) {
+    let n = SHAPE.iter().product();
+    for config in configs() {
+        let up_config = QuantConfig { bits: if config.bits == 2 { 8 } else { 2 }, ..config };
+        let (mut og, mut ou) = (Quantizer::new(device, config).unwrap(), Quantizer::new(device, up_config).unwrap());
+        let (mut cg, mut cu) = (Quantizer::new(device, config).unwrap(), Quantizer::new(device, up_config).unwrap());
+        for k in 0..3 {
+            let what = format!("{} {config:?} batch {k}", T::DTYPE.name());
+            let g = upload_t::<T>(device, rng, n, 0.0, 2.0 + 3.0 * k as f64);
+            let u = upload_t::<T>(device, rng, n, 1.0, 1.0 + k as f64);
+            let (gt, ut) = (TensorRef::contiguous(&g, &SHAPE).unwrap(), TensorRef::contiguous(&u, &SHAPE).unwrap());
+            let input = SwigluInput { gate: &gt, up: &ut };
+            let mut y1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
+            let mut y2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
+            let owned = swiglu_forward(
+                device,
+                SwigluQuantizers { gate: &mut og, up: &mut ou },
+                &input,
+                &mut TensorMut::contiguous(&mut y1, &SHAPE).unwrap(),
+            )
+            .unwrap();
+            let mut gate = CallerSaved::new(device, &SHAPE, &config);
+            let mut up = CallerSaved::new(device, &SHAPE, &up_config);
+            let (mut gv, mut uv) = (gate.view_mut(), up.view_mut());
+            let metas = swiglu_forward_to(
+                device,
+                SwigluQuantizers { gate: &mut cg, up: &mut cu },
+                &input,
+                &mut TensorMut::contiguous(&mut y2, &SHAPE).unwrap(),
+                SwigluSaveMut { gate: &mut gv, up: &mut uv },
+            )
+            .unwrap();
+            drop((gv, uv));
+            assert_eq!(bits_of(&y1.to_vec().unwrap()), bits_of(&y2.to_vec().unwrap()), "{what}: y");
+            assert_eq!(gate.read(), owned_parts(&owned.gate), "{what}: gate codes");
+            assert_eq!(up.read(), owned_parts(&owned.up), "{what}: up codes");
+            let dy = upload_t::<T>(device, rng, n, 0.0, 1.0);
+            let dyt = TensorRef::contiguous(&dy, &SHAPE).unwrap();
+            let out = |which: usize| {
+                let mut dg = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
+                let mut du = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
+                let grads = SwigluGrads {
+                    gate: &mut TensorMut::contiguous(&mut dg, &SHAPE).unwrap(),
+                    up: &mut TensorMut::contiguous(&mut du, &SHAPE).unwrap(),
+                };
+                if which == 0 {
+                    swiglu_backward(device, &owned, &dyt, grads).unwrap();
+                } else {
+                    let (gr, ur) = (gate.view(metas.gate.clone()), up.view(metas.up.clone()));
+                    swiglu_backward_view(device, SwigluSavedView { gate: &gr, up: &ur }, &dyt, grads).unwrap();
+                }
+                (bits_of(&dg.to_vec().unwrap()), bits_of(&du.to_vec().unwrap()))
+            };
+            let (a, b) = (out(0), out(1));
+            assert_eq!(a, b, "{what}: dg, du");
+        }
+    }
+}
+
+#[test]
+fn swiglu_to_and_backward_view_match_the_owned_path() {
+    let mut rng = common::rng("swiglu_to_and_backward_view_match_the_owned_path");
+    for device in common::backends() {
+        swiglu_parity::<f32>(&device, &mut rng);
+        swiglu_parity::<f16>(&device, &mut rng);
+        swiglu_parity::<bf16>(&device, &mut rng);
+    }
+}
+
+#[test]
+fn swiglu_checks_both_saved_tensors_before_the_first_pass() {
+    let device = common::emulator();
+    let config = QuantConfig::per_tensor();
+    let n = SHAPE.iter().product();
+    let g = device.upload(&vec![1.0f32; n]).unwrap();
+    let u = device.upload(&vec![2.0f32; n]).unwrap();
+    let (gt, ut) = (TensorRef::contiguous(&g, &SHAPE).unwrap(), TensorRef::contiguous(&u, &SHAPE).unwrap());
+    let input = SwigluInput { gate: &gt, up: &ut };
+    let (mut qg, mut qu) = (Quantizer::new(&device, config).unwrap(), Quantizer::new(&device, config).unwrap());
+    let mut y = device.alloc_zeros::<f32>(n).unwrap();
+    // the up projection's codes are one byte short, or overlap the gate's codes
+    let mut gate = Parts::new(&device, (0, 240), (0, 1), (0, 1));
+    let mut short = Parts::new(&device, (0, 239), (0, 1), (0, 1));
+    let (mut gv, mut sv) = (gate.view_mut(), short.view_mut());
+    let r = swiglu_forward_to(
+        &device,
+        SwigluQuantizers { gate: &mut qg, up: &mut qu },
+        &input,
+        &mut TensorMut::contiguous(&mut y, &SHAPE).unwrap(),
+        SwigluSaveMut { gate: &mut gv, up: &mut sv },
+    );
+    assert!(matches!(r, Err(Error::BufferTooShort { what: "saved codes", .. })), "{r:?}");
+    assert_eq!((qg.batches(), qu.batches()), (0, 0), "nothing may run");
+    drop((gv, sv));
+    let mut arena = vec![0u64; 128];
+    let addr = arena.as_mut_ptr() as u64;
+    // SAFETY: inside `arena`, which outlives the call
+    let (mut c1, mut c2) = unsafe { (RawDeviceSlice::<u8>::new(addr, 240), RawDeviceSlice::<u8>::new(addr + 200, 240)) };
+    let (mut p1, mut p2) = (device.alloc_zeros::<GroupParams>(1).unwrap(), device.alloc_zeros::<GroupParams>(1).unwrap());
+    let (mut n1, mut n2) = (device.alloc_zeros::<u32>(1).unwrap(), device.alloc_zeros::<u32>(1).unwrap());
+    let mut v1 = SavedViewMut::new(
+        TensorMut::contiguous(&mut c1, &[240]).unwrap(),
+        TensorMut::contiguous(&mut p1, &[1]).unwrap(),
+        TensorMut::contiguous(&mut n1, &[1]).unwrap(),
+    )
+    .unwrap();
+    let mut v2 = SavedViewMut::new(
+        TensorMut::contiguous(&mut c2, &[240]).unwrap(),
+        TensorMut::contiguous(&mut p2, &[1]).unwrap(),
+        TensorMut::contiguous(&mut n2, &[1]).unwrap(),
+    )
+    .unwrap();
+    let r = swiglu_forward_to(
+        &device,
+        SwigluQuantizers { gate: &mut qg, up: &mut qu },
+        &input,
+        &mut TensorMut::contiguous(&mut y, &SHAPE).unwrap(),
+        SwigluSaveMut { gate: &mut v1, up: &mut v2 },
+    );
+    assert!(matches!(r, Err(Error::Aliasing { .. })), "{r:?}");
+    assert_eq!((qg.batches(), qu.batches()), (0, 0), "nothing may run");
+    drop((v1, v2));
+    drop(arena);
+}
+
+fn rope_parity<T: Element>(device: &Device, rng: &mut StdRng) {
+    let shape = [2, 6, 16];
+    let n = shape.iter().product();
+    let cfg = RopeConfig { base: 10_000.0, pairing: RopePairing::Halves, rotary_dims: None, position_offset: 3 };
+    for config in configs().into_iter().map(|c| match c.grouping {
+        Grouping::Channels { .. } => QuantConfig { grouping: Grouping::Channels { axis: 2, groups: 4 }, ..c },
+        _ => c,
+    }) {
+        let mut owned_q = Quantizer::new(device, config).unwrap();
+        let mut caller_q = Quantizer::new(device, config).unwrap();
+        for k in 0..3 {
+            let what = format!("{} {config:?} batch {k}", T::DTYPE.name());
+            let x = upload_t::<T>(device, rng, n, 0.0, 1.0 + 4.0 * k as f64);
+            let xt = TensorRef::contiguous(&x, &shape).unwrap();
+            let mut y1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
+            let mut y2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
+            let owned =
+                rope_forward_save(device, &mut owned_q, &cfg, &xt, &mut TensorMut::contiguous(&mut y1, &shape).unwrap())
+                    .unwrap();
+            let mut caller = CallerSaved::new(device, &shape, &config);
+            let meta = rope_forward_save_to(
+                device,
+                &mut caller_q,
+                &cfg,
+                &xt,
+                &mut TensorMut::contiguous(&mut y2, &shape).unwrap(),
+                &mut caller.view_mut(),
+            )
+            .unwrap();
+            assert_eq!(bits_of(&y1.to_vec().unwrap()), bits_of(&y2.to_vec().unwrap()), "{what}: y");
+            assert_eq!(caller.read(), owned_parts(&owned), "{what}: codes, parameters, counter");
+            let mut d1 = device.upload(&vec![f32::NAN; n]).unwrap();
+            let mut d2 = device.upload(&vec![0.0f32; n]).unwrap();
+            owned.dequantize(device, &mut TensorMut::contiguous(&mut d1, &shape).unwrap()).unwrap();
+            caller.view(meta).dequantize(device, &mut TensorMut::contiguous(&mut d2, &shape).unwrap()).unwrap();
+            assert_eq!(bits_of(&d1.to_vec().unwrap()), bits_of(&d2.to_vec().unwrap()), "{what}: decoded");
+        }
+    }
+}
+
+#[test]
+fn rope_save_to_matches_the_owned_path() {
+    let mut rng = common::rng("rope_save_to_matches_the_owned_path");
+    for device in common::backends() {
+        rope_parity::<f32>(&device, &mut rng);
+        rope_parity::<f16>(&device, &mut rng);
+        rope_parity::<bf16>(&device, &mut rng);
+    }
 }
