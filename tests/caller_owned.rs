@@ -57,7 +57,7 @@ impl CallerSaved {
             sizes,
             codes: device.upload(&vec![POISON; CODE_OFF + sizes.code_bytes + TAIL]).expect("codes"),
             params: device.upload(&vec![poison_params(); PARAM_OFF + sizes.groups + TAIL]).expect("params"),
-            counter: device.upload(&vec![u32::from_ne_bytes([POISON; 4]); COUNTER_OFF + 1 + TAIL]).expect("counter"),
+            counter: device.upload(&[u32::from_ne_bytes([POISON; 4]); COUNTER_OFF + 1 + TAIL]).expect("counter"),
         }
     }
 
@@ -273,6 +273,9 @@ impl Parts {
     }
 }
 
+/// A name, the (offset, length) of codes, parameters and counter, and the error expected.
+type SizeCase = (&'static str, (usize, usize), (usize, usize), (usize, usize), fn(&Error) -> bool);
+
 #[test]
 fn wrong_sizes_misaligned_codes_and_bad_views_are_typed_errors_before_any_launch() {
     let device = common::emulator();
@@ -292,7 +295,7 @@ fn wrong_sizes_misaligned_codes_and_bad_views_are_typed_errors_before_any_launch
     let x = device.upload(&vec![1.0f32; 240]).unwrap();
     let xt = TensorRef::contiguous(&x, &SHAPE).unwrap();
     let mut q = Quantizer::new(&device, config).unwrap();
-    let cases: [(&str, (usize, usize), (usize, usize), (usize, usize), fn(&Error) -> bool); 7] = [
+    let cases: [SizeCase; 7] = [
         ("codes one byte short", (0, 239), (0, 4), (0, 1), |e| {
             matches!(e, Error::BufferTooShort { what: "saved codes", needed: 240, len: 239 })
         }),
@@ -499,9 +502,13 @@ fn layer_norm_parity<T: Element>(device: &Device, rng: &mut StdRng) {
                 let args = LayerNormForward { x: &xt, weight: Some(&wv), bias: Some(&bv), eps: 1e-5 };
                 let mut y1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
                 let mut y2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
-                let owned =
-                    layer_norm_forward(device, &mut owned_q, &args, &mut TensorMut::contiguous(&mut y1, &shape).unwrap())
-                        .unwrap();
+                let owned = layer_norm_forward(
+                    device,
+                    &mut owned_q,
+                    &args,
+                    &mut TensorMut::contiguous(&mut y1, &shape).unwrap(),
+                )
+                .unwrap();
                 let mut caller = CallerSaved::new(device, &shape, &config);
                 let mut mean = device.upload(&vec![f32::NAN; rows + 2]).unwrap();
                 let mut rstd = device.upload(&vec![f32::NAN; rows + 2]).unwrap();
@@ -581,7 +588,8 @@ fn softmax_parity<T: Element>(device: &Device, rng: &mut StdRng) {
                 let mut y1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
                 let mut y2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
                 let owned =
-                    softmax_forward(device, &save, &input, &mut TensorMut::contiguous(&mut y1, &shape).unwrap()).unwrap();
+                    softmax_forward(device, &save, &input, &mut TensorMut::contiguous(&mut y1, &shape).unwrap())
+                        .unwrap();
                 let mut caller = CallerSaved::sized(device, save.saved_sizes(&shape).unwrap());
                 let meta = softmax_forward_to(
                     device,
@@ -742,8 +750,10 @@ fn swiglu_checks_both_saved_tensors_before_the_first_pass() {
     let mut arena = vec![0u64; 128];
     let addr = arena.as_mut_ptr() as u64;
     // SAFETY: inside `arena`, which outlives the call
-    let (mut c1, mut c2) = unsafe { (RawDeviceSlice::<u8>::new(addr, 240), RawDeviceSlice::<u8>::new(addr + 200, 240)) };
-    let (mut p1, mut p2) = (device.alloc_zeros::<GroupParams>(1).unwrap(), device.alloc_zeros::<GroupParams>(1).unwrap());
+    let (mut c1, mut c2) =
+        unsafe { (RawDeviceSlice::<u8>::new(addr, 240), RawDeviceSlice::<u8>::new(addr + 200, 240)) };
+    let (mut p1, mut p2) =
+        (device.alloc_zeros::<GroupParams>(1).unwrap(), device.alloc_zeros::<GroupParams>(1).unwrap());
     let (mut n1, mut n2) = (device.alloc_zeros::<u32>(1).unwrap(), device.alloc_zeros::<u32>(1).unwrap());
     let mut v1 = SavedViewMut::new(
         TensorMut::contiguous(&mut c1, &[240]).unwrap(),
@@ -786,9 +796,14 @@ fn rope_parity<T: Element>(device: &Device, rng: &mut StdRng) {
             let xt = TensorRef::contiguous(&x, &shape).unwrap();
             let mut y1 = device.upload(&vec![T::from_f64(9.0); n]).unwrap();
             let mut y2 = device.upload(&vec![T::from_f64(-9.0); n]).unwrap();
-            let owned =
-                rope_forward_save(device, &mut owned_q, &cfg, &xt, &mut TensorMut::contiguous(&mut y1, &shape).unwrap())
-                    .unwrap();
+            let owned = rope_forward_save(
+                device,
+                &mut owned_q,
+                &cfg,
+                &xt,
+                &mut TensorMut::contiguous(&mut y1, &shape).unwrap(),
+            )
+            .unwrap();
             let mut caller = CallerSaved::new(device, &shape, &config);
             let meta = rope_forward_save_to(
                 device,
