@@ -354,8 +354,18 @@ fn wrong_sizes_misaligned_codes_and_bad_views_are_typed_errors_before_any_launch
     assert!(matches!(r, Err(Error::BufferTooShort { what: "saved codes", needed: 240, len: 120 })), "{r:?}");
     let codes = TensorRef::new(&good.codes.0, &Layout::contiguous(&[240])).unwrap();
     let params = TensorRef::new(&good.params.0, &Layout::contiguous(&[3])).unwrap();
-    let r = SavedView::new(codes, params, meta);
+    let r = SavedView::new(codes, params, meta.clone());
     assert!(matches!(r, Err(Error::BufferTooShort { what: "saved parameters", .. })), "{r:?}");
+
+    // codes read from an odd byte: the consumers refuse them before launching
+    let odd = TensorRef::new(&good.codes.0, &Layout::strided(&[240], &[1], 1).unwrap()).unwrap();
+    let params = TensorRef::new(&good.params.0, &Layout::contiguous(&[4])).unwrap();
+    let view = SavedView::new(odd, params, meta).unwrap();
+    let mut y = device.alloc_zeros::<f32>(240).unwrap();
+    let r = view.dequantize(&device, &mut TensorMut::contiguous(&mut y, &SHAPE).unwrap());
+    assert!(matches!(r, Err(Error::Misaligned { what: "saved codes", align: 8 })), "{r:?}");
+    let r = gelu_backward_view(&device, GeluForm::Erf, &view, &xt, &mut TensorMut::contiguous(&mut y, &SHAPE).unwrap());
+    assert!(matches!(r, Err(Error::Misaligned { what: "saved codes", align: 8 })), "{r:?}");
 }
 
 #[test]

@@ -24,7 +24,11 @@
 //! Nothing synchronises with the host. Bytes of each launch: `docs/kernels.md`.
 //!
 //! The parameters used are stored with the codes ([`SavedActivation`]), so later updates of
-//! the running estimate never change what backward decodes.
+//! the running estimate never change what backward decodes. The codes, parameters and
+//! non-finite counter can also live in memory the caller owns (a host framework's
+//! allocator): [`SavedViewMut`] / [`SavedView`], sized by [`saved_sizes`]
+//! (`docs/fused.md`, "Codes in memory the caller owns"); the owned handle runs through
+//! the same views.
 //!
 //! How far the estimate was from a batch ([`Quantizer::batch_report`], off unless
 //! [`Quantizer::set_batch_report`]): the batch's widened groups, its clamped groups and the
@@ -499,12 +503,11 @@ impl Quantizer {
             0 => None,
             _ => Some(kernel_view(x.layout(), &self.config.grouping, T::DTYPE)?),
         };
-        let saved = out;
         let device = self.device.clone();
         let mut launch = Launch::new(&device);
         let xp = launch.input(x, "input")?;
         let meta =
-            self.encode::<T>(&mut launch, saved, x.layout(), Finalize::InPass, |launch, step, sink, finalize| {
+            self.encode::<T>(&mut launch, out, x.layout(), Finalize::InPass, |launch, step, sink, finalize| {
                 // SAFETY (both kernels): `xp` is the registered input view described by
                 // `view.desc`; the sink's codes/params/stats are the saved handle's and the
                 // quantizer's buffers, registered by `encode` and sized there for this tensor.
