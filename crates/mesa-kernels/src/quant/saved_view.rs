@@ -7,6 +7,43 @@
 //! from another framework's allocator (burn's), a host slice on the emulator. A
 //! [`SavedActivation`](crate::SavedActivation) is the same thing with buffers it owns; its
 //! methods run through these views (one code path).
+//!
+//! ```
+//! use mesa_kernels::{
+//!     saved_sizes, Device, GroupParams, QuantConfig, Quantizer, SavedView, SavedViewMut, TensorMut, TensorRef,
+//! };
+//!
+//! # fn main() -> mesa_kernels::Result<()> {
+//! let device = Device::emulator();
+//! let config = QuantConfig::per_head(1);
+//! let x = device.upload(&[0.5f32; 2 * 4 * 8])?;
+//! let x = TensorRef::contiguous(&x, &[2, 4, 8])?;
+//! // the caller's memory: here buffers of the device; a framework's allocations work alike
+//! // (as `RawDeviceSlice`s), at any offset that keeps the codes 8-byte aligned
+//! let sizes = saved_sizes(x.shape(), &config)?;
+//! let mut codes = device.alloc_zeros::<u8>(sizes.code_bytes)?;
+//! let mut params = device.alloc_zeros::<GroupParams>(sizes.groups)?;
+//! let mut counter = device.alloc_zeros::<u32>(1)?;
+//! let mut out = SavedViewMut::new(
+//!     TensorMut::contiguous(&mut codes, &[sizes.code_bytes])?,
+//!     TensorMut::contiguous(&mut params, &[sizes.groups])?,
+//!     TensorMut::contiguous(&mut counter, &[1])?,
+//! )?;
+//! let mut quantizer = Quantizer::new(&device, config)?;
+//! let meta = quantizer.quantize_to(&x, &mut out)?;
+//! drop(out);
+//! // later (a backward): the same memory and the meta
+//! let saved = SavedView::new(
+//!     TensorRef::contiguous(&codes, &[sizes.code_bytes])?,
+//!     TensorRef::contiguous(&params, &[sizes.groups])?,
+//!     meta,
+//! )?;
+//! let mut y = device.alloc_zeros::<f32>(64)?;
+//! saved.dequantize(&device, &mut TensorMut::contiguous(&mut y, &[2, 4, 8])?)?;
+//! assert_eq!(y.to_vec()?, vec![0.5; 64]);
+//! # Ok(())
+//! # }
+//! ```
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::quant::{checked_numel, code_bytes, GroupParams, QuantConfig, SavedMeta};
