@@ -117,7 +117,10 @@ pub use error::{Error, Result};
 pub use fused::{GeluForm, SavedLayerNorm, SoftmaxCodes, SoftmaxSave};
 pub use host_buffer::{observe_host_memory, HostBuffer, HostMemoryObserver};
 pub use layout::{Grouping, Layout, MAX_DIMS};
-pub use quant::{Companding, GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, StatsMode};
+pub use quant::{
+    saved_sizes, Companding, GroupParams, QuantConfig, Quantizer, Rounding, SavedActivation, SavedMeta, SavedSizes,
+    SavedView, SavedViewMut, StatsMode,
+};
 pub use tensor::{TensorMut, TensorRef};
 
 /// Build facts of the linked kernel library.

@@ -24,7 +24,11 @@
 //! Nothing synchronises with the host. Bytes of each launch: `docs/kernels.md`.
 //!
 //! The parameters used are stored with the codes ([`SavedActivation`]), so later updates of
-//! the running estimate never change what backward decodes.
+//! the running estimate never change what backward decodes. The codes, parameters and
+//! non-finite counter can also live in memory the caller owns (a host framework's
+//! allocator): [`SavedViewMut`] / [`SavedView`], sized by [`saved_sizes`]
+//! (`docs/fused.md`, "Codes in memory the caller owns"); the owned handle runs through
+//! the same views.
 //!
 //! How far the estimate was from a batch ([`Quantizer::batch_report`], off unless
 //! [`Quantizer::set_batch_report`]): the batch's widened groups, its clamped groups and the
@@ -43,6 +47,10 @@ use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::layout::{kernel_view, Grouping, Layout};
 use crate::tensor::{TensorMut, TensorRef};
+
+mod saved_view;
+pub(crate) use saved_view::check_code_address;
+pub use saved_view::{saved_sizes, SavedSizes, SavedView, SavedViewMut, CODE_ALIGN};
 
 /// Decoding parameters of one group: `x̂ = code · scale + offset` (f32).
 ///
@@ -456,12 +464,6 @@ impl Quantizer {
     /// differently.
     pub fn quantize_into<T: Element>(&mut self, x: &TensorRef<'_, T>, saved: &mut SavedActivation) -> Result<()> {
         let groups = self.config.grouping.num_groups(x.shape())?;
-        // the kernel view merges dimensions: only for a non-empty tensor (its sub-products
-        // are then bounded by the checked element count); nothing is launched otherwise
-        let view = match x.numel() {
-            0 => None,
-            _ => Some(kernel_view(x.layout(), &self.config.grouping, T::DTYPE)?),
-        };
         let code_len = code_bytes(x.numel(), self.config.bits)?;
         if saved.codes.len() != code_len || saved.params.len() != groups || saved.nonfinite.len() != 1 {
             return Err(Error::invalid_argument(
@@ -473,51 +475,81 @@ impl Quantizer {
                 ),
             ));
         }
+        saved.check_device(&self.device)?;
+        let (mut view, meta) = saved.view_mut()?;
+        *meta = self.quantize_to(x, &mut view)?;
+        Ok(())
+    }
+
+    /// Like [`Quantizer::quantize`], writing the codes, parameters and non-finite count into
+    /// memory the caller owns (`out`, sized by [`saved_sizes`] for `x`'s shape and this
+    /// quantizer's config; overwritten entirely). Returns what the codes encode: keep it
+    /// with the buffers, [`SavedView::new`] needs it to read them.
+    ///
+    /// The running estimate (and the statistics scratch, the widened-group flags, the batch
+    /// report's record) stays in the quantizer; everything a later decode needs is in `out`.
+    ///
+    /// # Errors
+    /// As [`Quantizer::quantize`], plus [`Error::BufferTooShort`] / [`Error::InvalidArgument`]
+    /// (a part of `out` shorter / longer than the tensor needs), [`Error::Misaligned`]
+    /// (codes not [`CODE_ALIGN`]-byte aligned, or a raw pointer not aligned to its element),
+    /// [`Error::Aliasing`] (`out`'s parts overlapping each other or `x`). Nothing is launched
+    /// when a check fails.
+    pub fn quantize_to<T: Element>(&mut self, x: &TensorRef<'_, T>, out: &mut SavedViewMut<'_>) -> Result<SavedMeta> {
+        self.config.grouping.num_groups(x.shape())?;
+        // the kernel view merges dimensions: only for a non-empty tensor (its sub-products
+        // are then bounded by the checked element count); nothing is launched otherwise
+        let view = match x.numel() {
+            0 => None,
+            _ => Some(kernel_view(x.layout(), &self.config.grouping, T::DTYPE)?),
+        };
         let device = self.device.clone();
         let mut launch = Launch::new(&device);
         let xp = launch.input(x, "input")?;
-        self.encode::<T>(&mut launch, saved, x.layout(), Finalize::InPass, |launch, step, sink, finalize| {
-            // SAFETY (both kernels): `xp` is the registered input view described by
-            // `view.desc`; the sink's codes/params/stats are the saved handle's and the
-            // quantizer's buffers, registered by `encode` and sized there for this tensor.
-            // (`encode` runs no step for an empty tensor, the only case without a view.)
-            let view = view.as_ref().ok_or(Error::KernelArgument { op: "quantize of an empty tensor" })?;
-            match step {
-                ProducerStep::Stats => {
-                    let args = sys::MesaQuantStatsArgs {
-                        x: xp,
-                        x_desc: view.desc,
-                        grouping: view.grouping,
-                        stats: sink.stats,
-                        finalize,
-                    };
-                    unsafe { launch.launch("quant_stats", &args, sys::mesa_quant_stats, sys::mesa_emu_quant_stats) }
+        let meta =
+            self.encode::<T>(&mut launch, out, x.layout(), Finalize::InPass, |launch, step, sink, finalize| {
+                // SAFETY (both kernels): `xp` is the registered input view described by
+                // `view.desc`; the sink's codes/params/stats are the saved handle's and the
+                // quantizer's buffers, registered by `encode` and sized there for this tensor.
+                // (`encode` runs no step for an empty tensor, the only case without a view.)
+                let view = view.as_ref().ok_or(Error::KernelArgument { op: "quantize of an empty tensor" })?;
+                match step {
+                    ProducerStep::Stats => {
+                        let args = sys::MesaQuantStatsArgs {
+                            x: xp,
+                            x_desc: view.desc,
+                            grouping: view.grouping,
+                            stats: sink.stats,
+                            finalize,
+                        };
+                        unsafe { launch.launch("quant_stats", &args, sys::mesa_quant_stats, sys::mesa_emu_quant_stats) }
+                    }
+                    ProducerStep::Codes | ProducerStep::CodesAndStats | ProducerStep::Widen(_) => {
+                        let widen = match step {
+                            ProducerStep::Widen(flags) => flags,
+                            _ => std::ptr::null(),
+                        };
+                        let args = sys::MesaQuantizeArgs {
+                            x: xp,
+                            x_desc: view.desc,
+                            grouping: view.grouping,
+                            params: sink.params,
+                            codes: sink.codes,
+                            stats: sink.stats,
+                            seed: sink.seed,
+                            bits: sink.bits,
+                            rounding: sink.rounding,
+                            map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
+                            _pad: 0,
+                            widen,
+                            finalize,
+                        };
+                        unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) }
+                    }
                 }
-                ProducerStep::Codes | ProducerStep::CodesAndStats | ProducerStep::Widen(_) => {
-                    let widen = match step {
-                        ProducerStep::Widen(flags) => flags,
-                        _ => std::ptr::null(),
-                    };
-                    let args = sys::MesaQuantizeArgs {
-                        x: xp,
-                        x_desc: view.desc,
-                        grouping: view.grouping,
-                        params: sink.params,
-                        codes: sink.codes,
-                        stats: sink.stats,
-                        seed: sink.seed,
-                        bits: sink.bits,
-                        rounding: sink.rounding,
-                        map: sys::MESA_CODE_MAP_IDENTITY as sys::MesaCodeMap,
-                        _pad: 0,
-                        widen,
-                        finalize,
-                    };
-                    unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize) }
-                }
-            }
-        })?;
-        launch.finish()
+            })?;
+        launch.finish()?;
+        Ok(meta)
     }
 
     /// An unwritten handle sized for a tensor of `layout`'s shape with this quantizer's bit
@@ -548,30 +580,33 @@ impl Quantizer {
     pub(crate) fn encode<'a, T: Element>(
         &'a mut self,
         launch: &mut Launch<'a>,
-        saved: &'a mut SavedActivation,
+        saved: &'a mut SavedViewMut<'_>,
         layout: &Layout,
         finalize_by: Finalize,
         mut run: impl FnMut(&mut Launch<'a>, ProducerStep, sys::MesaCodeSink, sys::MesaFusedFinalize) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<SavedMeta> {
         if !same_stream(launch.device(), &self.device) {
             return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
         }
-        saved.check_device(&self.device)?;
-        let groups = saved.params.len();
-        saved.meta = SavedMeta {
-            shape: layout.shape().to_vec(),
-            strides: layout.strides().to_vec(),
-            dtype: T::DTYPE,
-            bits: self.config.bits,
-            grouping: self.config.grouping,
-            companding: Companding::None,
-        };
+        let meta = self.meta_for(layout, T::DTYPE);
+        let groups = saved.check_sizes(&meta)?.groups;
+        // the caller's memory is registered (backend, alignment, aliasing) before anything runs
+        let SavedViewMut { codes, params, nonfinite } = saved;
+        let codes = launch.output(codes, "saved codes")?.cast::<u8>();
+        check_code_address(codes as usize, "saved codes")?;
+        let params = launch.output(params, "saved parameters")?.cast::<GroupParams>();
+        let nonfinite = launch.output(nonfinite, "non-finite counter")?.cast::<u32>();
         if layout.numel() == 0 {
             // nothing to encode; the batch does not count towards the running estimate
-            self.device.copy_into(&vec![GroupParams::default(); groups], &mut saved.params)?;
-            return self.device.copy_into(&[0u32], &mut saved.nonfinite);
+            // SAFETY: params holds `groups` entries and the counter one (check_sizes), both
+            // registered above
+            unsafe {
+                zero_registered(launch, params, groups)?;
+                zero_registered(launch, nonfinite, 1)?;
+            }
+            return Ok(meta);
         }
-        let group_run = saved.group_map()?.0;
+        let group_run = meta.group_map()?.0;
         self.state_for(groups)?;
         self.record_for(groups)?;
         let BatchPlan { first, exact, seed, rounding } = self.batch_plan();
@@ -592,9 +627,6 @@ impl Quantizer {
         let stats = launch.write_buffer(&mut state.stats, "quantizer statistics")?;
         let running = launch.write_buffer(&mut state.running, "running estimate")?;
         let widen = launch.write_buffer(&mut state.widen, "widened groups")?;
-        let params = launch.write_buffer(&mut saved.params, "saved parameters")?;
-        let codes = launch.write_buffer(&mut saved.codes, "saved codes")?;
-        let nonfinite = launch.write_buffer(&mut saved.nonfinite, "non-finite counter")?;
         let arrivals = match finalize_by {
             Finalize::InPass => launch.write_buffer(&mut state.arrivals, "finalize arrivals")?,
             Finalize::Separate => std::ptr::null_mut(),
@@ -669,7 +701,19 @@ impl Quantizer {
                 bits: config.bits,
             });
         }
-        Ok(())
+        Ok(meta)
+    }
+
+    /// What codes of a tensor of `layout` and `dtype` saved by this quantizer encode.
+    pub(crate) fn meta_for(&self, layout: &Layout, dtype: DType) -> SavedMeta {
+        SavedMeta {
+            shape: layout.shape().to_vec(),
+            strides: layout.strides().to_vec(),
+            dtype,
+            bits: self.config.bits,
+            grouping: self.config.grouping,
+            companding: Companding::None,
+        }
     }
 
     /// What this batch does: whether it is the first, whether it takes the exact (two-pass)
@@ -806,6 +850,52 @@ unsafe fn copy_registered<T: Copy>(launch: &Launch<'_>, src: *const T, dst: *mut
     }
 }
 
+/// Sets `len` elements at `dst` (an address of a buffer registered on `launch` for writing)
+/// to zero bytes, ordered on its stream (the emulation: now).
+///
+/// # Safety
+/// `dst` comes from `launch`'s registrations and holds `len` elements.
+pub(crate) unsafe fn zero_registered<T: Copy>(launch: &Launch<'_>, dst: *mut T, len: usize) -> Result<()> {
+    let bytes = len * std::mem::size_of::<T>();
+    match launch.device().kind() {
+        Kind::Emulator => {
+            // SAFETY: the caller's contract
+            unsafe { std::ptr::write_bytes(dst.cast::<u8>(), 0, bytes) };
+            Ok(())
+        }
+        Kind::Cuda(s) => {
+            s.context().bind_to_thread().map_err(Error::driver("binding the stream's context"))?;
+            // SAFETY: the caller's contract; ordered on the op's stream, guards held
+            unsafe { cudarc::driver::result::memset_d8_async(dst as u64, 0, bytes, s.cu_stream()) }
+                .map_err(Error::driver("zeroing saved parameters"))
+        }
+    }
+}
+
+/// Copies `src` to `dst` (an address of a buffer registered on `launch` for writing, at
+/// least `src.len()` elements), ordered on its stream; on CUDA the stream is synchronised
+/// before `src` is released (used for a handful of parameters of an empty tensor only).
+///
+/// # Safety
+/// `dst` comes from `launch`'s registrations and holds `src.len()` elements.
+pub(crate) unsafe fn write_registered<T: Copy>(launch: &Launch<'_>, dst: *mut T, src: &[T]) -> Result<()> {
+    match launch.device().kind() {
+        Kind::Emulator => {
+            // SAFETY: the caller's contract; `src` is host memory, not registered
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+            Ok(())
+        }
+        Kind::Cuda(s) => {
+            s.context().bind_to_thread().map_err(Error::driver("binding the stream's context"))?;
+            // SAFETY: the caller's contract; the copy completes (synchronize below) before
+            // `src` can be released
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst as u64, src, s.cu_stream()) }
+                .map_err(Error::driver("writing saved parameters"))?;
+            s.synchronize().map_err(Error::driver("writing saved parameters"))
+        }
+    }
+}
+
 /// Which launch of a fused producer [`Quantizer::encode`] asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ProducerStep {
@@ -858,15 +948,72 @@ pub struct SavedActivation {
     meta: SavedMeta,
 }
 
-/// What a [`SavedActivation`] encodes: the original's view, dtype, and the code format.
+/// What a saved tensor encodes: the original's view, dtype, and the code format. Returned
+/// by the producers that write into a [`SavedViewMut`] (keep it with the caller's buffers:
+/// [`SavedView::new`] needs it to read them back).
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct SavedMeta {
-    pub shape: Vec<usize>,
-    pub strides: Vec<usize>,
-    pub dtype: DType,
-    pub bits: u32,
-    pub grouping: Grouping,
-    pub companding: Companding,
+pub struct SavedMeta {
+    pub(crate) shape: Vec<usize>,
+    pub(crate) strides: Vec<usize>,
+    pub(crate) dtype: DType,
+    pub(crate) bits: u32,
+    pub(crate) grouping: Grouping,
+    pub(crate) companding: Companding,
+}
+
+impl SavedMeta {
+    /// Logical shape of the original tensor.
+    #[must_use]
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    /// Strides (elements) of the view it was quantized from.
+    #[must_use]
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    /// dtype of the original tensor.
+    #[must_use]
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Bits per code.
+    #[must_use]
+    pub fn bits(&self) -> u32 {
+        self.bits
+    }
+    /// The grouping of the parameters.
+    #[must_use]
+    pub fn grouping(&self) -> Grouping {
+        self.grouping
+    }
+    /// How codes map to values.
+    #[must_use]
+    pub fn companding(&self) -> Companding {
+        self.companding
+    }
+
+    /// The sizes of its codes and parameters.
+    pub(crate) fn sizes(&self) -> Result<SavedSizes> {
+        let numel = checked_numel(&self.shape, "saved activation")?;
+        Ok(SavedSizes { code_bytes: code_bytes(numel, self.bits)?, groups: self.grouping.num_groups(&self.shape)? })
+    }
+
+    /// `(i / run) % count` map of the groups over the logical shape: (run, count). For an
+    /// empty tensor the run is 1 (nothing is indexed).
+    pub(crate) fn group_map(&self) -> Result<(usize, usize)> {
+        let shape = &self.shape;
+        let (axis, span, count) = self.grouping.resolve(shape)?;
+        if shape.contains(&0) {
+            return Ok((1, count));
+        }
+        let run = match axis {
+            // a sub-product of the element count, checked when the sizes were (no overflow)
+            Some(a) => span * shape[a + 1..].iter().product::<usize>(),
+            None => 1,
+        };
+        Ok((run.max(1), count))
+    }
 }
 
 impl std::fmt::Debug for SavedActivation {
@@ -881,6 +1028,56 @@ impl std::fmt::Debug for SavedActivation {
             .field("groups", &self.params.len())
             .field("size_in_bytes", &self.size_in_bytes())
             .finish()
+    }
+}
+
+impl SavedView<'_> {
+    /// Decodes into `y` (any strides, same shape as the original; any of f32/f16/bf16,
+    /// independent of the original dtype). Stream-ordered. Each value is
+    /// `q = code · scale + offset` (f32 `fmaf`), squared for [`Companding::Sqrt`].
+    ///
+    /// Bytes moved: `numel · bits / 8` read, `numel · sizeof(T)` written. In-place: not
+    /// supported (an output overlapping the codes or parameters → [`Error::Aliasing`]).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] (output shape differs from the original's),
+    /// [`Error::InvalidLayout`] (the saved grouping does not fit the shape),
+    /// [`Error::Unsupported`] (too many dimensions that cannot merge), [`Error::WrongBackend`],
+    /// [`Error::Misaligned`] (codes not [`CODE_ALIGN`]-byte aligned, parameters not 4-byte
+    /// aligned), [`Error::Aliasing`] (an output overlapping the codes or parameters), CUDA
+    /// errors.
+    pub fn dequantize<T: Element>(&self, device: &Device, y: &mut TensorMut<'_, T>) -> Result<()> {
+        if y.shape() != self.meta.shape.as_slice() {
+            return Err(Error::shape_mismatch("dequantize output", &self.meta.shape, y.shape()));
+        }
+        if y.numel() == 0 {
+            return Ok(());
+        }
+        let view = kernel_view(y.layout(), &self.meta.grouping, T::DTYPE)?;
+        let mut launch = Launch::new(device);
+        let (codes, params) = self.register(&mut launch)?;
+        let args = sys::MesaDequantizeArgs {
+            codes,
+            params,
+            grouping: view.grouping,
+            y: launch.output(y, "output")?,
+            y_desc: view.desc,
+            bits: self.meta.bits as i32,
+            map: self.meta.companding.sys(),
+        };
+        // SAFETY: the output view is registered and described by `view.desc`; codes and
+        // params are registered and were checked (SavedView::new) to hold this shape's
+        // code bytes and groups.
+        unsafe { launch.launch("dequantize", &args, sys::mesa_dequantize, sys::mesa_emu_dequantize)? };
+        launch.finish()
+    }
+
+    /// Registers the codes and parameters as inputs of `launch` (codes' alignment checked).
+    pub(crate) fn register<'a>(&'a self, launch: &mut Launch<'a>) -> Result<(*const u8, *const sys::MesaGroupParams)> {
+        let codes = launch.input(&self.codes, "saved codes")?.cast::<u8>();
+        check_code_address(codes as usize, "saved codes")?;
+        let params = launch.input(&self.params, "saved parameters")?.cast();
+        Ok((codes, params))
     }
 }
 
@@ -979,41 +1176,39 @@ impl SavedActivation {
     }
 
     /// Decodes into `y` (any strides, same shape as the original; any of f32/f16/bf16,
-    /// independent of the original dtype). Stream-ordered. Each value is
-    /// `q = code · scale + offset` (f32 `fmaf`), squared for [`Companding::Sqrt`].
-    ///
-    /// Bytes moved: `numel · bits / 8` read, `numel · sizeof(T)` written. In-place: not
-    /// supported (an output overlapping the codes or parameters → [`Error::Aliasing`]).
+    /// independent of the original dtype): [`SavedView::dequantize`] of [`SavedActivation::view`].
     ///
     /// # Errors
-    /// [`Error::ShapeMismatch`] (output shape differs from the original's),
-    /// [`Error::InvalidLayout`] (the saved grouping does not fit the shape),
-    /// [`Error::Unsupported`] (too many dimensions that cannot merge), [`Error::WrongBackend`],
-    /// [`Error::Misaligned`], [`Error::Aliasing`] (a raw output pointer into the codes), CUDA
-    /// errors.
+    /// As [`SavedView::dequantize`].
     pub fn dequantize<T: Element>(&self, device: &Device, y: &mut TensorMut<'_, T>) -> Result<()> {
-        if y.shape() != self.meta.shape.as_slice() {
-            return Err(Error::shape_mismatch("dequantize output", &self.meta.shape, y.shape()));
-        }
         self.check_device(device)?;
-        if y.numel() == 0 {
-            return Ok(());
-        }
-        let view = kernel_view(y.layout(), &self.meta.grouping, T::DTYPE)?;
-        let mut launch = Launch::new(device);
-        let args = sys::MesaDequantizeArgs {
-            codes: launch.read_buffer(&self.codes, "saved codes")?,
-            params: launch.read_buffer(&self.params, "saved parameters")?.cast(),
-            grouping: view.grouping,
-            y: launch.output(y, "output")?,
-            y_desc: view.desc,
-            bits: self.meta.bits as i32,
-            map: self.meta.companding.sys(),
-        };
-        // SAFETY: the output view is registered and described by `view.desc`; codes and
-        // params were sized for this shape and grouping when the handle was allocated.
-        unsafe { launch.launch("dequantize", &args, sys::mesa_dequantize, sys::mesa_emu_dequantize)? };
-        launch.finish()
+        self.view()?.dequantize(device, y)
+    }
+
+    /// The handle as a [`SavedView`] (what the `_view` consumers read; the owned consumers
+    /// go through it).
+    ///
+    /// # Errors
+    /// None in practice (the buffers were sized for the meta when allocated); the view's
+    /// checks, as [`SavedView::new`].
+    pub fn view(&self) -> Result<SavedView<'_>> {
+        SavedView::new(
+            TensorRef::contiguous(&self.codes, &[self.codes.len()])?,
+            TensorRef::contiguous(&self.params, &[self.params.len()])?,
+            self.meta.clone(),
+        )
+    }
+
+    /// The handle's buffers as a [`SavedViewMut`] for a producer, and its meta to overwrite
+    /// with what the producer returns.
+    pub(crate) fn view_mut(&mut self) -> Result<(SavedViewMut<'_>, &mut SavedMeta)> {
+        let (nc, np) = (self.codes.len(), self.params.len());
+        let view = SavedViewMut::new(
+            TensorMut::contiguous(&mut self.codes, &[nc])?,
+            TensorMut::contiguous(&mut self.params, &[np])?,
+            TensorMut::contiguous(&mut self.nonfinite, &[1])?,
+        )?;
+        Ok((view, &mut self.meta))
     }
 
     /// An unwritten handle for a tensor described by `meta`: codes for every element,
@@ -1028,32 +1223,6 @@ impl SavedActivation {
             nonfinite: device.upload(&[0u32])?,
             meta: meta.clone(),
         })
-    }
-
-    /// Mutable access to (codes, params, nonfinite) for a producer kernel.
-    pub(crate) fn parts_mut(&mut self) -> (&mut Buffer<u8>, &mut Buffer<GroupParams>, &mut Buffer<u32>) {
-        (&mut self.codes, &mut self.params, &mut self.nonfinite)
-    }
-
-    /// Read access to (codes, params) for a consumer kernel.
-    pub(crate) fn parts(&self) -> (&Buffer<u8>, &Buffer<GroupParams>) {
-        (&self.codes, &self.params)
-    }
-
-    /// `(i / run) % count` map of the groups over the logical shape: (run, count). For an
-    /// empty tensor the run is 1 (nothing is indexed).
-    pub(crate) fn group_map(&self) -> Result<(usize, usize)> {
-        let shape = &self.meta.shape;
-        let (axis, span, count) = self.meta.grouping.resolve(shape)?;
-        if shape.contains(&0) {
-            return Ok((1, count));
-        }
-        let run = match axis {
-            // a sub-product of the element count checked at allocation: no overflow
-            Some(a) => span * shape[a + 1..].iter().product::<usize>(),
-            None => 1,
-        };
-        Ok((run.max(1), count))
     }
 
     /// Checks that the handle lives on `device`'s backend.

@@ -12,7 +12,7 @@ use crate::launch::Launch;
 use crate::layout::{kernel_view, Grouping};
 #[allow(unused_imports)] // intra-doc links
 use crate::quant::StatsMode;
-use crate::quant::{same_stream, Finalize, ProducerStep, Quantizer, SavedActivation};
+use crate::quant::{same_stream, Finalize, ProducerStep, Quantizer, SavedActivation, SavedMeta, SavedViewMut};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// Which dims form a rotated pair.
@@ -223,8 +223,34 @@ pub fn rope_forward_save<T: Element>(
     if !same_stream(device, quantizer.device()) {
         return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
     }
-    let g = geometry(config, x.shape(), y.shape())?;
+    geometry(config, x.shape(), y.shape())?;
     let mut saved = quantizer.new_saved(y.layout(), T::DTYPE)?;
+    let (mut view, meta) = saved.view_mut()?;
+    *meta = rope_forward_save_to(device, quantizer, config, x, y, &mut view)?;
+    Ok(saved)
+}
+
+/// [`rope_forward_save`] writing the codes of `y` into memory the caller owns (`saved`'s
+/// parts sized by [`crate::quant::saved_sizes`] for `y`'s shape and `quantizer`'s config).
+/// Returns what the codes encode, for [`crate::SavedView::new`].
+///
+/// # Errors
+/// As [`rope_forward_save`], plus [`Error::BufferTooShort`] / [`Error::InvalidArgument`]
+/// (a part of `saved` shorter / longer than `y` needs), [`Error::Misaligned`] (codes not
+/// [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] for `saved`'s parts
+/// overlapping each other, `x` or `y`. Nothing is launched when a check fails.
+pub fn rope_forward_save_to<T: Element>(
+    device: &Device,
+    quantizer: &mut Quantizer,
+    config: &RopeConfig,
+    x: &TensorRef<'_, T>,
+    y: &mut TensorMut<'_, T>,
+    saved: &mut SavedViewMut<'_>,
+) -> Result<SavedMeta> {
+    if !same_stream(device, quantizer.device()) {
+        return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
+    }
+    let g = geometry(config, x.shape(), y.shape())?;
     // views of a non-empty tensor only (merging multiplies sizes); nothing is launched otherwise
     let views = match x.numel() {
         0 => None,
@@ -239,7 +265,7 @@ pub fn rope_forward_save<T: Element>(
     let mut launch = Launch::new(device);
     let xp = launch.input(x, "input")?;
     let yp = launch.output(y, "output")?;
-    quantizer.encode::<T>(&mut launch, &mut saved, &layout, Finalize::Separate, |launch, step, sink, _| {
+    let meta = quantizer.encode::<T>(&mut launch, saved, &layout, Finalize::Separate, |launch, step, sink, _| {
         let Some((x_desc, y_desc, grouped)) = views.as_ref() else { return Ok(()) };
         if let ProducerStep::Widen(widen) = step {
             // SAFETY: y is a registered output, written in full by the previous step of this
@@ -256,5 +282,5 @@ pub fn rope_forward_save<T: Element>(
         unsafe { launch.launch("rope_save", &args, sys::mesa_rope_save, sys::mesa_emu_rope_save) }
     })?;
     launch.finish()?;
-    Ok(saved)
+    Ok(meta)
 }

@@ -8,7 +8,9 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::layout::kernel_view;
-use crate::quant::{same_stream, Finalize, ProducerStep, Quantizer, SavedActivation};
+use crate::quant::{
+    same_stream, Finalize, ProducerStep, Quantizer, SavedActivation, SavedMeta, SavedView, SavedViewMut,
+};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// The GELU variant (Hendrycks & Gimpel 2016).
@@ -56,18 +58,32 @@ pub fn gelu_forward<T: Element>(
     }
     same_shape(x.shape(), y.shape(), "GELU output")?;
     let mut saved = quantizer.new_saved(x.layout(), T::DTYPE)?;
-    gelu_forward_into(device, quantizer, form, x, y, &mut saved)?;
+    let (mut view, meta) = saved.view_mut()?;
+    *meta = gelu_forward_to(device, quantizer, form, x, y, &mut view)?;
     Ok(saved)
 }
 
-fn gelu_forward_into<T: Element>(
+/// [`gelu_forward`] writing the saved codes of `x` into memory the caller owns: `saved`'s
+/// parts sized by [`crate::quant::saved_sizes`] for `x`'s shape and `quantizer`'s config.
+/// Returns what the codes encode, for [`SavedView::new`] and [`gelu_backward_view`].
+///
+/// # Errors
+/// As [`gelu_forward`], plus [`Error::BufferTooShort`] / [`Error::InvalidArgument`] (a part
+/// of `saved` shorter / longer than `x` needs), [`Error::Misaligned`] (codes not
+/// [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] for `saved`'s parts
+/// overlapping each other, `x` or `y`. Nothing is launched when a check fails.
+pub fn gelu_forward_to<T: Element>(
     device: &Device,
     quantizer: &mut Quantizer,
     form: GeluForm,
     x: &TensorRef<'_, T>,
     y: &mut TensorMut<'_, T>,
-    saved: &mut SavedActivation,
-) -> Result<()> {
+    saved: &mut SavedViewMut<'_>,
+) -> Result<SavedMeta> {
+    if !same_stream(device, quantizer.device()) {
+        return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
+    }
+    same_shape(x.shape(), y.shape(), "GELU output")?;
     let descs =
         if x.numel() == 0 { None } else { Some((elem_desc(x.layout(), T::DTYPE)?, elem_desc(y.layout(), T::DTYPE)?)) };
     // the saved tensor is x itself: its widening pass is the Quantizer's, on x's grouped view
@@ -77,7 +93,7 @@ fn gelu_forward_into<T: Element>(
     let mut launch = Launch::new(device);
     let xp = launch.input(x, "input")?;
     let yp = launch.output(y, "output")?;
-    quantizer.encode::<T>(&mut launch, saved, &layout, Finalize::Separate, |launch, step, sink, _| {
+    let meta = quantizer.encode::<T>(&mut launch, saved, &layout, Finalize::Separate, |launch, step, sink, _| {
         // encode runs no step for an empty tensor
         let (Some((x_desc, y_desc)), Some(grouped)) = (descs, grouped.as_ref()) else { return Ok(()) };
         if let ProducerStep::Widen(widen) = step {
@@ -99,7 +115,8 @@ fn gelu_forward_into<T: Element>(
         // sized for x's shape and grouping by `encode`.
         unsafe { launch.launch("gelu_forward", &args, sys::mesa_gelu_forward, sys::mesa_emu_gelu_forward) }
     })?;
-    launch.finish()
+    launch.finish()?;
+    Ok(meta)
 }
 
 /// Plain GELU forward, nothing saved: `y = gelu(x)`.
@@ -146,6 +163,24 @@ pub fn gelu_backward<T: Element>(
     dx: &mut TensorMut<'_, T>,
 ) -> Result<()> {
     check_saved(saved, device, dy.shape())?;
+    gelu_backward_view(device, form, &saved.view()?, dy, dx)
+}
+
+/// [`gelu_backward`] reading the codes from memory the caller owns (what
+/// [`gelu_forward_to`] wrote, with the meta it returned).
+///
+/// # Errors
+/// As [`gelu_backward`], plus [`Error::Misaligned`] (codes not
+/// [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] (dx overlapping the
+/// codes or parameters).
+pub fn gelu_backward_view<T: Element>(
+    device: &Device,
+    form: GeluForm,
+    saved: &SavedView<'_>,
+    dy: &TensorRef<'_, T>,
+    dx: &mut TensorMut<'_, T>,
+) -> Result<()> {
+    same_shape(saved.meta().shape(), dy.shape(), "gradient (vs the saved activation)")?;
     same_shape(dy.shape(), dx.shape(), "dx")?;
     if dy.numel() == 0 {
         return Ok(());

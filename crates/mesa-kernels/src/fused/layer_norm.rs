@@ -11,7 +11,9 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::layout::Layout;
-use crate::quant::{checked_numel, same_stream, Finalize, ProducerStep, Quantizer, SavedActivation};
+use crate::quant::{
+    checked_numel, same_stream, Finalize, ProducerStep, Quantizer, SavedActivation, SavedMeta, SavedView, SavedViewMut,
+};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// What [`layer_norm_forward`] keeps for backward: the codes of `x̂ = (x − mean)·rstd` and the
@@ -82,6 +84,34 @@ impl<'a, T> LayerNormForward<'a, T> {
 pub struct LayerNormBackward<'a, T> {
     /// What the forward saved.
     pub saved: &'a SavedLayerNorm,
+    /// The forward's weight (`[C]` contiguous), or `None` for 1.
+    pub weight: Option<&'a TensorRef<'a, T>>,
+    /// The gradient of the output (the input's shape).
+    pub dy: &'a TensorRef<'a, T>,
+}
+
+/// Where [`layer_norm_forward_to`] writes what the backward needs, in memory the caller
+/// owns: the codes of `x̂` (sized by [`crate::quant::saved_sizes`] for the input's shape and
+/// the quantizer's config) and the per-row `mean` and `rstd` (`[rows]` f32 each, contiguous,
+/// rows in logical order; `rows = numel / C`).
+#[derive(Debug)]
+pub struct LayerNormSaveMut<'a, 'b> {
+    /// The codes of `x̂`.
+    pub xhat: &'a mut SavedViewMut<'b>,
+    /// Per-row mean.
+    pub mean: &'a mut TensorMut<'b, f32>,
+    /// Per-row `1/sqrt(var + eps)`.
+    pub rstd: &'a mut TensorMut<'b, f32>,
+}
+
+/// The inputs of [`layer_norm_backward_view`]: what [`layer_norm_forward_to`] wrote, read
+/// from the caller's memory.
+#[derive(Debug)]
+pub struct LayerNormBackwardView<'a, T> {
+    /// The codes of `x̂` (with the meta the forward returned).
+    pub xhat: &'a SavedView<'a>,
+    /// Per-row `rstd`: `[rows]` contiguous f32, as the forward wrote it.
+    pub rstd: &'a TensorRef<'a, f32>,
     /// The forward's weight (`[C]` contiguous), or `None` for 1.
     pub weight: Option<&'a TensorRef<'a, T>>,
     /// The gradient of the output (the input's shape).
@@ -192,8 +222,45 @@ pub fn layer_norm_forward<T: Element>(
         mean: device.alloc_for_kernel::<f32>(rows)?,
         rstd: device.alloc_for_kernel::<f32>(rows)?,
     };
-    forward_saving(device, quantizer, args, y, &mut saved)?;
+    let SavedLayerNorm { xhat, mean, rstd } = &mut saved;
+    let (mut xview, xmeta) = xhat.view_mut()?;
+    let mut mean = TensorMut::contiguous(mean, &[rows])?;
+    let mut rstd = TensorMut::contiguous(rstd, &[rows])?;
+    *xmeta = forward_saving(
+        device,
+        quantizer,
+        args,
+        y,
+        LayerNormSaveMut { xhat: &mut xview, mean: &mut mean, rstd: &mut rstd },
+    )?;
     Ok(saved)
+}
+
+/// [`layer_norm_forward`] writing the codes of `x̂` and the per-row mean and rstd into memory
+/// the caller owns ([`LayerNormSaveMut`]). Returns what the codes encode, for
+/// [`SavedView::new`] and [`layer_norm_backward_view`].
+///
+/// # Errors
+/// As [`layer_norm_forward`], plus [`Error::BufferTooShort`] / [`Error::InvalidArgument`]
+/// (a part of `saved.xhat` shorter / longer than `x` needs), [`Error::ShapeMismatch`] /
+/// [`Error::InvalidLayout`] (mean or rstd not `[rows]` contiguous), [`Error::Misaligned`]
+/// (codes not [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] (any two of
+/// the saved parts, x, weight, bias, y overlapping where one is written). Nothing is
+/// launched when a check fails.
+pub fn layer_norm_forward_to<T: Element>(
+    device: &Device,
+    quantizer: &mut Quantizer,
+    args: &LayerNormForward<'_, T>,
+    y: &mut TensorMut<'_, T>,
+    saved: LayerNormSaveMut<'_, '_>,
+) -> Result<SavedMeta> {
+    if !same_stream(device, quantizer.device()) {
+        return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
+    }
+    let (rows, _) = check_forward(args, y)?;
+    check_vector(saved.mean.layout(), rows, "mean")?;
+    check_vector(saved.rstd.layout(), rows, "rstd")?;
+    forward_saving(device, quantizer, args, y, saved)
 }
 
 fn check_forward<T>(args: &LayerNormForward<'_, T>, y: &TensorMut<'_, T>) -> Result<(usize, usize)> {
@@ -210,8 +277,8 @@ fn forward_saving<T: Element>(
     quantizer: &mut Quantizer,
     args: &LayerNormForward<'_, T>,
     y: &mut TensorMut<'_, T>,
-    saved: &mut SavedLayerNorm,
-) -> Result<()> {
+    saved: LayerNormSaveMut<'_, '_>,
+) -> Result<SavedMeta> {
     let x = args.x;
     let empty = x.numel() == 0;
     let cols = x.shape().last().copied().unwrap_or(0);
@@ -224,15 +291,15 @@ fn forward_saving<T: Element>(
         Some((row_desc(x.layout(), T::DTYPE, "input")?, row_desc(y.layout(), T::DTYPE, "output")?))
     };
     let layout = x.layout().clone();
-    let SavedLayerNorm { xhat, mean, rstd } = saved;
+    let LayerNormSaveMut { xhat, mean, rstd } = saved;
     let mut launch = Launch::new(device);
     let xp = launch.input(x, "input")?;
     let wp = affine(&mut launch, args.weight, "weight")?;
     let bp = affine(&mut launch, args.bias, "bias")?;
     let yp = launch.output(y, "output")?;
-    let mp = launch.write_buffer(mean, "mean")?;
-    let rp = launch.write_buffer(rstd, "rstd")?;
-    quantizer.encode::<T>(&mut launch, xhat, &layout, Finalize::Separate, |launch, step, sink, _| {
+    let mp = launch.output(mean, "mean")?.cast::<f32>();
+    let rp = launch.output(rstd, "rstd")?.cast::<f32>();
+    let meta = quantizer.encode::<T>(&mut launch, xhat, &layout, Finalize::Separate, |launch, step, sink, _| {
         // encode runs no step for an empty tensor
         let Some((x_desc, y_desc)) = descs else { return Ok(()) };
         let base = sys::MesaLayerNormForwardArgs {
@@ -289,7 +356,8 @@ fn forward_saving<T: Element>(
             }),
         }
     })?;
-    launch.finish()
+    launch.finish()?;
+    Ok(meta)
 }
 
 /// Plain LayerNorm forward, nothing saved (no mean, rstd or codes are written).
@@ -340,7 +408,7 @@ const ROWS_PER_PARTIAL: usize = 16;
 
 /// Where `x̂` comes from in a backward.
 enum Xhat<'a, T> {
-    Codes(&'a SavedActivation, &'a Buffer<f32>),
+    Codes(&'a SavedView<'a>, &'a TensorRef<'a, f32>),
     Plain(&'a TensorRef<'a, T>, &'a TensorRef<'a, f32>),
 }
 
@@ -369,7 +437,25 @@ pub fn layer_norm_backward<T: Element>(
     grads: LayerNormGrads<'_, '_, T>,
 ) -> Result<()> {
     let saved = args.saved;
-    backward(device, Xhat::Codes(&saved.xhat, &saved.rstd), args.weight, args.dy, grads)
+    check_saved(&saved.xhat, device, args.dy.shape())?;
+    let xhat = saved.xhat.view()?;
+    let rstd = TensorRef::contiguous(&saved.rstd, &[saved.rstd.len()])?;
+    backward(device, Xhat::Codes(&xhat, &rstd), args.weight, args.dy, grads)
+}
+
+/// [`layer_norm_backward`] reading the codes of `x̂` and `rstd` from memory the caller owns
+/// (what [`layer_norm_forward_to`] wrote).
+///
+/// # Errors
+/// As [`layer_norm_backward`], plus [`Error::Misaligned`] (codes not
+/// [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] (an output over the
+/// codes, parameters or rstd).
+pub fn layer_norm_backward_view<T: Element>(
+    device: &Device,
+    args: &LayerNormBackwardView<'_, T>,
+    grads: LayerNormGrads<'_, '_, T>,
+) -> Result<()> {
+    backward(device, Xhat::Codes(args.xhat, args.rstd), args.weight, args.dy, grads)
 }
 
 /// LayerNorm backward reading a full-precision `x̂` and `rstd` (the formulas of
@@ -402,10 +488,9 @@ fn backward<T: Element>(
     check_vector(dbias.layout(), cols, "dbias")?;
     match &xhat {
         Xhat::Codes(saved, rstd) => {
-            check_saved(saved, device, dy.shape())?;
-            if rstd.len() != rows {
-                return Err(Error::shape_mismatch("saved rstd", &[rows], &[rstd.len()]));
-            }
+            same_shape(saved.meta().shape(), dy.shape(), "gradient (vs the saved activation)")?;
+            same_shape(&[rows], rstd.shape(), "saved rstd")?;
+            check_vector(rstd.layout(), rows, "saved rstd")?;
         }
         Xhat::Plain(h, rstd) => {
             same_shape(dy.shape(), h.shape(), "saved x̂")?;
@@ -434,7 +519,7 @@ fn backward<T: Element>(
         _ if empty => (sys::MesaCodeSource::default(), std::ptr::null(), dy_desc, std::ptr::null()),
         Xhat::Codes(saved, rstd) => {
             let source = code_source(&mut launch, saved)?;
-            (source, std::ptr::null(), sys::MesaTensorDesc::default(), launch.read_buffer(rstd, "saved rstd")?)
+            (source, std::ptr::null(), sys::MesaTensorDesc::default(), launch.input(rstd, "saved rstd")?.cast())
         }
         Xhat::Plain(h, rstd) => {
             let h_desc = row_desc(h.layout(), T::DTYPE, "saved x̂")?;

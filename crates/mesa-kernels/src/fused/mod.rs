@@ -95,7 +95,7 @@ use crate::launch::Launch;
 use crate::layout::{kernel_view, Grouping, Layout, MAX_DIMS};
 #[allow(unused_imports)] // intra-doc links
 use crate::quant::Quantizer;
-use crate::quant::{QuantConfig, SavedActivation};
+use crate::quant::{QuantConfig, SavedActivation, SavedView};
 #[allow(unused_imports)] // intra-doc links
 use crate::tensor::{TensorMut, TensorRef};
 
@@ -104,18 +104,22 @@ mod layer_norm;
 mod softmax;
 mod swiglu;
 
-pub use gelu::{gelu, gelu_backward, gelu_backward_plain, gelu_forward, GeluBackwardPlain, GeluForm};
+pub use gelu::{
+    gelu, gelu_backward, gelu_backward_plain, gelu_backward_view, gelu_forward, gelu_forward_to, GeluBackwardPlain,
+    GeluForm,
+};
 pub use layer_norm::{
-    layer_norm, layer_norm_backward, layer_norm_backward_plain, layer_norm_forward, LayerNormBackward,
-    LayerNormBackwardPlain, LayerNormForward, LayerNormGrads, SavedLayerNorm,
+    layer_norm, layer_norm_backward, layer_norm_backward_plain, layer_norm_backward_view, layer_norm_forward,
+    layer_norm_forward_to, LayerNormBackward, LayerNormBackwardPlain, LayerNormBackwardView, LayerNormForward,
+    LayerNormGrads, LayerNormSaveMut, SavedLayerNorm,
 };
 pub use softmax::{
-    softmax, softmax_backward, softmax_backward_plain, softmax_forward, SoftmaxBackwardPlain, SoftmaxCodes,
-    SoftmaxInput, SoftmaxSave,
+    softmax, softmax_backward, softmax_backward_plain, softmax_backward_view, softmax_forward, softmax_forward_to,
+    SoftmaxBackwardPlain, SoftmaxCodes, SoftmaxInput, SoftmaxSave,
 };
 pub use swiglu::{
-    swiglu, swiglu_backward, swiglu_backward_plain, swiglu_forward, SavedSwiglu, SwigluGrads, SwigluInput,
-    SwigluQuantizers,
+    swiglu, swiglu_backward, swiglu_backward_plain, swiglu_backward_view, swiglu_forward, swiglu_forward_to,
+    SavedSwiglu, SwigluGrads, SwigluInput, SwigluMeta, SwigluQuantizers, SwigluSaveMut, SwigluSavedView,
 };
 
 /// `got` must have the shape `expected`.
@@ -170,18 +174,19 @@ fn empty_rows_desc(cols: usize, dtype: DType) -> sys::MesaTensorDesc {
     desc
 }
 
-/// Registers a saved handle's codes and parameters on `launch` for a kernel that decodes them
-/// (the backwards of GELU, softmax and LayerNorm).
-fn code_source<'a>(launch: &mut Launch<'a>, saved: &'a SavedActivation) -> Result<sys::MesaCodeSource> {
-    let (run, count) = saved.group_map()?;
-    let (codes, params) = saved.parts();
+/// Registers a saved tensor's codes and parameters on `launch` for a kernel that decodes
+/// them (the backwards of GELU, softmax and LayerNorm).
+fn code_source<'a>(launch: &mut Launch<'a>, saved: &'a SavedView<'_>) -> Result<sys::MesaCodeSource> {
+    let meta = saved.meta();
+    let (run, count) = meta.group_map()?;
+    let (codes, params) = saved.register(launch)?;
     Ok(sys::MesaCodeSource {
-        codes: launch.read_buffer(codes, "saved codes")?,
-        params: launch.read_buffer(params, "saved parameters")?.cast(),
+        codes,
+        params,
         group_run: run as i64,
         group_count: count as i64,
-        bits: saved.bits() as i32,
-        map: saved.companding().sys(),
+        bits: meta.bits() as i32,
+        map: meta.companding().sys(),
     })
 }
 

@@ -4,11 +4,16 @@ use mesa_kernels_sys as sys;
 
 use super::{check_saved, code_source, row_desc, row_len, same_shape};
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
+use crate::layout::Layout;
 use crate::layout::{kernel_view, Grouping};
-use crate::quant::{Companding, GroupParams, Rounding, SavedActivation, SavedMeta};
+use crate::quant::{
+    check_code_address, write_registered, zero_registered, Companding, GroupParams, Rounding, SavedActivation,
+    SavedMeta, SavedSizes, SavedView, SavedViewMut,
+};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// The code map of saved softmax probabilities (parameters fixed: offset 0, scale `s = 1/L`,
@@ -70,6 +75,29 @@ impl SoftmaxSave {
 }
 
 impl SoftmaxSave {
+    /// What a caller allocates for [`softmax_forward_to`] on an input of `shape`: the codes
+    /// and groups of this bit width and grouping (and one u32 counter).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] (bit width), [`Error::InvalidLayout`] (grouping),
+    /// [`Error::TooLarge`] (sizes overflow).
+    pub fn saved_sizes(&self, shape: &[usize]) -> Result<SavedSizes> {
+        self.check()?;
+        self.meta(&Layout::contiguous(shape), DType::F32).sizes()
+    }
+
+    /// What the saved codes of an output of `layout` and `dtype` encode.
+    fn meta(&self, layout: &Layout, dtype: DType) -> SavedMeta {
+        SavedMeta {
+            shape: layout.shape().to_vec(),
+            strides: layout.strides().to_vec(),
+            dtype,
+            bits: self.bits,
+            grouping: self.grouping,
+            companding: self.codes.companding(),
+        }
+    }
+
     fn check(&self) -> Result<()> {
         if !matches!(self.bits, 2 | 4 | 8) {
             return Err(Error::unsupported("bits", format!("{}-bit codes (supported: 8, 4, 2)", self.bits)));
@@ -134,25 +162,53 @@ pub fn softmax_forward<T: Element>(
     save.check()?;
     check_inputs(input, y)?;
     let x = input.x;
+    let mut saved = SavedActivation::allocate(device, &save.meta(x.layout(), T::DTYPE))?;
+    let (mut view, meta) = saved.view_mut()?;
+    *meta = softmax_forward_to(device, save, input, y, &mut view)?;
+    Ok(saved)
+}
+
+/// [`softmax_forward`] writing the codes of `y`, their fixed parameters and the non-finite
+/// count into memory the caller owns: `saved`'s parts sized by [`SoftmaxSave::saved_sizes`]
+/// for the input's shape. Returns what the codes encode, for [`SavedView::new`] and
+/// [`softmax_backward_view`].
+///
+/// # Errors
+/// As [`softmax_forward`], plus [`Error::BufferTooShort`] / [`Error::InvalidArgument`] (a
+/// part of `saved` shorter / longer than the tensor needs), [`Error::Misaligned`] (codes
+/// not [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] for `saved`'s
+/// parts overlapping each other, the input, the mask or `y`. Nothing is launched when a
+/// check fails.
+pub fn softmax_forward_to<T: Element>(
+    device: &Device,
+    save: &SoftmaxSave,
+    input: &SoftmaxInput<'_, T>,
+    y: &mut TensorMut<'_, T>,
+    saved: &mut SavedViewMut<'_>,
+) -> Result<SavedMeta> {
+    save.check()?;
+    check_inputs(input, y)?;
+    let x = input.x;
     let companding = save.codes.companding();
-    let mut saved = SavedActivation::allocate(
-        device,
-        &SavedMeta {
-            shape: x.shape().to_vec(),
-            strides: x.layout().strides().to_vec(),
-            dtype: T::DTYPE,
-            bits: save.bits,
-            grouping: save.grouping,
-            companding,
-        },
-    )?;
-    let (run, count) = saved.group_map()?;
+    let meta = save.meta(x.layout(), T::DTYPE);
+    let _: SavedSizes = saved.check_sizes(&meta)?;
+    let (run, count) = meta.group_map()?;
+    let fixed = GroupParams { offset: 0.0, scale: (1.0 / f64::from((1u32 << save.bits) - 1)) as f32 };
+    let SavedViewMut { codes, params, nonfinite } = saved;
+    let mut launch = Launch::new(device);
+    let cp = launch.output(codes, "saved codes")?.cast::<u8>();
+    check_code_address(cp as usize, "saved codes")?;
+    let pp = launch.output(params, "saved parameters")?.cast::<GroupParams>();
+    let np = launch.output(nonfinite, "non-finite counter")?.cast::<u32>();
     if x.numel() == 0 {
-        // nothing to launch: the handle's groups get the fixed parameters, the count stays 0
-        let fixed = GroupParams { offset: 0.0, scale: (1.0 / f64::from((1u32 << save.bits) - 1)) as f32 };
-        let (_, params, _) = saved.parts_mut();
-        device.copy_into(&vec![fixed; count], params)?;
-        return Ok(saved);
+        // nothing to launch: the groups get the fixed parameters, the count 0
+        // SAFETY: params holds `count` entries and the counter one (check_sizes), registered
+        unsafe {
+            write_registered(&launch, pp, &vec![fixed; count])?;
+            zero_registered(&launch, np, 1)?;
+        }
+        launch.finish()?;
+        return Ok(meta);
     }
     let cols = row_len(x.shape(), "input")?;
     // cols · bits: cols ≤ numel, which was checked to fit the kernels' i64 indexing
@@ -160,16 +216,14 @@ pub fn softmax_forward<T: Element>(
     let (rounding, seed) = sys_rounding(save.rounding);
     let view = if fused { None } else { Some(kernel_view(y.layout(), &save.grouping, T::DTYPE)?) };
     let mut args = forward_args(input, y.layout())?;
-    let (codes, params, nonfinite) = saved.parts_mut();
-    let mut launch = Launch::new(device);
     args.x = launch.input(x, "input")?;
     if let Some(m) = input.mask {
         args.mask = launch.input(m, "mask")?;
     }
     let yp = launch.output(y, "output")?;
-    let cp = launch.write_buffer(codes, "saved codes")?;
-    let pp = launch.write_buffer(params, "saved parameters")?;
-    let np = launch.write_buffer(nonfinite, "non-finite counter")?;
+    // the kernel adds to the counter
+    // SAFETY: the counter is one registered u32
+    unsafe { zero_registered(&launch, np, 1)? };
     let sink = sys::MesaCodeSink {
         codes: if fused { cp } else { std::ptr::null_mut() },
         params: pp.cast_const().cast(),
@@ -216,7 +270,7 @@ pub fn softmax_forward<T: Element>(
         unsafe { launch.launch("quantize", &args, sys::mesa_quantize, sys::mesa_emu_quantize)? };
     }
     launch.finish()?;
-    Ok(saved)
+    Ok(meta)
 }
 
 /// Plain softmax over the last axis, nothing saved (fully masked rows give 0).
@@ -298,6 +352,23 @@ pub fn softmax_backward<T: Element>(
     dx: &mut TensorMut<'_, T>,
 ) -> Result<()> {
     check_saved(saved, device, dy.shape())?;
+    softmax_backward_view(device, &saved.view()?, dy, dx)
+}
+
+/// [`softmax_backward`] reading the codes from memory the caller owns (what
+/// [`softmax_forward_to`] wrote, with the meta it returned).
+///
+/// # Errors
+/// As [`softmax_backward`], plus [`Error::Misaligned`] (codes not
+/// [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] (dx over the codes or
+/// parameters).
+pub fn softmax_backward_view<T: Element>(
+    device: &Device,
+    saved: &SavedView<'_>,
+    dy: &TensorRef<'_, T>,
+    dx: &mut TensorMut<'_, T>,
+) -> Result<()> {
+    same_shape(saved.meta().shape(), dy.shape(), "gradient (vs the saved activation)")?;
     row_len(dy.shape(), "dy")?;
     same_shape(dy.shape(), dx.shape(), "dx")?;
     if dy.numel() == 0 {

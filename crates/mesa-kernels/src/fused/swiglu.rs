@@ -9,7 +9,10 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::layout::kernel_view;
-use crate::quant::{same_stream, Finalize, ProducerStep, Quantizer, SavedActivation};
+use crate::quant::{
+    check_code_address, same_stream, Finalize, ProducerStep, Quantizer, SavedActivation, SavedMeta, SavedView,
+    SavedViewMut,
+};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// The inputs of SwiGLU: the gate projection `g` and the up projection `u` (same shape, any
@@ -48,6 +51,36 @@ impl SavedSwiglu {
     pub fn size_in_bytes(&self) -> usize {
         self.gate.size_in_bytes() + self.up.size_in_bytes()
     }
+}
+
+/// Where [`swiglu_forward_to`] writes the codes of both inputs, in memory the caller owns
+/// (each sized by [`crate::quant::saved_sizes`] for the input shape and its quantizer's
+/// config).
+#[derive(Debug)]
+pub struct SwigluSaveMut<'a, 'b> {
+    /// Codes of the gate `g`.
+    pub gate: &'a mut SavedViewMut<'b>,
+    /// Codes of the up projection `u`.
+    pub up: &'a mut SavedViewMut<'b>,
+}
+
+/// What [`swiglu_forward_to`] returns: what each input's codes encode.
+#[derive(Debug, Clone, PartialEq)]
+#[must_use = "the metas are needed to read the saved codes back"]
+pub struct SwigluMeta {
+    /// For the codes of `g`.
+    pub gate: SavedMeta,
+    /// For the codes of `u`.
+    pub up: SavedMeta,
+}
+
+/// What [`swiglu_backward_view`] reads: the codes of `g` and `u` in the caller's memory.
+#[derive(Debug, Clone, Copy)]
+pub struct SwigluSavedView<'a> {
+    /// Codes of the gate `g`.
+    pub gate: &'a SavedView<'a>,
+    /// Codes of the up projection `u`.
+    pub up: &'a SavedView<'a>,
 }
 
 /// The gradients SwiGLU's backward writes: `dg` and `du` (shape of `dy`, any strides).
@@ -98,9 +131,73 @@ pub fn swiglu_forward<T: Element>(
     check_input(input, y.shape())?;
     let mut gate = qg.new_saved(input.gate.layout(), T::DTYPE)?;
     let mut up = qu.new_saved(input.up.layout(), T::DTYPE)?;
-    encode_pass(device, qg, input, Some(y), sys::MESA_SWIGLU_SAVE_GATE, &mut gate)?;
-    encode_pass(device, qu, input, None, sys::MESA_SWIGLU_SAVE_UP, &mut up)?;
+    let (mut gate_view, gate_meta) = gate.view_mut()?;
+    let (mut up_view, up_meta) = up.view_mut()?;
+    let metas = swiglu_forward_to(
+        device,
+        SwigluQuantizers { gate: qg, up: qu },
+        input,
+        y,
+        SwigluSaveMut { gate: &mut gate_view, up: &mut up_view },
+    )?;
+    (*gate_meta, *up_meta) = (metas.gate, metas.up);
     Ok(SavedSwiglu { gate, up })
+}
+
+/// [`swiglu_forward`] writing the codes of `g` and `u` into memory the caller owns
+/// ([`SwigluSaveMut`]). Returns what they encode, for [`SavedView::new`] and
+/// [`swiglu_backward_view`].
+///
+/// # Errors
+/// As [`swiglu_forward`], plus [`Error::BufferTooShort`] / [`Error::InvalidArgument`] (a
+/// saved part shorter / longer than the input needs), [`Error::Misaligned`] (codes not
+/// [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] (saved parts
+/// overlapping each other, an input or `y`). All checked before the first launch.
+pub fn swiglu_forward_to<T: Element>(
+    device: &Device,
+    quantizers: SwigluQuantizers<'_>,
+    input: &SwigluInput<'_, T>,
+    y: &mut TensorMut<'_, T>,
+    saved: SwigluSaveMut<'_, '_>,
+) -> Result<SwigluMeta> {
+    let SwigluQuantizers { gate: qg, up: qu } = quantizers;
+    for q in [&*qg, &*qu] {
+        if !same_stream(device, q.device()) {
+            return Err(Error::wrong_backend("quantizer", "it was made for another device or stream"));
+        }
+    }
+    check_input(input, y.shape())?;
+    let SwigluSaveMut { gate, up } = saved;
+    // the two passes are two launches: every size, alignment and overlap of both is checked
+    // on one registration before the first
+    let _ = gate.check_sizes(&qg.meta_for(input.gate.layout(), T::DTYPE))?;
+    let _ = up.check_sizes(&qu.meta_for(input.up.layout(), T::DTYPE))?;
+    check_disjoint(device, input, y, gate, up)?;
+    let gate_meta = encode_pass(device, qg, input, Some(y), sys::MESA_SWIGLU_SAVE_GATE, gate)?;
+    let up_meta = encode_pass(device, qu, input, None, sys::MESA_SWIGLU_SAVE_UP, up)?;
+    Ok(SwigluMeta { gate: gate_meta, up: up_meta })
+}
+
+/// Registers the inputs, `y` and both saved views on one launch that runs nothing: the
+/// backend, alignment and overlap checks of both passes at once.
+fn check_disjoint<'b, T: Element>(
+    device: &Device,
+    input: &SwigluInput<'_, T>,
+    y: &mut TensorMut<'_, T>,
+    gate: &mut SavedViewMut<'b>,
+    up: &mut SavedViewMut<'b>,
+) -> Result<()> {
+    let mut launch = Launch::new(device);
+    launch.input(input.gate, "gate")?;
+    launch.input(input.up, "up projection")?;
+    launch.output(y, "output")?;
+    for (view, what) in [(gate, "saved codes of the gate"), (up, "saved codes of the up projection")] {
+        let SavedViewMut { codes, params, nonfinite } = view;
+        check_code_address(launch.output(codes, what)? as usize, what)?;
+        launch.output(params, "saved parameters")?;
+        launch.output(nonfinite, "non-finite counter")?;
+    }
+    launch.finish()
 }
 
 /// One input's codes into `saved` (`which`: MESA_SWIGLU_SAVE_GATE or _UP), with `y` written
@@ -111,8 +208,8 @@ fn encode_pass<T: Element>(
     input: &SwigluInput<'_, T>,
     y: Option<&mut TensorMut<'_, T>>,
     which: u32,
-    saved: &mut SavedActivation,
-) -> Result<()> {
+    saved: &mut SavedViewMut<'_>,
+) -> Result<SavedMeta> {
     let x = if which == sys::MESA_SWIGLU_SAVE_GATE { input.gate } else { input.up };
     let empty = x.numel() == 0;
     let desc =
@@ -133,7 +230,7 @@ fn encode_pass<T: Element>(
         None => std::ptr::null_mut(),
     };
     let xp = if which == sys::MESA_SWIGLU_SAVE_GATE { gp } else { up };
-    quantizer.encode::<T>(&mut launch, saved, &layout, Finalize::Separate, |launch, step, sink, _| {
+    let meta = quantizer.encode::<T>(&mut launch, saved, &layout, Finalize::Separate, |launch, step, sink, _| {
         let Some(grouped) = grouped.as_ref() else { return Ok(()) };
         if let ProducerStep::Widen(widen) = step {
             // SAFETY: x is a registered input described by `grouped`; codes, params and the
@@ -156,7 +253,8 @@ fn encode_pass<T: Element>(
         // x's shape and grouping by `encode`.
         unsafe { launch.launch("swiglu_forward", &args, sys::mesa_swiglu_forward, sys::mesa_emu_swiglu_forward) }
     })?;
-    launch.finish()
+    launch.finish()?;
+    Ok(meta)
 }
 
 /// Plain SwiGLU forward, nothing saved: `y = silu(g)·u`.
@@ -206,14 +304,33 @@ pub fn swiglu_backward<T: Element>(
 ) -> Result<()> {
     check_saved(&saved.gate, device, dy.shape())?;
     check_saved(&saved.up, device, dy.shape())?;
+    let (gate, up) = (saved.gate.view()?, saved.up.view()?);
+    swiglu_backward_view(device, SwigluSavedView { gate: &gate, up: &up }, dy, grads)
+}
+
+/// [`swiglu_backward`] reading the codes from memory the caller owns (what
+/// [`swiglu_forward_to`] wrote, with the metas it returned).
+///
+/// # Errors
+/// As [`swiglu_backward`], plus [`Error::Misaligned`] (codes not
+/// [`crate::quant::CODE_ALIGN`]-byte aligned) and [`Error::Aliasing`] (a gradient over the
+/// codes or parameters).
+pub fn swiglu_backward_view<T: Element>(
+    device: &Device,
+    saved: SwigluSavedView<'_>,
+    dy: &TensorRef<'_, T>,
+    grads: SwigluGrads<'_, '_, T>,
+) -> Result<()> {
+    same_shape(saved.gate.meta().shape(), dy.shape(), "gradient (vs the saved gate)")?;
+    same_shape(saved.up.meta().shape(), dy.shape(), "gradient (vs the saved up projection)")?;
     same_shape(dy.shape(), grads.gate.shape(), "dg")?;
     same_shape(dy.shape(), grads.up.shape(), "du")?;
     if dy.numel() == 0 {
         return Ok(());
     }
     let mut launch = Launch::new(device);
-    let gate_source = code_source(&mut launch, &saved.gate)?;
-    let up_source = code_source(&mut launch, &saved.up)?;
+    let gate_source = code_source(&mut launch, saved.gate)?;
+    let up_source = code_source(&mut launch, saved.up)?;
     let args = sys::MesaSwigluBackwardArgs {
         dy_desc: elem_desc(dy.layout(), T::DTYPE)?,
         dg_desc: elem_desc(grads.gate.layout(), T::DTYPE)?,
