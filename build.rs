@@ -454,7 +454,13 @@ fn emu_rewrite(src: &str) -> String {
             if word == "__shared__" && last_ident != "extern" {
                 // the declaration runs to the next `;` outside brackets
                 let (end, names) = shared_declarators(src, j);
-                out.push_str(&src[i..end]);
+                // `__align__(n) __shared__ …`: the alignment is the variable's, so it stays one
+                let before = &b[i.saturating_sub(24)..i];
+                let aligned = src[..i].trim_end().ends_with(')') && before.windows(9).any(|w| w == b"__align__");
+                match boxed_shared(&src[j..end]).filter(|_| !aligned) {
+                    Some(decl) => out.push_str(&decl),
+                    None => out.push_str(&src[i..end]),
+                }
                 for n in names {
                     out.push_str(&format!(" MESA_EMU_SHARED_POINT({n});"));
                 }
@@ -558,6 +564,22 @@ fn shared_declarators(src: &str, from: usize) -> (usize, Vec<String>) {
         })
         .collect();
     ((j + 1).min(b.len()), names)
+}
+
+/// `T name[dims];` (one declarator, no initialiser; the text after `__shared__`) as
+/// `MESA_EMU_SHARED(T, name, [dims]);`: heap storage behind a thread-local box
+/// (kernels/emu/cuda_emu.h). `None` for anything else, which stays thread-local storage.
+fn boxed_shared(decl: &str) -> Option<String> {
+    let d = decl.trim().strip_suffix(';')?.trim();
+    if d.contains([',', '=', '(', '{']) || d.contains("__align__") {
+        return None;
+    }
+    let dims_at = d.find('[').unwrap_or(d.len());
+    let (head, dims) = (d[..dims_at].trim_end(), &d[dims_at..]);
+    let name_at = head.rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))? + 1;
+    let (ty, name) = (head[..name_at].trim(), &head[name_at..]);
+    let name_ok = name.as_bytes().first().is_some_and(|c| !c.is_ascii_digit());
+    (!ty.is_empty() && name_ok).then(|| format!("MESA_EMU_SHARED({ty}, {name}, {dims});"))
 }
 
 /// The index of the `)` that closes the `(` at or after `open`.

@@ -350,8 +350,8 @@ struct FavorBackwardTiles {
 };
 
 // The block's tiles: one __shared__ union for every FAVOR+ tensor-core instance (10). On a GPU
-// each kernel gets its own static allocation; the emulator keeps __shared__ variables as
-// thread-local storage, one copy per instance in every thread (docs/emulator.md, "Resources").
+// each kernel gets its own static allocation; the emulator keeps one copy per instance in every
+// OS thread that runs it (docs/emulator.md, "Resources").
 union FavorTiles {
   FavorForwardTiles fwd;
   FavorBackwardTiles bwd;

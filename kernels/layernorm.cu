@@ -497,7 +497,7 @@ constexpr int kRowWarps = kRowBlock / kWarpSize;
 using WarpColumns = float[kRowWarps][kWarpSize * kUnit];
 // The fused backward's staging of its warps' column sums (8 KiB): one __shared__ array for
 // every instance (a non-template function), which the emulator then keeps once in each
-// thread's TLS instead of once per instance (docs/emulator.md, "Resources").
+// OS thread instead of once per instance (docs/emulator.md, "Resources").
 __device__ __forceinline__ WarpColumns& warp_columns() {
   __shared__ WarpColumns stage;
   return stage;

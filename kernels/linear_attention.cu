@@ -866,9 +866,9 @@ __device__ void store_entering_state(const Product& p, int64_t sidx, int64_t d0,
 }
 
 // The block's tiles: one __shared__ union for every instance of la_product_kernel (52 of
-// them). On a GPU each kernel gets its own static allocation; the emulator keeps __shared__
-// variables as thread-local storage, where one copy per instance would take ~1 MiB of every
-// thread's TLS (glibc carves it from the thread's stack: a 2 MiB test thread overflowed).
+// them). On a GPU each kernel gets its own static allocation; the emulator keeps one copy per
+// instance in every OS thread that runs it, ~1 MiB per thread with a copy each
+// (docs/emulator.md, "Resources").
 union ProductTiles {
   Tiles fp32;
   TcTiles tc;

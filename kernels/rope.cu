@@ -99,8 +99,8 @@ __global__ void __launch_bounds__(kRopeBlock)
 // ---------------------------------------------------------------------------------------
 // The saving forward. Shared memory: the statistics staging of quant_common.cuh and the
 // table of inv_freq/π. One __shared__ struct for every instance (a GPU gives each kernel its
-// own; the emulator keeps __shared__ variables as thread-local storage, one copy per
-// declaration, so the 39 instances with their own would take ~660 KiB of every thread's TLS).
+// own; the emulator keeps one copy per declaration in every OS thread that runs it, so the 39
+// instances with their own would take ~660 KiB per thread).
 struct RopeShared {
   MesaGroupStats staged[kSharedGroups];
   alignas(16) float inv_freq_over_pi[kRopeTablePairs];

@@ -40,11 +40,15 @@
 // sees the block size; a file compiled without that rewrite just loses the check.
 #define __launch_bounds__(...)
 #define __grid_constant__
-// One block runs on one OS thread at a time, so thread-local static storage is exactly
-// "one copy per resident block". Kernels must not rely on its contents at block start
-// (the GPU does not clear shared memory either). build.rs follows every `__shared__`
-// declaration with MESA_EMU_SHARED_POINT(name), which poisons the variable the first time a
-// block passes it (initcheck).
+// One block runs on one OS thread at a time, so per-thread storage is exactly "one copy per
+// resident block". Kernels must not rely on its contents at block start (the GPU does not
+// clear shared memory either). build.rs rewrites a `__shared__ T name[dims];` declaration into
+// MESA_EMU_SHARED(T, name, [dims]): a reference to heap storage that a thread-local box
+// allocates the first time the OS thread passes it (8 bytes of TLS per declaration, not the
+// variable: glibc carves static TLS out of every thread's stack, whether or not it runs
+// kernels). It follows every `__shared__` declaration with MESA_EMU_SHARED_POINT(name), which
+// poisons the variable the first time a block passes it (initcheck). A declaration build.rs
+// does not rewrite (several declarators, an initialiser) stays thread-local storage.
 #define __shared__ static thread_local
 // __constant__ variables share one section, which memcheck treats as read-only: a kernel's
 // store into it fails the launch (on a GPU constant memory cannot be written by a kernel).
@@ -141,6 +145,30 @@ void launch_bounds(unsigned max_threads, const char* kernel);
 int launch(const char* kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes, bool cooperative,
            const std::function<void()>& body);
 }  // namespace mesa_emu
+
+namespace mesa_emu {
+// The storage of one `__shared__` declaration for the OS thread that passes it (above).
+template <typename T>
+class SharedBox {
+  struct Holder {
+    T value;
+  };
+  Holder* p_ = nullptr;
+
+ public:
+  SharedBox() = default;
+  SharedBox(const SharedBox&) = delete;
+  SharedBox& operator=(const SharedBox&) = delete;
+  ~SharedBox() { delete p_; }
+  T& get() {
+    if (p_ == nullptr) p_ = new Holder;
+    return p_->value;
+  }
+};
+}  // namespace mesa_emu
+#define MESA_EMU_SHARED(type, name, dims)                                          \
+  static thread_local ::mesa_emu::SharedBox<type dims> mesa_emu_box_##name##_;      \
+  type(&name) dims = mesa_emu_box_##name##_.get()
 
 #define MESA_EMU_SHARED_POINT(name)                                        \
   do {                                                                     \

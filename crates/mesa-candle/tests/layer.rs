@@ -734,3 +734,49 @@ fn sixteen_bit_parameters_and_dtype_errors() {
         assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "param_dtype", .. })), "{e}");
     }
 }
+
+/// The size of the static TLS segment (`PT_TLS`'s `p_memsz`) of a little-endian ELF64 image, 0
+/// without one; `None` for anything else.
+#[cfg(target_os = "linux")]
+fn static_tls_bytes(elf: &[u8]) -> Option<u64> {
+    let u16_at = |at: usize| Some(u16::from_le_bytes(elf.get(at..at + 2)?.try_into().ok()?));
+    let u32_at = |at: usize| Some(u32::from_le_bytes(elf.get(at..at + 4)?.try_into().ok()?));
+    let u64_at = |at: usize| Some(u64::from_le_bytes(elf.get(at..at + 8)?.try_into().ok()?));
+    if elf.get(..6)? != b"\x7fELF\x02\x01" {
+        return None;
+    }
+    let (phoff, phentsize, phnum) = (usize::try_from(u64_at(0x20)?).ok()?, usize::from(u16_at(0x36)?), u16_at(0x38)?);
+    const PT_TLS: u32 = 7;
+    for k in 0..usize::from(phnum) {
+        let ph = phoff + k * phentsize;
+        if u32_at(ph)? == PT_TLS {
+            return u64_at(ph + 0x28);
+        }
+    }
+    Some(0)
+}
+
+/// The emulator keeps the kernels' `__shared__` variables on the heap behind thread-local boxes
+/// (kernels/emu/cuda_emu.h), not as static TLS, which glibc carves out of every thread's stack:
+/// with the variables thread-local, this binary's TLS was 2.24 MB and a layer test aborted on a
+/// thread with Rust's default 2 MiB stack (docs/emulator.md, "Limits"). Here the TLS is checked
+/// and a gated-attention layer runs forward and backward on a thread of that default size.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_layer_runs_on_a_default_thread_stack() {
+    let exe = std::fs::read("/proc/self/exe").expect("read /proc/self/exe");
+    let tls = static_tls_bytes(&exe).expect("an ELF64 little-endian executable");
+    // 8 bytes and a guard per `__shared__` declaration (≈ 200), plus the runtime's own state
+    assert!(tls < 64 * 1024, "static TLS of {tls} bytes: are the emulator's __shared__ variables thread-local again?");
+    let cfg = LayerConfig {
+        attention: Attention::retnet(4),
+        dropout: DropoutConfig { attention: 0.0, residual: 0.0, seed: 0 },
+        ..config(NormPlacement::Pre, Recompute::None)
+    };
+    std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(move || check(&cfg, "gated attention on a 2 MiB thread"))
+        .expect("spawn a thread with a 2 MiB stack")
+        .join()
+        .expect("the layer ran on a 2 MiB stack");
+}

@@ -151,41 +151,7 @@ impl GatedLinearAttention {
                 .into());
             }
         }
-        check_rank("gated linear attention queries [B, H, L, M]", q, 4, false)?;
-        check_rank("gated linear attention keys [B, H_kv, L, M]", k, 4, false)?;
-        check_rank("gated linear attention values [B, H_kv, L, D]", v, 4, false)?;
-        let (b, h, l, m) = q.dims4()?;
-        let hkv = k.dim(1)?;
-        if hkv == 0 || h % hkv != 0 {
-            return Err(Error::InvalidArgument {
-                name: "keys [B, H_kv, L, M]",
-                why: format!("H_kv = {hkv} KV heads must divide the H = {h} query heads"),
-            }
-            .into());
-        }
-        if k.dims() != [b, hkv, l, m] {
-            return Err(
-                Error::Shape { what: "keys".into(), expected: vec![b, hkv, l, m], got: k.dims().to_vec() }.into()
-            );
-        }
-        let d = v.dim(3)?;
-        if v.dims() != [b, hkv, l, d] {
-            return Err(
-                Error::Shape { what: "values".into(), expected: vec![b, hkv, l, d], got: v.dims().to_vec() }.into()
-            );
-        }
-        match a.rank() {
-            3 if a.dims() != [b, hkv, l] => {
-                let what = "log-decay a per step [B, H_kv, L]".into();
-                return Err(Error::Shape { what, expected: vec![b, hkv, l], got: a.dims().to_vec() }.into());
-            }
-            1 if a.dims() != [hkv] => {
-                let what = "log-decay a per head [H_kv]".into();
-                return Err(Error::Shape { what, expected: vec![hkv], got: a.dims().to_vec() }.into());
-            }
-            1 | 3 => {}
-            _ => check_rank("gated linear attention log-decay a [B, H_kv, L] or [H_kv]", a, 3, false)?,
-        }
+        let GatedShape { b, h, hkv, l, m, d } = gated_shape("gated linear attention", q, k, v, a)?;
         check_decay_values(a)?;
         let mut all = vec![q, k, v, a];
         all.extend(initial);
@@ -259,6 +225,57 @@ impl GatedLinearAttention {
             Some(la) => la.features_backward::<f32>(kernels, x, phi, &dphi, query),
         }
     }
+}
+/// Sizes of gated attention's inputs (`q: [B, H, L, M]`, `k: [B, H_kv, L, M]`,
+/// `v: [B, H_kv, L, D]`, `a: [B, H_kv, L]` or `[H_kv]`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GatedShape {
+    pub(crate) b: usize,
+    pub(crate) h: usize,
+    pub(crate) hkv: usize,
+    pub(crate) l: usize,
+    pub(crate) m: usize,
+    pub(crate) d: usize,
+}
+
+/// Checks the ranks, the grouping (`H_kv` divides `H`) and the shapes of `q, k, v` and of the
+/// log-decay `a` (per step or per head); `op` names the caller in rank errors.
+///
+/// # Errors
+/// [`Error::Rank`], [`Error::Shape`], [`Error::InvalidArgument`] (a grouping that does not divide).
+pub(crate) fn gated_shape(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, a: &Tensor) -> candle_core::Result<GatedShape> {
+    check_rank(&format!("{op} queries [B, H, L, M]"), q, 4, false)?;
+    check_rank(&format!("{op} keys [B, H_kv, L, M]"), k, 4, false)?;
+    check_rank(&format!("{op} values [B, H_kv, L, D]"), v, 4, false)?;
+    let (b, h, l, m) = q.dims4()?;
+    let hkv = k.dim(1)?;
+    if hkv == 0 || h % hkv != 0 {
+        return Err(Error::InvalidArgument {
+            name: "keys [B, H_kv, L, M]",
+            why: format!("H_kv = {hkv} KV heads must divide the H = {h} query heads"),
+        }
+        .into());
+    }
+    if k.dims() != [b, hkv, l, m] {
+        return Err(Error::Shape { what: "keys".into(), expected: vec![b, hkv, l, m], got: k.dims().to_vec() }.into());
+    }
+    let d = v.dim(3)?;
+    if v.dims() != [b, hkv, l, d] {
+        return Err(Error::Shape { what: "values".into(), expected: vec![b, hkv, l, d], got: v.dims().to_vec() }.into());
+    }
+    match a.rank() {
+        3 if a.dims() != [b, hkv, l] => {
+            let what = "log-decay a per step [B, H_kv, L]".into();
+            return Err(Error::Shape { what, expected: vec![b, hkv, l], got: a.dims().to_vec() }.into());
+        }
+        1 if a.dims() != [hkv] => {
+            let what = "log-decay a per head [H_kv]".into();
+            return Err(Error::Shape { what, expected: vec![hkv], got: a.dims().to_vec() }.into());
+        }
+        1 | 3 => {}
+        _ => check_rank(&format!("{op} log-decay a [B, H_kv, L] or [H_kv]"), a, 3, false)?,
+    }
+    Ok(GatedShape { b, h, hkv, l, m, d })
 }
 
 /// A decay value NaN or `> 0` is [`Error::InvalidArgument`] (the kernel uses any value as

@@ -61,8 +61,8 @@ use super::Collectives;
 use crate::attach::{attach, Backward};
 use crate::bridge::common_device;
 use crate::error::Error;
-use crate::ops::gated_linear_attention::{gla_backward, gla_forward, GlaGrads};
-use crate::ops::{check_dtypes, check_rank, tensor_result};
+use crate::ops::gated_linear_attention::{gated_shape, gla_backward, gla_forward, GatedShape, GlaGrads};
+use crate::ops::{check_dtypes, tensor_result};
 
 const OP: &str = "sharded gated linear attention";
 
@@ -236,41 +236,7 @@ impl ShardedGatedLinearAttention {
 
     /// Checks this rank's ranks, shapes and grouping.
     fn dims(&self, q: &Tensor, k: &Tensor, v: &Tensor, a: &Tensor) -> candle_core::Result<Dims> {
-        check_rank("sharded gated linear attention queries [B, H, L_r, M]", q, 4, false)?;
-        check_rank("sharded gated linear attention keys [B, H_kv, L_r, M]", k, 4, false)?;
-        check_rank("sharded gated linear attention values [B, H_kv, L_r, D]", v, 4, false)?;
-        let (b, h, l, m) = q.dims4()?;
-        let hkv = k.dim(1)?;
-        if hkv == 0 || h % hkv != 0 {
-            return Err(Error::InvalidArgument {
-                name: "keys [B, H_kv, L_r, M]",
-                why: format!("H_kv = {hkv} KV heads must divide the H = {h} query heads"),
-            }
-            .into());
-        }
-        if k.dims() != [b, hkv, l, m] {
-            return Err(
-                Error::Shape { what: "keys".into(), expected: vec![b, hkv, l, m], got: k.dims().to_vec() }.into()
-            );
-        }
-        let d = v.dim(3)?;
-        if v.dims() != [b, hkv, l, d] {
-            return Err(
-                Error::Shape { what: "values".into(), expected: vec![b, hkv, l, d], got: v.dims().to_vec() }.into()
-            );
-        }
-        match a.rank() {
-            3 if a.dims() != [b, hkv, l] => {
-                let what = "log-decay a per step [B, H_kv, L_r]".into();
-                return Err(Error::Shape { what, expected: vec![b, hkv, l], got: a.dims().to_vec() }.into());
-            }
-            1 if a.dims() != [hkv] => {
-                let what = "log-decay a per head [H_kv]".into();
-                return Err(Error::Shape { what, expected: vec![hkv], got: a.dims().to_vec() }.into());
-            }
-            1 | 3 => {}
-            _ => check_rank("sharded gated linear attention log-decay a [B, H_kv, L_r] or [H_kv]", a, 3, false)?,
-        }
+        let GatedShape { b, h, hkv, l, m, d } = gated_shape("sharded gated linear attention", q, k, v, a)?;
         Ok(Dims { b, h, hkv, l, m, d, w: d + usize::from(self.config.normalize) })
     }
 }
