@@ -175,7 +175,8 @@ pub struct GatedDims {
 /// Options of [`forward_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ForwardOptions<'a> {
-    /// What the forward keeps for the backward. [`MemoryMode::Slim`] (the default here): only
+    /// What the forward keeps for the backward. [`MemoryMode::Slim`] (the default of
+    /// [`ForwardOptions`]; `MemoryMode::default()` is `BoundaryStates`, the ungated kernel's): only
     /// the final state, memory independent of `L`; the backward's `dq` walks the chunks again
     /// from the initial state. [`MemoryMode::BoundaryStates`]: also the state entering every
     /// chunk, `chunks·H_kv·M·W` f32 (`chunks = B·⌈L/C⌉`, packed `Σ_n ⌈len_n/C⌉`); the backward's
@@ -240,7 +241,10 @@ pub struct BackwardArgs<'a, 'b, T> {
     pub decay: Decay<'a, 'b>,
     /// The forward's initial state (given exactly when the forward had one).
     pub initial: Option<&'a TensorRef<'b, f32>>,
-    /// The forward's output `[B, H, L, D]`: required when normalised, ignored otherwise.
+    /// The forward's output `[B, H, L, D]`: required when normalised, ignored otherwise. For
+    /// f16/bf16 it is the rounded output, so the normaliser's gradient term `dout·out` carries
+    /// its rounding (about `2⁻⁸` relative for bf16; the f32 output removes it: the candle op
+    /// reruns the f32 forward for this).
     pub out: Option<&'a TensorRef<'b, T>>,
     /// The upstream gradient `[B, H, L, D]`.
     pub dout: &'a TensorRef<'b, T>,
@@ -250,8 +254,9 @@ pub struct BackwardArgs<'a, 'b, T> {
     pub grads: GatedGrads<'a, 'b, T>,
 }
 
-/// What the forward keeps: the final state `[B, H_kv, M, W]` f32 and, normalised, the guarded
-/// denominators `[B, H, L]` f32.
+/// What the forward keeps: the final state `[B | N, H_kv, M, W]` f32, normalised the guarded
+/// denominators `[B, H, L]` f32, and with [`MemoryMode::BoundaryStates`] the state entering
+/// every chunk ([`ForwardOptions`]).
 pub struct GatedSaved {
     final_state: Buffer<f32>,
     packing: Option<Packing>,
