@@ -380,6 +380,37 @@ __global__ void __launch_bounds__(kGlaThreads) gla_dq_kernel(const MesaGlaBackwa
 // dk, dv, dS, da: one block per (b, kh), walking the chunks in reverse and, in each chunk,
 // over the group's query heads in order (deterministic sums, no atomics). Per-step decay: da
 // into d_decay; per-head: into da_rows [B*H_kv*L] for gla_da_reduce_kernel.
+// The end of a dk/dv walk's chunk (both walks; after a barrier): dk and dv of its rows stored,
+// k . dk per row (kdk, shared), then thread 0 adds each row's dL/dLam'_t = sum_h q . dq - k . dk
+// to the suffix sum acc and writes da_t (0 on a reset row, where the sum restarts).
+template <typename T>
+__device__ __forceinline__ void gla_dkdv_chunk_end(const MesaGlaBackwardArgs& a, int64_t b, int64_t kh, int64_t t0,
+                                                   int n, const float* dk_acc, const float* dv_acc,
+                                                   const float* qdq, float* kdk, float* da_kh, float& acc) {
+  const MesaGlaShape& sh = a.shape;
+  const int64_t H = sh.heads, L = sh.len, M = sh.feat, D = sh.dim, G = H / sh.kv_heads;
+  for (int64_t e = threadIdx.x; e < n * M; e += blockDim.x)
+    gla_store<T>(a.dk, b, kh, t0 + e / M, e % M, dk_acc[e]);
+  for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x)
+    gla_store<T>(a.dv, b, kh, t0 + e / D, e % D, dv_acc[e]);
+  for (int s = threadIdx.x; s < n; s += blockDim.x) {
+    float x = 0.0f;
+    for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.k, b, kh, t0 + s, i), dk_acc[s * M + i], x);
+    kdk[s] = x;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int t = n - 1; t >= 0; --t) {
+      float x = -kdk[t];
+      for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
+      acc += x;
+      const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
+      da_kh[t0 + t] = reset ? 0.0f : acc;
+      if (reset) acc = 0.0f;  // the rows before it form an independent sequence
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
     gla_dkdv_kernel(const MesaGlaBackwardArgs a, float* work_ds, float* work_dkdv, const float* qdq, float* da_rows) {
@@ -468,26 +499,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
       }
     }
     __syncthreads();
-    for (int64_t e = threadIdx.x; e < n * M; e += blockDim.x)
-      gla_store<T>(a.dk, b, kh, t0 + e / M, e % M, dk_acc[e]);
-    for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x)
-      gla_store<T>(a.dv, b, kh, t0 + e / D, e % D, dv_acc[e]);
-    for (int s = threadIdx.x; s < n; s += blockDim.x) {
-      float x = 0.0f;
-      for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.k, b, kh, t0 + s, i), dk_acc[s * M + i], x);
-      kdk[s] = x;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int t = n - 1; t >= 0; --t) {
-        float x = -kdk[t];
-        for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
-        acc += x;
-        const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
-        da_kh[t0 + t] = reset ? 0.0f : acc;
-        if (reset) acc = 0.0f;  // the rows before it form an independent sequence
-      }
-    }
+    gla_dkdv_chunk_end<T>(a, b, kh, t0, n, dk_acc, dv_acc, qdq, kdk, da_kh, acc);
     float* tmp = dS;
     dS = dS_next;
     dS_next = tmp;
@@ -1073,26 +1085,7 @@ __global__ void __launch_bounds__(kGlaThreads, kGlaMinBlocks)
           [&](int64_t i, int64_t j, float u) { dS_next[i * W + j] += u; });
     }
     __syncthreads();
-    for (int64_t e = threadIdx.x; e < n * M; e += blockDim.x)
-      gla_store<T>(a.dk, b, kh, t0 + e / M, e % M, dk_acc[e]);
-    for (int64_t e = threadIdx.x; e < n * D; e += blockDim.x)
-      gla_store<T>(a.dv, b, kh, t0 + e / D, e % D, dv_acc[e]);
-    for (int s = threadIdx.x; s < n; s += blockDim.x) {
-      float x = 0.0f;
-      for (int64_t i = 0; i < M; ++i) x = fmaf(gla_load<T>(a.k, b, kh, t0 + s, i), dk_acc[s * M + i], x);
-      kdk[s] = x;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (int t = n - 1; t >= 0; --t) {
-        float x = -kdk[t];
-        for (int64_t hq = kh * G; hq < (kh + 1) * G; ++hq) x += qdq[(b * H + hq) * L + t0 + t];
-        acc += x;
-        const bool reset = is_reset(gla_decay(a.decay, sh, b, kh, t0 + t));
-        da_kh[t0 + t] = reset ? 0.0f : acc;
-        if (reset) acc = 0.0f;  // the rows before it form an independent sequence
-      }
-    }
+    gla_dkdv_chunk_end<T>(a, b, kh, t0, n, dk_acc, dv_acc, qdq, kdk, da_kh, acc);
     float* tmp = dS;
     dS = dS_next;
     dS_next = tmp;
