@@ -27,7 +27,15 @@
 //!   relatively to their magnitudes, so `mag(o) = mag(n)/den + |o|`; a gradient is the
 //!   unnormalised one of `dout/den` (term 1) minus the one of `v = 1`, `dout = (dout·o)/den`
 //!   (term 2): `mag` is the sum of both terms' magnitudes;
-//! * results stored in a 16-bit dtype round once more: `u_T·|ref|`.
+//! * results stored in a 16-bit dtype round once more: `u_T·|ref|`;
+//! * 16-bit inputs with the identity map run the kernels in their dtype, every product on
+//!   tensor cores as split bf16 pairs: `(n·u + 6·2⁻¹⁸)·mag` more (derived in
+//!   `tests/gated_linear_attention.rs` at the repository root), and a normalised backward
+//!   reads the output rounded to the dtype (`dden` off by `u_T` relatively): `4·u_T·mag` more.
+//!   (With the ELU+1 map the op computes in f32, as above.)
+//!
+//! Normalised cases keep every denominator away from zero: positive features (ELU+1, or the
+//! identity on `|q|`, `|k|`).
 mod common;
 
 use candle_core::{DType, Tensor, Var};
@@ -146,8 +154,10 @@ fn run(c: &Case, rng: &mut Rng) {
     let cpu = candle_core::Device::Cpu;
     let (b, h, hkv, l, m, d) = (c.b, c.h, c.hkv, c.l, c.m, c.d);
     let group = h / hkv;
-    let q = rng.tensor(&[b, h, l, m], 0.0, 1.0, c.dtype);
-    let k = rng.tensor(&[b, hkv, l, m], 0.0, 1.0, c.dtype);
+    // normalised with the identity map: positive features (module docs)
+    let positive = |t: Tensor| if c.normalize && !c.elu { t.abs().unwrap() } else { t };
+    let q = positive(rng.tensor(&[b, h, l, m], 0.0, 1.0, c.dtype));
+    let k = positive(rng.tensor(&[b, hkv, l, m], 0.0, 1.0, c.dtype));
     let v = rng.tensor(&[b, hkv, l, d], 0.0, 1.0, c.dtype);
     let alpha = 0.8;
     let mut a_vals: Vec<f32> =
@@ -223,9 +233,13 @@ fn run(c: &Case, rng: &mut Rng) {
     };
     let n = (m + d + 2 * l + 2 * c.chunk + l / c.chunk + 24 + if c.elu { 2 } else { 0 }) as f64;
     let f32_factor = U * (n + 2.0 * c.chunk as f64 * (l + c.chunk) as f64 * alpha);
-    let bound = |mag: &[f64]| mag.iter().map(|x| f32_factor * x).collect::<Vec<f64>>();
     let ut = if c.dtype == DType::F64 { 0.0 } else { unit(c.dtype) };
     let ut = if c.dtype == DType::F32 { 0.0 } else { ut };
+    // 16-bit on the kernels in its own dtype (identity map): the tensor cores' split pairs,
+    // and a normalised backward's rounded output (module docs)
+    let native16 = ut > 0.0 && !c.elu;
+    let tc = if native16 { n * U + 6.0 * 2f64.powi(-18) + if c.normalize { 4.0 * ut } else { 0.0 } } else { 0.0 };
+    let bound = |mag: &[f64]| mag.iter().map(|x| (f32_factor + tc) * x).collect::<Vec<f64>>();
     // 16-bit results round once more; a subnormal result may be off by half its spacing
     let rounded = |tol: Vec<f64>, want: &[f64]| -> Vec<f64> {
         tol.iter().zip(want).map(|(t, w)| t + ut * w.abs() + if ut > 0.0 { 6e-8 } else { 0.0 }).collect()
@@ -329,8 +343,12 @@ fn matches_the_reference_f16_bf16() {
     for dtype in [DType::F16, DType::BF16] {
         run(&Case { dtype, ..case(2, 4, 2, 19) }, &mut rng);
         run(&Case { dtype, per_head: true, ..case(1, 2, 1, 10) }, &mut rng);
-        // normalised 16-bit: the backward reruns the f32 forward
+        // normalised 16-bit with a feature map: the backward reruns the f32 forward
         run(&Case { dtype, normalize: true, elu: true, initial: false, ..case(1, 4, 2, 12) }, &mut rng);
+        // normalised 16-bit, identity map: the kernels in the dtype, the rounded output read back
+        run(&Case { dtype, normalize: true, initial: false, ..case(1, 4, 2, 21) }, &mut rng);
+        // a reset, chunks of 5 with a tail
+        run(&Case { dtype, resets: vec![(0, 1, 7)], chunk: 5, ..case(1, 4, 2, 13) }, &mut rng);
     }
 }
 
@@ -383,4 +401,63 @@ fn bad_inputs_are_typed_errors() {
     }
     // a reset (−∞) is a value, not an error
     assert!(op.forward(&q, &k, &v, &a(&[2], f32::NEG_INFINITY)).is_ok());
+}
+
+/// The op hands 16-bit inputs to the kernels in their own dtype (tensor cores) when the map is
+/// the identity: its final state is bitwise the kernels' bf16 run's, and differs from their f32
+/// run on the same values (which the op would give if it cast to f32 first).
+#[test]
+fn sixteen_bit_inputs_run_the_kernels_in_their_dtype() {
+    use half::bf16;
+    use mesa_kernels::gated_linear_attention as gk;
+    use mesa_kernels::TensorRef;
+    let mut rng = Rng::new("gated sixteen_bit_inputs_run_the_kernels_in_their_dtype");
+    let cpu = candle_core::Device::Cpu;
+    let (b, h, hkv, l, m, d) = (1, 2, 1, 21, 8, 5);
+    let q = rng.tensor(&[b, h, l, m], 0.0, 1.0, DType::BF16);
+    let k = rng.tensor(&[b, hkv, l, m], 0.0, 1.0, DType::BF16);
+    let v = rng.tensor(&[b, hkv, l, d], 0.0, 1.0, DType::BF16);
+    let a_vals: Vec<f32> = (0..b * hkv * l).map(|_| -(0.02 + 0.5 * rng.uniform()) as f32).collect();
+    let a = Tensor::from_vec(a_vals.clone(), (b, hkv, l), &cpu).unwrap();
+    let config = GatedConfig { chunk: 8, ..GatedConfig::default() };
+    let (_, fin) = GatedLinearAttention::new(config, None).forward_with_state(&q, &k, &v, &a, None).unwrap();
+    let fin: Vec<f32> = fin.flatten_all().unwrap().to_vec1().unwrap();
+
+    // the kernels themselves, in bf16 and in f32 on the same values
+    let device = mesa_kernels::Device::emulator();
+    let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<bf16>().unwrap();
+    let (qh, kh, vh) = (host(&q), host(&k), host(&v));
+    let kernel_state = |f32_inputs: bool| -> Vec<f32> {
+        let (qs, ks, vs) = ([b, h, l, m], [b, hkv, l, m], [b, hkv, l, d]);
+        let ar = TensorRef::contiguous(&a_vals, &[b, hkv, l]).unwrap();
+        let saved = if f32_inputs {
+            let w = |x: &[bf16]| x.iter().map(|y| y.to_f32()).collect::<Vec<f32>>();
+            let (qf, kf, vf) = (w(&qh), w(&kh), w(&vh));
+            let mut out = vec![0f32; b * h * l * d];
+            let (qr, kr, vr) = (
+                TensorRef::contiguous(&qf, &qs).unwrap(),
+                TensorRef::contiguous(&kf, &ks).unwrap(),
+                TensorRef::contiguous(&vf, &vs).unwrap(),
+            );
+            let mut o = mesa_kernels::TensorMut::contiguous(&mut out, &[b, h, l, d]).unwrap();
+            let args =
+                gk::ForwardArgs { q: &qr, k: &kr, v: &vr, decay: gk::Decay::PerStep(&ar), initial: None, out: &mut o };
+            gk::forward(&device, &config, args).unwrap()
+        } else {
+            let mut out = vec![bf16::ZERO; b * h * l * d];
+            let (qr, kr, vr) = (
+                TensorRef::contiguous(&qh, &qs).unwrap(),
+                TensorRef::contiguous(&kh, &ks).unwrap(),
+                TensorRef::contiguous(&vh, &vs).unwrap(),
+            );
+            let mut o = mesa_kernels::TensorMut::contiguous(&mut out, &[b, h, l, d]).unwrap();
+            let args =
+                gk::ForwardArgs { q: &qr, k: &kr, v: &vr, decay: gk::Decay::PerStep(&ar), initial: None, out: &mut o };
+            gk::forward(&device, &config, args).unwrap()
+        };
+        saved.final_state().unwrap()
+    };
+    let (native, via_f32) = (kernel_state(false), kernel_state(true));
+    assert_ne!(native, via_f32, "the bf16 and f32 kernels agree bitwise here: the test cannot tell them apart");
+    assert_eq!(fin, native, "the op's final state is not the bf16 kernels'");
 }

@@ -689,6 +689,15 @@ fn sixteen_bit_layers_stay_within_their_unit_roundoff_of_the_f32_layer() {
         (llama(8, Recompute::None), "llama H_kv 8"),
         (llama(2, Recompute::None), "llama H_kv 2"),
         (llama(1, Recompute::Selective), "llama H_kv 1"),
+        // gated linear attention (RetNet's decays): its core on tensor cores in 16 bits
+        (
+            LayerConfig {
+                attention: Attention::retnet(2),
+                dropout: DropoutConfig { attention: 0.0, ..llama(2, Recompute::None).dropout },
+                ..llama(2, Recompute::None)
+            },
+            "llama H_kv 2 retnet",
+        ),
     ];
     for (config, name) in blocks {
         let layer = TransformerLayer::new(config, &common::device()).unwrap();

@@ -3,10 +3,11 @@
 //! calls ([`crate::ops::gated_linear_attention`]). K and V are the block's own heads (`[B, H_kv,
 //! N, d]`, never repeated); the forward keeps nothing of the core (the Q, K, V codes are kept by
 //! the block), the backward reruns it from the decoded Q̂, K̂, V̂ — `O(N)`, as linear attention.
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::forward::Plan;
 use super::Attention;
+use crate::bridge::dispatch_float;
 use crate::ops::gated_linear_attention::{gla_backward, gla_forward};
 use crate::ops::GatedConfig;
 
@@ -33,8 +34,9 @@ pub(crate) struct GatedCore {
 }
 
 impl GatedCore {
-    /// `q: [B, H, N, d]`, `k, v: [B, H_kv, N, d]` → `[B, H, N, d]` in `q`'s dtype, computed in
-    /// f32 (as the op computes 16-bit inputs, `crate::ops` "Dtypes").
+    /// `q: [B, H, N, d]`, `k, v: [B, H_kv, N, d]` → `[B, H, N, d]`, in `q`'s dtype (f32, f16
+    /// or bf16; 16-bit on tensor cores, as the op runs them with the identity map, `q/√d`
+    /// rounded to the dtype).
     pub fn forward(
         &self,
         kernels: &mesa_kernels::Device,
@@ -42,14 +44,16 @@ impl GatedCore {
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        let f = |t: &Tensor| t.to_dtype(DType::F32);
-        let qs = (f(q)? * self.scale)?;
-        let (o, _final_state) = gla_forward::<f32>(kernels, &self.config, [&qs, &f(k)?, &f(v)?], &self.decay, None)?;
-        o.into_tensor()?.to_dtype(q.dtype())
+        let qs = (q * self.scale)?;
+        dispatch_float!(q.dtype(), "gated linear attention", T => {
+            let (o, _final_state) = gla_forward::<T>(kernels, &self.config, [&qs, k, v], &self.decay, None)?;
+            o.into_tensor()
+        })
     }
 
     /// `(dQ, dK, dV)` of [`GatedCore::forward`] at `q, k, v` (decoded) for the output gradient
-    /// `d_o`: the forward rerun first (its final state, and its output when normalised).
+    /// `d_o` (all of one dtype): the forward rerun first (its final state, and its output when
+    /// normalised).
     pub fn backward(
         &self,
         kernels: &mesa_kernels::Device,
@@ -58,24 +62,13 @@ impl GatedCore {
         v: &Tensor,
         d_o: &Tensor,
     ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let f = |t: &Tensor| t.to_dtype(DType::F32);
-        let (qs, kf, vf) = ((f(q)? * self.scale)?, f(k)?, f(v)?);
-        let (o, saved) = gla_forward::<f32>(kernels, &self.config, [&qs, &kf, &vf], &self.decay, None)?;
-        let o = self.config.normalize.then(|| o.into_tensor()).transpose()?;
-        let g = gla_backward::<f32>(
-            kernels,
-            &self.config,
-            &saved,
-            [&qs, &kf, &vf],
-            &self.decay,
-            None,
-            o.as_ref(),
-            &f(d_o)?,
-            None,
-            false,
-        )?;
+        let qs = (q * self.scale)?;
+        let g = dispatch_float!(q.dtype(), "gated linear attention backward", T => {
+            let (o, saved) = gla_forward::<T>(kernels, &self.config, [&qs, k, v], &self.decay, None)?;
+            let o = self.config.normalize.then(|| o.into_tensor()).transpose()?;
+            gla_backward::<T>(kernels, &self.config, &saved, [&qs, k, v], &self.decay, None, o.as_ref(), d_o, None, false)
+        })?;
         let [dq, dk, dv] = g.dqkv;
-        let dt = q.dtype();
-        Ok(((dq * self.scale)?.to_dtype(dt)?, dk.to_dtype(dt)?, dv.to_dtype(dt)?))
+        Ok(((dq * self.scale)?, dk, dv))
     }
 }

@@ -12,7 +12,7 @@ use mesa_kernels::gated_linear_attention::{
 use super::linear_attention::{FeatureKind, LinearAttention};
 use super::{check_dtypes, check_rank, tensor_result};
 use crate::attach::{attach, Backward};
-use crate::bridge::{common_device, KernelFloat, Output, View};
+use crate::bridge::{common_device, dispatch_float, KernelFloat, Output, View};
 use crate::error::{Error, KernelResult};
 
 /// Gated causal linear attention (issue 41):
@@ -34,15 +34,18 @@ use crate::error::{Error, KernelResult};
 /// `[B, H_kv, M', W]`, `M'` the feature map's width (`M` for the identity), `W = D + 1` when
 /// normalised (the last column `z`), else `D`.
 ///
-/// Dtypes: `q`, `k`, `v` one of f32, f16, bf16 (any strides); the op computes in f32 (16-bit
-/// inputs cast to f32 first, the output rounded once); f64 inputs are computed in f32 too (`a`
-/// and the state may then be f64), as [`crate::ops`] describes. The gradients reach `q`, `k`,
-/// `v`, `a` and the initial state.
+/// Dtypes: `q`, `k`, `v` one of f32, f16, bf16 (any strides). With the identity map the
+/// kernels run in the inputs' dtype: f16 and bf16 on tensor cores (split bf16 pairs, f32
+/// state and sums; [`mesa_kernels::gated_linear_attention`]), their gradients written in that
+/// dtype, and a normalised backward reads the output as rounded to it. With a feature map the
+/// op computes in f32 (16-bit inputs cast first, the output rounded once). f64 inputs are
+/// computed in f32 (`a` and the state may then be f64), as [`crate::ops`] describes. The
+/// gradients reach `q`, `k`, `v`, `a` and the initial state.
 ///
 /// Forward: `φ` (the feature-map kernel), then the gated kernel, which keeps its final state
 /// (and the `B·H·L` f32 denominators when normalised). Backward: the gated kernel's exact
 /// gradients, then `φ`'s backward with `φ(q)`, `φ(k)` recomputed; a normalised op with 16-bit
-/// inputs reruns the f32 forward first (the backward needs the f32 output). The op's arguments
+/// inputs and a feature map reruns the f32 forward first (its backward needs the f32 output). The op's arguments
 /// in candle's graph are `q`, a copy of `k` and `v` packed together (candle's custom ops
 /// take at most three arguments), and `a` packed with the initial state.
 #[derive(Debug, Clone)]
@@ -156,8 +159,14 @@ impl GatedLinearAttention {
         let mut all = vec![q, k, v, a];
         all.extend(initial);
         let kernels = common_device(OP, &all)?;
-        let (qf, kf, vf) = (f32_of(q)?, f32_of(k)?, f32_of(v)?);
-        let (phi_q, phi_k) = self.features(&kernels, &qf, &kf)?;
+        // identity map, 16-bit: the kernels in the inputs' dtype (tensor cores); else f32
+        let compute = self.compute_dtype(dtype);
+        let (phi_q, phi_k) = if compute == DType::F32 {
+            self.features(&kernels, &f32_of(q)?, &f32_of(k)?)?
+        } else {
+            (q.detach(), k.detach())
+        };
+        let vc = v.detach().to_dtype(compute)?;
         let width = d + usize::from(self.config.normalize);
         let state_shape = [b, hkv, phi_k.dim(3)?, width];
         if let Some(s) = initial {
@@ -168,8 +177,10 @@ impl GatedLinearAttention {
             }
         }
         let (af, initf) = (a.detach().contiguous()?, initial.map(|s| s.detach().contiguous()).transpose()?);
-        let (out, saved) = gla_forward::<f32>(&kernels, &self.config, [&phi_q, &phi_k, &vf], &af, initf.as_ref())?;
-        let out = out.into_tensor()?;
+        let (out, saved) = dispatch_float!(compute, OP, T => {
+            let (o, s) = gla_forward::<T>(&kernels, &self.config, [&phi_q, &phi_k, &vc], &af, initf.as_ref())?;
+            Ok::<_, candle_core::Error>((o.into_tensor()?, s))
+        })?;
         // the op's arguments: q, k and v packed, a and the initial state packed (module docs)
         let n_k = k.elem_count();
         let kv = Tensor::cat(&[k.flatten_all()?, v.flatten_all()?], 0)?;
@@ -191,14 +202,26 @@ impl GatedLinearAttention {
         }
         let fin = final_state_tensor(&grad.saved, state_shape, q.device())?;
         let n_out = out.elem_count();
-        let packed = Tensor::cat(&[out.flatten_all()?, fin.flatten_all()?], 0)?;
+        // (a 16-bit output is exact in f32: the cast back below gives it unchanged)
+        let packed = Tensor::cat(&[out.to_dtype(DType::F32)?.flatten_all()?, fin.flatten_all()?], 0)?;
         let packed = attach(&[q, &kv, &side], tensor_result(&packed)?, grad)?;
         let y = packed.narrow(0, 0, n_out)?.reshape((b, h, l, d))?.to_dtype(dtype)?;
         let s = packed.narrow(0, n_out, fin.elem_count())?.reshape(state_shape.to_vec())?;
         Ok((y, Some(s)))
     }
 
-    /// `φ(q)`, `φ(k)` (f32, outside any graph): the inputs themselves for the identity.
+    /// The dtype the kernels run in for inputs of `dtype` (f32, f16 or bf16): the inputs' own
+    /// for the identity map (16-bit inputs on tensor cores), f32 with a feature map (whose
+    /// kernels the op runs in f32).
+    fn compute_dtype(&self, dtype: DType) -> DType {
+        if self.features.is_none() {
+            dtype
+        } else {
+            DType::F32
+        }
+    }
+
+    /// `φ(q)`, `φ(k)` (f32, outside any graph): the inputs themselves (any dtype) for the identity.
     fn features(
         &self,
         kernels: &mesa_kernels::Device,
@@ -435,8 +458,10 @@ impl Backward for GatedGrad {
         let Dims { q: qd, kv: [b, hkv, l], n_k, d, a: ad, state } = self.dims.clone();
         let m = qd[3];
         let dtype = args[0].dtype();
-        let q = f32_of(args[0])?;
-        let kv = f32_of(args[1])?;
+        let compute = self.op.compute_dtype(dtype);
+        let cast = |t: &Tensor| t.detach().to_dtype(compute);
+        let q = cast(args[0])?;
+        let kv = cast(args[1])?;
         let k = kv.narrow(0, 0, n_k)?.reshape((b, hkv, l, m))?;
         let v = kv.narrow(0, n_k, b * hkv * l * d)?.reshape((b, hkv, l, d))?;
         let side = args[2].detach();
@@ -445,21 +470,24 @@ impl Backward for GatedGrad {
         let n_s: usize = state.iter().product();
         let initial = if self.has_initial { Some(side.narrow(0, n_a, n_s)?.reshape(state.to_vec())?) } else { None };
         let n_out: usize = qd[0] * qd[1] * qd[2] * d;
+        // the output as the forward's kernels wrote it (a 16-bit one exactly, in f32 or its own
+        // dtype), or `None` where only its rounding to a 16-bit dtype is kept
         let (dout, d_final, res_out) = if self.with_state {
             let g = grad.to_dtype(DType::F32)?;
-            let dout = g.narrow(0, 0, n_out)?.reshape((qd[0], qd[1], qd[2], d))?;
+            let dout = cast(&g.narrow(0, 0, n_out)?.reshape((qd[0], qd[1], qd[2], d))?)?;
             let df = g.narrow(0, n_out, n_s)?.reshape(state.to_vec())?.contiguous()?;
             let o = res.narrow(0, 0, n_out)?.reshape((qd[0], qd[1], qd[2], d))?;
-            (dout, Some(df), Some(o))
+            (dout, Some(df), Some(cast(&o)?))
         } else {
-            let o = (dtype == DType::F32).then(|| res.clone());
-            (f32_of(grad)?, None, o)
+            let o = (dtype == compute).then(|| res.detach());
+            (cast(grad)?, None, o)
         };
         let (phi_q, phi_k) = self.op.features(&self.kernels, &q, &k)?;
         let rerun;
         let (saved, out) = match (self.op.config.normalize, res_out) {
             (true, None) => {
-                // 16-bit, normalised: the f32 output again (the rounded `res` is not it)
+                // 16-bit with a feature map, normalised: the f32 output again (the rounded
+                // `res` is not it)
                 let (o, s) =
                     gla_forward::<f32>(&self.kernels, &self.op.config, [&phi_q, &phi_k, &v], &a, initial.as_ref())?;
                 rerun = s;
@@ -468,7 +496,7 @@ impl Backward for GatedGrad {
             (true, Some(o)) => (&self.saved, Some(o)),
             (false, _) => (&self.saved, None),
         };
-        let g = gla_backward::<f32>(
+        let g = dispatch_float!(compute, "gated linear attention backward", T => gla_backward::<T>(
             &self.kernels,
             &self.op.config,
             saved,
@@ -479,7 +507,7 @@ impl Backward for GatedGrad {
             &dout,
             d_final.as_ref(),
             self.has_initial,
-        )?;
+        ))?;
         let [dphi_q, dphi_k, dv] = g.dqkv;
         let dq = self.op.features_backward(&self.kernels, &q, &phi_q, dphi_q, true)?;
         let dk = self.op.features_backward(&self.kernels, &k, &phi_k, dphi_k, false)?;
