@@ -111,8 +111,9 @@ pub fn plan_config(config: &LayerConfig, layers: usize, batch: usize, seq: usize
             states: LinearStates::Rerun,
         },
         // counted as ungated causal linear attention of the same sizes (its φ(Q), φ(K)
-        // copies stand for the gated core's scaled f32 queries and keys)
-        Attention::Gated { config: g, .. } => AttentionKind::Linear {
+        // copies stand for the gated core's scaled f32 queries and keys); an input gate keeps
+        // nothing (recomputed from the projections' input in backward)
+        Attention::Gated { config: g, .. } | Attention::InputGated { config: g } => AttentionKind::Linear {
             causal: true,
             chunk: g.chunk as u64,
             features: shape.hidden / shape.heads,
@@ -445,6 +446,12 @@ mod tests {
         let (c, f, v, t) = (16u64, 64u64, 80u64, 8u64);
         let psi = 2 * v * c + t * c + 2 * (4 * c * c + 2 * c * f + 9 * c + f) + 2 * c;
         assert_eq!(plan.parameters, psi);
+        // an input gate adds its C·H_kv + 2·H_kv per layer, as the layer's own layout has them
+        let gated = LayerConfig { attention: crate::layer::Attention::input_gated(), ..cfg.clone() };
+        let extra = crate::layer::ParamLayout::of(&gated).unwrap().total()
+            - crate::layer::ParamLayout::of(&cfg).unwrap().total();
+        assert_eq!(extra as u64, 4 * c + 2 * 4);
+        assert_eq!(training_step(&gated, &shape).unwrap().parameters, psi + 2 * extra as u64);
         let names: Vec<_> = plan.phases.iter().map(|p| p.name).collect();
         assert_eq!(names, ["embed", "stack forward", "head", "stack backward", "optimizer step"]);
         for p in &plan.phases {

@@ -25,20 +25,9 @@ fn norm(a: &[f64]) -> f64 {
     a.iter().map(|x| x * x).sum::<f64>().sqrt()
 }
 
-/// Gradients of `Σ y ⊙ dy` for our layer and for the f64 reference with the same
-/// parameters and seed: `(y, y_ref, [(name, ours, reference)] with "x" first)`.
-#[allow(clippy::type_complexity)]
-fn both(
-    config: &LayerConfig,
-    x: &Tensor,
-    dy: &Tensor,
-    seed: u64,
-) -> (Vec<f64>, Vec<f64>, Vec<(String, Vec<f64>, Vec<f64>)>) {
-    let layer = TransformerLayer::new(config.clone(), &common::device()).unwrap();
-    both_with(&layer, config, x, dy, seed)
-}
-
-/// [`both`] with a given layer (its parameters, for the reference too).
+/// Our layer's output and gradients and the f64 reference's, for `layer` (its parameters, for
+/// the reference too), the gradients of `Σ y ⊙ dy` with the same seed: `(y, y_ref, [(name,
+/// ours, reference)])`, `x` first.
 #[allow(clippy::type_complexity)]
 fn both_with(
     layer: &TransformerLayer,
@@ -66,11 +55,17 @@ fn both_with(
 }
 
 fn check(config: &LayerConfig, what: &str) {
+    check_layer(&TransformerLayer::new(config.clone(), &common::device()).unwrap(), what);
+}
+
+/// [`check`] of a given layer (its parameters, for the reference too).
+fn check_layer(layer: &TransformerLayer, what: &str) {
+    let config = layer.config();
     let mut rng = Rng::new(what);
     let (b, n, c) = (2, 24, config.hidden);
     let x = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32);
     let dy = rng.tensor(&[b, n, c], 0.0, 1.0, DType::F32);
-    let (y, y_ref, grads) = both(config, &x, &dy, 0x5EED);
+    let (y, y_ref, grads) = both_with(layer, config, &x, &dy, 0x5EED);
     // forward: exact but for f32 arithmetic: ≤ 12 chained ops whose sums have at most
     // F = 128 terms (γ_128 ≈ 7.6e-6 each, ×12 ≈ 1e-4), normwise
     let top = y_ref.iter().fold(0.0f64, |a, v| a.max(v.abs()));
@@ -157,6 +152,42 @@ fn gated_attention_layer_gradients_match_plain_candle() {
             ..config(norm, recompute)
         };
         check(&cfg, &format!("gated attention {what}"));
+    }
+}
+
+/// Gated attention with an input-dependent decay (Mamba-2's parametrisation) against the
+/// reference's quadratic form, whose weights come from the prefix sums of the same gate in
+/// plain candle ops: every gradient, the gate's three parameters among them, in GPT (pre- and
+/// post-LN, every recomputation policy) and Llama blocks (`H_kv` 4 and 1). The gate's weights
+/// are drawn with σ = 0.3, not the init's 0.02, so that the decay varies over the steps (`z`
+/// has σ ≈ 1.7: per-step decays from about 0.9 to e⁻³) and the gate's share of the input
+/// gradient shows: with the init's weights, leaving `dz·W` out of `dx` passed the test.
+#[test]
+fn input_gated_attention_layer_gradients_match_plain_candle() {
+    let attention = Attention::InputGated { config: GatedConfig { chunk: 8, ..GatedConfig::default() } };
+    let no_attention_dropout = DropoutConfig { attention: 0.0, residual: 0.1, seed: 0 };
+    let strong_gate = |cfg: LayerConfig| {
+        let layer = TransformerLayer::new(cfg.clone(), &Device::Cpu).unwrap();
+        let mut map = std::collections::HashMap::new();
+        for (name, t) in layer.layout().unflatten(layer.params().as_tensor()).unwrap() {
+            let t = if name.ends_with("decay_proj.weight") { (t * 15.0).unwrap() } else { t };
+            map.insert(name.to_string(), t);
+        }
+        TransformerLayer::from_tensors(cfg, &map, "", &common::device()).unwrap()
+    };
+    for (norm, recompute, what) in [
+        (NormPlacement::Pre, Recompute::None, "pre-LN"),
+        (NormPlacement::Post, Recompute::Selective, "post-LN selective"),
+        (NormPlacement::Pre, Recompute::Full, "pre-LN full recomputation"),
+    ] {
+        let cfg =
+            LayerConfig { attention: attention.clone(), dropout: no_attention_dropout, ..config(norm, recompute) };
+        check_layer(&strong_gate(cfg), &format!("input-gated attention {what}"));
+    }
+    for kv in [4, 1] {
+        let cfg =
+            LayerConfig { attention: attention.clone(), dropout: no_attention_dropout, ..llama(kv, Recompute::None) };
+        check_layer(&strong_gate(cfg), &format!("llama input-gated H_kv {kv}"));
     }
 }
 
@@ -629,6 +660,20 @@ fn llama_checkpoint_names_load_and_bad_llama_configurations_are_typed_errors() {
         ),
         (
             LayerConfig {
+                attention: Attention::InputGated { config: GatedConfig { normalize: true, ..GatedConfig::default() } },
+                ..cfg.clone()
+            },
+            "attention.config.normalize",
+        ),
+        (
+            LayerConfig {
+                attention: Attention::InputGated { config: GatedConfig { chunk: 0, ..GatedConfig::default() } },
+                ..cfg.clone()
+            },
+            "attention.config.chunk",
+        ),
+        (
+            LayerConfig {
                 attention: Attention::retnet(2),
                 dropout: DropoutConfig { attention: 0.1, residual: 0.0, seed: 0 },
                 ..cfg.clone()
@@ -697,6 +742,14 @@ fn sixteen_bit_layers_stay_within_their_unit_roundoff_of_the_f32_layer() {
                 ..llama(2, Recompute::None)
             },
             "llama H_kv 2 retnet",
+        ),
+        (
+            LayerConfig {
+                attention: Attention::input_gated(),
+                dropout: DropoutConfig { attention: 0.0, ..llama(2, Recompute::None).dropout },
+                ..llama(2, Recompute::None)
+            },
+            "llama H_kv 2 input-gated",
         ),
     ];
     for (config, name) in blocks {

@@ -193,6 +193,7 @@ impl Variant {
             Attention::Softmax { .. } => "softmax",
             Attention::Linear { .. } => "linear",
             Attention::Gated { .. } => "gated",
+            Attention::InputGated { .. } => "input-gated",
         }
     }
 

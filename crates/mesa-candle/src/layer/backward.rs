@@ -213,6 +213,14 @@ fn layer_backward(
     insert(&mut grads, "attn.out_proj", dwo, dbo);
     let d_o = plan.split_heads(&d_a)?;
     drop(d_a);
+    // the projections' input: LN₁'s output (pre, decoded) or the layer input itself (post);
+    // made before the core only for an input gate (which is recomputed from it)
+    let attn_input = || -> candle_core::Result<Tensor> {
+        plan.gather(&if pre { ctx.layer_norm_output(&c.ln1, &w("ln_1.weight")?, &w("ln_1.bias")?)? } else { x.clone() })
+    };
+    let gated_input = plan.config.attention.is_input_gated().then(attn_input).transpose()?;
+    let gate = gated_input.as_ref().map(|t| plan.input_gate(params, t)).transpose()?.flatten();
+    let mut d_gate = None;
     let (q, k, v) = (ctx.decode(&c.q)?, ctx.decode(&c.k)?, ctx.decode(&c.v)?);
     let (dq, dk, dv) = match &plan.linear {
         Some(op) => {
@@ -228,19 +236,23 @@ fn layer_backward(
             let dt = q.dtype();
             (dq.to_dtype(dt)?, dk.to_dtype(dt)?, dv.to_dtype(dt)?)
         }
-        None => match plan.gated_core()? {
-            Some(core) => core.backward(&ctx.kernels, &q, &k, &v, &d_o)?,
+        None => match plan.gated_core(gate.as_ref())? {
+            Some(core) => {
+                let ([dq, dk, dv], da) = core.backward(&ctx.kernels, &q, &k, &v, &d_o)?;
+                if let (Some(g), Some(t)) = (&gate, &gated_input) {
+                    d_gate = Some(plan.input_gate_backward(params, t, g, &da, &mut grads)?);
+                }
+                (dq, dk, dv)
+            }
             None => softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?,
         },
     };
-    drop((q, k, v, a_hat));
-    // the projections' input: LN₁'s output (pre, decoded) or the layer input itself (post)
-    let attn_in = plan.gather(&if pre {
-        ctx.layer_norm_output(&c.ln1, &w("ln_1.weight")?, &w("ln_1.bias")?)?
-    } else {
-        x.clone()
-    })?;
-    let mut d_in: Option<Tensor> = None;
+    drop((q, k, v, a_hat, gate));
+    let attn_in = match gated_input {
+        Some(t) => t,
+        None => attn_input()?,
+    };
+    let mut d_in: Option<Tensor> = d_gate;
     for (name, d) in [("attn.q_proj", dq), ("attn.k_proj", dk), ("attn.v_proj", dv)] {
         let (dt, dw, db) = proj_backward(plan, params, name, &attn_in, &plan.merge_heads(&d)?)?;
         insert(&mut grads, name, dw, db);

@@ -409,11 +409,12 @@ fn run_gpt(
     let q = plan.split_heads(&plan.proj(params, &attn_in, "attn.q_proj")?)?;
     let k = plan.split_heads(&plan.proj(params, &attn_in, "attn.k_proj")?)?;
     let v = plan.split_heads(&plan.proj(params, &attn_in, "attn.v_proj")?)?;
+    let gate = plan.input_gate(params, &attn_in)?;
     drop(attn_in);
     let q_s = ctx.quantize(&q, quant.get(CodeSite::Q))?;
     let k_s = ctx.quantize(&k, quant.get(CodeSite::K))?;
     let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
-    let (o, p_s, la) = match (&plan.linear, plan.gated_core()?) {
+    let (o, p_s, la) = match (&plan.linear, plan.gated_core(gate.as_ref())?) {
         (None, Some(core)) => (core.forward(&ctx.kernels, &q, &k, &v)?, None, None),
         (None, None) => {
             let (p, p_s) = plan.probabilities(&q, &k, policy == Recompute::None)?;

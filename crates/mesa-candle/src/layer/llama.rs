@@ -72,12 +72,13 @@ pub(crate) fn forward(
     let q = plan.split_heads(&proj(plan, params, &h1, "self_attn.q_proj.weight")?)?;
     let k = plan.split_kv_heads(&proj(plan, params, &h1, "self_attn.k_proj.weight")?)?;
     let v = plan.split_kv_heads(&proj(plan, params, &h1, "self_attn.v_proj.weight")?)?;
+    let gate = plan.input_gate(params, &h1)?;
     drop(h1);
     // rotate, then encode, in one pass each
     let (q, q_s) = ctx.rope_save(&q, &block.rope, quant.get(CodeSite::Q))?;
     let (k, k_s) = ctx.rope_save(&k, &block.rope, quant.get(CodeSite::K))?;
     let v_s = ctx.quantize(&v, quant.get(CodeSite::V))?;
-    let (o, p_s) = match plan.gated_core()? {
+    let (o, p_s) = match plan.gated_core(gate.as_ref())? {
         // grouped heads inside the kernel: K, V never repeated
         Some(core) => (core.forward(&ctx.kernels, &q, &k, &v)?, None),
         None => {
@@ -149,17 +150,31 @@ pub(crate) fn backward(
     grads.insert("self_attn.o_proj.weight", dw_o);
     let d_o = plan.split_heads(&d_a)?;
     drop(d_a);
+    let w_in = w("input_layernorm.weight")?;
+    // the projections' input, made before the core only for an input gate (recomputed from it)
+    let h1_of = || plan.gather(&ctx.rms_norm_output(&c.ln1, &w_in)?);
+    let gated_h1 = plan.config.attention.is_input_gated().then(h1_of).transpose()?;
+    let gate = gated_h1.as_ref().map(|t| plan.input_gate(params, t)).transpose()?.flatten();
     let (q, k, v) = (ctx.decode(&c.q)?, ctx.decode(&c.k)?, ctx.decode(&c.v)?);
-    let (dq, dk, dv) = match plan.gated_core()? {
-        Some(core) => core.backward(&ctx.kernels, &q, &k, &v, &d_o)?,
-        None => super::backward::softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?,
+    let ((dq, dk, dv), d_gate) = match plan.gated_core(gate.as_ref())? {
+        Some(core) => {
+            let ([dq, dk, dv], da) = core.backward(&ctx.kernels, &q, &k, &v, &d_o)?;
+            let d_gate = match (&gate, &gated_h1) {
+                (Some(g), Some(t)) => Some(plan.input_gate_backward(params, t, g, &da, &mut grads)?),
+                _ => None,
+            };
+            ((dq, dk, dv), d_gate)
+        }
+        None => (super::backward::softmax_core_backward(plan, c.p.as_ref(), &q, &k, &v, &d_o)?, None),
     };
-    drop((q, k, v, d_o));
+    drop((q, k, v, d_o, gate));
     // through RoPE: the inverse rotation
     let dq = ctx.rope(&dq, &block.rope, true)?;
     let dk = ctx.rope(&dk, &block.rope, true)?;
-    let w_in = w("input_layernorm.weight")?;
-    let h1 = plan.gather(&ctx.rms_norm_output(&c.ln1, &w_in)?)?;
+    let h1 = match gated_h1 {
+        Some(t) => t,
+        None => h1_of()?,
+    };
     let (d_hq, dw_q) = weight_backward(plan, params, "self_attn.q_proj.weight", &h1, &plan.merge_heads(&dq)?)?;
     let (d_hk, dw_k) = weight_backward(plan, params, "self_attn.k_proj.weight", &h1, &plan.merge_kv_heads(&dk)?)?;
     let (d_hv, dw_v) = weight_backward(plan, params, "self_attn.v_proj.weight", &h1, &plan.merge_kv_heads(&dv)?)?;
@@ -168,7 +183,11 @@ pub(crate) fn backward(
     grads.insert("self_attn.q_proj.weight", dw_q);
     grads.insert("self_attn.k_proj.weight", dw_k);
     grads.insert("self_attn.v_proj.weight", dw_v);
-    let d_in = plan.scatter(&((d_hq + d_hk)? + d_hv)?, None, None)?;
+    let mut d_h1 = ((d_hq + d_hk)? + d_hv)?;
+    if let Some(d) = d_gate {
+        d_h1 = (d_h1 + d)?;
+    }
+    let d_in = plan.scatter(&d_h1, None, None)?;
     let (dx_ln1, dw_in) = ctx.rms_norm_backward(&c.ln1, &w_in, &d_in)?;
     if plan.tp.is_some() {
         // the norms are replicated but each rank normalised its own rows: one all-reduce of

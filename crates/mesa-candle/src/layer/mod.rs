@@ -112,6 +112,20 @@ pub enum Attention {
         /// head ([`LayerConfig::kv_heads`]: `H` in a GPT block).
         log_decay: Vec<f32>,
     },
+    /// Causal gated linear attention with a decay per step and KV head computed from the
+    /// attention block's input `x̂` (the projections' input: the normalised input of a
+    /// pre-norm block), in Mamba-2's parametrisation (Dao & Gu 2024, §7, the Mamba-2 block):
+    /// `Δ_t = softplus(x̂_t·w_h + b_h)`, `a_t = −exp(A_log_h)·Δ_t`, so
+    /// `S_t = exp(a_t) S_{t−1} + k_t v_tᵀ`, `o_t = (q_t/√d)ᵀ S_t`. The gate's parameters are
+    /// the layer's ([`ParamLayout::of`]: `attn.decay_proj.weight` `[H_kv, C]`,
+    /// `attn.decay_proj.bias` `[H_kv]` and `attn.A_log` `[H_kv]`, with `self_attn.` in a
+    /// Llama block) and take gradients. Otherwise as [`Attention::Gated`]: no feature map, no
+    /// normalisation, no attention dropout; Mamba-2's scaling of the input by `Δ`, its
+    /// convolution, gate and norm are not part of it.
+    InputGated {
+        /// The kernel's chunk (`normalize` must be false: [`LayerConfig::validate`]).
+        config: GatedConfig,
+    },
 }
 
 impl Attention {
@@ -121,6 +135,28 @@ impl Attention {
     pub fn retnet(kv_heads: usize) -> Attention {
         let log_decay = (0..kv_heads).map(|h| (1.0 - 2f64.powi(-5 - h as i32)).ln() as f32).collect();
         Attention::Gated { config: GatedConfig::default(), log_decay }
+    }
+
+    /// Gated attention with an input-dependent decay ([`Attention::InputGated`]), not
+    /// normalised, chunks of 64.
+    #[must_use]
+    pub fn input_gated() -> Attention {
+        Attention::InputGated { config: GatedConfig::default() }
+    }
+
+    /// Whether this is [`Attention::InputGated`].
+    #[must_use]
+    pub fn is_input_gated(&self) -> bool {
+        matches!(self, Attention::InputGated { .. })
+    }
+
+    /// The gated kernel's configuration of [`Attention::Gated`] and [`Attention::InputGated`].
+    #[must_use]
+    pub fn gated_config(&self) -> Option<&GatedConfig> {
+        match self {
+            Attention::Gated { config, .. } | Attention::InputGated { config } => Some(config),
+            Attention::Softmax { .. } | Attention::Linear { .. } => None,
+        }
     }
 }
 
@@ -415,7 +451,7 @@ impl LayerConfig {
         if !matches!(self.attention, Attention::Softmax { .. }) && self.dropout.attention != 0.0 {
             return bad("dropout.attention", "linear attention has no probabilities to drop".into());
         }
-        if let Attention::Gated { config, log_decay } = &self.attention {
+        if let Attention::Gated { log_decay, .. } = &self.attention {
             if log_decay.len() != self.kv_heads() {
                 let why = format!("{} values for {} KV heads (one per KV head)", log_decay.len(), self.kv_heads());
                 return bad("log_decay", why);
@@ -423,6 +459,8 @@ impl LayerConfig {
             if let Some(a) = log_decay.iter().find(|a| a.is_nan() || **a > 0.0) {
                 return bad("log_decay", format!("{a} is not ≤ 0 (a natural-log decay; −∞: no memory)"));
             }
+        }
+        if let Some(config) = self.attention.gated_config() {
             let max = mesa_kernels::gated_linear_attention::MAX_CHUNK;
             if config.chunk == 0 || config.chunk > max {
                 return bad("attention.config.chunk", format!("{} is outside 1..={max}", config.chunk));
@@ -546,7 +584,7 @@ impl TransformerLayer {
 
     fn sharded_inner(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         config.validate()?;
-        if matches!(config.attention, Attention::Gated { .. }) {
+        if config.attention.gated_config().is_some() {
             // each rank would need its own heads' decays: not done
             let why = "gated attention in a sharded layer is not supported yet".into();
             return Err(Error::InvalidArgument { name: "attention", why }.into());
@@ -768,7 +806,7 @@ impl TransformerLayer {
     fn linear(&self) -> Option<LinearAttention> {
         match &self.config.attention {
             Attention::Linear { config, map } => Some(LinearAttention::new(*config, map.clone())),
-            Attention::Softmax { .. } | Attention::Gated { .. } => None,
+            Attention::Softmax { .. } | Attention::Gated { .. } | Attention::InputGated { .. } => None,
         }
     }
 }

@@ -249,10 +249,22 @@ impl ParamLayout {
     /// # Errors
     /// As [`ParamLayout::llama`].
     pub fn of(config: &super::LayerConfig) -> Result<Self, Error> {
-        match config.block {
-            super::Block::Gpt => Ok(ParamLayout::new(config.hidden, config.ffn)),
-            super::Block::Llama(l) => ParamLayout::llama(config.hidden, config.heads, l.kv_heads, config.ffn),
+        let layout = match config.block {
+            super::Block::Gpt => ParamLayout::new(config.hidden, config.ffn),
+            super::Block::Llama(l) => ParamLayout::llama(config.hidden, config.heads, l.kv_heads, config.ffn)?,
+        };
+        if !matches!(config.attention, super::Attention::InputGated { .. }) {
+            return Ok(layout);
         }
+        // the input gate's parameters, after the block's ([`super::Attention::InputGated`])
+        let (c, kv) = (config.hidden, config.kv_heads());
+        let names = GateNames::of(config.block);
+        let mut specs: Vec<(&'static str, Vec<usize>)> =
+            layout.entries.iter().map(|e| (e.name, e.shape.clone())).collect();
+        specs.extend([(names.weight, vec![kv, c]), (names.bias, vec![kv]), (names.a_log, vec![kv])]);
+        let mut gated = ParamLayout::from_list_checked(specs)?;
+        gated.llama = layout.llama;
+        Ok(gated)
     }
 
     /// [`ParamLayout::from_list`] with every element count and offset checked.
@@ -366,7 +378,9 @@ impl ParamLayout {
     }
 
     /// A flat variable initialised as usual: norm weights 1, biases 0, projection weights
-    /// `N(0, 0.02²)` from candle's generator on `device`.
+    /// `N(0, 0.02²)` from candle's generator on `device`; an input gate's
+    /// ([`super::Attention::InputGated`]) `A_log` 0 and bias Mamba-2's (`Δ_h` log-spaced over
+    /// `[10⁻³, 10⁻¹]` across the KV heads at a zero input).
     ///
     /// # Errors
     /// candle's errors.
@@ -374,7 +388,16 @@ impl ParamLayout {
         let mut parts = Vec::with_capacity(self.entries.len());
         for e in &self.entries {
             let norm = e.name.starts_with("ln_") || e.name.ends_with("layernorm.weight");
-            let t = if norm && e.name.ends_with(".weight") {
+            let t = if e.name.ends_with("decay_proj.bias") {
+                // Mamba-2's: softplus(b_h) = Δ_h log-spaced over [10⁻³, 10⁻¹] (b = ln(e^Δ − 1))
+                let n = e.numel();
+                let dt = |h: usize| 1e-3 * 100f64.powf(if n > 1 { h as f64 / (n - 1) as f64 } else { 0.5 });
+                let b: Vec<f32> = (0..n).map(|h| dt(h).exp_m1().ln() as f32).collect();
+                Tensor::from_vec(b, n, device)?
+            } else if e.name.ends_with("A_log") {
+                // A = 1 (the decay's scale then is Δ alone)
+                Tensor::zeros(e.numel(), DType::F32, device)?
+            } else if norm && e.name.ends_with(".weight") {
                 Tensor::ones(e.numel(), DType::F32, device)?
             } else if e.name.ends_with(".bias") {
                 Tensor::zeros(e.numel(), DType::F32, device)?
@@ -384,5 +407,31 @@ impl ParamLayout {
             parts.push(t);
         }
         Var::from_tensor(&Tensor::cat(&parts, 0)?)
+    }
+}
+
+/// The names of an input gate's parameters ([`super::Attention::InputGated`]) in a block.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GateNames {
+    /// `[H_kv, C]`
+    pub weight: &'static str,
+    /// `[H_kv]`
+    pub bias: &'static str,
+    /// `[H_kv]`
+    pub a_log: &'static str,
+}
+
+impl GateNames {
+    pub(crate) fn of(block: super::Block) -> GateNames {
+        match block {
+            super::Block::Gpt => {
+                GateNames { weight: "attn.decay_proj.weight", bias: "attn.decay_proj.bias", a_log: "attn.A_log" }
+            }
+            super::Block::Llama(_) => GateNames {
+                weight: "self_attn.decay_proj.weight",
+                bias: "self_attn.decay_proj.bias",
+                a_log: "self_attn.A_log",
+            },
+        }
     }
 }

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Tensor, Var, D};
 
 use super::dropout::{self, DropoutSite};
+use super::params::GateNames;
 use super::{Attention, LayerConfig, NormPlacement};
 use crate::ops::FeatureKind;
 use crate::parallel::SeqParallel;
@@ -157,6 +158,11 @@ fn forward_impl(
             (qkv.narrow(2, 0, h * d)?, qkv.narrow(2, h * d, h * d)?, qkv.narrow(2, 2 * h * d, h * d)?)
         }
     };
+    let gate = match &config.attention {
+        Attention::InputGated { .. } if sp.is_some() => None, // refused below
+        Attention::InputGated { .. } => Some(input_gate(&attn_in, p, GateNames::of(config.block))?),
+        _ => None,
+    };
     drop(attn_in);
     let heads = |t: Tensor| t.reshape((b, n, h, d))?.transpose(1, 2)?.contiguous();
     let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
@@ -190,11 +196,15 @@ fn forward_impl(
             let den = (a.sum_keepdim(D::Minus1)? + f64::from(la.eps))?;
             a.matmul(&v)?.broadcast_div(&den)?
         }
-        Attention::Gated { .. } if sp.is_some() => {
+        Attention::Gated { .. } | Attention::InputGated { .. } if sp.is_some() => {
             let why = "gated attention in a sharded layer is not in the reference (the layer refuses it)".into();
             return Err(crate::Error::InvalidArgument { name: "attention", why }.into());
         }
-        Attention::Gated { config: g, log_decay } => gated_quadratic(&q, &k, &v, g, log_decay)?,
+        Attention::Gated { config: g, log_decay } => gated_quadratic(&q, &k, &v, g, RefDecay::PerHead(log_decay))?,
+        Attention::InputGated { config: g } => {
+            let a = gate.ok_or(crate::Error::StateConsumed { op: "reference input gate" })?;
+            gated_quadratic(&q, &k, &v, g, RefDecay::PerStep(&a))?
+        }
     };
     let o = o.transpose(1, 2)?.contiguous()?.reshape((b, n, h * d))?;
     let z1 = row_parallel(&o, "attn.out_proj", DropoutSite::AttentionResidual, x)?;
@@ -259,30 +269,63 @@ fn rope(x: &Tensor, config: &mesa_kernels::rope::RopeConfig) -> candle_core::Res
     }
 }
 
-/// Gated attention ([`Attention::Gated`]) in its quadratic masked form, `q, k, v: [B, H, N, d]`
-/// (K, V repeated to the query heads; `log_decay` per KV head, query head `h` reading KV head
-/// `⌊h/(H/H_kv)⌋`): `O = ((Q/√d)Kᵀ ∘ W) V` with `W_ts = exp(Σ_{r=s+1..t} a) = exp((t−s)·a_h)`
-/// for `s ≤ t`, else 0 (`W` a constant built on the host in f64); normalised, each row divided by
-/// the guarded row sum `g(x) = x + ε·sign(x)` of that matrix.
+/// The decay of [`gated_quadratic`]: fixed per KV head, or per step (`[B, H_kv, N]`, a tensor
+/// of the graph: gradients reach what made it).
+enum RefDecay<'a> {
+    PerHead(&'a [f32]),
+    PerStep(&'a Tensor),
+}
+
+/// The input gate of [`Attention::InputGated`] in plain candle ops: `a = −e^{A_log}·softplus(x̂·Wᵀ
+/// + b)`, `[B, H_kv, N]`, from the projections' input `x_in: [B, N, C]`.
+fn input_gate(x_in: &Tensor, p: &HashMap<&'static str, Var>, names: GateNames) -> candle_core::Result<Tensor> {
+    let z = x_in.broadcast_matmul(&p[names.weight].as_tensor().t()?)?.broadcast_add(p[names.bias].as_tensor())?;
+    let softplus = (z.relu()? + (z.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
+    softplus.broadcast_mul(&p[names.a_log].as_tensor().exp()?.neg()?)?.transpose(1, 2)?.contiguous()
+}
+
+/// Gated attention ([`Attention::Gated`], [`Attention::InputGated`]) in its quadratic masked
+/// form, `q, k, v: [B, H, N, d]` (K, V repeated to the query heads; the decay per KV head,
+/// query head `h` reading KV head `⌊h/(H/H_kv)⌋`): `O = ((Q/√d)Kᵀ ∘ W) V` with
+/// `W_ts = exp(Σ_{r=s+1..t} a_r)` for `s ≤ t`, else 0 — for a fixed decay `exp((t−s)·a_h)`, a
+/// constant built on the host in f64; per step, the differences of the prefix sums of `a`
+/// (masked before the exponential); normalised, each row divided by the guarded row sum
+/// `g(x) = x + ε·sign(x)` of that matrix.
 fn gated_quadratic(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     config: &mesa_kernels::gated_linear_attention::GatedConfig,
-    log_decay: &[f32],
+    decay: RefDecay<'_>,
 ) -> candle_core::Result<Tensor> {
-    let (_, h, n, d) = q.dims4()?;
-    let group = h / log_decay.len().max(1);
-    let mut w = vec![0f64; h * n * n];
-    for hh in 0..h {
-        let a = f64::from(log_decay[hh / group.max(1)]);
-        for t in 0..n {
-            for s in 0..=t {
-                w[(hh * n + t) * n + s] = if s == t { 1.0 } else { ((t - s) as f64 * a).exp() };
+    let (b, h, n, d) = q.dims4()?;
+    let w = match decay {
+        RefDecay::PerHead(log_decay) => {
+            let group = h / log_decay.len().max(1);
+            let mut w = vec![0f64; h * n * n];
+            for hh in 0..h {
+                let a = f64::from(log_decay[hh / group.max(1)]);
+                for t in 0..n {
+                    for s in 0..=t {
+                        w[(hh * n + t) * n + s] = if s == t { 1.0 } else { ((t - s) as f64 * a).exp() };
+                    }
+                }
             }
+            Tensor::from_vec(w, (1, h, n, n), q.device())?.to_dtype(q.dtype())?
         }
-    }
-    let w = Tensor::from_vec(w, (1, h, n, n), q.device())?.to_dtype(q.dtype())?;
+        RefDecay::PerStep(a) => {
+            let kv = a.dim(1)?;
+            let cs = a.cumsum(2)?;
+            // [B, H_kv, t, s]: Σ_{r≤t} a_r − Σ_{r≤s} a_r
+            let diff = cs.unsqueeze(3)?.broadcast_sub(&cs.unsqueeze(2)?)?;
+            let m: Vec<u8> = (0..n * n).map(|i| u8::from(i % n <= i / n)).collect();
+            let mask = Tensor::from_vec(m, (1, 1, n, n), q.device())?.broadcast_as(diff.shape())?;
+            let hidden = Tensor::full(f64::NEG_INFINITY, diff.shape(), q.device())?.to_dtype(diff.dtype())?;
+            let w = mask.where_cond(&diff, &hidden)?.exp()?;
+            // repeat_kv: KV head j's weights serve query heads j·g … j·g + g − 1
+            Tensor::cat(&vec![&w; h / kv], 2)?.reshape((b, h, n, n))?.to_dtype(q.dtype())?
+        }
+    };
     let a = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_mul(&w)?;
     let o = a.matmul(v)?;
     if !config.normalize {
@@ -325,7 +368,10 @@ fn llama_forward(
     };
     let (k, v) = (repeat(&k)?, repeat(&v)?);
     let o = if let Attention::Gated { config: g, log_decay } = &config.attention {
-        gated_quadratic(&q, &k, &v, g, log_decay)?
+        gated_quadratic(&q, &k, &v, g, RefDecay::PerHead(log_decay))?
+    } else if let Attention::InputGated { config: g } = &config.attention {
+        let a = input_gate(&h1, p, GateNames::of(config.block))?;
+        gated_quadratic(&q, &k, &v, g, RefDecay::PerStep(&a))?
     } else {
         let mut s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
         if let Attention::Softmax { causal: true } = config.attention {

@@ -44,7 +44,8 @@
 //! **Exactness.** The gathered `(L_p, A_p)` and `G_p` are identical on every rank and folded in
 //! fixed rank order, so every rank derives the same `S0_p` and `D_p`; with one rank nothing is
 //! gathered into the result (no initial state, no correction): the kernel calls are those of the
-//! unsharded op, bitwise. `w_s` and `A_r` are summed in f64 on the host (the decay, `B·H_kv·L_r`
+//! unsharded op, bitwise, for f32 inputs (16-bit inputs are computed in f32 here, while the op
+//! runs them in their dtype). `w_s` and `A_r` are summed in f64 on the host (the decay, `B·H_kv·L_r`
 //! f32, is read back once per forward and once per backward: on CUDA two synchronisations) and
 //! rounded once to f32; the rest is f32. Every rank must run the backward through its output (a
 //! zero gradient is fine): the backward meets the other ranks in a collective.

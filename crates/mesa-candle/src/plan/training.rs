@@ -248,7 +248,8 @@ impl Sizes {
 /// Parameters `Ψ` of the training example's model (elements): token embedding `V·C`,
 /// learnt positions `T·C`, `L` layers of `4C² + 2CF + 9C + F`
 /// ([`mesa_kernels::plan::layer_parameters`]), the final LayerNorm `2C`, the untied head
-/// `V·C`. With Llama blocks: no positions (RoPE), the final RMSNorm `C`.
+/// `V·C`. With Llama blocks: no positions (RoPE), the final RMSNorm `C`. An input gate
+/// ([`Attention::InputGated`]) adds `C·H_kv + 2·H_kv` per layer.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] from [`LayerConfig::validate`] or for a zero size;
@@ -264,7 +265,14 @@ pub fn training_parameters(config: &LayerConfig, shape: &TrainingShape) -> Resul
         crate::layer::Block::Gpt => (prod(&[t, c], "positions")?, prod(&[2, c], "norm")?),
         crate::layer::Block::Llama(_) => (0, c),
     };
-    sum(&[prod(&[2, v, c], "embeddings")?, positions, layers, norm], "parameters")
+    // an input gate's decay projection, bias and A_log per layer (Attention::InputGated)
+    let gate = if config.attention.is_input_gated() {
+        let kv = config.kv_heads() as u64;
+        prod(&[sum(&[prod(&[c, kv], "gate")?, prod(&[2, kv], "gate")?], "gate")?, stack.shape.layers], "gate")?
+    } else {
+        0
+    };
+    sum(&[prod(&[2, v, c], "embeddings")?, positions, layers, norm, gate], "parameters")
 }
 
 /// One layer's forward (`layer/forward.rs`, pre-LN), the input alive. The training forward
@@ -313,7 +321,8 @@ fn layer_forward(tape: &mut Tape, s: &Sizes, config: &LayerConfig, rerun: bool) 
             tape.alloc(T, u)?;
             tape.free(T, s.att)?;
         }
-        Attention::Linear { .. } | Attention::Gated { .. } => {
+        // (an input gate's z and decay, 8·B·N·H_kv bytes, are not counted)
+        Attention::Linear { .. } | Attention::Gated { .. } | Attention::InputGated { .. } => {
             // φ(Q), φ(K) and the output (states: the final one, a few KB, not counted)
             tape.alloc(T, 3 * u)?;
             tape.free(T, 2 * u)?;
@@ -407,7 +416,8 @@ fn layer_backward(tape: &mut Tape, s: &Sizes, config: &LayerConfig) -> Result<()
             }
             3 * u
         }
-        Attention::Linear { .. } | Attention::Gated { .. } => {
+        // (an input gate's z and decay, 8·B·N·H_kv bytes, are not counted)
+        Attention::Linear { .. } | Attention::Gated { .. } | Attention::InputGated { .. } => {
             // the core rerun: φ(Q̂), φ(K̂), output; its backward: φ again, dφ(Q), dφ(K), dV,
             // then dQ, dK through the feature map
             tape.alloc(T, 3 * u)?;

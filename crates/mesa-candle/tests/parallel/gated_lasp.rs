@@ -472,15 +472,17 @@ fn other_dtypes_are_the_f32_results_rounded() {
 }
 
 /// With one rank the sharded op is the candle op `ops::GatedLinearAttention` (identity map)
-/// on the whole sequence, bitwise: output and gradients, f32 and bf16, normalised or not, per
-/// step and per head.
+/// on the whole sequence, bitwise: output and gradients, normalised or not, per step and per
+/// head — in f32. (16-bit: the sharded op computes in f32, `other_dtypes_are_the_f32_results_rounded`,
+/// while the op runs the kernels in the inputs' dtype, on tensor cores; both are checked
+/// against the f64 reference in their own tests.)
 #[test]
 fn one_rank_is_bitwise_the_candle_op() {
     let mut rng = Rng::new(module_path!());
     let (s, l) = (Dims { b: 2, h: 4, hkv: 2, m: 5, d: 4 }, 21);
     for kind in [Kind::PerStep, Kind::PerHead] {
         for normalize in [false, true] {
-            for dtype in [DType::F32, DType::BF16] {
+            for dtype in [DType::F32] {
                 let mut p = problem(&mut rng, s, l, kind, 0.7, &[(0, 1, 9)]);
                 if normalize {
                     p.q = (p.q.abs().unwrap() + 0.05).unwrap();

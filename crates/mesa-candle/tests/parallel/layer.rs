@@ -298,7 +298,7 @@ fn sharded_reference_layer_matches_the_unsharded_one() {
     ] {
         let dropout = match attention {
             Attention::Softmax { .. } => DropoutConfig { attention: 0.1, residual: 0.1, seed: 0 },
-            Attention::Linear { .. } | Attention::Gated { .. } => {
+            Attention::Linear { .. } | Attention::Gated { .. } | Attention::InputGated { .. } => {
                 DropoutConfig { attention: 0.0, residual: 0.1, seed: 0 }
             }
         };
@@ -403,9 +403,11 @@ fn a_rank_with_a_bad_input_tells_its_peers_itself() {
 /// another rank's decays.
 #[test]
 fn a_sharded_layer_refuses_gated_attention() {
-    let config = LayerConfig { attention: Attention::retnet(4), ..LayerConfig::new(32, 4, 128) };
-    let full = full_params(&config);
-    let comm: Arc<dyn Collectives> = Arc::new(thread_group(1, Duration::from_secs(5)).unwrap().remove(0));
-    let e = TransformerLayer::sharded(config, &full, comm).unwrap_err();
-    assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "attention", .. })), "{e}");
+    for attention in [Attention::retnet(4), Attention::input_gated()] {
+        let config = LayerConfig { attention, ..LayerConfig::new(32, 4, 128) };
+        let full = full_params(&config);
+        let comm: Arc<dyn Collectives> = Arc::new(thread_group(1, Duration::from_secs(5)).unwrap().remove(0));
+        let e = TransformerLayer::sharded(config, &full, comm).unwrap_err();
+        assert!(matches!(as_mesa_error(&e), Some(Error::InvalidArgument { name: "attention", .. })), "{e}");
+    }
 }
