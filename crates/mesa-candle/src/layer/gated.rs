@@ -15,15 +15,23 @@ use crate::ops::gated_linear_attention::{gla_backward, gla_forward};
 use crate::ops::GatedConfig;
 
 impl Plan {
-    /// The gated core of the call (`None` for other attention): for [`Attention::Gated`] its
-    /// decays copied to the layer's device, for [`Attention::InputGated`] the call's `gate`'s
+    /// The gated core of the call (`None` for other attention): for [`Attention::Gated`] the
+    /// decays of its (the rank's) KV heads copied to the layer's device, for [`Attention::InputGated`] the call's `gate`'s
     /// (an error without one). Made when used, not kept in the plan: the plan lives until the
     /// backward and the planner counts its bytes as a fixed per-layer overhead.
     pub fn gated_core(&self, gate: Option<&InputGate>) -> candle_core::Result<Option<GatedCore>> {
         let scale = 1.0 / (self.config.head_dim() as f64).sqrt();
         match (&self.config.attention, gate) {
             (Attention::Gated { config, log_decay }, _) => {
-                let decay = Tensor::from_vec(log_decay.clone(), log_decay.len(), &self.ctx.candle)?;
+                // the rank's KV heads (all without a group): H_kv/t from r·H_kv/t, or the one
+                // its query heads read when t > H_kv
+                let kv = self.local_kv_heads();
+                let first = self.tp.as_ref().map_or(0, |tp| tp.comm.rank() * log_decay.len() / tp.comm.world_size());
+                let mine = log_decay.get(first..first + kv).ok_or_else(|| crate::Error::InvalidArgument {
+                    name: "log_decay",
+                    why: format!("{} values: no KV heads {first}..{} for this rank", log_decay.len(), first + kv),
+                })?;
+                let decay = Tensor::from_vec(mine.to_vec(), kv, &self.ctx.candle)?;
                 Ok(Some(GatedCore { config: *config, decay, scale }))
             }
             (Attention::InputGated { config }, Some(g)) => {

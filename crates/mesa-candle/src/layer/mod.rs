@@ -575,7 +575,7 @@ impl TransformerLayer {
     ///
     /// # Errors
     /// As [`TransformerLayer::new`]; [`Error::InvalidArgument`] when `t` does not divide the
-    /// heads and the FFN width, or for gated attention (not done for a sharded layer);
+    /// heads and the FFN width, or for input-gated attention (not done for a sharded layer);
     /// [`Error::Shape`] when `full` is not the whole layer's.
     pub fn sharded(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         let peers = Arc::clone(&comm);
@@ -584,9 +584,10 @@ impl TransformerLayer {
 
     fn sharded_inner(config: LayerConfig, full: &Tensor, comm: Arc<dyn Collectives>) -> candle_core::Result<Self> {
         config.validate()?;
-        if config.attention.gated_config().is_some() {
-            // each rank would need its own heads' decays: not done
-            let why = "gated attention in a sharded layer is not supported yet".into();
+        if config.attention.is_input_gated() {
+            // the gate's projection would be split by KV head, its replicated heads' gradients
+            // summed: not done (fixed decays are: each rank takes its KV heads')
+            let why = "input-gated attention in a sharded layer is not supported yet".into();
             return Err(Error::InvalidArgument { name: "attention", why }.into());
         }
         if config.param_dtype != DType::F32 {

@@ -13,7 +13,7 @@ use common::{flat, Rng};
 use mesa_candle::layer::{
     reference, Attention, DropoutConfig, LayerConfig, NormPlacement, ParamLayout, Recompute, TransformerLayer,
 };
-use mesa_candle::ops::FeatureKind;
+use mesa_candle::ops::{FeatureKind, GatedConfig};
 use mesa_candle::parallel::{run_ranks, thread_group, Collectives, Rank};
 use mesa_candle::{as_mesa_error, Error, Fault};
 use mesa_kernels::linear_attention::LinearAttentionConfig;
@@ -212,6 +212,33 @@ fn sharded_linear_attention_layer_matches_the_reference_at_two_and_four_ranks() 
     check(&cfg, "linear attention");
 }
 
+/// Gated attention with fixed decays split over 2 and 4 ranks: each rank runs its query heads
+/// with its KV heads' decays — GPT (RetNet's four decays, one per head, and given ones with a
+/// head of no memory) and Llama (KV heads split, 4 of them; replicated, 2 and 1 at t = 4).
+/// Giving every rank the first KV heads' decays on purpose fails it.
+#[test]
+fn sharded_gated_layer_matches_the_reference_at_two_and_four_ranks() {
+    let no_attention_dropout = DropoutConfig { attention: 0.0, residual: 0.1, seed: 0 };
+    let given = Attention::Gated {
+        config: GatedConfig { chunk: 8, ..GatedConfig::default() },
+        log_decay: vec![-0.05, -0.7, f32::NEG_INFINITY, -0.01],
+    };
+    for (attention, recompute, what) in
+        [(Attention::retnet(4), Recompute::None, "gpt retnet"), (given, Recompute::Full, "gpt given decays")]
+    {
+        let cfg = LayerConfig { attention, dropout: no_attention_dropout, ..config(NormPlacement::Pre, recompute) };
+        check(&cfg, what);
+    }
+    for kv in [4, 2, 1] {
+        let cfg = LayerConfig {
+            attention: Attention::retnet(kv),
+            dropout: no_attention_dropout,
+            ..LayerConfig::llama(64, 8, kv, 128)
+        };
+        check(&cfg, &format!("llama retnet H_kv {kv}"));
+    }
+}
+
 /// The Llama block split over 2 and 4 ranks: K/V heads split (8 query heads, 4 KV heads at
 /// t = 2 and 4) and replicated (2 KV heads at t = 4: each on two ranks, gradients summed), with
 /// every recomputation; against the f64 reference on the whole sequence as above.
@@ -399,11 +426,10 @@ fn a_rank_with_a_bad_input_tells_its_peers_itself() {
     ));
 }
 
-/// Gated attention is not done for a sharded layer: refused when it is made, not run with
-/// another rank's decays.
+/// Input-gated attention is not done for a sharded layer: refused when it is made.
 #[test]
-fn a_sharded_layer_refuses_gated_attention() {
-    for attention in [Attention::retnet(4), Attention::input_gated()] {
+fn a_sharded_layer_refuses_input_gated_attention() {
+    for attention in [Attention::input_gated()] {
         let config = LayerConfig { attention, ..LayerConfig::new(32, 4, 128) };
         let full = full_params(&config);
         let comm: Arc<dyn Collectives> = Arc::new(thread_group(1, Duration::from_secs(5)).unwrap().remove(0));
