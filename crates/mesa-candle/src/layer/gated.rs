@@ -1,8 +1,10 @@
-//! The layer's gated linear attention ([`super::Attention::Gated`], issue 41): the core
-//! `O = GLA(Q/√d, K, V)` with a fixed log-decay per KV head, on the kernels through the op's
+//! The layer's gated linear attention ([`super::Attention::Gated`],
+//! [`super::Attention::InputGated`], issue 41): the core `O = GLA(Q/√d, K, V)` with a fixed
+//! log-decay per KV head or one per step from the input gate, on the kernels through the op's
 //! calls ([`crate::ops::gated_linear_attention`]). K and V are the block's own heads (`[B, H_kv,
 //! N, d]`, never repeated); the forward keeps nothing of the core (the Q, K, V codes are kept by
-//! the block), the backward reruns it from the decoded Q̂, K̂, V̂ — `O(N)`, as linear attention.
+//! the block), the backward reruns it from the decoded Q̂, K̂, V̂ — `O(N)`, as linear attention
+//! — and the input gate from the decoded input of the projections.
 use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
@@ -16,9 +18,10 @@ use crate::ops::GatedConfig;
 
 impl Plan {
     /// The gated core of the call (`None` for other attention): for [`Attention::Gated`] the
-    /// decays of its (the rank's) KV heads copied to the layer's device, for [`Attention::InputGated`] the call's `gate`'s
-    /// (an error without one). Made when used, not kept in the plan: the plan lives until the
-    /// backward and the planner counts its bytes as a fixed per-layer overhead.
+    /// decays of its (the rank's) KV heads copied to the layer's device, for
+    /// [`Attention::InputGated`] the call's `gate`'s (an error without one). Made when used,
+    /// not kept in the plan: the plan lives until the backward and the planner counts its
+    /// bytes as a fixed per-layer overhead.
     pub fn gated_core(&self, gate: Option<&InputGate>) -> candle_core::Result<Option<GatedCore>> {
         let scale = 1.0 / (self.config.head_dim() as f64).sqrt();
         match (&self.config.attention, gate) {
