@@ -44,10 +44,9 @@
 //! **Exactness.** The gathered `(L_p, A_p)` and `G_p` are identical on every rank and folded in
 //! fixed rank order, so every rank derives the same `S0_p` and `D_p`; with one rank nothing is
 //! gathered into the result (no initial state, no correction): the kernel calls are those of the
-//! unsharded op, bitwise, for f32 inputs (16-bit inputs are computed in f32 here, while the op
-//! runs them in their dtype). `w_s` and `A_r` are summed in f64 on the host (the decay, `B·H_kv·L_r`
-//! f32, is read back once per forward and once per backward: on CUDA two synchronisations) and
-//! rounded once to f32; the rest is f32. Every rank must run the backward through its output (a
+//! unsharded op, bitwise, in every dtype. `w_s` and `A_r` are summed in f64 on the host (the
+//! decay, `B·H_kv·L_r` f32, is read back once per forward and once per backward: on CUDA two
+//! synchronisations) and rounded once to f32; the rest of the hand-off is f32. Every rank must run the backward through its output (a
 //! zero gradient is fine): the backward meets the other ranks in a collective.
 //!
 //! Scope: the identity feature map (RetNet, Mamba-2, GLA use `q`, `k` directly; apply a map
@@ -61,6 +60,7 @@ use mesa_kernels::gated_linear_attention::{GatedConfig, GatedSaved};
 use super::Collectives;
 use crate::attach::{attach, Backward};
 use crate::bridge::common_device;
+use crate::bridge::dispatch_float;
 use crate::error::Error;
 use crate::ops::gated_linear_attention::{gated_shape, gla_backward, gla_forward, GatedShape, GlaGrads};
 use crate::ops::{check_dtypes, tensor_result};
@@ -125,8 +125,10 @@ impl ShardedGatedLinearAttention {
     /// f32, natural-log units, every value `≤ 0` or `−∞` (a reset) → its output
     /// `[B, H, L_r, D]`. Shards may have any lengths (0 included); `B`, `H`, `H_kv`, `M`, `D`,
     /// the dtype and the decay's kind must agree on every rank. `q`, `k`, `v` one of f32, f16,
-    /// bf16 (computed in f32, the output rounded once; f64 computed in f32 too, `a` then f32 or
-    /// f64). Gradients reach `q`, `k`, `v` and `a`. A per-head decay is replicated: every rank
+    /// bf16: the kernels run in that dtype (16-bit on tensor cores, f32 states), as the candle
+    /// op runs them; the hand-off's states and corrections are f32, the corrections of `dk`,
+    /// `dv` added to the kernel's rounded values and rounded again. f64 is computed in f32
+    /// (`a` then f32 or f64). Gradients reach `q`, `k`, `v` and `a`. A per-head decay is replicated: every rank
     /// must pass the same values (not checked), and each rank's gradient of it is its shard's
     /// part — their sum over the ranks (an all-reduce, as for any replicated parameter) is the
     /// whole sequence's. Two collective calls in the forward (the
@@ -194,7 +196,7 @@ impl ShardedGatedLinearAttention {
         let steps = decay_steps(a, dims)?;
         let (weights, total_decay) = suffix_weights(&steps, dims);
         let dev = q.device();
-        let (qf, kf, vf) = (f32_of(q)?, f32_of(k)?, f32_of(v)?);
+        let (kf, vf) = (f32_of(k)?, f32_of(v)?);
         let w = Tensor::from_vec(weights, (dims.b, dims.hkv, dims.l, 1), dev)?;
         let log_decay = Tensor::from_vec(total_decay, (dims.b, dims.hkv), dev)?;
         let local = local_state(&kf, &vf, &w, dims, self.config.normalize)?;
@@ -213,8 +215,12 @@ impl ShardedGatedLinearAttention {
         }
         let start = (r > 0).then_some(&initial);
         let a_c = a.detach().contiguous()?;
-        let (out, saved) = gla_forward::<f32>(&kernels, &self.config, [&qf, &kf, &vf], &a_c, start)?;
-        let out = out.into_tensor()?;
+        // the kernels in the inputs' dtype (16-bit on tensor cores), as the candle op runs them
+        let qkv = [&q.detach(), &k.detach(), &v.detach()];
+        let (out, saved) = dispatch_float!(dtype, OP, T => {
+            let (o, s) = gla_forward::<T>(&kernels, &self.config, qkv, &a_c, start)?;
+            Ok::<_, candle_core::Error>((o.into_tensor()?, s))
+        })?;
         // the op's arguments: q, k and v packed (candle's custom ops take at most three), a
         let n_k = k.elem_count();
         let kv = Tensor::cat(&[k.flatten_all()?, v.flatten_all()?], 0)?;
@@ -227,10 +233,8 @@ impl ShardedGatedLinearAttention {
             n_k,
             start: start.cloned(),
             gathered,
-            // the backward needs the f32 output when normalised (16-bit: not the rounded one)
-            out: (self.config.normalize && dtype != DType::F32).then(|| out.clone()),
         };
-        let y = attach(&[q, &kv, a], tensor_result(&out.to_dtype(dtype)?)?, grad)?;
+        let y = attach(&[q, &kv, a], tensor_result(&out)?, grad)?;
         let states = GatedShardStates { local, log_decay, initial, total: acc };
         Ok((y, states))
     }
@@ -404,8 +408,6 @@ struct ShardGrad {
     start: Option<Tensor>,
     /// Every rank's `(L_p, A_p)`.
     gathered: Vec<(Tensor, Tensor)>,
-    /// The f32 output when normalised with 16-bit inputs (candle holds the rounded one).
-    out: Option<Tensor>,
 }
 
 impl Backward for ShardGrad {
@@ -425,19 +427,17 @@ impl ShardGrad {
         grad: &Tensor,
     ) -> candle_core::Result<Vec<Option<Tensor>>> {
         let Dims { b, hkv, l, m, d, .. } = self.dims;
+        // the kernels in the inputs' dtype, as the forward (a normalised backward reads the
+        // output as rounded to it, as the candle op's)
         let dtype = args[0].dtype();
-        let q = f32_of(args[0])?;
-        let kv = f32_of(args[1])?;
+        let q = args[0].detach();
+        let kv = args[1].detach();
         let k = kv.narrow(0, 0, self.n_k)?.reshape((b, hkv, l, m))?;
         let v = kv.narrow(0, self.n_k, b * hkv * l * d)?.reshape((b, hkv, l, d))?;
         let a = args[2].detach().contiguous()?;
-        let dout = f32_of(grad)?;
-        let out = match (&self.out, self.config.normalize) {
-            (Some(o), _) => Some(o.clone()),
-            (None, true) => Some(f32_of(res)?),
-            (None, false) => None,
-        };
-        let GlaGrads { dqkv: [dq, mut dk, mut dv], mut da, d_initial } = gla_backward::<f32>(
+        let dout = grad.detach().to_dtype(dtype)?;
+        let out = self.config.normalize.then(|| res.detach());
+        let GlaGrads { dqkv: [dq, mut dk, mut dv], mut da, d_initial } = dispatch_float!(dtype, "sharded gated linear attention backward", T => gla_backward::<T>(
             &self.kernels,
             &self.config,
             &self.saved,
@@ -448,7 +448,7 @@ impl ShardGrad {
             &dout,
             None,
             self.start.is_some(),
-        )?;
+        ))?;
         let g_local = match d_initial {
             Some(g) => g,
             None => self.gathered[0].0.zeros_like()?,
@@ -462,14 +462,14 @@ impl ShardGrad {
             for p in (r + 1..gs.len()).rev() {
                 d_final = fold(&d_final, &self.gathered[p].1, &gs[p].0)?;
             }
-            let (dk_add, dv_add, da_add) = self.final_state_terms(&a, &k, &v, &d_final)?;
-            dk = (dk + dk_add)?;
-            dv = (dv + dv_add)?;
+            // in f32, added to the kernel's dk, dv (16-bit: rounded once more)
+            let (dk_add, dv_add, da_add) = self.final_state_terms(&a, &f32_of(&k)?, &f32_of(&v)?, &d_final)?;
+            dk = (dk.to_dtype(DType::F32)? + dk_add)?.to_dtype(dtype)?;
+            dv = (dv.to_dtype(DType::F32)? + dv_add)?.to_dtype(dtype)?;
             da = (da + da_add)?;
         }
-        let to = |g: Tensor| if dtype == DType::F32 { Ok(g) } else { g.to_dtype(dtype) };
         let dkv = Tensor::cat(&[dk.flatten_all()?, dv.flatten_all()?], 0)?;
-        Ok(vec![Some(to(dq)?), Some(to(dkv)?), Some(da)])
+        Ok(vec![Some(dq), Some(dkv), Some(da)])
     }
 
     /// The gradients of `⟨D_r, F_r⟩` in `k`, `v` and `a` (module docs).

@@ -154,14 +154,20 @@ fn reference(s: Dims, l: usize, p: &Problem, abs: bool) -> [Vec<f64>; 5] {
     [out.out, grads.dq, grads.dk, grads.dv, grads.da]
 }
 
-/// The bounds of the module docs for out, dq, dk, dv, da.
+/// The bounds of the module docs for out, dq, dk, dv, da (f32 inputs).
 fn bounds(s: Dims, l: usize, c: usize, world: usize, p: &Problem, kind: Kind) -> [Vec<f64>; 5] {
+    bounds_with(s, l, c, world, p, kind, 0.0)
+}
+
+/// [`bounds`] with `tc·mag` more on out, dq, dk, dv before rounding (16-bit inputs on tensor
+/// cores, module docs), carried into da.
+fn bounds_with(s: Dims, l: usize, c: usize, world: usize, p: &Problem, kind: Kind, tc: f64) -> [Vec<f64>; 5] {
     let mag = reference(s, l, p, true);
     let Dims { b, h, hkv, m, d } = s;
     let g = h / hkv;
     let chain = (m + d + 3 * l + 2 * c + l / c + 4 * world + g + 40) as f64;
     let n = chain + (2 * c * (l + c) + world * l) as f64 * p.alpha;
-    let [out, dq, dk, dv] = [0, 1, 2, 3].map(|i| mag[i].iter().map(|x| U * n * x).collect::<Vec<f64>>());
+    let [out, dq, dk, dv] = [0, 1, 2, 3].map(|i| mag[i].iter().map(|x| (U * n + tc) * x).collect::<Vec<f64>>());
     // da per (b, KV head): Σ |q|·bound(dq) + |k|·bound(dk), plus (M + 2L + G + 8)·u·T
     let (qa, ka) = (host(&p.q.abs().unwrap()), host(&p.k.abs().unwrap()));
     let mut per_bk = vec![0.0; b * hkv];
@@ -423,22 +429,53 @@ fn normalised_shards_match_the_reference() {
     }
 }
 
-/// f16, bf16 and f64 inputs are computed in f32: on inputs holding the same values, every
-/// rank's output and gradients are the f32 op's, rounded once to the dtype (the decay's
-/// gradient stays f32), bitwise — 4 ranks, normalised or not.
+/// f64 inputs are computed in f32: on inputs holding the same values, every rank's output and
+/// gradients are the f32 op's, rounded once to f64 (the decay's gradient stays f32), bitwise —
+/// 4 ranks, normalised or not.
 #[test]
-fn other_dtypes_are_the_f32_results_rounded() {
+fn f64_is_the_f32_results() {
     let mut rng = Rng::new(module_path!());
     let (s, l) = (Dims { b: 1, h: 4, hkv: 2, m: 4, d: 3 }, 17);
     let splits = [5, 0, 7, 5];
     for normalize in [false, true] {
         let config = GatedConfig { normalize, chunk: 4, ..GatedConfig::default() };
-        for dtype in [DType::BF16, DType::F16, DType::F64] {
-            let mut p = problem(&mut rng, s, l, Kind::PerStep, 0.5, &[(0, 1, 7)]);
-            if normalize {
-                p.q = (p.q.abs().unwrap() + 0.05).unwrap();
-                p.k = (p.k.abs().unwrap() + 0.05).unwrap();
+        let mut p = problem(&mut rng, s, l, Kind::PerStep, 0.5, &[(0, 1, 7)]);
+        if normalize {
+            p.q = (p.q.abs().unwrap() + 0.05).unwrap();
+            p.k = (p.k.abs().unwrap() + 0.05).unwrap();
+        }
+        let wide = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        let p64 =
+            Problem { q: wide(&p.q), k: wide(&p.k), v: wide(&p.v), a: p.a.clone(), dy: wide(&p.dy), alpha: p.alpha };
+        let (got, want) = (ok(run_sharded(config, &splits, &p64)), ok(run_sharded(config, &splits, &p)));
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            let what = format!("normalize={normalize} rank {r}");
+            assert_eq!(g.y.dtype(), DType::F64, "{what}");
+            assert_eq!(host(&g.y), host(&w.y), "{what} out");
+            for i in 0..4 {
+                assert_eq!(host(&g.g[i]), host(&w.g[i]), "{what} gradient {i}");
             }
+        }
+    }
+}
+
+/// f16 and bf16 run the kernels in their dtype (tensor cores): 1, 2 and 4 ranks (one shard
+/// empty), per step and per head, a reset, against the f64 reference on the rounded values.
+/// Bound: [`bounds`] plus the tensor cores' `(n·u + 6·2⁻¹⁸)·mag` (n the kernel's chain, as
+/// `tests/gated_ops.rs`), then the roundings to the dtype: `u_T·|ref|` for the output and `dq`,
+/// and for `dk`, `dv` also the kernel's own rounding before the hand-off's correction is added
+/// (`u_T·mag`: the kernel's part is a partial sum of the terms `mag` sums), plus half the f16
+/// subnormal spacing.
+#[test]
+fn sixteen_bit_shards_match_the_reference() {
+    let mut rng = Rng::new(module_path!());
+    let (s, l, chunk) = (Dims { b: 2, h: 4, hkv: 2, m: 5, d: 4 }, 19, 4);
+    let config = GatedConfig { chunk, ..GatedConfig::default() };
+    for dtype in [DType::BF16, DType::F16] {
+        let ut = if dtype == DType::BF16 { 2f64.powi(-8) } else { 2f64.powi(-11) };
+        for kind in [Kind::PerStep, Kind::PerHead] {
+            let resets: &[(usize, usize, usize)] = if kind == Kind::PerStep { &[(1, 1, 8)] } else { &[] };
+            let p = problem(&mut rng, s, l, kind, 0.5, resets);
             let round = |t: &Tensor| t.to_dtype(dtype).unwrap();
             let p16 = Problem {
                 q: round(&p.q),
@@ -448,41 +485,41 @@ fn other_dtypes_are_the_f32_results_rounded() {
                 dy: round(&p.dy),
                 alpha: p.alpha,
             };
-            let back = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-            let p32 = Problem {
-                q: back(&p16.q),
-                k: back(&p16.k),
-                v: back(&p16.v),
-                a: p.a.clone(),
-                dy: back(&p16.dy),
-                alpha: p.alpha,
-            };
-            let (got, want) = (ok(run_sharded(config, &splits, &p16)), ok(run_sharded(config, &splits, &p32)));
-            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-                let what = format!("{dtype:?} normalize={normalize} rank {r}");
-                assert_eq!(g.y.dtype(), dtype, "{what}");
-                assert_eq!(host(&g.y), host(&round(&w.y)), "{what} out");
-                for i in 0..3 {
-                    assert_eq!(host(&g.g[i]), host(&round(&w.g[i])), "{what} gradient {i}");
+            let want = reference(s, l, &p16, false);
+            let mag = reference(s, l, &p16, true);
+            let kernel_chain = (s.m + s.d + 2 * l + 2 * chunk + l / chunk + 24) as f64;
+            let tc = kernel_chain * U + 6.0 * 2f64.powi(-18);
+            for sp in [&[19][..], &[8, 11], &[6, 5, 0, 8]] {
+                let what = format!("{dtype:?} {kind:?} splits={sp:?}");
+                let outs = ok(run_sharded(config, sp, &p16));
+                assert!(outs.iter().all(|o| o.y.dtype() == dtype && o.g[0].dtype() == dtype), "{what}: dtypes");
+                let got = assemble(&outs, kind);
+                let bound = bounds_with(s, l, chunk, sp.len(), &p16, kind, tc);
+                for (i, name) in ["out", "dq", "dk", "dv", "da"].iter().enumerate() {
+                    let rounded: Vec<f64> = (0..want[i].len())
+                        .map(|e| match i {
+                            0 | 1 => bound[i][e] + ut * want[i][e].abs() + 6e-8,
+                            2 | 3 => bound[i][e] + ut * (want[i][e].abs() + mag[i][e]) + 1.2e-7,
+                            _ => bound[i][e],
+                        })
+                        .collect();
+                    common::assert_within(&format!("{what} {name}"), &got[i], &want[i], &rounded);
                 }
-                assert_eq!(host(&g.g[3]), host(&w.g[3]), "{what} da");
             }
         }
     }
 }
 
 /// With one rank the sharded op is the candle op `ops::GatedLinearAttention` (identity map)
-/// on the whole sequence, bitwise: output and gradients, normalised or not, per step and per
-/// head — in f32. (16-bit: the sharded op computes in f32, `other_dtypes_are_the_f32_results_rounded`,
-/// while the op runs the kernels in the inputs' dtype, on tensor cores; both are checked
-/// against the f64 reference in their own tests.)
+/// on the whole sequence, bitwise: output and gradients, f32 and bf16 (the kernels in the
+/// inputs' dtype in both), normalised or not, per step and per head.
 #[test]
 fn one_rank_is_bitwise_the_candle_op() {
     let mut rng = Rng::new(module_path!());
     let (s, l) = (Dims { b: 2, h: 4, hkv: 2, m: 5, d: 4 }, 21);
     for kind in [Kind::PerStep, Kind::PerHead] {
         for normalize in [false, true] {
-            for dtype in [DType::F32] {
+            for dtype in [DType::F32, DType::BF16] {
                 let mut p = problem(&mut rng, s, l, kind, 0.7, &[(0, 1, 9)]);
                 if normalize {
                     p.q = (p.q.abs().unwrap() + 0.05).unwrap();
