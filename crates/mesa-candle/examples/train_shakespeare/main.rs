@@ -16,6 +16,8 @@
 //! | i | 2-bit codes (not in the default set) | a | yes |
 //! | j | 8-bit codes, gated linear attention (RetNet's decays, issue 41; not in the default set) | k | yes |
 //! | k | f32 (plain-candle layer), gated linear attention (not in the default set) | — | yes |
+//! | l | 8-bit codes, gated linear attention with Mamba-2's input-dependent decay (`Attention::InputGated`; not in the default set) | m | yes |
+//! | m | f32 (plain-candle layer), input-gated linear attention (not in the default set) | — | yes |
 //!
 //! `--arch gpt` (the default): token and learnt position embeddings, pre-LN GPT blocks
 //! (`LayerConfig::new`), final LayerNorm, untied head. `--arch llama`: token embedding only
@@ -25,7 +27,7 @@
 //! `N(0, 0.02²)`. `--kv-heads N` (llama only, dividing the heads) sets the K/V heads;
 //! default: the largest divisor of the heads below them (H/2 for an even H, 1 for the `cpu`
 //! configuration's 2 heads), so that query heads share K/V heads. The Llama block takes
-//! softmax or gated attention (its query heads sharing each KV head's decay): its default set
+//! softmax or gated attention (its query heads sharing each KV head's decay or gate): its default set
 //! is a, b, c, d, and `--only e` or `h` is an error;
 //! `--tp` needs `--arch gpt`.
 //!
@@ -72,7 +74,7 @@ use run::{Arch, RunResult, RunSpec, Settings, Variant};
 #[global_allocator]
 static COUNTER: CountingAllocator = CountingAllocator::new();
 
-/// The default set of variants (every configuration); f, g, i, j and k run with `--only`.
+/// The default set of variants (every configuration); f, g, i, j, k, l and m run with `--only`.
 const DEFAULT_VARIANTS: [&str; 6] = ["a", "h", "b", "c", "d", "e"];
 
 fn settings(name: &str) -> Result<Settings, String> {

@@ -118,7 +118,7 @@ pub struct Variant {
 }
 
 impl Variant {
-    /// Every variant: f32 softmax (a), linear (h) and gated (k) attention, and the compressed ones, on
+    /// Every variant: f32 softmax (a), linear (h), gated (k) and input-gated (m) attention, and the compressed ones, on
     /// the layer of `s.arch` (a variant whose configuration the block rejects, e.g. linear
     /// attention in a Llama block, fails [`Variant::check`]).
     pub fn all(s: &Settings) -> Vec<Variant> {
@@ -138,6 +138,8 @@ impl Variant {
             }
             other => other,
         };
+        // Mamba-2's input-dependent decay, one per step and KV head
+        let input_gated = Attention::InputGated { config: GatedConfig { chunk: s.chunk, ..GatedConfig::default() } };
         let exact = LayerConfig { stats: StatsMode::Exact, ..base.clone() };
         let v = |name, plain, config, baseline| Variant { name, plain, config, baseline };
         vec![
@@ -150,8 +152,10 @@ impl Variant {
             v("g", false, LayerConfig { stochastic_rounding: true, ..exact.clone() }, Some("a")),
             v("h", true, LayerConfig { attention: linear, ..base.clone() }, None),
             v("i", false, LayerConfig { bits: 2, ..exact.clone() }, Some("a")),
-            v("j", false, LayerConfig { attention: gated.clone(), ..exact }, Some("k")),
-            v("k", true, LayerConfig { attention: gated, ..base }, None),
+            v("j", false, LayerConfig { attention: gated.clone(), ..exact.clone() }, Some("k")),
+            v("k", true, LayerConfig { attention: gated, ..base.clone() }, None),
+            v("l", false, LayerConfig { attention: input_gated.clone(), ..exact }, Some("m")),
+            v("m", true, LayerConfig { attention: input_gated, ..base }, None),
         ]
     }
 
