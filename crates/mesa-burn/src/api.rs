@@ -1,0 +1,112 @@
+//! The user API: `Tensor<D>` in, validated, dispatched to [`MesaOps`].
+use burn::backend::Dispatch;
+use burn::tensor::Tensor;
+
+use crate::config::Codes;
+use crate::error::{Error, Result};
+use crate::ops::MesaOps;
+use crate::validate;
+use mesa_kernels::GeluForm;
+
+/// GELU, `y = gelu(x)` elementwise (`form`: [`GeluForm::Erf`] as burn's `activation::gelu`,
+/// [`GeluForm::Tanh`] as `activation::gelu_approximate`), keeping for backward the codes of
+/// `x` (`codes.bits`/8 bytes per element) instead of `x`.
+///
+/// Shapes: `x` any shape, `y` the same. Dtypes: f32, f16, bf16 (`y` has `x`'s). The forward
+/// is exact; the gradient is `dy·gelu'(x̃)` at the decoded `x̃` (`|x̃ − x| ≤ scale/2` with
+/// nearest rounding, `scale = (max x − min x)/(2^bits − 1)`).
+///
+/// # Errors
+/// [`Error::Backend`] (not a Flex tensor), [`Error::Dtype`], [`Error::Config`] (bits not
+/// 8/4/2), [`Error::Kernel`] (a size that overflows). Nothing is dispatched on an error.
+pub fn gelu<const D: usize>(x: Tensor<D>, form: GeluForm, codes: Codes) -> Result<Tensor<D>> {
+    validate::float(&x, "x")?;
+    validate::codes(&codes, &x.dims())?;
+    Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_gelu(x.into_dispatch(), form, codes)))
+}
+
+/// LayerNorm over the last axis: `y = (x − mean)/sqrt(var + eps)·weight + bias` (biased
+/// variance, as burn-nn's `LayerNorm`), keeping for backward the codes of
+/// `x̂ = (x − mean)/sqrt(var + eps)`, the per-row `1/sqrt(var + eps)` (4 bytes per row) and
+/// a handle to `weight` (no copy), not `x`.
+///
+/// Shapes: `x` `[.., C]` (rank ≥ 1, `C` > 0), `weight` and `bias` `[C]`, `y` as `x`.
+/// Dtypes: f32, f16, bf16, all three tensors alike; statistics in f32. `eps`: positive and
+/// finite (burn-nn's default is 1e-5), applied in f32.
+///
+/// # Errors
+/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0,
+/// `C` = 0, a parameter not `[C]`), [`Error::Config`] (bits, eps), [`Error::Kernel`].
+pub fn layer_norm<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<1>,
+    bias: Tensor<1>,
+    eps: f64,
+    codes: Codes,
+) -> Result<Tensor<D>> {
+    validate::float(&x, "x")?;
+    validate::same(&weight, &x, "weight")?;
+    validate::same(&bias, &x, "bias")?;
+    let dims = x.dims();
+    let Some(&cols) = dims.last() else {
+        return Err(Error::Shape { what: "x", why: "LayerNorm needs rank ≥ 1".into() });
+    };
+    if cols == 0 {
+        return Err(Error::Shape { what: "x", why: "rows of length 0 have no mean".into() });
+    }
+    validate::vector(&weight, cols, "weight")?;
+    validate::vector(&bias, cols, "bias")?;
+    let eps32 = eps as f32;
+    if !(eps32 > 0.0 && eps32.is_finite()) {
+        return Err(Error::Config { what: "eps", why: format!("must be positive and finite in f32, got {eps}") });
+    }
+    validate::codes(&codes, &dims)?;
+    Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_layer_norm(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        bias.into_dispatch(),
+        eps32,
+        codes,
+    )))
+}
+
+/// A linear layer, `y = x·weight + bias` over the last axis (burn-nn's `Linear` with its
+/// default row layout), keeping for backward the codes of `x` and a handle to `weight` (no
+/// copy), not `x`. `dx = dy·weightᵀ` is exact; `dweight = x̃ᵀ·dy` uses the decoded `x̃`;
+/// `dbias = Σ dy` over all leading axes.
+///
+/// Shapes: `x` `[.., d_in]` (rank ≥ 1), `weight` `[d_in, d_out]`, `bias` `[d_out]` or `None`
+/// (zeros, not tracked), `y` `[.., d_out]`. Dtypes: f32, f16, bf16, all alike.
+///
+/// # Errors
+/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`],
+/// [`Error::Config`] (bits), [`Error::Kernel`].
+pub fn linear<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    codes: Codes,
+) -> Result<Tensor<D>> {
+    validate::float(&x, "x")?;
+    validate::same(&weight, &x, "weight")?;
+    let dims = x.dims();
+    let [d_in, d_out] = weight.dims();
+    if dims.last() != Some(&d_in) {
+        return Err(Error::Shape { what: "x", why: format!("last axis of {dims:?} is not weight's d_in = {d_in}") });
+    }
+    let bias = match bias {
+        Some(b) => {
+            validate::same(&b, &x, "bias")?;
+            validate::vector(&b, d_out, "bias")?;
+            b
+        }
+        None => Tensor::<1>::zeros([d_out], &x.device()).cast(x.dtype()),
+    };
+    validate::codes(&codes, &dims)?;
+    Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_linear(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        bias.into_dispatch(),
+        codes,
+    )))
+}

@@ -1,0 +1,124 @@
+//! The backend extension [`MesaOps`]: what `burn::backend::Dispatch` routes to, implemented
+//! for `Flex` (inference: nothing saved) and for `Autodiff<Flex, C>` (the forward saves
+//! codes; the hand-written backward reads them).
+//!
+//! Call these through [`crate::gelu`], [`crate::layer_norm`] and [`crate::linear`], which
+//! validate first: the trait methods themselves trust their arguments (a bad one panics
+//! inside the backend, which is what the validating functions exist to prevent).
+use burn::backend::flex::FlexTensor;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{backend_extension, Backend, Flex};
+use burn::tensor::Shape;
+use mesa_kernels::fused::{self, LayerNormForward};
+use mesa_kernels::{GeluForm, TensorMut};
+
+use crate::config::Codes;
+use crate::host::{self, with_float};
+
+/// mesa-kernels' ops as one burn backend extension. Shapes are given per method; every
+/// float tensor of one call has the same dtype (f32, f16 or bf16).
+#[backend_extension(Autodiff, Flex)]
+pub trait MesaOps: Backend {
+    /// `y = gelu(x)` elementwise (`form`: erf or tanh), any shape. Under autodiff the
+    /// backward keeps the codes of `x` (`codes`), not `x`.
+    fn mesa_gelu(x: FloatTensor<Self>, form: GeluForm, codes: Codes) -> FloatTensor<Self>;
+
+    /// LayerNorm over the last axis: `y = (x − mean)·rstd·weight + bias`,
+    /// `rstd = 1/sqrt(var + eps)` (biased variance). `x`: rank ≥ 1, last axis `C`;
+    /// `weight`, `bias`: `[C]`. Under autodiff the backward keeps the codes of
+    /// `x̂ = (x − mean)·rstd`, the per-row `rstd` (f32) and a handle to `weight` (no copy).
+    fn mesa_layer_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
+        codes: Codes,
+    ) -> FloatTensor<Self>;
+
+    /// `y = x·weight + bias` over the last axis (burn-nn's row layout). `x`: `[.., d_in]`,
+    /// `weight`: `[d_in, d_out]`, `bias`: `[d_out]`; `y`: `[.., d_out]`. Under autodiff the
+    /// backward keeps the codes of `x` and a handle to `weight` (no copy): `dx = dy·weightᵀ`
+    /// exactly, `dweight = Q(x)ᵀ·dy` from the decoded codes, `dbias = Σ_rows dy`.
+    fn mesa_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        codes: Codes,
+    ) -> FloatTensor<Self>;
+}
+
+impl MesaOps for Flex {
+    fn mesa_gelu(x: FloatTensor<Self>, form: GeluForm, _codes: Codes) -> FloatTensor<Self> {
+        gelu_plain(&x, form)
+    }
+
+    fn mesa_layer_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
+        _codes: Codes,
+    ) -> FloatTensor<Self> {
+        layer_norm_plain(&x, &weight, &bias, eps)
+    }
+
+    fn mesa_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        _codes: Codes,
+    ) -> FloatTensor<Self> {
+        linear_plain(x, weight, bias)
+    }
+}
+
+/// GELU without saving anything (the emulator's plain kernel).
+pub(crate) fn gelu_plain(x: &FlexTensor, form: GeluForm) -> FlexTensor {
+    let x = host::positive(x);
+    let layout = host::layout(&x);
+    let shape = layout.shape().to_vec();
+    with_float!(host::dtype(&x), T => {
+        let mut y = host::zeros::<T>(x.layout().num_elements());
+        {
+            let mut yv = host::expect(TensorMut::contiguous(y.as_mut_slice(), &shape), "gelu");
+            host::expect(fused::gelu(&host::device(), form, &host::view::<T>(&x, &layout), &mut yv), "gelu");
+        }
+        host::tensor(y, &shape)
+    })
+}
+
+/// LayerNorm without saving anything.
+pub(crate) fn layer_norm_plain(x: &FlexTensor, weight: &FlexTensor, bias: &FlexTensor, eps: f32) -> FlexTensor {
+    let (x, w, b) = (host::positive(x), weight.to_contiguous(), bias.to_contiguous());
+    let layout = host::layout(&x);
+    let shape = layout.shape().to_vec();
+    with_float!(host::dtype(&x), T => {
+        let (xv, wv, bv) = (host::view::<T>(&x, &layout), host::view::<T>(&w, &host::layout(&w)), host::view::<T>(&b, &host::layout(&b)));
+        let mut y = host::zeros::<T>(x.layout().num_elements());
+        {
+            let mut yv = host::expect(TensorMut::contiguous(y.as_mut_slice(), &shape), "layer_norm");
+            let args = LayerNormForward { x: &xv, weight: Some(&wv), bias: Some(&bv), eps };
+            host::expect(fused::layer_norm(&host::device(), &args, &mut yv), "layer_norm");
+        }
+        host::tensor(y, &shape)
+    })
+}
+
+/// `x` as `[rows, last]` (rows = product of the leading axes).
+pub(crate) fn rows_2d(x: FlexTensor) -> (FlexTensor, Vec<usize>) {
+    let shape: Vec<usize> = x.layout().shape().to_vec();
+    let last = *shape.last().expect("rank ≥ 1 (validated)");
+    let rows = shape[..shape.len() - 1].iter().product::<usize>();
+    (Flex::float_reshape(x, Shape::from(vec![rows, last])), shape)
+}
+
+/// `x·weight + bias` with Flex's own matmul (exact, the same as burn's linear).
+pub(crate) fn linear_plain(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
+    let d_out = weight.layout().shape()[1];
+    let (x2, mut shape) = rows_2d(x);
+    let y = Flex::float_matmul(x2, weight);
+    let y = Flex::float_add(y, Flex::float_reshape(bias, Shape::from(vec![1, d_out])));
+    *shape.last_mut().expect("rank ≥ 1") = d_out;
+    Flex::float_reshape(y, Shape::from(shape))
+}
