@@ -157,7 +157,7 @@ fn layer_norm_save(
     let layout = host::layout(&x);
     let shape = layout.shape().to_vec();
     let cols = *shape.last().expect("rank ≥ 1");
-    let rows = if cols == 0 { 0 } else { x.layout().num_elements() / cols };
+    let rows = x.layout().num_elements().checked_div(cols).unwrap_or(0);
     let mut q = quantizer(codes, "layer_norm");
     let (mut mean, mut rstd) = (vec![0f32; rows], vec![0f32; rows]);
     with_float!(host::dtype(&x), T => {

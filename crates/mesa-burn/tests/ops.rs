@@ -1,0 +1,347 @@
+//! Each op against burn's own op on Flex: the forward (f32, and f16/bf16 against mesa-kernels'
+//! f64 reference), the gradients at 8, 4 and 2 bits under both checkpointing strategies, the
+//! untracked and inference routes, the module wrappers, and the typed errors.
+//!
+//! Every bound is derived in a comment next to it. `U = 2^-24` is f32's unit roundoff;
+//! `s = (max − min)/(2^bits − 1)` is the step of the per-tensor codes, and nearest rounding
+//! decodes each element within `s/2` of its value.
+//!
+//! Deliberate break (checked while writing these tests): making `HostCodes::view` hand the
+//! backward parameters with the scale set to 0 (every code decodes to the group's offset)
+//! fails `gelu_gradients_match_burn`, `layer_norm_gradients_match_burn` and
+//! `linear_gradients_match_burn` at every bit width.
+mod common;
+
+use burn::tensor::{activation, module, DType, Device, Tensor};
+use common::{assert_within, autodiff_devices, data, rounded, step, tensor, values};
+use mesa_burn::{Codes, Error, GeluForm};
+use mesa_kernels::reference::fused as reference;
+
+const U: f64 = 1.0 / 16_777_216.0;
+
+/// `max |gelu''|` over the line, from the f64 reference by central differences (the
+/// Lipschitz constant of `gelu'`; 2φ(0) ≈ 0.798 for the erf form), with 1 % margin for the
+/// grid.
+fn gelu_second_derivative_bound(form: GeluForm) -> f64 {
+    let h = 1e-4;
+    let mut m = 0.0f64;
+    let mut x = -12.0;
+    while x <= 12.0 {
+        let d2 = (reference::gelu_derivative(x + h, form) - reference::gelu_derivative(x - h, form)) / (2.0 * h);
+        m = m.max(d2.abs());
+        x += 1e-3;
+    }
+    m * 1.01
+}
+
+/// f32 error of one GELU or GELU' evaluation at `x` (value magnitude ≤ max(|x|, 1.2)): about
+/// 8 roundings of size U, the erf/tanh argument's rounding amplified by its slope (≤ |x|
+/// relative), doubled for the two implementations compared.
+fn gelu_f32_error(x: f64) -> f64 {
+    2.0 * U * (8.0 * x.abs().max(1.2) + x * x)
+}
+
+fn burn_gelu<const D: usize>(x: Tensor<D>, form: GeluForm) -> Tensor<D> {
+    match form {
+        GeluForm::Erf => activation::gelu(x),
+        GeluForm::Tanh => activation::gelu_approximate(x),
+    }
+}
+
+#[test]
+fn gelu_forward_matches_burn_f32() {
+    let device = Device::flex();
+    let xv = data(4096, 1, -6.0, 6.0);
+    for form in [GeluForm::Erf, GeluForm::Tanh] {
+        let x = tensor(&xv, [64, 64], DType::F32, &device);
+        let ours = values(&mesa_burn::gelu(x.clone(), form, Codes::default()).unwrap());
+        let theirs = values(&burn_gelu(x, form));
+        assert_within(&format!("gelu {form:?} f32"), &ours, &theirs, |i| gelu_f32_error(xv[i] as f64));
+    }
+}
+
+#[test]
+fn gelu_forward_f16_bf16_match_the_reference() {
+    // The kernel computes in f32 and rounds once to the output dtype: |y − ref| ≤ half an
+    // ulp of the output (2^-11·|ref| for f16, 2^-8·|ref| for bf16, plus f16's smallest
+    // subnormal half-step 2^-25) + the f32 error (one implementation: half of gelu_f32_error),
+    // on the input as rounded to the dtype.
+    for (dtype, rel) in [(DType::F16, 2f64.powi(-11)), (DType::BF16, 2f64.powi(-8))] {
+        for device in [Device::flex(), Device::flex().autodiff()] {
+            let xv = rounded(&data(2048, 2, -5.0, 5.0), dtype);
+            let mut x = tensor(&xv, [32, 64], dtype, &device);
+            if device.is_autodiff() {
+                x = x.require_grad();
+            }
+            let y = mesa_burn::gelu(x, GeluForm::Erf, Codes::bits(4)).unwrap();
+            assert_eq!(y.dtype(), dtype);
+            let ours = values(&y);
+            let want: Vec<f32> = xv.iter().map(|&x| reference::gelu(x as f64, GeluForm::Erf) as f32).collect();
+            assert_within(&format!("gelu {dtype:?}"), &ours, &want, |i| {
+                let r = want[i].abs() as f64;
+                rel * r + 2f64.powi(-25) + gelu_f32_error(xv[i] as f64) / 2.0 + U * r
+            });
+        }
+    }
+}
+
+#[test]
+fn gelu_gradients_match_burn() {
+    // L = Σ c⊙gelu(x), so dx = c⊙gelu'(x̃) at the decoded x̃ (ours) against c⊙gelu'(x)
+    // (burn's). |gelu'(x̃) − gelu'(x)| ≤ K·|x̃ − x| ≤ K·s/2 with K = max|gelu''|, hence
+    // |Δdx_i| ≤ |c_i|·(K·s/2 + f32 error of gelu').
+    let (rows, cols) = (48, 96);
+    let xv = data(rows * cols, 3, -4.0, 4.0);
+    let cv = data(rows * cols, 4, -1.0, 1.0);
+    for form in [GeluForm::Erf, GeluForm::Tanh] {
+        let k = gelu_second_derivative_bound(form);
+        for bits in [8, 4, 2] {
+            let s = step(&xv, bits);
+            for device in autodiff_devices() {
+                let c = tensor(&cv, [rows, cols], DType::F32, &device);
+                let x = tensor(&xv, [rows, cols], DType::F32, &device).require_grad();
+                let y = mesa_burn::gelu(x.clone(), form, Codes::bits(bits)).unwrap();
+                let ours = values(&x.grad(&(y * c.clone()).sum().backward()).unwrap());
+
+                let x2 = tensor(&xv, [rows, cols], DType::F32, &device).require_grad();
+                let theirs = values(&x2.grad(&(burn_gelu(x2.clone(), form) * c).sum().backward()).unwrap());
+                assert_within(&format!("gelu {form:?} dx {bits}-bit"), &ours, &theirs, |i| {
+                    (cv[i].abs() as f64) * (k * s / 2.0 + gelu_f32_error(xv[i] as f64))
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn untracked_and_inference_routes_give_the_tracked_forward() {
+    // All three routes run the same f32 kernel arithmetic on the same input (the saving
+    // forward only adds the codes), so the outputs are identical bit for bit.
+    let xv = data(1024, 5, -3.0, 3.0);
+    let run = |device: &Device, grad: bool| {
+        let mut x = tensor(&xv, [16, 64], DType::F32, device);
+        if grad {
+            x = x.require_grad();
+        }
+        values(&mesa_burn::gelu(x, GeluForm::Erf, Codes::bits(2)).unwrap())
+    };
+    let tracked = run(&Device::flex().autodiff(), true);
+    assert_eq!(run(&Device::flex().autodiff(), false), tracked, "untracked autodiff input");
+    assert_eq!(run(&Device::flex(), false), tracked, "inference device");
+}
+
+/// LayerNorm test data: rows with different means and spreads, so rstd varies by row.
+fn ln_data(rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut x = data(rows * cols, 6, -1.0, 1.0);
+    for r in 0..rows {
+        for v in &mut x[r * cols..(r + 1) * cols] {
+            *v = *v * (0.5 + r as f32 * 0.25) + (r as f32 - 4.0);
+        }
+    }
+    (x, data(cols, 7, 0.5, 1.5), data(cols, 8, -0.5, 0.5))
+}
+
+const EPS: f64 = 1e-5;
+
+#[test]
+fn layer_norm_forward_matches_burn_f32() {
+    // Both compute mean and variance in f32 over C values: relative error of each ≤ C·U
+    // (pairwise or serial summation), so |Δx̂| ≤ 2·C·U·(|x̂| + 1) per implementation; y =
+    // x̂·w + b adds 2 roundings. Two implementations: 4·C·U·(|x̂|+1)·|w| + 4·U·|y|.
+    let (rows, cols) = (16, 64);
+    let (xv, wv, bv) = ln_data(rows, cols);
+    let device = Device::flex();
+    let x = tensor(&xv, [rows, cols], DType::F32, &device);
+    let w = tensor(&wv, [cols], DType::F32, &device);
+    let b = tensor(&bv, [cols], DType::F32, &device);
+    let ours = values(&mesa_burn::layer_norm(x.clone(), w.clone(), b.clone(), EPS, Codes::default()).unwrap());
+    let theirs = values(&module::layer_norm(x, w, Some(b), EPS));
+    let x64: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
+    let f = reference::layer_norm_rows(&x64, None, None, EPS, cols);
+    assert_within("layer_norm f32", &ours, &theirs, |i| {
+        let c = i % cols;
+        4.0 * cols as f64 * U * (f.xhat[i].abs() + 1.0) * wv[c] as f64 + 4.0 * U * theirs[i].abs() as f64
+    });
+}
+
+#[test]
+fn layer_norm_gradients_match_burn() {
+    // L = Σ c⊙y; a = c⊙w per row. Exact: dx = rstd·(a − mean(a) − x̂·mean(a⊙x̂)). The backward
+    // reads x̃ = x̂ + δ, |δ| ≤ s/2 (s: step of the codes of x̂), so
+    //   |Δdx_i| ≤ rstd·(s/2·|mean(a⊙x̂)| + |x̂_i|·mean|a|·s/2 + (s/2)²·mean|a|),
+    //   |Δdw_c| ≤ s/2·Σ_rows |c|   (dw = Σ_rows c⊙x̃),   db = Σ_rows c is exact.
+    // Plus f32 summation over C (dx) or rows (dw, db): 4·n·U times the sum of magnitudes.
+    let (rows, cols) = (16, 64);
+    let (xv, wv, bv) = ln_data(rows, cols);
+    let cv = data(rows * cols, 9, -1.0, 1.0);
+    let x64: Vec<f64> = xv.iter().map(|&v| v as f64).collect();
+    let f = reference::layer_norm_rows(&x64, None, None, EPS, cols);
+    let xhat32: Vec<f32> = f.xhat.iter().map(|&v| v as f32).collect();
+    for bits in [8, 4, 2] {
+        // the kernel's x̂ is f32: its range differs from the f64 one by a few U
+        let s = step(&xhat32, bits) * (1.0 + 1e-5);
+        for device in autodiff_devices() {
+            let grads = |mesa: bool| {
+                let x = tensor(&xv, [rows, cols], DType::F32, &device).require_grad();
+                let w = tensor(&wv, [cols], DType::F32, &device).require_grad();
+                let b = tensor(&bv, [cols], DType::F32, &device).require_grad();
+                let c = tensor(&cv, [rows, cols], DType::F32, &device);
+                let y = if mesa {
+                    mesa_burn::layer_norm(x.clone(), w.clone(), b.clone(), EPS, Codes::bits(bits)).unwrap()
+                } else {
+                    module::layer_norm(x.clone(), w.clone(), Some(b.clone()), EPS)
+                };
+                let g = (y * c).sum().backward();
+                (values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap()), values(&b.grad(&g).unwrap()))
+            };
+            let (dx, dw, db) = grads(true);
+            let (dx0, dw0, db0) = grads(false);
+            let a = |i: usize| cv[i] as f64 * wv[i % cols] as f64;
+            let row_stats: Vec<(f64, f64)> = (0..rows)
+                .map(|r| {
+                    let idx = r * cols..(r + 1) * cols;
+                    let m_ax = idx.clone().map(|i| a(i) * f.xhat[i]).sum::<f64>() / cols as f64;
+                    let m_a = idx.map(|i| a(i).abs()).sum::<f64>() / cols as f64;
+                    (m_ax, m_a)
+                })
+                .collect();
+            assert_within(&format!("layer_norm dx {bits}-bit"), &dx, &dx0, |i| {
+                let r = i / cols;
+                let (m_ax, m_a) = row_stats[r];
+                let rstd = f.rstd[r];
+                let h = s / 2.0;
+                rstd * (h * m_ax.abs() + f.xhat[i].abs() * m_a * h + h * h * m_a)
+                    + 4.0 * cols as f64 * U * rstd * m_a * (2.0 + f.xhat[i].abs()) * 2.0
+            });
+            let col_sum = |c: usize, g: &dyn Fn(usize) -> f64| (0..rows).map(|r| g(r * cols + c)).sum::<f64>();
+            assert_within(&format!("layer_norm dweight {bits}-bit"), &dw, &dw0, |c| {
+                s / 2.0 * col_sum(c, &|i| cv[i].abs() as f64)
+                    + 4.0 * rows as f64 * U * col_sum(c, &|i| (cv[i] as f64 * f.xhat[i]).abs())
+            });
+            assert_within(&format!("layer_norm dbias {bits}-bit"), &db, &db0, |c| {
+                4.0 * rows as f64 * U * col_sum(c, &|i| cv[i].abs() as f64)
+            });
+        }
+    }
+}
+
+#[test]
+fn linear_forward_matches_burn_and_gradients_at_each_bit_width() {
+    // Forward: both are an f32 matmul over d_in plus a bias: |Δy| ≤ 2·(d_in+1)·U·(Σ|x||w| + |b|)
+    // (each within γ_{d_in+1} ≈ (d_in+1)·U of its sum of magnitudes).
+    // Gradients, L = Σ c⊙y: dx = c·Wᵀ reads W itself (same f32 bound over d_out);
+    // dW = x̃ᵀ·c with |x̃ − x| ≤ s/2: |ΔdW_kj| ≤ s/2·Σ_i|c_ij| + 2·N·U·Σ_i|x_ik c_ij|;
+    // db = Σ_i c_ij: 2·N·U·Σ_i|c_ij|.
+    let (b0, b1, d_in, d_out) = (2, 16, 48, 24);
+    let n = b0 * b1;
+    let xv = data(n * d_in, 10, -2.0, 3.0);
+    let wv = data(d_in * d_out, 11, -0.3, 0.3);
+    let bv = data(d_out, 12, -0.1, 0.1);
+    let cv = data(n * d_out, 13, -1.0, 1.0);
+    let xi = |i: usize, k: usize| xv[i * d_in + k] as f64;
+    let wi = |k: usize, j: usize| wv[k * d_out + j] as f64;
+    let ci = |i: usize, j: usize| cv[i * d_out + j] as f64;
+    for bits in [8, 4, 2] {
+        let s = step(&xv, bits);
+        for device in autodiff_devices() {
+            let run = |mesa: bool| {
+                let x = tensor(&xv, [b0, b1, d_in], DType::F32, &device).require_grad();
+                let w = tensor(&wv, [d_in, d_out], DType::F32, &device).require_grad();
+                let b = tensor(&bv, [d_out], DType::F32, &device).require_grad();
+                let c = tensor(&cv, [b0, b1, d_out], DType::F32, &device);
+                let y = if mesa {
+                    mesa_burn::linear(x.clone(), w.clone(), Some(b.clone()), Codes::bits(bits)).unwrap()
+                } else {
+                    module::linear(x.clone(), w.clone(), Some(b.clone()))
+                };
+                let yv = values(&y);
+                let g = (y * c).sum().backward();
+                (yv, values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap()), values(&b.grad(&g).unwrap()))
+            };
+            let (y, dx, dw, db) = run(true);
+            let (y0, dx0, dw0, db0) = run(false);
+            assert_within("linear y", &y, &y0, |e| {
+                let (i, j) = (e / d_out, e % d_out);
+                2.0 * (d_in + 1) as f64
+                    * U
+                    * ((0..d_in).map(|k| (xi(i, k) * wi(k, j)).abs()).sum::<f64>() + bv[j].abs() as f64)
+            });
+            assert_within("linear dx", &dx, &dx0, |e| {
+                let (i, k) = (e / d_in, e % d_in);
+                2.0 * d_out as f64 * U * (0..d_out).map(|j| (ci(i, j) * wi(k, j)).abs()).sum::<f64>()
+            });
+            assert_within(&format!("linear dweight {bits}-bit"), &dw, &dw0, |e| {
+                let (k, j) = (e / d_out, e % d_out);
+                s / 2.0 * (0..n).map(|i| ci(i, j).abs()).sum::<f64>()
+                    + 2.0 * n as f64 * U * (0..n).map(|i| (xi(i, k) * ci(i, j)).abs()).sum::<f64>()
+            });
+            assert_within("linear dbias", &db, &db0, |j| {
+                2.0 * n as f64 * U * (0..n).map(|i| ci(i, j).abs()).sum::<f64>()
+            });
+        }
+    }
+}
+
+#[test]
+fn modules_mirror_burn_nn() {
+    // Same parameters, same forward up to the f32 bounds above (loosely: the largest of them
+    // for these sizes is below 1e-4 for |values| ≤ 10): a model swaps the type and keeps
+    // its weights.
+    use mesa_burn::nn::{GeluConfig, LayerNormConfig, LinearConfig};
+    let device = Device::flex();
+    device.seed(3);
+    let ours = LinearConfig::new(32, 16).init(&device);
+    let theirs = burn::nn::Linear { weight: ours.weight.clone(), bias: ours.bias.clone() };
+    assert_eq!(ours.weight.dims(), [32, 16]);
+    let x = tensor(&data(8 * 32, 14, -1.0, 1.0), [8, 32], DType::F32, &device);
+    let y = values(&ours.forward(x.clone()).unwrap());
+    let y0 = values(&theirs.forward(x.clone()));
+    // Kaiming uniform bound 1/√d_in·... ≤ 0.18: |y| ≤ 32·0.18 + 0.18; bound 2·33·U·6
+    assert_within("Linear module", &y, &y0, |_| 2.0 * 33.0 * U * 6.0);
+    let ln = LayerNormConfig::new(16).with_bits(4).init(&device);
+    let yn = values(
+        &ln.forward(Tensor::<2>::from_data(burn::tensor::TensorData::new(y0.clone(), [8, 16]), &device)).unwrap(),
+    );
+    let yn0 = values(
+        &burn::nn::LayerNormConfig::new(16)
+            .init(&device)
+            .forward(Tensor::<2>::from_data(burn::tensor::TensorData::new(y0, [8, 16]), &device)),
+    );
+    // x̂ ≤ √16 = 4 in magnitude: 4·16·U·5 per implementation pair (see the LayerNorm test)
+    assert_within("LayerNorm module", &yn, &yn0, |_| 4.0 * 16.0 * U * 5.0 + 4.0 * U * 4.0);
+    let g = GeluConfig::new().with_bits(2).init();
+    let yg = values(&g.forward(x.clone()).unwrap());
+    let yg0 = values(&activation::gelu(x));
+    assert_within("Gelu module", &yg, &yg0, |_| gelu_f32_error(1.0));
+}
+
+#[test]
+fn bad_input_is_a_typed_error_before_dispatch() {
+    let device = Device::flex().autodiff();
+    let x = tensor(&data(64, 15, -1.0, 1.0), [4, 16], DType::F32, &device);
+    let w = tensor(&data(16, 16, 0.5, 1.5), [16], DType::F32, &device);
+    let b = tensor(&data(16, 17, -0.5, 0.5), [16], DType::F32, &device);
+    assert!(matches!(
+        mesa_burn::gelu(x.clone(), GeluForm::Erf, Codes::bits(3)),
+        Err(Error::Config { what: "bits", .. })
+    ));
+    assert!(matches!(
+        mesa_burn::gelu(x.clone().cast(DType::F64), GeluForm::Erf, Codes::bits(8)),
+        Err(Error::Dtype { .. })
+    ));
+    let w8 = tensor(&data(8, 18, 0.5, 1.5), [8], DType::F32, &device);
+    assert!(matches!(
+        mesa_burn::layer_norm(x.clone(), w8, b.clone(), EPS, Codes::default()),
+        Err(Error::Shape { what: "weight", .. })
+    ));
+    assert!(matches!(
+        mesa_burn::layer_norm(x.clone(), w.clone(), b.clone(), 0.0, Codes::default()),
+        Err(Error::Config { what: "eps", .. })
+    ));
+    assert!(matches!(
+        mesa_burn::layer_norm(x.clone(), w.clone().cast(DType::F16), b.clone(), EPS, Codes::default()),
+        Err(Error::DtypeMismatch { what: "weight" })
+    ));
+    let wl = tensor(&data(12 * 4, 19, -1.0, 1.0), [12, 4], DType::F32, &device);
+    assert!(matches!(mesa_burn::linear(x.clone(), wl, None, Codes::default()), Err(Error::Shape { what: "x", .. })));
+}
