@@ -48,18 +48,10 @@ pub fn layer_norm<const D: usize>(
     validate::same(&weight, &x, "weight")?;
     validate::same(&bias, &x, "bias")?;
     let dims = x.dims();
-    let Some(&cols) = dims.last() else {
-        return Err(Error::Shape { what: "x", why: "LayerNorm needs rank ≥ 1".into() });
-    };
-    if cols == 0 {
-        return Err(Error::Shape { what: "x", why: "rows of length 0 have no mean".into() });
-    }
+    let cols = validate::last_axis(&dims)?;
     validate::vector(&weight, cols, "weight")?;
     validate::vector(&bias, cols, "bias")?;
-    let eps32 = eps as f32;
-    if !(eps32 > 0.0 && eps32.is_finite()) {
-        return Err(Error::Config { what: "eps", why: format!("must be positive and finite in f32, got {eps}") });
-    }
+    let eps32 = validate::eps(eps)?;
     validate::codes(&codes, &dims)?;
     Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_layer_norm(
         x.into_dispatch(),
@@ -109,4 +101,81 @@ pub fn linear<const D: usize>(
         bias.into_dispatch(),
         codes,
     )))
+}
+
+/// RMSNorm over the last axis: `y = x/sqrt(mean(x²) + eps)·weight` (as burn-nn's
+/// `RmsNorm`: statistics in f32), keeping for backward the codes of
+/// `x̂ = x/sqrt(mean(x²) + eps)` (computed in f32), the per-row `1/sqrt(mean(x²) + eps)`
+/// (4 bytes per row) and a handle to `weight` (no copy), not `x`. Backward:
+/// `dx = rstd·(g − x̃·mean(g·x̃))` with `g = dy·weight`, `dweight = Σ dy·x̃`, from the decoded
+/// `x̃`. mesa-kernels has no RMSNorm kernel: the arithmetic is Flex's ops; the codes are
+/// the kernels' quantize and dequantize.
+///
+/// Shapes: `x` `[.., C]` (rank ≥ 1, `C` > 0), `weight` `[C]`, `y` as `x`. Dtypes: f32, f16,
+/// bf16, both alike. `eps`: positive and finite in f32.
+///
+/// # Errors
+/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`],
+/// [`Error::Config`] (bits, eps), [`Error::Kernel`].
+pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64, codes: Codes) -> Result<Tensor<D>> {
+    validate::float(&x, "x")?;
+    validate::same(&weight, &x, "weight")?;
+    let dims = x.dims();
+    let cols = validate::last_axis(&dims)?;
+    validate::vector(&weight, cols, "weight")?;
+    let eps32 = validate::eps(eps)?;
+    validate::codes(&codes, &dims)?;
+    Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_rms_norm(x.into_dispatch(), weight.into_dispatch(), eps32, codes)))
+}
+
+/// Softmax over the last axis, `y = softmax(x + mask)`, keeping for backward square-root
+/// companded codes of `y` (`codes.bits`/8 bytes per element, fixed parameters: decoded
+/// `ŷ = (c/L)²`, `L = 2^bits − 1`, `|ŷ − y| ≤ (√y + 1/(4L))/L` with nearest rounding), not
+/// `y`. Backward: `dx = ŷ·(dy − Σ dy·ŷ)` per row.
+///
+/// Shapes: `x` rank ≥ 1 (rows along the last axis); `mask` (additive, `−inf` allowed; a
+/// fully masked row gives 0) of `x`'s rank, each axis equal to `x`'s or 1 (broadcast). The
+/// mask gets no gradient. Dtypes: f32, f16, bf16, alike.
+///
+/// # Errors
+/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0,
+/// a mask axis that does not broadcast), [`Error::Config`] (bits), [`Error::Kernel`].
+pub fn softmax<const D: usize>(x: Tensor<D>, mask: Option<Tensor<D>>, codes: Codes) -> Result<Tensor<D>> {
+    validate::float(&x, "x")?;
+    let dims = x.dims();
+    validate::last_axis_any(&dims)?;
+    codes.check()?;
+    let _sizes = crate::autodiff::softmax_save_config(&codes).saved_sizes(&dims)?;
+    let y = match mask {
+        None => <Dispatch as MesaOps>::mesa_softmax(x.into_dispatch(), codes),
+        Some(m) => {
+            validate::same(&m, &x, "mask")?;
+            let md = m.dims();
+            if md.iter().zip(&dims).any(|(&a, &b)| a != b && a != 1) {
+                return Err(Error::Shape { what: "mask", why: format!("{md:?} does not broadcast to {dims:?}") });
+            }
+            let m = if md == dims { m } else { m.expand(dims) };
+            <Dispatch as MesaOps>::mesa_softmax_masked(x.into_dispatch(), m.into_dispatch(), codes)
+        }
+    };
+    Ok(Tensor::from_dispatch(y))
+}
+
+/// SwiGLU, `y = silu(gate)·up` elementwise (`silu(g) = g·σ(g)`), keeping for backward the
+/// codes of `gate` and of `up` (2·`codes.bits`/8 bytes per element), not the inputs.
+/// Backward: `dgate = dy·up~·silu'(gate~)`, `dup = dy·silu(gate~)` from the decoded inputs.
+///
+/// Shapes: `gate`, `up`, `y` one shape. Dtypes: f32, f16, bf16, alike.
+///
+/// # Errors
+/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (the
+/// shapes differ), [`Error::Config`] (bits), [`Error::Kernel`].
+pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>, codes: Codes) -> Result<Tensor<D>> {
+    validate::float(&gate, "gate")?;
+    validate::same(&up, &gate, "up")?;
+    if up.dims() != gate.dims() {
+        return Err(Error::Shape { what: "up", why: format!("{:?} given, the gate's {:?} expected", up.dims(), gate.dims()) });
+    }
+    validate::codes(&codes, &gate.dims())?;
+    Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_swiglu(gate.into_dispatch(), up.into_dispatch(), codes)))
 }

@@ -11,34 +11,26 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
-use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::Flex;
-use burn::tensor::{DType, FloatDType, Shape};
-use mesa_kernels::fused::{self, LayerNormBackwardView, LayerNormForward, LayerNormGrads, LayerNormSaveMut};
-use mesa_kernels::{GeluForm, Quantizer, TensorMut, TensorRef};
+use burn::tensor::{DType, Shape};
+use mesa_kernels::fused::{
+    self, LayerNormBackwardView, LayerNormForward, LayerNormGrads, LayerNormSaveMut, SoftmaxCodes, SoftmaxInput,
+    SoftmaxSave, SwigluGrads, SwigluInput, SwigluQuantizers, SwigluSaveMut, SwigluSavedView,
+};
+use mesa_kernels::{GeluForm, Grouping, Quantizer, SavedView, TensorMut, TensorRef};
 
 use crate::config::Codes;
 use crate::host::{self, with_float, HostCodes};
-use crate::ops::{gelu_plain, layer_norm_plain, linear_plain, rows_2d, MesaOps};
+use crate::ops::{
+    cast, gelu_plain, layer_norm_plain, linear_plain, rms_norm_plain, rows_2d, softmax_plain, swiglu_plain, MesaOps,
+};
 
 fn quantizer(codes: &Codes, op: &'static str) -> Quantizer {
     host::expect(Quantizer::new(&host::device(), codes.quant_config()), op)
-}
-
-/// `t` cast to `dtype` (a no-op when it already has it).
-fn cast(t: FlexTensor, dtype: DType) -> FlexTensor {
-    if t.dtype() == dtype {
-        return t;
-    }
-    let to = match dtype {
-        DType::F16 => FloatDType::F16,
-        DType::BF16 => FloatDType::BF16,
-        _ => FloatDType::F32,
-    };
-    Flex::float_cast(t, to)
 }
 
 // ---------------------------------------------------------------------------------- GELU
@@ -233,6 +225,201 @@ fn quantize_input(x: &FlexTensor, codes: &Codes) -> HostCodes {
     })
 }
 
+// ------------------------------------------------------------------------------- RMSNorm
+
+#[derive(Debug)]
+struct RmsNormBackward;
+
+/// What the RMSNorm backward keeps: the codes of `x̂` (f32 `[rows, C]`), `rstd` (`[rows, 1]`
+/// f32) and the weight (a handle: no copy).
+#[derive(Debug, Clone)]
+struct RmsNormState {
+    xhat: Arc<HostCodes>,
+    rstd: FlexTensor,
+    weight: FlexTensor,
+}
+
+impl Backward<Flex, 2> for RmsNormBackward {
+    type State = RmsNormState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [px, pw] = parents;
+        let dy = grads.consume::<Flex>(&node);
+        let dtype = dy.dtype();
+        let (dy2, shape) = rows_2d(cast(dy, DType::F32));
+        let cols = dy2.layout().shape()[1];
+        let xt = state.xhat.decode::<f32>();
+        if let Some(p) = px {
+            // dx = rstd·(g − x̃·mean(g·x̃)), g = dy·w
+            let w = Flex::float_reshape(cast(state.weight.clone(), DType::F32), Shape::from(vec![1, cols]));
+            let g = Flex::float_mul(dy2.clone(), w);
+            let m = Flex::float_mean_dim(Flex::float_mul(g.clone(), xt.clone()), 1);
+            let dx = Flex::float_mul(Flex::float_sub(g, Flex::float_mul(xt.clone(), m)), state.rstd.clone());
+            grads.register::<Flex>(p.id, cast(Flex::float_reshape(dx, Shape::from(shape)), dtype));
+        }
+        if let Some(p) = pw {
+            // dw = Σ_rows dy·x̃
+            let dw = Flex::float_reshape(Flex::float_sum_dim(Flex::float_mul(dy2, xt), 0), Shape::from(vec![cols]));
+            grads.register::<Flex>(p.id, cast(dw, state.weight.dtype()));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------- softmax
+
+#[derive(Debug)]
+struct SoftmaxBackward;
+
+/// `dx` from the codes of `y` (parent 0; a mask, parent 1, gets no gradient).
+fn softmax_backward(parent: Option<NodeId>, dy: FlexTensor, y: &HostCodes, grads: &mut Gradients) {
+    let Some(id) = parent else { return };
+    let dy = host::positive(&dy);
+    let layout = host::layout(&dy);
+    let shape = layout.shape().to_vec();
+    let dx = with_float!(host::dtype(&dy), T => {
+        let mut dx = host::zeros::<T>(dy.layout().num_elements());
+        {
+            let mut dxv = host::expect(TensorMut::contiguous(dx.as_mut_slice(), &shape), "softmax backward");
+            host::expect(
+                fused::softmax_backward_view(&host::device(), &y.view(), &host::view::<T>(&dy, &layout), &mut dxv),
+                "softmax backward",
+            );
+        }
+        host::tensor(dx, &shape)
+    });
+    grads.register::<Flex>(id, dx);
+}
+
+impl Backward<Flex, 1> for SoftmaxBackward {
+    /// The codes of `y`.
+    type State = Arc<HostCodes>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<Flex>(&ops.node);
+        let [px] = ops.parents;
+        softmax_backward(px.map(|p| p.id), dy, &ops.state, grads);
+    }
+}
+
+impl Backward<Flex, 2> for SoftmaxBackward {
+    /// The codes of `y`.
+    type State = Arc<HostCodes>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<Flex>(&ops.node);
+        let [px, _mask] = ops.parents;
+        softmax_backward(px.map(|p| p.id), dy, &ops.state, grads);
+    }
+}
+
+/// The save configuration of softmax's codes: square-root companded, one group.
+pub(crate) fn softmax_save_config(codes: &Codes) -> SoftmaxSave {
+    SoftmaxSave { bits: codes.bits, codes: SoftmaxCodes::Sqrt, grouping: Grouping::Tensor, rounding: codes.rounding }
+}
+
+fn softmax_save(x: &FlexTensor, mask: Option<&FlexTensor>, codes: &Codes) -> (FlexTensor, HostCodes) {
+    let x = host::positive(x);
+    let mask = mask.map(host::positive);
+    let layout = host::layout(&x);
+    let shape = layout.shape().to_vec();
+    let save = softmax_save_config(codes);
+    with_float!(host::dtype(&x), T => {
+        let xv = host::view::<T>(&x, &layout);
+        let ml = mask.as_ref().map(host::layout);
+        let mv = mask.as_ref().zip(ml.as_ref()).map(|(m, l)| host::view::<T>(m, l));
+        let mut input = SoftmaxInput::new(&xv);
+        if let Some(mv) = mv.as_ref() {
+            input = input.with_mask(mv);
+        }
+        let mut y = host::zeros::<T>(x.layout().num_elements());
+        let mut buf = HostCodes::alloc_sized(host::expect(save.saved_sizes(&shape), "softmax"), "softmax");
+        let meta = {
+            let mut yv = host::expect(TensorMut::contiguous(y.as_mut_slice(), &shape), "softmax");
+            host::expect(fused::softmax_forward_to(&host::device(), &save, &input, &mut yv, &mut buf.view_mut()), "softmax")
+        };
+        (host::tensor(y, &shape), buf.finish(meta))
+    })
+}
+
+// -------------------------------------------------------------------------------- SwiGLU
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+/// What the SwiGLU backward keeps: the codes of `gate` and of `up`.
+#[derive(Debug, Clone)]
+struct SwigluState {
+    gate: Arc<HostCodes>,
+    up: Arc<HostCodes>,
+}
+
+impl Backward<Flex, 2> for SwigluBackward {
+    type State = SwigluState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [pg, pu] = parents;
+        let dy = host::positive(&grads.consume::<Flex>(&node));
+        let layout = host::layout(&dy);
+        let shape = layout.shape().to_vec();
+        let (dg, du) = with_float!(host::dtype(&dy), T => {
+            let n = dy.layout().num_elements();
+            let (mut dg, mut du) = (host::zeros::<T>(n), host::zeros::<T>(n));
+            {
+                let mut dgv = host::expect(TensorMut::contiguous(dg.as_mut_slice(), &shape), "swiglu backward");
+                let mut duv = host::expect(TensorMut::contiguous(du.as_mut_slice(), &shape), "swiglu backward");
+                let (gv, uv): (SavedView<'_>, SavedView<'_>) = (state.gate.view(), state.up.view());
+                host::expect(
+                    fused::swiglu_backward_view(
+                        &host::device(),
+                        SwigluSavedView { gate: &gv, up: &uv },
+                        &host::view::<T>(&dy, &layout),
+                        SwigluGrads { gate: &mut dgv, up: &mut duv },
+                    ),
+                    "swiglu backward",
+                );
+            }
+            (host::tensor(dg, &shape), host::tensor(du, &shape))
+        });
+        if let Some(p) = pg {
+            grads.register::<Flex>(p.id, dg);
+        }
+        if let Some(p) = pu {
+            grads.register::<Flex>(p.id, du);
+        }
+    }
+}
+
+fn swiglu_save(gate: &FlexTensor, up: &FlexTensor, codes: &Codes) -> (FlexTensor, SwigluState) {
+    let (g, u) = (host::positive(gate), host::positive(up));
+    let (gl, ul) = (host::layout(&g), host::layout(&u));
+    let shape = gl.shape().to_vec();
+    let config = codes.quant_config();
+    let (mut qg, mut qu) = (quantizer(codes, "swiglu"), quantizer(codes, "swiglu"));
+    with_float!(host::dtype(&g), T => {
+        let (gv, uv) = (host::view::<T>(&g, &gl), host::view::<T>(&u, &ul));
+        let mut y = host::zeros::<T>(g.layout().num_elements());
+        let (mut bg, mut bu) = (HostCodes::alloc(&shape, &config, "swiglu"), HostCodes::alloc(&shape, &config, "swiglu"));
+        let meta = {
+            let mut yv = host::expect(TensorMut::contiguous(y.as_mut_slice(), &shape), "swiglu");
+            let (mut vg, mut vu) = (bg.view_mut(), bu.view_mut());
+            host::expect(
+                fused::swiglu_forward_to(
+                    &host::device(),
+                    SwigluQuantizers { gate: &mut qg, up: &mut qu },
+                    &SwigluInput { gate: &gv, up: &uv },
+                    &mut yv,
+                    SwigluSaveMut { gate: &mut vg, up: &mut vu },
+                ),
+                "swiglu",
+            )
+        };
+        let state = SwigluState { gate: Arc::new(bg.finish(meta.gate)), up: Arc::new(bu.finish(meta.up)) };
+        (host::tensor(y, &shape), state)
+    })
+}
+
 // ------------------------------------------------------------------------------ the impl
 
 impl<C: CheckpointStrategy> MesaOps for Autodiff<Flex, C> {
@@ -285,6 +472,55 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<Flex, C> {
                 prep.finish(LinearState { x: Arc::new(saved), weight: w }, y)
             }
             OpsKind::UnTracked(prep) => prep.finish(linear_plain(x, w, b)),
+        }
+    }
+
+    fn mesa_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32, codes: Codes) -> FloatTensor<Self> {
+        let (x, gx) = x.into_parts();
+        let (w, gw) = weight.into_parts();
+        match RmsNormBackward.prepare::<C>([gx, gw]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, xhat, rstd) = rms_norm_plain(x, w.clone(), eps);
+                let saved = quantize_input(&xhat, &codes);
+                drop(xhat);
+                prep.finish(RmsNormState { xhat: Arc::new(saved), rstd, weight: w }, y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(rms_norm_plain(x, w, eps).0),
+        }
+    }
+
+    fn mesa_softmax(x: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
+        let (x, gx) = x.into_parts();
+        match <SoftmaxBackward as Backward<Flex, 1>>::prepare::<C>(SoftmaxBackward, [gx]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, saved) = softmax_save(&x, None, &codes);
+                prep.finish(Arc::new(saved), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(softmax_plain(&x, None)),
+        }
+    }
+
+    fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
+        let (x, gx) = x.into_parts();
+        let (m, gm) = mask.into_parts();
+        match <SoftmaxBackward as Backward<Flex, 2>>::prepare::<C>(SoftmaxBackward, [gx, gm]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, saved) = softmax_save(&x, Some(&m), &codes);
+                prep.finish(Arc::new(saved), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(softmax_plain(&x, Some(&m))),
+        }
+    }
+
+    fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
+        let (g, gg) = gate.into_parts();
+        let (u, gu) = up.into_parts();
+        match SwigluBackward.prepare::<C>([gg, gu]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, state) = swiglu_save(&g, &u, &codes);
+                prep.finish(state, y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(swiglu_plain(&g, &u)),
         }
     }
 }

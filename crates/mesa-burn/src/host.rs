@@ -104,7 +104,11 @@ impl HostCodes {
     /// Memory for the codes of a tensor of `shape` saved with `config` (zeroed), to be
     /// written through [`CodesBuf::view_mut`] and kept with [`CodesBuf::finish`].
     pub(crate) fn alloc(shape: &[usize], config: &QuantConfig, op: &'static str) -> CodesBuf {
-        let sizes = expect(saved_sizes(shape, config), op);
+        HostCodes::alloc_sized(expect(saved_sizes(shape, config), op), op)
+    }
+
+    /// [`HostCodes::alloc`] for sizes known otherwise (softmax's fixed-parameter codes).
+    pub(crate) fn alloc_sized(sizes: mesa_kernels::SavedSizes, op: &'static str) -> CodesBuf {
         CodesBuf {
             words: vec![0u64; sizes.code_bytes.div_ceil(8)],
             code_bytes: sizes.code_bytes,

@@ -1,4 +1,4 @@
-//! Modules mirroring burn-nn's `Gelu`, `LayerNorm` and `Linear`: the same parameters (names,
+//! Modules mirroring burn-nn's `Gelu`, `LayerNorm`, `RmsNorm` and `Linear`: the same parameters (names,
 //! shapes, initialisation), plus `bits`, the width of the codes kept for backward. A model
 //! swaps an op by changing the type of its field and its config.
 use burn::config::Config;
@@ -95,6 +95,48 @@ impl LayerNorm {
     /// As [`crate::layer_norm`].
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
         crate::layer_norm(x, self.gamma.val(), self.beta.val(), self.epsilon, Codes::bits(self.bits))
+    }
+}
+
+/// Config of [`RmsNorm`].
+#[derive(Config, Debug)]
+pub struct RmsNormConfig {
+    /// `C`, the size of the normalised last axis.
+    pub d_model: usize,
+    /// Added to the mean square.
+    #[config(default = 1e-5)]
+    pub epsilon: f64,
+    /// Bits per code of the saved `x̂`: 8, 4 or 2.
+    #[config(default = 8)]
+    pub bits: u32,
+}
+
+impl RmsNormConfig {
+    /// The module: `gamma` ones `[C]` (as burn-nn's).
+    #[must_use]
+    pub fn init(&self, device: &Device) -> RmsNorm {
+        RmsNorm { gamma: Initializer::Ones.init([self.d_model], device), epsilon: self.epsilon, bits: self.bits }
+    }
+}
+
+/// RMSNorm over the last axis keeping the codes of `x̂` for backward ([`crate::rms_norm`]).
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    /// Scale `[C]`.
+    pub gamma: Param<Tensor<1>>,
+    /// Added to the mean square.
+    pub epsilon: f64,
+    /// Bits per code: 8, 4 or 2.
+    pub bits: u32,
+}
+
+impl RmsNorm {
+    /// `x` `[.., C]` → `[.., C]`.
+    ///
+    /// # Errors
+    /// As [`crate::rms_norm`].
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> crate::Result<Tensor<D>> {
+        crate::rms_norm(x, self.gamma.val(), self.epsilon, Codes::bits(self.bits))
     }
 }
 

@@ -9,8 +9,8 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Backend, Flex};
-use burn::tensor::Shape;
-use mesa_kernels::fused::{self, LayerNormForward};
+use burn::tensor::{DType, FloatDType, Shape};
+use mesa_kernels::fused::{self, LayerNormForward, SoftmaxInput, SwigluInput};
 use mesa_kernels::{GeluForm, TensorMut};
 
 use crate::config::Codes;
@@ -46,9 +46,43 @@ pub trait MesaOps: Backend {
         bias: FloatTensor<Self>,
         codes: Codes,
     ) -> FloatTensor<Self>;
+
+    /// RMSNorm over the last axis: `y = x·rstd·weight`, `rstd = 1/sqrt(mean(x²) + eps)`,
+    /// computed with Flex's own ops in f32 (as burn-nn's `RmsNorm`). `x`: rank ≥ 1, last axis
+    /// `C`; `weight`: `[C]`. Under autodiff the backward keeps the codes of `x̂ = x·rstd`
+    /// (f32), the per-row `rstd` (f32) and a handle to `weight`.
+    fn mesa_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32, codes: Codes) -> FloatTensor<Self>;
+
+    /// Softmax over the last axis, `y = softmax(x)`, rank ≥ 1. Under autodiff the backward
+    /// keeps square-root companded codes of `y` (fixed parameters: no statistics).
+    fn mesa_softmax(x: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
+
+    /// [`MesaOps::mesa_softmax`] of `x + mask` (additive mask of `x`'s shape, `−inf` allowed;
+    /// a fully masked row gives 0). The mask gets no gradient.
+    fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
+
+    /// SwiGLU, `y = silu(gate)·up` elementwise (`gate`, `up`, `y` one shape). Under autodiff
+    /// the backward keeps the codes of `gate` and of `up`.
+    fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
 }
 
 impl MesaOps for Flex {
+    fn mesa_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32, _codes: Codes) -> FloatTensor<Self> {
+        rms_norm_plain(x, weight, eps).0
+    }
+
+    fn mesa_softmax(x: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
+        softmax_plain(&x, None)
+    }
+
+    fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
+        softmax_plain(&x, Some(&mask))
+    }
+
+    fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
+        swiglu_plain(&gate, &up)
+    }
+
     fn mesa_gelu(x: FloatTensor<Self>, form: GeluForm, _codes: Codes) -> FloatTensor<Self> {
         gelu_plain(&x, form)
     }
@@ -121,4 +155,69 @@ pub(crate) fn linear_plain(x: FlexTensor, weight: FlexTensor, bias: FlexTensor) 
     let y = Flex::float_add(y, Flex::float_reshape(bias, Shape::from(vec![1, d_out])));
     *shape.last_mut().expect("rank ≥ 1") = d_out;
     Flex::float_reshape(y, Shape::from(shape))
+}
+
+/// `t` cast to `dtype` (a no-op when it already has it).
+pub(crate) fn cast(t: FlexTensor, dtype: DType) -> FlexTensor {
+    if t.dtype() == dtype {
+        return t;
+    }
+    let to = match dtype {
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        _ => FloatDType::F32,
+    };
+    Flex::float_cast(t, to)
+}
+
+/// RMSNorm with Flex's ops in f32: `(y in x's dtype, x̂ [rows, C] f32, rstd [rows, 1] f32)`.
+pub(crate) fn rms_norm_plain(x: FlexTensor, weight: FlexTensor, eps: f32) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let dtype = x.dtype();
+    let (x2, shape) = rows_2d(cast(x, DType::F32));
+    let cols = x2.layout().shape()[1];
+    let ms = Flex::float_mean_dim(Flex::float_mul(x2.clone(), x2.clone()), 1);
+    let rstd = Flex::float_recip(Flex::float_sqrt(Flex::float_add_scalar(ms, eps.into())));
+    let xhat = Flex::float_mul(x2, rstd.clone());
+    let w = Flex::float_reshape(cast(weight, DType::F32), Shape::from(vec![1, cols]));
+    let y = Flex::float_reshape(Flex::float_mul(xhat.clone(), w), Shape::from(shape));
+    (cast(y, dtype), xhat, rstd)
+}
+
+/// Softmax (optionally masked) without saving anything.
+pub(crate) fn softmax_plain(x: &FlexTensor, mask: Option<&FlexTensor>) -> FlexTensor {
+    let x = host::positive(x);
+    let mask = mask.map(host::positive);
+    let layout = host::layout(&x);
+    let shape = layout.shape().to_vec();
+    with_float!(host::dtype(&x), T => {
+        let xv = host::view::<T>(&x, &layout);
+        let ml = mask.as_ref().map(host::layout);
+        let mv = mask.as_ref().zip(ml.as_ref()).map(|(m, l)| host::view::<T>(m, l));
+        let mut input = SoftmaxInput::new(&xv);
+        if let Some(mv) = mv.as_ref() {
+            input = input.with_mask(mv);
+        }
+        let mut y = host::zeros::<T>(x.layout().num_elements());
+        {
+            let mut yv = host::expect(TensorMut::contiguous(y.as_mut_slice(), &shape), "softmax");
+            host::expect(fused::softmax(&host::device(), &input, &mut yv), "softmax");
+        }
+        host::tensor(y, &shape)
+    })
+}
+
+/// SwiGLU without saving anything.
+pub(crate) fn swiglu_plain(gate: &FlexTensor, up: &FlexTensor) -> FlexTensor {
+    let (g, u) = (host::positive(gate), host::positive(up));
+    let (gl, ul) = (host::layout(&g), host::layout(&u));
+    let shape = gl.shape().to_vec();
+    with_float!(host::dtype(&g), T => {
+        let (gv, uv) = (host::view::<T>(&g, &gl), host::view::<T>(&u, &ul));
+        let mut y = host::zeros::<T>(g.layout().num_elements());
+        {
+            let mut yv = host::expect(TensorMut::contiguous(y.as_mut_slice(), &shape), "swiglu");
+            host::expect(fused::swiglu(&host::device(), &SwigluInput { gate: &gv, up: &uv }, &mut yv), "swiglu");
+        }
+        host::tensor(y, &shape)
+    })
 }

@@ -45,3 +45,29 @@ pub(crate) fn vector(t: &Tensor<1>, n: usize, what: &'static str) -> Result<()> 
     }
     Ok(())
 }
+
+/// The last axis of a normalisation input: rank ≥ 1 and `C` > 0.
+pub(crate) fn last_axis(dims: &[usize]) -> Result<usize> {
+    match dims.last() {
+        None => Err(Error::Shape { what: "x", why: "a normalisation needs rank ≥ 1".into() }),
+        Some(0) => Err(Error::Shape { what: "x", why: "rows of length 0 have no statistics".into() }),
+        Some(&c) => Ok(c),
+    }
+}
+
+/// Rank ≥ 1 (rows along the last axis, possibly empty).
+pub(crate) fn last_axis_any(dims: &[usize]) -> Result<()> {
+    if dims.is_empty() {
+        return Err(Error::Shape { what: "x", why: "rows along the last axis need rank ≥ 1".into() });
+    }
+    Ok(())
+}
+
+/// `eps` as the f32 the kernels add: positive and finite.
+pub(crate) fn eps(eps: f64) -> Result<f32> {
+    let e = eps as f32;
+    if !(e > 0.0 && e.is_finite()) {
+        return Err(Error::Config { what: "eps", why: format!("must be positive and finite in f32, got {eps}") });
+    }
+    Ok(e)
+}
