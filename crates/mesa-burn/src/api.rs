@@ -125,7 +125,12 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64, codes
     validate::vector(&weight, cols, "weight")?;
     let eps32 = validate::eps(eps)?;
     validate::codes(&codes, &dims)?;
-    Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_rms_norm(x.into_dispatch(), weight.into_dispatch(), eps32, codes)))
+    Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_rms_norm(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        eps32,
+        codes,
+    )))
 }
 
 /// Softmax over the last axis, `y = softmax(x + mask)`, keeping for backward square-root
@@ -174,7 +179,10 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>, codes: Codes) -> R
     validate::float(&gate, "gate")?;
     validate::same(&up, &gate, "up")?;
     if up.dims() != gate.dims() {
-        return Err(Error::Shape { what: "up", why: format!("{:?} given, the gate's {:?} expected", up.dims(), gate.dims()) });
+        return Err(Error::Shape {
+            what: "up",
+            why: format!("{:?} given, the gate's {:?} expected", up.dims(), gate.dims()),
+        });
     }
     validate::codes(&codes, &gate.dims())?;
     Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_swiglu(gate.into_dispatch(), up.into_dispatch(), codes)))

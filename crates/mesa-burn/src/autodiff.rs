@@ -503,7 +503,8 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<Flex, C> {
     fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
         let (x, gx) = x.into_parts();
         let (m, gm) = mask.into_parts();
-        match <SoftmaxBackward as Backward<Flex, 2>>::prepare::<C>(SoftmaxBackward, [gx, gm]).compute_bound().stateful() {
+        match <SoftmaxBackward as Backward<Flex, 2>>::prepare::<C>(SoftmaxBackward, [gx, gm]).compute_bound().stateful()
+        {
             OpsKind::Tracked(prep) => {
                 let (y, saved) = softmax_save(&x, Some(&m), &codes);
                 prep.finish(Arc::new(saved), y)

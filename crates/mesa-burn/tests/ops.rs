@@ -8,8 +8,8 @@
 //!
 //! Deliberate break (checked while writing these tests): making `HostCodes::view` hand the
 //! backward parameters with the scale set to 0 (every code decodes to the group's offset)
-//! fails `gelu_gradients_match_burn`, `layer_norm_gradients_match_burn` and
-//! `linear_gradients_match_burn` at every bit width.
+//! fails every gradient test (GELU, LayerNorm, RMSNorm, softmax, Linear, SwiGLU) and no
+//! forward or route test, as it should.
 mod common;
 
 use burn::tensor::{activation, module, DType, Device, Tensor};
@@ -344,4 +344,215 @@ fn bad_input_is_a_typed_error_before_dispatch() {
     ));
     let wl = tensor(&data(12 * 4, 19, -1.0, 1.0), [12, 4], DType::F32, &device);
     assert!(matches!(mesa_burn::linear(x.clone(), wl, None, Codes::default()), Err(Error::Shape { what: "x", .. })));
+}
+
+/// x̂ = x/sqrt(mean(x²) + eps) per row (f64) and the rows' rstd.
+fn rms_reference(x: &[f32], cols: usize) -> (Vec<f64>, Vec<f64>) {
+    let rows = x.len() / cols;
+    let mut xhat = vec![0.0; x.len()];
+    let mut rstd = vec![0.0; rows];
+    for r in 0..rows {
+        let row = &x[r * cols..(r + 1) * cols];
+        let ms = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / cols as f64;
+        rstd[r] = 1.0 / (ms + EPS).sqrt();
+        for c in 0..cols {
+            xhat[r * cols + c] = row[c] as f64 * rstd[r];
+        }
+    }
+    (xhat, rstd)
+}
+
+#[test]
+fn rms_norm_matches_burn_nn_forward_and_gradients() {
+    // Forward: both take mean(x²) from the same Flex mean in f32; ours multiplies by
+    // 1/sqrt (sqrt, recip, two products: 4 roundings), burn-nn divides by sqrt (sqrt,
+    // division, product: 3): |Δy| ≤ 8·U·|y|.
+    // Gradients, L = Σ c⊙y, g = c⊙w: exact dx = rstd·(g − x̂·mean(g⊙x̂)), dw = Σ_rows c⊙x̂.
+    // The backward reads x̃ = x̂ + δ, |δ| ≤ h = s/2:
+    //   |Δdx_i| ≤ rstd·(h·|mean(g⊙x̂)| + |x̂_i|·mean|g|·h + h²·mean|g|), |Δdw_c| ≤ h·Σ_rows|c|,
+    // plus f32 sums over C (dx) or rows (dw): 4·n·U times the sums of magnitudes.
+    let (rows, cols) = (16, 64);
+    let (xv, wv, _) = ln_data(rows, cols);
+    let cv = data(rows * cols, 22, -1.0, 1.0);
+    let (xhat, rstd) = rms_reference(&xv, cols);
+    let xhat32: Vec<f32> = xhat.iter().map(|&v| v as f32).collect();
+    for bits in [8, 4, 2] {
+        let s = step(&xhat32, bits) * (1.0 + 1e-5);
+        for device in autodiff_devices() {
+            let run = |mesa: bool| {
+                let x = tensor(&xv, [rows, cols], DType::F32, &device).require_grad();
+                let w = tensor(&wv, [cols], DType::F32, &device);
+                let c = tensor(&cv, [rows, cols], DType::F32, &device);
+                let (y, w) = if mesa {
+                    let m = mesa_burn::nn::RmsNormConfig::new(cols).with_bits(bits).init(&device);
+                    let m = mesa_burn::nn::RmsNorm { gamma: m.gamma.map(|_| w.clone().require_grad()), ..m };
+                    (m.forward(x.clone()).unwrap(), m.gamma.val())
+                } else {
+                    let m = burn::nn::RmsNormConfig::new(cols).init(&device);
+                    let m = burn::nn::RmsNorm { gamma: m.gamma.map(|_| w.clone().require_grad()), ..m };
+                    (m.forward(x.clone()), m.gamma.val())
+                };
+                let yv = values(&y);
+                let g = (y * c).sum().backward();
+                (yv, values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap()))
+            };
+            let (y, dx, dw) = run(true);
+            let (y0, dx0, dw0) = run(false);
+            assert_within("rms_norm y", &y, &y0, |i| 8.0 * U * y0[i].abs() as f64);
+            let ga = |i: usize| cv[i] as f64 * wv[i % cols] as f64;
+            let stats: Vec<(f64, f64)> = (0..rows)
+                .map(|r| {
+                    let idx = r * cols..(r + 1) * cols;
+                    let m = idx.clone().map(|i| ga(i) * xhat[i]).sum::<f64>() / cols as f64;
+                    (m, idx.map(|i| ga(i).abs()).sum::<f64>() / cols as f64)
+                })
+                .collect();
+            assert_within(&format!("rms_norm dx {bits}-bit"), &dx, &dx0, |i| {
+                let r = i / cols;
+                let (m, mg) = stats[r];
+                let h = s / 2.0;
+                rstd[r] * (h * m.abs() + xhat[i].abs() * mg * h + h * h * mg)
+                    + 8.0 * cols as f64 * U * rstd[r] * mg * (2.0 + xhat[i].abs())
+            });
+            assert_within(&format!("rms_norm dweight {bits}-bit"), &dw, &dw0, |c| {
+                (0..rows).map(|r| s / 2.0 * cv[r * cols + c].abs() as f64).sum::<f64>()
+                    + 4.0
+                        * rows as f64
+                        * U
+                        * (0..rows).map(|r| (cv[r * cols + c] as f64 * xhat[r * cols + c]).abs()).sum::<f64>()
+            });
+        }
+    }
+}
+
+#[test]
+fn softmax_with_mask_matches_burn_forward_and_gradients() {
+    // Forward: y = exp(x − max)/Σexp, both in f32: exp within 2 U, the row sum within
+    // C·U, the division U: |Δy_i| ≤ 2·(C + 4)·U·y_i for the two implementations.
+    // Gradients, L = Σ c⊙y: exact dx_i = y_i·(c_i − m), m = Σ_j c_j·y_j. The backward reads
+    // ŷ from square-root codes, e_j = |ŷ_j − y_j| ≤ (√y_j + 1/(4L))/L (L = 2^bits − 1), so
+    //   |Δdx_i| ≤ e_i·|c_i − m| + (y_i + e_i)·Σ_j |c_j|·e_j,
+    // plus f32: 4·(C + 4)·U·y_i·(|c_i| + Σ_j |c_j|·y_j).
+    let (rows, cols) = (32, 32);
+    let xv = data(rows * cols, 23, -3.0, 3.0);
+    let cv = data(rows * cols, 24, -1.0, 1.0);
+    // causal mask: row r sees columns ≤ r (no row fully masked)
+    let mask: Vec<f32> = (0..rows * cols).map(|i| if i % cols <= i / cols { 0.0 } else { f32::NEG_INFINITY }).collect();
+    let xm: Vec<f64> = xv.iter().zip(&mask).map(|(&x, &m)| x as f64 + m as f64).collect();
+    let y: Vec<f64> = reference::softmax_rows(&xm, None, cols);
+    for bits in [8, 4, 2] {
+        let l = f64::from((1u32 << bits) - 1);
+        let e: Vec<f64> = y.iter().map(|&y| (y.sqrt() + 1.0 / (4.0 * l)) / l).collect();
+        for device in autodiff_devices() {
+            let run = |mesa: bool| {
+                let x = tensor(&xv, [rows, cols], DType::F32, &device).require_grad();
+                let m = tensor(&mask, [rows, cols], DType::F32, &device);
+                let c = tensor(&cv, [rows, cols], DType::F32, &device);
+                let y = if mesa {
+                    mesa_burn::softmax(x.clone(), Some(m), Codes::bits(bits)).unwrap()
+                } else {
+                    activation::softmax(x.clone() + m, 1)
+                };
+                let yv = values(&y);
+                let g = (y * c).sum().backward();
+                (yv, values(&x.grad(&g).unwrap()))
+            };
+            let (ys, dx) = run(true);
+            let (ys0, dx0) = run(false);
+            assert_within("softmax y", &ys, &ys0, |i| 2.0 * (cols + 4) as f64 * U * y[i]);
+            assert_within(&format!("softmax dx {bits}-bit"), &dx, &dx0, |i| {
+                let r = i / cols;
+                let idx = r * cols..(r + 1) * cols;
+                let m: f64 = idx.clone().map(|j| cv[j] as f64 * y[j]).sum();
+                let ce: f64 = idx.clone().map(|j| (cv[j] as f64).abs() * e[j]).sum();
+                let cy: f64 = idx.map(|j| (cv[j] as f64).abs() * y[j]).sum();
+                e[i] * (cv[i] as f64 - m).abs()
+                    + (y[i] + e[i]) * ce
+                    + 4.0 * (cols + 4) as f64 * U * y[i] * ((cv[i] as f64).abs() + cy)
+            });
+        }
+    }
+}
+
+#[test]
+fn softmax_broadcast_mask_and_fully_masked_rows() {
+    // A [1, C] key-padding mask broadcast over the rows gives the same output as the
+    // expanded [rows, C] mask (the same additions in f32: bit for bit); a row whose every
+    // entry is masked gives 0 (burn's own softmax gives NaN there).
+    let device = Device::flex();
+    let (rows, cols) = (4, 8);
+    let xv = data(rows * cols, 25, -2.0, 2.0);
+    let pad: Vec<f32> = (0..cols).map(|c| if c < 5 { 0.0 } else { f32::NEG_INFINITY }).collect();
+    let x = tensor(&xv, [rows, cols], DType::F32, &device);
+    let small =
+        mesa_burn::softmax(x.clone(), Some(tensor(&pad, [1, cols], DType::F32, &device)), Codes::default()).unwrap();
+    let full: Vec<f32> = (0..rows).flat_map(|_| pad.clone()).collect();
+    let big = mesa_burn::softmax(x.clone(), Some(tensor(&full, [rows, cols], DType::F32, &device)), Codes::default())
+        .unwrap();
+    assert_eq!(values(&small), values(&big));
+    assert!(values(&small).iter().enumerate().all(|(i, &v)| (i % cols < 5) == (v > 0.0)));
+    let all = vec![f32::NEG_INFINITY; rows * cols];
+    let y = values(
+        &mesa_burn::softmax(x.clone(), Some(tensor(&all, [rows, cols], DType::F32, &device)), Codes::default())
+            .unwrap(),
+    );
+    assert!(y.iter().all(|&v| v == 0.0), "{y:?}");
+    let bad = tensor(&pad[..4], [1, 4], DType::F32, &device);
+    assert!(matches!(mesa_burn::softmax(x, Some(bad), Codes::default()), Err(Error::Shape { what: "mask", .. })));
+}
+
+/// silu(x) = x·σ(x) and its first two derivatives (f64).
+fn silu_d(x: f64) -> (f64, f64, f64) {
+    let s = 1.0 / (1.0 + (-x).exp());
+    let d1 = s * (1.0 + x * (1.0 - s));
+    let d2 = s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s));
+    (x * s, d1, d2)
+}
+
+#[test]
+fn swiglu_matches_burn_forward_and_gradients() {
+    // Forward: silu(g)·u in f32, both: σ (exp, add, division: ≤ 4 U), two products:
+    // |Δy| ≤ 2·6·U·|y| + 2·U·|g·u|·(…) — bounded by 16·U·(|y| + |g·u|).
+    // Gradients, L = Σ c⊙y, with g̃ = g + δg, ũ = u + δu, |δg| ≤ hg, |δu| ≤ hu (half steps of
+    // the two codes): du = c·silu(g̃): |Δdu| ≤ |c|·S1·hg; dg = c·ũ·silu'(g̃):
+    // |Δdg| ≤ |c|·(hu·S1 + (|u| + hu)·S2·hg), S1 = max|silu'|, S2 = max|silu''| (from f64
+    // over a fine grid), plus f32: 16·U·|c|·(|u| + 1)·(1 + |g|).
+    let (rows, cols) = (32, 64);
+    let gv = data(rows * cols, 26, -5.0, 5.0);
+    let uv = data(rows * cols, 27, -2.0, 2.0);
+    let cv = data(rows * cols, 28, -1.0, 1.0);
+    let (mut s1, mut s2) = (0.0f64, 0.0f64);
+    for k in -20_000..=20_000 {
+        let (_, d1, d2) = silu_d(k as f64 * 1e-3);
+        s1 = s1.max(d1.abs());
+        s2 = s2.max(d2.abs());
+    }
+    let (s1, s2) = (s1 * 1.001, s2 * 1.001);
+    for bits in [8, 4, 2] {
+        let (hg, hu) = (step(&gv, bits) / 2.0, step(&uv, bits) / 2.0);
+        for device in autodiff_devices() {
+            let run = |mesa: bool| {
+                let g = tensor(&gv, [rows, cols], DType::F32, &device).require_grad();
+                let u = tensor(&uv, [rows, cols], DType::F32, &device).require_grad();
+                let c = tensor(&cv, [rows, cols], DType::F32, &device);
+                let y = if mesa {
+                    mesa_burn::swiglu(g.clone(), u.clone(), Codes::bits(bits)).unwrap()
+                } else {
+                    activation::silu(g.clone()) * u.clone()
+                };
+                let yv = values(&y);
+                let gr = (y * c).sum().backward();
+                (yv, values(&g.grad(&gr).unwrap()), values(&u.grad(&gr).unwrap()))
+            };
+            let (y, dg, du) = run(true);
+            let (y0, dg0, du0) = run(false);
+            let (g, u, c) = (|i: usize| gv[i] as f64, |i: usize| uv[i] as f64, |i: usize| cv[i] as f64);
+            assert_within("swiglu y", &y, &y0, |i| 16.0 * U * ((y0[i] as f64).abs() + (g(i) * u(i)).abs()));
+            let slack = |i: usize| 16.0 * U * c(i).abs() * (u(i).abs() + 1.0) * (1.0 + g(i).abs());
+            assert_within(&format!("swiglu dup {bits}-bit"), &du, &du0, |i| c(i).abs() * s1 * hg + slack(i));
+            assert_within(&format!("swiglu dgate {bits}-bit"), &dg, &dg0, |i| {
+                c(i).abs() * (hu * s1 + (u(i).abs() + hu) * s2 * hg) + slack(i)
+            });
+        }
+    }
 }
