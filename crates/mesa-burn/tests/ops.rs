@@ -556,3 +556,86 @@ fn swiglu_matches_burn_forward_and_gradients() {
         }
     }
 }
+
+/// `v` rounded once to `dtype` (round to nearest even), as f32.
+fn round_once(v: &[f32], dtype: DType) -> Vec<f32> {
+    rounded(v, dtype)
+}
+
+#[test]
+fn f16_and_bf16_results_are_the_f32_results_rounded_once() {
+    // The kernels load f16/bf16 into f32 (exactly), compute in f32 and round once when
+    // storing; RMSNorm casts to f32, computes, casts back. So on inputs that are exact in
+    // the narrow dtype, every output and gradient in f16/bf16 is the f32 run's value
+    // rounded once: equal bit for bit (a test that a second rounding, an f16 accumulation or
+    // a dtype mix-up fails). The codes are the same in both runs (same min/max, same f32
+    // encoding), so this also holds for the gradients from codes. Softmax saves codes of
+    // its stored (rounded) output, so only its forward is compared.
+    let (rows, cols) = (8, 64);
+    for dtype in [DType::F16, DType::BF16] {
+        let xv = rounded(&data(rows * cols, 30, -3.0, 3.0), dtype);
+        let uv = rounded(&data(rows * cols, 31, -2.0, 2.0), dtype);
+        let wv = rounded(&data(cols, 32, 0.5, 1.5), dtype);
+        let bv = rounded(&data(cols, 33, -0.5, 0.5), dtype);
+        let cv = rounded(&data(rows * cols, 34, -1.0, 1.0), dtype);
+        let device = Device::flex().autodiff();
+        // (output, grads of the inputs) of one op in `dt`
+        type Run<'a> = Box<dyn Fn(DType) -> (Vec<f32>, Vec<Vec<f32>>) + 'a>;
+        let t2 = |v: &[f32], dt| tensor(v, [rows, cols], dt, &device).require_grad();
+        let t1 = |v: &[f32], dt| tensor(v, [cols], dt, &device).require_grad();
+        let c = |dt| tensor(&cv, [rows, cols], dt, &device);
+        let ops: Vec<(&str, Run)> = vec![
+            (
+                "gelu",
+                Box::new(|dt| {
+                    let x = t2(&xv, dt);
+                    let y = mesa_burn::gelu(x.clone(), GeluForm::Erf, Codes::bits(4)).unwrap();
+                    let g = (y.clone() * c(dt)).sum().backward();
+                    (values(&y), vec![values(&x.grad(&g).unwrap())])
+                }),
+            ),
+            (
+                "layer_norm",
+                Box::new(|dt| {
+                    let (x, w, b) = (t2(&xv, dt), t1(&wv, dt), t1(&bv, dt));
+                    let y = mesa_burn::layer_norm(x.clone(), w.clone(), b.clone(), EPS, Codes::bits(8)).unwrap();
+                    let g = (y.clone() * c(dt)).sum().backward();
+                    let gs = [values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap()), values(&b.grad(&g).unwrap())];
+                    (values(&y), gs.to_vec())
+                }),
+            ),
+            (
+                "rms_norm",
+                Box::new(|dt| {
+                    let (x, w) = (t2(&xv, dt), t1(&wv, dt));
+                    let y = mesa_burn::rms_norm(x.clone(), w.clone(), EPS, Codes::bits(8)).unwrap();
+                    let g = (y.clone() * c(dt)).sum().backward();
+                    (values(&y), vec![values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap())])
+                }),
+            ),
+            (
+                "swiglu",
+                Box::new(|dt| {
+                    let (gt, u) = (t2(&xv, dt), t2(&uv, dt));
+                    let y = mesa_burn::swiglu(gt.clone(), u.clone(), Codes::bits(2)).unwrap();
+                    let g = (y.clone() * c(dt)).sum().backward();
+                    (values(&y), vec![values(&gt.grad(&g).unwrap()), values(&u.grad(&g).unwrap())])
+                }),
+            ),
+            (
+                "softmax",
+                Box::new(|dt| (values(&mesa_burn::softmax(t2(&xv, dt), None, Codes::bits(8)).unwrap()), vec![])),
+            ),
+        ];
+        for (name, run) in &ops {
+            let (y32, g32) = run(DType::F32);
+            let (yh, gh) = run(dtype);
+            assert_eq!(yh, round_once(&y32, dtype), "{name} {dtype:?} output");
+            // not vacuous: the f32 results are not already exact in the narrow dtype
+            assert_ne!(yh, y32, "{name} {dtype:?}: rounding changed nothing");
+            for (k, (a, b)) in gh.iter().zip(&g32).enumerate() {
+                assert_eq!(*a, round_once(b, dtype), "{name} {dtype:?} gradient {k}");
+            }
+        }
+    }
+}
