@@ -28,10 +28,13 @@ for c in "$@"; do
     cubecl-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
       cargo check --release --locked --manifest-path ci/compat/cubecl-cuda/Cargo.toml ;;
     # mesa-burn: burn 0.22.1 on Flex (CPU), the kernels on the emulator; its own workspace and
-    # lock (--locked), release profile for both commands (clippy's check units, then the
-    # test build); the default nextest profile (the workspace's `ci` profile is not its own)
+    # lock (--locked), release profile throughout (clippy's check units, its docs from the
+    # same metadata, then the test build); the default nextest profile (the workspace's `ci`
+    # profile is not its own)
     mesa-burn) MESA_CUDA_DISABLE=1 cargo clippy --release --locked --all-targets \
         --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings &&
+      MESA_CUDA_DISABLE=1 RUSTDOCFLAGS="-D warnings" \
+        cargo doc --release --locked --no-deps --manifest-path crates/mesa-burn/Cargo.toml &&
       MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default \
         cargo nextest run --release --locked --manifest-path crates/mesa-burn/Cargo.toml ;;
     *) echo "unknown compatibility check: $c (candle-cuda, candle-tests, cubecl-cuda, mesa-burn)"; exit 2 ;;

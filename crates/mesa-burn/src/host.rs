@@ -90,7 +90,7 @@ pub(crate) fn dtype(t: &FlexTensor) -> DType {
 /// op's autodiff state holds instead of the full-precision tensor).
 ///
 /// Bytes: [`HostCodes::bytes`] = `8·⌈⌈numel·bits/8⌉/8⌉ + 8·groups` (codes in whole 8-byte
-/// words, for the kernels' [`mesa_kernels::CODE_ALIGN`]), plus this struct's fixed fields
+/// words, for the kernels' [`mesa_kernels::quant::CODE_ALIGN`]), plus this struct's fixed fields
 /// and the meta's shape and strides.
 #[derive(Debug)]
 pub struct HostCodes {
