@@ -187,3 +187,53 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>, codes: Codes) -> R
     validate::codes(&codes, &gate.dims())?;
     Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_swiglu(gate.into_dispatch(), up.into_dispatch(), codes)))
 }
+
+/// Chunked linear attention (mesa-kernels' kernels, SLiM / Katharopoulos et al.):
+/// `out_t = Σ_{s≤t} (q_t·k_s)·v_s / g(q_t·Σ_{s≤t} k_s)` (causal and normalised: `config`;
+/// `g(x) = x + ε·sign(x)`), exact up to f32 rounding (no codes). `q` and `k` are the
+/// feature-mapped queries and keys. The backward keeps handles to `q`, `k`, `v` and the
+/// output (no copies: the kernels' backward reads them; the saving against softmax attention
+/// is the `L×L` matrix, never formed) plus the kernels' states and denominators in f32
+/// (`LinearAttentionSaved`: boundary states `B·H·⌈L/C⌉·M·(D+1)·4` bytes by default).
+///
+/// Shapes: `q`, `k` `[B, H, L, M]`, `v` `[B, H, L, D]`, output `[B, H, L, D]`. Dtypes: f32,
+/// f16, bf16, alike (state and accumulation in f32).
+///
+/// # Errors
+/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (`k` not
+/// `q`'s shape, `v` not `[B, H, L, ·]`), [`Error::Config`] (chunk outside `1..=64`, ε not
+/// positive and finite when normalising), [`Error::Kernel`] (saved sizes overflow).
+pub fn linear_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    config: mesa_kernels::linear_attention::LinearAttentionConfig,
+) -> Result<Tensor<4>> {
+    validate::float(&q, "q")?;
+    validate::same(&k, &q, "k")?;
+    validate::same(&v, &q, "v")?;
+    let (qd, vd) = (q.dims(), v.dims());
+    if k.dims() != qd {
+        return Err(Error::Shape { what: "k", why: format!("{:?} given, q's {qd:?} expected", k.dims()) });
+    }
+    if vd[..3] != qd[..3] {
+        return Err(Error::Shape {
+            what: "v",
+            why: format!("{vd:?} given, [B, H, L, D] with q's {:?} expected", &qd[..3]),
+        });
+    }
+    if config.chunk == 0 || config.chunk > mesa_kernels::linear_attention::MAX_CHUNK {
+        return Err(Error::Config { what: "chunk", why: format!("{} is outside 1..=64", config.chunk) });
+    }
+    if config.normalize && !(config.eps > 0.0 && config.eps.is_finite()) {
+        return Err(Error::Config { what: "eps", why: format!("{} must be positive and finite", config.eps) });
+    }
+    let dims = mesa_kernels::linear_attention::Dims { batch: qd[0], heads: qd[1], len: qd[2], feat: qd[3], dim: vd[3] };
+    let _bytes = mesa_kernels::linear_attention::saved_bytes(&dims, &config)?;
+    Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_linear_attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        config,
+    )))
+}

@@ -21,12 +21,16 @@ use mesa_kernels::fused::{
     self, LayerNormBackwardView, LayerNormForward, LayerNormGrads, LayerNormSaveMut, SoftmaxCodes, SoftmaxInput,
     SoftmaxSave, SwigluGrads, SwigluInput, SwigluQuantizers, SwigluSaveMut, SwigluSavedView,
 };
+use mesa_kernels::linear_attention::{
+    self, BackwardArgs, Grads as LaGrads, LinearAttentionConfig, LinearAttentionSaved,
+};
 use mesa_kernels::{GeluForm, Grouping, Quantizer, SavedView, TensorMut, TensorRef};
 
 use crate::config::Codes;
 use crate::host::{self, with_float, HostCodes};
 use crate::ops::{
-    cast, gelu_plain, layer_norm_plain, linear_plain, rms_norm_plain, rows_2d, softmax_plain, swiglu_plain, MesaOps,
+    cast, gelu_plain, layer_norm_plain, linear_attention_forward, linear_plain, rms_norm_plain, rows_2d, softmax_plain,
+    swiglu_plain, MesaOps,
 };
 
 fn quantizer(codes: &Codes, op: &'static str) -> Quantizer {
@@ -420,6 +424,67 @@ fn swiglu_save(gate: &FlexTensor, up: &FlexTensor, codes: &Codes) -> (FlexTensor
     })
 }
 
+// ---------------------------------------------------------------------- linear attention
+
+#[derive(Debug)]
+struct LinearAttentionBackward;
+
+/// What linear attention's backward keeps: handles to `q`, `k`, `v` and the output (the
+/// kernels' backward reads them; no copies) and the kernels' saved states.
+#[derive(Debug, Clone)]
+struct LinearAttentionState {
+    q: FlexTensor,
+    k: FlexTensor,
+    v: FlexTensor,
+    out: FlexTensor,
+    saved: Arc<LinearAttentionSaved>,
+}
+
+impl Backward<Flex, 3> for LinearAttentionBackward {
+    type State = LinearAttentionState;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [pq, pk, pv] = parents;
+        let dout = host::positive(&grads.consume::<Flex>(&node));
+        let (q, k, v, out) =
+            (host::positive(&state.q), host::positive(&state.k), host::positive(&state.v), host::positive(&state.out));
+        let (ql, kl, vl, ol, dl) =
+            (host::layout(&q), host::layout(&k), host::layout(&v), host::layout(&out), host::layout(&dout));
+        let (qs, vs) = (ql.shape().to_vec(), vl.shape().to_vec());
+        let (dq, dk, dv) = with_float!(host::dtype(&dout), T => {
+            let (mut dq, mut dk, mut dv) = (host::zeros::<T>(q.layout().num_elements()), host::zeros::<T>(k.layout().num_elements()), host::zeros::<T>(v.layout().num_elements()));
+            {
+                let mut dqv = host::expect(TensorMut::contiguous(dq.as_mut_slice(), &qs), "linear_attention backward");
+                let mut dkv = host::expect(TensorMut::contiguous(dk.as_mut_slice(), &qs), "linear_attention backward");
+                let mut dvv = host::expect(TensorMut::contiguous(dv.as_mut_slice(), &vs), "linear_attention backward");
+                let (qv, kv, vv, ov, dov) = (
+                    host::view::<T>(&q, &ql),
+                    host::view::<T>(&k, &kl),
+                    host::view::<T>(&v, &vl),
+                    host::view::<T>(&out, &ol),
+                    host::view::<T>(&dout, &dl),
+                );
+                let args = BackwardArgs {
+                    q: &qv,
+                    k: &kv,
+                    v: &vv,
+                    out: Some(&ov),
+                    dout: &dov,
+                    grads: LaGrads { dq: &mut dqv, dk: &mut dkv, dv: &mut dvv },
+                };
+                host::expect(linear_attention::backward(&host::device(), &state.saved, args), "linear_attention backward");
+            }
+            (host::tensor(dq, &qs), host::tensor(dk, &qs), host::tensor(dv, &vs))
+        });
+        for (p, g) in [(pq, dq), (pk, dk), (pv, dv)] {
+            if let Some(p) = p {
+                grads.register::<Flex>(p.id, g);
+            }
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------ the impl
 
 impl<C: CheckpointStrategy> MesaOps for Autodiff<Flex, C> {
@@ -522,6 +587,25 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<Flex, C> {
                 prep.finish(state, y)
             }
             OpsKind::UnTracked(prep) => prep.finish(swiglu_plain(&g, &u)),
+        }
+    }
+
+    fn mesa_linear_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        config: LinearAttentionConfig,
+    ) -> FloatTensor<Self> {
+        let (q, gq) = q.into_parts();
+        let (k, gk) = k.into_parts();
+        let (v, gv) = v.into_parts();
+        match LinearAttentionBackward.prepare::<C>([gq, gk, gv]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (out, saved) = linear_attention_forward(&q, &k, &v, &config);
+                let state = LinearAttentionState { q, k, v, out: out.clone(), saved: Arc::new(saved) };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(linear_attention_forward(&q, &k, &v, &config).0),
         }
     }
 }

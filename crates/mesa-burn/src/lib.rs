@@ -8,7 +8,8 @@
 //!
 //! * Functions: [`gelu`], [`layer_norm`], [`rms_norm`], [`linear`], [`softmax`] (with an
 //!   optional additive mask), [`swiglu`]: `Tensor<D>` in, `Result<Tensor<D>>` out; every
-//!   check runs before the op is dispatched ([`Error`]).
+//!   check runs before the op is dispatched ([`Error`]). [`linear_attention`]: the chunked
+//!   kernels with their exact backward (it keeps its inputs, not codes).
 //! * Modules: [`nn::Gelu`], [`nn::LayerNorm`], [`nn::RmsNorm`], [`nn::Linear`] with configs
 //!   mirroring burn-nn's, plus the bits of the codes.
 //! * Backends: `Flex` (burn's CPU backend) and `Autodiff<Flex>` with either checkpointing
@@ -30,8 +31,9 @@ pub mod nn;
 pub mod ops;
 mod validate;
 
-pub use api::{gelu, layer_norm, linear, rms_norm, softmax, swiglu};
+pub use api::{gelu, layer_norm, linear, linear_attention, rms_norm, softmax, swiglu};
 pub use config::Codes;
 pub use error::{Error, Result};
 pub use host::HostCodes;
+pub use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
 pub use mesa_kernels::{GeluForm, Rounding};

@@ -11,6 +11,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Backend, Flex};
 use burn::tensor::{DType, FloatDType, Shape};
 use mesa_kernels::fused::{self, LayerNormForward, SoftmaxInput, SwigluInput};
+use mesa_kernels::linear_attention::{self, ForwardArgs, LinearAttentionConfig, LinearAttentionSaved};
 use mesa_kernels::{GeluForm, TensorMut};
 
 use crate::config::Codes;
@@ -64,6 +65,17 @@ pub trait MesaOps: Backend {
     /// SwiGLU, `y = silu(gate)·up` elementwise (`gate`, `up`, `y` one shape). Under autodiff
     /// the backward keeps the codes of `gate` and of `up`.
     fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
+
+    /// Chunked linear attention (mesa-kernels' kernels): `q, k: [B, H, L, M]` (feature-mapped),
+    /// `v: [B, H, L, D]` → `[B, H, L, D]`, causal or not, normalised or not (`config`). Under
+    /// autodiff the backward keeps handles to `q`, `k`, `v` and the output (no copies; the
+    /// kernels' backward reads them) and the kernels' saved states and denominators (f32).
+    fn mesa_linear_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        config: LinearAttentionConfig,
+    ) -> FloatTensor<Self>;
 }
 
 impl MesaOps for Flex {
@@ -81,6 +93,15 @@ impl MesaOps for Flex {
 
     fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
         swiglu_plain(&gate, &up)
+    }
+
+    fn mesa_linear_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        config: LinearAttentionConfig,
+    ) -> FloatTensor<Self> {
+        linear_attention_forward(&q, &k, &v, &config).0
     }
 
     fn mesa_gelu(x: FloatTensor<Self>, form: GeluForm, _codes: Codes) -> FloatTensor<Self> {
@@ -219,5 +240,30 @@ pub(crate) fn swiglu_plain(gate: &FlexTensor, up: &FlexTensor) -> FlexTensor {
             host::expect(fused::swiglu(&host::device(), &SwigluInput { gate: &gv, up: &uv }, &mut yv), "swiglu");
         }
         host::tensor(y, &shape)
+    })
+}
+
+/// Linear attention's forward on the emulator: the output (contiguous, `v`'s shape) and what
+/// its backward needs.
+pub(crate) fn linear_attention_forward(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    config: &LinearAttentionConfig,
+) -> (FlexTensor, LinearAttentionSaved) {
+    let (q, k, v) = (host::positive(q), host::positive(k), host::positive(v));
+    let (ql, kl, vl) = (host::layout(&q), host::layout(&k), host::layout(&v));
+    let shape = vl.shape().to_vec();
+    with_float!(host::dtype(&q), T => {
+        let (qv, kv, vv) = (host::view::<T>(&q, &ql), host::view::<T>(&k, &kl), host::view::<T>(&v, &vl));
+        let mut out = host::zeros::<T>(v.layout().num_elements());
+        let saved = {
+            let mut ov = host::expect(TensorMut::contiguous(out.as_mut_slice(), &shape), "linear_attention");
+            host::expect(
+                linear_attention::forward(&host::device(), config, ForwardArgs { q: &qv, k: &kv, v: &vv, out: &mut ov }),
+                "linear_attention",
+            )
+        };
+        (host::tensor(out, &shape), saved)
     })
 }

@@ -639,3 +639,94 @@ fn f16_and_bf16_results_are_the_f32_results_rounded_once() {
         }
     }
 }
+
+#[test]
+fn linear_attention_matches_the_f64_reference() {
+    // Causal, normalised, positive features (q, k in [0.1, 1]: every denominator g_t ≥ 0.01·M
+    // is far from the guard). Each output and gradient element is a composition of at most
+    // three f32 sums (the denominator, the numerator or the backward's dA, the gradient's sum
+    // over positions), each of at most n = L + M + D terms along any accumulation chain
+    // (chunked or serial); with `mag` the same formula over absolute values (Higham's
+    // Σ|terms|), the error is ≤ 3·γ_n·mag + O(U²) ≤ 4·n·U·mag. Several chunk sizes (chunk
+    // boundaries, a partial last chunk) and both memory modes.
+    use mesa_burn::{LinearAttentionConfig, MemoryMode};
+    use mesa_kernels::reference::linear_attention as la;
+    let (b, h, l, m, d) = (1, 2, 40, 8, 6);
+    let qv = data(b * h * l * m, 40, 0.1, 1.0);
+    let kv = data(b * h * l * m, 41, 0.1, 1.0);
+    let vv = data(b * h * l * d, 42, -1.0, 1.0);
+    let cv = data(b * h * l * d, 43, -1.0, 1.0);
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let (q64, k64, v64, c64) = (f64s(&qv), f64s(&kv), f64s(&vv), f64s(&cv));
+    let eps = 1e-6f64;
+    let a = la::Attention {
+        q: &q64,
+        k: &k64,
+        v: &v64,
+        dims: la::Dims { batch: b, heads: h, len: l, feat: m, dim: d },
+        causal: true,
+        normalize: Some(eps),
+    };
+    let (out_ref, _) = la::forward(&a).unwrap();
+    let (dq_ref, dk_ref, dv_ref) = la::backward(&a, &c64).unwrap();
+
+    // magnitudes (all of q, k, A_ts = q_t·k_s and g_t are positive here)
+    let (mut m_out, mut m_dq, mut m_dk, mut m_dv) =
+        (vec![0.0; out_ref.len()], vec![0.0; dq_ref.len()], vec![0.0; dk_ref.len()], vec![0.0; dv_ref.len()]);
+    for bh in 0..b * h {
+        let qi = |t: usize, j: usize| q64[(bh * l + t) * m + j];
+        let ki = |s: usize, j: usize| k64[(bh * l + s) * m + j];
+        let vi = |s: usize, j: usize| v64[(bh * l + s) * d + j];
+        let ci = |t: usize, j: usize| c64[(bh * l + t) * d + j];
+        let at = |t: usize, s: usize| (0..m).map(|j| qi(t, j) * ki(s, j)).sum::<f64>();
+        for t in 0..l {
+            let g = (0..=t).map(|s| at(t, s)).sum::<f64>() + eps;
+            let num_abs: Vec<f64> = (0..d).map(|j| (0..=t).map(|s| at(t, s) * vi(s, j).abs()).sum::<f64>()).collect();
+            for j in 0..d {
+                m_out[(bh * l + t) * d + j] = num_abs[j] / g;
+            }
+            let dden = (0..d).map(|j| ci(t, j).abs() * num_abs[j]).sum::<f64>() / (g * g);
+            for s in 0..=t {
+                let da = (0..d).map(|j| ci(t, j).abs() * vi(s, j).abs()).sum::<f64>() / g + dden;
+                for j in 0..m {
+                    m_dq[(bh * l + t) * m + j] += da * ki(s, j);
+                    m_dk[(bh * l + s) * m + j] += da * qi(t, j);
+                }
+                for j in 0..d {
+                    m_dv[(bh * l + s) * d + j] += at(t, s) * ci(t, j).abs() / g;
+                }
+            }
+        }
+    }
+    let n = (l + m + d) as f64;
+    fn bound(n: f64, mag: &[f64]) -> impl Fn(usize) -> f64 + '_ {
+        move |i| 4.0 * n * U * mag[i] + 1e-30
+    }
+    let as32 = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+
+    for (chunk, memory) in [(64, MemoryMode::BoundaryStates), (16, MemoryMode::BoundaryStates), (7, MemoryMode::Slim)] {
+        let config = LinearAttentionConfig { chunk, memory, eps: eps as f32, ..LinearAttentionConfig::causal() };
+        for device in autodiff_devices() {
+            let q = tensor(&qv, [b, h, l, m], DType::F32, &device).require_grad();
+            let k = tensor(&kv, [b, h, l, m], DType::F32, &device).require_grad();
+            let v = tensor(&vv, [b, h, l, d], DType::F32, &device).require_grad();
+            let c = tensor(&cv, [b, h, l, d], DType::F32, &device);
+            let out = mesa_burn::linear_attention(q.clone(), k.clone(), v.clone(), config).unwrap();
+            let what = format!("linear attention chunk {chunk} {memory:?}");
+            assert_within(&format!("{what} out"), &values(&out), &as32(&out_ref), bound(n, &m_out));
+            let g = (out * c).sum().backward();
+            assert_within(&format!("{what} dq"), &values(&q.grad(&g).unwrap()), &as32(&dq_ref), bound(n, &m_dq));
+            assert_within(&format!("{what} dk"), &values(&k.grad(&g).unwrap()), &as32(&dk_ref), bound(n, &m_dk));
+            assert_within(&format!("{what} dv"), &values(&v.grad(&g).unwrap()), &as32(&dv_ref), bound(n, &m_dv));
+        }
+    }
+    // bad input: v of another length
+    let device = Device::flex();
+    let q = tensor(&qv, [b, h, l, m], DType::F32, &device);
+    let v_short = tensor(&vv[..b * h * (l - 1) * d], [b, h, l - 1, d], DType::F32, &device);
+    let r = mesa_burn::linear_attention(q.clone(), q.clone(), v_short, LinearAttentionConfig::causal());
+    assert!(matches!(r, Err(Error::Shape { what: "v", .. })), "{r:?}");
+    let bad = LinearAttentionConfig { chunk: 65, ..LinearAttentionConfig::causal() };
+    let v = tensor(&vv, [b, h, l, d], DType::F32, &device);
+    assert!(matches!(mesa_burn::linear_attention(q.clone(), q, v, bad), Err(Error::Config { what: "chunk", .. })));
+}
