@@ -4,6 +4,8 @@
 //! ops that is the codes (1 byte per element at 8 bits) of the three tensors the backward
 //! needs; with burn's ops it is those tensors in f32.
 //!
+//! The same for a transformer's MLP block with LayerNorm and a residual connection.
+//!
 //! One test in this binary: the counter is process-wide, so nothing may run beside it.
 //!
 //! Deliberate break (checked while writing it): the Linear state also holding its f32
@@ -97,6 +99,30 @@ impl Model {
     }
 }
 
+/// An MLP block of a transformer: `x + Linear(GELU(Linear(LayerNorm(x))))`.
+struct Block {
+    ln: mesa_burn::nn::LayerNorm,
+    mlp: Model,
+}
+
+impl Block {
+    fn new(device: &Device) -> Self {
+        use mesa_burn::nn::{GeluConfig, LayerNormConfig, LinearConfig};
+        Block {
+            ln: LayerNormConfig::new(D_IN).init(device),
+            mlp: Model {
+                l1: LinearConfig::new(D_IN, D_H).init(device),
+                gelu: GeluConfig::new().init(),
+                l2: LinearConfig::new(D_H, D_IN).init(device),
+            },
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        x.clone() + self.mlp.forward_mesa(self.ln.forward(x).unwrap())
+    }
+}
+
 /// Bytes allocated after the forward minus before it (the input made and dropped inside),
 /// and the forward's output (returned so that it stays alive through the measurement).
 fn kept_after_forward(model: &Model, device: &Device, mesa: bool) -> (isize, Tensor<2>) {
@@ -164,4 +190,35 @@ fn autodiff_keeps_the_codes_not_the_f32_inputs() {
     eprintln!("burn: {kept} bytes kept, {saved} besides the output");
     assert!(saved >= f32_inputs, "burn kept {saved} bytes, expected at least its f32 inputs ({f32_inputs})");
     drop(y);
+
+    // The MLP block x + L2(GELU(L1(LN(x)))) with D_OUT = D_IN: the residual add keeps
+    // nothing; LayerNorm keeps the codes of x̂ [B, D_IN] and rstd (4 bytes per row), L1 the
+    // codes of LN's output [B, D_IN], GELU and L2 those of [B, D_H] each, one 8-byte group
+    // per coded tensor: 2·65 536 + 2·262 144 + 4·256 + 4·8 = 656 416 bytes.
+    let block_codes = (2 * B * D_IN + 2 * B * D_H + 4 * B + 4 * 8) as isize;
+    assert_eq!(block_codes, 656_416);
+    for device in common::autodiff_devices() {
+        let block = Block::new(&device);
+        let xv = data(B * D_IN, 22, -2.0, 2.0);
+        let run = || {
+            let before = live();
+            let y = block.forward(tensor(&xv, [B, D_IN], DType::F32, &device));
+            (live() - before, y)
+        };
+        let (_, y) = run();
+        let _ = y.sum().backward();
+        let (kept, y) = run();
+        let saved = kept - y_bytes;
+        eprintln!(
+            "block ({:?}): {kept} bytes kept, {saved} besides the output",
+            device.gradient_checkpointing_strategy()
+        );
+        assert!(saved >= block_codes, "block kept {saved} bytes, less than its codes ({block_codes})");
+        assert!(
+            saved <= block_codes + block_codes / 50,
+            "block kept {saved} bytes, more than its codes ({block_codes}) + 2 %"
+        );
+        let grads = y.sum().backward();
+        assert!(block.ln.gamma.val().grad(&grads).is_some());
+    }
 }
