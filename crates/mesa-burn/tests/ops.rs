@@ -730,3 +730,27 @@ fn linear_attention_matches_the_f64_reference() {
     let v = tensor(&vv, [b, h, l, d], DType::F32, &device);
     assert!(matches!(mesa_burn::linear_attention(q.clone(), q, v, bad), Err(Error::Config { what: "chunk", .. })));
 }
+
+#[test]
+fn empty_tensors_run_forward_and_backward() {
+    // A batch of zero rows: every op returns an empty output and empty gradients (no kernel
+    // has anything to do); nothing panics on the way.
+    let device = Device::flex().autodiff();
+    let x = Tensor::<2>::zeros([0, 8], &device).require_grad();
+    let w = Tensor::<1>::ones([8], &device).require_grad();
+    let b = Tensor::<1>::zeros([8], &device).require_grad();
+    let wl = Tensor::<2>::ones([8, 4], &device).require_grad();
+    let outs = [
+        mesa_burn::gelu(x.clone(), GeluForm::Erf, Codes::default()).unwrap().sum(),
+        mesa_burn::layer_norm(x.clone(), w.clone(), b.clone(), EPS, Codes::default()).unwrap().sum(),
+        mesa_burn::rms_norm(x.clone(), w.clone(), EPS, Codes::default()).unwrap().sum(),
+        mesa_burn::linear(x.clone(), wl.clone(), None, Codes::default()).unwrap().sum(),
+        mesa_burn::softmax(x.clone(), None, Codes::default()).unwrap().sum(),
+        mesa_burn::swiglu(x.clone(), x.clone(), Codes::default()).unwrap().sum(),
+    ];
+    for (i, y) in outs.into_iter().enumerate() {
+        assert_eq!(values(&y), vec![0.0], "op {i}: the sum of an empty output");
+        let g = y.backward();
+        assert_eq!(x.grad(&g).map(|t| t.dims()), Some([0, 8]), "op {i}");
+    }
+}
