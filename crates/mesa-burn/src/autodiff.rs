@@ -1,6 +1,8 @@
 //! `MesaOps` for `Autodiff<Flex, C>`: each op registers a hand-written backward whose state
 //! is the codes of the tensor the backward needs (plus small statistics and handles to
-//! parameters), never the op's full-precision input.
+//! parameters), never the op's full-precision input. The exception is linear attention,
+//! whose kernels' backward reads `q`, `k`, `v` and the output: its state holds handles to
+//! them (no copies) and the kernels' f32 states.
 //!
 //! Every op is marked compute-bound: a memory-bound op would, under balanced
 //! checkpointing, keep (back up) its full-precision parents to recompute its output, which

@@ -2,8 +2,9 @@
 //! for `Flex` (inference: nothing saved) and for `Autodiff<Flex, C>` (the forward saves
 //! codes; the hand-written backward reads them).
 //!
-//! Call these through [`crate::gelu`], [`crate::layer_norm`] and [`crate::linear`], which
-//! validate first: the trait methods themselves trust their arguments (a bad one panics
+//! Call these through the crate's functions ([`crate::gelu`], [`crate::layer_norm`],
+//! [`crate::rms_norm`], [`crate::linear`], [`crate::softmax`], [`crate::swiglu`],
+//! [`crate::linear_attention`]), which validate first: the trait methods themselves trust their arguments (a bad one panics
 //! inside the backend, which is what the validating functions exist to prevent).
 use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
