@@ -754,3 +754,110 @@ fn empty_tensors_run_forward_and_backward() {
         assert_eq!(x.grad(&g).map(|t| t.dims()), Some([0, 8]), "op {i}");
     }
 }
+
+#[test]
+fn model_gradients_along_a_few_training_steps() {
+    // Linear(d_in→d_h) → GELU → Linear(d_h→d_out), L = Σ c⊙y, three SGD steps taken with
+    // burn's gradients; at each step both gradient sets are computed at the same parameters
+    // (teacher forcing), ours from codes. With h = x·W1 + b1, g = gelu(h), the decoded
+    // x̃, h̃, g̃ within s_x/2, s_h/2, s_g/2 of x, h, g, and K = max|gelu''|:
+    //   dW2 = g̃ᵀ·c:             |Δ|_kj ≤ s_g/2·Σ_i|c_ij|
+    //   db2 = Σ_i c_ij:           exact (f32 only)
+    //   dg = c·W2ᵀ:               exact (the same matmul)
+    //   dh = dg⊙gelu'(h̃):        |Δ|_ik ≤ |dg_ik|·K·s_h/2 =: e_ik
+    //   dW1 = x̃ᵀ·dh̃:             |Δ|_jk ≤ s_x/2·Σ_i(|dh_ik| + e_ik) + Σ_i|x_ij|·e_ik
+    //   db1 = Σ_i dh̃_ik:          |Δ|_k ≤ Σ_i e_ik
+    // plus f32 rounding of each sum: 4·n·U·Σ|terms| (n = the longest sum), taken on the
+    // magnitudes of the exact terms.
+    use burn::tensor::module::linear;
+    let (n, d_in, d_h, d_out) = (16, 12, 32, 8);
+    let device = Device::flex().autodiff();
+    let xv = data(n * d_in, 50, -2.0, 2.0);
+    let cv = data(n * d_out, 51, -1.0, 1.0);
+    let k_gelu = gelu_second_derivative_bound(GeluForm::Erf);
+    let lr = 0.01f32;
+    for bits in [8, 4, 2] {
+        // each bit width trains from the same initialisation
+        let mut w1v = data(d_in * d_h, 52, -0.5, 0.5);
+        let mut b1v = data(d_h, 53, -0.1, 0.1);
+        let mut w2v = data(d_h * d_out, 54, -0.5, 0.5);
+        let mut b2v = data(d_out, 55, -0.1, 0.1);
+        for _step in 0..3 {
+            let params = || {
+                (
+                    tensor(&w1v, [d_in, d_h], DType::F32, &device).require_grad(),
+                    tensor(&b1v, [d_h], DType::F32, &device).require_grad(),
+                    tensor(&w2v, [d_h, d_out], DType::F32, &device).require_grad(),
+                    tensor(&b2v, [d_out], DType::F32, &device).require_grad(),
+                )
+            };
+            let x = tensor(&xv, [n, d_in], DType::F32, &device);
+            let c = tensor(&cv, [n, d_out], DType::F32, &device);
+            // burn's
+            let (w1, b1, w2, b2) = params();
+            let h = linear(x.clone(), w1.clone(), Some(b1.clone()));
+            let g = activation::gelu(h.clone());
+            let (hv, gv) = (values(&h), values(&g));
+            let gr = (linear(g, w2.clone(), Some(b2.clone())) * c.clone()).sum().backward();
+            let burn = [
+                values(&w1.grad(&gr).unwrap()),
+                values(&b1.grad(&gr).unwrap()),
+                values(&w2.grad(&gr).unwrap()),
+                values(&b2.grad(&gr).unwrap()),
+            ];
+            // ours
+            let (m1, mb1, m2, mb2) = params();
+            let codes = Codes::bits(bits);
+            let hm = mesa_burn::linear(x.clone(), m1.clone(), Some(mb1.clone()), codes).unwrap();
+            let gm = mesa_burn::gelu(hm, GeluForm::Erf, codes).unwrap();
+            let ym = mesa_burn::linear(gm, m2.clone(), Some(mb2.clone()), codes).unwrap();
+            let gr = (ym * c).sum().backward();
+            let ours = [
+                values(&m1.grad(&gr).unwrap()),
+                values(&mb1.grad(&gr).unwrap()),
+                values(&m2.grad(&gr).unwrap()),
+                values(&mb2.grad(&gr).unwrap()),
+            ];
+
+            let (sx, sh, sg) = (step(&xv, bits), step(&hv, bits), step(&gv, bits));
+            let f = |v: &[f32], i: usize| v[i] as f64;
+            // dg = c·W2ᵀ and its exact magnitudes
+            let dg: Vec<f64> = (0..n * d_h)
+                .map(|e| (0..d_out).map(|j| f(&cv, (e / d_h) * d_out + j) * f(&w2v, (e % d_h) * d_out + j)).sum())
+                .collect();
+            let dh_abs: Vec<f64> = (0..n * d_h)
+                .map(|e| dg[e].abs() * reference::gelu_derivative(f(&hv, e), GeluForm::Erf).abs())
+                .collect();
+            let e_dh: Vec<f64> =
+                dg.iter().map(|d| d.abs() * k_gelu * sh / 2.0 + 4.0 * d_out as f64 * U * d.abs()).collect();
+            let what = |p: &str| format!("{bits}-bit model {p}");
+            assert_within(&what("dW2"), &ours[2], &burn[2], |e| {
+                let (k, j) = (e / d_out, e % d_out);
+                (0..n)
+                    .map(|i| (sg / 2.0 + 4.0 * n as f64 * U * f(&gv, i * d_h + k).abs()) * f(&cv, i * d_out + j).abs())
+                    .sum()
+            });
+            assert_within(&what("db2"), &ours[3], &burn[3], |j| {
+                4.0 * n as f64 * U * (0..n).map(|i| f(&cv, i * d_out + j).abs()).sum::<f64>()
+            });
+            assert_within(&what("dW1"), &ours[0], &burn[0], |e| {
+                let (j, k) = (e / d_h, e % d_h);
+                (0..n)
+                    .map(|i| {
+                        let (dh, ee, x) = (dh_abs[i * d_h + k], e_dh[i * d_h + k], f(&xv, i * d_in + j).abs());
+                        sx / 2.0 * (dh + ee) + x * ee + 4.0 * n as f64 * U * x * dh
+                    })
+                    .sum()
+            });
+            assert_within(&what("db1"), &ours[1], &burn[1], |k| {
+                (0..n).map(|i| e_dh[i * d_h + k] + 4.0 * n as f64 * U * dh_abs[i * d_h + k]).sum()
+            });
+            // the step, with burn's gradients (both runs continue from the same parameters)
+            for (p, g) in [(&mut w1v, &burn[0]), (&mut b1v, &burn[1]), (&mut w2v, &burn[2]), (&mut b2v, &burn[3])] {
+                for (a, d) in p.iter_mut().zip(g) {
+                    *a -= lr * d;
+                }
+            }
+        }
+    }
+}
