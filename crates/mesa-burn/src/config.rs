@@ -32,7 +32,9 @@ impl Codes {
         Codes { bits, ..Codes::default() }
     }
 
-    /// The same codes, rounded stochastically (batch keyed by `seed`).
+    /// The same codes, rounded stochastically, keyed by `seed`. Every call of an op with
+    /// these codes uses this seed (no state between calls): vary it per step, e.g. with the
+    /// step number, or the rounding noise repeats across steps.
     #[must_use]
     pub fn stochastic(self, seed: u64) -> Self {
         Codes { rounding: Rounding::Stochastic { seed }, ..self }

@@ -139,8 +139,10 @@ impl HostCodes {
         expect(SavedView::new(codes, params, self.meta.clone()), "saved view")
     }
 
-    /// Heap bytes of the codes and parameters: `8·⌈code_bytes/8⌉ + 8·groups`.
+    /// Heap bytes of the codes and parameters: `8·⌈code_bytes/8⌉ + 8·groups` (the formula
+    /// docs/burn.md and tests/memory.rs count; checked by this module's test).
     #[must_use]
+    #[cfg_attr(not(test), allow(dead_code))]
     pub fn bytes(&self) -> usize {
         self.words.len() * 8 + self.params.len() * std::mem::size_of::<GroupParams>()
     }
@@ -188,5 +190,33 @@ impl CodesBuf {
     /// the `meta` the producer returned.
     pub(crate) fn finish(self, meta: SavedMeta) -> HostCodes {
         HostCodes { words: self.words, code_bytes: self.code_bytes, params: self.params, meta }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Codes;
+    use mesa_kernels::Quantizer;
+
+    /// The byte formula of [`HostCodes::bytes`] (what docs/burn.md and tests/memory.rs
+    /// count): codes in whole 8-byte words plus 8 bytes per group; and the codes decode
+    /// within half a step.
+    #[test]
+    fn host_codes_bytes_and_round_trip() {
+        let x: Vec<f32> = (0..15).map(|i| i as f32 * 0.5 - 3.0).collect();
+        // (bits, ⌈15·bits/8⌉ code bytes → whole words, + one 8-byte group)
+        for (bits, expect) in [(8, 16 + 8), (4, 8 + 8), (2, 8 + 8)] {
+            let codes = Codes::bits(bits);
+            let mut q = Quantizer::new(&device(), codes.quant_config()).unwrap();
+            let xv = TensorRef::contiguous(x.as_slice(), &[3, 5]).unwrap();
+            let saved = HostCodes::write(&[3, 5], &codes.quant_config(), "test", |v| q.quantize_to(&xv, v));
+            assert_eq!(saved.bytes(), expect, "{bits} bits");
+            let back = saved.decode::<f32>();
+            let half_step = 7.0 / f64::from((1u32 << bits) - 1) / 2.0;
+            for (a, b) in back.storage::<f32>().iter().zip(&x) {
+                assert!(f64::from((a - b).abs()) <= half_step * (1.0 + 1e-6), "{bits} bits: {a} vs {b}");
+            }
+        }
     }
 }
