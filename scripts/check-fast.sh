@@ -12,6 +12,7 @@
 #   crates/mesa-kernels/                              -> it, the root tests (tests/), mesa-candle
 #   tests/, benches/, examples/, fixtures/            -> the root package's tests
 #   crates/mesa-candle/                               -> mesa-candle
+#   crates/mesa-burn/                                 -> mesa-burn (its own workspace)
 #   README.md                                         -> mesa-kernels (its doctest)
 # The tests run as the README's command does (cargo-nextest, release, the whole workspace
 # built, the touched packages' tests run), on the emulator only (MESA_CUDA_DISABLE=1: no nvcc
@@ -34,7 +35,7 @@ git rev-parse --verify -q "$base^{commit}" >/dev/null || { echo "check-fast: no 
 # renames as delete + add (a file moved out of a crate still touches it), names unquoted
 diff_names=$(git -c core.quotePath=false diff --name-only --no-renames "$base" --)
 changed=$( { echo "$diff_names"; git -c core.quotePath=false ls-files --others --exclude-standard; } | sed '/^$/d' | sort -u)
-root=0 candle=0 safe=0
+root=0 candle=0 safe=0 burn=0
 cu=()
 while IFS= read -r f; do
   [[ -z "$f" ]] && continue
@@ -44,13 +45,14 @@ while IFS= read -r f; do
     README.md) safe=1 ;;  # the safe crate's docs include it: its example is a doctest
     tests/*|benches/*|examples/*|fixtures/*) root=1 ;;
     crates/mesa-candle/*) candle=1 ;;
+    crates/mesa-burn/*) burn=1 ;;
   esac
   case "$f" in
     kernels/*.cu) [[ -f "$f" && "$f" != kernels/*/* ]] && cu+=("$f") ;;
     kernels/*.cuh|kernels/include/*.h) cu=(kernels/*.cu) ;;
   esac
 done <<<"$changed"
-if (( all )); then root=1 safe=1 candle=1; cu=(kernels/*.cu); fi
+if (( all )); then root=1 safe=1 candle=1 burn=1; cu=(kernels/*.cu); fi
 echo "check-fast: changes against $base: $(grep -c . <<<"$changed" || true) paths"
 
 phase "cargo fmt --check"
@@ -73,6 +75,15 @@ else
   if (( safe )); then
     MESA_CUDA_DISABLE=1 cargo test --workspace --release --doc
   fi
+fi
+
+# mesa-burn: its own workspace and lock (docs/burn.md); only when it changed (or --all): its
+# first build compiles burn (about 4 minutes on 2 cores), later ones take seconds
+if (( burn )); then
+  phase "mesa-burn: fmt, clippy, tests (its own workspace)"
+  cargo fmt --manifest-path crates/mesa-burn/Cargo.toml -- --check
+  MESA_CUDA_DISABLE=1 cargo clippy --release --locked --all-targets --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings
+  MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default cargo nextest run --release --locked --manifest-path crates/mesa-burn/Cargo.toml
 fi
 
 # ---- SASS ---------------------------------------------------------------------------------

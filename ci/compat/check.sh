@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Type-checks the build-compatibility crates named as arguments (default: all three checks),
-# as .ci/run does: ci/compat/README.md says what each proves. Needs CUDA_HOME (the pinned
+# as .ci/run does: ci/compat/README.md says what each proves. `mesa-burn` (not a default)
+# lints and tests crates/mesa-burn, its own workspace (docs/burn.md). Needs CUDA_HOME (the pinned
 # nvcc wheels, see README.md); no GPU. Target dir: target/compat (or CARGO_TARGET_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,7 +27,21 @@ for c in "$@"; do
     # build script unless DOCS_RS is set (then it skips it, as on docs.rs): a type-check needs none
     cubecl-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
       cargo check --release --locked --manifest-path ci/compat/cubecl-cuda/Cargo.toml ;;
-    *) echo "unknown compatibility check: $c (candle-cuda, candle-tests, cubecl-cuda)"; exit 2 ;;
+    # mesa-burn: burn 0.22.1 on Flex (CPU), the kernels on the emulator; its own workspace and
+    # lock (--locked), release profile throughout (clippy's check units, its docs from the
+    # same metadata, then the test build); the default nextest profile (the workspace's `ci`
+    # profile is not its own)
+    mesa-burn) MESA_CUDA_DISABLE=1 cargo clippy --release --locked --all-targets \
+        --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings &&
+      MESA_CUDA_DISABLE=1 RUSTDOCFLAGS="-D warnings" \
+        cargo doc --release --locked --no-deps --manifest-path crates/mesa-burn/Cargo.toml &&
+      MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default \
+        cargo nextest run --release --locked --manifest-path crates/mesa-burn/Cargo.toml ;;
+    # burn-cuda (not in .ci/run yet: 200-260 s on 2 loaded cores, docs/burn.md): mesa-burn
+    # type-checked in a graph with burn's CUDA backend (cubecl-cuda, DOCS_RS=1 as above)
+    burn-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
+      cargo check --release --locked --manifest-path ci/compat/burn-cuda/Cargo.toml ;;
+    *) echo "unknown compatibility check: $c (candle-cuda, candle-tests, cubecl-cuda, mesa-burn, burn-cuda)"; exit 2 ;;
   esac
   echo "compatibility check $c: $((SECONDS - t0))s"
 done
