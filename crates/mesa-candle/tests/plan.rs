@@ -56,6 +56,10 @@ fn stack(config: &LayerConfig, plain: bool, batch: usize) -> Measured {
     measure(&COUNTER, batch * SEQ * c * 4, &dy, forward).unwrap().0
 }
 
+fn no_attention_dropout(c: &LayerConfig) -> LayerConfig {
+    LayerConfig { dropout: DropoutConfig { attention: 0.0, ..c.dropout }, ..c.clone() }
+}
+
 #[test]
 fn planned_bytes_match_the_measured_stack() {
     common::single_threaded_candle();
@@ -81,6 +85,17 @@ fn planned_bytes_match_the_measured_stack() {
         ("(f) 8-bit, selective", LayerConfig { recompute: Recompute::Selective, ..base.clone() }),
         ("Llama, GQA 8:2, 8-bit", llama.clone()),
         ("Llama, multi-query, 8-bit, selective", LayerConfig { recompute: Recompute::Selective, ..mqa }),
+        // gated attention (issue 41): Q, K, V codes, the core rerun in backward; the input
+        // gate keeps nothing more
+        ("GPT, input-gated, 8-bit", LayerConfig { attention: Attention::input_gated(), ..no_attention_dropout(&base) }),
+        (
+            "Llama, GQA 8:2, RetNet decays, 8-bit",
+            LayerConfig { attention: Attention::retnet(2), ..no_attention_dropout(&llama) },
+        ),
+        (
+            "Llama, GQA 8:2, input-gated, 8-bit",
+            LayerConfig { attention: Attention::input_gated(), ..no_attention_dropout(&llama) },
+        ),
         ("2-bit", LayerConfig { bits: 2, ..base.clone() }),
         ("8-bit, full recomputation", LayerConfig { recompute: Recompute::Full, ..base.clone() }),
     ];
@@ -107,7 +122,7 @@ fn planned_bytes_match_the_measured_stack() {
             "{name}: {} unplanned bytes, over {limit} B per layer",
             excess[1].0
         );
-        if i < 6 {
+        if i < 9 {
             assert!(excess[1].1 <= 0.02, "{name}: {:.2} % above the plan (target ≤ 2 %)", 100.0 * excess[1].1);
         }
     }

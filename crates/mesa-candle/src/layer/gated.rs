@@ -67,7 +67,7 @@ impl Plan {
     /// The gate's gradients from the decay's `da` (`[B, H_kv, N]`, f32): `dx_in` (`x_in`'s
     /// dtype) and the parameters' gradients, inserted into `grads`:
     /// `dz = da·(−e^{A_log})·σ(z)`, `dW = Σ dzᵀ x̂`, `db = Σ dz`, `dA_log = Σ da·a`,
-    /// `dx̂ = dz·W`.
+    /// `dx̂ = dz·W`; nothing from a step whose decay overflowed to `−∞` (a reset).
     pub fn input_gate_backward(
         &self,
         params: &Tensor,
@@ -81,9 +81,15 @@ impl Plan {
         let (w, a_log) = (f(names.weight)?, f(names.a_log)?);
         let (b, n, c) = x_in.dims3()?;
         let kv = w.dim(0)?;
-        let d_a_log = (da * &gate.decay)?.sum((0, 2))?;
+        // a step whose decay overflowed to −∞ (e^{A_log}·softplus(z) past f32's range) is a
+        // reset: no gradient reaches the gate through it (the kernel's da is 0 there), rather
+        // than 0·∞ = NaN
+        let live = gate.decay.ne(f64::NEG_INFINITY)?;
+        let zeros = gate.decay.zeros_like()?;
+        let d_a_log = live.where_cond(&(da * &gate.decay)?, &zeros)?.sum((0, 2))?;
         let sigmoid = (gate.z.neg()?.exp()? + 1.0)?.recip()?;
-        let dz = da.transpose(1, 2)?.broadcast_mul(&a_log.exp()?.neg()?)?.mul(&sigmoid)?.reshape((b * n, kv))?;
+        let dz = da.transpose(1, 2)?.broadcast_mul(&a_log.exp()?.neg()?)?.mul(&sigmoid)?;
+        let dz = live.transpose(1, 2)?.where_cond(&dz, &zeros.transpose(1, 2)?)?.reshape((b * n, kv))?;
         let xf = x_in.to_dtype(DType::F32)?.reshape((b * n, c))?;
         grads.insert(names.weight, dz.t()?.matmul(&xf)?);
         grads.insert(names.bias, dz.sum(0)?);

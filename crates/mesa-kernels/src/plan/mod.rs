@@ -454,9 +454,6 @@ impl PlanConfig {
             if kv % t != 0 && t % kv != 0 {
                 return bad("kv_heads", format!("{kv} and the tensor-parallel size {t} must divide one another"));
             }
-            if !matches!(self.attention, AttentionKind::Softmax) {
-                return bad("attention", "a Llama block takes softmax attention".into());
-            }
         }
         let sv = &self.saved;
         for p in [
@@ -568,7 +565,8 @@ impl PlanConfig {
                 }
                 AttentionKind::Linear { causal, chunk, features, normalize, states } => {
                     let w = (h / a).checked_add(u64::from(normalize)).ok_or_else(|| too_large("state width"))?;
-                    let state = product(&[b, heads, features, w], "linear-attention state")?;
+                    // one state per K/V head (the gated kernel's; H_kv = H but in a Llama block)
+                    let state = product(&[b, kv_local, features, w], "linear-attention state")?;
                     let kept = match states {
                         LinearStates::Boundary if causal => {
                             let chunks =
