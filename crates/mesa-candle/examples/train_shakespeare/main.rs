@@ -241,6 +241,12 @@ fn args() -> Result<Args, String> {
     }
     if let Some(t) = tp {
         tp::check(&settings, t)?;
+        // the sharded layer refuses input-gated attention: say so before any run
+        for n in &settings.variants {
+            if all.iter().any(|v| v.name == *n && v.config.attention.is_input_gated()) {
+                return Err(format!("--tp {t}: variant {n} (input-gated attention) has no sharded form"));
+            }
+        }
     }
     Ok(Args { settings, json, out, fixtures, default_set, tp, replot_tp })
 }

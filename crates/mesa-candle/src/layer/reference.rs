@@ -196,11 +196,18 @@ fn forward_impl(
             let den = (a.sum_keepdim(D::Minus1)? + f64::from(la.eps))?;
             a.matmul(&v)?.broadcast_div(&den)?
         }
-        Attention::Gated { .. } | Attention::InputGated { .. } if sp.is_some() => {
-            let why = "gated attention in a sharded layer is not in the reference (the layer refuses it)".into();
+        Attention::InputGated { .. } if sp.is_some() => {
+            let why = "input-gated attention in a sharded layer is not in the reference (the layer refuses it)".into();
             return Err(crate::Error::InvalidArgument { name: "attention", why }.into());
         }
-        Attention::Gated { config: g, log_decay } => gated_quadratic(&q, &k, &v, g, RefDecay::PerHead(log_decay))?,
+        // the rank's heads' decays (a GPT block: one per head)
+        Attention::Gated { config: g, log_decay } => {
+            let mine = log_decay.get(rank * h..(rank + 1) * h).ok_or_else(|| crate::Error::InvalidArgument {
+                name: "log_decay",
+                why: format!("{} values for {} heads", log_decay.len(), config.heads),
+            })?;
+            gated_quadratic(&q, &k, &v, g, RefDecay::PerHead(mine))?
+        }
         Attention::InputGated { config: g } => {
             let a = gate.ok_or(crate::Error::StateConsumed { op: "reference input gate" })?;
             gated_quadratic(&q, &k, &v, g, RefDecay::PerStep(&a))?

@@ -10,7 +10,7 @@
 //! | [`RmsNorm`] | codes of `x̂`, per-row `1/rstd` | candle ops on the decoded `x̂` (no RMSNorm kernel) |
 //! | [`CodedLinear`] | codes of `x` | `dW = dyᵀ·x̂` from the decoded `x̂`, candle's matmuls |
 //! | [`LinearAttention`] (ReLU, ELU+1, FAVOR+) | the attention's saved states (f16, bf16: nothing) | chunked kernels; φ recomputed from `q`, `k` (f16, bf16: the f32 forward rerun first) |
-//! | [`GatedLinearAttention`] (decay per step or head, grouped heads; identity or a feature map) | its final state (and denominators when normalised) | the gated kernel's backward; `φ` recomputed; `da`, `d(initial)` too (normalised 16-bit: the f32 forward rerun first) |
+//! | [`GatedLinearAttention`] (decay per step or head, grouped heads; identity or a feature map) | its final state (and denominators when normalised) | the gated kernel's backward; `φ` recomputed; `da`, `d(initial)` too (identity map: in the inputs' dtype, 16-bit on tensor cores; a feature map with 16-bit normalised: the f32 forward rerun first) |
 //! | [`Dropout`] | a 64-bit key (the mask is regenerated; replayed in [checkpoint regions](crate::region)) | the mask again, times `dy` |
 //!
 //! **Constructors and configs.** An op's `new` takes the [`Codes`] it keeps (the defaults:
