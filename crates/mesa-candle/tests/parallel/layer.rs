@@ -315,6 +315,8 @@ fn sharded_reference_layer_matches_the_unsharded_one() {
     for (attention, norm_at) in [
         (Attention::Softmax { causal: true }, NormPlacement::Pre),
         (Attention::Softmax { causal: true }, NormPlacement::Post),
+        // each rank its heads' decays (distinct per head, so a wrong slice shows)
+        (Attention::retnet(4), NormPlacement::Pre),
         (
             Attention::Linear {
                 config: LinearAttentionConfig { chunk: 16, ..LinearAttentionConfig::causal() },
