@@ -37,7 +37,7 @@ for c in "$@"; do
         cargo doc --release --locked --no-deps --manifest-path crates/mesa-burn/Cargo.toml &&
       MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default \
         cargo nextest run --release --locked --manifest-path crates/mesa-burn/Cargo.toml ;;
-    # burn-cuda (not in .ci/run yet: 200-260 s on 2 loaded cores, docs/burn.md): mesa-burn
+    # burn-cuda (not in .ci/run yet: its cost in docs/burn.md): mesa-burn with `cuda`
     # type-checked in a graph with burn's CUDA backend (cubecl-cuda, DOCS_RS=1 as above)
     burn-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
       cargo check --release --locked --manifest-path ci/compat/burn-cuda/Cargo.toml ;;

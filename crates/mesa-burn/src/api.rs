@@ -17,10 +17,16 @@ use mesa_kernels::GeluForm;
 /// nearest rounding, `scale = (max x − min x)/(2^bits − 1)`).
 ///
 /// # Errors
-/// [`Error::Backend`] (not a Flex tensor), [`Error::Dtype`], [`Error::Config`] (bits not
-/// 8/4/2), [`Error::Kernel`] (a size that overflows). Nothing is dispatched on an error.
+/// [`Error::Backend`] (not a Flex tensor, nor with the `cuda` feature a tensor of burn's CUDA
+/// backend on a CUDA device), [`Error::Dtype`], [`Error::Config`] (bits not 8/4/2),
+/// [`Error::Kernel`] (a size that overflows; on CUDA also: mesa-kernels built without CUDA
+/// kernels, no driver, no such device). Nothing is dispatched on an error.
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the forward and the backward each
+/// synchronise the host twice (docs/burn.md, "CUDA"), and the codes live in cubecl's device
+/// memory.
 pub fn gelu<const D: usize>(x: Tensor<D>, form: GeluForm, codes: Codes) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     validate::codes(&codes, &x.dims())?;
     Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_gelu(x.into_dispatch(), form, codes)))
 }

@@ -32,8 +32,8 @@ pub enum Error {
         /// Why it is refused.
         why: String,
     },
-    /// A tensor of a backend mesa-burn does not run on (only Flex, with or without
-    /// autodiff, in this version).
+    /// A tensor of a backend mesa-burn does not run this op on: Flex (with or without
+    /// autodiff) runs every op; with the `cuda` feature, burn's CUDA backend runs GELU only.
     Backend {
         /// Which argument.
         what: &'static str,
@@ -49,7 +49,7 @@ impl fmt::Display for Error {
             Error::DtypeMismatch { what } => write!(f, "{what}: dtype differs from the input's"),
             Error::Shape { what, why } => write!(f, "{what}: {why}"),
             Error::Config { what, why } => write!(f, "{what}: {why}"),
-            Error::Backend { what } => write!(f, "{what}: mesa-burn runs on the Flex backend only"),
+            Error::Backend { what } => write!(f, "{what}: mesa-burn runs this op on the Flex backend only (GELU also on CUDA with the `cuda` feature)"),
             Error::Kernel(e) => write!(f, "mesa-kernels: {e}"),
         }
     }
