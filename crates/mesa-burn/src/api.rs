@@ -149,10 +149,16 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64, codes
 /// mask gets no gradient. Dtypes: f32, f16, bf16, alike.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0,
-/// a mask axis that does not broadcast), [`Error::Config`] (bits), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0,
+/// a mask axis that does not broadcast), [`Error::Config`] (bits), [`Error::Kernel`] (also, on
+/// CUDA: mesa-kernels without CUDA kernels, no driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) a broadcast mask is copied to
+/// `x`'s shape first; the forward and the backward each synchronise the host twice
+/// (docs/burn.md, "CUDA"), and the codes live in cubecl's device memory.
 pub fn softmax<const D: usize>(x: Tensor<D>, mask: Option<Tensor<D>>, codes: Codes) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     let dims = x.dims();
     validate::last_axis_any(&dims)?;
     codes.check()?;
@@ -179,10 +185,16 @@ pub fn softmax<const D: usize>(x: Tensor<D>, mask: Option<Tensor<D>>, codes: Cod
 /// Shapes: `gate`, `up`, `y` one shape. Dtypes: f32, f16, bf16, alike.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (the
-/// shapes differ), [`Error::Config`] (bits), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (the
+/// shapes differ), [`Error::Config`] (bits), [`Error::Kernel`] (also, on CUDA: mesa-kernels
+/// without CUDA kernels, no driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the forward and the backward each
+/// synchronise the host twice (docs/burn.md, "CUDA"), and the codes live in cubecl's device
+/// memory.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>, codes: Codes) -> Result<Tensor<D>> {
-    validate::float(&gate, "gate")?;
+    validate::float_or_cuda(&gate, "gate")?;
     validate::same(&up, &gate, "up")?;
     if up.dims() != gate.dims() {
         return Err(Error::Shape {

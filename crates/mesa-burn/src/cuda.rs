@@ -33,7 +33,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
-use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::cubecl::cuda::CudaRuntime;
@@ -43,11 +43,13 @@ use burn_cubecl::{CubeBackend, CubeDevice};
 use cubecl_runtime::runtime::Runtime;
 use half::{bf16, f16};
 use mesa_kernels::linear_attention::LinearAttentionConfig;
+use mesa_kernels::fused::{SoftmaxInput, SwigluGrads, SwigluInput, SwigluQuantizers, SwigluSaveMut, SwigluSavedView};
 use mesa_kernels::{
-    fused, saved_sizes, Device, GeluForm, GroupParams, Quantizer, RawDeviceSlice, SavedMeta, SavedView, SavedViewMut,
-    TensorMut, TensorRef,
+    fused, saved_sizes, Buffer, Device, GeluForm, GroupParams, Quantizer, RawDeviceSlice, SavedMeta, SavedSizes, SavedView,
+    SavedViewMut, TensorMut, TensorRef,
 };
 
+use crate::autodiff::softmax_save_config;
 use crate::config::Codes;
 use crate::error::{Error, Result};
 use crate::ops::MesaOps;
@@ -129,10 +131,7 @@ struct Pinned<G> {
 }
 
 /// Steps 2 and 3 of the contract: pins every tensor's buffer, then waits for cubecl's stream.
-fn pin_and_fence(
-    tensors: &[&CubeTensor],
-    op: &'static str,
-) -> Pinned<impl Sized> {
+fn pin_and_fence(tensors: &[&CubeTensor], op: &'static str) -> Pinned<impl Sized> {
     let client = &tensors[0].client;
     let mut ptrs = Vec::with_capacity(tensors.len());
     let mut guards = Vec::with_capacity(tensors.len());
@@ -143,6 +142,28 @@ fn pin_and_fence(
     }
     expect(futures_lite::future::block_on(client.sync()), op);
     Pinned { ptrs, _guards: guards }
+}
+
+/// Steps 2 to 5 of the contract: pins `tensors` (all of one client), fences cubecl's stream,
+/// runs `run` with mesa's device and the buffers' device addresses (in `tensors`' order),
+/// synchronises mesa's stream, unpins.
+fn fenced<R>(tensors: &[&CubeTensor], op: &'static str, run: impl FnOnce(&Device, &[u64]) -> R) -> R {
+    let device = device_of(tensors[0], op);
+    let pinned = pin_and_fence(tensors, op);
+    let r = run(&device, &pinned.ptrs);
+    expect(device.synchronize(), op);
+    drop(pinned);
+    r
+}
+
+/// `len` elements of `T` at a pinned buffer's address.
+///
+/// # Safety
+/// `ptr` comes from [`fenced`]'s addresses and the slice is used only inside its `run`: the
+/// buffer is alive, in place and not used by cubecl until mesa's stream is synchronised.
+unsafe fn raw<T>(ptr: u64, len: usize) -> RawDeviceSlice<T> {
+    // SAFETY: the caller's contract
+    unsafe { RawDeviceSlice::new(ptr, len) }
 }
 
 /// The mesa device for a tensor of this backend.
@@ -162,6 +183,79 @@ pub(crate) struct CudaCodes {
     meta: SavedMeta,
 }
 
+/// Device memory for one saved tensor, before its producer ran.
+struct CodesAlloc {
+    codes: CubeTensor,
+    params: CubeTensor,
+    sizes: SavedSizes,
+}
+
+impl CodesAlloc {
+    /// Fresh cubecl allocations on `like`'s device for codes of `sizes`.
+    fn new(like: &CubeTensor, sizes: SavedSizes) -> Self {
+        let words = sizes.code_bytes.div_ceil(8) * 8;
+        CodesAlloc {
+            codes: empty_like(like, &[words], DType::U8),
+            params: empty_like(like, &[sizes.groups * 2], DType::F32),
+            sizes,
+        }
+    }
+
+    /// Keeps the memory with the producer's `meta`.
+    fn finish(self, meta: SavedMeta) -> CudaCodes {
+        CudaCodes {
+            codes: self.codes,
+            code_bytes: self.sizes.code_bytes,
+            params: self.params,
+            groups: self.sizes.groups,
+            meta,
+        }
+    }
+}
+
+/// The producer's view of pinned codes (`c`), parameters (`p`) and a counter.
+fn view_mut<'a>(
+    c: &'a mut RawDeviceSlice<u8>,
+    p: &'a mut RawDeviceSlice<GroupParams>,
+    counter: &'a mut Buffer<u32>,
+    sizes: SavedSizes,
+    op: &'static str,
+) -> SavedViewMut<'a> {
+    expect(
+        SavedViewMut::new(
+            expect(TensorMut::contiguous(c, &[sizes.code_bytes]), op),
+            expect(TensorMut::contiguous(p, &[sizes.groups]), op),
+            expect(TensorMut::contiguous(counter, &[1]), op),
+        ),
+        op,
+    )
+}
+
+/// The consumer's view of pinned codes (`c`) and parameters (`p`) of `saved`.
+fn view<'a>(
+    c: &'a RawDeviceSlice<u8>,
+    p: &'a RawDeviceSlice<GroupParams>,
+    saved: &CudaCodes,
+    op: &'static str,
+) -> SavedView<'a> {
+    expect(
+        SavedView::new(
+            expect(TensorRef::contiguous(c, &[saved.code_bytes]), op),
+            expect(TensorRef::contiguous(p, &[saved.groups]), op),
+            saved.meta.clone(),
+        ),
+        op,
+    )
+}
+
+/// A zeroed non-finite counter in mesa's memory (the producers count into it; nothing reads it
+/// after the forward).
+fn counter(device: &Device, op: &'static str) -> Buffer<u32> {
+    expect(device.alloc_zeros::<u32>(1), op)
+}
+
+// ---------------------------------------------------------------------------------- GELU
+
 /// GELU's forward on CUDA: `y`, and the codes of `x` when `codes` is given.
 fn gelu_forward(x: CubeTensor, form: GeluForm, codes: Option<&Codes>) -> (CubeTensor, Option<CudaCodes>) {
     const OP: &str = "gelu";
@@ -169,57 +263,36 @@ fn gelu_forward(x: CubeTensor, form: GeluForm, codes: Option<&Codes>) -> (CubeTe
     let dtype = x.dtype;
     let n: usize = shape.iter().product();
     let y = empty_like(&x, &shape, dtype);
-    let device = device_of(&x, OP);
     let Some(codes) = codes else {
-        let pinned = pin_and_fence(&[&x, &y], OP);
-        with_float!(dtype, T => {
-            // SAFETY: both buffers are pinned (alive, not relocated) until `pinned` drops, after
-            // the synchronisation below; cubecl's writes to `x` completed at the fence, and
-            // nothing of cubecl's touches `y` before this op returns it
-            let (xs, mut ys) = unsafe { (RawDeviceSlice::<T>::new(pinned.ptrs[0], n), RawDeviceSlice::<T>::new(pinned.ptrs[1], n)) };
-            let xv = expect(TensorRef::contiguous(&xs, &shape), OP);
-            let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
-            expect(fused::gelu(&device, form, &xv, &mut yv), OP);
+        fenced(&[&x, &y], OP, |device, ptrs| {
+            with_float!(dtype, T => {
+                // SAFETY: addresses of `fenced`, used inside it
+                let (xs, mut ys) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n)) };
+                let xv = expect(TensorRef::contiguous(&xs, &shape), OP);
+                let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
+                expect(fused::gelu(device, form, &xv, &mut yv), OP);
+            })
         });
-        expect(device.synchronize(), OP);
-        drop(pinned);
         return (y, None);
     };
     let config = codes.quant_config();
-    let sizes = expect(saved_sizes(&shape, &config), OP);
-    let code_bytes = sizes.code_bytes.div_ceil(8) * 8;
-    let codes_t = empty_like(&x, &[code_bytes], DType::U8);
-    let params_t = empty_like(&x, &[sizes.groups * 2], DType::F32);
-    let mut quantizer = expect(Quantizer::new(&device, config), OP);
-    // the non-finite counter (zeroed; nothing reads it after the forward): mesa's own buffer
-    let mut counter = expect(device.alloc_zeros::<u32>(1), OP);
-    let pinned = pin_and_fence(&[&x, &y, &codes_t, &params_t], OP);
-    let meta = with_float!(dtype, T => {
-        // SAFETY: as above; the codes and parameters are fresh allocations of this op
-        let (xs, mut ys, mut cs, mut ps) = unsafe {
-            (
-                RawDeviceSlice::<T>::new(pinned.ptrs[0], n),
-                RawDeviceSlice::<T>::new(pinned.ptrs[1], n),
-                RawDeviceSlice::<u8>::new(pinned.ptrs[2], code_bytes),
-                RawDeviceSlice::<GroupParams>::new(pinned.ptrs[3], sizes.groups),
-            )
-        };
-        let xv = expect(TensorRef::contiguous(&xs, &shape), OP);
-        let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
-        let mut view = expect(
-            SavedViewMut::new(
-                expect(TensorMut::contiguous(&mut cs, &[sizes.code_bytes]), OP),
-                expect(TensorMut::contiguous(&mut ps, &[sizes.groups]), OP),
-                expect(TensorMut::contiguous(&mut counter, &[1]), OP),
-            ),
-            OP,
-        );
-        expect(fused::gelu_forward_to(&device, &mut quantizer, form, &xv, &mut yv, &mut view), OP)
+    let alloc = CodesAlloc::new(&x, expect(saved_sizes(&shape, &config), OP));
+    let sizes = alloc.sizes;
+    let meta = fenced(&[&x, &y, &alloc.codes, &alloc.params], OP, |device, ptrs| {
+        let mut quantizer = expect(Quantizer::new(device, config), OP);
+        let mut count = counter(device, OP);
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (xs, mut ys, mut cs, mut ps) = unsafe {
+                (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n), raw::<u8>(ptrs[2], sizes.code_bytes), raw::<GroupParams>(ptrs[3], sizes.groups))
+            };
+            let xv = expect(TensorRef::contiguous(&xs, &shape), OP);
+            let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
+            let mut saved = view_mut(&mut cs, &mut ps, &mut count, sizes, OP);
+            expect(fused::gelu_forward_to(device, &mut quantizer, form, &xv, &mut yv, &mut saved), OP)
+        })
     });
-    expect(device.synchronize(), OP);
-    drop(pinned);
-    let saved = CudaCodes { codes: codes_t, code_bytes: sizes.code_bytes, params: params_t, groups: sizes.groups, meta };
-    (y, Some(saved))
+    (y, Some(alloc.finish(meta)))
 }
 
 /// GELU's backward on CUDA: `dx = dy·gelu'(x̃)` from the codes.
@@ -229,34 +302,190 @@ fn gelu_backward(dy: CubeTensor, form: GeluForm, saved: &CudaCodes) -> CubeTenso
     let dtype = dy.dtype;
     let n: usize = shape.iter().product();
     let dx = empty_like(&dy, &shape, dtype);
-    let device = device_of(&dy, OP);
-    let pinned = pin_and_fence(&[&dy, &dx, &saved.codes, &saved.params], OP);
-    with_float!(dtype, T => {
-        // SAFETY: all four buffers pinned until after the synchronisation below; the codes
-        // were written by the forward (synchronised before it returned)
-        let (dys, mut dxs, cs, ps) = unsafe {
-            (
-                RawDeviceSlice::<T>::new(pinned.ptrs[0], n),
-                RawDeviceSlice::<T>::new(pinned.ptrs[1], n),
-                RawDeviceSlice::<u8>::new(pinned.ptrs[2], saved.code_bytes),
-                RawDeviceSlice::<GroupParams>::new(pinned.ptrs[3], saved.groups),
-            )
-        };
-        let view = expect(
-            SavedView::new(
-                expect(TensorRef::contiguous(&cs, &[saved.code_bytes]), OP),
-                expect(TensorRef::contiguous(&ps, &[saved.groups]), OP),
-                saved.meta.clone(),
-            ),
-            OP,
-        );
-        let dyv = expect(TensorRef::contiguous(&dys, &shape), OP);
-        let mut dxv = expect(TensorMut::contiguous(&mut dxs, &shape), OP);
-        expect(fused::gelu_backward_view(&device, form, &view, &dyv, &mut dxv), OP);
+    fenced(&[&dy, &dx, &saved.codes, &saved.params], OP, |device, ptrs| {
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it; the codes were written by the
+            // forward, synchronised before it returned
+            let (dys, mut dxs, cs, ps) = unsafe {
+                (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n), raw::<u8>(ptrs[2], saved.code_bytes), raw::<GroupParams>(ptrs[3], saved.groups))
+            };
+            let sv = view(&cs, &ps, saved, OP);
+            let dyv = expect(TensorRef::contiguous(&dys, &shape), OP);
+            let mut dxv = expect(TensorMut::contiguous(&mut dxs, &shape), OP);
+            expect(fused::gelu_backward_view(device, form, &sv, &dyv, &mut dxv), OP);
+        })
     });
-    expect(device.synchronize(), OP);
-    drop(pinned);
     dx
+}
+
+// ------------------------------------------------------------------------------- softmax
+
+/// Softmax's forward on CUDA (optionally masked: `mask` of `x`'s shape): `y`, and the
+/// square-root codes of `y` when `codes` is given.
+fn softmax_forward(x: CubeTensor, mask: Option<CubeTensor>, codes: Option<&Codes>) -> (CubeTensor, Option<CudaCodes>) {
+    const OP: &str = "softmax";
+    let (x, shape) = contiguous(x);
+    let mask = mask.map(|m| contiguous(m).0);
+    let dtype = x.dtype;
+    let n: usize = shape.iter().product();
+    let y = empty_like(&x, &shape, dtype);
+    let save = codes.map(softmax_save_config);
+    let alloc = save.as_ref().map(|s| CodesAlloc::new(&x, expect(s.saved_sizes(&shape), OP)));
+    let mut tensors = vec![&x, &y];
+    if let Some(a) = alloc.as_ref() {
+        tensors.extend([&a.codes, &a.params]);
+    }
+    if let Some(m) = mask.as_ref() {
+        tensors.push(m);
+    }
+    let meta = fenced(&tensors, OP, |device, ptrs| {
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (xs, mut ys) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n)) };
+            // SAFETY: as above (the mask, when given, is the last pinned buffer)
+            let ms = mask.as_ref().map(|_| unsafe { raw::<T>(ptrs[ptrs.len() - 1], n) });
+            let xv = expect(TensorRef::contiguous(&xs, &shape), OP);
+            let mv = ms.as_ref().map(|m| expect(TensorRef::contiguous(m, &shape), OP));
+            let mut input = SoftmaxInput::new(&xv);
+            if let Some(mv) = mv.as_ref() {
+                input = input.with_mask(mv);
+            }
+            let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
+            match (save.as_ref(), alloc.as_ref()) {
+                (Some(save), Some(a)) => {
+                    let mut count = counter(device, OP);
+                    // SAFETY: as above
+                    let (mut cs, mut ps) = unsafe { (raw::<u8>(ptrs[2], a.sizes.code_bytes), raw::<GroupParams>(ptrs[3], a.sizes.groups)) };
+                    let mut saved = view_mut(&mut cs, &mut ps, &mut count, a.sizes, OP);
+                    Some(expect(fused::softmax_forward_to(device, save, &input, &mut yv, &mut saved), OP))
+                }
+                _ => {
+                    expect(fused::softmax(device, &input, &mut yv), OP);
+                    None
+                }
+            }
+        })
+    });
+    (y, alloc.zip(meta).map(|(a, m)| a.finish(m)))
+}
+
+/// Softmax's backward on CUDA: `dx = ŷ·(dy − Σ dy·ŷ)` from the codes of `y`.
+fn softmax_backward(dy: CubeTensor, saved: &CudaCodes) -> CubeTensor {
+    const OP: &str = "softmax backward";
+    let (dy, shape) = contiguous(dy);
+    let dtype = dy.dtype;
+    let n: usize = shape.iter().product();
+    let dx = empty_like(&dy, &shape, dtype);
+    fenced(&[&dy, &dx, &saved.codes, &saved.params], OP, |device, ptrs| {
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (dys, mut dxs, cs, ps) = unsafe {
+                (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n), raw::<u8>(ptrs[2], saved.code_bytes), raw::<GroupParams>(ptrs[3], saved.groups))
+            };
+            let sv = view(&cs, &ps, saved, OP);
+            let dyv = expect(TensorRef::contiguous(&dys, &shape), OP);
+            let mut dxv = expect(TensorMut::contiguous(&mut dxs, &shape), OP);
+            expect(fused::softmax_backward_view(device, &sv, &dyv, &mut dxv), OP);
+        })
+    });
+    dx
+}
+
+// -------------------------------------------------------------------------------- SwiGLU
+
+/// SwiGLU's forward on CUDA: `y`, and the codes of `gate` and `up` when `codes` is given.
+fn swiglu_forward(gate: CubeTensor, up: CubeTensor, codes: Option<&Codes>) -> (CubeTensor, Option<(CudaCodes, CudaCodes)>) {
+    const OP: &str = "swiglu";
+    let (g, shape) = contiguous(gate);
+    let (u, _) = contiguous(up);
+    let dtype = g.dtype;
+    let n: usize = shape.iter().product();
+    let y = empty_like(&g, &shape, dtype);
+    let Some(codes) = codes else {
+        fenced(&[&g, &u, &y], OP, |device, ptrs| {
+            with_float!(dtype, T => {
+                // SAFETY: addresses of `fenced`, used inside it
+                let (gs, us, mut ys) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n), raw::<T>(ptrs[2], n)) };
+                let (gv, uv) = (expect(TensorRef::contiguous(&gs, &shape), OP), expect(TensorRef::contiguous(&us, &shape), OP));
+                let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
+                expect(fused::swiglu(device, &SwigluInput { gate: &gv, up: &uv }, &mut yv), OP);
+            })
+        });
+        return (y, None);
+    };
+    let config = codes.quant_config();
+    let sizes = expect(saved_sizes(&shape, &config), OP);
+    let (ag, au) = (CodesAlloc::new(&g, sizes), CodesAlloc::new(&g, sizes));
+    let meta = fenced(&[&g, &u, &y, &ag.codes, &ag.params, &au.codes, &au.params], OP, |device, ptrs| {
+        let (mut qg, mut qu) = (expect(Quantizer::new(device, config), OP), expect(Quantizer::new(device, config), OP));
+        let (mut count_g, mut count_u) = (counter(device, OP), counter(device, OP));
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (gs, us, mut ys) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n), raw::<T>(ptrs[2], n)) };
+            // SAFETY: as above
+            let (mut cg, mut pg, mut cu, mut pu) = unsafe {
+                (
+                    raw::<u8>(ptrs[3], sizes.code_bytes),
+                    raw::<GroupParams>(ptrs[4], sizes.groups),
+                    raw::<u8>(ptrs[5], sizes.code_bytes),
+                    raw::<GroupParams>(ptrs[6], sizes.groups),
+                )
+            };
+            let (gv, uv) = (expect(TensorRef::contiguous(&gs, &shape), OP), expect(TensorRef::contiguous(&us, &shape), OP));
+            let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
+            let mut vg = view_mut(&mut cg, &mut pg, &mut count_g, sizes, OP);
+            let mut vu = view_mut(&mut cu, &mut pu, &mut count_u, sizes, OP);
+            expect(
+                fused::swiglu_forward_to(
+                    device,
+                    SwigluQuantizers { gate: &mut qg, up: &mut qu },
+                    &SwigluInput { gate: &gv, up: &uv },
+                    &mut yv,
+                    SwigluSaveMut { gate: &mut vg, up: &mut vu },
+                ),
+                OP,
+            )
+        })
+    });
+    (y, Some((ag.finish(meta.gate), au.finish(meta.up))))
+}
+
+/// SwiGLU's backward on CUDA: `(dgate, dup)` from the codes of `gate` and `up`.
+fn swiglu_backward(dy: CubeTensor, gate: &CudaCodes, up: &CudaCodes) -> (CubeTensor, CubeTensor) {
+    const OP: &str = "swiglu backward";
+    let (dy, shape) = contiguous(dy);
+    let dtype = dy.dtype;
+    let n: usize = shape.iter().product();
+    let (dg, du) = (empty_like(&dy, &shape, dtype), empty_like(&dy, &shape, dtype));
+    fenced(&[&dy, &dg, &du, &gate.codes, &gate.params, &up.codes, &up.params], OP, |device, ptrs| {
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (dys, mut dgs, mut dus) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n), raw::<T>(ptrs[2], n)) };
+            // SAFETY: as above
+            let (cg, pg, cu, pu) = unsafe {
+                (
+                    raw::<u8>(ptrs[3], gate.code_bytes),
+                    raw::<GroupParams>(ptrs[4], gate.groups),
+                    raw::<u8>(ptrs[5], up.code_bytes),
+                    raw::<GroupParams>(ptrs[6], up.groups),
+                )
+            };
+            let (sg, su) = (view(&cg, &pg, gate, OP), view(&cu, &pu, up, OP));
+            let dyv = expect(TensorRef::contiguous(&dys, &shape), OP);
+            let mut dgv = expect(TensorMut::contiguous(&mut dgs, &shape), OP);
+            let mut duv = expect(TensorMut::contiguous(&mut dus, &shape), OP);
+            expect(
+                fused::swiglu_backward_view(
+                    device,
+                    SwigluSavedView { gate: &sg, up: &su },
+                    &dyv,
+                    SwigluGrads { gate: &mut dgv, up: &mut duv },
+                ),
+                OP,
+            );
+        })
+    });
+    (dg, du)
 }
 
 /// The methods without a CUDA implementation: unreachable through the crate's functions.
@@ -292,16 +521,16 @@ impl MesaOps for CubeBackend {
         not_on_cuda("rms_norm")
     }
 
-    fn mesa_softmax(_x: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
-        not_on_cuda("softmax")
+    fn mesa_softmax(x: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
+        softmax_forward(x, None, None).0
     }
 
-    fn mesa_softmax_masked(_x: FloatTensor<Self>, _mask: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
-        not_on_cuda("softmax")
+    fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
+        softmax_forward(x, Some(mask), None).0
     }
 
-    fn mesa_swiglu(_gate: FloatTensor<Self>, _up: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
-        not_on_cuda("swiglu")
+    fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
+        swiglu_forward(gate, up, None).0
     }
 
     fn mesa_linear_attention(
@@ -326,6 +555,62 @@ impl Backward<CubeBackend, 1> for GeluBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let Ops { parents, node, state } = ops;
         unary::<CubeBackend, _>(parents, node, grads, |dy| gelu_backward(dy, self.form, &state));
+    }
+}
+
+#[derive(Debug)]
+struct SoftmaxBackward;
+
+/// `dx` from the codes of `y` for parent 0 (a mask, parent 1, gets no gradient).
+fn softmax_grad(parent: Option<NodeId>, dy: CubeTensor, saved: &CudaCodes, grads: &mut Gradients) {
+    if let Some(id) = parent {
+        grads.register::<CubeBackend>(id, softmax_backward(dy, saved));
+    }
+}
+
+impl Backward<CubeBackend, 1> for SoftmaxBackward {
+    /// The square-root codes of `y`, in cubecl's device memory.
+    type State = Arc<CudaCodes>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<CubeBackend>(&ops.node);
+        let [px] = ops.parents;
+        softmax_grad(px.map(|p| p.id), dy, &ops.state, grads);
+    }
+}
+
+impl Backward<CubeBackend, 2> for SoftmaxBackward {
+    /// The square-root codes of `y`, in cubecl's device memory.
+    type State = Arc<CudaCodes>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<CubeBackend>(&ops.node);
+        let [px, _mask] = ops.parents;
+        softmax_grad(px.map(|p| p.id), dy, &ops.state, grads);
+    }
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl Backward<CubeBackend, 2> for SwigluBackward {
+    /// The codes of `gate` and of `up`, in cubecl's device memory.
+    type State = Arc<(CudaCodes, CudaCodes)>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [pg, pu] = parents;
+        let dy = grads.consume::<CubeBackend>(&node);
+        if pg.is_none() && pu.is_none() {
+            return;
+        }
+        let (dg, du) = swiglu_backward(dy, &state.0, &state.1);
+        if let Some(p) = pg {
+            grads.register::<CubeBackend>(p.id, dg);
+        }
+        if let Some(p) = pu {
+            grads.register::<CubeBackend>(p.id, du);
+        }
     }
 }
 
@@ -364,16 +649,40 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
         not_on_cuda("rms_norm")
     }
 
-    fn mesa_softmax(_x: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
-        not_on_cuda("softmax")
+    fn mesa_softmax(x: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
+        let (x, gx) = x.into_parts();
+        match <SoftmaxBackward as Backward<CubeBackend, 1>>::prepare::<C>(SoftmaxBackward, [gx]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, saved) = softmax_forward(x, None, Some(&codes));
+                prep.finish(Arc::new(saved.expect("codes were asked for")), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(softmax_forward(x, None, None).0),
+        }
     }
 
-    fn mesa_softmax_masked(_x: FloatTensor<Self>, _mask: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
-        not_on_cuda("softmax")
+    fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
+        let (x, gx) = x.into_parts();
+        let (mask, gm) = mask.into_parts();
+        match <SoftmaxBackward as Backward<CubeBackend, 2>>::prepare::<C>(SoftmaxBackward, [gx, gm]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, saved) = softmax_forward(x, Some(mask), Some(&codes));
+                prep.finish(Arc::new(saved.expect("codes were asked for")), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(softmax_forward(x, Some(mask), None).0),
+        }
     }
 
-    fn mesa_swiglu(_gate: FloatTensor<Self>, _up: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
-        not_on_cuda("swiglu")
+    fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
+        let (g, gg) = gate.into_parts();
+        let (u, gu) = up.into_parts();
+        match SwigluBackward.prepare::<C>([gg, gu]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, saved) = swiglu_forward(g, u, Some(&codes));
+                let (gate, up) = saved.expect("codes were asked for");
+                prep.finish(Arc::new((gate, up)), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(swiglu_forward(g, u, None).0),
+        }
     }
 
     fn mesa_linear_attention(

@@ -16,7 +16,8 @@ pub(crate) fn float<const D: usize>(t: &Tensor<D>, what: &'static str) -> Result
 }
 
 /// [`float`], or (with the `cuda` feature) a tensor on a CUDA device of burn's CUDA backend
-/// that mesa-kernels can run on: for the ops with a CUDA implementation (GELU).
+/// that mesa-kernels can run on: for the ops with a CUDA implementation (GELU, softmax,
+/// SwiGLU).
 pub(crate) fn float_or_cuda<const D: usize>(t: &Tensor<D>, what: &'static str) -> Result<DType> {
     #[cfg(feature = "cuda")]
     {
@@ -36,9 +37,10 @@ fn float_dtype(dtype: DType, what: &'static str) -> Result<DType> {
     }
 }
 
-/// `t` has the input's dtype and device.
+/// `t` has the input's dtype and device (the input `x` was validated first: its backend is
+/// one the op runs on).
 pub(crate) fn same<const D: usize, const E: usize>(t: &Tensor<D>, x: &Tensor<E>, what: &'static str) -> Result<()> {
-    if float(t, what)? != x.dtype() {
+    if float_or_cuda(t, what)? != x.dtype() {
         return Err(Error::DtypeMismatch { what });
     }
     if t.device() != x.device() {
