@@ -41,8 +41,14 @@ pub fn gelu<const D: usize>(x: Tensor<D>, form: GeluForm, codes: Codes) -> Resul
 /// finite (burn-nn's default is 1e-5), applied in f32.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0,
-/// `C` = 0, a parameter not `[C]`), [`Error::Config`] (bits, eps), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0, `C` = 0, a
+/// parameter not `[C]`), [`Error::Config`] (bits, eps), [`Error::Kernel`] (also, on CUDA:
+/// mesa-kernels without CUDA kernels, no driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the forward and the backward each
+/// synchronise the host twice (docs/burn.md, "CUDA"); the codes and `rstd` live in cubecl's
+/// device memory; `dweight` and `dbias` are accumulated in f32 and cast to the weight's dtype.
 pub fn layer_norm<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<1>,
@@ -50,7 +56,7 @@ pub fn layer_norm<const D: usize>(
     eps: f64,
     codes: Codes,
 ) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     validate::same(&weight, &x, "weight")?;
     validate::same(&bias, &x, "bias")?;
     let dims = x.dims();

@@ -35,7 +35,8 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::backend::tensor::FloatTensor;
-use burn::tensor::{DType, Shape};
+use burn::backend::ops::FloatTensorOps;
+use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -43,7 +44,7 @@ use burn_cubecl::{CubeBackend, CubeDevice};
 use cubecl_runtime::runtime::Runtime;
 use half::{bf16, f16};
 use mesa_kernels::linear_attention::LinearAttentionConfig;
-use mesa_kernels::fused::{SoftmaxInput, SwigluGrads, SwigluInput, SwigluQuantizers, SwigluSaveMut, SwigluSavedView};
+use mesa_kernels::fused::{LayerNormBackwardView, LayerNormForward, LayerNormGrads, LayerNormSaveMut, SoftmaxInput, SwigluGrads, SwigluInput, SwigluQuantizers, SwigluSaveMut, SwigluSavedView};
 use mesa_kernels::{
     fused, saved_sizes, Buffer, Device, GeluForm, GroupParams, Quantizer, RawDeviceSlice, SavedMeta, SavedSizes, SavedView,
     SavedViewMut, TensorMut, TensorRef,
@@ -488,6 +489,133 @@ fn swiglu_backward(dy: CubeTensor, gate: &CudaCodes, up: &CudaCodes) -> (CubeTen
     (dg, du)
 }
 
+// ----------------------------------------------------------------------------- LayerNorm
+
+/// What LayerNorm's backward keeps on CUDA: the codes of `x̂`, the per-row `rstd` (`F32`
+/// `[rows]`, cubecl memory) and the weight (the parameter's `CubeTensor`: a handle, no copy
+/// when it is contiguous).
+#[derive(Debug, Clone)]
+pub(crate) struct CudaLayerNormState {
+    xhat: CudaCodes,
+    rstd: CubeTensor,
+    weight: CubeTensor,
+}
+
+/// LayerNorm's forward on CUDA: `y`, and what the backward keeps when `codes` is given.
+fn layer_norm_forward(
+    x: CubeTensor,
+    weight: CubeTensor,
+    bias: CubeTensor,
+    eps: f32,
+    codes: Option<&Codes>,
+) -> (CubeTensor, Option<CudaLayerNormState>) {
+    const OP: &str = "layer_norm";
+    let (x, shape) = contiguous(x);
+    let (w, _) = contiguous(weight);
+    let (b, _) = contiguous(bias);
+    let dtype = x.dtype;
+    let n: usize = shape.iter().product();
+    let cols = *shape.last().expect("rank ≥ 1 (validated)");
+    let rows = n.checked_div(cols).unwrap_or(0);
+    let y = empty_like(&x, &shape, dtype);
+    let Some(codes) = codes else {
+        fenced(&[&x, &w, &b, &y], OP, |device, ptrs| {
+            with_float!(dtype, T => {
+                // SAFETY: addresses of `fenced`, used inside it
+                let (xs, ws, bs, mut ys) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], cols), raw::<T>(ptrs[2], cols), raw::<T>(ptrs[3], n)) };
+                let (xv, wv, bv) = (
+                    expect(TensorRef::contiguous(&xs, &shape), OP),
+                    expect(TensorRef::contiguous(&ws, &[cols]), OP),
+                    expect(TensorRef::contiguous(&bs, &[cols]), OP),
+                );
+                let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
+                let args = LayerNormForward { x: &xv, weight: Some(&wv), bias: Some(&bv), eps };
+                expect(fused::layer_norm(device, &args, &mut yv), OP);
+            })
+        });
+        return (y, None);
+    };
+    let config = codes.quant_config();
+    let alloc = CodesAlloc::new(&x, expect(saved_sizes(&shape, &config), OP));
+    let sizes = alloc.sizes;
+    let rstd = empty_like(&x, &[rows], DType::F32);
+    let meta = fenced(&[&x, &w, &b, &y, &alloc.codes, &alloc.params, &rstd], OP, |device, ptrs| {
+        let mut quantizer = expect(Quantizer::new(device, config), OP);
+        let mut count = counter(device, OP);
+        // the per-row mean: written by the kernel, not kept (mesa's memory, freed after the op)
+        let mut mean = expect(device.alloc_zeros::<f32>(rows), OP);
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (xs, ws, bs, mut ys) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], cols), raw::<T>(ptrs[2], cols), raw::<T>(ptrs[3], n)) };
+            // SAFETY: as above
+            let (mut cs, mut ps, mut rs) = unsafe {
+                (raw::<u8>(ptrs[4], sizes.code_bytes), raw::<GroupParams>(ptrs[5], sizes.groups), raw::<f32>(ptrs[6], rows))
+            };
+            let (xv, wv, bv) = (
+                expect(TensorRef::contiguous(&xs, &shape), OP),
+                expect(TensorRef::contiguous(&ws, &[cols]), OP),
+                expect(TensorRef::contiguous(&bs, &[cols]), OP),
+            );
+            let mut yv = expect(TensorMut::contiguous(&mut ys, &shape), OP);
+            let mut mv = expect(TensorMut::contiguous(&mut mean, &[rows]), OP);
+            let mut rv = expect(TensorMut::contiguous(&mut rs, &[rows]), OP);
+            let mut saved = view_mut(&mut cs, &mut ps, &mut count, sizes, OP);
+            let args = LayerNormForward { x: &xv, weight: Some(&wv), bias: Some(&bv), eps };
+            let save = LayerNormSaveMut { xhat: &mut saved, mean: &mut mv, rstd: &mut rv };
+            expect(fused::layer_norm_forward_to(device, &mut quantizer, &args, &mut yv, save), OP)
+        })
+    });
+    (y, Some(CudaLayerNormState { xhat: alloc.finish(meta), rstd, weight: w }))
+}
+
+/// LayerNorm's backward on CUDA: `(dx, dweight, dbias)`, the parameter gradients in the
+/// weight's dtype (the kernel accumulates them in f32; burn's cast converts).
+fn layer_norm_backward(dy: CubeTensor, state: &CudaLayerNormState) -> (CubeTensor, CubeTensor, CubeTensor) {
+    const OP: &str = "layer_norm backward";
+    let (dy, shape) = contiguous(dy);
+    let dtype = dy.dtype;
+    let n: usize = shape.iter().product();
+    let cols = *shape.last().expect("rank ≥ 1");
+    let rows = n.checked_div(cols).unwrap_or(0);
+    let dx = empty_like(&dy, &shape, dtype);
+    let (dw, db) = (empty_like(&dy, &[cols], DType::F32), empty_like(&dy, &[cols], DType::F32));
+    let (xhat, w) = (&state.xhat, &state.weight);
+    fenced(&[&dy, &dx, &dw, &db, &xhat.codes, &xhat.params, &state.rstd, w], OP, |device, ptrs| {
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (dys, mut dxs, mut dws, mut dbs) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n), raw::<f32>(ptrs[2], cols), raw::<f32>(ptrs[3], cols)) };
+            // SAFETY: as above
+            let (cs, ps, rs, ws) = unsafe {
+                (raw::<u8>(ptrs[4], xhat.code_bytes), raw::<GroupParams>(ptrs[5], xhat.groups), raw::<f32>(ptrs[6], rows), raw::<T>(ptrs[7], cols))
+            };
+            let sv = view(&cs, &ps, xhat, OP);
+            let rv = expect(TensorRef::contiguous(&rs, &[rows]), OP);
+            let wv = expect(TensorRef::contiguous(&ws, &[cols]), OP);
+            let dyv = expect(TensorRef::contiguous(&dys, &shape), OP);
+            let mut dxv = expect(TensorMut::contiguous(&mut dxs, &shape), OP);
+            let mut dwv = expect(TensorMut::contiguous(&mut dws, &[cols]), OP);
+            let mut dbv = expect(TensorMut::contiguous(&mut dbs, &[cols]), OP);
+            let args = LayerNormBackwardView { xhat: &sv, rstd: &rv, weight: Some(&wv), dy: &dyv };
+            expect(fused::layer_norm_backward_view(device, &args, LayerNormGrads { dx: &mut dxv, dweight: &mut dwv, dbias: &mut dbv }), OP);
+        })
+    });
+    (dx, cast(dw, w.dtype), cast(db, w.dtype))
+}
+
+/// `t` in `dtype` (burn's cast on cubecl; a no-op when it already has it).
+fn cast(t: CubeTensor, dtype: DType) -> CubeTensor {
+    let to = match dtype {
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        DType::F32 => return t,
+        other => panic!("mesa-burn: parameter dtype {other:?} (validation lets only f32/f16/bf16 through)"),
+    };
+    if t.dtype == dtype {
+        return t;
+    }
+    CubeBackend::float_cast(t, to)
+}
+
 /// The methods without a CUDA implementation: unreachable through the crate's functions.
 fn not_on_cuda(op: &'static str) -> ! {
     panic!("mesa-burn {op}: no CUDA implementation in this version (mesa_burn::{op} refuses CUDA tensors with Error::Backend)")
@@ -499,13 +627,13 @@ impl MesaOps for CubeBackend {
     }
 
     fn mesa_layer_norm(
-        _x: FloatTensor<Self>,
-        _weight: FloatTensor<Self>,
-        _bias: FloatTensor<Self>,
-        _eps: f32,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
         _codes: Codes,
     ) -> FloatTensor<Self> {
-        not_on_cuda("layer_norm")
+        layer_norm_forward(x, weight, bias, eps, None).0
     }
 
     fn mesa_linear(
@@ -614,6 +742,30 @@ impl Backward<CubeBackend, 2> for SwigluBackward {
     }
 }
 
+#[derive(Debug)]
+struct LayerNormBackward;
+
+impl Backward<CubeBackend, 3> for LayerNormBackward {
+    /// The codes of `x̂`, the per-row `rstd` and the weight, in cubecl's device memory.
+    type State = Arc<CudaLayerNormState>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [px, pw, pb] = parents;
+        let dy = grads.consume::<CubeBackend>(&node);
+        let (dx, dw, db) = layer_norm_backward(dy, &state);
+        if let Some(p) = px {
+            grads.register::<CubeBackend>(p.id, dx);
+        }
+        if let Some(p) = pw {
+            grads.register::<CubeBackend>(p.id, dw);
+        }
+        if let Some(p) = pb {
+            grads.register::<CubeBackend>(p.id, db);
+        }
+    }
+}
+
 impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
     fn mesa_gelu(x: FloatTensor<Self>, form: GeluForm, codes: Codes) -> FloatTensor<Self> {
         let (x, guard) = x.into_parts();
@@ -627,13 +779,22 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
     }
 
     fn mesa_layer_norm(
-        _x: FloatTensor<Self>,
-        _weight: FloatTensor<Self>,
-        _bias: FloatTensor<Self>,
-        _eps: f32,
-        _codes: Codes,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
+        codes: Codes,
     ) -> FloatTensor<Self> {
-        not_on_cuda("layer_norm")
+        let (x, gx) = x.into_parts();
+        let (w, gw) = weight.into_parts();
+        let (b, gb) = bias.into_parts();
+        match LayerNormBackward.prepare::<C>([gx, gw, gb]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, state) = layer_norm_forward(x, w, b, eps, Some(&codes));
+                prep.finish(Arc::new(state.expect("codes were asked for")), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(layer_norm_forward(x, w, b, eps, None).0),
+        }
     }
 
     fn mesa_linear(
