@@ -83,15 +83,21 @@ pub fn layer_norm<const D: usize>(
 /// (zeros, not tracked), `y` `[.., d_out]`. Dtypes: f32, f16, bf16, all alike.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`],
-/// [`Error::Config`] (bits), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`], [`Error::Config`]
+/// (bits), [`Error::Kernel`] (also, on CUDA: mesa-kernels without CUDA kernels, no driver, no
+/// such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the matmuls are burn's cubecl ops;
+/// quantizing `x` (forward) and decoding it (backward, for `dweight`) each synchronise the host
+/// twice (docs/burn.md, "CUDA"); the codes live in cubecl's device memory.
 pub fn linear<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
     codes: Codes,
 ) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     validate::same(&weight, &x, "weight")?;
     let dims = x.dims();
     let [d_in, d_out] = weight.dims();
@@ -127,10 +133,16 @@ pub fn linear<const D: usize>(
 /// bf16, both alike. `eps`: positive and finite in f32.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`],
-/// [`Error::Config`] (bits, eps), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`], [`Error::Config`]
+/// (bits, eps), [`Error::Kernel`] (also, on CUDA: mesa-kernels without CUDA kernels, no
+/// driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the arithmetic is burn's cubecl ops
+/// in f32; quantizing `x̂` (forward) and decoding it (backward) each synchronise the host
+/// twice (docs/burn.md, "CUDA"); codes and `rstd` live in cubecl's device memory.
 pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64, codes: Codes) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     validate::same(&weight, &x, "weight")?;
     let dims = x.dims();
     let cols = validate::last_axis(&dims)?;
@@ -224,16 +236,22 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>, codes: Codes) -> R
 /// f16, bf16, alike (state and accumulation in f32).
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (`k` not
-/// `q`'s shape, `v` not `[B, H, L, ·]`), [`Error::Config`] (chunk outside `1..=64`, ε not
-/// positive and finite when normalising), [`Error::Kernel`] (saved sizes overflow).
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (`k` not `q`'s
+/// shape, `v` not `[B, H, L, ·]`), [`Error::Config`] (chunk outside `1..=64`, ε not positive
+/// and finite when normalising), [`Error::Kernel`] (saved sizes overflow; on CUDA also:
+/// mesa-kernels without CUDA kernels, no driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the forward and the backward each
+/// synchronise the host twice (docs/burn.md, "CUDA"); the kernels' saved states are
+/// mesa-kernels `Buffer`s on mesa's stream (device memory, outside burn's allocator).
 pub fn linear_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
     config: mesa_kernels::linear_attention::LinearAttentionConfig,
 ) -> Result<Tensor<4>> {
-    validate::float(&q, "q")?;
+    validate::float_or_cuda(&q, "q")?;
     validate::same(&k, &q, "k")?;
     validate::same(&v, &q, "v")?;
     let (qd, vd) = (q.dims(), v.dims());

@@ -43,7 +43,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 use cubecl_runtime::runtime::Runtime;
 use half::{bf16, f16};
-use mesa_kernels::linear_attention::LinearAttentionConfig;
+use mesa_kernels::linear_attention::{self, BackwardArgs, ForwardArgs, Grads as LaGrads, LinearAttentionConfig, LinearAttentionSaved};
 use mesa_kernels::fused::{LayerNormBackwardView, LayerNormForward, LayerNormGrads, LayerNormSaveMut, SoftmaxInput, SwigluGrads, SwigluInput, SwigluQuantizers, SwigluSaveMut, SwigluSavedView};
 use mesa_kernels::{
     fused, saved_sizes, Buffer, Device, GeluForm, GroupParams, Quantizer, RawDeviceSlice, SavedMeta, SavedSizes, SavedView,
@@ -616,9 +616,275 @@ fn cast(t: CubeTensor, dtype: DType) -> CubeTensor {
     CubeBackend::float_cast(t, to)
 }
 
-/// The methods without a CUDA implementation: unreachable through the crate's functions.
-fn not_on_cuda(op: &'static str) -> ! {
-    panic!("mesa-burn {op}: no CUDA implementation in this version (mesa_burn::{op} refuses CUDA tensors with Error::Backend)")
+// ----------------------------------------------------- quantize / decode (Linear, RMSNorm)
+
+/// The codes of `x` (made contiguous first) in cubecl's device memory (mesa's quantizer).
+fn quantize(x: CubeTensor, codes: &Codes, op: &'static str) -> CudaCodes {
+    let (x, shape) = contiguous(x);
+    let dtype = x.dtype;
+    let n: usize = shape.iter().product();
+    let config = codes.quant_config();
+    let alloc = CodesAlloc::new(&x, expect(saved_sizes(&shape, &config), op));
+    let sizes = alloc.sizes;
+    let meta = fenced(&[&x, &alloc.codes, &alloc.params], op, |device, ptrs| {
+        let mut quantizer = expect(Quantizer::new(device, config), op);
+        let mut count = counter(device, op);
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (xs, mut cs, mut ps) = unsafe { (raw::<T>(ptrs[0], n), raw::<u8>(ptrs[1], sizes.code_bytes), raw::<GroupParams>(ptrs[2], sizes.groups)) };
+            let xv = expect(TensorRef::contiguous(&xs, &shape), op);
+            let mut saved = view_mut(&mut cs, &mut ps, &mut count, sizes, op);
+            expect(quantizer.quantize_to(&xv, &mut saved), op)
+        })
+    });
+    alloc.finish(meta)
+}
+
+/// The decoded tensor of `saved` (its shape, element `dtype`): a new contiguous cubecl tensor.
+fn decode(saved: &CudaCodes, dtype: DType, op: &'static str) -> CubeTensor {
+    let shape = saved.meta.shape().to_vec();
+    let n: usize = shape.iter().product();
+    let out = empty_like(&saved.codes, &shape, dtype);
+    fenced(&[&out, &saved.codes, &saved.params], op, |device, ptrs| {
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (mut os, cs, ps) = unsafe { (raw::<T>(ptrs[0], n), raw::<u8>(ptrs[1], saved.code_bytes), raw::<GroupParams>(ptrs[2], saved.groups)) };
+            let sv = view(&cs, &ps, saved, op);
+            let mut ov = expect(TensorMut::contiguous(&mut os, &shape), op);
+            expect(sv.dequantize(device, &mut ov), op);
+        })
+    });
+    out
+}
+
+/// The shape of a cubecl tensor.
+fn dims(t: &CubeTensor) -> Vec<usize> {
+    t.meta.shape().to_vec()
+}
+
+/// `t` as `[rows, last]` (rows = product of the leading axes) and its original shape.
+fn rows_2d(t: CubeTensor) -> (CubeTensor, Vec<usize>) {
+    let shape = dims(&t);
+    let last = *shape.last().expect("rank ≥ 1 (validated)");
+    let rows = shape[..shape.len() - 1].iter().product::<usize>();
+    (CubeBackend::float_reshape(t, Shape::from(vec![rows, last])), shape)
+}
+
+/// `t` reshaped.
+fn reshape(t: CubeTensor, shape: Vec<usize>) -> CubeTensor {
+    CubeBackend::float_reshape(t, Shape::from(shape))
+}
+
+// -------------------------------------------------------------------------------- Linear
+
+/// `x·weight + bias` with burn's own cubecl matmul (exact, the same as burn's linear).
+fn linear_plain(x: CubeTensor, weight: CubeTensor, bias: CubeTensor) -> CubeTensor {
+    let d_out = dims(&weight)[1];
+    let (x2, mut shape) = rows_2d(x);
+    let y = CubeBackend::float_matmul(x2, weight);
+    let y = CubeBackend::float_add(y, reshape(bias, vec![1, d_out]));
+    *shape.last_mut().expect("rank ≥ 1") = d_out;
+    reshape(y, shape)
+}
+
+/// What Linear's backward keeps on CUDA: the codes of `x` and the weight (a handle).
+#[derive(Debug, Clone)]
+pub(crate) struct CudaLinearState {
+    x: CudaCodes,
+    weight: CubeTensor,
+}
+
+#[derive(Debug)]
+struct LinearBackward;
+
+impl Backward<CubeBackend, 3> for LinearBackward {
+    /// The codes of `x` (cubecl memory) and the weight.
+    type State = Arc<CudaLinearState>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [px, pw, pb] = parents;
+        let dy = grads.consume::<CubeBackend>(&node);
+        let (dy2, shape) = rows_2d(dy);
+        let d_in = dims(&state.weight)[0];
+        let wdtype = state.weight.dtype;
+        if let Some(p) = px {
+            // dx = dy·Wᵀ (exact)
+            let dx = CubeBackend::float_matmul(dy2.clone(), CubeBackend::float_transpose(state.weight.clone()));
+            let mut xshape = shape.clone();
+            *xshape.last_mut().expect("rank ≥ 1") = d_in;
+            grads.register::<CubeBackend>(p.id, reshape(dx, xshape));
+        }
+        if let Some(p) = pw {
+            // dW = Q(x)ᵀ·dy, x decoded from its codes in dy's dtype
+            let (xq2, _) = rows_2d(decode(&state.x, dy2.dtype, "linear backward"));
+            let dw = CubeBackend::float_matmul(CubeBackend::float_transpose(xq2), dy2.clone());
+            grads.register::<CubeBackend>(p.id, cast(dw, wdtype));
+        }
+        if let Some(p) = pb {
+            let d_out = dims(&dy2)[1];
+            let db = reshape(CubeBackend::float_sum_dim(dy2, 0), vec![d_out]);
+            grads.register::<CubeBackend>(p.id, cast(db, wdtype));
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------- RMSNorm
+
+/// RMSNorm with burn's cubecl ops in f32: `(y in x's dtype, x̂ [rows, C] f32, rstd [rows, 1] f32)`.
+fn rms_norm_plain(x: CubeTensor, weight: CubeTensor, eps: f32) -> (CubeTensor, CubeTensor, CubeTensor) {
+    let dtype = x.dtype;
+    let (x2, shape) = rows_2d(to_f32(x));
+    let cols = dims(&x2)[1];
+    let ms = CubeBackend::float_mean_dim(CubeBackend::float_mul(x2.clone(), x2.clone()), 1);
+    let rstd = CubeBackend::float_recip(CubeBackend::float_sqrt(CubeBackend::float_add_scalar(ms, eps.into())));
+    let xhat = CubeBackend::float_mul(x2, rstd.clone());
+    let w = reshape(to_f32(weight), vec![1, cols]);
+    let y = reshape(CubeBackend::float_mul(xhat.clone(), w), shape);
+    (cast(y, dtype), xhat, rstd)
+}
+
+/// `t` in f32.
+fn to_f32(t: CubeTensor) -> CubeTensor {
+    if t.dtype == DType::F32 {
+        t
+    } else {
+        CubeBackend::float_cast(t, FloatDType::F32)
+    }
+}
+
+/// What RMSNorm's backward keeps on CUDA: the codes of `x̂` (f32 `[rows, C]`), `rstd`
+/// (`[rows, 1]` f32) and the weight (a handle), all in cubecl's device memory.
+#[derive(Debug, Clone)]
+pub(crate) struct CudaRmsNormState {
+    xhat: CudaCodes,
+    rstd: CubeTensor,
+    weight: CubeTensor,
+}
+
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl Backward<CubeBackend, 2> for RmsNormBackward {
+    type State = Arc<CudaRmsNormState>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [px, pw] = parents;
+        let dy = grads.consume::<CubeBackend>(&node);
+        let dtype = dy.dtype;
+        let (dy2, shape) = rows_2d(to_f32(dy));
+        let cols = dims(&dy2)[1];
+        let xt = decode(&state.xhat, DType::F32, "rms_norm backward");
+        if let Some(p) = px {
+            // dx = rstd·(g − x̃·mean(g·x̃)), g = dy·w
+            let w = reshape(to_f32(state.weight.clone()), vec![1, cols]);
+            let g = CubeBackend::float_mul(dy2.clone(), w);
+            let m = CubeBackend::float_mean_dim(CubeBackend::float_mul(g.clone(), xt.clone()), 1);
+            let dx = CubeBackend::float_mul(CubeBackend::float_sub(g, CubeBackend::float_mul(xt.clone(), m)), state.rstd.clone());
+            grads.register::<CubeBackend>(p.id, cast(reshape(dx, shape), dtype));
+        }
+        if let Some(p) = pw {
+            // dw = Σ_rows dy·x̃
+            let dw = reshape(CubeBackend::float_sum_dim(CubeBackend::float_mul(dy2, xt), 0), vec![cols]);
+            grads.register::<CubeBackend>(p.id, cast(dw, state.weight.dtype));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------- linear attention
+
+/// Linear attention's forward on CUDA: the output (contiguous, `v`'s shape), the contiguous
+/// inputs, and the kernels' saved states (mesa-kernels `Buffer`s on mesa's device).
+fn linear_attention_forward(
+    q: CubeTensor,
+    k: CubeTensor,
+    v: CubeTensor,
+    config: &LinearAttentionConfig,
+) -> (CubeTensor, [CubeTensor; 3], LinearAttentionSaved) {
+    const OP: &str = "linear_attention";
+    let ((q, qs), (k, _), (v, vs)) = (contiguous(q), contiguous(k), contiguous(v));
+    let dtype = q.dtype;
+    let (nq, nv): (usize, usize) = (qs.iter().product(), vs.iter().product());
+    let out = empty_like(&q, &vs, dtype);
+    let saved = fenced(&[&q, &k, &v, &out], OP, |device, ptrs| {
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (qr, kr, vr, mut or) = unsafe { (raw::<T>(ptrs[0], nq), raw::<T>(ptrs[1], nq), raw::<T>(ptrs[2], nv), raw::<T>(ptrs[3], nv)) };
+            let (qv, kv, vv) = (
+                expect(TensorRef::contiguous(&qr, &qs), OP),
+                expect(TensorRef::contiguous(&kr, &qs), OP),
+                expect(TensorRef::contiguous(&vr, &vs), OP),
+            );
+            let mut ov = expect(TensorMut::contiguous(&mut or, &vs), OP);
+            expect(linear_attention::forward(device, config, ForwardArgs { q: &qv, k: &kv, v: &vv, out: &mut ov }), OP)
+        })
+    });
+    (out, [q, k, v], saved)
+}
+
+/// What linear attention's backward keeps on CUDA: handles to `q`, `k`, `v` and the output
+/// (the kernels' backward reads them) and the kernels' saved states (mesa `Buffer`s).
+#[derive(Debug, Clone)]
+pub(crate) struct CudaLinearAttentionState {
+    q: CubeTensor,
+    k: CubeTensor,
+    v: CubeTensor,
+    out: CubeTensor,
+    saved: Arc<LinearAttentionSaved>,
+}
+
+#[derive(Debug)]
+struct LinearAttentionBackward;
+
+impl Backward<CubeBackend, 3> for LinearAttentionBackward {
+    type State = CudaLinearAttentionState;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        const OP: &str = "linear_attention backward";
+        let Ops { parents, node, state } = ops;
+        let [pq, pk, pv] = parents;
+        let (dout, vs) = contiguous(grads.consume::<CubeBackend>(&node));
+        let qs = dims(&state.q);
+        let dtype = dout.dtype;
+        let (nq, nv): (usize, usize) = (qs.iter().product(), vs.iter().product());
+        let (dq, dk, dv) = (empty_like(&dout, &qs, dtype), empty_like(&dout, &qs, dtype), empty_like(&dout, &vs, dtype));
+        let tensors = [&state.q, &state.k, &state.v, &state.out, &dout, &dq, &dk, &dv];
+        fenced(&tensors, OP, |device, ptrs| {
+            with_float!(dtype, T => {
+                // SAFETY: addresses of `fenced`, used inside it
+                let (qr, kr, vr, or, dor) = unsafe {
+                    (raw::<T>(ptrs[0], nq), raw::<T>(ptrs[1], nq), raw::<T>(ptrs[2], nv), raw::<T>(ptrs[3], nv), raw::<T>(ptrs[4], nv))
+                };
+                // SAFETY: as above
+                let (mut dqr, mut dkr, mut dvr) = unsafe { (raw::<T>(ptrs[5], nq), raw::<T>(ptrs[6], nq), raw::<T>(ptrs[7], nv)) };
+                let (qv, kv, vv, ov, dov) = (
+                    expect(TensorRef::contiguous(&qr, &qs), OP),
+                    expect(TensorRef::contiguous(&kr, &qs), OP),
+                    expect(TensorRef::contiguous(&vr, &vs), OP),
+                    expect(TensorRef::contiguous(&or, &vs), OP),
+                    expect(TensorRef::contiguous(&dor, &vs), OP),
+                );
+                let mut dqv = expect(TensorMut::contiguous(&mut dqr, &qs), OP);
+                let mut dkv = expect(TensorMut::contiguous(&mut dkr, &qs), OP);
+                let mut dvv = expect(TensorMut::contiguous(&mut dvr, &vs), OP);
+                let args = BackwardArgs {
+                    q: &qv,
+                    k: &kv,
+                    v: &vv,
+                    out: Some(&ov),
+                    dout: &dov,
+                    grads: LaGrads { dq: &mut dqv, dk: &mut dkv, dv: &mut dvv },
+                };
+                expect(linear_attention::backward(device, &state.saved, args), OP);
+            })
+        });
+        for (p, g) in [(pq, dq), (pk, dk), (pv, dv)] {
+            if let Some(p) = p {
+                grads.register::<CubeBackend>(p.id, g);
+            }
+        }
+    }
 }
 
 impl MesaOps for CubeBackend {
@@ -637,16 +903,16 @@ impl MesaOps for CubeBackend {
     }
 
     fn mesa_linear(
-        _x: FloatTensor<Self>,
-        _weight: FloatTensor<Self>,
-        _bias: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
         _codes: Codes,
     ) -> FloatTensor<Self> {
-        not_on_cuda("linear")
+        linear_plain(x, weight, bias)
     }
 
-    fn mesa_rms_norm(_x: FloatTensor<Self>, _weight: FloatTensor<Self>, _eps: f32, _codes: Codes) -> FloatTensor<Self> {
-        not_on_cuda("rms_norm")
+    fn mesa_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32, _codes: Codes) -> FloatTensor<Self> {
+        rms_norm_plain(x, weight, eps).0
     }
 
     fn mesa_softmax(x: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
@@ -662,12 +928,12 @@ impl MesaOps for CubeBackend {
     }
 
     fn mesa_linear_attention(
-        _q: FloatTensor<Self>,
-        _k: FloatTensor<Self>,
-        _v: FloatTensor<Self>,
-        _config: LinearAttentionConfig,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        config: LinearAttentionConfig,
     ) -> FloatTensor<Self> {
-        not_on_cuda("linear_attention")
+        linear_attention_forward(q, k, v, &config).0
     }
 }
 
@@ -798,16 +1064,35 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
     }
 
     fn mesa_linear(
-        _x: FloatTensor<Self>,
-        _weight: FloatTensor<Self>,
-        _bias: FloatTensor<Self>,
-        _codes: Codes,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        codes: Codes,
     ) -> FloatTensor<Self> {
-        not_on_cuda("linear")
+        let (x, gx) = x.into_parts();
+        let (w, gw) = weight.into_parts();
+        let (b, gb) = bias.into_parts();
+        match LinearBackward.prepare::<C>([gx, gw, gb]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let saved = quantize(x.clone(), &codes, "linear");
+                let y = linear_plain(x, w.clone(), b);
+                prep.finish(Arc::new(CudaLinearState { x: saved, weight: w }), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(linear_plain(x, w, b)),
+        }
     }
 
-    fn mesa_rms_norm(_x: FloatTensor<Self>, _weight: FloatTensor<Self>, _eps: f32, _codes: Codes) -> FloatTensor<Self> {
-        not_on_cuda("rms_norm")
+    fn mesa_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32, codes: Codes) -> FloatTensor<Self> {
+        let (x, gx) = x.into_parts();
+        let (w, gw) = weight.into_parts();
+        match RmsNormBackward.prepare::<C>([gx, gw]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (y, xhat, rstd) = rms_norm_plain(x, w.clone(), eps);
+                let saved = quantize(xhat, &codes, "rms_norm");
+                prep.finish(Arc::new(CudaRmsNormState { xhat: saved, rstd, weight: w }), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(rms_norm_plain(x, w, eps).0),
+        }
     }
 
     fn mesa_softmax(x: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
@@ -847,12 +1132,22 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
     }
 
     fn mesa_linear_attention(
-        _q: FloatTensor<Self>,
-        _k: FloatTensor<Self>,
-        _v: FloatTensor<Self>,
-        _config: LinearAttentionConfig,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        config: LinearAttentionConfig,
     ) -> FloatTensor<Self> {
-        not_on_cuda("linear_attention")
+        let (q, gq) = q.into_parts();
+        let (k, gk) = k.into_parts();
+        let (v, gv) = v.into_parts();
+        match LinearAttentionBackward.prepare::<C>([gq, gk, gv]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (out, [q, k, v], saved) = linear_attention_forward(q, k, v, &config);
+                let state = CudaLinearAttentionState { q, k, v, out: out.clone(), saved: Arc::new(saved) };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(linear_attention_forward(q, k, v, &config).0),
+        }
     }
 }
 

@@ -16,8 +16,7 @@ pub(crate) fn float<const D: usize>(t: &Tensor<D>, what: &'static str) -> Result
 }
 
 /// [`float`], or (with the `cuda` feature) a tensor on a CUDA device of burn's CUDA backend
-/// that mesa-kernels can run on: for the ops with a CUDA implementation (GELU, LayerNorm,
-/// softmax, SwiGLU).
+/// that mesa-kernels can run on: for the ops with a CUDA implementation (all of them).
 pub(crate) fn float_or_cuda<const D: usize>(t: &Tensor<D>, what: &'static str) -> Result<DType> {
     #[cfg(feature = "cuda")]
     {
