@@ -22,10 +22,20 @@
 //! so nothing cheaper (an event handshake between the two streams) is possible without a
 //! change upstream.
 //!
-//! Only GELU has a CUDA implementation. The other ops' methods exist because the backend
-//! extension needs every method on every selected backend; [`crate::api`]'s validation
-//! refuses a CUDA tensor for them with [`crate::Error::Backend`] before dispatch, so they are
-//! unreachable through the crate's functions (called directly, they panic with a message).
+//! Every op has a CUDA implementation: GELU, LayerNorm, softmax (masked or not), SwiGLU and
+//! linear attention run mesa-kernels' CUDA kernels under the contract above; Linear and
+//! RMSNorm do their arithmetic with burn's own cubecl ops (matmul, reductions) and only
+//! quantize (forward) and decode (backward) through mesa-kernels under it. What each op
+//! keeps for backward is what it keeps on Flex, in cubecl's device memory (`CubeTensor`s:
+//! codes `U8`, parameters and statistics `F32`); linear attention's saved states are
+//! mesa-kernels `Buffer`s on mesa's device.
+//!
+//! Everything after validation is trusted: a kernel refusing its arguments, a cubecl error
+//! while pinning or syncing, or a CUDA fault panics with the op's name (burn's ops are
+//! infallible). Known ways that can happen on CUDA and not on Flex: an empty tensor (cubecl's
+//! zero-byte allocations are untested here), and a cubecl allocation whose address is not
+//! 8-byte aligned for the codes (`mesa_kernels::Error::Misaligned`; cubecl's pools are
+//! expected to align far more, not checked).
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -34,8 +44,8 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
-use burn::backend::tensor::FloatTensor;
 use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -43,11 +53,16 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 use cubecl_runtime::runtime::Runtime;
 use half::{bf16, f16};
-use mesa_kernels::linear_attention::{self, BackwardArgs, ForwardArgs, Grads as LaGrads, LinearAttentionConfig, LinearAttentionSaved};
-use mesa_kernels::fused::{LayerNormBackwardView, LayerNormForward, LayerNormGrads, LayerNormSaveMut, SoftmaxInput, SwigluGrads, SwigluInput, SwigluQuantizers, SwigluSaveMut, SwigluSavedView};
+use mesa_kernels::fused::{
+    LayerNormBackwardView, LayerNormForward, LayerNormGrads, LayerNormSaveMut, SoftmaxInput, SwigluGrads, SwigluInput,
+    SwigluQuantizers, SwigluSaveMut, SwigluSavedView,
+};
+use mesa_kernels::linear_attention::{
+    self, BackwardArgs, ForwardArgs, Grads as LaGrads, LinearAttentionConfig, LinearAttentionSaved,
+};
 use mesa_kernels::{
-    fused, saved_sizes, Buffer, Device, GeluForm, GroupParams, Quantizer, RawDeviceSlice, SavedMeta, SavedSizes, SavedView,
-    SavedViewMut, TensorMut, TensorRef,
+    fused, saved_sizes, Buffer, Device, GeluForm, GroupParams, Quantizer, RawDeviceSlice, SavedMeta, SavedSizes,
+    SavedView, SavedViewMut, TensorMut, TensorRef,
 };
 
 use crate::autodiff::softmax_save_config;
@@ -106,7 +121,9 @@ macro_rules! with_float {
                 type $T = bf16;
                 $body
             }
-            other => panic!("mesa-burn: dtype {other:?} reached a CUDA kernel (validation lets only f32/f16/bf16 through)"),
+            other => {
+                panic!("mesa-burn: dtype {other:?} reached a CUDA kernel (validation lets only f32/f16/bf16 through)")
+            }
         }
     };
 }
@@ -169,7 +186,8 @@ unsafe fn raw<T>(ptr: u64, len: usize) -> RawDeviceSlice<T> {
 
 /// The mesa device for a tensor of this backend.
 fn device_of(t: &CubeTensor, op: &'static str) -> Device {
-    let ordinal = ordinal(&t.device).unwrap_or_else(|| panic!("mesa-burn {op}: not a CUDA device (validation refuses it)"));
+    let ordinal =
+        ordinal(&t.device).unwrap_or_else(|| panic!("mesa-burn {op}: not a CUDA device (validation refuses it)"));
     expect(mesa_device(ordinal), op)
 }
 
@@ -395,7 +413,11 @@ fn softmax_backward(dy: CubeTensor, saved: &CudaCodes) -> CubeTensor {
 // -------------------------------------------------------------------------------- SwiGLU
 
 /// SwiGLU's forward on CUDA: `y`, and the codes of `gate` and `up` when `codes` is given.
-fn swiglu_forward(gate: CubeTensor, up: CubeTensor, codes: Option<&Codes>) -> (CubeTensor, Option<(CudaCodes, CudaCodes)>) {
+fn swiglu_forward(
+    gate: CubeTensor,
+    up: CubeTensor,
+    codes: Option<&Codes>,
+) -> (CubeTensor, Option<(CudaCodes, CudaCodes)>) {
     const OP: &str = "swiglu";
     let (g, shape) = contiguous(gate);
     let (u, _) = contiguous(up);
@@ -781,7 +803,10 @@ impl Backward<CubeBackend, 2> for RmsNormBackward {
             let w = reshape(to_f32(state.weight.clone()), vec![1, cols]);
             let g = CubeBackend::float_mul(dy2.clone(), w);
             let m = CubeBackend::float_mean_dim(CubeBackend::float_mul(g.clone(), xt.clone()), 1);
-            let dx = CubeBackend::float_mul(CubeBackend::float_sub(g, CubeBackend::float_mul(xt.clone(), m)), state.rstd.clone());
+            let dx = CubeBackend::float_mul(
+                CubeBackend::float_sub(g, CubeBackend::float_mul(xt.clone(), m)),
+                state.rstd.clone(),
+            );
             grads.register::<CubeBackend>(p.id, cast(reshape(dx, shape), dtype));
         }
         if let Some(p) = pw {
@@ -848,7 +873,8 @@ impl Backward<CubeBackend, 3> for LinearAttentionBackward {
         let qs = dims(&state.q);
         let dtype = dout.dtype;
         let (nq, nv): (usize, usize) = (qs.iter().product(), vs.iter().product());
-        let (dq, dk, dv) = (empty_like(&dout, &qs, dtype), empty_like(&dout, &qs, dtype), empty_like(&dout, &vs, dtype));
+        let (dq, dk, dv) =
+            (empty_like(&dout, &qs, dtype), empty_like(&dout, &qs, dtype), empty_like(&dout, &vs, dtype));
         let tensors = [&state.q, &state.k, &state.v, &state.out, &dout, &dq, &dk, &dv];
         fenced(&tensors, OP, |device, ptrs| {
             with_float!(dtype, T => {
@@ -1097,7 +1123,10 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
 
     fn mesa_softmax(x: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
         let (x, gx) = x.into_parts();
-        match <SoftmaxBackward as Backward<CubeBackend, 1>>::prepare::<C>(SoftmaxBackward, [gx]).compute_bound().stateful() {
+        match <SoftmaxBackward as Backward<CubeBackend, 1>>::prepare::<C>(SoftmaxBackward, [gx])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
                 let (y, saved) = softmax_forward(x, None, Some(&codes));
                 prep.finish(Arc::new(saved.expect("codes were asked for")), y)
@@ -1109,7 +1138,10 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
     fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
         let (x, gx) = x.into_parts();
         let (mask, gm) = mask.into_parts();
-        match <SoftmaxBackward as Backward<CubeBackend, 2>>::prepare::<C>(SoftmaxBackward, [gx, gm]).compute_bound().stateful() {
+        match <SoftmaxBackward as Backward<CubeBackend, 2>>::prepare::<C>(SoftmaxBackward, [gx, gm])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
                 let (y, saved) = softmax_forward(x, Some(mask), Some(&codes));
                 prep.finish(Arc::new(saved.expect("codes were asked for")), y)

@@ -14,11 +14,11 @@
 //!   mirroring burn-nn's, plus the bits of the codes.
 //! * Backends: `Flex` (burn's CPU backend) and `Autodiff<Flex>` with either checkpointing
 //!   strategy. The kernels run on mesa-kernels' host emulator (the CUDA source compiled for
-//!   the CPU). With the `cuda` feature, [`gelu`] also runs on burn's CUDA backend
-//!   (`CubeBackend`, with and without autodiff; codes kept in cubecl's device memory;
-//!   host-fenced: two host synchronisations per op). That code is **type-checked only, never
-//!   built into a binary or run**; the other ops refuse CUDA tensors with
-//!   [`Error::Backend`]. burn's `fusion` feature is not supported with `cuda` (`docs/burn.md`).
+//!   the CPU). With the `cuda` feature every op also runs on burn's CUDA backend
+//!   (`CubeBackend`, with and without autodiff; what an op keeps lives in cubecl's device
+//!   memory; host-fenced: two host synchronisations per kernel call). That code is
+//!   **type-checked only, never built into a binary or run**. burn's `fusion` feature is not
+//!   supported with `cuda` (`docs/burn.md`).
 //!
 //! The forward is exact (the same kernel math as the full-precision op); only the backward
 //! reads decoded codes, so gradients carry the quantization error: with nearest rounding

@@ -1,8 +1,8 @@
 //! The backend extension [`MesaOps`]: what `burn::backend::Dispatch` routes to, implemented
 //! for `Flex` (inference: nothing saved) and for `Autodiff<Flex, C>` (the forward saves
 //! codes; the hand-written backward reads them); with the `cuda` feature also for burn's
-//! `CubeBackend` and `Autodiff<CubeBackend, C>`, where only [`MesaOps::mesa_gelu`] has an
-//! implementation (type-checked only, never run: docs/burn.md, "CUDA").
+//! `CubeBackend` and `Autodiff<CubeBackend, C>` (type-checked only, never run: docs/burn.md,
+//! "CUDA").
 //!
 //! Call these through the crate's functions ([`crate::gelu`], [`crate::layer_norm`],
 //! [`crate::rms_norm`], [`crate::linear`], [`crate::softmax`], [`crate::swiglu`],

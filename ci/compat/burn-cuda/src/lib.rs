@@ -1,7 +1,7 @@
 //! mesa-burn with its `cuda` feature compiles in a graph with burn's CUDA backend (type-checked
 //! in CI, never linked): one cudarc for mesa-kernels and cubecl-cuda, mesa-burn's
-//! `CubeBackend` and `Autodiff<CubeBackend>` implementations (GELU host-fenced on mesa's
-//! stream, codes in cubecl's memory), and the backend-extension routing generated with the
+//! `CubeBackend` and `Autodiff<CubeBackend>` implementations (host-fenced on mesa's stream,
+//! codes in cubecl's memory), and the backend-extension routing generated with the
 //! `Cube` selector on. burn's `fusion` feature is off here (mesa-burn does not support it with
 //! `cuda`: docs/burn.md).
 
