@@ -3,7 +3,7 @@
 //! never been built into a binary or run (cubecl-cuda 0.11 cannot be linked on the machines that
 //! wrote it, docs/burn.md).
 //!
-//! The contract, per op (docs/burn.md, "CUDA"):
+//! The contract, per kernel call (docs/burn.md, "CUDA"; [`fenced`]):
 //! 1. every input is made contiguous and untiled (burn's `into_contiguous`, a no-op when it
 //!    already is); every output and every saved buffer is a fresh contiguous cubecl allocation
 //!    (`client.empty`) wrapped as a `CubeTensor`;
@@ -17,7 +17,8 @@
 //!    context, so the pointers are valid in both) through `RawDeviceSlice`s;
 //! 5. mesa's stream is synchronised (host synchronisation 2), then the guards are dropped.
 //!
-//! Cost: two host synchronisations per op (forward and backward each), and the calling
+//! Cost: two host synchronisations per kernel call (an op makes one call in its forward and
+//! one in its backward; Linear and RMSNorm none in an untracked forward), and the calling
 //! thread waits for the kernels. No stream handle of cubecl's is public in cubecl-cuda 0.11,
 //! so nothing cheaper (an event handshake between the two streams) is possible without a
 //! change upstream.
