@@ -37,10 +37,14 @@ for c in "$@"; do
         cargo doc --release --locked --no-deps --manifest-path crates/mesa-burn/Cargo.toml &&
       MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default \
         cargo nextest run --release --locked --manifest-path crates/mesa-burn/Cargo.toml ;;
-    # burn-cuda (not in .ci/run yet: 200-260 s on 2 loaded cores, docs/burn.md): mesa-burn
-    # type-checked in a graph with burn's CUDA backend (cubecl-cuda, DOCS_RS=1 as above)
+    # burn-cuda (not in .ci/run yet: its cost in docs/burn.md): mesa-burn with `cuda`
+    # type-checked in a graph with burn's CUDA backend (cubecl-cuda, DOCS_RS=1 as above), then
+    # mesa-burn's own clippy with `cuda` (its lock resolves the same versions: the checked
+    # dependencies are reused, a few seconds)
     burn-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
-      cargo check --release --locked --manifest-path ci/compat/burn-cuda/Cargo.toml ;;
+        cargo check --release --locked --manifest-path ci/compat/burn-cuda/Cargo.toml &&
+      DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 cargo clippy --release --locked \
+        --all-targets --features cuda --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings ;;
     *) echo "unknown compatibility check: $c (candle-cuda, candle-tests, cubecl-cuda, mesa-burn, burn-cuda)"; exit 2 ;;
   esac
   echo "compatibility check $c: $((SECONDS - t0))s"

@@ -17,10 +17,16 @@ use mesa_kernels::GeluForm;
 /// nearest rounding, `scale = (max x − min x)/(2^bits − 1)`).
 ///
 /// # Errors
-/// [`Error::Backend`] (not a Flex tensor), [`Error::Dtype`], [`Error::Config`] (bits not
-/// 8/4/2), [`Error::Kernel`] (a size that overflows). Nothing is dispatched on an error.
+/// [`Error::Backend`] (not a Flex tensor, nor with the `cuda` feature a tensor of burn's CUDA
+/// backend on a CUDA device), [`Error::Dtype`], [`Error::Config`] (bits not 8/4/2),
+/// [`Error::Kernel`] (a size that overflows; on CUDA also: mesa-kernels built without CUDA
+/// kernels, no driver, no such device). Nothing is dispatched on an error.
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the forward and the backward each
+/// synchronise the host twice (docs/burn.md, "CUDA"), and the codes live in cubecl's device
+/// memory.
 pub fn gelu<const D: usize>(x: Tensor<D>, form: GeluForm, codes: Codes) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     validate::codes(&codes, &x.dims())?;
     Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_gelu(x.into_dispatch(), form, codes)))
 }
@@ -35,8 +41,14 @@ pub fn gelu<const D: usize>(x: Tensor<D>, form: GeluForm, codes: Codes) -> Resul
 /// finite (burn-nn's default is 1e-5), applied in f32.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0,
-/// `C` = 0, a parameter not `[C]`), [`Error::Config`] (bits, eps), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0, `C` = 0, a
+/// parameter not `[C]`), [`Error::Config`] (bits, eps), [`Error::Kernel`] (also, on CUDA:
+/// mesa-kernels without CUDA kernels, no driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the forward and the backward each
+/// synchronise the host twice (docs/burn.md, "CUDA"); the codes and `rstd` live in cubecl's
+/// device memory; `dweight` and `dbias` are accumulated in f32 and cast to the weight's dtype.
 pub fn layer_norm<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<1>,
@@ -44,7 +56,7 @@ pub fn layer_norm<const D: usize>(
     eps: f64,
     codes: Codes,
 ) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     validate::same(&weight, &x, "weight")?;
     validate::same(&bias, &x, "bias")?;
     let dims = x.dims();
@@ -71,15 +83,21 @@ pub fn layer_norm<const D: usize>(
 /// (zeros, not tracked), `y` `[.., d_out]`. Dtypes: f32, f16, bf16, all alike.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`],
-/// [`Error::Config`] (bits), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`], [`Error::Config`]
+/// (bits), [`Error::Kernel`] (also, on CUDA: mesa-kernels without CUDA kernels, no driver, no
+/// such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the matmuls are burn's cubecl ops;
+/// quantizing `x` (forward) and decoding it (backward, for `dweight`) each synchronise the host
+/// twice (docs/burn.md, "CUDA"); the codes live in cubecl's device memory.
 pub fn linear<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     bias: Option<Tensor<1>>,
     codes: Codes,
 ) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     validate::same(&weight, &x, "weight")?;
     let dims = x.dims();
     let [d_in, d_out] = weight.dims();
@@ -115,10 +133,16 @@ pub fn linear<const D: usize>(
 /// bf16, both alike. `eps`: positive and finite in f32.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`],
-/// [`Error::Config`] (bits, eps), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`], [`Error::Config`]
+/// (bits, eps), [`Error::Kernel`] (also, on CUDA: mesa-kernels without CUDA kernels, no
+/// driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the arithmetic is burn's cubecl ops
+/// in f32; quantizing `x̂` (forward) and decoding it (backward) each synchronise the host
+/// twice (docs/burn.md, "CUDA"); codes and `rstd` live in cubecl's device memory.
 pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64, codes: Codes) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     validate::same(&weight, &x, "weight")?;
     let dims = x.dims();
     let cols = validate::last_axis(&dims)?;
@@ -143,10 +167,16 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64, codes
 /// mask gets no gradient. Dtypes: f32, f16, bf16, alike.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0,
-/// a mask axis that does not broadcast), [`Error::Config`] (bits), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (rank 0,
+/// a mask axis that does not broadcast), [`Error::Config`] (bits), [`Error::Kernel`] (also, on
+/// CUDA: mesa-kernels without CUDA kernels, no driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) a broadcast mask is copied to
+/// `x`'s shape first; the forward and the backward each synchronise the host twice
+/// (docs/burn.md, "CUDA"), and the codes live in cubecl's device memory.
 pub fn softmax<const D: usize>(x: Tensor<D>, mask: Option<Tensor<D>>, codes: Codes) -> Result<Tensor<D>> {
-    validate::float(&x, "x")?;
+    validate::float_or_cuda(&x, "x")?;
     let dims = x.dims();
     validate::last_axis_any(&dims)?;
     codes.check()?;
@@ -173,10 +203,16 @@ pub fn softmax<const D: usize>(x: Tensor<D>, mask: Option<Tensor<D>>, codes: Cod
 /// Shapes: `gate`, `up`, `y` one shape. Dtypes: f32, f16, bf16, alike.
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (the
-/// shapes differ), [`Error::Config`] (bits), [`Error::Kernel`].
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (the
+/// shapes differ), [`Error::Config`] (bits), [`Error::Kernel`] (also, on CUDA: mesa-kernels
+/// without CUDA kernels, no driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the forward and the backward each
+/// synchronise the host twice (docs/burn.md, "CUDA"), and the codes live in cubecl's device
+/// memory.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>, codes: Codes) -> Result<Tensor<D>> {
-    validate::float(&gate, "gate")?;
+    validate::float_or_cuda(&gate, "gate")?;
     validate::same(&up, &gate, "up")?;
     if up.dims() != gate.dims() {
         return Err(Error::Shape {
@@ -200,16 +236,22 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>, codes: Codes) -> R
 /// f16, bf16, alike (state and accumulation in f32).
 ///
 /// # Errors
-/// [`Error::Backend`], [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (`k` not
-/// `q`'s shape, `v` not `[B, H, L, ·]`), [`Error::Config`] (chunk outside `1..=64`, ε not
-/// positive and finite when normalising), [`Error::Kernel`] (saved sizes overflow).
+/// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
+/// backend), [`Error::Dtype`], [`Error::DtypeMismatch`], [`Error::Shape`] (`k` not `q`'s
+/// shape, `v` not `[B, H, L, ·]`), [`Error::Config`] (chunk outside `1..=64`, ε not positive
+/// and finite when normalising), [`Error::Kernel`] (saved sizes overflow; on CUDA also:
+/// mesa-kernels without CUDA kernels, no driver, no such device).
+///
+/// On CUDA (`cuda` feature; type-checked only, never run) the forward and the backward each
+/// synchronise the host twice (docs/burn.md, "CUDA"); the kernels' saved states are
+/// mesa-kernels `Buffer`s on mesa's stream (device memory, outside burn's allocator).
 pub fn linear_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
     config: mesa_kernels::linear_attention::LinearAttentionConfig,
 ) -> Result<Tensor<4>> {
-    validate::float(&q, "q")?;
+    validate::float_or_cuda(&q, "q")?;
     validate::same(&k, &q, "k")?;
     validate::same(&v, &q, "v")?;
     let (qd, vd) = (q.dims(), v.dims());

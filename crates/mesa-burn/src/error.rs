@@ -32,8 +32,8 @@ pub enum Error {
         /// Why it is refused.
         why: String,
     },
-    /// A tensor of a backend mesa-burn does not run on (only Flex, with or without
-    /// autodiff, in this version).
+    /// A tensor of a backend mesa-burn does not run on: it runs on Flex (with or without
+    /// autodiff) and, with the `cuda` feature, on a CUDA device of burn's CUDA backend.
     Backend {
         /// Which argument.
         what: &'static str,
@@ -49,7 +49,9 @@ impl fmt::Display for Error {
             Error::DtypeMismatch { what } => write!(f, "{what}: dtype differs from the input's"),
             Error::Shape { what, why } => write!(f, "{what}: {why}"),
             Error::Config { what, why } => write!(f, "{what}: {why}"),
-            Error::Backend { what } => write!(f, "{what}: mesa-burn runs on the Flex backend only"),
+            Error::Backend { what } => {
+                write!(f, "{what}: mesa-burn runs on the Flex backend (and on CUDA with its `cuda` feature) only")
+            }
             Error::Kernel(e) => write!(f, "mesa-kernels: {e}"),
         }
     }

@@ -14,7 +14,11 @@
 //!   mirroring burn-nn's, plus the bits of the codes.
 //! * Backends: `Flex` (burn's CPU backend) and `Autodiff<Flex>` with either checkpointing
 //!   strategy. The kernels run on mesa-kernels' host emulator (the CUDA source compiled for
-//!   the CPU). burn's CUDA backend is not implemented in this version (`docs/burn.md`).
+//!   the CPU). With the `cuda` feature every op also runs on burn's CUDA backend
+//!   (`CubeBackend`, with and without autodiff; what an op keeps lives in cubecl's device
+//!   memory; host-fenced: two host synchronisations per kernel call). That code is
+//!   **type-checked only, never built into a binary or run**. burn's `fusion` feature is not
+//!   supported with `cuda` (`docs/burn.md`).
 //!
 //! The forward is exact (the same kernel math as the full-precision op); only the backward
 //! reads decoded codes, so gradients carry the quantization error: with nearest rounding
@@ -25,6 +29,8 @@
 mod api;
 mod autodiff;
 mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod host;
 pub mod nn;

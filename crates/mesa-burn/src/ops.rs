@@ -1,6 +1,8 @@
 //! The backend extension [`MesaOps`]: what `burn::backend::Dispatch` routes to, implemented
 //! for `Flex` (inference: nothing saved) and for `Autodiff<Flex, C>` (the forward saves
-//! codes; the hand-written backward reads them).
+//! codes; the hand-written backward reads them); with the `cuda` feature also for burn's
+//! `CubeBackend` and `Autodiff<CubeBackend, C>` (type-checked only, never run: docs/burn.md,
+//! "CUDA").
 //!
 //! Call these through the crate's functions ([`crate::gelu`], [`crate::layer_norm`],
 //! [`crate::rms_norm`], [`crate::linear`], [`crate::softmax`], [`crate::swiglu`],
@@ -20,7 +22,7 @@ use crate::host::{self, with_float};
 
 /// mesa-kernels' ops as one burn backend extension. Shapes are given per method; every
 /// float tensor of one call has the same dtype (f32, f16 or bf16).
-#[backend_extension(Autodiff, Flex)]
+#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cuda"))]
 pub trait MesaOps: Backend {
     /// `y = gelu(x)` elementwise (`form`: erf or tanh), any shape. Under autodiff the
     /// backward keeps the codes of `x` (`codes`), not `x`.

@@ -12,16 +12,34 @@ pub(crate) fn float<const D: usize>(t: &Tensor<D>, what: &'static str) -> Result
     if !matches!(device.as_dispatch(), DispatchDevice::Flex(_)) {
         return Err(Error::Backend { what });
     }
-    let dtype = t.dtype();
+    float_dtype(t.dtype(), what)
+}
+
+/// [`float`], or (with the `cuda` feature) a tensor on a CUDA device of burn's CUDA backend
+/// that mesa-kernels can run on: for the ops with a CUDA implementation (all of them).
+pub(crate) fn float_or_cuda<const D: usize>(t: &Tensor<D>, what: &'static str) -> Result<DType> {
+    #[cfg(feature = "cuda")]
+    {
+        let device = t.device().without_autodiff();
+        if let DispatchDevice::Cube(cube) = device.as_dispatch() {
+            crate::cuda::check_device(cube, what)?;
+            return float_dtype(t.dtype(), what);
+        }
+    }
+    float(t, what)
+}
+
+fn float_dtype(dtype: DType, what: &'static str) -> Result<DType> {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => Ok(dtype),
         other => Err(Error::Dtype { what, got: format!("{other:?}") }),
     }
 }
 
-/// `t` has the input's dtype and device.
+/// `t` has the input's dtype and device (the input `x` was validated first: its backend is
+/// one the op runs on).
 pub(crate) fn same<const D: usize, const E: usize>(t: &Tensor<D>, x: &Tensor<E>, what: &'static str) -> Result<()> {
-    if float(t, what)? != x.dtype() {
+    if float_or_cuda(t, what)? != x.dtype() {
         return Err(Error::DtypeMismatch { what });
     }
     if t.device() != x.device() {
