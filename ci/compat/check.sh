@@ -37,7 +37,7 @@ for c in "$@"; do
         cargo doc --release --locked --no-deps --manifest-path crates/mesa-burn/Cargo.toml &&
       MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default \
         cargo nextest run --release --locked --manifest-path crates/mesa-burn/Cargo.toml ;;
-    # burn-cuda (not in .ci/run yet: its cost in docs/burn.md): mesa-burn with `cuda`
+    # burn-cuda (in .ci/run's background job after mesa-burn; its cost in docs/burn.md): mesa-burn with `cuda`
     # type-checked in a graph with burn's CUDA backend (cubecl-cuda, DOCS_RS=1 as above), then
     # mesa-burn's own clippy with `cuda` (its lock resolves the same versions: the checked
     # dependencies are reused, a few seconds)
