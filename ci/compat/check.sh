@@ -28,23 +28,21 @@ for c in "$@"; do
     cubecl-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
       cargo check --release --locked --manifest-path ci/compat/cubecl-cuda/Cargo.toml ;;
     # mesa-burn: burn 0.22.1 on Flex (CPU), the kernels on the emulator; its own workspace and
-    # lock (--locked), release profile throughout (clippy's check units, its docs from the
-    # same metadata, then the test build); the default nextest profile (the workspace's `ci`
-    # profile is not its own)
-    mesa-burn) MESA_CUDA_DISABLE=1 cargo clippy --release --locked --all-targets \
-        --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings &&
-      MESA_CUDA_DISABLE=1 RUSTDOCFLAGS="-D warnings" \
-        cargo doc --release --locked --no-deps --manifest-path crates/mesa-burn/Cargo.toml &&
-      MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default \
+    # lock (--locked), release profile; the default nextest profile (the workspace's `ci`
+    # profile is not its own). Its lints and docs are burn-cuda's (below: every feature on)
+    mesa-burn) MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default \
         cargo nextest run --release --locked --manifest-path crates/mesa-burn/Cargo.toml ;;
     # burn-cuda (in .ci/run's background job after mesa-burn; its cost in docs/burn.md): mesa-burn with `cuda`
     # type-checked in a graph with burn's CUDA backend (cubecl-cuda, DOCS_RS=1 as above), then
-    # mesa-burn's own clippy with `cuda` (its lock resolves the same versions: the checked
-    # dependencies are reused, a few seconds)
+    # mesa-burn's own clippy and docs with `cuda` (its lock resolves the same versions: the
+    # checked dependencies are reused, a few seconds). The graph holds cubecl-cuda and
+    # mesa-kernels with one cudarc: what `cubecl-cuda` checks, and more
     burn-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
         cargo check --release --locked --manifest-path ci/compat/burn-cuda/Cargo.toml &&
       DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 cargo clippy --release --locked \
-        --all-targets --features cuda --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings ;;
+        --all-targets --features cuda --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings &&
+      DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 RUSTDOCFLAGS="-D warnings" \
+        cargo doc --release --locked --no-deps --features cuda --manifest-path crates/mesa-burn/Cargo.toml ;;
     *) echo "unknown compatibility check: $c (candle-cuda, candle-tests, cubecl-cuda, mesa-burn, burn-cuda)"; exit 2 ;;
   esac
   echo "compatibility check $c: $((SECONDS - t0))s"
