@@ -8,8 +8,9 @@
 #
 # Where the device code comes from:
 #   --build [DIR]  the cargo build's own objects: the static libraries
-#                  libmesa_kernels_cuda_<file>.a in mesa-kernels-sys's OUT_DIR (DIR; by
-#                  default the newest target/*/build/mesa-kernels-sys-*/out holding them). What
+#                  libmesa_kernels_cuda_<file>.a in mesa-kernels-sys's OUT_DIR (DIR, or the
+#                  newest OUT_DIR under the target or profile dir DIR, by default target/, that
+#                  holds one for every kernels/*.cu). What
 #                  is checked is exactly what links into the binaries, and nothing is compiled
 #                  again (CI: after the README step's CUDA build). Fails when a library is
 #                  missing, older than a kernel source, or lacks an architecture asked for.
@@ -29,7 +30,7 @@
 #
 #   scripts/check-resources.sh                  # compile, sm_90
 #   scripts/check-resources.sh 80 90            # or MESA_RESOURCE_ARCHS="80 90"
-#   scripts/check-resources.sh --build 80 90    # the release build's objects (CI)
+#   scripts/check-resources.sh --build target/release 80 90  # the release build's objects (CI)
 #
 # Environment:
 #   NVCC, CUDA_HOME/CUDA_PATH (bin/nvcc), PATH: which nvcc (as build.rs); cuobjdump is looked
@@ -48,10 +49,15 @@ cd "$ROOT"
 
 BUILD_MODE=0
 BUILD_DIR=
+TARGET_ROOT=target
 if [[ "${1:-}" == "--build" ]]; then
     BUILD_MODE=1
     shift
-    if [[ -n "${1:-}" && -d "$1" ]]; then BUILD_DIR=$1; shift; fi
+    if [[ -n "${1:-}" && -d "$1" ]]; then
+        # an OUT_DIR itself, or a target dir (or a profile dir in one) to look in
+        if compgen -G "$1/libmesa_kernels_cuda_*.a" >/dev/null; then BUILD_DIR=$1; else TARGET_ROOT=$1; fi
+        shift
+    fi
 fi
 
 find_nvcc() {
@@ -121,10 +127,19 @@ dump_cubins() {  # dump_cubins BASE CUBIN...
 
 if (( BUILD_MODE )); then
     if [[ -z "$BUILD_DIR" ]]; then
-        # the newest OUT_DIR of mesa-kernels-sys that holds the CUDA libraries
-        BUILD_DIR=$(ls -dt target/*/build/mesa-kernels-sys-*/out target/*/*/build/mesa-kernels-sys-*/out 2>/dev/null \
-            | while read -r d; do [[ -n "$(ls "$d"/libmesa_kernels_cuda_*.a 2>/dev/null | grep -v _stub)" ]] && { echo "$d"; break; }; done || true)
-        [[ -n "$BUILD_DIR" ]] || { echo "check-resources: --build: no CUDA build of mesa-kernels-sys under target/ (cargo build --release with nvcc first)" >&2; exit 2; }
+        # the newest OUT_DIR of mesa-kernels-sys under the profile dirs of $TARGET_ROOT that
+        # holds a library for every kernel source: a build still running (CI's background
+        # compatibility builds, in their own target dir) may hold only some of them
+        BUILD_DIR=$(ls -dt "$TARGET_ROOT"/build/mesa-kernels-sys-*/out "$TARGET_ROOT"/*/build/mesa-kernels-sys-*/out \
+                "$TARGET_ROOT"/*/*/build/mesa-kernels-sys-*/out 2>/dev/null \
+            | while read -r d; do
+                complete=1
+                for src in kernels/*.cu; do
+                    [[ -f "$d/libmesa_kernels_cuda_$(basename "$src" .cu).a" ]] || { complete=0; break; }
+                done
+                (( complete )) && { echo "$d"; break; }
+            done || true)
+        [[ -n "$BUILD_DIR" ]] || { echo "check-resources: --build: no complete CUDA build of mesa-kernels-sys under $TARGET_ROOT/ (cargo build --release with nvcc first)" >&2; exit 2; }
     fi
     echo "device code: the cargo build's libraries in $BUILD_DIR; cuobjdump: $CUOBJ; archs: ${ARCHS[*]/#/sm_}"
     from_library() {  # from_library SRC: its library's cubins dumped per architecture
