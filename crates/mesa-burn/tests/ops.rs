@@ -13,33 +13,12 @@
 mod common;
 
 use burn::tensor::{activation, module, DType, Device, Tensor};
-use common::{assert_within, autodiff_devices, data, rounded, step, tensor, values};
+use common::{
+    assert_within, autodiff_devices, data, gelu_f32_error, gelu_second_derivative_bound, linear_attention_magnitudes,
+    rounded, step, tensor, values, U,
+};
 use mesa_burn::{Codes, Error, GeluForm};
 use mesa_kernels::reference::fused as reference;
-
-const U: f64 = 1.0 / 16_777_216.0;
-
-/// `max |gelu''|` over the line, from the f64 reference by central differences (the
-/// Lipschitz constant of `gelu'`; 2φ(0) ≈ 0.798 for the erf form), with 1 % margin for the
-/// grid.
-fn gelu_second_derivative_bound(form: GeluForm) -> f64 {
-    let h = 1e-4;
-    let mut m = 0.0f64;
-    let mut x = -12.0;
-    while x <= 12.0 {
-        let d2 = (reference::gelu_derivative(x + h, form) - reference::gelu_derivative(x - h, form)) / (2.0 * h);
-        m = m.max(d2.abs());
-        x += 1e-3;
-    }
-    m * 1.01
-}
-
-/// f32 error of one GELU or GELU' evaluation at `x` (value magnitude ≤ max(|x|, 1.2)): about
-/// 8 roundings of size U, the erf/tanh argument's rounding amplified by its slope (≤ |x|
-/// relative), doubled for the two implementations compared.
-fn gelu_f32_error(x: f64) -> f64 {
-    2.0 * U * (8.0 * x.abs().max(1.2) + x * x)
-}
 
 fn burn_gelu<const D: usize>(x: Tensor<D>, form: GeluForm) -> Tensor<D> {
     match form {
@@ -670,34 +649,7 @@ fn linear_attention_matches_the_f64_reference() {
     let (out_ref, _) = la::forward(&a).unwrap();
     let (dq_ref, dk_ref, dv_ref) = la::backward(&a, &c64).unwrap();
 
-    // magnitudes (all of q, k, A_ts = q_t·k_s and g_t are positive here)
-    let (mut m_out, mut m_dq, mut m_dk, mut m_dv) =
-        (vec![0.0; out_ref.len()], vec![0.0; dq_ref.len()], vec![0.0; dk_ref.len()], vec![0.0; dv_ref.len()]);
-    for bh in 0..b * h {
-        let qi = |t: usize, j: usize| q64[(bh * l + t) * m + j];
-        let ki = |s: usize, j: usize| k64[(bh * l + s) * m + j];
-        let vi = |s: usize, j: usize| v64[(bh * l + s) * d + j];
-        let ci = |t: usize, j: usize| c64[(bh * l + t) * d + j];
-        let at = |t: usize, s: usize| (0..m).map(|j| qi(t, j) * ki(s, j)).sum::<f64>();
-        for t in 0..l {
-            let g = (0..=t).map(|s| at(t, s)).sum::<f64>() + eps;
-            let num_abs: Vec<f64> = (0..d).map(|j| (0..=t).map(|s| at(t, s) * vi(s, j).abs()).sum::<f64>()).collect();
-            for j in 0..d {
-                m_out[(bh * l + t) * d + j] = num_abs[j] / g;
-            }
-            let dden = (0..d).map(|j| ci(t, j).abs() * num_abs[j]).sum::<f64>() / (g * g);
-            for s in 0..=t {
-                let da = (0..d).map(|j| ci(t, j).abs() * vi(s, j).abs()).sum::<f64>() / g + dden;
-                for j in 0..m {
-                    m_dq[(bh * l + t) * m + j] += da * ki(s, j);
-                    m_dk[(bh * l + s) * m + j] += da * qi(t, j);
-                }
-                for j in 0..d {
-                    m_dv[(bh * l + s) * d + j] += at(t, s) * ci(t, j).abs() / g;
-                }
-            }
-        }
-    }
+    let [m_out, m_dq, m_dk, m_dv] = linear_attention_magnitudes(&q64, &k64, &v64, &c64, (b * h, l, m, d), eps);
     let n = (l + m + d) as f64;
     fn bound(n: f64, mag: &[f64]) -> impl Fn(usize) -> f64 + '_ {
         move |i| 4.0 * n * U * mag[i] + 1e-30
