@@ -1,6 +1,7 @@
 //! f16 and bf16: every op against burn's own op (or a composition of burn's ops) run in the
-//! same 16-bit dtype on `Autodiff<Flex>`, forward and gradients (8, 4 and 2 bits), and both
-//! against the exact values (f64) at the same 16-bit inputs.
+//! same 16-bit dtype on `Autodiff<Flex>` (without and with balanced checkpointing), forward and
+//! gradients (8, 4 and 2 bits), and both against the exact values (f64) at the same 16-bit
+//! inputs.
 //!
 //! **What burn's Flex computes in 16 bits** (burn-flex 0.22.1 sources): every elementwise op
 //! converts its 16-bit operands to f32, applies the op in f32 and rounds the result to the
@@ -31,9 +32,10 @@
 //! many ulps from exact), ours round once but read codes in the backward.
 mod common;
 
-use burn::tensor::{activation, module, DType, Device, Tensor};
+use burn::tensor::{activation, module, DType, Tensor};
 use common::{
-    data, gelu_f32_error, gelu_second_derivative_bound, linear_attention_magnitudes, rounded, step, tensor, values, U,
+    autodiff_devices, data, gelu_f32_error, gelu_second_derivative_bound, linear_attention_magnitudes, rounded, step,
+    tensor, values, U,
 };
 use mesa_burn::{Codes, GeluForm};
 use mesa_kernels::reference::fused as reference;
@@ -252,42 +254,44 @@ fn gelu_f16_bf16_against_burn() {
     // Ours: the kernel's f32 value (within gelu_f32_error/2 forward; backward the code step,
     // |c|·(K·s/2 + gelu_f32_error) as in tests/ops.rs) rounded once.
     let (rows, cols) = (16, 64);
-    let device = Device::flex().autodiff();
-    for dtype in DTYPES {
-        let h = H::of(dtype);
-        let xv = rounded(&data(rows * cols, 60, -4.0, 4.0), dtype);
-        let cv = rounded(&data(rows * cols, 61, -1.0, 1.0), dtype);
-        for form in [GeluForm::Erf, GeluForm::Tanh] {
-            let k = gelu_second_derivative_bound(form);
-            let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
-            let c = tensor(&cv, [rows, cols], dtype, &device);
-            let y = burn_gelu(x.clone(), form);
-            let y_burn = values(&y);
-            let dx_burn = values(&x.grad(&(y * c.clone()).sum().backward()).unwrap());
-            let (ry, rdx): (Vec<R>, Vec<R>) =
-                xv.iter().zip(&cv).map(|(&x, &c)| burn_gelu_mirror(h, form, x, c)).unzip();
-            let y_ref: Vec<f64> = xv.iter().map(|&x| reference::gelu(x as f64, form)).collect();
-            let dx_ref: Vec<f64> =
-                xv.iter().zip(&cv).map(|(&x, &c)| c as f64 * reference::gelu_derivative(x as f64, form)).collect();
-            same_function("gelu mirror y", &ry, &y_ref);
-            same_function("gelu mirror dx", &rdx, &dx_ref);
-            for bits in [8, 4, 2] {
-                let s = step(&xv, bits);
+    for device in autodiff_devices() {
+        for dtype in DTYPES {
+            let h = H::of(dtype);
+            let xv = rounded(&data(rows * cols, 60, -4.0, 4.0), dtype);
+            let cv = rounded(&data(rows * cols, 61, -1.0, 1.0), dtype);
+            for form in [GeluForm::Erf, GeluForm::Tanh] {
+                let k = gelu_second_derivative_bound(form);
                 let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
-                let y = mesa_burn::gelu(x.clone(), form, Codes::bits(bits)).unwrap();
-                assert_eq!(y.dtype(), dtype);
-                let y_ours = values(&y);
-                let dx_ours = values(&x.grad(&(y * c.clone()).sum().backward()).unwrap());
-                let what = format!("gelu {form:?} {dtype:?} {bits}-bit");
-                let b: Vec<f64> = (0..xv.len()).map(|i| h.ours(y_ref[i], gelu_f32_error(xv[i] as f64) / 2.0)).collect();
-                three_way(h.u, &format!("{what} y"), &y_ours, &y_burn, &y_ref, &b, &errs(&ry));
-                let b: Vec<f64> = (0..xv.len())
-                    .map(|i| {
-                        let e32 = (cv[i] as f64).abs() * (k * s / 2.0 + gelu_f32_error(xv[i] as f64));
-                        h.ours(dx_ref[i], e32)
-                    })
-                    .collect();
-                three_way(h.u, &format!("{what} dx"), &dx_ours, &dx_burn, &dx_ref, &b, &errs(&rdx));
+                let c = tensor(&cv, [rows, cols], dtype, &device);
+                let y = burn_gelu(x.clone(), form);
+                let y_burn = values(&y);
+                let dx_burn = values(&x.grad(&(y * c.clone()).sum().backward()).unwrap());
+                let (ry, rdx): (Vec<R>, Vec<R>) =
+                    xv.iter().zip(&cv).map(|(&x, &c)| burn_gelu_mirror(h, form, x, c)).unzip();
+                let y_ref: Vec<f64> = xv.iter().map(|&x| reference::gelu(x as f64, form)).collect();
+                let dx_ref: Vec<f64> =
+                    xv.iter().zip(&cv).map(|(&x, &c)| c as f64 * reference::gelu_derivative(x as f64, form)).collect();
+                same_function("gelu mirror y", &ry, &y_ref);
+                same_function("gelu mirror dx", &rdx, &dx_ref);
+                for bits in [8, 4, 2] {
+                    let s = step(&xv, bits);
+                    let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
+                    let y = mesa_burn::gelu(x.clone(), form, Codes::bits(bits)).unwrap();
+                    assert_eq!(y.dtype(), dtype);
+                    let y_ours = values(&y);
+                    let dx_ours = values(&x.grad(&(y * c.clone()).sum().backward()).unwrap());
+                    let what = format!("gelu {form:?} {dtype:?} {bits}-bit");
+                    let b: Vec<f64> =
+                        (0..xv.len()).map(|i| h.ours(y_ref[i], gelu_f32_error(xv[i] as f64) / 2.0)).collect();
+                    three_way(h.u, &format!("{what} y"), &y_ours, &y_burn, &y_ref, &b, &errs(&ry));
+                    let b: Vec<f64> = (0..xv.len())
+                        .map(|i| {
+                            let e32 = (cv[i] as f64).abs() * (k * s / 2.0 + gelu_f32_error(xv[i] as f64));
+                            h.ours(dx_ref[i], e32)
+                        })
+                        .collect();
+                    three_way(h.u, &format!("{what} dx"), &dx_ours, &dx_burn, &dx_ref, &b, &errs(&rdx));
+                }
             }
         }
     }
@@ -367,76 +371,83 @@ fn layer_norm_f16_bf16_against_burn() {
     // tests/ops.rs' forward bound; gradients within tests/ops.rs' bounds: the code step of x̂,
     // s/2, through dx = rstd·(a − mean(a) − x̂·mean(a⊙x̂)), dw = Σ c⊙x̃, plus f32 sums), rounded once.
     let (rows, cols) = (8, 64);
-    let device = Device::flex().autodiff();
-    for dtype in DTYPES {
-        let h = H::of(dtype);
-        let (xv, wv, bv, cv) = ln_data(rows, cols, dtype);
-        let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-        let (x64, w64, b64, c64) = (f64s(&xv), f64s(&wv), f64s(&bv), f64s(&cv));
-        let f = reference::layer_norm_rows(&x64, Some(&w64), Some(&b64), EPS, cols);
-        let (dx_ref, dw_ref, db_ref) = reference::layer_norm_backward_rows(&f.xhat, &f.rstd, Some(&w64), &c64, cols);
-        let [ry, rdx, rdw, rdb] = burn_layer_norm_mirror(h, &xv, &wv, &bv, &cv, cols);
-        for (what, m, r) in [("y", &ry, &f.y), ("dx", &rdx, &dx_ref), ("dw", &rdw, &dw_ref), ("db", &rdb, &db_ref)] {
-            same_function(&format!("layer_norm mirror {what}"), m, r);
-        }
-        let grads = |mesa: Option<u32>| {
-            let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
-            let w = tensor(&wv, [cols], dtype, &device).require_grad();
-            let b = tensor(&bv, [cols], dtype, &device).require_grad();
-            let c = tensor(&cv, [rows, cols], dtype, &device);
-            let y = match mesa {
-                Some(bits) => mesa_burn::layer_norm(x.clone(), w.clone(), b.clone(), EPS, Codes::bits(bits)).unwrap(),
-                None => module::layer_norm(x.clone(), w.clone(), Some(b.clone()), EPS),
+    for device in autodiff_devices() {
+        for dtype in DTYPES {
+            let h = H::of(dtype);
+            let (xv, wv, bv, cv) = ln_data(rows, cols, dtype);
+            let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+            let (x64, w64, b64, c64) = (f64s(&xv), f64s(&wv), f64s(&bv), f64s(&cv));
+            let f = reference::layer_norm_rows(&x64, Some(&w64), Some(&b64), EPS, cols);
+            let (dx_ref, dw_ref, db_ref) =
+                reference::layer_norm_backward_rows(&f.xhat, &f.rstd, Some(&w64), &c64, cols);
+            let [ry, rdx, rdw, rdb] = burn_layer_norm_mirror(h, &xv, &wv, &bv, &cv, cols);
+            for (what, m, r) in [("y", &ry, &f.y), ("dx", &rdx, &dx_ref), ("dw", &rdw, &dw_ref), ("db", &rdb, &db_ref)]
+            {
+                same_function(&format!("layer_norm mirror {what}"), m, r);
+            }
+            let grads = |mesa: Option<u32>| {
+                let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
+                let w = tensor(&wv, [cols], dtype, &device).require_grad();
+                let b = tensor(&bv, [cols], dtype, &device).require_grad();
+                let c = tensor(&cv, [rows, cols], dtype, &device);
+                let y = match mesa {
+                    Some(bits) => {
+                        mesa_burn::layer_norm(x.clone(), w.clone(), b.clone(), EPS, Codes::bits(bits)).unwrap()
+                    }
+                    None => module::layer_norm(x.clone(), w.clone(), Some(b.clone()), EPS),
+                };
+                assert_eq!(y.dtype(), dtype);
+                let yv = values(&y);
+                let g = (y * c).sum().backward();
+                [yv, values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap()), values(&b.grad(&g).unwrap())]
             };
-            assert_eq!(y.dtype(), dtype);
-            let yv = values(&y);
-            let g = (y * c).sum().backward();
-            [yv, values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap()), values(&b.grad(&g).unwrap())]
-        };
-        let [y0, dx0, dw0, db0] = grads(None);
-        let xhat32: Vec<f32> = f.xhat.iter().map(|&v| v as f32).collect();
-        let a = |i: usize| c64[i] * w64[i % cols];
-        let stats: Vec<(f64, f64)> = (0..rows)
-            .map(|r| {
-                let idx = r * cols..(r + 1) * cols;
-                let m_ax = idx.clone().map(|i| a(i) * f.xhat[i]).sum::<f64>() / cols as f64;
-                (m_ax, idx.map(|i| a(i).abs()).sum::<f64>() / cols as f64)
-            })
-            .collect();
-        let col_sum = |c: usize, g: &dyn Fn(usize) -> f64| (0..rows).map(|r| g(r * cols + c)).sum::<f64>();
-        for bits in [8, 4, 2] {
-            let [y, dx, dw, db] = grads(Some(bits));
-            let s = step(&xhat32, bits) * (1.0 + 1e-5);
-            let hs = s / 2.0;
-            let what = format!("layer_norm {dtype:?} {bits}-bit");
-            let b: Vec<f64> = (0..y.len())
-                .map(|i| {
-                    let e32 = 2.0 * cols as f64 * U * (f.xhat[i].abs() + 1.0) * w64[i % cols] + 2.0 * U * f.y[i].abs();
-                    h.ours(f.y[i], e32)
+            let [y0, dx0, dw0, db0] = grads(None);
+            let xhat32: Vec<f32> = f.xhat.iter().map(|&v| v as f32).collect();
+            let a = |i: usize| c64[i] * w64[i % cols];
+            let stats: Vec<(f64, f64)> = (0..rows)
+                .map(|r| {
+                    let idx = r * cols..(r + 1) * cols;
+                    let m_ax = idx.clone().map(|i| a(i) * f.xhat[i]).sum::<f64>() / cols as f64;
+                    (m_ax, idx.map(|i| a(i).abs()).sum::<f64>() / cols as f64)
                 })
                 .collect();
-            three_way(h.u, &format!("{what} y"), &y, &y0, &f.y, &b, &errs(&ry));
-            let b: Vec<f64> = (0..dx.len())
-                .map(|i| {
-                    let r = i / cols;
-                    let ((m_ax, m_a), rstd) = (stats[r], f.rstd[r]);
-                    let e32 = rstd * (hs * m_ax.abs() + f.xhat[i].abs() * m_a * hs + hs * hs * m_a)
-                        + 8.0 * cols as f64 * U * rstd * m_a * (2.0 + f.xhat[i].abs());
-                    h.ours(dx_ref[i], e32)
-                })
-                .collect();
-            three_way(h.u, &format!("{what} dx"), &dx, &dx0, &dx_ref, &b, &errs(&rdx));
-            let b: Vec<f64> = (0..cols)
-                .map(|c| {
-                    let e32 = hs * col_sum(c, &|i| c64[i].abs())
-                        + 4.0 * rows as f64 * U * col_sum(c, &|i| (c64[i] * f.xhat[i]).abs());
-                    h.ours(dw_ref[c], e32)
-                })
-                .collect();
-            three_way(h.u, &format!("{what} dw"), &dw, &dw0, &dw_ref, &b, &errs(&rdw));
-            let b: Vec<f64> =
-                (0..cols).map(|c| h.ours(db_ref[c], 4.0 * rows as f64 * U * col_sum(c, &|i| c64[i].abs()))).collect();
-            three_way(h.u, &format!("{what} db"), &db, &db0, &db_ref, &b, &errs(&rdb));
+            let col_sum = |c: usize, g: &dyn Fn(usize) -> f64| (0..rows).map(|r| g(r * cols + c)).sum::<f64>();
+            for bits in [8, 4, 2] {
+                let [y, dx, dw, db] = grads(Some(bits));
+                let s = step(&xhat32, bits) * (1.0 + 1e-5);
+                let hs = s / 2.0;
+                let what = format!("layer_norm {dtype:?} {bits}-bit");
+                let b: Vec<f64> = (0..y.len())
+                    .map(|i| {
+                        let e32 =
+                            2.0 * cols as f64 * U * (f.xhat[i].abs() + 1.0) * w64[i % cols] + 2.0 * U * f.y[i].abs();
+                        h.ours(f.y[i], e32)
+                    })
+                    .collect();
+                three_way(h.u, &format!("{what} y"), &y, &y0, &f.y, &b, &errs(&ry));
+                let b: Vec<f64> = (0..dx.len())
+                    .map(|i| {
+                        let r = i / cols;
+                        let ((m_ax, m_a), rstd) = (stats[r], f.rstd[r]);
+                        let e32 = rstd * (hs * m_ax.abs() + f.xhat[i].abs() * m_a * hs + hs * hs * m_a)
+                            + 8.0 * cols as f64 * U * rstd * m_a * (2.0 + f.xhat[i].abs());
+                        h.ours(dx_ref[i], e32)
+                    })
+                    .collect();
+                three_way(h.u, &format!("{what} dx"), &dx, &dx0, &dx_ref, &b, &errs(&rdx));
+                let b: Vec<f64> = (0..cols)
+                    .map(|c| {
+                        let e32 = hs * col_sum(c, &|i| c64[i].abs())
+                            + 4.0 * rows as f64 * U * col_sum(c, &|i| (c64[i] * f.xhat[i]).abs());
+                        h.ours(dw_ref[c], e32)
+                    })
+                    .collect();
+                three_way(h.u, &format!("{what} dw"), &dw, &dw0, &dw_ref, &b, &errs(&rdw));
+                let b: Vec<f64> = (0..cols)
+                    .map(|c| h.ours(db_ref[c], 4.0 * rows as f64 * U * col_sum(c, &|i| c64[i].abs())))
+                    .collect();
+                three_way(h.u, &format!("{what} db"), &db, &db0, &db_ref, &b, &errs(&rdb));
+            }
         }
     }
 }
@@ -483,88 +494,89 @@ fn rms_norm_f16_bf16_against_burn() {
     // Ours: Flex's ops in f32 (forward within 4 U relative: sqrt, recip, two products;
     // gradients within tests/ops.rs' bounds from the code step of x̂), cast once to the dtype.
     let (rows, cols) = (8, 64);
-    let device = Device::flex().autodiff();
-    for dtype in DTYPES {
-        let h = H::of(dtype);
-        let (xv, wv, _, cv) = ln_data(rows, cols, dtype);
-        let [ry, rdx, rdw] = burn_rms_norm_mirror(h, &xv, &wv, &cv, cols);
-        // exact: x̂ = x·rstd, y = x̂·w, dx = rstd·(g − x̂·mean(g⊙x̂)) with g = c⊙w, dw = Σ_rows c⊙x̂
-        let (w64, c64) = (|c: usize| wv[c] as f64, |i: usize| cv[i] as f64);
-        let mut rstd = vec![];
-        let mut xhat = vec![];
-        for r in 0..rows {
-            let row = &xv[r * cols..(r + 1) * cols];
-            let rs = 1.0 / (row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / cols as f64 + EPS).sqrt();
-            rstd.push(rs);
-            xhat.extend(row.iter().map(|&v| v as f64 * rs));
-        }
-        let y_ref: Vec<f64> = (0..xhat.len()).map(|i| xhat[i] * w64(i % cols)).collect();
-        let ga = |i: usize| c64(i) * w64(i % cols);
-        let stats: Vec<(f64, f64)> = (0..rows)
-            .map(|r| {
-                let idx = r * cols..(r + 1) * cols;
-                let m = idx.clone().map(|i| ga(i) * xhat[i]).sum::<f64>() / cols as f64;
-                (m, idx.map(|i| ga(i).abs()).sum::<f64>() / cols as f64)
-            })
-            .collect();
-        let dx_ref: Vec<f64> =
-            (0..xhat.len()).map(|i| rstd[i / cols] * (ga(i) - xhat[i] * stats[i / cols].0)).collect();
-        let dw_ref: Vec<f64> =
-            (0..cols).map(|c| (0..rows).map(|r| c64(r * cols + c) * xhat[r * cols + c]).sum()).collect();
-        same_function("rms_norm mirror y", &ry, &y_ref);
-        same_function("rms_norm mirror dx", &rdx, &dx_ref);
-        same_function("rms_norm mirror dw", &rdw, &dw_ref);
-        let run = |bits: Option<u32>| {
-            let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
-            let w = tensor(&wv, [cols], dtype, &device);
-            let c = tensor(&cv, [rows, cols], dtype, &device);
-            let (y, w) = match bits {
-                Some(bits) => {
-                    let m = mesa_burn::nn::RmsNormConfig::new(cols).with_bits(bits).init(&device);
-                    let m = mesa_burn::nn::RmsNorm { gamma: m.gamma.map(|_| w.clone().require_grad()), ..m };
-                    (m.forward(x.clone()).unwrap(), m.gamma.val())
-                }
-                None => {
-                    let m = burn::nn::RmsNormConfig::new(cols).init(&device);
-                    let m = burn::nn::RmsNorm { gamma: m.gamma.map(|_| w.clone().require_grad()), ..m };
-                    (m.forward(x.clone()), m.gamma.val())
-                }
+    for device in autodiff_devices() {
+        for dtype in DTYPES {
+            let h = H::of(dtype);
+            let (xv, wv, _, cv) = ln_data(rows, cols, dtype);
+            let [ry, rdx, rdw] = burn_rms_norm_mirror(h, &xv, &wv, &cv, cols);
+            // exact: x̂ = x·rstd, y = x̂·w, dx = rstd·(g − x̂·mean(g⊙x̂)) with g = c⊙w, dw = Σ_rows c⊙x̂
+            let (w64, c64) = (|c: usize| wv[c] as f64, |i: usize| cv[i] as f64);
+            let mut rstd = vec![];
+            let mut xhat = vec![];
+            for r in 0..rows {
+                let row = &xv[r * cols..(r + 1) * cols];
+                let rs = 1.0 / (row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / cols as f64 + EPS).sqrt();
+                rstd.push(rs);
+                xhat.extend(row.iter().map(|&v| v as f64 * rs));
+            }
+            let y_ref: Vec<f64> = (0..xhat.len()).map(|i| xhat[i] * w64(i % cols)).collect();
+            let ga = |i: usize| c64(i) * w64(i % cols);
+            let stats: Vec<(f64, f64)> = (0..rows)
+                .map(|r| {
+                    let idx = r * cols..(r + 1) * cols;
+                    let m = idx.clone().map(|i| ga(i) * xhat[i]).sum::<f64>() / cols as f64;
+                    (m, idx.map(|i| ga(i).abs()).sum::<f64>() / cols as f64)
+                })
+                .collect();
+            let dx_ref: Vec<f64> =
+                (0..xhat.len()).map(|i| rstd[i / cols] * (ga(i) - xhat[i] * stats[i / cols].0)).collect();
+            let dw_ref: Vec<f64> =
+                (0..cols).map(|c| (0..rows).map(|r| c64(r * cols + c) * xhat[r * cols + c]).sum()).collect();
+            same_function("rms_norm mirror y", &ry, &y_ref);
+            same_function("rms_norm mirror dx", &rdx, &dx_ref);
+            same_function("rms_norm mirror dw", &rdw, &dw_ref);
+            let run = |bits: Option<u32>| {
+                let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
+                let w = tensor(&wv, [cols], dtype, &device);
+                let c = tensor(&cv, [rows, cols], dtype, &device);
+                let (y, w) = match bits {
+                    Some(bits) => {
+                        let m = mesa_burn::nn::RmsNormConfig::new(cols).with_bits(bits).init(&device);
+                        let m = mesa_burn::nn::RmsNorm { gamma: m.gamma.map(|_| w.clone().require_grad()), ..m };
+                        (m.forward(x.clone()).unwrap(), m.gamma.val())
+                    }
+                    None => {
+                        let m = burn::nn::RmsNormConfig::new(cols).init(&device);
+                        let m = burn::nn::RmsNorm { gamma: m.gamma.map(|_| w.clone().require_grad()), ..m };
+                        (m.forward(x.clone()), m.gamma.val())
+                    }
+                };
+                assert_eq!(y.dtype(), dtype);
+                let yv = values(&y);
+                let g = (y * c).sum().backward();
+                [yv, values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap())]
             };
-            assert_eq!(y.dtype(), dtype);
-            let yv = values(&y);
-            let g = (y * c).sum().backward();
-            [yv, values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap())]
-        };
-        let [y0, dx0, dw0] = run(None);
-        let xhat32: Vec<f32> = xhat.iter().map(|&v| v as f32).collect();
-        for bits in [8, 4, 2] {
-            let [y, dx, dw] = run(Some(bits));
-            let hs = step(&xhat32, bits) * (1.0 + 1e-5) / 2.0;
-            let what = format!("rms_norm {dtype:?} {bits}-bit");
-            let b: Vec<f64> = y_ref.iter().map(|&v| h.ours(v, 4.0 * U * v.abs())).collect();
-            three_way(h.u, &format!("{what} y"), &y, &y0, &y_ref, &b, &errs(&ry));
-            let b: Vec<f64> = (0..dx.len())
-                .map(|i| {
-                    let (m, mg) = stats[i / cols];
-                    let rs = rstd[i / cols];
-                    let e32 = rs * (hs * m.abs() + xhat[i].abs() * mg * hs + hs * hs * mg)
-                        + 8.0 * cols as f64 * U * rs * mg * (2.0 + xhat[i].abs());
-                    h.ours(dx_ref[i], e32)
-                })
-                .collect();
-            three_way(h.u, &format!("{what} dx"), &dx, &dx0, &dx_ref, &b, &errs(&rdx));
-            let b: Vec<f64> = (0..cols)
-                .map(|c| {
-                    let e32 = (0..rows)
-                        .map(|r| {
-                            let i = r * cols + c;
-                            hs * c64(i).abs() + 4.0 * rows as f64 * U * (c64(i) * xhat[i]).abs()
-                        })
-                        .sum::<f64>();
-                    h.ours(dw_ref[c], e32)
-                })
-                .collect();
-            three_way(h.u, &format!("{what} dw"), &dw, &dw0, &dw_ref, &b, &errs(&rdw));
+            let [y0, dx0, dw0] = run(None);
+            let xhat32: Vec<f32> = xhat.iter().map(|&v| v as f32).collect();
+            for bits in [8, 4, 2] {
+                let [y, dx, dw] = run(Some(bits));
+                let hs = step(&xhat32, bits) * (1.0 + 1e-5) / 2.0;
+                let what = format!("rms_norm {dtype:?} {bits}-bit");
+                let b: Vec<f64> = y_ref.iter().map(|&v| h.ours(v, 4.0 * U * v.abs())).collect();
+                three_way(h.u, &format!("{what} y"), &y, &y0, &y_ref, &b, &errs(&ry));
+                let b: Vec<f64> = (0..dx.len())
+                    .map(|i| {
+                        let (m, mg) = stats[i / cols];
+                        let rs = rstd[i / cols];
+                        let e32 = rs * (hs * m.abs() + xhat[i].abs() * mg * hs + hs * hs * mg)
+                            + 8.0 * cols as f64 * U * rs * mg * (2.0 + xhat[i].abs());
+                        h.ours(dx_ref[i], e32)
+                    })
+                    .collect();
+                three_way(h.u, &format!("{what} dx"), &dx, &dx0, &dx_ref, &b, &errs(&rdx));
+                let b: Vec<f64> = (0..cols)
+                    .map(|c| {
+                        let e32 = (0..rows)
+                            .map(|r| {
+                                let i = r * cols + c;
+                                hs * c64(i).abs() + 4.0 * rows as f64 * U * (c64(i) * xhat[i]).abs()
+                            })
+                            .sum::<f64>();
+                        h.ours(dw_ref[c], e32)
+                    })
+                    .collect();
+                three_way(h.u, &format!("{what} dw"), &dw, &dw0, &dw_ref, &b, &errs(&rdw));
+            }
         }
     }
 }
@@ -576,74 +588,75 @@ fn linear_f16_bf16_against_burn() {
     // within s/2 of x plus 2 U·max|x| (f32 decode) plus its rounding; then the same matmul.
     let (b0, b1, d_in, d_out) = (2, 16, 48, 24);
     let n = b0 * b1;
-    let device = Device::flex().autodiff();
-    for dtype in DTYPES {
-        let h = H::of(dtype);
-        let xv = rounded(&data(n * d_in, 70, -2.0, 3.0), dtype);
-        let wv = rounded(&data(d_in * d_out, 71, -0.3, 0.3), dtype);
-        let bv = rounded(&data(d_out, 72, -0.1, 0.1), dtype);
-        let cv = rounded(&data(n * d_out, 73, -1.0, 1.0), dtype);
-        let (xi, wi, ci) = (
-            |i: usize, k: usize| x(xv[i * d_in + k]),
-            |k: usize, j: usize| x(wv[k * d_out + j]),
-            |i: usize, j: usize| x(cv[i * d_out + j]),
-        );
-        let ry: Vec<R> = (0..n * d_out)
-            .map(|e| {
-                let (i, j) = (e / d_out, e % d_out);
-                h.add(h.mm(&(0..d_in).map(|k| mul(xi(i, k), wi(k, j))).collect::<Vec<_>>()), x(bv[j]))
-            })
-            .collect();
-        let rdx: Vec<R> = (0..n * d_in)
-            .map(|e| {
-                let (i, k) = (e / d_in, e % d_in);
-                h.mm(&(0..d_out).map(|j| mul(ci(i, j), wi(k, j))).collect::<Vec<_>>())
-            })
-            .collect();
-        let rdw: Vec<R> = (0..d_in * d_out)
-            .map(|e| {
-                let (k, j) = (e / d_out, e % d_out);
-                h.mm(&(0..n).map(|i| mul(xi(i, k), ci(i, j))).collect::<Vec<_>>())
-            })
-            .collect();
-        let rdb: Vec<R> = (0..d_out).map(|j| h.sum(&(0..n).map(|i| ci(i, j)).collect::<Vec<_>>())).collect();
-        let run = |bits: Option<u32>| {
-            let x = tensor(&xv, [b0, b1, d_in], dtype, &device).require_grad();
-            let w = tensor(&wv, [d_in, d_out], dtype, &device).require_grad();
-            let b = tensor(&bv, [d_out], dtype, &device).require_grad();
-            let c = tensor(&cv, [b0, b1, d_out], dtype, &device);
-            let y = match bits {
-                Some(bits) => mesa_burn::linear(x.clone(), w.clone(), Some(b.clone()), Codes::bits(bits)).unwrap(),
-                None => module::linear(x.clone(), w.clone(), Some(b.clone())),
-            };
-            assert_eq!(y.dtype(), dtype);
-            let yv = values(&y);
-            let g = (y * c).sum().backward();
-            [yv, values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap()), values(&b.grad(&g).unwrap())]
-        };
-        let [y0, dx0, dw0, db0] = run(None);
-        let max_x = xv.iter().fold(0.0f64, |m, &v| m.max((v as f64).abs()));
-        for bits in [8, 4, 2] {
-            let [y, dx, dw, db] = run(Some(bits));
-            let hs = step(&xv, bits) / 2.0;
-            let what = format!("linear {dtype:?} {bits}-bit");
-            three_way(h.u, &format!("{what} y"), &y, &y0, &vals(&ry), &errs(&ry), &errs(&ry));
-            three_way(h.u, &format!("{what} dx"), &dx, &dx0, &vals(&rdx), &errs(&rdx), &errs(&rdx));
-            let b: Vec<f64> = (0..d_in * d_out)
+    for device in autodiff_devices() {
+        for dtype in DTYPES {
+            let h = H::of(dtype);
+            let xv = rounded(&data(n * d_in, 70, -2.0, 3.0), dtype);
+            let wv = rounded(&data(d_in * d_out, 71, -0.3, 0.3), dtype);
+            let bv = rounded(&data(d_out, 72, -0.1, 0.1), dtype);
+            let cv = rounded(&data(n * d_out, 73, -1.0, 1.0), dtype);
+            let (xi, wi, ci) = (
+                |i: usize, k: usize| x(xv[i * d_in + k]),
+                |k: usize, j: usize| x(wv[k * d_out + j]),
+                |i: usize, j: usize| x(cv[i * d_out + j]),
+            );
+            let ry: Vec<R> = (0..n * d_out)
                 .map(|e| {
-                    let (k, j) = (e / d_out, e % d_out);
-                    let terms: Vec<R> = (0..n)
-                        .map(|i| {
-                            let xq = xi(i, k);
-                            let dq = hs + 2.0 * U * max_x;
-                            mul(R { v: xq.v, e: dq + h.u * (xq.v.abs() + dq) + h.eta }, ci(i, j))
-                        })
-                        .collect();
-                    h.mm(&terms).e
+                    let (i, j) = (e / d_out, e % d_out);
+                    h.add(h.mm(&(0..d_in).map(|k| mul(xi(i, k), wi(k, j))).collect::<Vec<_>>()), x(bv[j]))
                 })
                 .collect();
-            three_way(h.u, &format!("{what} dW"), &dw, &dw0, &vals(&rdw), &b, &errs(&rdw));
-            three_way(h.u, &format!("{what} db"), &db, &db0, &vals(&rdb), &errs(&rdb), &errs(&rdb));
+            let rdx: Vec<R> = (0..n * d_in)
+                .map(|e| {
+                    let (i, k) = (e / d_in, e % d_in);
+                    h.mm(&(0..d_out).map(|j| mul(ci(i, j), wi(k, j))).collect::<Vec<_>>())
+                })
+                .collect();
+            let rdw: Vec<R> = (0..d_in * d_out)
+                .map(|e| {
+                    let (k, j) = (e / d_out, e % d_out);
+                    h.mm(&(0..n).map(|i| mul(xi(i, k), ci(i, j))).collect::<Vec<_>>())
+                })
+                .collect();
+            let rdb: Vec<R> = (0..d_out).map(|j| h.sum(&(0..n).map(|i| ci(i, j)).collect::<Vec<_>>())).collect();
+            let run = |bits: Option<u32>| {
+                let x = tensor(&xv, [b0, b1, d_in], dtype, &device).require_grad();
+                let w = tensor(&wv, [d_in, d_out], dtype, &device).require_grad();
+                let b = tensor(&bv, [d_out], dtype, &device).require_grad();
+                let c = tensor(&cv, [b0, b1, d_out], dtype, &device);
+                let y = match bits {
+                    Some(bits) => mesa_burn::linear(x.clone(), w.clone(), Some(b.clone()), Codes::bits(bits)).unwrap(),
+                    None => module::linear(x.clone(), w.clone(), Some(b.clone())),
+                };
+                assert_eq!(y.dtype(), dtype);
+                let yv = values(&y);
+                let g = (y * c).sum().backward();
+                [yv, values(&x.grad(&g).unwrap()), values(&w.grad(&g).unwrap()), values(&b.grad(&g).unwrap())]
+            };
+            let [y0, dx0, dw0, db0] = run(None);
+            let max_x = xv.iter().fold(0.0f64, |m, &v| m.max((v as f64).abs()));
+            for bits in [8, 4, 2] {
+                let [y, dx, dw, db] = run(Some(bits));
+                let hs = step(&xv, bits) / 2.0;
+                let what = format!("linear {dtype:?} {bits}-bit");
+                three_way(h.u, &format!("{what} y"), &y, &y0, &vals(&ry), &errs(&ry), &errs(&ry));
+                three_way(h.u, &format!("{what} dx"), &dx, &dx0, &vals(&rdx), &errs(&rdx), &errs(&rdx));
+                let b: Vec<f64> = (0..d_in * d_out)
+                    .map(|e| {
+                        let (k, j) = (e / d_out, e % d_out);
+                        let terms: Vec<R> = (0..n)
+                            .map(|i| {
+                                let xq = xi(i, k);
+                                let dq = hs + 2.0 * U * max_x;
+                                mul(R { v: xq.v, e: dq + h.u * (xq.v.abs() + dq) + h.eta }, ci(i, j))
+                            })
+                            .collect();
+                        h.mm(&terms).e
+                    })
+                    .collect();
+                three_way(h.u, &format!("{what} dW"), &dw, &dw0, &vals(&rdw), &b, &errs(&rdw));
+                three_way(h.u, &format!("{what} db"), &db, &db0, &vals(&rdb), &errs(&rdb), &errs(&rdb));
+            }
         }
     }
 }
@@ -680,57 +693,58 @@ fn softmax_with_causal_mask_f16_bf16_against_burn() {
     // (L = 2^bits − 1), and then tests/ops.rs' bound
     // e_i·|c_i − m| + (y_i + e_i)·Σ_j |c_j|·e_j + 4·(C + 4)·U·y_i·(|c_i| + Σ_j |c_j|·y_j), rounded once.
     let (rows, cols) = (32, 32);
-    let device = Device::flex().autodiff();
-    let masked = |i: usize| i % cols > i / cols;
-    let mask: Vec<f32> = (0..rows * cols).map(|i| if masked(i) { f32::NEG_INFINITY } else { 0.0 }).collect();
-    for dtype in DTYPES {
-        let h = H::of(dtype);
-        let xv = rounded(&data(rows * cols, 80, -3.0, 3.0), dtype);
-        let cv = rounded(&data(rows * cols, 81, -1.0, 1.0), dtype);
-        let xm: Vec<f64> = xv.iter().zip(&mask).map(|(&x, &m)| x as f64 + m as f64).collect();
-        let c64: Vec<f64> = cv.iter().map(|&c| c as f64).collect();
-        let y_ref = reference::softmax_rows(&xm, None, cols);
-        let dx_ref = reference::softmax_backward_rows(&y_ref, &c64, cols);
-        let [ry, rdx] = burn_softmax_mirror(h, &xv, &masked, &cv, cols);
-        same_function("softmax mirror y", &ry, &y_ref);
-        same_function("softmax mirror dx", &rdx, &dx_ref);
-        let run = |bits: Option<u32>| {
-            let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
-            let m = tensor(&mask, [rows, cols], dtype, &device);
-            let c = tensor(&cv, [rows, cols], dtype, &device);
-            let y = match bits {
-                Some(bits) => mesa_burn::softmax(x.clone(), Some(m), Codes::bits(bits)).unwrap(),
-                None => activation::softmax(x.clone() + m, 1),
+    for device in autodiff_devices() {
+        let masked = |i: usize| i % cols > i / cols;
+        let mask: Vec<f32> = (0..rows * cols).map(|i| if masked(i) { f32::NEG_INFINITY } else { 0.0 }).collect();
+        for dtype in DTYPES {
+            let h = H::of(dtype);
+            let xv = rounded(&data(rows * cols, 80, -3.0, 3.0), dtype);
+            let cv = rounded(&data(rows * cols, 81, -1.0, 1.0), dtype);
+            let xm: Vec<f64> = xv.iter().zip(&mask).map(|(&x, &m)| x as f64 + m as f64).collect();
+            let c64: Vec<f64> = cv.iter().map(|&c| c as f64).collect();
+            let y_ref = reference::softmax_rows(&xm, None, cols);
+            let dx_ref = reference::softmax_backward_rows(&y_ref, &c64, cols);
+            let [ry, rdx] = burn_softmax_mirror(h, &xv, &masked, &cv, cols);
+            same_function("softmax mirror y", &ry, &y_ref);
+            same_function("softmax mirror dx", &rdx, &dx_ref);
+            let run = |bits: Option<u32>| {
+                let x = tensor(&xv, [rows, cols], dtype, &device).require_grad();
+                let m = tensor(&mask, [rows, cols], dtype, &device);
+                let c = tensor(&cv, [rows, cols], dtype, &device);
+                let y = match bits {
+                    Some(bits) => mesa_burn::softmax(x.clone(), Some(m), Codes::bits(bits)).unwrap(),
+                    None => activation::softmax(x.clone() + m, 1),
+                };
+                assert_eq!(y.dtype(), dtype);
+                let yv = values(&y);
+                [yv, values(&x.grad(&(y * c).sum().backward()).unwrap())]
             };
-            assert_eq!(y.dtype(), dtype);
-            let yv = values(&y);
-            [yv, values(&x.grad(&(y * c).sum().backward()).unwrap())]
-        };
-        let [y0, dx0] = run(None);
-        let ey: Vec<f64> = y_ref.iter().map(|&y| h.ours(y, (cols + 4) as f64 * U * y)).collect();
-        for bits in [8, 4, 2] {
-            let [y, dx] = run(Some(bits));
-            let what = format!("softmax {dtype:?} {bits}-bit");
-            three_way(h.u, &format!("{what} y"), &y, &y0, &y_ref, &ey, &errs(&ry));
-            let l = f64::from((1u32 << bits) - 1);
-            let e: Vec<f64> =
-                (0..y_ref.len()).map(|i| ey[i] + ((y_ref[i] + ey[i]).sqrt() + 1.0 / (4.0 * l)) / l).collect();
-            let b: Vec<f64> = (0..y_ref.len())
-                .map(|i| {
-                    if masked(i) {
-                        return 0.0;
-                    }
-                    let idx = (i / cols) * cols..(i / cols + 1) * cols;
-                    let m: f64 = idx.clone().map(|j| c64[j] * y_ref[j]).sum();
-                    let ce: f64 = idx.clone().filter(|&j| !masked(j)).map(|j| c64[j].abs() * e[j]).sum();
-                    let cy: f64 = idx.map(|j| c64[j].abs() * y_ref[j]).sum();
-                    let e32 = e[i] * (c64[i] - m).abs()
-                        + (y_ref[i] + e[i]) * ce
-                        + 4.0 * (cols + 4) as f64 * U * y_ref[i] * (c64[i].abs() + cy);
-                    h.ours(dx_ref[i], e32)
-                })
-                .collect();
-            three_way(h.u, &format!("{what} dx"), &dx, &dx0, &dx_ref, &b, &errs(&rdx));
+            let [y0, dx0] = run(None);
+            let ey: Vec<f64> = y_ref.iter().map(|&y| h.ours(y, (cols + 4) as f64 * U * y)).collect();
+            for bits in [8, 4, 2] {
+                let [y, dx] = run(Some(bits));
+                let what = format!("softmax {dtype:?} {bits}-bit");
+                three_way(h.u, &format!("{what} y"), &y, &y0, &y_ref, &ey, &errs(&ry));
+                let l = f64::from((1u32 << bits) - 1);
+                let e: Vec<f64> =
+                    (0..y_ref.len()).map(|i| ey[i] + ((y_ref[i] + ey[i]).sqrt() + 1.0 / (4.0 * l)) / l).collect();
+                let b: Vec<f64> = (0..y_ref.len())
+                    .map(|i| {
+                        if masked(i) {
+                            return 0.0;
+                        }
+                        let idx = (i / cols) * cols..(i / cols + 1) * cols;
+                        let m: f64 = idx.clone().map(|j| c64[j] * y_ref[j]).sum();
+                        let ce: f64 = idx.clone().filter(|&j| !masked(j)).map(|j| c64[j].abs() * e[j]).sum();
+                        let cy: f64 = idx.map(|j| c64[j].abs() * y_ref[j]).sum();
+                        let e32 = e[i] * (c64[i] - m).abs()
+                            + (y_ref[i] + e[i]) * ce
+                            + 4.0 * (cols + 4) as f64 * U * y_ref[i] * (c64[i].abs() + cy);
+                        h.ours(dx_ref[i], e32)
+                    })
+                    .collect();
+                three_way(h.u, &format!("{what} dx"), &dx, &dx0, &dx_ref, &b, &errs(&rdx));
+            }
         }
     }
 }
@@ -764,58 +778,59 @@ fn swiglu_f16_bf16_against_burn() {
     // hu of the two codes, S1 = max|silu'|, S2 = max|silu''|, plus 16·U·|c|·(|u| + 1)·(1 + |g|)),
     // rounded once.
     let (rows, cols) = (16, 64);
-    let device = Device::flex().autodiff();
-    let (mut s1, mut s2) = (0.0f64, 0.0f64);
-    for k in -20_000..=20_000 {
-        let (_, d1, d2) = silu_d(k as f64 * 1e-3);
-        s1 = s1.max(d1.abs());
-        s2 = s2.max(d2.abs());
-    }
-    let (s1, s2) = (s1 * 1.001, s2 * 1.001);
-    for dtype in DTYPES {
-        let h = H::of(dtype);
-        let gv = rounded(&data(rows * cols, 90, -5.0, 5.0), dtype);
-        let uv = rounded(&data(rows * cols, 91, -2.0, 2.0), dtype);
-        let cv = rounded(&data(rows * cols, 92, -1.0, 1.0), dtype);
-        let (g, u, c) = (|i: usize| gv[i] as f64, |i: usize| uv[i] as f64, |i: usize| cv[i] as f64);
-        let n = gv.len();
-        let y_ref: Vec<f64> = (0..n).map(|i| reference::swiglu(g(i), u(i))).collect();
-        let (dg_ref, du_ref): (Vec<f64>, Vec<f64>) =
-            (0..n).map(|i| reference::swiglu_backward(g(i), u(i), c(i))).unzip();
-        let mirror: Vec<[R; 3]> = (0..n).map(|i| burn_swiglu_mirror(h, gv[i], uv[i], cv[i])).collect();
-        let part = |k: usize| mirror.iter().map(|m| m[k]).collect::<Vec<R>>();
-        let (ry, rdg, rdu) = (part(0), part(1), part(2));
-        same_function("swiglu mirror y", &ry, &y_ref);
-        same_function("swiglu mirror dgate", &rdg, &dg_ref);
-        same_function("swiglu mirror dup", &rdu, &du_ref);
-        let run = |bits: Option<u32>| {
-            let gt = tensor(&gv, [rows, cols], dtype, &device).require_grad();
-            let ut = tensor(&uv, [rows, cols], dtype, &device).require_grad();
-            let ct = tensor(&cv, [rows, cols], dtype, &device);
-            let y = match bits {
-                Some(bits) => mesa_burn::swiglu(gt.clone(), ut.clone(), Codes::bits(bits)).unwrap(),
-                None => activation::silu(gt.clone()) * ut.clone(),
+    for device in autodiff_devices() {
+        let (mut s1, mut s2) = (0.0f64, 0.0f64);
+        for k in -20_000..=20_000 {
+            let (_, d1, d2) = silu_d(k as f64 * 1e-3);
+            s1 = s1.max(d1.abs());
+            s2 = s2.max(d2.abs());
+        }
+        let (s1, s2) = (s1 * 1.001, s2 * 1.001);
+        for dtype in DTYPES {
+            let h = H::of(dtype);
+            let gv = rounded(&data(rows * cols, 90, -5.0, 5.0), dtype);
+            let uv = rounded(&data(rows * cols, 91, -2.0, 2.0), dtype);
+            let cv = rounded(&data(rows * cols, 92, -1.0, 1.0), dtype);
+            let (g, u, c) = (|i: usize| gv[i] as f64, |i: usize| uv[i] as f64, |i: usize| cv[i] as f64);
+            let n = gv.len();
+            let y_ref: Vec<f64> = (0..n).map(|i| reference::swiglu(g(i), u(i))).collect();
+            let (dg_ref, du_ref): (Vec<f64>, Vec<f64>) =
+                (0..n).map(|i| reference::swiglu_backward(g(i), u(i), c(i))).unzip();
+            let mirror: Vec<[R; 3]> = (0..n).map(|i| burn_swiglu_mirror(h, gv[i], uv[i], cv[i])).collect();
+            let part = |k: usize| mirror.iter().map(|m| m[k]).collect::<Vec<R>>();
+            let (ry, rdg, rdu) = (part(0), part(1), part(2));
+            same_function("swiglu mirror y", &ry, &y_ref);
+            same_function("swiglu mirror dgate", &rdg, &dg_ref);
+            same_function("swiglu mirror dup", &rdu, &du_ref);
+            let run = |bits: Option<u32>| {
+                let gt = tensor(&gv, [rows, cols], dtype, &device).require_grad();
+                let ut = tensor(&uv, [rows, cols], dtype, &device).require_grad();
+                let ct = tensor(&cv, [rows, cols], dtype, &device);
+                let y = match bits {
+                    Some(bits) => mesa_burn::swiglu(gt.clone(), ut.clone(), Codes::bits(bits)).unwrap(),
+                    None => activation::silu(gt.clone()) * ut.clone(),
+                };
+                assert_eq!(y.dtype(), dtype);
+                let yv = values(&y);
+                let gr = (y * ct).sum().backward();
+                [yv, values(&gt.grad(&gr).unwrap()), values(&ut.grad(&gr).unwrap())]
             };
-            assert_eq!(y.dtype(), dtype);
-            let yv = values(&y);
-            let gr = (y * ct).sum().backward();
-            [yv, values(&gt.grad(&gr).unwrap()), values(&ut.grad(&gr).unwrap())]
-        };
-        let [y0, dg0, du0] = run(None);
-        for bits in [8, 4, 2] {
-            let [y, dg, du] = run(Some(bits));
-            let (hg, hu) = (step(&gv, bits) / 2.0, step(&uv, bits) / 2.0);
-            let what = format!("swiglu {dtype:?} {bits}-bit");
-            let slack = |i: usize| 16.0 * U * c(i).abs() * (u(i).abs() + 1.0) * (1.0 + g(i).abs());
-            let b: Vec<f64> =
-                (0..n).map(|i| h.ours(y_ref[i], 8.0 * U * (y_ref[i].abs() + (g(i) * u(i)).abs()))).collect();
-            three_way(h.u, &format!("{what} y"), &y, &y0, &y_ref, &b, &errs(&ry));
-            let b: Vec<f64> = (0..n).map(|i| h.ours(du_ref[i], c(i).abs() * s1 * hg + slack(i))).collect();
-            three_way(h.u, &format!("{what} dup"), &du, &du0, &du_ref, &b, &errs(&rdu));
-            let b: Vec<f64> = (0..n)
-                .map(|i| h.ours(dg_ref[i], c(i).abs() * (hu * s1 + (u(i).abs() + hu) * s2 * hg) + slack(i)))
-                .collect();
-            three_way(h.u, &format!("{what} dgate"), &dg, &dg0, &dg_ref, &b, &errs(&rdg));
+            let [y0, dg0, du0] = run(None);
+            for bits in [8, 4, 2] {
+                let [y, dg, du] = run(Some(bits));
+                let (hg, hu) = (step(&gv, bits) / 2.0, step(&uv, bits) / 2.0);
+                let what = format!("swiglu {dtype:?} {bits}-bit");
+                let slack = |i: usize| 16.0 * U * c(i).abs() * (u(i).abs() + 1.0) * (1.0 + g(i).abs());
+                let b: Vec<f64> =
+                    (0..n).map(|i| h.ours(y_ref[i], 8.0 * U * (y_ref[i].abs() + (g(i) * u(i)).abs()))).collect();
+                three_way(h.u, &format!("{what} y"), &y, &y0, &y_ref, &b, &errs(&ry));
+                let b: Vec<f64> = (0..n).map(|i| h.ours(du_ref[i], c(i).abs() * s1 * hg + slack(i))).collect();
+                three_way(h.u, &format!("{what} dup"), &du, &du0, &du_ref, &b, &errs(&rdu));
+                let b: Vec<f64> = (0..n)
+                    .map(|i| h.ours(dg_ref[i], c(i).abs() * (hu * s1 + (u(i).abs() + hu) * s2 * hg) + slack(i)))
+                    .collect();
+                three_way(h.u, &format!("{what} dgate"), &dg, &dg0, &dg_ref, &b, &errs(&rdg));
+            }
         }
     }
 }
@@ -832,117 +847,124 @@ fn linear_attention_f16_bf16_against_burn() {
     use mesa_kernels::reference::linear_attention as la;
     let (b, hh, l, m, d) = (1, 2, 24, 8, 6);
     let eps = 1e-6f64;
-    let device = Device::flex().autodiff();
-    let mask: Vec<f32> = (0..l * l).map(|i| if i % l <= i / l { 1.0 } else { 0.0 }).collect();
-    for dtype in DTYPES {
-        let h = H::of(dtype);
-        let qv = rounded(&data(b * hh * l * m, 100, 0.1, 1.0), dtype);
-        let kv = rounded(&data(b * hh * l * m, 101, 0.1, 1.0), dtype);
-        let vv = rounded(&data(b * hh * l * d, 102, -1.0, 1.0), dtype);
-        let cv = rounded(&data(b * hh * l * d, 103, -1.0, 1.0), dtype);
-        let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-        let (q64, k64, v64, c64) = (f64s(&qv), f64s(&kv), f64s(&vv), f64s(&cv));
-        let att = la::Attention {
-            q: &q64,
-            k: &k64,
-            v: &v64,
-            dims: la::Dims { batch: b, heads: hh, len: l, feat: m, dim: d },
-            causal: true,
-            normalize: Some(eps),
-        };
-        let (y_ref, _) = la::forward(&att).unwrap();
-        let (dq_ref, dk_ref, dv_ref) = la::backward(&att, &c64).unwrap();
-
-        // the mirror
-        let (mut ry, mut rdq, mut rdk, mut rdv) = (vec![], vec![], vec![], vec![]);
-        for bh in 0..b * hh {
-            let q = |t: usize, j: usize| x(qv[(bh * l + t) * m + j]);
-            let k = |s: usize, j: usize| x(kv[(bh * l + s) * m + j]);
-            let v = |s: usize, j: usize| x(vv[(bh * l + s) * d + j]);
-            let c = |t: usize, j: usize| x(cv[(bh * l + t) * d + j]);
-            let a: Vec<Vec<R>> = (0..l)
-                .map(|t| (0..=t).map(|s| h.mm(&(0..m).map(|j| mul(q(t, j), k(s, j))).collect::<Vec<_>>())).collect())
-                .collect();
-            let num: Vec<Vec<R>> = (0..l)
-                .map(|t| (0..d).map(|j| h.mm(&(0..=t).map(|s| mul(a[t][s], v(s, j))).collect::<Vec<_>>())).collect())
-                .collect();
-            let den: Vec<R> = (0..l).map(|t| h.add(h.sum(&a[t]), h.c(eps))).collect();
-            let mut da = vec![vec![]; l];
-            let mut dnum = vec![vec![]; l];
-            for t in 0..l {
-                ry.extend((0..d).map(|j| h.div(num[t][j], den[t])));
-                let rec = h.r(div(x(1.0), den[t]));
-                let den2 = h.mul(den[t], den[t]);
-                dnum[t] = (0..d).map(|j| h.mul(c(t, j), rec)).collect::<Vec<R>>();
-                let dden = h.sum(&(0..d).map(|j| h.mul(c(t, j), h.div(neg(num[t][j]), den2))).collect::<Vec<_>>());
-                da[t] = (0..=t)
-                    .map(|s| h.add(h.mm(&(0..d).map(|j| mul(dnum[t][j], v(s, j))).collect::<Vec<_>>()), dden))
-                    .collect();
-            }
-            for (t, da_t) in da.iter().enumerate() {
-                rdq.extend((0..m).map(|j| h.mm(&(0..=t).map(|s| mul(da_t[s], k(s, j))).collect::<Vec<_>>())));
-            }
-            for s in 0..l {
-                rdk.extend((0..m).map(|j| h.mm(&(s..l).map(|t| mul(da[t][s], q(t, j))).collect::<Vec<_>>())));
-                rdv.extend((0..d).map(|j| h.mm(&(s..l).map(|t| mul(a[t][s], dnum[t][j])).collect::<Vec<_>>())));
-            }
-        }
-        same_function("linear attention mirror y", &ry, &y_ref);
-        same_function("linear attention mirror dq", &rdq, &dq_ref);
-        same_function("linear attention mirror dk", &rdk, &dk_ref);
-        same_function("linear attention mirror dv", &rdv, &dv_ref);
-
-        let run = |mesa: bool| {
-            let q = tensor(&qv, [b, hh, l, m], dtype, &device).require_grad();
-            let k = tensor(&kv, [b, hh, l, m], dtype, &device).require_grad();
-            let v = tensor(&vv, [b, hh, l, d], dtype, &device).require_grad();
-            let c = tensor(&cv, [b, hh, l, d], dtype, &device);
-            let y = if mesa {
-                let config = LinearAttentionConfig { eps: eps as f32, ..LinearAttentionConfig::causal() };
-                mesa_burn::linear_attention(q.clone(), k.clone(), v.clone(), config).unwrap()
-            } else {
-                let a = q.clone().matmul(k.clone().swap_dims(2, 3)) * tensor(&mask, [1, 1, l, l], dtype, &device);
-                let den = a.clone().sum_dim(3) + eps;
-                a.matmul(v.clone()) / den
+    for device in autodiff_devices() {
+        let mask: Vec<f32> = (0..l * l).map(|i| if i % l <= i / l { 1.0 } else { 0.0 }).collect();
+        for dtype in DTYPES {
+            let h = H::of(dtype);
+            let qv = rounded(&data(b * hh * l * m, 100, 0.1, 1.0), dtype);
+            let kv = rounded(&data(b * hh * l * m, 101, 0.1, 1.0), dtype);
+            let vv = rounded(&data(b * hh * l * d, 102, -1.0, 1.0), dtype);
+            let cv = rounded(&data(b * hh * l * d, 103, -1.0, 1.0), dtype);
+            let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+            let (q64, k64, v64, c64) = (f64s(&qv), f64s(&kv), f64s(&vv), f64s(&cv));
+            let att = la::Attention {
+                q: &q64,
+                k: &k64,
+                v: &v64,
+                dims: la::Dims { batch: b, heads: hh, len: l, feat: m, dim: d },
+                causal: true,
+                normalize: Some(eps),
             };
-            assert_eq!(y.dtype(), dtype);
-            let yv = values(&y);
-            let g = (y * c).sum().backward();
-            [yv, values(&q.grad(&g).unwrap()), values(&k.grad(&g).unwrap()), values(&v.grad(&g).unwrap())]
-        };
-        let [y0, dq0, dk0, dv0] = run(false);
-        let [y, dq, dk, dv] = run(true);
+            let (y_ref, _) = la::forward(&att).unwrap();
+            let (dq_ref, dk_ref, dv_ref) = la::backward(&att, &c64).unwrap();
 
-        let [m_out, m_dq, m_dk, m_dv] = linear_attention_magnitudes(&q64, &k64, &v64, &c64, (b * hh, l, m, d), eps);
-        let n = (l + m + d) as f64;
-        let f32_err = |mag: &[f64]| mag.iter().map(|&v| 4.0 * n * U * v + 1e-30).collect::<Vec<f64>>();
-        let eo: Vec<f64> = f32_err(&m_out).iter().zip(&y_ref).map(|(&e, &v)| h.ours(v, e)).collect();
-        // δ_t per (bh, t), and g_t
-        let mut e_dq = f32_err(&m_dq);
-        let mut e_dk = f32_err(&m_dk);
-        for bh in 0..b * hh {
-            let row = |t: usize| bh * l + t;
-            let g: Vec<f64> = (0..l)
-                .map(|t| {
-                    (0..=t).map(|s| (0..m).map(|j| q64[row(t) * m + j] * k64[row(s) * m + j]).sum::<f64>()).sum::<f64>()
-                        + eps
-                })
-                .collect();
-            let delta: Vec<f64> = (0..l)
-                .map(|t| (0..d).map(|j| c64[row(t) * d + j].abs() * eo[row(t) * d + j]).sum::<f64>() / g[t])
-                .collect();
-            for t in 0..l {
-                for j in 0..m {
-                    e_dq[row(t) * m + j] += delta[t] * (0..=t).map(|s| k64[row(s) * m + j]).sum::<f64>();
-                    e_dk[row(t) * m + j] += (t..l).map(|u| delta[u] * q64[row(u) * m + j]).sum::<f64>();
+            // the mirror
+            let (mut ry, mut rdq, mut rdk, mut rdv) = (vec![], vec![], vec![], vec![]);
+            for bh in 0..b * hh {
+                let q = |t: usize, j: usize| x(qv[(bh * l + t) * m + j]);
+                let k = |s: usize, j: usize| x(kv[(bh * l + s) * m + j]);
+                let v = |s: usize, j: usize| x(vv[(bh * l + s) * d + j]);
+                let c = |t: usize, j: usize| x(cv[(bh * l + t) * d + j]);
+                let a: Vec<Vec<R>> = (0..l)
+                    .map(|t| {
+                        (0..=t).map(|s| h.mm(&(0..m).map(|j| mul(q(t, j), k(s, j))).collect::<Vec<_>>())).collect()
+                    })
+                    .collect();
+                let num: Vec<Vec<R>> = (0..l)
+                    .map(|t| {
+                        (0..d).map(|j| h.mm(&(0..=t).map(|s| mul(a[t][s], v(s, j))).collect::<Vec<_>>())).collect()
+                    })
+                    .collect();
+                let den: Vec<R> = (0..l).map(|t| h.add(h.sum(&a[t]), h.c(eps))).collect();
+                let mut da = vec![vec![]; l];
+                let mut dnum = vec![vec![]; l];
+                for t in 0..l {
+                    ry.extend((0..d).map(|j| h.div(num[t][j], den[t])));
+                    let rec = h.r(div(x(1.0), den[t]));
+                    let den2 = h.mul(den[t], den[t]);
+                    dnum[t] = (0..d).map(|j| h.mul(c(t, j), rec)).collect::<Vec<R>>();
+                    let dden = h.sum(&(0..d).map(|j| h.mul(c(t, j), h.div(neg(num[t][j]), den2))).collect::<Vec<_>>());
+                    da[t] = (0..=t)
+                        .map(|s| h.add(h.mm(&(0..d).map(|j| mul(dnum[t][j], v(s, j))).collect::<Vec<_>>()), dden))
+                        .collect();
+                }
+                for (t, da_t) in da.iter().enumerate() {
+                    rdq.extend((0..m).map(|j| h.mm(&(0..=t).map(|s| mul(da_t[s], k(s, j))).collect::<Vec<_>>())));
+                }
+                for s in 0..l {
+                    rdk.extend((0..m).map(|j| h.mm(&(s..l).map(|t| mul(da[t][s], q(t, j))).collect::<Vec<_>>())));
+                    rdv.extend((0..d).map(|j| h.mm(&(s..l).map(|t| mul(a[t][s], dnum[t][j])).collect::<Vec<_>>())));
                 }
             }
+            same_function("linear attention mirror y", &ry, &y_ref);
+            same_function("linear attention mirror dq", &rdq, &dq_ref);
+            same_function("linear attention mirror dk", &rdk, &dk_ref);
+            same_function("linear attention mirror dv", &rdv, &dv_ref);
+
+            let run = |mesa: bool| {
+                let q = tensor(&qv, [b, hh, l, m], dtype, &device).require_grad();
+                let k = tensor(&kv, [b, hh, l, m], dtype, &device).require_grad();
+                let v = tensor(&vv, [b, hh, l, d], dtype, &device).require_grad();
+                let c = tensor(&cv, [b, hh, l, d], dtype, &device);
+                let y = if mesa {
+                    let config = LinearAttentionConfig { eps: eps as f32, ..LinearAttentionConfig::causal() };
+                    mesa_burn::linear_attention(q.clone(), k.clone(), v.clone(), config).unwrap()
+                } else {
+                    let a = q.clone().matmul(k.clone().swap_dims(2, 3)) * tensor(&mask, [1, 1, l, l], dtype, &device);
+                    let den = a.clone().sum_dim(3) + eps;
+                    a.matmul(v.clone()) / den
+                };
+                assert_eq!(y.dtype(), dtype);
+                let yv = values(&y);
+                let g = (y * c).sum().backward();
+                [yv, values(&q.grad(&g).unwrap()), values(&k.grad(&g).unwrap()), values(&v.grad(&g).unwrap())]
+            };
+            let [y0, dq0, dk0, dv0] = run(false);
+            let [y, dq, dk, dv] = run(true);
+
+            let [m_out, m_dq, m_dk, m_dv] = linear_attention_magnitudes(&q64, &k64, &v64, &c64, (b * hh, l, m, d), eps);
+            let n = (l + m + d) as f64;
+            let f32_err = |mag: &[f64]| mag.iter().map(|&v| 4.0 * n * U * v + 1e-30).collect::<Vec<f64>>();
+            let eo: Vec<f64> = f32_err(&m_out).iter().zip(&y_ref).map(|(&e, &v)| h.ours(v, e)).collect();
+            // δ_t per (bh, t), and g_t
+            let mut e_dq = f32_err(&m_dq);
+            let mut e_dk = f32_err(&m_dk);
+            for bh in 0..b * hh {
+                let row = |t: usize| bh * l + t;
+                let g: Vec<f64> = (0..l)
+                    .map(|t| {
+                        (0..=t)
+                            .map(|s| (0..m).map(|j| q64[row(t) * m + j] * k64[row(s) * m + j]).sum::<f64>())
+                            .sum::<f64>()
+                            + eps
+                    })
+                    .collect();
+                let delta: Vec<f64> = (0..l)
+                    .map(|t| (0..d).map(|j| c64[row(t) * d + j].abs() * eo[row(t) * d + j]).sum::<f64>() / g[t])
+                    .collect();
+                for t in 0..l {
+                    for j in 0..m {
+                        e_dq[row(t) * m + j] += delta[t] * (0..=t).map(|s| k64[row(s) * m + j]).sum::<f64>();
+                        e_dk[row(t) * m + j] += (t..l).map(|u| delta[u] * q64[row(u) * m + j]).sum::<f64>();
+                    }
+                }
+            }
+            let ours = |e: &[f64], r: &[f64]| e.iter().zip(r).map(|(&e, &v)| h.ours(v, e)).collect::<Vec<f64>>();
+            let what = format!("linear attention {dtype:?}");
+            three_way(h.u, &format!("{what} y"), &y, &y0, &y_ref, &eo, &errs(&ry));
+            three_way(h.u, &format!("{what} dq"), &dq, &dq0, &dq_ref, &ours(&e_dq, &dq_ref), &errs(&rdq));
+            three_way(h.u, &format!("{what} dk"), &dk, &dk0, &dk_ref, &ours(&e_dk, &dk_ref), &errs(&rdk));
+            three_way(h.u, &format!("{what} dv"), &dv, &dv0, &dv_ref, &ours(&f32_err(&m_dv), &dv_ref), &errs(&rdv));
         }
-        let ours = |e: &[f64], r: &[f64]| e.iter().zip(r).map(|(&e, &v)| h.ours(v, e)).collect::<Vec<f64>>();
-        let what = format!("linear attention {dtype:?}");
-        three_way(h.u, &format!("{what} y"), &y, &y0, &y_ref, &eo, &errs(&ry));
-        three_way(h.u, &format!("{what} dq"), &dq, &dq0, &dq_ref, &ours(&e_dq, &dq_ref), &errs(&rdq));
-        three_way(h.u, &format!("{what} dk"), &dk, &dk0, &dk_ref, &ours(&e_dk, &dk_ref), &errs(&rdk));
-        three_way(h.u, &format!("{what} dv"), &dv, &dv0, &dv_ref, &ours(&f32_err(&m_dv), &dv_ref), &errs(&rdv));
     }
 }
