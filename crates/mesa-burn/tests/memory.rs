@@ -7,7 +7,8 @@
 //! The same for a transformer's MLP block with LayerNorm and a residual connection, both
 //! also against the planner (`mesa_burn::plan`); and a whole pre-LN transformer block with
 //! linear or softmax attention against the planner, under both checkpointing strategies,
-//! with its input untracked and tracked, and beside the same block with burn's own ops.
+//! with its input untracked and tracked, and beside the same block with burn's own ops; and
+//! RMSNorm and SwiGLU alone against the planner.
 //! The emulator's own buffers (linear attention's saved states) are counted through
 //! mesa-kernels' `HostMemoryObserver`.
 //!
@@ -18,7 +19,8 @@
 //! against the 589 848 of the codes (+ 11 796 allowed). Also checked for the transformer
 //! block: the planner forgetting GELU's codes (kept 1 064 556 bytes against a plan of
 //! 919 600, +15.8 %), or h's backup under balanced checkpointing (+12.5 %), and LayerNorm's
-//! state also holding its f32 input (+26.3 %) each fail it.
+//! state also holding its f32 input (+26.3 %) each fail it; the planner forgetting
+//! RMSNorm's `rstd` fails the RMSNorm check (+7.0 %).
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -256,6 +258,7 @@ fn autodiff_keeps_the_codes_not_the_f32_inputs() {
     }
 
     transformer_block_against_the_planner();
+    rms_norm_and_swiglu_against_the_planner();
 }
 
 // ----------------------------------------------------------------- transformer block
@@ -413,6 +416,48 @@ fn transformer_block_against_the_planner() {
                     assert!(kept < burn_kept, "{what}: mesa-burn's ops kept {kept} bytes, burn's {burn_kept}");
                 }
             }
+        }
+    }
+}
+
+/// The two ops no model above uses, alone on tracked f32 inputs of 2^18 elements: RMSNorm on
+/// `[4096, 64]` (codes of x̂ and a `[rows, 1]` f32 `rstd`: many short rows, so that `rstd`,
+/// 16 kB, is 6 % of the plan and a planner forgetting it fails) and SwiGLU on `[512, 512]`
+/// (codes of both inputs), within [plan, plan + 2 %] of the planner.
+fn rms_norm_and_swiglu_against_the_planner() {
+    const R: usize = 512;
+    let c8 = Codes::bits(8);
+    let xv = data(R * R, 24, -2.0, 2.0);
+    let y_bytes = (R * R * 4) as isize;
+    for device in common::autodiff_devices() {
+        let rms = mesa_burn::nn::RmsNormConfig::new(64).init(&device);
+        let cases: [(&str, usize, &dyn Fn() -> Tensor<2>); 2] = [
+            ("rms_norm", plan::rms_norm(&[R * R / 64, 64], &c8).unwrap(), &|| {
+                rms.forward(tensor(&xv, [R * R / 64, 64], DType::F32, &device).require_grad()).unwrap()
+            }),
+            ("swiglu", plan::swiglu(&[R, R], &c8).unwrap(), &|| {
+                let g = tensor(&xv, [R, R], DType::F32, &device).require_grad();
+                let u = tensor(&xv, [R, R], DType::F32, &device).require_grad();
+                mesa_burn::swiglu(g, u, c8).unwrap()
+            }),
+        ];
+        for (name, planned, forward) in cases {
+            let _ = forward().sum().backward();
+            let before = live();
+            let y = forward();
+            let kept = live() - before - y_bytes;
+            let planned = planned as isize;
+            eprintln!(
+                "{name} ({:?}): kept {kept} bytes, planned {planned} ({:+.2} %)",
+                device.gradient_checkpointing_strategy(),
+                100.0 * (kept - planned) as f64 / planned as f64
+            );
+            assert!(
+                kept >= planned && kept <= planned + planned / 50,
+                "{name}: kept {kept} bytes, outside [plan, plan + 2 %] = [{planned}, {}]",
+                planned + planned / 50
+            );
+            let _ = y.sum().backward();
         }
     }
 }
