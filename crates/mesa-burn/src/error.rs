@@ -38,6 +38,11 @@ pub enum Error {
         /// Which argument.
         what: &'static str,
     },
+    /// A byte count of [`crate::plan`] overflows `usize`.
+    Overflow {
+        /// What was being counted.
+        what: &'static str,
+    },
     /// mesa-kernels refused the arguments (sizes of the saved codes, grouping).
     Kernel(mesa_kernels::Error),
 }
@@ -52,6 +57,7 @@ impl fmt::Display for Error {
             Error::Backend { what } => {
                 write!(f, "{what}: mesa-burn runs on the Flex backend (and on CUDA with its `cuda` feature) only")
             }
+            Error::Overflow { what } => write!(f, "{what}: the byte count overflows usize"),
             Error::Kernel(e) => write!(f, "mesa-kernels: {e}"),
         }
     }

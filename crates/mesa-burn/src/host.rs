@@ -110,7 +110,7 @@ impl HostCodes {
     /// [`HostCodes::alloc`] for sizes known otherwise (softmax's fixed-parameter codes).
     pub(crate) fn alloc_sized(sizes: mesa_kernels::SavedSizes, op: &'static str) -> CodesBuf {
         CodesBuf {
-            words: vec![0u64; sizes.code_bytes.div_ceil(8)],
+            words: vec![0u64; code_words(&sizes)],
             code_bytes: sizes.code_bytes,
             params: vec![GroupParams::default(); sizes.groups],
             counter: [0u32; 1],
@@ -158,6 +158,17 @@ impl HostCodes {
         }
         tensor(out, &shape)
     }
+}
+
+/// 8-byte words of codes [`HostCodes`] allocates for `sizes`.
+fn code_words(sizes: &mesa_kernels::SavedSizes) -> usize {
+    sizes.code_bytes.div_ceil(8)
+}
+
+/// Heap bytes of the codes and parameters [`HostCodes`] keeps for `sizes` (what
+/// [`HostCodes::bytes`] reports and [`crate::plan`] counts); `None` on overflow.
+pub(crate) fn heap_bytes(sizes: &mesa_kernels::SavedSizes) -> Option<usize> {
+    code_words(sizes).checked_mul(8)?.checked_add(sizes.groups.checked_mul(std::mem::size_of::<GroupParams>())?)
 }
 
 /// Codes being written (see [`HostCodes::alloc`]).
@@ -212,6 +223,7 @@ mod tests {
             let xv = TensorRef::contiguous(x.as_slice(), &[3, 5]).unwrap();
             let saved = HostCodes::write(&[3, 5], &codes.quant_config(), "test", |v| q.quantize_to(&xv, v));
             assert_eq!(saved.bytes(), expect, "{bits} bits");
+            assert_eq!(crate::plan::codes(&[3, 5], &codes), Ok(expect), "the planner, {bits} bits");
             let back = saved.decode::<f32>();
             let half_step = 7.0 / f64::from((1u32 << bits) - 1) / 2.0;
             for (a, b) in back.storage::<f32>().iter().zip(&x) {

@@ -12,6 +12,8 @@
 //!   kernels with their exact backward (it keeps its inputs, not codes).
 //! * Modules: [`nn::Gelu`], [`nn::LayerNorm`], [`nn::RmsNorm`], [`nn::Linear`] with configs
 //!   mirroring burn-nn's, plus the bits of the codes.
+//! * [`plan`]: the bytes each op keeps for backward, and a transformer block's total
+//!   ([`plan::TransformerBlockConfig`]), by arithmetic alone.
 //! * Backends: `Flex` (burn's CPU backend) and `Autodiff<Flex>` with either checkpointing
 //!   strategy. The kernels run on mesa-kernels' host emulator (the CUDA source compiled for
 //!   the CPU). With the `cuda` feature every op also runs on burn's CUDA backend
@@ -35,6 +37,7 @@ mod error;
 mod host;
 pub mod nn;
 pub mod ops;
+pub mod plan;
 mod validate;
 
 pub use api::{gelu, layer_norm, linear, linear_attention, rms_norm, softmax, swiglu};
