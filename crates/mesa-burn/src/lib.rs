@@ -44,4 +44,4 @@ pub use api::{gelu, layer_norm, linear, linear_attention, rms_norm, softmax, swi
 pub use config::Codes;
 pub use error::{Error, Result};
 pub use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
-pub use mesa_kernels::{GeluForm, Rounding};
+pub use mesa_kernels::{CountingAllocator, GeluForm, Rounding};

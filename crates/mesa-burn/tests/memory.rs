@@ -23,70 +23,19 @@
 //! RMSNorm's `rstd` fails the RMSNorm check (+7.0 %).
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
-
 use burn::tensor::{activation, DType, Device, GradientCheckpointingStrategy, Tensor, TensorData};
 use common::{data, tensor};
 use mesa_burn::plan::{self, Attention, Checkpointing, TransformerBlockConfig};
-use mesa_burn::{Codes, LinearAttentionConfig, MemoryMode};
+use mesa_burn::{Codes, CountingAllocator, LinearAttentionConfig, MemoryMode};
 
-/// The system allocator, counting the bytes currently allocated.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: forwards every call to `System` unchanged; only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::SeqCst);
-        }
-        p
-    }
-}
-
+/// Every heap allocation is counted; the emulator's own buffers (linear attention's saved
+/// states come from its allocator, not Rust's) join the count through
+/// `CountingAllocator::observe_emulator`.
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// The emulator's buffers (linear attention's saved states) come from its own allocator,
-/// not Rust's: counted into the same total through mesa-kernels' observer.
-struct EmulatorBuffers;
-
-impl mesa_kernels::HostMemoryObserver for EmulatorBuffers {
-    fn allocated(&self, bytes: usize) {
-        LIVE.fetch_add(bytes as isize, Ordering::SeqCst);
-    }
-
-    fn freed(&self, bytes: usize) {
-        LIVE.fetch_sub(bytes as isize, Ordering::SeqCst);
-    }
-}
+static GLOBAL: CountingAllocator = CountingAllocator::new();
 
 fn live() -> isize {
-    LIVE.load(Ordering::SeqCst)
+    GLOBAL.current() as isize
 }
 
 const B: usize = 256;
@@ -167,7 +116,7 @@ fn kept_after_forward(model: &Model, device: &Device, mesa: bool) -> (isize, Ten
 
 #[test]
 fn autodiff_keeps_the_codes_not_the_f32_inputs() {
-    mesa_kernels::observe_host_memory(&EmulatorBuffers).unwrap();
+    GLOBAL.observe_emulator().unwrap();
     // The output y: [B, D_OUT] f32.
     let y_bytes = (B * D_OUT * 4) as isize;
     // What mesa-burn keeps, exactly (HostCodes::bytes): 8-bit codes of x [B, D_IN] (l1's

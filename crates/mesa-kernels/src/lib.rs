@@ -90,6 +90,7 @@
 #![warn(missing_debug_implementations)]
 
 pub mod collectives;
+mod counting;
 mod device;
 mod dtype;
 pub mod emulator;
@@ -109,6 +110,7 @@ pub mod rope;
 mod tensor;
 
 pub use collectives::{Epilogue, SeqParallelGroup, SeqSplits};
+pub use counting::CountingAllocator;
 pub use device::{
     Buffer, Device, DeviceMemory, DeviceMemoryMut, DeviceProperties, MemMut, MemRef, RawDeviceSlice, Storage,
 };

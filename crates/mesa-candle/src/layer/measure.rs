@@ -2,9 +2,9 @@
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
-use crate::memory::CountingAllocator;
+use mesa_kernels::CountingAllocator;
 
-/// Bytes measured around one forward and backward (module docs of [`crate::memory`]).
+/// Bytes measured around one forward and backward ([`mesa_kernels::CountingAllocator`] says how).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Measured {
     /// Heap bytes alive after the forward minus before it, plus the layer input's bytes:

@@ -1,19 +1,19 @@
-//! Counting heap bytes: how the crate measures what a layer keeps alive for backward.
-//!
-//! candle's CPU storage is ordinary heap memory (`Vec`s). [`CountingAllocator`] wraps the
-//! system allocator and counts the bytes currently allocated and their peak; a binary installs
-//! it with `#[global_allocator]` (the example and the memory test do). What the kernels' host
-//! emulation keeps (codes, statistics, states) lives in its own checked allocator
-//! ([`mesa_kernels::HostBuffer`]); the counter sees those bytes too once it is installed as
-//! the [`mesa_kernels::HostMemoryObserver`] ([`CountingAllocator::observe_emulator`], which
-//! [`measure`](crate::layer::measure::measure) calls). It counts every thread's allocations
-//! (candle's and the emulator's worker threads included), so measure in a process that does
-//! nothing else at the time, after a warm-up, with `RAYON_NUM_THREADS=1`: gemm keeps an
-//! L2-sized packing buffer per thread that has run a product, allocated on its first one.
+//! [`CountingAllocator`]: live heap bytes and their peak, for memory measurements.
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The system allocator, counting live bytes and their peak.
+/// The system allocator, counting live bytes and their peak: how mesa-candle and mesa-burn
+/// measure what a layer or a model keeps alive for backward.
+///
+/// A framework's CPU tensors (candle's CPU storage, burn's Flex) are ordinary heap memory; a
+/// binary installs the counter with `#[global_allocator]`. What the host emulation
+/// keeps in its own checked allocator ([`HostBuffer`](crate::HostBuffer): codes, statistics,
+/// states) is counted too once the counter is also the [`HostMemoryObserver`]
+/// ([`CountingAllocator::observe_emulator`]). It counts every thread's allocations (the
+/// framework's and the emulator's worker threads included), so measure in a process that does
+/// nothing else at the time, after a warm-up, with one worker thread where the framework has a
+/// pool (`RAYON_NUM_THREADS=1`): gemm keeps an L2-sized packing buffer per thread that has run a
+/// product, allocated on its first one.
 #[derive(Debug, Default)]
 pub struct CountingAllocator {
     current: AtomicUsize,
@@ -39,13 +39,13 @@ impl CountingAllocator {
         self.peak.load(Ordering::SeqCst)
     }
 
-    /// Makes this counter the process's [`mesa_kernels::HostMemoryObserver`], so that the
+    /// Makes this counter the process's [`crate::HostMemoryObserver`], so that the
     /// emulator's buffers are counted with the heap's.
     ///
     /// # Errors
-    /// [`mesa_kernels::Error::InvalidArgument`] when another observer is installed.
-    pub fn observe_emulator(&'static self) -> mesa_kernels::Result<()> {
-        mesa_kernels::observe_host_memory(self)
+    /// [`crate::Error::InvalidArgument`] when another observer is installed.
+    pub fn observe_emulator(&'static self) -> crate::Result<()> {
+        crate::observe_host_memory(self)
     }
 
     /// Starts a new peak measurement at the current level.
@@ -65,7 +65,7 @@ impl CountingAllocator {
 
 // SAFETY: every call is forwarded to `System` unchanged; the counters are atomics and never
 // allocate.
-impl mesa_kernels::HostMemoryObserver for CountingAllocator {
+impl crate::HostMemoryObserver for CountingAllocator {
     fn allocated(&self, bytes: usize) {
         self.add(bytes);
     }
