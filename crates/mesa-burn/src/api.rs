@@ -163,8 +163,9 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: Tensor<1>, eps: f64, codes
 /// `y`. Backward: `dx = ŷ·(dy − Σ dy·ŷ)` per row.
 ///
 /// Shapes: `x` rank ≥ 1 (rows along the last axis); `mask` (additive, `−inf` allowed; a
-/// fully masked row gives 0) of `x`'s rank, each axis equal to `x`'s or 1 (broadcast). The
-/// mask gets no gradient. Dtypes: f32, f16, bf16, alike.
+/// fully masked row gives 0) of `x`'s rank, each axis equal to `x`'s or 1 (broadcast). A
+/// tracked mask (a learnt bias) gets `dmask = dx`, summed over its broadcast axes; with an
+/// empty `x` it gets none. Dtypes: f32, f16, bf16, alike.
 ///
 /// # Errors
 /// [`Error::Backend`] (not Flex, nor with the `cuda` feature a CUDA device of burn's CUDA
@@ -188,6 +189,11 @@ pub fn softmax<const D: usize>(x: Tensor<D>, mask: Option<Tensor<D>>, codes: Cod
             let md = m.dims();
             if md.iter().zip(&dims).any(|(&a, &b)| a != b && a != 1) {
                 return Err(Error::Shape { what: "mask", why: format!("{md:?} does not broadcast to {dims:?}") });
+            }
+            if dims.contains(&0) {
+                // nothing to mask, and burn's expand refuses a zero extent: the unmasked op
+                // (the mask is not a parent, so it gets no gradient)
+                return Ok(Tensor::from_dispatch(<Dispatch as MesaOps>::mesa_softmax(x.into_dispatch(), codes)));
             }
             let m = if md == dims { m } else { m.expand(dims) };
             <Dispatch as MesaOps>::mesa_softmax_masked(x.into_dispatch(), m.into_dispatch(), codes)

@@ -277,9 +277,14 @@ impl Backward<Flex, 2> for RmsNormBackward {
 #[derive(Debug)]
 struct SoftmaxBackward;
 
-/// `dx` from the codes of `y` (parent 0; a mask, parent 1, gets no gradient).
-fn softmax_backward(parent: Option<NodeId>, dy: FlexTensor, y: &HostCodes, grads: &mut Gradients) {
-    let Some(id) = parent else { return };
+/// `dx` from the codes of `y`, registered for `x` (parent 0) and for an additive mask
+/// (parent 1): `y = softmax(x + m)`, so `dm = dx`. A broadcast mask was expanded by
+/// [`crate::softmax`] before dispatch, and the expand's own backward sums `dm` over the
+/// broadcast axes.
+fn softmax_backward(parents: &[Option<NodeId>], dy: FlexTensor, y: &HostCodes, grads: &mut Gradients) {
+    if parents.iter().all(Option::is_none) {
+        return;
+    }
     let dy = host::positive(&dy);
     let layout = host::layout(&dy);
     let shape = layout.shape().to_vec();
@@ -294,7 +299,9 @@ fn softmax_backward(parent: Option<NodeId>, dy: FlexTensor, y: &HostCodes, grads
         }
         host::tensor(dx, &shape)
     });
-    grads.register::<Flex>(id, dx);
+    for id in parents.iter().flatten() {
+        grads.register::<Flex>(*id, dx.clone());
+    }
 }
 
 impl Backward<Flex, 1> for SoftmaxBackward {
@@ -304,7 +311,7 @@ impl Backward<Flex, 1> for SoftmaxBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<Flex>(&ops.node);
         let [px] = ops.parents;
-        softmax_backward(px.map(|p| p.id), dy, &ops.state, grads);
+        softmax_backward(&[px.map(|p| p.id)], dy, &ops.state, grads);
     }
 }
 
@@ -314,8 +321,8 @@ impl Backward<Flex, 2> for SoftmaxBackward {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<Flex>(&ops.node);
-        let [px, _mask] = ops.parents;
-        softmax_backward(px.map(|p| p.id), dy, &ops.state, grads);
+        let [px, pm] = ops.parents;
+        softmax_backward(&[px.map(|p| p.id), pm.map(|p| p.id)], dy, &ops.state, grads);
     }
 }
 

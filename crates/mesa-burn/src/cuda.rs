@@ -982,10 +982,15 @@ impl Backward<CubeBackend, 1> for GeluBackward {
 #[derive(Debug)]
 struct SoftmaxBackward;
 
-/// `dx` from the codes of `y` for parent 0 (a mask, parent 1, gets no gradient).
-fn softmax_grad(parent: Option<NodeId>, dy: CubeTensor, saved: &CudaCodes, grads: &mut Gradients) {
-    if let Some(id) = parent {
-        grads.register::<CubeBackend>(id, softmax_backward(dy, saved));
+/// `dx` from the codes of `y`, for `x` (parent 0) and an additive mask (parent 1: `dm = dx`,
+/// as on Flex).
+fn softmax_grad(parents: &[Option<NodeId>], dy: CubeTensor, saved: &CudaCodes, grads: &mut Gradients) {
+    if parents.iter().all(Option::is_none) {
+        return;
+    }
+    let dx = softmax_backward(dy, saved);
+    for id in parents.iter().flatten() {
+        grads.register::<CubeBackend>(*id, dx.clone());
     }
 }
 
@@ -996,7 +1001,7 @@ impl Backward<CubeBackend, 1> for SoftmaxBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<CubeBackend>(&ops.node);
         let [px] = ops.parents;
-        softmax_grad(px.map(|p| p.id), dy, &ops.state, grads);
+        softmax_grad(&[px.map(|p| p.id)], dy, &ops.state, grads);
     }
 }
 
@@ -1006,8 +1011,8 @@ impl Backward<CubeBackend, 2> for SoftmaxBackward {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<CubeBackend>(&ops.node);
-        let [px, _mask] = ops.parents;
-        softmax_grad(px.map(|p| p.id), dy, &ops.state, grads);
+        let [px, pm] = ops.parents;
+        softmax_grad(&[px.map(|p| p.id), pm.map(|p| p.id)], dy, &ops.state, grads);
     }
 }
 

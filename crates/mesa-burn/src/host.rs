@@ -9,6 +9,7 @@ use burn::tensor::{DType, TensorData};
 use half::{bf16, f16};
 use mesa_kernels::{
     saved_sizes, Device, GroupParams, Layout, QuantConfig, SavedMeta, SavedView, SavedViewMut, TensorMut, TensorRef,
+    MAX_DIMS,
 };
 
 /// A float element both burn and the kernels know: f32, f16, bf16.
@@ -50,9 +51,13 @@ pub(crate) fn expect<R>(r: mesa_kernels::Result<R>, op: &'static str) -> R {
     r.unwrap_or_else(|e| panic!("mesa-burn {op}: the kernel refused validated arguments: {e}"))
 }
 
-/// `t` with non-negative strides (a flipped view is copied).
+/// `t` in a layout the kernels take: non-negative strides (a flipped view is copied), and a
+/// strided view of more than [`MAX_DIMS`] axes copied contiguous (the kernels merge adjacent
+/// axes and take at most `MAX_DIMS` of what remains; copying every such view, mergeable or
+/// not, costs a copy only at ranks above it).
 pub(crate) fn positive(t: &FlexTensor) -> FlexTensor {
-    if t.layout().strides().iter().any(|&s| s < 0) {
+    let l = t.layout();
+    if l.strides().iter().any(|&s| s < 0) || (l.shape().len() > MAX_DIMS && !t.is_contiguous()) {
         t.to_contiguous()
     } else {
         t.clone()

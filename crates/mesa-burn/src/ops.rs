@@ -62,7 +62,7 @@ pub trait MesaOps: Backend {
     fn mesa_softmax(x: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
 
     /// [`MesaOps::mesa_softmax`] of `x + mask` (additive mask of `x`'s shape, `−inf` allowed;
-    /// a fully masked row gives 0). The mask gets no gradient.
+    /// a fully masked row gives 0). Under autodiff a tracked mask gets `dmask = dx`.
     fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
 
     /// SwiGLU, `y = silu(gate)·up` elementwise (`gate`, `up`, `y` one shape). Under autodiff

@@ -480,6 +480,94 @@ fn softmax_broadcast_mask_and_fully_masked_rows() {
     assert!(matches!(mesa_burn::softmax(x, Some(bad), Codes::default()), Err(Error::Shape { what: "mask", .. })));
 }
 
+#[test]
+fn a_tracked_mask_gets_the_gradient_of_x() {
+    // y = softmax(x + m), so dm = dx, summed over the rows a [1, C] mask is broadcast over.
+    // Against burn's autodiff of `softmax(x + m)` (its broadcast add sums the same way): per
+    // row, the dx bound of `softmax_with_mask_matches_burn_forward_and_gradients` (8 bits),
+    // summed over the rows, plus the two f32 row sums, 2·rows·U·Σ_r |dx_r|.
+    // A learnt [1, C] bias (a leaf) and a [rows, C] mask computed from a parameter (2·p);
+    // both used to panic in backward (the mask's producing op found no gradient).
+    let (rows, cols, bits) = (16, 16, 8);
+    let xv = data(rows * cols, 31, -3.0, 3.0);
+    let cv = data(rows * cols, 32, -1.0, 1.0);
+    let bv = data(cols, 33, -1.0, 1.0);
+    let xb: Vec<f64> = (0..rows * cols).map(|i| xv[i] as f64 + bv[i % cols] as f64).collect();
+    let y = reference::softmax_rows(&xb, None, cols);
+    let l = f64::from((1u32 << bits) - 1);
+    let e: Vec<f64> = y.iter().map(|&y| (y.sqrt() + 1.0 / (4.0 * l)) / l).collect();
+    let dx_bound = |i: usize| {
+        let r = i / cols;
+        let idx = r * cols..(r + 1) * cols;
+        let m: f64 = idx.clone().map(|j| cv[j] as f64 * y[j]).sum();
+        let ce: f64 = idx.clone().map(|j| (cv[j] as f64).abs() * e[j]).sum();
+        let cy: f64 = idx.map(|j| (cv[j] as f64).abs() * y[j]).sum();
+        let dx = (y[i] * (cv[i] as f64 - m)).abs();
+        e[i] * (cv[i] as f64 - m).abs()
+            + (y[i] + e[i]) * ce
+            + 4.0 * (cols + 4) as f64 * U * y[i] * ((cv[i] as f64).abs() + cy)
+            + 2.0 * rows as f64 * U * dx
+    };
+    for device in autodiff_devices() {
+        let run = |mesa: bool| {
+            let x = tensor(&xv, [rows, cols], DType::F32, &device).require_grad();
+            let b = tensor(&bv, [1, cols], DType::F32, &device).require_grad();
+            let c = tensor(&cv, [rows, cols], DType::F32, &device);
+            let y = if mesa {
+                mesa_burn::softmax(x.clone(), Some(b.clone()), Codes::bits(bits)).unwrap()
+            } else {
+                activation::softmax(x.clone() + b.clone(), 1)
+            };
+            let g = (y * c).sum().backward();
+            values(&b.grad(&g).expect("the mask's gradient"))
+        };
+        let (db, db0) = (run(true), run(false));
+        assert_within("learnt bias d_mask", &db, &db0, |j| (0..rows).map(|r| dx_bound(r * cols + j)).sum());
+        // a full-shape mask computed from a parameter: d_p = 2·dx
+        let x = tensor(&xv, [rows, cols], DType::F32, &device).require_grad();
+        let p = tensor(&vec![0.0; rows * cols], [rows, cols], DType::F32, &device).require_grad();
+        let c = tensor(&cv, [rows, cols], DType::F32, &device);
+        let y = mesa_burn::softmax(x.clone(), Some(p.clone() * 2.0), Codes::bits(bits)).unwrap();
+        let g = (y * c).sum().backward();
+        let (dx, dp) = (values(&x.grad(&g).unwrap()), values(&p.grad(&g).unwrap()));
+        assert!(dp.iter().zip(&dx).all(|(&dp, &dx)| dp == 2.0 * dx), "d_p = 2·dx exactly");
+    }
+}
+
+#[test]
+fn views_of_more_than_six_axes_are_copied_not_refused() {
+    // The kernels take at most MAX_DIMS = 6 axes after merging adjacent ones; a permuted view of
+    // rank 7 merges none. mesa-burn copies it contiguous first, so each op's result equals
+    // (bit for bit) the result on the contiguous copy; it used to panic in the kernel.
+    let device = Device::flex();
+    let dims = [2usize; 7];
+    let n = dims.iter().product::<usize>();
+    let xv = data(n, 41, -2.0, 2.0);
+    let x = tensor(&xv, dims, DType::F32, &device).permute([6, 5, 4, 3, 2, 1, 0]);
+    let xc = tensor(&values(&x), dims, DType::F32, &device);
+    let w = Tensor::<1>::ones([2], &device);
+    let b = Tensor::<1>::zeros([2], &device);
+    let mask = tensor(&data(8, 42, -1.0, 1.0), [1, 2, 1, 2, 1, 2, 1], DType::F32, &device);
+    let maskc = mask.clone().expand(dims);
+    // a full-shape mask that is itself a rank-7 permuted view, and its contiguous copy
+    let maskv = tensor(&data(n, 43, -1.0, 1.0), dims, DType::F32, &device).permute([6, 5, 4, 3, 2, 1, 0]);
+    let maskvc = tensor(&values(&maskv), dims, DType::F32, &device);
+    let c = Codes::default();
+    let pairs = [
+        (mesa_burn::gelu(x.clone(), GeluForm::Erf, c), mesa_burn::gelu(xc.clone(), GeluForm::Erf, c)),
+        (mesa_burn::softmax(x.clone(), Some(maskv), c), mesa_burn::softmax(xc.clone(), Some(maskvc), c)),
+        (mesa_burn::softmax(x.clone(), Some(mask), c), mesa_burn::softmax(xc.clone(), Some(maskc), c)),
+        (
+            mesa_burn::layer_norm(x.clone(), w.clone(), b.clone(), EPS, c),
+            mesa_burn::layer_norm(xc.clone(), w, b, EPS, c),
+        ),
+        (mesa_burn::swiglu(x.clone(), x.clone(), c), mesa_burn::swiglu(xc.clone(), xc.clone(), c)),
+    ];
+    for (i, (got, want)) in pairs.into_iter().enumerate() {
+        assert_eq!(values(&got.unwrap()), values(&want.unwrap()), "op {i}");
+    }
+}
+
 /// silu(x) = x·σ(x) and its first two derivatives (f64).
 fn silu_d(x: f64) -> (f64, f64, f64) {
     let s = 1.0 / (1.0 + (-x).exp());
@@ -705,6 +793,12 @@ fn empty_tensors_run_forward_and_backward() {
         let g = y.backward();
         assert_eq!(x.grad(&g).map(|t| t.dims()), Some([0, 8]), "op {i}");
     }
+    // a broadcast mask over an empty x (burn's expand refuses a zero extent: it used to panic)
+    let m = Tensor::<2>::zeros([1, 8], &device).require_grad();
+    let y = mesa_burn::softmax(x.clone(), Some(m), Codes::default()).unwrap();
+    assert_eq!(y.dims(), [0, 8]);
+    let g = y.sum().backward();
+    assert_eq!(x.grad(&g).map(|t| t.dims()), Some([0, 8]));
 }
 
 #[test]
