@@ -844,3 +844,131 @@ fn rope_save_to_matches_the_owned_path() {
         rope_parity::<bf16>(&device, &mut rng);
     }
 }
+
+/// Shapes for [`saved_meta_contiguous_equals_what_the_producers_return`]: 1-D, 2-D, a rank-4
+/// tensor with an axis of 1, a last axis that puts 4- and 2-bit rows off a byte boundary, and
+/// an empty one.
+const META_SHAPES: [&[usize]; 5] = [&[17], &[6, 40], &[2, 1, 3, 8], &[4, 13], &[0, 3, 8]];
+
+/// Groupings that fit `shape`: one group, one per index along axis 0, and channel groups of
+/// the last axis where 2 divide it.
+fn meta_groupings(shape: &[usize]) -> Vec<Grouping> {
+    let last = shape.len() - 1;
+    let mut g = vec![Grouping::Tensor, Grouping::Heads { axis: 0 }];
+    if shape[last] % 2 == 0 {
+        g.push(Grouping::Channels { axis: last, groups: 2 });
+    }
+    g
+}
+
+/// The metas the producers return for a contiguous input of `shape`: `Quantizer::quantize_to`,
+/// GELU's, LayerNorm's (x̂; rank ≥ 2 rows), SwiGLU's (both inputs) and softmax's.
+fn producer_metas<T: Element>(device: &Device, shape: &[usize], config: QuantConfig) -> Vec<(&'static str, SavedMeta)> {
+    let n: usize = shape.iter().product();
+    let mut rng = common::rng("producer_metas");
+    let x = upload_t::<T>(device, &mut rng, n, 0.5, 2.0);
+    let xt = TensorRef::contiguous(&x, shape).unwrap();
+    let mut y = device.upload(&vec![T::from_f64(0.0); n]).unwrap();
+    let mut out = Vec::new();
+    let mut q = Quantizer::new(device, config).unwrap();
+    let mut saved = CallerSaved::new(device, shape, &config);
+    out.push(("quantize_to", q.quantize_to(&xt, &mut saved.view_mut()).unwrap()));
+    let meta = gelu_forward_to(
+        device,
+        &mut q,
+        GeluForm::Erf,
+        &xt,
+        &mut TensorMut::contiguous(&mut y, shape).unwrap(),
+        &mut saved.view_mut(),
+    )
+    .unwrap();
+    out.push(("gelu_forward_to", meta));
+    let cols = shape[shape.len() - 1];
+    let rows = n.checked_div(cols).unwrap_or(0);
+    let mut mean = device.upload(&vec![0f32; rows]).unwrap();
+    let mut rstd = device.upload(&vec![0f32; rows]).unwrap();
+    let args = LayerNormForward { x: &xt, weight: None, bias: None, eps: 1e-5 };
+    let mut xhat = saved.view_mut();
+    let save = LayerNormSaveMut {
+        xhat: &mut xhat,
+        mean: &mut TensorMut::contiguous(&mut mean, &[rows]).unwrap(),
+        rstd: &mut TensorMut::contiguous(&mut rstd, &[rows]).unwrap(),
+    };
+    let meta =
+        layer_norm_forward_to(device, &mut q, &args, &mut TensorMut::contiguous(&mut y, shape).unwrap(), save).unwrap();
+    out.push(("layer_norm_forward_to", meta));
+    let mut qu = Quantizer::new(device, config).unwrap();
+    let mut up_saved = CallerSaved::new(device, shape, &config);
+    let metas = swiglu_forward_to(
+        device,
+        SwigluQuantizers { gate: &mut q, up: &mut qu },
+        &SwigluInput { gate: &xt, up: &xt },
+        &mut TensorMut::contiguous(&mut y, shape).unwrap(),
+        SwigluSaveMut { gate: &mut saved.view_mut(), up: &mut up_saved.view_mut() },
+    )
+    .unwrap();
+    out.push(("swiglu_forward_to gate", metas.gate));
+    out.push(("swiglu_forward_to up", metas.up));
+    out
+}
+
+/// The constructors a deferred executor uses to build a backward's state before the producer
+/// has run (`SavedMeta::contiguous`, `SoftmaxSave::saved_meta`) give exactly the meta the
+/// producers return for a contiguous input: every producer, dtype, bit width, grouping and
+/// rounding here, an empty tensor included. Bad input is a typed error.
+#[test]
+fn saved_meta_contiguous_equals_what_the_producers_return() {
+    fn run<T: Element>(device: &Device) {
+        for shape in META_SHAPES {
+            for grouping in meta_groupings(shape) {
+                for bits in [8, 4, 2] {
+                    for (rounding, stats) in
+                        [(Rounding::Nearest, StatsMode::Exact), (Rounding::Stochastic { seed: 5 }, StatsMode::Running)]
+                    {
+                        let config = QuantConfig { bits, grouping, rounding, momentum: 0.9, stats };
+                        let want = SavedMeta::contiguous(shape, T::DTYPE, &config).unwrap();
+                        for (producer, meta) in producer_metas::<T>(device, shape, config) {
+                            assert_eq!(want, meta, "{producer} {} {shape:?} {config:?}", T::DTYPE.name());
+                        }
+                        for codes in [SoftmaxCodes::Sqrt, SoftmaxCodes::Linear] {
+                            let save = SoftmaxSave { bits, codes, grouping, rounding };
+                            let n: usize = shape.iter().product();
+                            let x = device.upload(&vec![T::from_f64(0.25); n]).unwrap();
+                            let xt = TensorRef::contiguous(&x, shape).unwrap();
+                            let mut y = device.upload(&vec![T::from_f64(0.0); n]).unwrap();
+                            let mut caller = CallerSaved::sized(device, save.saved_sizes(shape).unwrap());
+                            let meta = softmax_forward_to(
+                                device,
+                                &save,
+                                &SoftmaxInput::new(&xt),
+                                &mut TensorMut::contiguous(&mut y, shape).unwrap(),
+                                &mut caller.view_mut(),
+                            )
+                            .unwrap();
+                            assert_eq!(save.saved_meta(shape, T::DTYPE).unwrap(), meta, "softmax {shape:?} {save:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for device in common::backends() {
+        run::<f32>(&device);
+        run::<f16>(&device);
+        run::<bf16>(&device);
+    }
+    // what a producer would refuse is refused here, typed
+    let dt = mesa_kernels::DType::F32;
+    let bad_bits = QuantConfig { bits: 3, ..QuantConfig::per_tensor() };
+    assert!(matches!(SavedMeta::contiguous(&[4], dt, &bad_bits), Err(Error::Unsupported { .. })));
+    let bad_momentum = QuantConfig { momentum: 1.5, ..QuantConfig::per_tensor() };
+    assert!(matches!(SavedMeta::contiguous(&[4], dt, &bad_momentum), Err(Error::InvalidArgument { .. })));
+    let bad_axis = QuantConfig::per_head(2);
+    assert!(matches!(SavedMeta::contiguous(&[4, 4], dt, &bad_axis), Err(Error::InvalidLayout { .. })));
+    let bad_groups = QuantConfig { grouping: Grouping::Channels { axis: 1, groups: 3 }, ..QuantConfig::per_tensor() };
+    assert!(matches!(SavedMeta::contiguous(&[4, 4], dt, &bad_groups), Err(Error::InvalidLayout { .. })));
+    let huge = [usize::MAX / 2, 3];
+    assert!(matches!(SavedMeta::contiguous(&huge, dt, &QuantConfig::per_tensor()), Err(Error::TooLarge { .. })));
+    let bad_save = SoftmaxSave { bits: 5, ..SoftmaxSave::per_head(0) };
+    assert!(matches!(bad_save.saved_meta(&[2, 4], dt), Err(Error::Unsupported { .. })));
+}

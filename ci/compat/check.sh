@@ -33,16 +33,20 @@ for c in "$@"; do
     mesa-burn) MESA_CUDA_DISABLE=1 NEXTEST_PROFILE=default \
         cargo nextest run --release --locked --manifest-path crates/mesa-burn/Cargo.toml ;;
     # burn-cuda (in .ci/run's background job after mesa-burn; its cost in docs/burn.md): mesa-burn with `cuda`
-    # type-checked in a graph with burn's CUDA backend (cubecl-cuda, DOCS_RS=1 as above), then
-    # mesa-burn's own clippy and docs with `cuda` (its lock resolves the same versions: the
-    # checked dependencies are reused, a few seconds). The graph holds cubecl-cuda and
-    # mesa-kernels with one cudarc: what `cubecl-cuda` checks, and more
-    burn-cuda) DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
-        cargo check --release --locked --manifest-path ci/compat/burn-cuda/Cargo.toml &&
+    # and `fusion` type-checked in a graph with burn's CUDA backend and burn's `fusion`
+    # (cubecl-cuda, DOCS_RS=1 as above): its CubeBackend code and its Fusion<CubeBackend> code in
+    # one graph; then mesa-burn's own clippy and docs with `fusion` (= every feature: it implies
+    # `cuda`; its lock resolves the same versions: the checked dependencies are reused, a few
+    # seconds). The graph holds cubecl-cuda and mesa-kernels with one cudarc: what `cubecl-cuda`
+    # checks, and more. One command a line: `set -e` stops at the first that fails (in an `&&`
+    # chain a failure before the last command would not stop the script)
+    burn-cuda)
+      DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 \
+        cargo check --release --locked --manifest-path ci/compat/burn-cuda/Cargo.toml
       DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 cargo clippy --release --locked \
-        --all-targets --features cuda --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings &&
+        --all-targets --features fusion --manifest-path crates/mesa-burn/Cargo.toml -- -D warnings
       DOCS_RS=1 PATH="$CUDA_HOME/bin:$PATH" MESA_CUDA_DISABLE=1 RUSTDOCFLAGS="-D warnings" \
-        cargo doc --release --locked --no-deps --features cuda --manifest-path crates/mesa-burn/Cargo.toml ;;
+        cargo doc --release --locked --no-deps --features fusion --manifest-path crates/mesa-burn/Cargo.toml ;;
     *) echo "unknown compatibility check: $c (candle-cuda, candle-tests, cubecl-cuda, mesa-burn, burn-cuda)"; exit 2 ;;
   esac
   echo "compatibility check $c: $((SECONDS - t0))s"

@@ -31,6 +31,10 @@
 //! codes `U8`, parameters and statistics `F32`); linear attention's saved states are
 //! mesa-kernels `Buffer`s on mesa's device.
 //!
+//! The autodiff implementation is written once over [`CudaOps`]: `CubeBackend` implements it
+//! with the functions here; with the `fusion` feature `Fusion<CubeBackend>` implements it by
+//! registering the same functions as fusion custom operations (`src/fusion.rs`).
+//!
 //! Everything after validation is trusted: a kernel refusing its arguments, a cubecl error
 //! while pinning or syncing, or a CUDA fault panics with the op's name (burn's ops are
 //! infallible). Known ways that can happen on CUDA and not on Flex: an empty tensor (cubecl's
@@ -45,8 +49,8 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
-use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{DType, FloatDType, Shape};
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -130,7 +134,7 @@ macro_rules! with_float {
 }
 
 /// `t`, contiguous and untiled, and its shape.
-fn contiguous(t: CubeTensor) -> (CubeTensor, Vec<usize>) {
+pub(crate) fn contiguous(t: CubeTensor) -> (CubeTensor, Vec<usize>) {
     let t = into_contiguous(t);
     let shape = t.meta.shape().to_vec();
     (t, shape)
@@ -210,13 +214,35 @@ struct CodesAlloc {
     sizes: SavedSizes,
 }
 
+/// The cubecl shapes of one saved tensor's memory for codes of `sizes`: the codes `U8`
+/// `[8·⌈code_bytes/8⌉]` (whole 8-byte words) and the parameters `F32` `[2·groups]` (offset,
+/// scale per group). The Fusion path declares its outputs with these.
+pub(crate) fn codes_shapes(sizes: SavedSizes) -> (usize, usize) {
+    (sizes.code_bytes.div_ceil(8) * 8, sizes.groups * 2)
+}
+
+impl CudaCodes {
+    /// Codes already in cubecl memory, as [`CodesAlloc::finish`] keeps them: `codes` and
+    /// `params` of [`codes_shapes`]`(sizes)`, written by a producer that returned `meta`.
+    #[cfg(feature = "fusion")]
+    pub(crate) fn from_parts(codes: CubeTensor, params: CubeTensor, sizes: SavedSizes, meta: SavedMeta) -> Self {
+        CudaCodes { codes, code_bytes: sizes.code_bytes, params, groups: sizes.groups, meta }
+    }
+
+    /// The codes and parameters tensors and the producer's meta.
+    #[cfg(feature = "fusion")]
+    pub(crate) fn into_parts(self) -> (CubeTensor, CubeTensor, SavedMeta) {
+        (self.codes, self.params, self.meta)
+    }
+}
+
 impl CodesAlloc {
     /// Fresh cubecl allocations on `like`'s device for codes of `sizes`.
     fn new(like: &CubeTensor, sizes: SavedSizes) -> Self {
-        let words = sizes.code_bytes.div_ceil(8) * 8;
+        let (words, params) = codes_shapes(sizes);
         CodesAlloc {
             codes: empty_like(like, &[words], DType::U8),
-            params: empty_like(like, &[sizes.groups * 2], DType::F32),
+            params: empty_like(like, &[params], DType::F32),
             sizes,
         }
     }
@@ -277,7 +303,7 @@ fn counter(device: &Device, op: &'static str) -> Buffer<u32> {
 // ---------------------------------------------------------------------------------- GELU
 
 /// GELU's forward on CUDA: `y`, and the codes of `x` when `codes` is given.
-fn gelu_forward(x: CubeTensor, form: GeluForm, codes: Option<&Codes>) -> (CubeTensor, Option<CudaCodes>) {
+pub(crate) fn gelu_forward(x: CubeTensor, form: GeluForm, codes: Option<&Codes>) -> (CubeTensor, Option<CudaCodes>) {
     const OP: &str = "gelu";
     let (x, shape) = contiguous(x);
     let dtype = x.dtype;
@@ -316,7 +342,7 @@ fn gelu_forward(x: CubeTensor, form: GeluForm, codes: Option<&Codes>) -> (CubeTe
 }
 
 /// GELU's backward on CUDA: `dx = dy·gelu'(x̃)` from the codes.
-fn gelu_backward(dy: CubeTensor, form: GeluForm, saved: &CudaCodes) -> CubeTensor {
+pub(crate) fn gelu_backward(dy: CubeTensor, form: GeluForm, saved: &CudaCodes) -> CubeTensor {
     const OP: &str = "gelu backward";
     let (dy, shape) = contiguous(dy);
     let dtype = dy.dtype;
@@ -342,7 +368,11 @@ fn gelu_backward(dy: CubeTensor, form: GeluForm, saved: &CudaCodes) -> CubeTenso
 
 /// Softmax's forward on CUDA (optionally masked: `mask` of `x`'s shape): `y`, and the
 /// square-root codes of `y` when `codes` is given.
-fn softmax_forward(x: CubeTensor, mask: Option<CubeTensor>, codes: Option<&Codes>) -> (CubeTensor, Option<CudaCodes>) {
+pub(crate) fn softmax_forward(
+    x: CubeTensor,
+    mask: Option<CubeTensor>,
+    codes: Option<&Codes>,
+) -> (CubeTensor, Option<CudaCodes>) {
     const OP: &str = "softmax";
     let (x, shape) = contiguous(x);
     let mask = mask.map(|m| contiguous(m).0);
@@ -390,7 +420,7 @@ fn softmax_forward(x: CubeTensor, mask: Option<CubeTensor>, codes: Option<&Codes
 }
 
 /// Softmax's backward on CUDA: `dx = ŷ·(dy − Σ dy·ŷ)` from the codes of `y`.
-fn softmax_backward(dy: CubeTensor, saved: &CudaCodes) -> CubeTensor {
+pub(crate) fn softmax_backward(dy: CubeTensor, saved: &CudaCodes) -> CubeTensor {
     const OP: &str = "softmax backward";
     let (dy, shape) = contiguous(dy);
     let dtype = dy.dtype;
@@ -414,7 +444,7 @@ fn softmax_backward(dy: CubeTensor, saved: &CudaCodes) -> CubeTensor {
 // -------------------------------------------------------------------------------- SwiGLU
 
 /// SwiGLU's forward on CUDA: `y`, and the codes of `gate` and `up` when `codes` is given.
-fn swiglu_forward(
+pub(crate) fn swiglu_forward(
     gate: CubeTensor,
     up: CubeTensor,
     codes: Option<&Codes>,
@@ -475,7 +505,7 @@ fn swiglu_forward(
 }
 
 /// SwiGLU's backward on CUDA: `(dgate, dup)` from the codes of `gate` and `up`.
-fn swiglu_backward(dy: CubeTensor, gate: &CudaCodes, up: &CudaCodes) -> (CubeTensor, CubeTensor) {
+pub(crate) fn swiglu_backward(dy: CubeTensor, gate: &CudaCodes, up: &CudaCodes) -> (CubeTensor, CubeTensor) {
     const OP: &str = "swiglu backward";
     let (dy, shape) = contiguous(dy);
     let dtype = dy.dtype;
@@ -514,24 +544,15 @@ fn swiglu_backward(dy: CubeTensor, gate: &CudaCodes, up: &CudaCodes) -> (CubeTen
 
 // ----------------------------------------------------------------------------- LayerNorm
 
-/// What LayerNorm's backward keeps on CUDA: the codes of `x̂`, the per-row `rstd` (`F32`
-/// `[rows]`, cubecl memory) and the weight (the parameter's `CubeTensor`: a handle, no copy
-/// when it is contiguous).
-#[derive(Debug, Clone)]
-pub(crate) struct CudaLayerNormState {
-    xhat: CudaCodes,
-    rstd: CubeTensor,
-    weight: CubeTensor,
-}
-
-/// LayerNorm's forward on CUDA: `y`, and what the backward keeps when `codes` is given.
-fn layer_norm_forward(
+/// LayerNorm's forward on CUDA: `y`, and what the backward keeps when `codes` is given (the
+/// weight kept is the contiguous one the kernel read).
+pub(crate) fn layer_norm_forward(
     x: CubeTensor,
     weight: CubeTensor,
     bias: CubeTensor,
     eps: f32,
     codes: Option<&Codes>,
-) -> (CubeTensor, Option<CudaLayerNormState>) {
+) -> (CubeTensor, Option<LayerNormSaved<CubeBackend>>) {
     const OP: &str = "layer_norm";
     let (x, shape) = contiguous(x);
     let (w, _) = contiguous(weight);
@@ -588,12 +609,16 @@ fn layer_norm_forward(
             expect(fused::layer_norm_forward_to(device, &mut quantizer, &args, &mut yv, save), OP)
         })
     });
-    (y, Some(CudaLayerNormState { xhat: alloc.finish(meta), rstd, weight: w }))
+    (y, Some(LayerNormSaved { xhat: alloc.finish(meta), rstd, weight: w }))
 }
 
 /// LayerNorm's backward on CUDA: `(dx, dweight, dbias)`, the parameter gradients in the
-/// weight's dtype (the kernel accumulates them in f32; burn's cast converts).
-fn layer_norm_backward(dy: CubeTensor, state: &CudaLayerNormState) -> (CubeTensor, CubeTensor, CubeTensor) {
+/// weight's dtype (the kernel accumulates them in f32; burn's cast converts). The weight is
+/// made contiguous first (a no-op for the one [`layer_norm_forward`] kept).
+pub(crate) fn layer_norm_backward(
+    dy: CubeTensor,
+    state: &LayerNormSaved<CubeBackend>,
+) -> (CubeTensor, CubeTensor, CubeTensor) {
     const OP: &str = "layer_norm backward";
     let (dy, shape) = contiguous(dy);
     let dtype = dy.dtype;
@@ -602,8 +627,9 @@ fn layer_norm_backward(dy: CubeTensor, state: &CudaLayerNormState) -> (CubeTenso
     let rows = n.checked_div(cols).unwrap_or(0);
     let dx = empty_like(&dy, &shape, dtype);
     let (dw, db) = (empty_like(&dy, &[cols], DType::F32), empty_like(&dy, &[cols], DType::F32));
-    let (xhat, w) = (&state.xhat, &state.weight);
-    fenced(&[&dy, &dx, &dw, &db, &xhat.codes, &xhat.params, &state.rstd, w], OP, |device, ptrs| {
+    let (w, _) = contiguous(state.weight.clone());
+    let xhat = &state.xhat;
+    fenced(&[&dy, &dx, &dw, &db, &xhat.codes, &xhat.params, &state.rstd, &w], OP, |device, ptrs| {
         with_float!(dtype, T => {
             // SAFETY: addresses of `fenced`, used inside it
             let (dys, mut dxs, mut dws, mut dbs) = unsafe { (raw::<T>(ptrs[0], n), raw::<T>(ptrs[1], n), raw::<f32>(ptrs[2], cols), raw::<f32>(ptrs[3], cols)) };
@@ -622,27 +648,13 @@ fn layer_norm_backward(dy: CubeTensor, state: &CudaLayerNormState) -> (CubeTenso
             expect(fused::layer_norm_backward_view(device, &args, LayerNormGrads { dx: &mut dxv, dweight: &mut dwv, dbias: &mut dbv }), OP);
         })
     });
-    (dx, cast(dw, w.dtype), cast(db, w.dtype))
-}
-
-/// `t` in `dtype` (burn's cast on cubecl; a no-op when it already has it).
-fn cast(t: CubeTensor, dtype: DType) -> CubeTensor {
-    let to = match dtype {
-        DType::F16 => FloatDType::F16,
-        DType::BF16 => FloatDType::BF16,
-        DType::F32 => return t,
-        other => panic!("mesa-burn: parameter dtype {other:?} (validation lets only f32/f16/bf16 through)"),
-    };
-    if t.dtype == dtype {
-        return t;
-    }
-    CubeBackend::float_cast(t, to)
+    (dx, cast::<CubeBackend>(dw, w.dtype), cast::<CubeBackend>(db, w.dtype))
 }
 
 // ----------------------------------------------------- quantize / decode (Linear, RMSNorm)
 
 /// The codes of `x` (made contiguous first) in cubecl's device memory (mesa's quantizer).
-fn quantize(x: CubeTensor, codes: &Codes, op: &'static str) -> CudaCodes {
+pub(crate) fn quantize(x: CubeTensor, codes: &Codes, op: &'static str) -> CudaCodes {
     let (x, shape) = contiguous(x);
     let dtype = x.dtype;
     let n: usize = shape.iter().product();
@@ -664,7 +676,7 @@ fn quantize(x: CubeTensor, codes: &Codes, op: &'static str) -> CudaCodes {
 }
 
 /// The decoded tensor of `saved` (its shape, element `dtype`): a new contiguous cubecl tensor.
-fn decode(saved: &CudaCodes, dtype: DType, op: &'static str) -> CubeTensor {
+pub(crate) fn decode(saved: &CudaCodes, dtype: DType, op: &'static str) -> CubeTensor {
     let shape = saved.meta.shape().to_vec();
     let n: usize = shape.iter().product();
     let out = empty_like(&saved.codes, &shape, dtype);
@@ -680,149 +692,11 @@ fn decode(saved: &CudaCodes, dtype: DType, op: &'static str) -> CubeTensor {
     out
 }
 
-/// The shape of a cubecl tensor.
-fn dims(t: &CubeTensor) -> Vec<usize> {
-    t.meta.shape().to_vec()
-}
-
-/// `t` as `[rows, last]` (rows = product of the leading axes) and its original shape.
-fn rows_2d(t: CubeTensor) -> (CubeTensor, Vec<usize>) {
-    let shape = dims(&t);
-    let last = *shape.last().expect("rank ≥ 1 (validated)");
-    let rows = shape[..shape.len() - 1].iter().product::<usize>();
-    (CubeBackend::float_reshape(t, Shape::from(vec![rows, last])), shape)
-}
-
-/// `t` reshaped.
-fn reshape(t: CubeTensor, shape: Vec<usize>) -> CubeTensor {
-    CubeBackend::float_reshape(t, Shape::from(shape))
-}
-
-// -------------------------------------------------------------------------------- Linear
-
-/// `x·weight + bias` with burn's own cubecl matmul (exact, the same as burn's linear).
-fn linear_plain(x: CubeTensor, weight: CubeTensor, bias: CubeTensor) -> CubeTensor {
-    let d_out = dims(&weight)[1];
-    let (x2, mut shape) = rows_2d(x);
-    let y = CubeBackend::float_matmul(x2, weight);
-    let y = CubeBackend::float_add(y, reshape(bias, vec![1, d_out]));
-    *shape.last_mut().expect("rank ≥ 1") = d_out;
-    reshape(y, shape)
-}
-
-/// What Linear's backward keeps on CUDA: the codes of `x` and the weight (a handle).
-#[derive(Debug, Clone)]
-pub(crate) struct CudaLinearState {
-    x: CudaCodes,
-    weight: CubeTensor,
-}
-
-#[derive(Debug)]
-struct LinearBackward;
-
-impl Backward<CubeBackend, 3> for LinearBackward {
-    /// The codes of `x` (cubecl memory) and the weight.
-    type State = Arc<CudaLinearState>;
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let Ops { parents, node, state } = ops;
-        let [px, pw, pb] = parents;
-        let dy = grads.consume::<CubeBackend>(&node);
-        let (dy2, shape) = rows_2d(dy);
-        let d_in = dims(&state.weight)[0];
-        let wdtype = state.weight.dtype;
-        if let Some(p) = px {
-            // dx = dy·Wᵀ (exact)
-            let dx = CubeBackend::float_matmul(dy2.clone(), CubeBackend::float_transpose(state.weight.clone()));
-            let mut xshape = shape.clone();
-            *xshape.last_mut().expect("rank ≥ 1") = d_in;
-            grads.register::<CubeBackend>(p.id, reshape(dx, xshape));
-        }
-        if let Some(p) = pw {
-            // dW = Q(x)ᵀ·dy, x decoded from its codes in dy's dtype
-            let (xq2, _) = rows_2d(decode(&state.x, dy2.dtype, "linear backward"));
-            let dw = CubeBackend::float_matmul(CubeBackend::float_transpose(xq2), dy2.clone());
-            grads.register::<CubeBackend>(p.id, cast(dw, wdtype));
-        }
-        if let Some(p) = pb {
-            let d_out = dims(&dy2)[1];
-            let db = reshape(CubeBackend::float_sum_dim(dy2, 0), vec![d_out]);
-            grads.register::<CubeBackend>(p.id, cast(db, wdtype));
-        }
-    }
-}
-
-// ------------------------------------------------------------------------------- RMSNorm
-
-/// RMSNorm with burn's cubecl ops in f32: `(y in x's dtype, x̂ [rows, C] f32, rstd [rows, 1] f32)`.
-fn rms_norm_plain(x: CubeTensor, weight: CubeTensor, eps: f32) -> (CubeTensor, CubeTensor, CubeTensor) {
-    let dtype = x.dtype;
-    let (x2, shape) = rows_2d(to_f32(x));
-    let cols = dims(&x2)[1];
-    let ms = CubeBackend::float_mean_dim(CubeBackend::float_mul(x2.clone(), x2.clone()), 1);
-    let rstd = CubeBackend::float_recip(CubeBackend::float_sqrt(CubeBackend::float_add_scalar(ms, eps.into())));
-    let xhat = CubeBackend::float_mul(x2, rstd.clone());
-    let w = reshape(to_f32(weight), vec![1, cols]);
-    let y = reshape(CubeBackend::float_mul(xhat.clone(), w), shape);
-    (cast(y, dtype), xhat, rstd)
-}
-
-/// `t` in f32.
-fn to_f32(t: CubeTensor) -> CubeTensor {
-    if t.dtype == DType::F32 {
-        t
-    } else {
-        CubeBackend::float_cast(t, FloatDType::F32)
-    }
-}
-
-/// What RMSNorm's backward keeps on CUDA: the codes of `x̂` (f32 `[rows, C]`), `rstd`
-/// (`[rows, 1]` f32) and the weight (a handle), all in cubecl's device memory.
-#[derive(Debug, Clone)]
-pub(crate) struct CudaRmsNormState {
-    xhat: CudaCodes,
-    rstd: CubeTensor,
-    weight: CubeTensor,
-}
-
-#[derive(Debug)]
-struct RmsNormBackward;
-
-impl Backward<CubeBackend, 2> for RmsNormBackward {
-    type State = Arc<CudaRmsNormState>;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let Ops { parents, node, state } = ops;
-        let [px, pw] = parents;
-        let dy = grads.consume::<CubeBackend>(&node);
-        let dtype = dy.dtype;
-        let (dy2, shape) = rows_2d(to_f32(dy));
-        let cols = dims(&dy2)[1];
-        let xt = decode(&state.xhat, DType::F32, "rms_norm backward");
-        if let Some(p) = px {
-            // dx = rstd·(g − x̃·mean(g·x̃)), g = dy·w
-            let w = reshape(to_f32(state.weight.clone()), vec![1, cols]);
-            let g = CubeBackend::float_mul(dy2.clone(), w);
-            let m = CubeBackend::float_mean_dim(CubeBackend::float_mul(g.clone(), xt.clone()), 1);
-            let dx = CubeBackend::float_mul(
-                CubeBackend::float_sub(g, CubeBackend::float_mul(xt.clone(), m)),
-                state.rstd.clone(),
-            );
-            grads.register::<CubeBackend>(p.id, cast(reshape(dx, shape), dtype));
-        }
-        if let Some(p) = pw {
-            // dw = Σ_rows dy·x̃
-            let dw = reshape(CubeBackend::float_sum_dim(CubeBackend::float_mul(dy2, xt), 0), vec![cols]);
-            grads.register::<CubeBackend>(p.id, cast(dw, state.weight.dtype));
-        }
-    }
-}
-
 // ---------------------------------------------------------------------- linear attention
 
 /// Linear attention's forward on CUDA: the output (contiguous, `v`'s shape), the contiguous
 /// inputs, and the kernels' saved states (mesa-kernels `Buffer`s on mesa's device).
-fn linear_attention_forward(
+pub(crate) fn linear_attention_forward(
     q: CubeTensor,
     k: CubeTensor,
     v: CubeTensor,
@@ -849,68 +723,272 @@ fn linear_attention_forward(
     (out, [q, k, v], saved)
 }
 
-/// What linear attention's backward keeps on CUDA: handles to `q`, `k`, `v` and the output
-/// (the kernels' backward reads them) and the kernels' saved states (mesa `Buffer`s).
-#[derive(Debug, Clone)]
-pub(crate) struct CudaLinearAttentionState {
-    q: CubeTensor,
-    k: CubeTensor,
-    v: CubeTensor,
-    out: CubeTensor,
-    saved: Arc<LinearAttentionSaved>,
+/// Linear attention's backward on CUDA: `[dq, dk, dv]` from the forward's inputs and output
+/// (made contiguous: a no-op for the ones [`linear_attention_forward`] returned) and its saved
+/// states.
+pub(crate) fn linear_attention_backward(
+    [q, k, v, out]: [CubeTensor; 4],
+    dout: CubeTensor,
+    saved: &LinearAttentionSaved,
+) -> [CubeTensor; 3] {
+    const OP: &str = "linear_attention backward";
+    let ((q, qs), (k, _), (v, _), (out, _)) = (contiguous(q), contiguous(k), contiguous(v), contiguous(out));
+    let (dout, vs) = contiguous(dout);
+    let dtype = dout.dtype;
+    let (nq, nv): (usize, usize) = (qs.iter().product(), vs.iter().product());
+    let (dq, dk, dv) = (empty_like(&dout, &qs, dtype), empty_like(&dout, &qs, dtype), empty_like(&dout, &vs, dtype));
+    fenced(&[&q, &k, &v, &out, &dout, &dq, &dk, &dv], OP, |device, ptrs| {
+        with_float!(dtype, T => {
+            // SAFETY: addresses of `fenced`, used inside it
+            let (qr, kr, vr, or, dor) = unsafe {
+                (raw::<T>(ptrs[0], nq), raw::<T>(ptrs[1], nq), raw::<T>(ptrs[2], nv), raw::<T>(ptrs[3], nv), raw::<T>(ptrs[4], nv))
+            };
+            // SAFETY: as above
+            let (mut dqr, mut dkr, mut dvr) = unsafe { (raw::<T>(ptrs[5], nq), raw::<T>(ptrs[6], nq), raw::<T>(ptrs[7], nv)) };
+            let (qv, kv, vv, ov, dov) = (
+                expect(TensorRef::contiguous(&qr, &qs), OP),
+                expect(TensorRef::contiguous(&kr, &qs), OP),
+                expect(TensorRef::contiguous(&vr, &vs), OP),
+                expect(TensorRef::contiguous(&or, &vs), OP),
+                expect(TensorRef::contiguous(&dor, &vs), OP),
+            );
+            let mut dqv = expect(TensorMut::contiguous(&mut dqr, &qs), OP);
+            let mut dkv = expect(TensorMut::contiguous(&mut dkr, &qs), OP);
+            let mut dvv = expect(TensorMut::contiguous(&mut dvr, &vs), OP);
+            let args = BackwardArgs {
+                q: &qv,
+                k: &kv,
+                v: &vv,
+                out: Some(&ov),
+                dout: &dov,
+                grads: LaGrads { dq: &mut dqv, dk: &mut dkv, dv: &mut dvv },
+            };
+            expect(linear_attention::backward(device, saved, args), OP);
+        })
+    });
+    [dq, dk, dv]
 }
 
-#[derive(Debug)]
-struct LinearAttentionBackward;
+// ------------------------------------------------------- burn's own ops, any backend
 
-impl Backward<CubeBackend, 3> for LinearAttentionBackward {
-    type State = CudaLinearAttentionState;
+/// `t` in `dtype` (burn's cast; a no-op when it already has it).
+pub(crate) fn cast<B: Backend>(t: FloatTensor<B>, dtype: DType) -> FloatTensor<B> {
+    if t.dtype() == dtype {
+        return t;
+    }
+    let to = match dtype {
+        DType::F32 => FloatDType::F32,
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        other => panic!("mesa-burn: dtype {other:?} (validation lets only f32/f16/bf16 through)"),
+    };
+    B::float_cast(t, to)
+}
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        const OP: &str = "linear_attention backward";
-        let Ops { parents, node, state } = ops;
-        let [pq, pk, pv] = parents;
-        let (dout, vs) = contiguous(grads.consume::<CubeBackend>(&node));
-        let qs = dims(&state.q);
-        let dtype = dout.dtype;
-        let (nq, nv): (usize, usize) = (qs.iter().product(), vs.iter().product());
-        let (dq, dk, dv) =
-            (empty_like(&dout, &qs, dtype), empty_like(&dout, &qs, dtype), empty_like(&dout, &vs, dtype));
-        let tensors = [&state.q, &state.k, &state.v, &state.out, &dout, &dq, &dk, &dv];
-        fenced(&tensors, OP, |device, ptrs| {
-            with_float!(dtype, T => {
-                // SAFETY: addresses of `fenced`, used inside it
-                let (qr, kr, vr, or, dor) = unsafe {
-                    (raw::<T>(ptrs[0], nq), raw::<T>(ptrs[1], nq), raw::<T>(ptrs[2], nv), raw::<T>(ptrs[3], nv), raw::<T>(ptrs[4], nv))
-                };
-                // SAFETY: as above
-                let (mut dqr, mut dkr, mut dvr) = unsafe { (raw::<T>(ptrs[5], nq), raw::<T>(ptrs[6], nq), raw::<T>(ptrs[7], nv)) };
-                let (qv, kv, vv, ov, dov) = (
-                    expect(TensorRef::contiguous(&qr, &qs), OP),
-                    expect(TensorRef::contiguous(&kr, &qs), OP),
-                    expect(TensorRef::contiguous(&vr, &vs), OP),
-                    expect(TensorRef::contiguous(&or, &vs), OP),
-                    expect(TensorRef::contiguous(&dor, &vs), OP),
-                );
-                let mut dqv = expect(TensorMut::contiguous(&mut dqr, &qs), OP);
-                let mut dkv = expect(TensorMut::contiguous(&mut dkr, &qs), OP);
-                let mut dvv = expect(TensorMut::contiguous(&mut dvr, &vs), OP);
-                let args = BackwardArgs {
-                    q: &qv,
-                    k: &kv,
-                    v: &vv,
-                    out: Some(&ov),
-                    dout: &dov,
-                    grads: LaGrads { dq: &mut dqv, dk: &mut dkv, dv: &mut dvv },
-                };
-                expect(linear_attention::backward(device, &state.saved, args), OP);
-            })
-        });
-        for (p, g) in [(pq, dq), (pk, dk), (pv, dv)] {
-            if let Some(p) = p {
-                grads.register::<CubeBackend>(p.id, g);
-            }
-        }
+/// The shape of a float tensor.
+fn dims<B: Backend>(t: &FloatTensor<B>) -> Vec<usize> {
+    t.shape().to_vec()
+}
+
+/// `t` as `[rows, last]` (rows = product of the leading axes) and its original shape.
+fn rows_2d<B: Backend>(t: FloatTensor<B>) -> (FloatTensor<B>, Vec<usize>) {
+    let shape = dims::<B>(&t);
+    let last = *shape.last().expect("rank ≥ 1 (validated)");
+    let rows = shape[..shape.len() - 1].iter().product::<usize>();
+    (B::float_reshape(t, Shape::from(vec![rows, last])), shape)
+}
+
+/// `t` reshaped.
+fn reshape<B: Backend>(t: FloatTensor<B>, shape: Vec<usize>) -> FloatTensor<B> {
+    B::float_reshape(t, Shape::from(shape))
+}
+
+/// `x·weight + bias` with the backend's own matmul (exact, the same as burn's linear).
+pub(crate) fn linear_plain<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let d_out = dims::<B>(&weight)[1];
+    let (x2, mut shape) = rows_2d::<B>(x);
+    let y = B::float_matmul(x2, weight);
+    let y = B::float_add(y, reshape::<B>(bias, vec![1, d_out]));
+    *shape.last_mut().expect("rank ≥ 1") = d_out;
+    reshape::<B>(y, shape)
+}
+
+/// RMSNorm with the backend's own ops in f32: `(y in x's dtype, x̂ [rows, C] f32, rstd [rows, 1] f32)`.
+pub(crate) fn rms_norm_plain<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    eps: f32,
+) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+    let dtype = x.dtype();
+    let (x2, shape) = rows_2d::<B>(cast::<B>(x, DType::F32));
+    let cols = dims::<B>(&x2)[1];
+    let ms = B::float_mean_dim(B::float_mul(x2.clone(), x2.clone()), 1);
+    let rstd = B::float_recip(B::float_sqrt(B::float_add_scalar(ms, eps.into())));
+    let xhat = B::float_mul(x2, rstd.clone());
+    let w = reshape::<B>(cast::<B>(weight, DType::F32), vec![1, cols]);
+    let y = reshape::<B>(B::float_mul(xhat.clone(), w), shape);
+    (cast::<B>(y, dtype), xhat, rstd)
+}
+
+// ------------------------------------------------------------------ the kernels, per backend
+
+/// A backend whose tensors mesa's CUDA kernels run on, for the autodiff ops below (written once
+/// for both): `CubeBackend` runs each kernel call now, host-fenced (the functions above);
+/// with the `fusion` feature `Fusion<CubeBackend>` registers it as a fusion custom operation
+/// that runs the same function later, on the fusion server (`src/fusion.rs`). Linear's
+/// matmuls, RMSNorm's arithmetic and the casts are the backend's own ops. Every argument was
+/// validated before dispatch.
+pub(crate) trait CudaOps: MesaOps {
+    /// The codes of one saved tensor.
+    type Codes: Clone + std::fmt::Debug + Send + Sync + 'static;
+    /// Linear attention's saved states (the kernels' [`LinearAttentionSaved`]).
+    type LaSaved: Clone + std::fmt::Debug + Send + Sync + 'static;
+
+    /// GELU's forward: `y` and the codes of `x`.
+    fn gelu_save(x: FloatTensor<Self>, form: GeluForm, codes: &Codes) -> (FloatTensor<Self>, Self::Codes);
+    /// GELU's `dx` from the codes of `x`.
+    fn gelu_grad(dy: FloatTensor<Self>, form: GeluForm, x: &Self::Codes) -> FloatTensor<Self>;
+    /// Softmax's forward (a mask of `x`'s shape): `y` and the square-root codes of `y`.
+    fn softmax_save(
+        x: FloatTensor<Self>,
+        mask: Option<FloatTensor<Self>>,
+        codes: &Codes,
+    ) -> (FloatTensor<Self>, Self::Codes);
+    /// Softmax's `dx` from the codes of `y`.
+    fn softmax_grad(dy: FloatTensor<Self>, y: &Self::Codes) -> FloatTensor<Self>;
+    /// SwiGLU's forward: `y` and the codes of `gate` and of `up`.
+    fn swiglu_save(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        codes: &Codes,
+    ) -> (FloatTensor<Self>, Self::Codes, Self::Codes);
+    /// SwiGLU's `(dgate, dup)` from the codes.
+    fn swiglu_grad(
+        dy: FloatTensor<Self>,
+        gate: &Self::Codes,
+        up: &Self::Codes,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+    /// LayerNorm's forward: `y` and what its backward keeps.
+    fn layer_norm_save(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f32,
+        codes: &Codes,
+    ) -> (FloatTensor<Self>, LayerNormSaved<Self>);
+    /// LayerNorm's `(dx, dweight, dbias)`, the parameter gradients in the weight's dtype.
+    fn layer_norm_grad(
+        dy: FloatTensor<Self>,
+        saved: &LayerNormSaved<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+    /// The codes of `x` (mesa's quantizer).
+    fn quantize_codes(x: FloatTensor<Self>, codes: &Codes, op: &'static str) -> Self::Codes;
+    /// The decoded tensor of `saved`, element `dtype`.
+    fn decode_codes(saved: &Self::Codes, dtype: DType, op: &'static str) -> FloatTensor<Self>;
+    /// Linear attention's forward: the output and what its backward keeps.
+    fn linear_attention_save(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        config: &LinearAttentionConfig,
+    ) -> (FloatTensor<Self>, LinearAttentionState<Self>);
+    /// Linear attention's `[dq, dk, dv]`.
+    fn linear_attention_grad(dout: FloatTensor<Self>, state: &LinearAttentionState<Self>) -> [FloatTensor<Self>; 3];
+}
+
+/// What LayerNorm's backward keeps: the codes of `x̂`, the per-row `rstd` (`F32` `[rows]`) and
+/// the weight (a handle to the parameter's tensor: no copy when it is contiguous).
+#[derive(Debug, Clone)]
+pub(crate) struct LayerNormSaved<B: CudaOps> {
+    pub(crate) xhat: B::Codes,
+    pub(crate) rstd: FloatTensor<B>,
+    pub(crate) weight: FloatTensor<B>,
+}
+
+/// What linear attention's backward keeps: handles to `q`, `k`, `v` and the output (the
+/// kernels' backward reads them) and the kernels' saved states (mesa `Buffer`s on mesa's
+/// device).
+#[derive(Debug, Clone)]
+pub(crate) struct LinearAttentionState<B: CudaOps> {
+    pub(crate) q: FloatTensor<B>,
+    pub(crate) k: FloatTensor<B>,
+    pub(crate) v: FloatTensor<B>,
+    pub(crate) out: FloatTensor<B>,
+    pub(crate) saved: B::LaSaved,
+}
+
+impl CudaOps for CubeBackend {
+    /// In cubecl's device memory.
+    type Codes = CudaCodes;
+    type LaSaved = Arc<LinearAttentionSaved>;
+
+    fn gelu_save(x: CubeTensor, form: GeluForm, codes: &Codes) -> (CubeTensor, CudaCodes) {
+        let (y, saved) = gelu_forward(x, form, Some(codes));
+        (y, saved.expect("codes were asked for"))
+    }
+
+    fn gelu_grad(dy: CubeTensor, form: GeluForm, x: &CudaCodes) -> CubeTensor {
+        gelu_backward(dy, form, x)
+    }
+
+    fn softmax_save(x: CubeTensor, mask: Option<CubeTensor>, codes: &Codes) -> (CubeTensor, CudaCodes) {
+        let (y, saved) = softmax_forward(x, mask, Some(codes));
+        (y, saved.expect("codes were asked for"))
+    }
+
+    fn softmax_grad(dy: CubeTensor, y: &CudaCodes) -> CubeTensor {
+        softmax_backward(dy, y)
+    }
+
+    fn swiglu_save(gate: CubeTensor, up: CubeTensor, codes: &Codes) -> (CubeTensor, CudaCodes, CudaCodes) {
+        let (y, saved) = swiglu_forward(gate, up, Some(codes));
+        let (g, u) = saved.expect("codes were asked for");
+        (y, g, u)
+    }
+
+    fn swiglu_grad(dy: CubeTensor, gate: &CudaCodes, up: &CudaCodes) -> (CubeTensor, CubeTensor) {
+        swiglu_backward(dy, gate, up)
+    }
+
+    fn layer_norm_save(
+        x: CubeTensor,
+        weight: CubeTensor,
+        bias: CubeTensor,
+        eps: f32,
+        codes: &Codes,
+    ) -> (CubeTensor, LayerNormSaved<Self>) {
+        let (y, saved) = layer_norm_forward(x, weight, bias, eps, Some(codes));
+        (y, saved.expect("codes were asked for"))
+    }
+
+    fn layer_norm_grad(dy: CubeTensor, saved: &LayerNormSaved<Self>) -> (CubeTensor, CubeTensor, CubeTensor) {
+        layer_norm_backward(dy, saved)
+    }
+
+    fn quantize_codes(x: CubeTensor, codes: &Codes, op: &'static str) -> CudaCodes {
+        quantize(x, codes, op)
+    }
+
+    fn decode_codes(saved: &CudaCodes, dtype: DType, op: &'static str) -> CubeTensor {
+        decode(saved, dtype, op)
+    }
+
+    fn linear_attention_save(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        config: &LinearAttentionConfig,
+    ) -> (CubeTensor, LinearAttentionState<Self>) {
+        let (out, [q, k, v], saved) = linear_attention_forward(q, k, v, config);
+        (out.clone(), LinearAttentionState { q, k, v, out, saved: Arc::new(saved) })
+    }
+
+    fn linear_attention_grad(dout: CubeTensor, s: &LinearAttentionState<Self>) -> [CubeTensor; 3] {
+        linear_attention_backward([s.q.clone(), s.k.clone(), s.v.clone(), s.out.clone()], dout, &s.saved)
     }
 }
 
@@ -935,11 +1013,11 @@ impl MesaOps for CubeBackend {
         bias: FloatTensor<Self>,
         _codes: Codes,
     ) -> FloatTensor<Self> {
-        linear_plain(x, weight, bias)
+        linear_plain::<Self>(x, weight, bias)
     }
 
     fn mesa_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32, _codes: Codes) -> FloatTensor<Self> {
-        rms_norm_plain(x, weight, eps).0
+        rms_norm_plain::<Self>(x, weight, eps).0
     }
 
     fn mesa_softmax(x: FloatTensor<Self>, _codes: Codes) -> FloatTensor<Self> {
@@ -964,18 +1042,20 @@ impl MesaOps for CubeBackend {
     }
 }
 
+// ------------------------------------------------------------------------ the backwards
+
 #[derive(Debug)]
 struct GeluBackward {
     form: GeluForm,
 }
 
-impl Backward<CubeBackend, 1> for GeluBackward {
-    /// The codes of `x`, in cubecl's device memory.
-    type State = Arc<CudaCodes>;
+impl<B: CudaOps> Backward<B, 1> for GeluBackward {
+    /// The codes of `x`.
+    type State = Arc<B::Codes>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let Ops { parents, node, state } = ops;
-        unary::<CubeBackend, _>(parents, node, grads, |dy| gelu_backward(dy, self.form, &state));
+        unary::<B, _>(parents, node, grads, |dy| B::gelu_grad(dy, self.form, &state));
     }
 }
 
@@ -984,58 +1064,58 @@ struct SoftmaxBackward;
 
 /// `dx` from the codes of `y`, for `x` (parent 0) and an additive mask (parent 1: `dm = dx`,
 /// as on Flex).
-fn softmax_grad(parents: &[Option<NodeId>], dy: CubeTensor, saved: &CudaCodes, grads: &mut Gradients) {
+fn softmax_grad<B: CudaOps>(parents: &[Option<NodeId>], dy: FloatTensor<B>, saved: &B::Codes, grads: &mut Gradients) {
     if parents.iter().all(Option::is_none) {
         return;
     }
-    let dx = softmax_backward(dy, saved);
+    let dx = B::softmax_grad(dy, saved);
     for id in parents.iter().flatten() {
-        grads.register::<CubeBackend>(*id, dx.clone());
+        grads.register::<B>(*id, dx.clone());
     }
 }
 
-impl Backward<CubeBackend, 1> for SoftmaxBackward {
-    /// The square-root codes of `y`, in cubecl's device memory.
-    type State = Arc<CudaCodes>;
+impl<B: CudaOps> Backward<B, 1> for SoftmaxBackward {
+    /// The square-root codes of `y`.
+    type State = Arc<B::Codes>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dy = grads.consume::<CubeBackend>(&ops.node);
+        let dy = grads.consume::<B>(&ops.node);
         let [px] = ops.parents;
-        softmax_grad(&[px.map(|p| p.id)], dy, &ops.state, grads);
+        softmax_grad::<B>(&[px.map(|p| p.id)], dy, &ops.state, grads);
     }
 }
 
-impl Backward<CubeBackend, 2> for SoftmaxBackward {
-    /// The square-root codes of `y`, in cubecl's device memory.
-    type State = Arc<CudaCodes>;
+impl<B: CudaOps> Backward<B, 2> for SoftmaxBackward {
+    /// The square-root codes of `y`.
+    type State = Arc<B::Codes>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dy = grads.consume::<CubeBackend>(&ops.node);
+        let dy = grads.consume::<B>(&ops.node);
         let [px, pm] = ops.parents;
-        softmax_grad(&[px.map(|p| p.id), pm.map(|p| p.id)], dy, &ops.state, grads);
+        softmax_grad::<B>(&[px.map(|p| p.id), pm.map(|p| p.id)], dy, &ops.state, grads);
     }
 }
 
 #[derive(Debug)]
 struct SwigluBackward;
 
-impl Backward<CubeBackend, 2> for SwigluBackward {
-    /// The codes of `gate` and of `up`, in cubecl's device memory.
-    type State = Arc<(CudaCodes, CudaCodes)>;
+impl<B: CudaOps> Backward<B, 2> for SwigluBackward {
+    /// The codes of `gate` and of `up`.
+    type State = Arc<(B::Codes, B::Codes)>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let Ops { parents, node, state } = ops;
         let [pg, pu] = parents;
-        let dy = grads.consume::<CubeBackend>(&node);
+        let dy = grads.consume::<B>(&node);
         if pg.is_none() && pu.is_none() {
             return;
         }
-        let (dg, du) = swiglu_backward(dy, &state.0, &state.1);
+        let (dg, du) = B::swiglu_grad(dy, &state.0, &state.1);
         if let Some(p) = pg {
-            grads.register::<CubeBackend>(p.id, dg);
+            grads.register::<B>(p.id, dg);
         }
         if let Some(p) = pu {
-            grads.register::<CubeBackend>(p.id, du);
+            grads.register::<B>(p.id, du);
         }
     }
 }
@@ -1043,36 +1123,141 @@ impl Backward<CubeBackend, 2> for SwigluBackward {
 #[derive(Debug)]
 struct LayerNormBackward;
 
-impl Backward<CubeBackend, 3> for LayerNormBackward {
-    /// The codes of `x̂`, the per-row `rstd` and the weight, in cubecl's device memory.
-    type State = Arc<CudaLayerNormState>;
+impl<B: CudaOps> Backward<B, 3> for LayerNormBackward {
+    /// The codes of `x̂`, the per-row `rstd` and the weight.
+    type State = Arc<LayerNormSaved<B>>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let Ops { parents, node, state } = ops;
         let [px, pw, pb] = parents;
-        let dy = grads.consume::<CubeBackend>(&node);
-        let (dx, dw, db) = layer_norm_backward(dy, &state);
+        let dy = grads.consume::<B>(&node);
+        let (dx, dw, db) = B::layer_norm_grad(dy, &state);
         if let Some(p) = px {
-            grads.register::<CubeBackend>(p.id, dx);
+            grads.register::<B>(p.id, dx);
         }
         if let Some(p) = pw {
-            grads.register::<CubeBackend>(p.id, dw);
+            grads.register::<B>(p.id, dw);
         }
         if let Some(p) = pb {
-            grads.register::<CubeBackend>(p.id, db);
+            grads.register::<B>(p.id, db);
         }
     }
 }
 
-impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
+/// What Linear's backward keeps: the codes of `x` and the weight (a handle).
+#[derive(Debug, Clone)]
+struct LinearSaved<B: CudaOps> {
+    x: B::Codes,
+    weight: FloatTensor<B>,
+}
+
+#[derive(Debug)]
+struct LinearBackward;
+
+impl<B: CudaOps> Backward<B, 3> for LinearBackward {
+    /// The codes of `x` and the weight.
+    type State = Arc<LinearSaved<B>>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [px, pw, pb] = parents;
+        let dy = grads.consume::<B>(&node);
+        let (dy2, shape) = rows_2d::<B>(dy);
+        let d_in = dims::<B>(&state.weight)[0];
+        let wdtype = state.weight.dtype();
+        if let Some(p) = px {
+            // dx = dy·Wᵀ (exact)
+            let dx = B::float_matmul(dy2.clone(), B::float_transpose(state.weight.clone()));
+            let mut xshape = shape.clone();
+            *xshape.last_mut().expect("rank ≥ 1") = d_in;
+            grads.register::<B>(p.id, reshape::<B>(dx, xshape));
+        }
+        if let Some(p) = pw {
+            // dW = Q(x)ᵀ·dy, x decoded from its codes in dy's dtype
+            let (xq2, _) = rows_2d::<B>(B::decode_codes(&state.x, dy2.dtype(), "linear backward"));
+            let dw = B::float_matmul(B::float_transpose(xq2), dy2.clone());
+            grads.register::<B>(p.id, cast::<B>(dw, wdtype));
+        }
+        if let Some(p) = pb {
+            let d_out = dims::<B>(&dy2)[1];
+            let db = reshape::<B>(B::float_sum_dim(dy2, 0), vec![d_out]);
+            grads.register::<B>(p.id, cast::<B>(db, wdtype));
+        }
+    }
+}
+
+/// What RMSNorm's backward keeps: the codes of `x̂` (f32 `[rows, C]`), `rstd` (`[rows, 1]`
+/// f32) and the weight (a handle).
+#[derive(Debug, Clone)]
+struct RmsNormSaved<B: CudaOps> {
+    xhat: B::Codes,
+    rstd: FloatTensor<B>,
+    weight: FloatTensor<B>,
+}
+
+#[derive(Debug)]
+struct RmsNormBackward;
+
+impl<B: CudaOps> Backward<B, 2> for RmsNormBackward {
+    type State = Arc<RmsNormSaved<B>>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let [px, pw] = parents;
+        let dy = grads.consume::<B>(&node);
+        let dtype = dy.dtype();
+        let (dy2, shape) = rows_2d::<B>(cast::<B>(dy, DType::F32));
+        let cols = dims::<B>(&dy2)[1];
+        let xt = B::decode_codes(&state.xhat, DType::F32, "rms_norm backward");
+        if let Some(p) = px {
+            // dx = rstd·(g − x̃·mean(g·x̃)), g = dy·w
+            let w = reshape::<B>(cast::<B>(state.weight.clone(), DType::F32), vec![1, cols]);
+            let g = B::float_mul(dy2.clone(), w);
+            let m = B::float_mean_dim(B::float_mul(g.clone(), xt.clone()), 1);
+            let dx = B::float_mul(B::float_sub(g, B::float_mul(xt.clone(), m)), state.rstd.clone());
+            grads.register::<B>(p.id, cast::<B>(reshape::<B>(dx, shape), dtype));
+        }
+        if let Some(p) = pw {
+            // dw = Σ_rows dy·x̃
+            let dw = reshape::<B>(B::float_sum_dim(B::float_mul(dy2, xt), 0), vec![cols]);
+            grads.register::<B>(p.id, cast::<B>(dw, state.weight.dtype()));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LinearAttentionBackward;
+
+impl<B: CudaOps> Backward<B, 3> for LinearAttentionBackward {
+    type State = LinearAttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Ops { parents, node, state } = ops;
+        let dout = grads.consume::<B>(&node);
+        let grads_qkv = B::linear_attention_grad(dout, &state);
+        for (p, g) in parents.into_iter().zip(grads_qkv) {
+            if let Some(p) = p {
+                grads.register::<B>(p.id, g);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------ the autodiff impl
+
+/// The autodiff ops on CUDA, for `Autodiff<CubeBackend, C>` and (with `fusion`)
+/// `Autodiff<Fusion<CubeBackend>, C>`: each registers its hand-written backward, whose state is
+/// what the backend's `CudaOps` returns.
+impl<B: CudaOps, C: CheckpointStrategy> MesaOps for Autodiff<B, C> {
     fn mesa_gelu(x: FloatTensor<Self>, form: GeluForm, codes: Codes) -> FloatTensor<Self> {
         let (x, guard) = x.into_parts();
-        match (GeluBackward { form }).prepare::<C>([guard]).compute_bound().stateful() {
+        match <GeluBackward as Backward<B, 1>>::prepare::<C>(GeluBackward { form }, [guard]).compute_bound().stateful()
+        {
             OpsKind::Tracked(prep) => {
-                let (y, saved) = gelu_forward(x, form, Some(&codes));
-                prep.finish(Arc::new(saved.expect("codes were asked for")), y)
+                let (y, saved) = B::gelu_save(x, form, &codes);
+                prep.finish(Arc::new(saved), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(gelu_forward(x, form, None).0),
+            OpsKind::UnTracked(prep) => prep.finish(B::mesa_gelu(x, form, codes)),
         }
     }
 
@@ -1086,12 +1271,15 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
         let (x, gx) = x.into_parts();
         let (w, gw) = weight.into_parts();
         let (b, gb) = bias.into_parts();
-        match LayerNormBackward.prepare::<C>([gx, gw, gb]).compute_bound().stateful() {
+        match <LayerNormBackward as Backward<B, 3>>::prepare::<C>(LayerNormBackward, [gx, gw, gb])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
-                let (y, state) = layer_norm_forward(x, w, b, eps, Some(&codes));
-                prep.finish(Arc::new(state.expect("codes were asked for")), y)
+                let (y, saved) = B::layer_norm_save(x, w, b, eps, &codes);
+                prep.finish(Arc::new(saved), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(layer_norm_forward(x, w, b, eps, None).0),
+            OpsKind::UnTracked(prep) => prep.finish(B::mesa_layer_norm(x, w, b, eps, codes)),
         }
     }
 
@@ -1104,68 +1292,62 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
         let (x, gx) = x.into_parts();
         let (w, gw) = weight.into_parts();
         let (b, gb) = bias.into_parts();
-        match LinearBackward.prepare::<C>([gx, gw, gb]).compute_bound().stateful() {
+        match <LinearBackward as Backward<B, 3>>::prepare::<C>(LinearBackward, [gx, gw, gb]).compute_bound().stateful()
+        {
             OpsKind::Tracked(prep) => {
-                let saved = quantize(x.clone(), &codes, "linear");
-                let y = linear_plain(x, w.clone(), b);
-                prep.finish(Arc::new(CudaLinearState { x: saved, weight: w }), y)
+                let saved = B::quantize_codes(x.clone(), &codes, "linear");
+                let y = linear_plain::<B>(x, w.clone(), b);
+                prep.finish(Arc::new(LinearSaved { x: saved, weight: w }), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(linear_plain(x, w, b)),
+            OpsKind::UnTracked(prep) => prep.finish(linear_plain::<B>(x, w, b)),
         }
     }
 
     fn mesa_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32, codes: Codes) -> FloatTensor<Self> {
         let (x, gx) = x.into_parts();
         let (w, gw) = weight.into_parts();
-        match RmsNormBackward.prepare::<C>([gx, gw]).compute_bound().stateful() {
+        match <RmsNormBackward as Backward<B, 2>>::prepare::<C>(RmsNormBackward, [gx, gw]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
-                let (y, xhat, rstd) = rms_norm_plain(x, w.clone(), eps);
-                let saved = quantize(xhat, &codes, "rms_norm");
-                prep.finish(Arc::new(CudaRmsNormState { xhat: saved, rstd, weight: w }), y)
+                let (y, xhat, rstd) = rms_norm_plain::<B>(x, w.clone(), eps);
+                let saved = B::quantize_codes(xhat, &codes, "rms_norm");
+                prep.finish(Arc::new(RmsNormSaved { xhat: saved, rstd, weight: w }), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(rms_norm_plain(x, w, eps).0),
+            OpsKind::UnTracked(prep) => prep.finish(rms_norm_plain::<B>(x, w, eps).0),
         }
     }
 
     fn mesa_softmax(x: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
         let (x, gx) = x.into_parts();
-        match <SoftmaxBackward as Backward<CubeBackend, 1>>::prepare::<C>(SoftmaxBackward, [gx])
-            .compute_bound()
-            .stateful()
-        {
+        match <SoftmaxBackward as Backward<B, 1>>::prepare::<C>(SoftmaxBackward, [gx]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
-                let (y, saved) = softmax_forward(x, None, Some(&codes));
-                prep.finish(Arc::new(saved.expect("codes were asked for")), y)
+                let (y, saved) = B::softmax_save(x, None, &codes);
+                prep.finish(Arc::new(saved), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(softmax_forward(x, None, None).0),
+            OpsKind::UnTracked(prep) => prep.finish(B::mesa_softmax(x, codes)),
         }
     }
 
     fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
         let (x, gx) = x.into_parts();
         let (mask, gm) = mask.into_parts();
-        match <SoftmaxBackward as Backward<CubeBackend, 2>>::prepare::<C>(SoftmaxBackward, [gx, gm])
-            .compute_bound()
-            .stateful()
-        {
+        match <SoftmaxBackward as Backward<B, 2>>::prepare::<C>(SoftmaxBackward, [gx, gm]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
-                let (y, saved) = softmax_forward(x, Some(mask), Some(&codes));
-                prep.finish(Arc::new(saved.expect("codes were asked for")), y)
+                let (y, saved) = B::softmax_save(x, Some(mask), &codes);
+                prep.finish(Arc::new(saved), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(softmax_forward(x, Some(mask), None).0),
+            OpsKind::UnTracked(prep) => prep.finish(B::mesa_softmax_masked(x, mask, codes)),
         }
     }
 
     fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self> {
         let (g, gg) = gate.into_parts();
         let (u, gu) = up.into_parts();
-        match SwigluBackward.prepare::<C>([gg, gu]).compute_bound().stateful() {
+        match <SwigluBackward as Backward<B, 2>>::prepare::<C>(SwigluBackward, [gg, gu]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
-                let (y, saved) = swiglu_forward(g, u, Some(&codes));
-                let (gate, up) = saved.expect("codes were asked for");
-                prep.finish(Arc::new((gate, up)), y)
+                let (y, sg, su) = B::swiglu_save(g, u, &codes);
+                prep.finish(Arc::new((sg, su)), y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(swiglu_forward(g, u, None).0),
+            OpsKind::UnTracked(prep) => prep.finish(B::mesa_swiglu(g, u, codes)),
         }
     }
 
@@ -1178,13 +1360,15 @@ impl<C: CheckpointStrategy> MesaOps for Autodiff<CubeBackend, C> {
         let (q, gq) = q.into_parts();
         let (k, gk) = k.into_parts();
         let (v, gv) = v.into_parts();
-        match LinearAttentionBackward.prepare::<C>([gq, gk, gv]).compute_bound().stateful() {
+        match <LinearAttentionBackward as Backward<B, 3>>::prepare::<C>(LinearAttentionBackward, [gq, gk, gv])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
-                let (out, [q, k, v], saved) = linear_attention_forward(q, k, v, &config);
-                let state = CudaLinearAttentionState { q, k, v, out: out.clone(), saved: Arc::new(saved) };
+                let (out, state) = B::linear_attention_save(q, k, v, &config);
                 prep.finish(state, out)
             }
-            OpsKind::UnTracked(prep) => prep.finish(linear_attention_forward(q, k, v, &config).0),
+            OpsKind::UnTracked(prep) => prep.finish(B::mesa_linear_attention(q, k, v, config)),
         }
     }
 }

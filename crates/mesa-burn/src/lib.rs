@@ -18,9 +18,10 @@
 //!   strategy. The kernels run on mesa-kernels' host emulator (the CUDA source compiled for
 //!   the CPU). With the `cuda` feature every op also runs on burn's CUDA backend
 //!   (`CubeBackend`, with and without autodiff; what an op keeps lives in cubecl's device
-//!   memory; host-fenced: two host synchronisations per kernel call). That code is
-//!   **type-checked only, never built into a binary or run**. burn's `fusion` feature is not
-//!   supported with `cuda` (`docs/burn.md`).
+//!   memory; host-fenced: two host synchronisations per kernel call), and with the `fusion`
+//!   feature on `Fusion<CubeBackend>` (burn's `fusion` feature: each kernel call a fusion
+//!   custom operation running that code later on the fusion server). That code is
+//!   **type-checked only, never built into a binary or run** (`docs/burn.md`).
 //!
 //! The forward is exact (the same kernel math as the full-precision op); only the backward
 //! reads decoded codes, so gradients carry the quantization error: with nearest rounding
@@ -34,6 +35,8 @@ mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+#[cfg(feature = "fusion")]
+mod fusion;
 mod host;
 pub mod nn;
 pub mod ops;

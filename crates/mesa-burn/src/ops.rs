@@ -1,8 +1,9 @@
 //! The backend extension [`MesaOps`]: what `burn::backend::Dispatch` routes to, implemented
 //! for `Flex` (inference: nothing saved) and for `Autodiff<Flex, C>` (the forward saves
 //! codes; the hand-written backward reads them); with the `cuda` feature also for burn's
-//! `CubeBackend` and `Autodiff<CubeBackend, C>` (type-checked only, never run: docs/burn.md,
-//! "CUDA").
+//! `CubeBackend` and `Autodiff<CubeBackend, C>`, with `fusion` for `Fusion<CubeBackend>`
+//! (generated here by the `Fusion` selector) and `Autodiff<Fusion<CubeBackend>, C>`
+//! (type-checked only, never run: docs/burn.md, "CUDA", "Fusion").
 //!
 //! Call these through the crate's functions ([`crate::gelu`], [`crate::layer_norm`],
 //! [`crate::rms_norm`], [`crate::linear`], [`crate::softmax`], [`crate::swiglu`],
@@ -22,16 +23,18 @@ use crate::host::{self, with_float};
 
 /// mesa-kernels' ops as one burn backend extension. Shapes are given per method; every
 /// float tensor of one call has the same dtype (f32, f16 or bf16).
-#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cuda"))]
+#[backend_extension(Autodiff, Flex, Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "fusion"))]
 pub trait MesaOps: Backend {
     /// `y = gelu(x)` elementwise (`form`: erf or tanh), any shape. Under autodiff the
     /// backward keeps the codes of `x` (`codes`), not `x`.
+    #[fusion(dtype = x, shape = x)]
     fn mesa_gelu(x: FloatTensor<Self>, form: GeluForm, codes: Codes) -> FloatTensor<Self>;
 
     /// LayerNorm over the last axis: `y = (x − mean)·rstd·weight + bias`,
     /// `rstd = 1/sqrt(var + eps)` (biased variance). `x`: rank ≥ 1, last axis `C`;
     /// `weight`, `bias`: `[C]`. Under autodiff the backward keeps the codes of
     /// `x̂ = (x − mean)·rstd`, the per-row `rstd` (f32) and a handle to `weight` (no copy).
+    #[fusion(dtype = x, shape = x)]
     fn mesa_layer_norm(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -44,6 +47,7 @@ pub trait MesaOps: Backend {
     /// `weight`: `[d_in, d_out]`, `bias`: `[d_out]`; `y`: `[.., d_out]`. Under autodiff the
     /// backward keeps the codes of `x` and a handle to `weight` (no copy): `dx = dy·weightᵀ`
     /// exactly, `dweight = Q(x)ᵀ·dy` from the decoded codes, `dbias = Σ_rows dy`.
+    #[fusion(dtype = x, shape = linear_shape(x, weight))]
     fn mesa_linear(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -55,30 +59,45 @@ pub trait MesaOps: Backend {
     /// computed with Flex's own ops in f32 (as burn-nn's `RmsNorm`). `x`: rank ≥ 1, last axis
     /// `C`; `weight`: `[C]`. Under autodiff the backward keeps the codes of `x̂ = x·rstd`
     /// (f32), the per-row `rstd` (f32) and a handle to `weight`.
+    #[fusion(dtype = x, shape = x)]
     fn mesa_rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f32, codes: Codes) -> FloatTensor<Self>;
 
     /// Softmax over the last axis, `y = softmax(x)`, rank ≥ 1. Under autodiff the backward
     /// keeps square-root companded codes of `y` (fixed parameters: no statistics).
+    #[fusion(dtype = x, shape = x)]
     fn mesa_softmax(x: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
 
     /// [`MesaOps::mesa_softmax`] of `x + mask` (additive mask of `x`'s shape, `−inf` allowed;
     /// a fully masked row gives 0). Under autodiff a tracked mask gets `dmask = dx`.
+    #[fusion(dtype = x, shape = x)]
     fn mesa_softmax_masked(x: FloatTensor<Self>, mask: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
 
     /// SwiGLU, `y = silu(gate)·up` elementwise (`gate`, `up`, `y` one shape). Under autodiff
     /// the backward keeps the codes of `gate` and of `up`.
+    #[fusion(dtype = gate, shape = gate)]
     fn mesa_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>, codes: Codes) -> FloatTensor<Self>;
 
     /// Chunked linear attention (mesa-kernels' kernels): `q, k: [B, H, L, M]` (feature-mapped),
     /// `v: [B, H, L, D]` → `[B, H, L, D]`, causal or not, normalised or not (`config`). Under
     /// autodiff the backward keeps handles to `q`, `k`, `v` and the output (no copies; the
     /// kernels' backward reads them) and the kernels' saved states and denominators (f32).
+    #[fusion(dtype = q, shape = v)]
     fn mesa_linear_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
         config: LinearAttentionConfig,
     ) -> FloatTensor<Self>;
+}
+
+/// `[.., d_out]`: Linear's output shape for `x` `[.., d_in]` and `weight` `[d_in, d_out]` (the
+/// Fusion selector's output metadata).
+#[cfg(feature = "fusion")]
+fn linear_shape(x: &Shape, weight: &Shape) -> Shape {
+    let mut shape = x.clone();
+    let last = shape.len() - 1;
+    shape[last] = weight[1];
+    shape
 }
 
 impl MesaOps for Flex {

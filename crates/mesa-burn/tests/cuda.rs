@@ -3,8 +3,9 @@
 //!
 //! **Never run**: burn's CUDA backend cannot be linked on the machines that wrote this
 //! (docs/burn.md, "CUDA"); `ci/compat/check.sh burn-cuda` type-checks and lints it (clippy
-//! `--all-targets --features cuda`). Without a CUDA device, or with mesa-kernels built without
-//! CUDA kernels, it returns early after printing why.
+//! `--all-targets --features fusion`: there the device's backend is `Fusion<CubeBackend>`;
+//! with `cuda` alone it is `CubeBackend`). Without a CUDA device, or with mesa-kernels built
+//! without CUDA kernels, it returns early after printing why.
 //!
 //! The tolerance is a smoke test's, not a parity bound: a wrong pointer, offset, stride, dtype
 //! or stream order gives errors of order 1, while the GPU and the emulator run the same kernel

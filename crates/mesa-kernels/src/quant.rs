@@ -962,6 +962,34 @@ pub struct SavedMeta {
 }
 
 impl SavedMeta {
+    /// The meta a producer returns when it saves a **contiguous** tensor of `shape` and `dtype`
+    /// with `config` ([`Quantizer::quantize_to`] and the fused producers' `_to` variants,
+    /// e.g. [`crate::fused::gelu_forward_to`], on an input made with `TensorRef::contiguous`):
+    /// that shape, its row-major strides, `dtype`, the config's bits and grouping, no
+    /// companding. It depends on these arguments only, never on the data, so a framework that
+    /// builds a backward's state before the producer has run (a deferred executor, e.g. burn's
+    /// Fusion) can make it on the calling thread and pass it to [`SavedView::new`] later.
+    /// Softmax's fixed-parameter codes have their own: [`crate::fused::SoftmaxSave::saved_meta`].
+    ///
+    /// # Errors
+    /// What [`Quantizer::new`] and [`saved_sizes`] refuse, before a producer could run:
+    /// [`Error::Unsupported`] (bits not 8/4/2), [`Error::InvalidArgument`] (momentum outside
+    /// `[0, 1]`), [`Error::InvalidLayout`] (the grouping does not fit `shape`),
+    /// [`Error::TooLarge`] (the element or byte count overflows).
+    pub fn contiguous(shape: &[usize], dtype: DType, config: &QuantConfig) -> Result<Self> {
+        config.check()?;
+        let _sizes: SavedSizes = saved_sizes(shape, config)?;
+        let layout = Layout::contiguous(shape);
+        Ok(SavedMeta {
+            shape: shape.to_vec(),
+            strides: layout.strides().to_vec(),
+            dtype,
+            bits: config.bits,
+            grouping: config.grouping,
+            companding: Companding::None,
+        })
+    }
+
     /// Logical shape of the original tensor.
     #[must_use]
     pub fn shape(&self) -> &[usize] {

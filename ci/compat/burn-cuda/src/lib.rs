@@ -1,9 +1,9 @@
-//! mesa-burn with its `cuda` feature compiles in a graph with burn's CUDA backend (type-checked
-//! in CI, never linked): one cudarc for mesa-kernels and cubecl-cuda, mesa-burn's
-//! `CubeBackend` and `Autodiff<CubeBackend>` implementations (host-fenced on mesa's stream,
-//! codes in cubecl's memory), and the backend-extension routing generated with the
-//! `Cube` selector on. burn's `fusion` feature is off here (mesa-burn does not support it with
-//! `cuda`: docs/burn.md).
+//! mesa-burn with its `cuda` and `fusion` features compiles in a graph with burn's CUDA backend
+//! and burn's `fusion` (type-checked in CI, never linked): one cudarc for mesa-kernels and
+//! cubecl-cuda, mesa-burn's `CubeBackend` code (host-fenced on mesa's stream, codes in
+//! cubecl's memory) and its `Fusion<CubeBackend>` and `Autodiff<Fusion<CubeBackend>>` code
+//! (fusion custom operations running the former), and the backend-extension routing generated
+//! with the `Cube` selector on, which with burn's `fusion` names `Fusion<CubeBackend>`.
 
 /// GELU through mesa-burn on any device of this graph (Flex, or a CUDA device of burn's CUDA
 /// backend), with or without autodiff.

@@ -86,6 +86,20 @@ impl SoftmaxSave {
         self.meta(&Layout::contiguous(shape), DType::F32).sizes()
     }
 
+    /// The meta [`softmax_forward_to`] returns for a **contiguous** input of `shape` and
+    /// `dtype` (made with `TensorRef::contiguous`): that shape, its row-major strides, these
+    /// bits, grouping and companding. A function of the arguments only (no data), for a
+    /// framework that builds the backward's state before the forward has run (as
+    /// [`SavedMeta::contiguous`] for the quantizing producers).
+    ///
+    /// # Errors
+    /// As [`SoftmaxSave::saved_sizes`]: [`Error::Unsupported`] (bit width),
+    /// [`Error::InvalidLayout`] (grouping), [`Error::TooLarge`] (sizes overflow).
+    pub fn saved_meta(&self, shape: &[usize], dtype: DType) -> Result<SavedMeta> {
+        let _sizes: SavedSizes = self.saved_sizes(shape)?;
+        Ok(self.meta(&Layout::contiguous(shape), dtype))
+    }
+
     /// What the saved codes of an output of `layout` and `dtype` encode.
     fn meta(&self, layout: &Layout, dtype: DType) -> SavedMeta {
         SavedMeta {
