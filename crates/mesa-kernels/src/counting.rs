@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// A framework's CPU tensors (candle's CPU storage, burn's Flex) are ordinary heap memory; a
 /// binary installs the counter with `#[global_allocator]`. What the host emulation
 /// keeps in its own checked allocator ([`HostBuffer`](crate::HostBuffer): codes, statistics,
-/// states) is counted too once the counter is also the [`HostMemoryObserver`]
+/// states) is counted too once the counter is also the [`HostMemoryObserver`](crate::HostMemoryObserver)
 /// ([`CountingAllocator::observe_emulator`]). It counts every thread's allocations (the
 /// framework's and the emulator's worker threads included), so measure in a process that does
 /// nothing else at the time, after a warm-up, with one worker thread where the framework has a
