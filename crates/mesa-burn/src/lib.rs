@@ -46,5 +46,5 @@ mod validate;
 pub use api::{gelu, layer_norm, linear, linear_attention, rms_norm, softmax, swiglu};
 pub use config::Codes;
 pub use error::{Error, Result};
-pub use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode};
+pub use mesa_kernels::linear_attention::{LinearAttentionConfig, MemoryMode, Schedule};
 pub use mesa_kernels::{CountingAllocator, GeluForm, Rounding};

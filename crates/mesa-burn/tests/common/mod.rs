@@ -1,4 +1,6 @@
 //! Helpers of the integration tests: deterministic data, tensors from and to `Vec<f32>`.
+//! Making a tensor or an autodiff device turns the emulator's checks on (every check, unless
+//! `MESA_EMU_CHECK` says otherwise; docs/emulator.md), as the main workspace's tests do.
 #![allow(dead_code)]
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use mesa_burn::GeluForm;
@@ -21,6 +23,7 @@ pub fn data(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
 
 /// A tensor of `shape` holding `v`, cast to `dtype`.
 pub fn tensor<const D: usize>(v: &[f32], shape: [usize; D], dtype: DType, device: &Device) -> Tensor<D> {
+    mesa_kernels::emulator::enable_for_tests();
     Tensor::<D>::from_data(TensorData::new(v.to_vec(), shape), device).cast(dtype)
 }
 
@@ -62,6 +65,7 @@ pub fn assert_within(what: &str, got: &[f32], want: &[f32], bound: impl Fn(usize
 
 /// The two autodiff devices of Flex: no checkpointing and balanced checkpointing.
 pub fn autodiff_devices() -> [Device; 2] {
+    mesa_kernels::emulator::enable_for_tests();
     [Device::flex().autodiff(), Device::flex().autodiff().gradient_checkpointing()]
 }
 
