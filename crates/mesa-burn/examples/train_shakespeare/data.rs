@@ -82,10 +82,7 @@ pub fn windows(ids: &[u32], starts: &[usize], t: usize, device: &Device) -> (Ten
         y.extend(ids[s + 1..s + t + 1].iter().map(|&i| i64::from(i)));
     }
     let shape = [starts.len(), t];
-    (
-        Tensor::from_data(TensorData::new(x, shape), device),
-        Tensor::from_data(TensorData::new(y, shape), device),
-    )
+    (Tensor::from_data(TensorData::new(x, shape), device), Tensor::from_data(TensorData::new(y, shape), device))
 }
 
 /// Starts of the non-overlapping windows of `t` characters that fit in `text[..len]` with

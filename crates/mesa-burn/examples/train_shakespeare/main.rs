@@ -128,7 +128,9 @@ fn parse(args: &[String]) -> Result<Args, String> {
             }
             "--fixtures" => fixtures = PathBuf::from(value()?),
             "-h" | "--help" => {
-                return Err("usage: train_shakespeare --config smoke|cpu [--seeds 0,1,2] [--steps N] [--fixtures DIR]".into())
+                return Err(
+                    "usage: train_shakespeare --config smoke|cpu [--seeds 0,1,2] [--steps N] [--fixtures DIR]".into()
+                )
             }
             other => return Err(format!("unknown argument {other:?} (--help)")),
         }
@@ -220,9 +222,15 @@ fn train_all(args: &Args, corpus: &data::Corpus) -> Result<Pairs, String> {
         .iter()
         .map(|&seed| {
             let b = train::run(&args.settings, corpus, Ops::Burn, seed, live)?;
-            eprintln!("seed {seed} burn: final val {:.4} ({:.1} s, training {:.1} s)", b.final_val, b.wall_s, b.train_s);
+            eprintln!(
+                "seed {seed} burn: final val {:.4} ({:.1} s, training {:.1} s)",
+                b.final_val, b.wall_s, b.train_s
+            );
             let m = train::run(&args.settings, corpus, Ops::Mesa, seed, live)?;
-            eprintln!("seed {seed} mesa: final val {:.4} ({:.1} s, training {:.1} s)", m.final_val, m.wall_s, m.train_s);
+            eprintln!(
+                "seed {seed} mesa: final val {:.4} ({:.1} s, training {:.1} s)",
+                m.final_val, m.wall_s, m.train_s
+            );
             Ok((seed, b, m))
         })
         .collect()
@@ -263,10 +271,20 @@ mod tests {
         let (_, b, m) = &pairs[0];
         // The forward is the same function (mesa-burn's forwards are exact): at step 0 the
         // losses differ by f32 rounding only (~1e-7 relative per op, a few hundred ops).
-        assert!((b.first_loss - m.first_loss).abs() < 1e-4 * uniform, "first losses {} vs {}", b.first_loss, m.first_loss);
+        assert!(
+            (b.first_loss - m.first_loss).abs() < 1e-4 * uniform,
+            "first losses {} vs {}",
+            b.first_loss,
+            m.first_loss
+        );
         for (what, r) in [("burn", b), ("mesa", m)] {
             assert!(r.final_val.is_finite(), "{what}: final validation loss {}", r.final_val);
-            assert!(r.final_val < uniform - 0.5, "{what}: final validation loss {} not below ln V − 0.5 = {}", r.final_val, uniform - 0.5);
+            assert!(
+                r.final_val < uniform - 0.5,
+                "{what}: final validation loss {} not below ln V − 0.5 = {}",
+                r.final_val,
+                uniform - 0.5
+            );
         }
         // Bytes alive for backward: burn's `linear` keeps its f32 input (the matmul's lhs, for
         // dW) and `gelu` its f32 input; mesa-burn's keep their 8-bit codes (1 byte each plus
@@ -296,7 +314,13 @@ mod tests {
 
     #[test]
     fn bad_arguments_are_errors() {
-        for bad in [&["--config", "gpu"][..], &["--seeds", "0,x", "--config", "cpu"], &["--config"], &["--steps", "1", "--config", "cpu"], &[]] {
+        for bad in [
+            &["--config", "gpu"][..],
+            &["--seeds", "0,x", "--config", "cpu"],
+            &["--config"],
+            &["--steps", "1", "--config", "cpu"],
+            &[],
+        ] {
             let v: Vec<String> = bad.iter().map(|s| s.to_string()).collect();
             assert!(parse(&v).is_err(), "{bad:?} accepted");
         }

@@ -98,7 +98,14 @@ impl Model {
                 out: linear(rng, f, c, true, device),
             })
             .collect();
-        Model { tok, pos, blocks, ln_f: layer_norm(c, device), head: linear(rng, c, s.vocab, false, device), heads: s.heads }
+        Model {
+            tok,
+            pos,
+            blocks,
+            ln_f: layer_norm(c, device),
+            head: linear(rng, c, s.vocab, false, device),
+            heads: s.heads,
+        }
     }
 
     /// The device of the parameters (plain Flex after [`Module::valid`]).
@@ -140,7 +147,13 @@ impl Model {
     }
 
     /// Causal softmax attention of `qkv` `[B, T, 3C]` → `[B, T, C]`.
-    fn attention(&self, qkv: Tensor<3>, mask: Tensor<4>, [b, t, c]: [usize; 3], ops: Ops) -> mesa_burn::Result<Tensor<3>> {
+    fn attention(
+        &self,
+        qkv: Tensor<3>,
+        mask: Tensor<4>,
+        [b, t, c]: [usize; 3],
+        ops: Ops,
+    ) -> mesa_burn::Result<Tensor<3>> {
         let (h, d) = (self.heads, c / self.heads);
         let split = |i: usize| qkv.clone().narrow(2, i * c, c).reshape([b, t, h, d]).swap_dims(1, 2);
         let (q, k, v) = (split(0), split(1), split(2));
