@@ -259,8 +259,9 @@ fn main() {
 mod tests {
     use super::*;
 
-    /// The smoke configuration, one seed, both variants (one test: the allocator's counter is
-    /// process-wide).
+    /// The smoke configuration, one seed, both variants. The allocator's counter is
+    /// process-wide: nextest (CI) runs each test in its own process; under `cargo test` the
+    /// other two tests of this binary allocate a few bytes, briefly, beside it.
     #[test]
     fn smoke_trains_both_variants_and_the_codes_keep_fewer_bytes() {
         let args = parse(&["--config".into(), "smoke".into(), "--seeds".into(), "0".into()]).unwrap();
