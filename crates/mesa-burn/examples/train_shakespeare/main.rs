@@ -78,9 +78,9 @@ fn live() -> isize {
 const MIN_EFFECT: f64 = 0.02;
 
 fn settings(name: &str) -> Result<Settings, String> {
-    // The candle example's `cpu` sizes (docs/results.md) with half its 800 steps: measured
-    // on this 2-core machine (loaded), a mesa step took ~0.8 s on the emulator and a burn
-    // step 15 ms, so 800 steps at three seeds would not fit 25 minutes.
+    // The candle example's `cpu` configuration (docs/results.md). On this 2-core machine a
+    // mesa step took 0.25 s on the emulator idle and 0.8 s under load 5 (a burn step 10-15
+    // ms): three seeds of both variants took 829 s at load 2-3 (1085 s for 400 steps at load 5).
     let cpu = Settings {
         name: "cpu",
         layers: 2,
@@ -89,7 +89,7 @@ fn settings(name: &str) -> Result<Settings, String> {
         ffn: 128,
         context: 32,
         batch: 32,
-        steps: 400,
+        steps: 800,
         lr: 1e-2,
         val_chars: None,
     };
