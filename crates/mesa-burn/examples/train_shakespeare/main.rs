@@ -15,7 +15,7 @@
 //! ```
 //!
 //! `--config smoke` (a few steps; the `#[test]` below runs it in CI) or `cpu` (the documented
-//! run). Prints a Markdown report: per-seed final validation loss, the paired difference
+//! run: the candle example's sizes and 800 steps; 829 s for seeds 0-2 on 2 cores at load 2-3). Prints a Markdown report: per-seed final validation loss, the paired difference
 //! mesa − burn (mean ± SE, 95 % Student-t interval, "inconclusive" unless the interval lies
 //! inside ±0.02 nats/char), and the bytes the second step's forward leaves alive for backward,
 //! counted by the counting global allocator below.
@@ -271,7 +271,8 @@ mod tests {
         let uniform = (corpus.vocab.len() as f64).ln();
         let (_, b, m) = &pairs[0];
         // The forward is the same function (mesa-burn's forwards are exact): at step 0 the
-        // losses differ by f32 rounding only (~1e-7 relative per op, a few hundred ops).
+        // losses differ by f32 rounding only (~1e-7 relative per op, a few hundred ops;
+        // measured: equal to the last bit).
         assert!(
             (b.first_loss - m.first_loss).abs() < 1e-4 * uniform,
             "first losses {} vs {}",
