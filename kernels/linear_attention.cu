@@ -106,6 +106,26 @@ struct OutView {
   int64_t sb, sh, sl, sf;
   int64_t width;
   const float* row_div;  // NULL or [B*H*L]
+  // The gated backward (issue 41): `f32` outputs are floats (T otherwise), `accumulate` adds to
+  // what is there (a group's products summed in a fixed order); with `dots`, each D-tile's part
+  // of the row dot x_t . o_t (f32, before any rounding; x of T at `dot`, o's layout with strides
+  // db..df) goes to dots[(d0 / kTD) * dots_tile + row] (row: the row arrays' index).
+  int f32, accumulate;
+  const void* dot;
+  int64_t db, dh, dl, df;
+  float* dots;
+  int64_t dots_tile;
+};
+
+// The log-decay of a gated product (issue 41; a == NULL: none, the ungated product): a_t <= 0
+// of row t of (b, h) at a[b*sb + h*sh + t*sl] (one value per head: sb = sl = 0). The chunk sums
+// (kChunkSum) also write each chunk's whole decay to chunk_factor[bidx*fb + chunk*fc] (the
+// boundary states' (bidx, chunk)), which la_scan_kernel multiplies the running state by.
+struct DecayView {
+  const float* a;
+  int64_t sb, sh, sl;
+  float* chunk_factor;
+  int64_t fb, fc;
 };
 
 // f32 state element (bh, chunk, r, c) at base + bh*s_bh + chunk*s_chunk + r*s_r + c*s_c.
@@ -150,6 +170,14 @@ struct Product {
   int self_norm;
   float* den;  // [B*H, L] f32 (rows as row_div), the guarded denominators
   float eps;
+  // Row arrays (den, row_div, dots) hold row t of (b, h) at index (b*H + h)*rs + t: rs = L, or
+  // G*L in a launch over one query head of each group (the gated forward and backward).
+  int64_t rs;
+  DecayView decay;
+  // Which operand's rows the decay weights in the state update: B's (0) or C's (1). A state
+  // and its transpose (the forward's S' = sum k~ v'^T, dq's sum v' k~^T) weight the same tensor
+  // (k), so that both round alike: the boundary states are then bit for bit the walks'.
+  int scale_c;
 };
 
 // One (sequence, head) of a call: where its rows and states are.
@@ -207,13 +235,16 @@ __device__ __forceinline__ float load_operand(const Operand& p, int64_t b, int64
 // dst[f][r] = operand(t0 + r, f0 + f) for r < rows (0 past the operand's width). Rows
 // past `rows` are left as they are (zero or an earlier chunk's): no output or state update
 // uses them.
+// `scale` (NULL: none): row r multiplied by scale[r] (a gated product's state update).
 template <typename T>
 __device__ void load_rows_t(float (*dst)[kChunk + 1], const Operand& p, int64_t b, int64_t h, int64_t bh, int64_t L,
-                            int64_t t0, int rows, int64_t f0) {
+                            int64_t t0, int rows, int64_t f0, const float* scale = nullptr) {
   const int64_t width = p.width();
   for (int i = threadIdx.x; i < kTF * rows; i += kThreads) {
     const int f = i % kTF, r = i / kTF;  // consecutive threads: consecutive features
-    dst[f][r] = f0 + f < width ? load_operand<T>(p, b, h, bh, L, t0 + r, f0 + f) : 0.0f;
+    float x = f0 + f < width ? load_operand<T>(p, b, h, bh, L, t0 + r, f0 + f) : 0.0f;
+    if (scale != nullptr) x = x * scale[r];
+    dst[f][r] = x;
   }
 }
 
@@ -227,6 +258,97 @@ __device__ void load_rows_c(float (*dst)[kTD], const Operand& p, int64_t b, int6
     const int d = i % kTD, r = i / kTD;
     dst[r][d] = d0 + d < width ? load_operand<T>(p, b, h, bh, L, t0 + r, d0 + d) : 0.0f;
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decay (gated products, issue 41). Within a chunk of rows t0..t0+n-1, with the log-decays a_r:
+//   Lam_r = sum_{r' <= r} a_r' over the rows since the chunk's start or the last reset (a row
+//   with a_r = -inf: Lam_r = 0 there), seg_r = that reset row (-1: none in the chunk),
+// and a weight from an earlier row j to a later row i (nothing crosses a reset; differences
+// only, Lam non-increasing within a segment, so never exp of a positive number):
+//   pair(i, j) = exp(Lam_i - Lam_j) if seg_i == seg_j, else exactly 0
+//   enter_r = exp(Lam_r) if seg_r == -1 (from the state entering the chunk to row r), else 0
+//   exit_r  = pair(n-1, r) (from row r to the chunk's last row),  whole = enter_{n-1}.
+// A product walking LE (forward, dq) reads o_t = enter_t a_t S + sum_s pair(t, s) (a_t.b_s) c_s
+// and updates S <- whole S + sum_s exit_s b_s c_s^T; one walking GE (dk, dv) reads
+// o_s = exit_s a_s R + sum_{t>=s} pair(t, s) (a_s.b_t) c_t and updates R <- whole R +
+// sum_t enter_t b_t c_t^T. With a = 0 every weight is exactly 1 and every multiplication by it
+// exact: the ungated product's results bit for bit.
+struct DecayTable {
+  float lam[kChunk];
+  int seg[kChunk];
+  float enter[kChunk];
+  float exit[kChunk];
+  float whole;
+};
+__device__ __forceinline__ DecayTable& decay_table() {
+  __shared__ DecayTable table;
+  return table;
+}
+
+// Fills the table for the chunk of `rows` rows at t0 (rows past it: weights 0, lam 0, seg -2).
+// Begins and ends with a barrier (the previous chunk's readers are done; every thread sees it).
+__device__ void load_decay(const Product& p, const Seq& sq, int64_t t0, int rows) {
+  DecayTable& d = decay_table();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const float* a = p.decay.a + sq.b * p.decay.sb + sq.h * p.decay.sh;
+    float lam = 0.0f;
+    int seg = -1;
+    for (int r = 0; r < rows; ++r) {
+      const float x = a[(t0 + r) * p.decay.sl];
+      if (x == -INFINITY) {
+        seg = r;
+        lam = 0.0f;
+      } else {
+        lam = lam + x;
+      }
+      d.lam[r] = lam;
+      d.seg[r] = seg;
+    }
+    for (int r = rows; r < kChunk; ++r) {
+      d.lam[r] = 0.0f;
+      d.seg[r] = -2;
+    }
+  }
+  __syncthreads();
+  const int r = threadIdx.x;
+  if (r < kChunk) {
+    const int last = rows - 1;
+    const bool in = r < rows;
+    d.enter[r] = in && d.seg[r] == -1 ? expf(d.lam[r]) : 0.0f;
+    d.exit[r] = in && d.seg[r] == d.seg[last] ? expf(d.lam[last] - d.lam[r]) : 0.0f;
+    if (r == 0) d.whole = d.seg[last] == -1 ? expf(d.lam[last]) : 0.0f;
+  }
+  __syncthreads();
+}
+
+// pair(i, j), i the later row.
+__device__ __forceinline__ float decay_pair(int i, int j) {
+  const DecayTable& d = decay_table();
+  return d.seg[i] == d.seg[j] ? expf(d.lam[i] - d.lam[j]) : 0.0f;
+}
+// The weight of the masked intra-chunk product's entry (row r, column s): LE s <= r, GE s >= r.
+template <int kMask>
+__device__ __forceinline__ float intra_weight(int r, int s) {
+  return kMask == kMaskGE ? decay_pair(s, r) : decay_pair(r, s);
+}
+// Row r's weight of the state entering the chunk (a_r S): LE enter_r, GE exit_r.
+template <int kMask>
+__device__ __forceinline__ float inter_weight(int r) {
+  return kMask == kMaskGE ? decay_table().exit[r] : decay_table().enter[r];
+}
+// The rows' weights of the state update (b_r c_r^T): LE exit, GE enter; NULL without decay.
+template <bool kDecay, int kMask>
+__device__ __forceinline__ const float* update_scale() {
+  if constexpr (!kDecay) return nullptr;
+  return kMask == kMaskGE ? decay_table().enter : decay_table().exit;
+}
+// The state's new value: whole * S + U (S + U without decay: fmaf(S, 1, U) is the same bits).
+template <bool kDecay>
+__device__ __forceinline__ float decayed_sum(float s, float u) {
+  if constexpr (kDecay) return fmaf(s, decay_table().whole, u);
+  return s + u;
 }
 
 struct Tiles {
@@ -279,7 +401,7 @@ __device__ __forceinline__ void den_store(float den, float* den_rows, const Prod
   const int tid = fresh_tid(), r = tid / kDenLanes;
   if (tid % kDenLanes != 0) return;
   den_rows[r] = den;
-  if (d0 == 0 && r < rows) p.den[sq.bh * p.L + t0 + r] = den;
+  if (d0 == 0 && r < rows) p.den[sq.bh * p.rs + t0 + r] = den;
 }
 
 // The block's denominators of the chunk's rows, from den_store to the output loop.
@@ -298,7 +420,7 @@ __device__ __forceinline__ int* c_nonfinite() {
 // The state update's column of z in a self-normalising product (D-tile 0's block): the chunk
 // sum over this feature tile, u_f = sum_r b(r, f) in row order, written to column p.dc of `dst`
 // (kChunkSum) or added to the state's (the walk: the same f32 operations as the scan's).
-template <bool kNorm, typename B>
+template <bool kNorm, bool kDecay, typename B>
 __device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int rows, int64_t f0, int64_t d0,
                                          const StateView* dst, int64_t dst_bh, int64_t dst_chunk, B b) {
   const int f = fresh_tid();
@@ -309,8 +431,30 @@ __device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int ro
     *dst->at(dst_bh, dst_chunk, f0 + f, p.dc) = u;
   } else {
     float* z = p.state.at(sq.sidx, 0, f0 + f, p.dc);
-    *z = *z + u;
+    *z = decayed_sum<kDecay>(*z, u);
   }
+}
+
+// Output element (t, d) of (b, h) = x: as T, or as f32 (o.f32), added to what is there
+// (o.accumulate).
+template <typename T>
+__device__ __forceinline__ void store_out(const OutView& o, int64_t b, int64_t h, int64_t t, int64_t d, float x) {
+  const int64_t i = b * o.sb + h * o.sh + t * o.sl + d * o.sf;
+  if (o.f32) {
+    float* y = static_cast<float*>(o.data) + i;
+    *y = o.accumulate ? *y + x : x;
+  } else {
+    static_cast<T*>(o.data)[i] = from_float<T>(x);
+  }
+}
+// The row dot's other factor: element (t, d) of o.dot.
+template <typename T>
+__device__ __forceinline__ float dot_factor(const OutView& o, int64_t b, int64_t h, int64_t t, int64_t d) {
+  return to_float(static_cast<const T*>(o.dot)[b * o.db + h * o.dh + t * o.dl + d * o.df]);
+}
+// D-tile d0's part of row t's dot.
+__device__ __forceinline__ void store_dot(const Product& p, int64_t bh, int64_t t, int64_t d0, float x) {
+  p.o.dots[(d0 / kTD) * p.o.dots_tile + bh * p.rs + t] = x;
 }
 
 // S[:, d0:d0+kTD] += B_c^T C_c (C_c already in tiles.c). Each thread owns 4 state
@@ -318,20 +462,26 @@ __device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int ro
 // With `dst` (kChunkSum): writes U_c = B_c^T C_c to dst at (dst_bh, dst_chunk) instead (the
 // same f32 value as 0 + U_c, so a scan of them rounds exactly as the sequential walk).
 // (kLo: the tensor-core overload's; f32 tiles have no lo half.)
-template <typename T, int kLo, bool kNorm>
+template <typename T, int kLo, bool kNorm, bool kDecay, int kMask>
 __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
-    load_rows_t<T>(tl.b, p.b, sq.b, sq.h, sq.bh, p.L, t0, rows, f0);
+    load_rows_t<T>(tl.b, p.b, sq.b, sq.h, sq.bh, p.rs, t0, rows, f0, p.scale_c ? nullptr : update_scale<kDecay, kMask>());
     __syncthreads();
-    z_update<kNorm>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk, [&](int r, int f) { return tl.b[f][r]; });
+    z_update<kNorm, kDecay>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk, [&](int r, int f) { return tl.b[f][r]; });
     float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < rows; ++r) {
       const float bv = tl.b[fr][r];
+      if constexpr (kDecay) {
+        const float w = p.scale_c ? update_scale<kDecay, kMask>()[r] : 1.0f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) u[j] = fmaf(bv, tl.c[r][dcol + j], u[j]);
+        for (int j = 0; j < 4; ++j) u[j] = fmaf(bv, tl.c[r][dcol + j] * w, u[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) u[j] = fmaf(bv, tl.c[r][dcol + j], u[j]);
+      }
     }
     if (f0 + fr < p.ma) {
 #pragma unroll
@@ -341,7 +491,7 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
           *dst->at(dst_bh, dst_chunk, f0 + fr, d0 + dcol + j) = u[j];
         } else {
           float* s = p.state.at(sq.sidx, 0, f0 + fr, d0 + dcol + j);
-          *s = *s + u[j];
+          *s = decayed_sum<kDecay>(*s, u[j]);
         }
       }
     }
@@ -352,7 +502,7 @@ __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t
 // Outputs of one chunk: O = A_c S + mask(A_c B_c^T) C_c, written to p.o. `sv` at
 // (sv_bh, sv_chunk) is the state to read (nullptr base: no inter-chunk term). Leaves C_c in
 // tiles.c.
-template <typename T, int kMask, int kLo, bool kNorm>
+template <typename T, int kMask, int kLo, bool kNorm, bool kDecay>
 __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const int64_t b = sq.b, h = sq.h, bh = sq.bh;
@@ -364,8 +514,8 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
   const bool inter = sv.base != nullptr;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
-    load_rows_t<T>(tl.a, p.a, b, h, bh, p.L, t0, rows, f0);
-    if (intra) load_rows_t<T>(tl.b, p.b, b, h, bh, p.L, t0, rows, f0);
+    load_rows_t<T>(tl.a, p.a, b, h, bh, p.rs, t0, rows, f0);
+    if (intra) load_rows_t<T>(tl.b, p.b, b, h, bh, p.rs, t0, rows, f0);
     const int kmax = p.ma - f0 < kTF ? int(p.ma - f0) : kTF;
     if (inter) {
       for (int i = threadIdx.x; i < kmax * kTD; i += kThreads) {
@@ -411,12 +561,25 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int r = py * 4 + i, s = px * 4 + j;
-        tl.p[r][s] = visible<kMask>(r, s) ? acc_p[i][j] : 0.0f;
+        float x = acc_p[i][j];
+        if constexpr (kDecay) x = x * intra_weight<kMask>(r, s);
+        tl.p[r][s] = visible<kMask>(r, s) ? x : 0.0f;
       }
   }
-  load_rows_c<T>(tl.c, p.c, b, h, bh, p.L, t0, rows, d0);
+  load_rows_c<T>(tl.c, p.c, b, h, bh, p.rs, t0, rows, d0);
   __syncthreads();
+  if constexpr (kDecay) {
+    if (inter) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float w = inter_weight<kMask>(oy + i);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc_o[i][j] = acc_o[i][j] * w;
+      }
+    }
+  }
   if (kNorm) {
+    if (kDecay && inter) den = den * inter_weight<kMask>(fresh_tid() / kDenLanes);
     if (intra) den = den_intra(den, rows, [&](int r, int c) { return tl.p[r][c]; });
     den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
     __syncthreads();
@@ -432,7 +595,7 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
       }
     }
   }
-  T* out = static_cast<T*>(p.o.data);
+  float dot[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = oy + i;
@@ -444,8 +607,19 @@ __device__ void chunk_outputs(Tiles& tl, const Product& p, const Seq& sq, int64_
       if (d >= p.dc) continue;
       float x = acc_o[i][j];
       if (kNorm) x = x / den_rows()[r];
-      if (p.o.row_div != nullptr) x = x / p.o.row_div[bh * p.L + t];
-      out[b * p.o.sb + h * p.o.sh + t * p.o.sl + d * p.o.sf] = from_float<T>(x);
+      if (p.o.row_div != nullptr) x = x / p.o.row_div[bh * p.rs + t];
+      store_out<T>(p.o, b, h, t, d, x);
+      if (p.o.dots != nullptr) dot[i] = fmaf(x, dot_factor<T>(p.o, b, h, t, d), dot[i]);
+    }
+  }
+  if (p.o.dots != nullptr) {
+    // the 8 threads of a row pair (ox = 4 * (tid % 8)), summed in a fixed order
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], 1);
+      dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], 2);
+      dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], 4);
+      if (threadIdx.x % 8 == 0 && oy + i < rows) store_dot(p, bh, t0 + oy + i, d0, dot[i]);
     }
   }
 }
@@ -508,7 +682,7 @@ static_assert(kTF == kTD, "load_rows_split loads feature tiles and D-tiles alike
 static_assert(kChunk * (kTF / 8) == kThreads, "load_rows_split: one run of 8 columns per thread");
 template <typename T, int kLd>
 __device__ void load_rows_split(SplitTile<kChunk, kLd>& dst, const Operand& p, const Seq& sq, int64_t L, int64_t t0,
-                                int rows, int64_t c0) {
+                                int rows, int64_t c0, const float* scale = nullptr) {
   static_assert(kLd % 8 == 0, "16-byte runs in shared memory");
   const int tid = fresh_tid();
   const int r = tid / (kTF / 8), c = (tid % (kTF / 8)) * 8;
@@ -523,6 +697,10 @@ __device__ void load_rows_split(SplitTile<kChunk, kLd>& dst, const Operand& p, c
 #pragma unroll
       for (int j = 0; j < 8; ++j) x[j] = x[j] / div;
     }
+    if (scale != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = x[j] * scale[r];
+    }
     put_split8(dst.hi, dst.lo, r * kLd + c, x);
     return;
   }
@@ -530,8 +708,12 @@ __device__ void load_rows_split(SplitTile<kChunk, kLd>& dst, const Operand& p, c
 #pragma unroll 1
   for (int j = 0; j < 8; j += 2) {
     const int64_t f = c0 + c + j;
-    const float x0 = r < rows && f < width ? load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, f) : 0.0f;
-    const float x1 = r < rows && f + 1 < width ? load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, f + 1) : 0.0f;
+    float x0 = r < rows && f < width ? load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, f) : 0.0f;
+    float x1 = r < rows && f + 1 < width ? load_operand<T>(p, sq.b, sq.h, sq.bh, L, t0 + r, f + 1) : 0.0f;
+    if (scale != nullptr && r < rows) {
+      x0 = x0 * scale[r];
+      x1 = x1 * scale[r];
+    }
     put_split(dst.hi, dst.lo, r * kLd + c + j, x0, x1);
   }
 }
@@ -588,8 +770,8 @@ __device__ __forceinline__ void feature_loop(TcTiles& tl, SplitTile<kTF, kLdS>& 
   FragA ah, al;
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
-    load_rows_split<T>(tl.x.ab.a, p.a, sq, p.L, t0, rows, f0);
-    if (intra) load_rows_split<T>(tl.x.ab.b, p.b, sq, p.L, t0, rows, f0);
+    load_rows_split<T>(tl.x.ab.a, p.a, sq, p.rs, t0, rows, f0);
+    if (intra) load_rows_split<T>(tl.x.ab.b, p.b, sq, p.rs, t0, rows, f0);
     if (inter) {
       // 4 consecutive columns of one state row per thread
       static_assert(kTF * kTD == 4 * kThreads, "the state tile: 4 elements per thread");
@@ -632,7 +814,7 @@ __device__ __forceinline__ void feature_loop(TcTiles& tl, SplitTile<kTF, kLdS>& 
 // mask(P) as split tiles in tl.y.p, from the accumulated acc_p (staged in tl.x.pf), and the
 // intra part of this thread's denominator (self_norm). Ends without a barrier: what follows
 // loads its own tiles first (C_c, or a feature loop after its barrier).
-template <int kMask, bool kNorm>
+template <int kMask, bool kNorm, bool kDecay>
 __device__ __forceinline__ float stage_p(TcTiles& tl, const Product& p, int rows, FragAcc (&acc_p)[2], float den) {
   const int warp = fresh_tid() / kWarpSize;
   const int wi = warp / 2, wp = (warp % 2) * 2;
@@ -649,26 +831,32 @@ __device__ __forceinline__ float stage_p(TcTiles& tl, const Product& p, int rows
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int s = c + h + j;
-      x[j] = visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f;
+      float v = tl.x.pf[r * kLdPf + s];
+      if constexpr (kDecay) v = v * intra_weight<kMask>(r, s);
+      x[j] = visible<kMask>(r, s) ? v : 0.0f;
     }
     put_split8(tl.y.p.hi, tl.y.p.lo, r * kLdP + c + h, x);
   }
   if (kNorm)
-    den = den_intra(den, rows, [&](int r, int s) { return visible<kMask>(r, s) ? tl.x.pf[r * kLdPf + s] : 0.0f; });
+    den = den_intra(den, rows, [&](int r, int s) {
+      float v = tl.x.pf[r * kLdPf + s];
+      if constexpr (kDecay) v = v * intra_weight<kMask>(r, s);
+      return visible<kMask>(r, s) ? v : 0.0f;
+    });
   return den;
 }
 
 // The end of a chunk's outputs for D-tile d0: O = acc_o (A_c S, already accumulated) +
 // mask(P) C_c (intra: mask(P) in tl.y.p; C_c loaded into tl.c and left there), written to p.o
 // (divided by the denominators in den_rows() when self_norm, by p.o.row_div when given).
-template <typename T, int kMask, int kLo, bool kNorm>
+template <typename T, int kMask, int kLo, bool kNorm, bool kDecay>
 __device__ __forceinline__ void finish_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
-                                               int64_t d0, bool intra, FragAcc& acc_o) {
+                                               int64_t d0, bool intra, bool inter, FragAcc& acc_o) {
   const int warp = fresh_tid() / kWarpSize;
   const int wi = warp / 2, wo = warp % 2;
   constexpr bool c_lo = (kLo & kLoC) != 0;
   if (intra) {
-    load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
+    load_rows_split<T>(tl.c, p.c, sq, p.rs, t0, rows, d0);
     if (kMask != kMaskNone) flag_nonfinite_rows(tl.c);
   }
   __syncthreads();
@@ -678,6 +866,21 @@ __device__ __forceinline__ void finish_outputs(TcTiles& tl, const Product& p, co
   // non-finite value, the block is summed with scalar FMAs over its visible entries instead.
   const bool diagonal_scalar =
       intra && kMask != kMaskNone && (c_nonfinite()[2 * wi] != 0 || c_nonfinite()[2 * wi + 1] != 0);
+  if constexpr (kDecay) {
+    // A_c S's rows times their inter-chunk weights, through the warp's own block of the
+    // staging tile (every thread is past the barrier: nothing reads tl.x there any more)
+    if (inter) {
+      float* blk = tl.x.o + wi * 16 * kLdO + wo * 16;
+      wmma::store_matrix_sync(blk, acc_o, kLdO, wmma::mem_row_major);
+      __syncwarp();
+      const int lane = fresh_tid() % kWarpSize, r = lane / 2, c = (lane % 2) * 8;
+      const float w = inter_weight<kMask>(wi * 16 + r);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) blk[r * kLdO + c + j] = blk[r * kLdO + c + j] * w;
+      __syncwarp();
+      wmma::load_matrix_sync(acc_o, blk, kLdO, wmma::mem_row_major);
+    }
+  }
   if (intra) {
     for (int kk = 0; kk < kChunk / 16; ++kk) {
       if (!block_visible<kMask>(wi, kk) || kk * 16 >= rows || (diagonal_scalar && kk == wi)) continue;
@@ -697,25 +900,32 @@ __device__ __forceinline__ void finish_outputs(TcTiles& tl, const Product& p, co
   static_assert(kChunk * kTD == 8 * kThreads, "O: 8 elements per thread");
   const int tid = fresh_tid();
   const int r = tid / (kTD / 8), d = (tid % (kTD / 8)) * 8;
+  float dot = 0.0f;
   if (r < rows && d0 + d < p.dc) {
     const int64_t t = t0 + r;
-    const float div = p.o.row_div != nullptr ? p.o.row_div[sq.bh * p.L + t] : 1.0f;
-    T* out = static_cast<T*>(p.o.data) + sq.b * p.o.sb + sq.h * p.o.sh + t * p.o.sl;
+    const float div = p.o.row_div != nullptr ? p.o.row_div[sq.bh * p.rs + t] : 1.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (d0 + d + j >= p.dc) break;
       float x = tl.x.o[r * kLdO + d + j];
       if (kNorm) x = x / den_rows()[r];
       if (p.o.row_div != nullptr) x = x / div;
-      out[(d0 + d + j) * p.o.sf] = from_float<T>(x);
+      store_out<T>(p.o, sq.b, sq.h, t, d0 + d + j, x);
+      if (p.o.dots != nullptr) dot = fmaf(x, dot_factor<T>(p.o, sq.b, sq.h, t, d0 + d + j), dot);
     }
+  }
+  if (p.o.dots != nullptr) {
+    // the 4 threads of a row, summed in a fixed order
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+    if (tid % (kTD / 8) == 0 && r < rows) store_dot(p, sq.bh, t0 + r, d0, dot);
   }
 }
 
 // The tensor-core chunk_outputs (same contract, except that C_c is loaded, and left in tl.c,
 // only when `intra`: the bidirectional outputs A S do not read it). One feature loop for P and
 // A S together (the walks: one D-tile per block).
-template <typename T, int kMask, int kLo, bool kNorm>
+template <typename T, int kMask, int kLo, bool kNorm, bool kDecay>
 __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                               const StateView& sv, int64_t sv_bh, int64_t sv_chunk, bool intra) {
   const bool inter = sv.base != nullptr;
@@ -726,9 +936,10 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
   float den = 0.0f;  // self_norm: this thread's part of row tid / 4's denominator
   feature_loop<T, kMask, kLo>(tl, tl.y.s, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, intra, inter,
                               kNorm && inter, acc_p, acc_o, den);
-  if (intra) den = stage_p<kMask, kNorm>(tl, p, rows, acc_p, den);
+  if (kDecay && kNorm && inter) den = den * inter_weight<kMask>(fresh_tid() / kDenLanes);
+  if (intra) den = stage_p<kMask, kNorm, kDecay>(tl, p, rows, acc_p, den);
   if (kNorm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d0);
-  finish_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows, d0, intra, acc_o);
+  finish_outputs<T, kMask, kLo, kNorm, kDecay>(tl, p, sq, t0, rows, d0, intra, inter, acc_o);
 }
 
 // The outputs of one chunk for the D-tiles [d_begin, d_end) (the per-chunk outputs of the
@@ -736,7 +947,7 @@ __device__ void chunk_outputs(TcTiles& tl, const Product& p, const Seq& sq, int6
 // computed once, then each D-tile runs its own feature loop for A_c S (the state tile in
 // tl.x.a_s.s, beside A_c, so that mask(P) in tl.y.p stays) and adds P C_c. The same f32
 // operations in the same order as chunk_outputs per D-tile: the same bits.
-template <typename T, int kMask, int kLo, bool kNorm>
+template <typename T, int kMask, int kLo, bool kNorm, bool kDecay>
 __device__ void chunk_outputs_tiles(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
                                     int64_t d_begin, int64_t d_end, const StateView& sv, int64_t sv_bh,
                                     int64_t sv_chunk) {
@@ -747,7 +958,8 @@ __device__ void chunk_outputs_tiles(TcTiles& tl, const Product& p, const Seq& sq
   float den = 0.0f;
   feature_loop<T, kMask, kLo>(tl, tl.y.s, p, sq, t0, rows, d_begin, sv, sv_bh, sv_chunk, true, false,
                               kNorm && inter, acc_p, acc_o, den);
-  den = stage_p<kMask, kNorm>(tl, p, rows, acc_p, den);
+  if (kDecay && kNorm && inter) den = den * inter_weight<kMask>(fresh_tid() / kDenLanes);
+  den = stage_p<kMask, kNorm, kDecay>(tl, p, rows, acc_p, den);
   if (kNorm) den_store(den_final(den, p), den_rows(), p, sq, t0, rows, d_begin);
 #pragma unroll 1
   for (int64_t d0 = d_begin; d0 < d_end; d0 += kTD) {
@@ -755,21 +967,34 @@ __device__ void chunk_outputs_tiles(TcTiles& tl, const Product& p, const Seq& sq
     if (inter)
       feature_loop<T, kMask, kLo>(tl, tl.x.a_s.s, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, false, true, false,
                                   acc_p, acc_o, den);
-    finish_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows, d0, true, acc_o);
+    finish_outputs<T, kMask, kLo, kNorm, kDecay>(tl, p, sq, t0, rows, d0, true, inter, acc_o);
   }
 }
 
 // The tensor-core update_state (same contract; C_c already in tl.c).
-template <typename T, int kLo, bool kNorm>
+template <typename T, int kLo, bool kNorm, bool kDecay, int kMask>
 __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int warp = fresh_tid() / kWarpSize;
-  constexpr bool b_lo = (kLo & kLoB) != 0, c_lo = (kLo & kLoC) != 0;
+  // a weighted operand's values are f32: it needs its lo tile
+  const bool b_lo = (kLo & kLoB) != 0 || (kDecay && !p.scale_c), c_lo = (kLo & kLoC) != 0 || (kDecay && p.scale_c);
+  if constexpr (kDecay) {
+    if (p.scale_c) {
+      // C_c's rows times their weights, in place (split again: 8 consecutive columns per thread)
+      __syncthreads();
+      const int tid = fresh_tid(), r = tid / (kTD / 8), c = (tid % (kTD / 8)) * 8;
+      const float w = update_scale<kDecay, kMask>()[r];
+      float x[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] = split_value(tl.c, r * kLdC + c + j) * w;
+      put_split8(tl.c.hi, tl.c.lo, r * kLdC + c, x);
+    }
+  }
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
-    load_rows_split<T>(tl.x.ab.b, p.b, sq, p.L, t0, rows, f0);
+    load_rows_split<T>(tl.x.ab.b, p.b, sq, p.rs, t0, rows, f0, p.scale_c ? nullptr : update_scale<kDecay, kMask>());
     __syncthreads();
-    z_update<kNorm>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk,
+    z_update<kNorm, kDecay>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk,
              [&](int r, int f) { return split_value(tl.x.ab.b, r * kLdAB + f); });
     if (warp < 4) {
       const int fi = warp / 2, dj = warp % 2;
@@ -799,7 +1024,7 @@ __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64
           *dst->at(dst_bh, dst_chunk, f0 + f, d0 + d + j) = x;
         } else {
           float* s = p.state.at(sq.sidx, 0, f0 + f, d0 + d + j);
-          *s = *s + x;
+          *s = decayed_sum<kDecay>(*s, x);
         }
       }
     }
@@ -810,21 +1035,21 @@ __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64
 // C_c into the tiles (the state update's third operand, when chunk_outputs did not load it).
 template <typename T>
 __device__ void load_c_tile(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
-  load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.L, t0, rows, d0);
+  load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.rs, t0, rows, d0);
 }
 template <typename T>
 __device__ void load_c_tile(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
-  load_rows_split<T>(tl.c, p.c, sq, p.L, t0, rows, d0);
+  load_rows_split<T>(tl.c, p.c, sq, p.rs, t0, rows, d0);
 }
 
 // The FP32 path's outputs of one chunk for the D-tiles [d_begin, d_end): chunk_outputs per
 // D-tile (its launch policy gives it one D-tile per block, value_group()).
-template <typename T, int kMask, int kLo, bool kNorm>
+template <typename T, int kMask, int kLo, bool kNorm, bool kDecay>
 __device__ void chunk_outputs_tiles(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows,
                                     int64_t d_begin, int64_t d_end, const StateView& sv, int64_t sv_bh,
                                     int64_t sv_chunk) {
   for (int64_t d0 = d_begin; d0 < d_end; d0 += kTD)
-    chunk_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, true);
+    chunk_outputs<T, kMask, kLo, kNorm, kDecay>(tl, p, sq, t0, rows, d0, sv, sv_bh, sv_chunk, true);
 }
 
 // chunk_outputs' 4x4 products (FP32 path) read every row of the a/b tiles, also the rows past
@@ -923,7 +1148,7 @@ __host__ __device__ __forceinline__ int64_t row_items(const Product& p) {
 // grid.y/z); the item index and its bookkeeping live in shared memory (Item). Every instance,
 // the tensor-core tiles of f16/bf16 and the FP32 tiles of f32 alike, is bounded to 128
 // registers: two blocks per SM, without spills (scripts/sass_tensor_cores.py checks both).
-template <typename T, int kMode, int kMask, int kLo, bool kNorm>
+template <typename T, int kMode, int kMask, int kLo, bool kNorm, bool kDecay>
 __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
   ProductShared& shared = product_shared();
   auto& tl = tiles_for<T>(shared.tiles);
@@ -961,6 +1186,10 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
       const int64_t left = it.sq.len - c * p.chunk;
       return int(left < p.chunk ? left : p.chunk);
     };
+    // a gated product: chunk c's decay table (between barriers), before anything reads it
+    auto decay_of = [&](int64_t c) {
+      if constexpr (kDecay) load_decay(p, it.sq, it.sq.t0 + c * p.chunk, rows_of(c));
+    };
     switch (kMode) {
       case kAccumulate: {
         init_state<kNorm>(p, it.sidx, it.d0, p.init);
@@ -971,21 +1200,30 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
           // (update_state's barriers order it as in kStateWalk)
           if (kMask == kMaskLE && p.boundary.base != nullptr)
             store_entering_state<kNorm>(p, it.sidx, it.d0, sq.bidx, sq.cbase + c);
-          chunk_outputs<T, kMask, kLo, kNorm>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
-          update_state<T, kLo, kNorm>(tl, p, sq, t0, rows_of(c), it.d0);
+          decay_of(c);
+          chunk_outputs<T, kMask, kLo, kNorm, kDecay>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
+          update_state<T, kLo, kNorm, kDecay, kMask>(tl, p, sq, t0, rows_of(c), it.d0);
         }
         break;
       }
       case kReadChunk: {
         const int64_t d_end = it.d0 + p.dgroup * kTD, d_last = value_tiles(p) * kTD;
-        chunk_outputs_tiles<T, kMask, kLo, kNorm>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0,
+        decay_of(it.c_read);
+        chunk_outputs_tiles<T, kMask, kLo, kNorm, kDecay>(tl, p, sq, sq.t0 + it.c_read * p.chunk, rows_of(it.c_read), it.d0,
                                            d_end < d_last ? d_end : d_last, p.init, sq.bidx, sq.cbase + it.c_read);
         break;
       }
       case kChunkSum: {
         const int64_t t0 = sq.t0 + it.c_read * p.chunk;
+        decay_of(it.c_read);
+        if constexpr (kDecay) {
+          // the chunk's whole decay, for the scan (once per chunk: D-tile 0's block)
+          if (it.d0 == 0 && threadIdx.x == 0)
+            p.decay.chunk_factor[sq.bidx * p.decay.fb + (sq.cbase + it.c_read) * p.decay.fc] = decay_table().whole;
+        }
         load_c_tile<T>(tl, p, sq, t0, rows_of(it.c_read), it.d0);
-        update_state<T, kLo, kNorm>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx, sq.cbase + it.c_read);
+        update_state<T, kLo, kNorm, kDecay, kMask>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx,
+                                                   sq.cbase + it.c_read);
         break;
       }
       case kStateWalk: {
@@ -996,8 +1234,9 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
         for (int64_t i = 0; i < it.nchunks; ++i) {
           const int64_t c = kMask == kMaskGE ? it.nchunks - 1 - i : i;
           store_entering_state<kNorm>(p, it.sidx, it.d0, sq.bidx, sq.cbase + c);
+          decay_of(c);
           load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
-          update_state<T, kLo, kNorm>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+          update_state<T, kLo, kNorm, kDecay, kMask>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
         }
         break;
       }
@@ -1008,11 +1247,11 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
           for (int64_t c = 0; c < it.nchunks; ++c) {
             __syncthreads();
             load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
-            update_state<T, kLo, kNorm>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+            update_state<T, kLo, kNorm, false, kMask>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
           }
         }
         for (int64_t c = 0; c < it.nchunks; ++c)
-          chunk_outputs<T, kMask, kLo, kNorm>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
+          chunk_outputs<T, kMask, kLo, kNorm, false>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, given ? p.init : p.state, it.sidx,
                                0, false);
         break;
       }
@@ -1043,7 +1282,9 @@ __global__ void __launch_bounds__(kThreads) la_scan_kernel(Product p) {
       float* u = p.boundary.at(sq.bidx, sq.cbase + k, r, c);
       const float x = *u;
       *u = run;
-      run = run + x;
+      // gated: S <- whole_k S + U_k (fmaf(S, 1, U) = S + U: a = 0 gives the ungated bits)
+      run = p.decay.a != nullptr ? fmaf(run, p.decay.chunk_factor[sq.bidx * p.decay.fb + (sq.cbase + k) * p.decay.fc], x)
+                                 : run + x;
     }
     *p.state.at(sidx, 0, r, c) = run;
   }
@@ -1102,10 +1343,18 @@ constexpr bool norm_used(int lo) {
   return (lo == 0 || lo == kLoAll) && (kMode == kChunkSum || kMode == kBidir || kMask == kMaskLE);
 }
 
-template <typename T, int kMode, int kMask, int kLo, bool kNorm>
+// Decay (gated products): never bidirectional; the chunk sums walk a direction (their update
+// weights are LE's or GE's); only the forward's products (LE) normalise themselves.
+template <int kMode, int kMask, bool kNorm>
+constexpr bool decay_used() {
+  return kMode != kBidir && kMask != kMaskNone && (!kNorm || kMask == kMaskLE);
+}
+
+template <typename T, int kMode, int kMask, int kLo, bool kNorm, bool kDecay>
 MesaStatus launch_instance(const Product& p, void* stream) {
-  if constexpr ((lo_used<kMode, kMask>(kLo) || kLo == kLoAll) && (!kNorm || norm_used<kMode, kMask>(kLo))) {
-    auto kernel = la_product_kernel<T, kMode, kMask, kLo, kNorm>;
+  if constexpr ((lo_used<kMode, kMask>(kLo) || kLo == kLoAll) && (!kNorm || norm_used<kMode, kMask>(kLo)) &&
+                (!kDecay || decay_used<kMode, kMask, kNorm>())) {
+    auto kernel = la_product_kernel<T, kMode, kMask, kLo, kNorm, kDecay>;
     const dim3 grid(resident_grid(kernel, p.items * kThreads, kThreads));
     return status_from(MESA_LAUNCH(kernel, grid, dim3(kThreads), 0, stream, p));
   } else {
@@ -1114,42 +1363,49 @@ MesaStatus launch_instance(const Product& p, void* stream) {
 }
 
 // Normalisation: a template parameter (the denominators' code is compiled only where used).
-template <typename T, int kMode, int kMask, int kLo>
+template <typename T, int kMode, int kMask, int kLo, bool kDecay>
 MesaStatus launch_normalised(const Product& p, void* stream) {
-  return p.self_norm ? launch_instance<T, kMode, kMask, kLo, true>(p, stream)
-                     : launch_instance<T, kMode, kMask, kLo, false>(p, stream);
+  return p.self_norm ? launch_instance<T, kMode, kMask, kLo, true, kDecay>(p, stream)
+                     : launch_instance<T, kMode, kMask, kLo, false, kDecay>(p, stream);
 }
 
-template <typename T, int kMode, int kMask>
+template <typename T, int kMode, int kMask, bool kDecay>
 MesaStatus launch_product(const Product& p, void* stream) {
   if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
-    return launch_normalised<T, kMode, kMask, kLoAll>(p, stream);
+    return launch_normalised<T, kMode, kMask, kLoAll, kDecay>(p, stream);
   } else {
     switch (lo_mask<T>(p)) {
-      case 0: return launch_normalised<T, kMode, kMask, 0>(p, stream);
-      case kLoA: return launch_normalised<T, kMode, kMask, kLoA>(p, stream);
-      case kLoB: return launch_normalised<T, kMode, kMask, kLoB>(p, stream);
-      case kLoC: return launch_normalised<T, kMode, kMask, kLoC>(p, stream);
+      case 0: return launch_normalised<T, kMode, kMask, 0, kDecay>(p, stream);
+      case kLoA: return launch_normalised<T, kMode, kMask, kLoA, kDecay>(p, stream);
+      case kLoB: return launch_normalised<T, kMode, kMask, kLoB, kDecay>(p, stream);
+      case kLoC: return launch_normalised<T, kMode, kMask, kLoC, kDecay>(p, stream);
       default: return MESA_STATUS_INVALID_ARGUMENT;
     }
   }
 }
 
 // The mode and the direction: a causal walk or per-chunk outputs LE (forward, dq) or GE (dk,
-// dv); the chunk sums read no mask (the scan walks in its direction); bidirectional none.
-template <typename T, int kMode>
+// dv); the chunk sums read no mask (the scan walks in its direction) unless decayed;
+// bidirectional none.
+template <typename T, int kMode, bool kDecay>
 MesaStatus launch_masked(const Product& p, void* stream) {
-  if constexpr (kMode == kChunkSum) {
-    return launch_product<T, kMode, kMaskNone>(p, stream);
+  if constexpr (kMode == kChunkSum && !kDecay) {
+    return launch_product<T, kMode, kMaskNone, false>(p, stream);
   } else if constexpr (kMode == kBidir) {
-    return p.mask == kMaskNone ? launch_product<T, kMode, kMaskNone>(p, stream) : MESA_STATUS_INVALID_ARGUMENT;
+    return p.mask == kMaskNone && !kDecay ? launch_product<T, kMode, kMaskNone, false>(p, stream)
+                                          : MESA_STATUS_INVALID_ARGUMENT;
   } else {
     switch (p.mask) {
-      case kMaskLE: return launch_product<T, kMode, kMaskLE>(p, stream);
-      case kMaskGE: return launch_product<T, kMode, kMaskGE>(p, stream);
+      case kMaskLE: return launch_product<T, kMode, kMaskLE, kDecay>(p, stream);
+      case kMaskGE: return launch_product<T, kMode, kMaskGE, kDecay>(p, stream);
       default: return MESA_STATUS_INVALID_ARGUMENT;
     }
   }
+}
+
+template <typename T, int kMode>
+MesaStatus launch_decayed(const Product& p, void* stream) {
+  return p.decay.a != nullptr ? launch_masked<T, kMode, true>(p, stream) : launch_masked<T, kMode, false>(p, stream);
 }
 
 // Launch policy of the per-chunk outputs (kReadChunk) on tensor cores: how many of a product's
@@ -1191,11 +1447,11 @@ MesaStatus run_product(Product p, void* stream) {
   // must have that one tile only (forward() gives it no value columns)
   if (p.self_norm && (p.mode == kAccumulate || p.mode == kBidir) && p.ndt != 1) return MESA_STATUS_INVALID_ARGUMENT;
   switch (p.mode) {
-    case kAccumulate: return launch_masked<T, kAccumulate>(p, stream);
-    case kReadChunk: return launch_masked<T, kReadChunk>(p, stream);
-    case kChunkSum: return launch_masked<T, kChunkSum>(p, stream);
-    case kBidir: return launch_masked<T, kBidir>(p, stream);
-    case kStateWalk: return launch_masked<T, kStateWalk>(p, stream);
+    case kAccumulate: return launch_decayed<T, kAccumulate>(p, stream);
+    case kReadChunk: return launch_decayed<T, kReadChunk>(p, stream);
+    case kChunkSum: return launch_decayed<T, kChunkSum>(p, stream);
+    case kBidir: return launch_decayed<T, kBidir>(p, stream);
+    case kStateWalk: return launch_decayed<T, kStateWalk>(p, stream);
     default: return MESA_STATUS_INVALID_ARGUMENT;
   }
 }
@@ -1209,26 +1465,33 @@ MesaStatus run_product(Product p, void* stream) {
 // instead (kStateWalk): the same states, bit for bit, with half the state bytes and
 // B*H*ceil(D/32) blocks in place of one per chunk (docs/linear_attention.md, "Schedules").
 template <typename T>
-MesaStatus run_product_decomposed(Product p, MesaLaSchedule schedule, void* stream) {
-  MesaStatus st = MESA_STATUS_OK;
+MesaStatus run_boundary_states(Product p, MesaLaSchedule schedule, void* stream) {
   if (schedule == MESA_LA_SCHEDULE_STATE_WALK) {
     p.mode = kStateWalk;
-    st = run_product<T>(p, stream);
-    if (st != MESA_STATUS_OK) return st;
-  } else {
-    p.mode = kChunkSum;
-    st = run_product<T>(p, stream);
-    if (st != MESA_STATUS_OK) return st;
-    const int64_t n = ((p.seq_off != nullptr ? p.nseq : p.B) * p.H) * p.ma * (p.dc + (p.self_norm ? 1 : 0));
-    const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
-    st = status_from(MESA_LAUNCH(la_scan_kernel, dim3(unsigned(want < 1 ? 1 : (want < cap ? want : cap))),
-                                 dim3(kThreads), 0, stream, p));
-    if (st != MESA_STATUS_OK) return st;
+    return run_product<T>(p, stream);
   }
+  p.mode = kChunkSum;
+  const MesaStatus st = run_product<T>(p, stream);
+  if (st != MESA_STATUS_OK) return st;
+  const int64_t n = ((p.seq_off != nullptr ? p.nseq : p.B) * p.H) * p.ma * (p.dc + (p.self_norm ? 1 : 0));
+  const int64_t want = ceil_div(n, kThreads), cap = int64_t(sm_count()) * 8;
+  return status_from(MESA_LAUNCH(la_scan_kernel, dim3(unsigned(want < 1 ? 1 : (want < cap ? want : cap))),
+                                 dim3(kThreads), 0, stream, p));
+}
+
+// (iii) alone: the per-chunk outputs from the boundary states (p.boundary) already computed.
+template <typename T>
+MesaStatus run_chunk_outputs(Product p, void* stream) {
   p.mode = kReadChunk;
   p.init = p.boundary;
   p.boundary = StateView{nullptr, 0, 0, 0, 0};
   return run_product<T>(p, stream);
+}
+
+template <typename T>
+MesaStatus run_product_decomposed(const Product& p, MesaLaSchedule schedule, void* stream) {
+  const MesaStatus st = run_boundary_states<T>(p, schedule, stream);
+  return st != MESA_STATUS_OK ? st : run_chunk_outputs<T>(p, stream);
 }
 
 inline Product base_product(const MesaLaShape& s) {
@@ -1236,6 +1499,7 @@ inline Product base_product(const MesaLaShape& s) {
   p.B = s.batch;
   p.H = s.heads;
   p.L = s.len;
+  p.rs = s.len;
   p.chunk = s.chunk;
   p.seq_off = s.packing.seq_offsets;
   p.chunk_off = s.packing.chunk_offsets;
@@ -1468,6 +1732,494 @@ inline bool is_empty(const MesaLaShape& s) {
 // The kernels hold a row's batch and head in 32 bits (Seq): checked once a call has work.
 inline bool fits_32_bit_indices(const MesaLaShape& s) { return s.batch <= INT32_MAX && s.heads <= INT32_MAX; }
 
+
+// ---------------------------------------------------------------------------------------
+// Gated linear attention (issue 41; ABI kernels/include/mesa_gated_linear_attention.h): the
+// products above with a decay (DecayView), so that every memory mode and schedule of the
+// ungated kernel, the tensor cores and the packed sequences serve it, and a = 0 gives the
+// ungated results bit for bit. For one query head h of KV head kh = h / G (G = H / H_kv), with
+// v' = [v | 1] (the 1 when normalised), S' the state [M, W] of kh, dO' = [dout/g | dden]:
+//   out = product(q_h, k, v') LE                           (+ the normaliser, as ungated)
+//   dq_h = product(dO'_h, v', k) LE                         state S'^T
+//   dk = sum_h product(v', dO'_h, q_h) GE, dv = sum_h product(k, q_h, dout_h/g_h) GE
+//   dL/dLam'_t = sum_h q_h,t . dq_h,t - k_t . dk_t  (+ <dS_final, S_final> at the last row),
+//   da_r = sum over t >= r up to the next reset of dL/dLam'_t, 0 on a reset row,
+// Lam'_t the log-decay summed over the whole sequence: with q~_t = exp(Lam'_t) q_t and
+// k~_s = exp(-Lam'_s) k_s every weighted product is q~_t . k~_s (and the initial state's term
+// exp(Lam'_t) q_t^T S_{-1}), while S_final = exp(Lam'_{L-1}) (S_{-1} + sum_s k~_s v'_s^T).
+// A reset splits the sequence into independent pieces (every weight across it is exactly 0).
+// Per-head decay: da summed over B and L in a fixed order.
+//
+// Grouped heads: a launch covers one query head g of every KV head (H_kv heads; the query
+// tensors' head stride times G, offset by g; the row arrays (den, dots) with row stride G*L,
+// offset g*L). What depends on k and v alone runs once: the forward's boundary states. The
+// group's dk and dv are the sum of G products (one per g; outputs added in f32 in the order
+// g = 0, 1, ..., then rounded once), each with its own state; the final states' gradient
+// dS_final enters g = 0's only.
+//
+// q . dq and k . dk come from the f32 values before rounding: each product's epilogue writes
+// every 32-column tile's part of its row dot (OutView::dots), summed here in tile order.
+//
+// Accuracy of the log-space differences: Lam is a prefix sum of at most C values, so in f32
+// it is off by at most C·u·sum |a_r| (u = 2^-24), and the exponent Lam_i - Lam_j of a weight
+// by up to 2·C·u·(|sum_{r=j+1..i} a_r| + C·alpha) for |a_r| <= alpha: both prefix sums'
+// errors, each carrying up to C steps before j that the weight does not span (the direct sum
+// over r = j+1..i would be off by (i - j)·u·|sum a_r| only). Worst case for a chunk of strongly
+// decaying steps, C = 64 and alpha = 8, at the end of the chunk, for the weights that matter
+// (i - j small): 2·64·64·8·2^-24 = 3.9e-3 relative (alpha = 1: 4.9e-4). It shrinks as C^2: a
+// caller with such decays can pick a smaller chunk. (tests/gated_linear_attention.rs adds
+// exactly this term to its bounds.)
+
+// Sequences per head: B, or N packed sequences.
+inline int64_t gla_units(const MesaGlaShape& s) {
+  return s.packing.seq_offsets != nullptr ? s.packing.nseq : s.batch;
+}
+// Chunks of all units (the boundary states' count per KV head).
+inline int64_t gla_chunks(const MesaGlaShape& s) {
+  return s.packing.seq_offsets != nullptr ? s.packing.nchunks : s.batch * ceil_div(s.len, int64_t(s.chunk));
+}
+
+// The products' shape: B (or one packed row set) by H_kv heads, causal.
+inline MesaLaShape gla_product_shape(const MesaGlaShape& g) {
+  MesaLaShape s{};
+  s.batch = g.batch;
+  s.heads = g.kv_heads;
+  s.len = g.len;
+  s.feat = g.feat;
+  s.dim = g.dim;
+  s.chunk = g.chunk;
+  s.dtype = g.dtype;
+  s.causal = 1;
+  s.normalize = g.normalize;
+  s.eps = g.eps;
+  s.schedule = g.schedule;
+  s.packing = g.packing;
+  return s;
+}
+
+// Query head g of every group: the head stride times G, the data offset by g heads.
+template <typename T>
+inline MesaLaTensor group_view(const MesaLaTensor& t, int64_t G, int64_t g) {
+  MesaLaTensor v = t;
+  if (v.data != nullptr) v.data = static_cast<T*>(t.data) + g * t.strides[1];
+  v.strides[1] = t.strides[1] * G;
+  return v;
+}
+inline float* group_rows(const float* rows, int64_t L, int64_t g) {
+  return rows != nullptr ? const_cast<float*>(rows) + g * L : nullptr;
+}
+
+// The decay of KV head h: [B, H_kv, L] per step, [H_kv] per head; the chunk sums' whole decays
+// in `factors` as the boundary states' (bidx, chunk): [B*H_kv, nch], packed [nchunks, H_kv].
+inline DecayView gla_decay_view(const MesaGlaShape& s, const float* a, float* factors) {
+  const bool step = s.decay_kind == MESA_GLA_DECAY_PER_STEP;
+  const bool packed = s.packing.seq_offsets != nullptr;
+  return DecayView{a,       step ? s.kv_heads * s.len : 0, step ? s.len : 1, step ? 1 : 0, factors,
+                   packed ? 1 : ceil_div(s.len, int64_t(s.chunk)), packed ? s.kv_heads : 1};
+}
+
+template <typename T>
+MesaStatus gla_forward(const MesaGlaForwardArgs& a, void* stream) {
+  const MesaGlaShape& gs = a.shape;
+  const MesaLaShape s = gla_product_shape(gs);
+  const int64_t M = gs.feat, D = gs.dim, W = D + (gs.normalize ? 1 : 0), L = gs.len;
+  const int64_t G = gs.heads / gs.kv_heads;
+  const bool boundary = a.boundary != nullptr;
+  const bool walk = boundary && gs.schedule == MESA_LA_SCHEDULE_WALK;
+  const bool fold = gs.normalize && boundary && !walk;
+  const StateView none{nullptr, 0, 0, 0, 0};
+  const float* s0 = a.init_state;
+  Product base = base_product(s);
+  base.rs = G * L;
+  base.decay = gla_decay_view(gs, a.decay, a.work);
+  base.b = operand<T>(a.k, M);
+  base.ma = M;
+  base.mask = kMaskLE;
+  base.mode = kAccumulate;
+  for (int64_t g = 0; g < G; ++g) {
+    Product p = base;
+    p.a = operand<T>(group_view<T>(a.q, G, g), M);
+    float* den = group_rows(a.den, L, g);
+    if (gs.normalize && !fold) {
+      // the denominators first, by a product without value columns (as the ungated walks)
+      Product z = p;
+      z.c = ones_only();
+      z.dc = 0;
+      z.o = out_view(group_view<T>(a.out, G, g), 0);
+      z.self_norm = 1;
+      z.den = den;
+      z.eps = gs.eps;
+      z.state = StateView{a.final_state + D, M * W, 0, W, 1};
+      z.init = s0 != nullptr ? StateView{const_cast<float*>(s0) + D, M * W, 0, W, 1} : none;
+      z.boundary = walk && g == 0 ? boundary_view(s, a.boundary, M, W, D, false) : none;
+      const MesaStatus st = run_product<T>(z, stream);
+      if (st != MESA_STATUS_OK) return st;
+    }
+    if (D == 0 && !fold) continue;
+    p.c = operand<T>(a.v, D);
+    p.dc = D;
+    p.o = out_view(group_view<T>(a.out, G, g), D);
+    p.o.row_div = gs.normalize && !fold ? den : nullptr;
+    p.self_norm = fold ? 1 : 0;
+    p.den = den;
+    p.eps = gs.eps;
+    p.state = StateView{a.final_state, M * W, 0, W, 1};
+    p.init = s0 != nullptr ? StateView{const_cast<float*>(s0), M * W, 0, W, 1} : none;
+    p.boundary = boundary ? boundary_view(s, a.boundary, M, W, 0, false) : none;
+    MesaStatus st = MESA_STATUS_OK;
+    if (boundary && !walk) {
+      // the states depend on k, v and the decay only: once, then each query head's outputs
+      if (g == 0) st = run_boundary_states<T>(p, gs.schedule, stream);
+      if (st == MESA_STATUS_OK) st = run_chunk_outputs<T>(p, stream);
+    } else {
+      if (g > 0) p.boundary = none;
+      st = run_product<T>(p, stream);
+    }
+    if (st != MESA_STATUS_OK) return st;
+  }
+  return MESA_STATUS_OK;
+}
+
+// The backward's scratch, as MESA_GLA_BACKWARD_WORK lays it out.
+struct GlaWork {
+  float *work, *work2, *chunk_work, *factors, *qdq, *kdk, *acc, *da_rows;
+};
+inline GlaWork gla_work(const MesaGlaBackwardArgs& a, bool decompose) {
+  const MesaGlaShape& s = a.shape;
+  const int64_t B = s.batch, H = s.heads, Hkv = s.kv_heads, L = s.len, M = s.feat, D = s.dim;
+  const int64_t W = D + (s.normalize ? 1 : 0), N = gla_units(s), NCH = decompose ? gla_chunks(s) : 0;
+  const int64_t G = H / Hkv, tiles = ceil_div(M, int64_t(kTD));
+  GlaWork w;
+  w.work = a.work;
+  w.work2 = w.work + N * Hkv * M * W;
+  w.chunk_work = w.work2 + N * Hkv * M * W;
+  w.factors = w.chunk_work + NCH * Hkv * M * W;
+  w.qdq = w.factors + NCH * Hkv;
+  w.kdk = w.qdq + tiles * B * H * L;
+  w.acc = w.kdk + tiles * B * Hkv * L;
+  w.da_rows = w.acc + (G > 1 ? B * Hkv * L * (M + D) : 0);
+  return w;
+}
+
+// The f32 sums of a group's dk and dv ([B, H_kv, L, M] and [B, H_kv, L, D], contiguous) as T,
+// and k_t . dk_t of each row (f32, in column order) to kdk. One thread per row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) gla_round_kernel(const MesaGlaBackwardArgs a, const float* acc,
+                                                             float* kdk) {
+  const MesaGlaShape& s = a.shape;
+  const int64_t Hkv = s.kv_heads, L = s.len, M = s.feat, D = s.dim, rows = s.batch * Hkv * L;
+  const float* dv_acc = acc + rows * M;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < rows; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t b = i / (Hkv * L), h = (i / L) % Hkv, t = i % L;
+    const T* k = static_cast<const T*>(a.k.data) + b * a.k.strides[0] + h * a.k.strides[1] + t * a.k.strides[2];
+    T* dk = static_cast<T*>(a.dk.data) + b * a.dk.strides[0] + h * a.dk.strides[1] + t * a.dk.strides[2];
+    float dot = 0.0f;
+    for (int64_t m = 0; m < M; ++m) {
+      const float x = acc[i * M + m];
+      dk[m * a.dk.strides[3]] = from_float<T>(x);
+      dot = fmaf(x, to_float(k[m * a.k.strides[3]]), dot);
+    }
+    kdk[i] = dot;
+    T* dv = static_cast<T*>(a.dv.data) + b * a.dv.strides[0] + h * a.dv.strides[1] + t * a.dv.strides[2];
+    for (int64_t d = 0; d < D; ++d) dv[d * a.dv.strides[3]] = from_float<T>(dv_acc[i * D + d]);
+  }
+}
+
+// dL/dLam'_t of each row of each KV head: sum over the group's query heads and the tiles of
+// q . dq, minus k . dk (its tiles: kdk_tiles), into da_rows [B*H_kv, L]. One thread per row.
+__global__ void __launch_bounds__(kThreads) gla_rows_kernel(const MesaGlaShape s, const float* qdq, const float* kdk,
+                                                            int64_t kdk_tiles, float* da_rows) {
+  const int64_t H = s.heads, Hkv = s.kv_heads, L = s.len, G = H / Hkv, rows = s.batch * Hkv * L;
+  const int64_t tiles = ceil_div(s.feat, int64_t(kTD));
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < rows; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t bk = i / L, t = i % L, b = bk / Hkv, kh = bk % Hkv;
+    float x = 0.0f;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < tiles; ++j) x += qdq[j * s.batch * H * L + (b * H + kh * G + g) * L + t];
+    float y = 0.0f;
+    for (int64_t j = 0; j < kdk_tiles; ++j) y += kdk[j * rows + i];
+    da_rows[i] = x - y;
+  }
+}
+
+// da of one (sequence, KV head) per block: the suffix sums of its rows' dL/dLam', restarted at
+// each reset (0 on the reset row), plus <dS_final, S_final> from the last row back to the
+// last reset. Each thread takes a run of rows; a run's carry is the sum of its rows (or, with a
+// reset in it, of its rows before its first reset); thread 0 chains the carries from the last
+// run, and each thread walks its run again from its carry. A fixed order throughout.
+__global__ void __launch_bounds__(kThreads) gla_da_scan_kernel(const MesaGlaShape s, const float* decay,
+                                                               const float* d_final, const float* final_state,
+                                                               const float* da_rows, float* da) {
+  __shared__ float part[kThreads];
+  __shared__ float carry[kThreads];
+  __shared__ int reset[kThreads];
+  const int64_t Hkv = s.kv_heads, L = s.len, MW = s.feat * (s.dim + (s.normalize ? 1 : 0));
+  const int64_t unit = blockIdx.x / Hkv, kh = blockIdx.x % Hkv;
+  const bool packed = s.packing.seq_offsets != nullptr;
+  const int64_t b = packed ? 0 : unit;
+  const int64_t begin = packed ? s.packing.seq_offsets[unit] : 0, end = packed ? s.packing.seq_offsets[unit + 1] : L;
+  const int64_t row0 = (b * Hkv + kh) * L;
+  const bool step = s.decay_kind == MESA_GLA_DECAY_PER_STEP;
+  auto is_reset = [&](int64_t t) { return (step ? decay[row0 + t] : decay[kh]) == -INFINITY; };
+  const int tid = threadIdx.x;
+  // <dS_final, S_final>: strided parts, then a tree
+  float f = 0.0f;
+  if (d_final != nullptr)
+    for (int64_t e = tid; e < MW; e += kThreads) f = fmaf(d_final[blockIdx.x * MW + e], final_state[blockIdx.x * MW + e], f);
+  part[tid] = f;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w /= 2) {
+    if (tid < w) part[tid] += part[tid + w];
+    __syncthreads();
+  }
+  const float final_term = part[0];
+  __syncthreads();
+  const int64_t n = end - begin, per = ceil_div(n, int64_t(kThreads));
+  const int64_t lo = begin + tid * per < end ? begin + tid * per : end;
+  const int64_t hi = lo + per < end ? lo + per : end;
+  float c = 0.0f;
+  bool any = false;
+  for (int64_t t = hi - 1; t >= lo; --t) {
+    if (is_reset(t)) {
+      c = 0.0f;
+      any = true;
+    } else {
+      c = c + da_rows[row0 + t];
+    }
+  }
+  part[tid] = c;
+  reset[tid] = any ? 1 : 0;
+  __syncthreads();
+  if (tid == 0) {
+    float run = final_term;
+    for (int j = kThreads - 1; j >= 0; --j) {
+      carry[j] = run;
+      run = reset[j] ? part[j] : run + part[j];
+    }
+  }
+  __syncthreads();
+  c = carry[tid];
+  for (int64_t t = hi - 1; t >= lo; --t) {
+    if (is_reset(t)) {
+      c = 0.0f;
+      da[row0 + t] = 0.0f;
+    } else {
+      c = c + da_rows[row0 + t];
+      da[row0 + t] = c;
+    }
+  }
+}
+
+// Per-head decay: d_decay[kh] = sum over b and t of da, one block per KV head, in a fixed
+// order (thread-strided partial sums, then a tree).
+__global__ void __launch_bounds__(kThreads) gla_da_reduce_kernel(const float* da, float* d_decay, int64_t B,
+                                                                 int64_t Hkv, int64_t L) {
+  __shared__ float part[kThreads];
+  const int64_t kh = blockIdx.x;
+  float x = 0.0f;
+  for (int64_t e = threadIdx.x; e < B * L; e += kThreads) x += da[((e / L) * Hkv + kh) * L + e % L];
+  part[threadIdx.x] = x;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) d_decay[kh] = part[0];
+}
+
+// dst[i] += src[i], i < n (a later group head's state gradient into d_init).
+__global__ void __launch_bounds__(kThreads) la_add_kernel(float* dst, const float* src, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    dst[i] = dst[i] + src[i];
+}
+
+// A grid for n threads of a grid-stride kernel: at most 8 blocks per SM, at least one.
+inline dim3 stride_grid(int64_t n) {
+  const int64_t want = ceil_div(n, int64_t(kThreads)), cap = int64_t(sm_count()) * 8;
+  return dim3(unsigned(want < 1 ? 1 : (want < cap ? want : cap)));
+}
+
+template <typename T>
+MesaStatus gla_backward(const MesaGlaBackwardArgs& a, void* stream) {
+  const MesaGlaShape& gs = a.shape;
+  const MesaLaShape s = gla_product_shape(gs);
+  const int64_t B = gs.batch, H = gs.heads, Hkv = gs.kv_heads, L = gs.len, M = gs.feat, D = gs.dim;
+  const int64_t W = D + (gs.normalize ? 1 : 0), G = H / Hkv, N = gla_units(gs);
+  const bool boundary = a.boundary != nullptr;
+  // boundary states: dk and dv as the chunk decomposition (parallel over chunks), their states
+  // in chunk_work; walked (reverse) with MESA_LA_SCHEDULE_WALK and in SLiM mode
+  const bool decompose = boundary && gs.schedule != MESA_LA_SCHEDULE_WALK;
+  const GlaWork w = gla_work(a, decompose);
+  const StateView none{nullptr, 0, 0, 0, 0};
+  // the [unit*H_kv, W, M] view (row w, column f) of a [unit*H_kv, M, W] state
+  auto transposed = [&](const float* p) { return StateView{const_cast<float*>(p), M * W, 0, 1, W}; };
+  Product base = base_product(s);
+  base.rs = G * L;
+  base.decay = gla_decay_view(gs, a.decay, w.factors);
+  Operand cv = operand<T>(a.v, D);
+  if (gs.normalize) cv.extra_kind = kExtraOnes;
+  // dO' = [dout/g | dden] of query head g of each group (dden recomputed where loaded)
+  auto d_out = [&](int64_t g) {
+    Operand o = operand<T>(group_view<T>(a.dout, G, g), D);
+    if (gs.normalize) {
+      const MesaLaTensor out = group_view<T>(a.out, G, g);
+      o.row_div = group_rows(a.den, L, g);
+      o.dot = out.data;
+      o.db = out.strides[0];
+      o.dh = out.strides[1];
+      o.dl = out.strides[2];
+      o.df = out.strides[3];
+      o.extra_kind = kExtraDden;
+    }
+    return o;
+  };
+  const int64_t tiles = ceil_div(M, int64_t(kTD));
+  MesaStatus st = MESA_STATUS_OK;
+  for (int64_t g = 0; g < G && M > 0; ++g) {
+    // dq_g = product(dO'_g, v', k), LE: state S'^T, the forward's boundary states read through
+    // transposed strides, or accumulated again from the initial state (SLiM)
+    Product p = base;
+    p.a = d_out(g);
+    p.b = cv;
+    p.c = operand<T>(a.k, M);
+    p.ma = W;
+    p.dc = M;
+    const MesaLaTensor q = group_view<T>(a.q, G, g);
+    p.o = out_view(group_view<T>(a.dq, G, g), M);
+    p.o.dot = q.data;
+    p.o.db = q.strides[0];
+    p.o.dh = q.strides[1];
+    p.o.dl = q.strides[2];
+    p.o.df = q.strides[3];
+    p.o.dots = w.qdq + g * L;
+    p.o.dots_tile = B * H * L;
+    p.scale_c = 1;  // the state S'^T: k weighted, as the forward's S'
+    p.mask = kMaskLE;
+    p.state = StateView{w.work, W * M, 0, M, 1};
+    if (boundary) {
+      p.mode = kReadChunk;
+      p.init = boundary_view(s, a.boundary, M, W, 0, true);
+    } else {
+      p.mode = kAccumulate;
+      p.init = a.init_state != nullptr ? transposed(a.init_state) : none;
+    }
+    if ((st = run_product<T>(p, stream)) != MESA_STATUS_OK) return st;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    // dk += product(v', dO'_g, q_g), GE: state dS_final'^T (g = 0) + sum dO'_s q_s^T; its value
+    // after the walk is the initial state's gradient
+    Product p = base;
+    p.a = cv;
+    p.b = d_out(g);
+    p.c = operand<T>(group_view<T>(a.q, G, g), M);
+    p.ma = W;
+    p.dc = M;
+    if (G == 1) {
+      p.o = out_view(a.dk, M);
+      p.o.dot = a.k.data;
+      p.o.db = a.k.strides[0];
+      p.o.dh = a.k.strides[1];
+      p.o.dl = a.k.strides[2];
+      p.o.df = a.k.strides[3];
+      p.o.dots = w.kdk;
+      p.o.dots_tile = B * Hkv * L;
+    } else {
+      p.o = OutView{w.acc, Hkv * L * M, L * M, M, 1, M, nullptr};
+      p.o.f32 = 1;
+      p.o.accumulate = g > 0 ? 1 : 0;
+    }
+    p.mask = kMaskGE;
+    p.mode = kAccumulate;
+    p.state = g == 0 ? (a.d_init != nullptr ? transposed(a.d_init) : StateView{w.work, W * M, 0, M, 1})
+                     : transposed(w.work2);
+    p.init = g == 0 && a.d_final != nullptr ? transposed(a.d_final) : none;
+    p.boundary = decompose ? chunk_states(s, w.chunk_work, W, M) : none;
+    if (M > 0) {
+      if ((st = decompose ? run_product_decomposed<T>(p, gs.schedule, stream) : run_product<T>(p, stream)) !=
+          MESA_STATUS_OK)
+        return st;
+    }
+    if (g > 0 && a.d_init != nullptr && N * Hkv * M * W > 0) {
+      const int64_t n = N * Hkv * M * W;
+      if ((st = status_from(MESA_LAUNCH(la_add_kernel, stride_grid(n), dim3(kThreads), 0, stream, a.d_init,
+                                        static_cast<const float*>(w.work2), n))) != MESA_STATUS_OK)
+        return st;
+    }
+    // dv += product(k, q_g, dout_g / g_g), GE: state dS_final[:, :D] (g = 0) + sum q_s (dout_s/g_s)^T
+    Product v = base;
+    Operand go = operand<T>(group_view<T>(a.dout, G, g), D);
+    go.row_div = gs.normalize ? group_rows(a.den, L, g) : nullptr;
+    v.a = operand<T>(a.k, M);
+    v.b = operand<T>(group_view<T>(a.q, G, g), M);
+    v.c = go;
+    v.ma = M;
+    v.dc = D;
+    if (G == 1) {
+      v.o = out_view(a.dv, D);
+    } else {
+      v.o = OutView{w.acc + B * Hkv * L * M, Hkv * L * D, L * D, D, 1, D, nullptr};
+      v.o.f32 = 1;
+      v.o.accumulate = g > 0 ? 1 : 0;
+    }
+    v.mask = kMaskGE;
+    v.mode = kAccumulate;
+    v.state = StateView{w.work, M * D, 0, D, 1};
+    v.init = g == 0 && a.d_final != nullptr ? StateView{const_cast<float*>(a.d_final), M * W, 0, W, 1} : none;
+    v.boundary = decompose ? chunk_states(s, w.chunk_work, M, D) : none;
+    if (D > 0) {
+      if ((st = decompose ? run_product_decomposed<T>(v, gs.schedule, stream) : run_product<T>(v, stream)) !=
+          MESA_STATUS_OK)
+        return st;
+    }
+  }
+  const int64_t rows = B * Hkv * L;
+  if (G > 1 && rows > 0) {
+    if ((st = status_from(MESA_LAUNCH(gla_round_kernel<T>, stride_grid(rows), dim3(kThreads), 0, stream, a,
+                                      static_cast<const float*>(w.acc), w.kdk))) != MESA_STATUS_OK)
+      return st;
+  }
+  const bool step = gs.decay_kind == MESA_GLA_DECAY_PER_STEP;
+  if (rows > 0) {
+    if ((st = status_from(MESA_LAUNCH(gla_rows_kernel, stride_grid(rows), dim3(kThreads), 0, stream, gs,
+                                      static_cast<const float*>(w.qdq), static_cast<const float*>(w.kdk),
+                                      G > 1 ? int64_t(1) : tiles, w.da_rows))) != MESA_STATUS_OK)
+      return st;
+    if ((st = status_from(MESA_LAUNCH(gla_da_scan_kernel, dim3(unsigned(N * Hkv)), dim3(kThreads), 0, stream, gs,
+                                      a.decay, a.d_final, a.final_state, static_cast<const float*>(w.da_rows),
+                                      step ? a.d_decay : w.da_rows))) != MESA_STATUS_OK)
+      return st;
+  }
+  // per-head decay: also with B*L = 0 (its gradient is then 0)
+  if (step) return MESA_STATUS_OK;
+  return status_from(MESA_LAUNCH(gla_da_reduce_kernel, dim3(unsigned(Hkv)), dim3(kThreads), 0, stream,
+                                 static_cast<const float*>(w.da_rows), a.d_decay, B, Hkv, L));
+}
+
+template <typename T> struct GlaForwardOp { static MesaStatus run(const MesaGlaForwardArgs& a, void* s) { return gla_forward<T>(a, s); } };
+template <typename T> struct GlaBackwardOp { static MesaStatus run(const MesaGlaBackwardArgs& a, void* s) { return gla_backward<T>(a, s); } };
+
+// The entry points' own checks (the safe crate checks everything first, with typed errors).
+inline bool gla_shape_valid(const MesaGlaShape& s) {
+  if (s.batch < 0 || s.heads < 1 || s.kv_heads < 1 || s.heads % s.kv_heads != 0 || s.len < 0 || s.feat < 0 ||
+      s.dim < 0 || s.chunk < 1 || s.chunk > MESA_GLA_MAX_CHUNK)
+    return false;
+  if (s.dtype != MESA_DTYPE_F32 && s.dtype != MESA_DTYPE_F16 && s.dtype != MESA_DTYPE_BF16) return false;
+  if (s.decay_kind != MESA_GLA_DECAY_PER_STEP && s.decay_kind != MESA_GLA_DECAY_PER_HEAD) return false;
+  if (s.schedule != MESA_LA_SCHEDULE_CHUNK_SUMS && s.schedule != MESA_LA_SCHEDULE_STATE_WALK &&
+      s.schedule != MESA_LA_SCHEDULE_WALK)
+    return false;
+  if (s.normalize && !(s.eps > 0.0f && s.eps < INFINITY)) return false;
+  // packed: B = 1 and N >= 1 sequences (the offsets themselves are the caller's to check)
+  if (s.packing.seq_offsets != nullptr && (s.batch != 1 || s.packing.nseq < 1)) return false;
+  // one da block per (unit, KV head); rows and heads in 32 bits (Seq)
+  return gla_units(s) * s.kv_heads <= int64_t(0x7fffffff) && s.batch <= INT32_MAX && s.heads <= INT32_MAX;
+}
+
+// Boundary states (given): packed, the chunk offsets too.
+inline bool gla_boundary_valid(const MesaGlaShape& s, const void* boundary) {
+  return boundary == nullptr || s.packing.seq_offsets == nullptr || s.packing.chunk_offsets != nullptr;
+}
+
 }  // namespace MESA_NS
 
 using namespace MESA_NS;
@@ -1519,4 +2271,38 @@ extern "C" MesaStatus MESA_ENTRY(linear_attention_backward)(const MesaLaBackward
   if (s.dim > 0 && (a->v.data == nullptr || a->dout.data == nullptr || a->dv.data == nullptr))
     return MESA_STATUS_INVALID_ARGUMENT;
   return dispatch<BackwardOp>(s.dtype, *a, stream);
+}
+
+extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_forward)(const MesaGlaForwardArgs* a, void* stream) {
+  if (a == nullptr || !gla_shape_valid(a->shape) || !gla_boundary_valid(a->shape, a->boundary))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  const MesaGlaShape& s = a->shape;
+  if (s.batch == 0) return MESA_STATUS_OK;
+  // an empty tensor may come as NULL: the per-step decay when L = 0
+  const bool decay_empty = s.decay_kind == MESA_GLA_DECAY_PER_STEP && s.len == 0;
+  const bool chunk_sums = a->boundary != nullptr && s.schedule == MESA_LA_SCHEDULE_CHUNK_SUMS;
+  if ((a->decay == nullptr && !decay_empty) || a->final_state == nullptr || (chunk_sums && a->work == nullptr) ||
+      (s.normalize && a->den == nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (s.len > 0 && (a->q.data == nullptr || a->k.data == nullptr || a->v.data == nullptr || a->out.data == nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  return dispatch<GlaForwardOp>(s.dtype, *a, stream);
+}
+
+extern "C" MesaStatus MESA_ENTRY(gated_linear_attention_backward)(const MesaGlaBackwardArgs* a, void* stream) {
+  if (a == nullptr || !gla_shape_valid(a->shape) || !gla_boundary_valid(a->shape, a->boundary))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  const MesaGlaShape& s = a->shape;
+  // an empty tensor may come as NULL: the per-step decay and its gradient when B·L = 0, the
+  // row tensors when B·L = 0
+  const bool decay_empty = s.decay_kind == MESA_GLA_DECAY_PER_STEP && s.batch * s.len == 0;
+  if (((a->decay == nullptr || a->d_decay == nullptr) && !decay_empty) || a->work == nullptr ||
+      a->final_state == nullptr || (s.normalize && a->den == nullptr))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  if (s.batch > 0 && s.len > 0 &&
+      (a->q.data == nullptr || a->k.data == nullptr || a->v.data == nullptr || a->dout.data == nullptr ||
+       a->dq.data == nullptr || a->dk.data == nullptr || a->dv.data == nullptr ||
+       (s.normalize && a->out.data == nullptr)))
+    return MESA_STATUS_INVALID_ARGUMENT;
+  return dispatch<GlaBackwardOp>(s.dtype, *a, stream);
 }

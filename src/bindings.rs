@@ -1359,7 +1359,7 @@ pub struct MesaGlaShape {
     pub normalize: i32,
     pub eps: f32,
     pub decay_kind: MesaGlaDecayKind,
-    pub _pad: i32,
+    pub schedule: MesaLaSchedule,
     pub packing: MesaLaPacking,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
@@ -1377,7 +1377,7 @@ const _: () = {
     ["Offset of field: MesaGlaShape::normalize"][::core::mem::offset_of!(MesaGlaShape, normalize) - 56usize];
     ["Offset of field: MesaGlaShape::eps"][::core::mem::offset_of!(MesaGlaShape, eps) - 60usize];
     ["Offset of field: MesaGlaShape::decay_kind"][::core::mem::offset_of!(MesaGlaShape, decay_kind) - 64usize];
-    ["Offset of field: MesaGlaShape::_pad"][::core::mem::offset_of!(MesaGlaShape, _pad) - 68usize];
+    ["Offset of field: MesaGlaShape::schedule"][::core::mem::offset_of!(MesaGlaShape, schedule) - 68usize];
     ["Offset of field: MesaGlaShape::packing"][::core::mem::offset_of!(MesaGlaShape, packing) - 72usize];
 };
 impl Default for MesaGlaShape {

@@ -1426,7 +1426,7 @@ fn boundary_states_give_the_walks_results() {
             }
         }
     };
-    let boundary = ForwardOptions { memory: MemoryMode::BoundaryStates, seq_offsets: None };
+    let boundary = ForwardOptions { memory: MemoryMode::BoundaryStates, ..ForwardOptions::default() };
     let cases = [
         base(sh(2, 4, 2, 37, 5, 3), 7),
         Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(2, 2, 1, 29, 4, 3), 8) },

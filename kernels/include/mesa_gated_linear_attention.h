@@ -1,7 +1,8 @@
 /* mesa_gated_linear_attention.h — gated (decayed) causal linear attention with grouped heads
  * (issue 41): RetNet / Lightning Attention (a fixed log-decay per head), Mamba-2's SSD and
  * gated linear attention with a scalar gate (a log-decay per step and head).
- * Kernel and math: kernels/gated_linear_attention.cu.
+ * Kernels and math: kernels/linear_attention.cu ("Gated linear attention": the chunked products
+ * with a decay).
  *
  *   S_t = exp(a_t) S_{t-1} + k_t [v_t | 1]^T,   o_t = q_t^T S_t [ / g(q_t^T z_t) ],   a_t <= 0
  *   g(x) = x + eps (x >= 0), x - eps (x < 0);  z_t the state's column D (normalize only)
@@ -54,14 +55,17 @@ typedef struct MesaGlaShape {
   int32_t normalize;
   float eps;        /* the guard (normalize): finite, > 0 */
   MesaGlaDecayKind decay_kind;
-  int32_t _pad;
+  /* How boundary states are computed (forward, and the backward's dk, dv), as the ungated
+   * kernel's MesaLaSchedule: the same results bit for bit; ignored without boundary states. */
+  MesaLaSchedule schedule;
   MesaLaPacking packing; /* seq_offsets NULL: not packed */
 } MesaGlaShape;
 
 /* Forward. Reads q, k, v, decay, init_state (NULL: 0). Writes out, final_state (the state
  * after row L-1, init_state included; L = 0: a copy of init_state or 0), den (normalize:
  * [B, H, L] f32, the guarded denominators; else may be NULL). work: f32 scratch of
- * B*H*M*W elements (packed: N*H*M*W) (one working state per query head), contents on entry ignored. */
+ * MESA_GLA_FORWARD_WORK(NCH, H_kv) elements (the chunk sums' whole decays), NCH the boundary
+ * states' chunks with MESA_LA_SCHEDULE_CHUNK_SUMS, else 0 (then work may be NULL). */
 typedef struct MesaGlaForwardArgs {
   MesaGlaShape shape;
   MesaLaTensor q, k, v, out;
@@ -70,10 +74,10 @@ typedef struct MesaGlaForwardArgs {
   float* final_state;
   float* den;
   float* work;
-  /* Boundary states (NULL: none, SLiM-like memory): the state entering every chunk (of the KV
-   * head, init_state included), [chunks, H_kv, M, W] f32, chunk c of batch b at
-   * b*ceil(L/C) + c (chunks = B*ceil(L/C)), of packed sequence n at chunk_offsets[n] + c
-   * (chunks = nchunks; chunk_offsets then required). */
+  /* Boundary states (NULL: none, SLiM memory): the state entering every chunk (of the KV
+   * head, init_state included), f32, [B*H_kv, ceil(L/C), M, W] (the ungated kernel's layout),
+   * packed [nchunks, H_kv, M, W], chunk c of sequence n at chunk_offsets[n] + c
+   * (chunk_offsets then required). */
   float* boundary;
 } MesaGlaForwardArgs;
 
@@ -81,8 +85,8 @@ typedef struct MesaGlaForwardArgs {
  * dout, final_state and den (what the forward wrote), d_final ([B, H_kv, M, W], the final
  * state's gradient; NULL: 0). Writes dq, dk, dv (dk, dv summed over each KV head's query
  * heads), d_decay (f32, the decay's shape: [B, H_kv, L] or [H_kv]), d_init ([B, H_kv, M, W];
- * NULL: not wanted). work: f32 scratch of MESA_GLA_BACKWARD_WORK(B, H, H_kv, L, M, D + normalize,
- * C) elements, contents on entry ignored. */
+ * NULL: not wanted). work: f32 scratch of MESA_GLA_BACKWARD_WORK elements, contents on entry
+ * ignored. */
 typedef struct MesaGlaBackwardArgs {
   MesaGlaShape shape;
   MesaLaTensor q, k, v, out, dout, dq, dk, dv;
@@ -95,21 +99,22 @@ typedef struct MesaGlaBackwardArgs {
   float* d_init;
   float* work;
   /* The forward's boundary states (NULL: the dq walk recomputes them from init_state). Given,
-   * dq runs one block per (chunk, query head) from them and work holds
-   * MESA_GLA_BOUNDARY_BACKWARD_WORK elements. */
+   * dq runs parallel over chunks from them, and so do dk and dv (their own states from chunk
+   * sums, unless the schedule is MESA_LA_SCHEDULE_WALK). */
   const float* boundary;
 } MesaGlaBackwardArgs;
 
-/* Scratch of the backward, in f32 elements: per query head a working state, a chunk of dq and
- * q_t . dq_t per row; per KV head two state gradients, a chunk of dk and dv, and da per row.
- * Packed (N sequences, B = 1): the states and chunks per (sequence, head), the rows once. */
-#define MESA_GLA_BACKWARD_WORK(B, H, HKV, L, M, W, C) MESA_GLA_PACKED_BACKWARD_WORK(B, B, H, HKV, L, M, W, C)
-/* With boundary states (NCH chunks in all, as the forward's boundary): a chunk of dq per
- * (chunk, query head), no working states. */
-#define MESA_GLA_BOUNDARY_BACKWARD_WORK(NCH, N, B, H, HKV, L, M, W, C) \
-  ((NCH) * (H) * (C) * (M) + (B) * (H) * (L) + (N) * (HKV) * (2 * (M) * (W) + (C) * ((M) + (W))) + (B) * (HKV) * (L))
-#define MESA_GLA_PACKED_BACKWARD_WORK(N, B, H, HKV, L, M, W, C)                                         \
-  ((N) * (H) * ((M) * (W) + (C) * (M)) + (B) * (H) * (L) + (N) * (HKV) * (2 * (M) * (W) + (C) * ((M) + (W))) + \
+#define MESA_GLA_FORWARD_WORK(NCH, HKV) ((NCH) * (HKV))
+
+/* Scratch of the backward, in f32 elements, for N units (B, or N packed sequences), G = H / H_kv,
+ * T = ceil(M / 32), NCH the boundary states' chunks when dk and dv run as the chunk
+ * decomposition (boundary states given, schedule not MESA_LA_SCHEDULE_WALK), else 0: two
+ * working states per (unit, KV head), the decomposition's chunk states and whole decays, each
+ * 32-column tile's part of q . dq and k . dk per row, the group's f32 dk and dv sums (G > 1),
+ * dL/dLam' per row. */
+#define MESA_GLA_BACKWARD_WORK(N, NCH, B, H, HKV, L, M, D, W)                                     \
+  (2 * (N) * (HKV) * (M) * (W) + (NCH) * (HKV) * ((M) * (W) + 1) +                               \
+   (((M) + 31) / 32) * (B) * ((H) + (HKV)) * (L) + ((H) > (HKV) ? (B) * (HKV) * (L) * ((M) + (D)) : 0) + \
    (B) * (HKV) * (L))
 
 MESA_DECLARE_ENTRY(gated_linear_attention_forward, MesaGlaForwardArgs)

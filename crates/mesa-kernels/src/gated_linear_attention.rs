@@ -71,7 +71,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::linear_attention::packing::{self, Packing};
-pub use crate::linear_attention::MemoryMode;
+pub use crate::linear_attention::{MemoryMode, Schedule};
 use crate::linear_attention::{la_tensor, rank4, to_i64};
 use crate::tensor::{TensorMut, TensorRef};
 
@@ -180,9 +180,12 @@ pub struct ForwardOptions<'a> {
     /// the final state, memory independent of `L`; the backward's `dq` walks the chunks again
     /// from the initial state. [`MemoryMode::BoundaryStates`]: also the state entering every
     /// chunk, `chunks·H_kv·M·W` f32 (`chunks = B·⌈L/C⌉`, packed `Σ_n ⌈len_n/C⌉`); the backward's
-    /// `dq` then runs one block per (chunk, query head) from them (parallel over chunks) with
-    /// a scratch of `chunks·H·C·M` f32 for its rows, and gives bit for bit the same results.
+    /// `dq` then runs parallel over chunks from them, and so do `dk` and `dv` from their own
+    /// chunk sums (unless [`Schedule::Walk`]); the results are bit for bit SLiM's.
     pub memory: MemoryMode,
+    /// How the boundary states are computed (the ungated kernel's [`Schedule`]s, bit for bit
+    /// the same results); ignored in [`MemoryMode::Slim`].
+    pub schedule: Schedule,
     /// Packed sequences' offsets, as [`forward_packed`]'s; `None`: not packed.
     pub seq_offsets: Option<&'a [usize]>,
 }
@@ -190,7 +193,7 @@ pub struct ForwardOptions<'a> {
 impl Default for ForwardOptions<'_> {
     /// SLiM memory, not packed: what [`forward`] does.
     fn default() -> Self {
-        ForwardOptions { memory: MemoryMode::Slim, seq_offsets: None }
+        ForwardOptions { memory: MemoryMode::Slim, schedule: Schedule::default(), seq_offsets: None }
     }
 }
 
@@ -267,6 +270,7 @@ pub struct GatedSaved {
     dtype: DType,
     decay: DecayKind,
     has_initial: bool,
+    schedule: Schedule,
 }
 
 impl std::fmt::Debug for GatedSaved {
@@ -397,6 +401,7 @@ fn shape_sys(
     c: &GatedConfig,
     dtype: DType,
     decay: DecayKind,
+    schedule: Schedule,
     packing: sys::MesaLaPacking,
 ) -> Result<sys::MesaGlaShape> {
     Ok(sys::MesaGlaShape {
@@ -413,16 +418,17 @@ fn shape_sys(
         normalize: i32::from(c.normalize),
         eps: c.eps,
         decay_kind: decay.to_sys(),
-        _pad: 0,
+        schedule: schedule.to_sys(),
     })
 }
 
 /// Forward: writes `out`, returns the final state (and the denominators) for the backward.
 ///
 /// Any `L ≥ 0` (`L = 0`: the final state is the initial one), `M, D ≥ 1`, `H_kv | H`.
-/// Allocates (stream-ordered) the saved state and a scratch of `B·H·M·W` f32. Bytes moved:
-/// `(2M + D)·L·sizeof(T)` read per head (`k`, `v` once per query head of the group) and
-/// `D·L·sizeof(T)` written, plus `4L` of decay read.
+/// Allocates (stream-ordered) the saved state. Runs the ungated kernel's chunked products with
+/// the decay (SLiM memory: one walk per query head; `k`, `v` read once per query head of the
+/// group). Bytes moved: `(2M + D)·L·sizeof(T)` read per query head and `D·L·sizeof(T)`
+/// written, plus `4L` of decay read per chunk pass.
 ///
 /// In-place: not supported (`out` overlapping an input → [`Error::Aliasing`]).
 ///
@@ -442,7 +448,7 @@ pub fn forward<T: Element>(device: &Device, config: &GatedConfig, args: ForwardA
 /// sequence's is its initial state); [`backward`] takes them as they are (its `initial`,
 /// `d_final` and `d_initial` then `[N, H_kv, M, W]`; a per-head decay's gradient summed over all
 /// sequences). Bitwise equal to one [`forward`] per sequence (the same chunks from each
-/// sequence's first row). One block per (sequence, head); scratch `N·H·M·W` f32.
+/// sequence's first row).
 ///
 /// # Errors
 /// As [`forward`], and [`Error::InvalidArgument`] naming `"seq_offsets"` (`B ≠ 1`, fewer than 2
@@ -456,13 +462,14 @@ pub fn forward_packed<T: Element>(
     forward_with(device, config, &ForwardOptions { seq_offsets: Some(seq_offsets), ..ForwardOptions::default() }, args)
 }
 
-/// [`forward`] (or [`forward_packed`]) with [`ForwardOptions`]: the memory mode and packed
-/// sequences. With [`MemoryMode::BoundaryStates`] it also allocates and writes the boundary
-/// states (`chunks·H_kv·M·W` f32, kept in the returned [`GatedSaved`]).
+/// [`forward`] (or [`forward_packed`]) with [`ForwardOptions`]: the memory mode, schedule and
+/// packed sequences. With [`MemoryMode::BoundaryStates`] it also allocates and writes the
+/// boundary states (`chunks·H_kv·M·W` f32, kept in the returned [`GatedSaved`]; computed once
+/// per KV head, then each query head's outputs parallel over chunks), and with
+/// [`Schedule::ChunkSums`] a scratch of `chunks·H_kv` f32 (each chunk's whole decay).
 ///
 /// # Errors
-/// As [`forward`] and [`forward_packed`]; [`Error::TooLarge`] when `chunks·H` exceeds
-/// `2³¹ − 1` with boundary states (one `dq` block per (chunk, query head)).
+/// As [`forward`] and [`forward_packed`].
 pub fn forward_with<T: Element>(
     device: &Device,
     config: &GatedConfig,
@@ -488,14 +495,10 @@ pub fn forward_with<T: Element>(
     let units = packing.as_ref().map_or(dims.batch, |p| p.n);
     let w = dims.dim + usize::from(config.normalize);
     let sshape = [units, dims.kv_heads, dims.feat, w];
+    let chunks = packing.as_ref().map_or(dims.batch.saturating_mul(dims.len.div_ceil(config.chunk)), |p| p.nchunks);
     let boundary = match options.memory {
         MemoryMode::Slim => None,
         MemoryMode::BoundaryStates => {
-            let chunks =
-                packing.as_ref().map_or(dims.batch.saturating_mul(dims.len.div_ceil(config.chunk)), |p| p.nchunks);
-            if chunks.saturating_mul(dims.heads) > i32::MAX as usize {
-                return Err(Error::too_large("chunks·heads", format!("{chunks}·{}: one dq block each", dims.heads)));
-            }
             let n = product(&[chunks, dims.kv_heads, dims.feat, w], "boundary states")?;
             Some(device.alloc_for_kernel::<f32>(n.max(1))?)
         }
@@ -505,7 +508,9 @@ pub fn forward_with<T: Element>(
     }
     let state = product(&sshape, "final state")?;
     let den = product(&[dims.batch, dims.heads, dims.len], "denominators")?;
-    let work = product(&[units, dims.heads, dims.feat, w], "forward scratch")?;
+    // MESA_GLA_FORWARD_WORK: the chunk sums' whole decays
+    let chunk_sums = boundary.is_some() && options.schedule == Schedule::ChunkSums;
+    let work = if chunk_sums { product(&[chunks, dims.kv_heads], "forward scratch")? } else { 0 };
     let mut saved = GatedSaved {
         final_state: device.alloc_for_kernel::<f32>(state.max(1))?,
         packing,
@@ -516,6 +521,7 @@ pub fn forward_with<T: Element>(
         dtype: T::DTYPE,
         decay: decay.kind(),
         has_initial: initial.is_some(),
+        schedule: options.schedule,
     };
     if dims.batch == 0 {
         return Ok(saved);
@@ -525,7 +531,7 @@ pub fn forward_with<T: Element>(
     let mut launch = Launch::new(device);
     let packing = packing::to_sys(packing.as_ref(), &mut launch)?;
     let args = sys::MesaGlaForwardArgs {
-        shape: shape_sys(&dims, config, T::DTYPE, decay.kind(), packing)?,
+        shape: shape_sys(&dims, config, T::DTYPE, decay.kind(), options.schedule, packing)?,
         q: la_tensor(q.layout(), launch.input(q, "q")?.cast_mut()),
         k: la_tensor(k.layout(), launch.input(k, "k")?.cast_mut()),
         v: la_tensor(v.layout(), launch.input(v, "v")?.cast_mut()),
@@ -552,8 +558,8 @@ pub fn forward_with<T: Element>(
     // f32 view of the kind's shape; the initial state a registered contiguous [U, H_kv, M, W]
     // f32 view (U = B, or N packed: the offsets checked by packing::pack, on the device, with
     // B = 1); the final state, denominators and scratch buffers hold U·H_kv·M·W, B·H·L and
-    // U·H·M·W f32 as the header requires, the boundary states (when given) chunks·H_kv·M·W
-    // (chunks: B·⌈L/C⌉, or the packing's nchunks with its chunk offsets uploaded).
+    // MESA_GLA_FORWARD_WORK f32 as the header requires, the boundary states (when given)
+    // chunks·H_kv·M·W (chunks: B·⌈L/C⌉, or the packing's nchunks with its chunk offsets uploaded).
     unsafe {
         launch.launch(
             "gated_linear_attention_forward",
@@ -567,24 +573,21 @@ pub fn forward_with<T: Element>(
     Ok(saved)
 }
 
-/// f32 elements of the backward's scratch (`MESA_GLA_PACKED_BACKWARD_WORK` of the header, with
-/// `units` = `N` packed sequences or `B`; with boundary states of `chunks` chunks,
-/// `MESA_GLA_BOUNDARY_BACKWARD_WORK`).
-fn backward_work(d: &GatedDims, units: usize, chunks: Option<usize>, w: usize, chunk: usize) -> Result<usize> {
-    let per_q = [d.feat.checked_mul(w), chunk.checked_mul(d.feat)];
-    let per_kv = [d.feat.checked_mul(w).and_then(|x| x.checked_mul(2)), chunk.checked_mul(d.feat + w)];
-    let sum = |xs: &[Option<usize>]| xs.iter().try_fold(0usize, |a, x| x.and_then(|x| a.checked_add(x)));
+/// f32 elements of the backward's scratch (`MESA_GLA_BACKWARD_WORK` of the header: `units` = `N`
+/// packed sequences or `B`, `chunks` the boundary states' chunks when `dk` and `dv` run as the
+/// chunk decomposition, else 0).
+fn backward_work(d: &GatedDims, units: usize, chunks: usize, w: usize) -> Result<usize> {
     let too_large = || Error::too_large("backward scratch", format!("the element count for {d:?} overflows"));
+    let tiles = d.feat.div_ceil(32);
+    let group_sums = if d.heads > d.kv_heads { product(&[d.batch, d.kv_heads, d.len, d.feat + d.dim], "backward scratch")? } else { 0 };
     let parts = [
-        match chunks {
-            Some(nch) => product(&[nch, d.heads, chunk, d.feat], "backward scratch")?,
-            None => product(&[units, d.heads, sum(&per_q).ok_or_else(too_large)?], "backward scratch")?,
-        },
-        product(&[d.batch, d.heads, d.len], "backward scratch")?,
-        product(&[units, d.kv_heads, sum(&per_kv).ok_or_else(too_large)?], "backward scratch")?,
+        product(&[2, units, d.kv_heads, d.feat, w], "backward scratch")?,
+        product(&[chunks, d.kv_heads, d.feat.checked_mul(w).and_then(|x| x.checked_add(1)).ok_or_else(too_large)?], "backward scratch")?,
+        product(&[tiles, d.batch, d.heads + d.kv_heads, d.len], "backward scratch")?,
+        group_sums,
         product(&[d.batch, d.kv_heads, d.len], "backward scratch")?,
     ];
-    sum(&parts.map(Some)).filter(|&n| n < i64::MAX as usize / 16).ok_or_else(too_large)
+    parts.iter().try_fold(0usize, |a, &x| a.checked_add(x)).filter(|&n| n < i64::MAX as usize / 16).ok_or_else(too_large)
 }
 
 /// Gradients of [`forward`]: writes `dq`, `dk`, `dv` (the last two summed over each KV head's
@@ -592,9 +595,11 @@ fn backward_work(d: &GatedDims, units: usize, chunks: Option<usize>, w: usize, c
 ///
 /// `saved` is the forward's; `q, k, v, decay, initial` must be the forward's inputs; `out` (the
 /// forward's output) is required when normalised. Allocates (stream-ordered) a scratch of
-/// `B·H·(M·W + C·M + L) + B·H_kv·(2·M·W + C·(M + W) + L)` f32 (packed: `N` for `B` in the
-/// state and chunk terms; with boundary states `chunks·H·C·M` replaces `B·H·(M·W + C·M)`, and
-/// `dq` runs parallel over chunks from the saved states).
+/// `2·U·H_kv·M·W + ⌈M/32⌉·B·(H + H_kv)·L + B·H_kv·L` f32 (`U` = `B`, or `N` packed; the row
+/// dots `q·dq`, `k·dk` per 32-column tile, `dL/dΛ` per row), plus `B·H_kv·L·(M + D)` with
+/// grouped heads (the group's `dk`, `dv` summed in f32) and, with boundary states and a
+/// schedule other than [`Schedule::Walk`], `chunks·H_kv·(M·W + 1)` (`dk`, `dv` as the chunk
+/// decomposition: parallel over chunks, as `dq` from the saved states).
 ///
 /// In-place: not supported (a gradient overlapping an input or another gradient →
 /// [`Error::Aliasing`]).
@@ -664,17 +669,19 @@ pub fn backward<T: Element>(device: &Device, saved: &GatedSaved, args: BackwardA
     if b == 0 && decay.kind() == DecayKind::PerStep {
         return Ok(());
     }
-    let chunks = saved.boundary.as_ref().map(|_| match saved.packing.as_ref() {
-        Some(p) => p.nchunks,
-        None => dims.batch * dims.len.div_ceil(config.chunk),
-    });
-    let work = backward_work(&dims, saved.units(), chunks, saved.width(), config.chunk)?;
+    let decompose = saved.boundary.is_some() && saved.schedule != Schedule::Walk;
+    let chunks = match (decompose, saved.packing.as_ref()) {
+        (false, _) => 0,
+        (true, Some(p)) => p.nchunks,
+        (true, None) => dims.batch * dims.len.div_ceil(config.chunk),
+    };
+    let work = backward_work(&dims, saved.units(), chunks, saved.width())?;
     let mut work = device.alloc_for_kernel::<f32>(work.max(1))?;
     let mut launch = Launch::new(device);
     let null = sys::MesaLaTensor { data: std::ptr::null_mut(), strides: [0; 4] };
     let packing = packing::to_sys(saved.packing.as_ref(), &mut launch)?;
     let args = sys::MesaGlaBackwardArgs {
-        shape: shape_sys(&dims, &config, T::DTYPE, decay.kind(), packing)?,
+        shape: shape_sys(&dims, &config, T::DTYPE, decay.kind(), saved.schedule, packing)?,
         q: la_tensor(q.layout(), launch.input(q, "q")?.cast_mut()),
         k: la_tensor(k.layout(), launch.input(k, "k")?.cast_mut()),
         v: la_tensor(v.layout(), launch.input(v, "v")?.cast_mut()),
@@ -717,8 +724,7 @@ pub fn backward<T: Element>(device: &Device, saved: &GatedSaved, args: BackwardA
     // states are registered contiguous [U, H_kv, M, W] f32 views (U = B, or N with the
     // forward's checked offsets); the saved buffers were sized by the forward for these dims
     // (same dtype, decay kind and backend checked above), the boundary states too; the
-    // scratch holds MESA_GLA_PACKED_BACKWARD_WORK f32, or MESA_GLA_BOUNDARY_BACKWARD_WORK with
-    // boundary states (backward_work).
+    // scratch holds MESA_GLA_BACKWARD_WORK f32 (backward_work, with the saved schedule).
     unsafe {
         launch.launch(
             "gated_linear_attention_backward",

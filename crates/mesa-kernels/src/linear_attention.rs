@@ -506,12 +506,18 @@ fn la_shape<'a>(
             MemoryMode::BoundaryStates => sys::MESA_LA_BOUNDARY_STATES,
             MemoryMode::Slim => sys::MESA_LA_SLIM,
         }) as sys::MesaLaMemory,
-        schedule: (match c.schedule {
+        schedule: c.schedule.to_sys(),
+    })
+}
+
+impl Schedule {
+    pub(crate) fn to_sys(self) -> sys::MesaLaSchedule {
+        (match self {
             Schedule::ChunkSums => sys::MESA_LA_SCHEDULE_CHUNK_SUMS,
             Schedule::StateWalk => sys::MESA_LA_SCHEDULE_STATE_WALK,
             Schedule::Walk => sys::MESA_LA_SCHEDULE_WALK,
-        }) as sys::MesaLaSchedule,
-    })
+        }) as sys::MesaLaSchedule
+    }
 }
 
 /// Forward: writes `out` and returns what the backward needs.
