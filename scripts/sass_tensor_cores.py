@@ -3,16 +3,13 @@
 SASS and resource report (cuobjdump -sass, -res-usage) that check-resources.sh leaves in DIR (docs/linear_attention.md,
 "Tensor cores"):
 
-  * every f16/bf16 instance of `la_product_kernel` issues tensor-core instructions (HMMA), and
-    so does every instance of FAVOR+'s projections on tensor cores (`favor_forward_tc_kernel`,
-    `favor_backward_tc_kernel` in feature_maps.cu);
-  * every f16/bf16 instance of the gated kernels' chunk products (gated_linear_attention.cu,
-    GLA_TENSOR_CORES) issues HMMA, and there are GLA_EXPECTED of them: a 16-bit call that went
-    back to the CUDA-core kernel fails both ways;
-  * registers: at most 128 (two 256-thread blocks per SM, or four 128-thread gated blocks) for
-    every instance, f32 included.
+  * every f16/bf16 instance of `la_product_kernel` issues tensor-core instructions (HMMA), the
+    decayed ones of gated linear attention included, and so does every instance of FAVOR+'s
+    projections on tensor cores (`favor_forward_tc_kernel`, `favor_backward_tc_kernel` in
+    feature_maps.cu);
+  * registers: at most 128 (two 256-thread blocks per SM) for every instance, f32 included.
 
-    scripts/sass_tensor_cores.py DIR [--arch 90]   # DIR: {linear_attention,feature_maps,gated_linear_attention}.sm_<arch>.{sass,res}
+    scripts/sass_tensor_cores.py DIR [--arch 90]   # DIR: {linear_attention,feature_maps}.sm_<arch>.{sass,res}
 
 Exit status 1 when an instance misses a gate or is missing.
 """
@@ -31,26 +28,26 @@ MASKS = {0: "", 1: " LE", 2: " GE"}  # the direction (Mask)
 # bf16: the lo patterns each of those meets (lo_used in the kernel): 2 + 3 + 2 + 3 + 1 + 3 + 3
 # + 4; and per dtype the normalising instances of the forward (norm_used): walk LE, per-chunk
 # outputs LE, chunk sums, state walk LE, bidirectional
-EXPECTED = 8 + 8 + 21 + 3 * 5
+UNGATED = 8 + 8 + 21 + 3 * 5
+# decayed (gated linear attention, decay_used): no bidirectional, chunk sums per direction, only
+# LE normalises. f32, f16: 4 modes x 2 directions + 4 normalising LE; bf16: the lo patterns
+# (walk 2 + 3, per-chunk outputs 2 + 3, state walk 1 + 3, chunk sums 3 + 3) + 4 normalising
+DECAYED = 12 + 12 + 20 + 4
+EXPECTED = UNGATED + DECAYED
 # FAVOR+: forward per dtype (f16, bf16) x stabiliser (4), backward per dtype
 FAVOR_EXPECTED = 8 + 2
 STABILIZERS = {0: "none", 1: "row max", 2: "bound", 3: "sequence max"}
 MAX_REGS = 128
-# gated linear attention: the kernels whose f16/bf16 instances must issue HMMA (any 16-bit
-# instance of them: the CUDA-core forward instantiated for f16 fails), and how many 16-bit
-# instances there are (the tensor-core forward, dq walk and dk/dv walk x 2 dtypes)
-GLA_TENSOR_CORES = ("gla_forward_tc_kernel", "gla_forward_kernel", "gla_dq_tc_kernel", "gla_dq_kernel",
-                    "gla_dq_tc_kernel, boundary", "gla_dq_kernel, boundary", "gla_dkdv_tc_kernel", "gla_dkdv_kernel")
-GLA_EXPECTED = 8  # forward, dq (walk and boundary states), dk/dv; f16 and bf16
 
 
 def instance(mangled):
-    """(dtype, mode, mask, lo tiles, normalising) of a la_product_kernel instance, or None."""
-    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)Li(\d)ELi(\d)ELi(\d)ELb([01])EEEvNS_7ProductE$",
+    """(dtype, mode, mask, lo tiles, normalising, decayed) of a la_product_kernel instance, or None."""
+    m = re.match(r"_ZN17mesa_cuda_kernels17la_product_kernelI(6__half|13__nv_bfloat16|f)Li(\d)ELi(\d)ELi(\d)ELb([01])ELb([01])EEEvNS_7ProductE$",
                  mangled)
     if not m:
         return None
-    return TYPES[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5) == "1"
+    return (TYPES[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5) == "1",
+            m.group(6) == "1")
 
 
 def favor_instance(mangled):
@@ -62,16 +59,6 @@ def favor_instance(mangled):
     if m:
         return f"favor_backward_tc_kernel<{TYPES[m.group(1)]}>"
     return None
-
-
-def gla_instance(mangled):
-    """(kernel, dtype) of a gated linear-attention kernel (dtype None: not a template), or None.
-    The dq walks' boundary-state instances (template flag true) are named `<kernel>, boundary`."""
-    m = re.match(r"_ZN17mesa_cuda_kernels\d+(gla_\w+?_kernel)(?:I(6__half|13__nv_bfloat16|f)(Lb[01])?E)?E", mangled)
-    if not m:
-        return None
-    kernel = m.group(1) + (", boundary" if m.group(3) == "Lb1" else "")
-    return kernel, TYPES.get(m.group(2)) if m.group(2) else None
 
 
 def hmma_counts(sass):
@@ -107,10 +94,10 @@ def main():
                     help="check only the files whose SASS is in the directory (scripts/check-fast.sh)")
     args = ap.parse_args()
     hmma, regs = {}, {}
-    stems = [s for s in ("linear_attention", "feature_maps", "gated_linear_attention")
+    stems = [s for s in ("linear_attention", "feature_maps")
              if not args.present or os.path.exists(os.path.join(args.dir, f"{s}.sm_{args.arch}.sass"))]
     if not stems:
-        print("tensor cores: no linear-attention, FAVOR+ or gated SASS in this subset")
+        print("tensor cores: no linear-attention or FAVOR+ SASS in this subset")
         return 0
     for stem in stems:
         base = os.path.join(args.dir, f"{stem}.sm_{args.arch}")
@@ -120,22 +107,15 @@ def main():
         except OSError as e:
             print(f"FAIL: tensor cores: {e}")
             return 1
-    fails, seen, favor_seen, gla_seen = [], 0, 0, 0
+    fails, seen, decayed, favor_seen = [], 0, 0, 0
     for name in sorted(regs):
-        inst, favor, gla = instance(name), favor_instance(name), gla_instance(name)
-        if gla is not None:
-            kernel, t = gla
-            base, _, flag = kernel.partition(", ")
-            label = base + (f"<{t}>" if t else "") + (f", {flag}" if flag else "")
-            if t in ("f16", "bf16") and kernel in GLA_TENSOR_CORES:
-                gla_seen += 1
-            else:
-                t = "f32"  # no HMMA asked of it: the register gate only
-        elif inst is not None:
+        inst, favor = instance(name), favor_instance(name)
+        if inst is not None:
             seen += 1
-            t, mode, mask, lo, norm = inst
+            t, mode, mask, lo, norm, decay = inst
+            decayed += decay
             label = (f"la_product_kernel<{t}>, {MODES[mode]}{MASKS[mask]}" + (f", lo {LO[lo]}" if t != "f32" else "")
-                     + (", normalising" if norm else ""))
+                     + (", normalising" if norm else "") + (", decayed" if decay else ""))
         elif favor is not None:
             favor_seen += 1
             t, label = "f16/bf16", favor
@@ -154,13 +134,13 @@ def main():
         fails.append(f"{seen} instances of la_product_kernel found, {EXPECTED} expected")
     if "feature_maps" in stems and favor_seen != FAVOR_EXPECTED:
         fails.append(f"{favor_seen} FAVOR+ tensor-core instances found, {FAVOR_EXPECTED} expected")
-    if "gated_linear_attention" in stems and gla_seen != GLA_EXPECTED:
-        fails.append(f"{gla_seen} f16/bf16 instances of the gated tensor-core kernels found, {GLA_EXPECTED} expected")
+    if "linear_attention" in stems and decayed != DECAYED:
+        fails.append(f"{decayed} decayed instances of la_product_kernel found, {DECAYED} expected")
     if fails:
         print("FAIL: tensor cores: " + "; ".join(fails))
         return 1
-    print(f"OK: {seen} linear-attention, {favor_seen} FAVOR+ and {gla_seen} gated instances within {MAX_REGS} registers, "
-          "the f16/bf16 ones issue HMMA")
+    print(f"OK: {seen} linear-attention ({decayed} decayed: gated) and {favor_seen} FAVOR+ instances within "
+          f"{MAX_REGS} registers, the f16/bf16 ones issue HMMA")
     return 0
 
 
