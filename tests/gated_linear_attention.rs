@@ -4,7 +4,7 @@
 //! when one is present), for f32, f16 and bf16, per-step and per-head decay, grouped heads
 //! (1, 4, multi-query), normalised or not, L = 1, odd L and chunk sizes, resets (a = −∞), long
 //! strongly decaying sequences (L = 2000; L = 16K against a step recurrence), a non-finite input
-//! kept out of the rows that do not see it, and a = 0 against the ungated kernel.
+//! kept out of the rows that do not see it, and a = 0 bit for bit the ungated kernel.
 //!
 //! Tolerances (derived, per element; u = 2⁻²⁴, u_T the storage type's unit roundoff):
 //! * Inputs are exact in T (and the decay in f32); the reference reads the same values in f64,
@@ -26,12 +26,12 @@
 //!   (the reference's |da_t|; per-head decay: the terms' magnitudes), and `⟨dS, S_final⟩`'s
 //!   (M·W + 4)·u·Σ|dS||S| + Σ|dS|·err(S); per-head decay sums those over B and L, plus
 //!   B·L·u·Σ|da|.
-//! * f16 and bf16 run the forward on tensor cores (kernels/gated_linear_attention.cu,
-//!   `gla_forward_tc_kernel`; docs/linear_attention.md): every product as bf16 split pairs,
+//! * f16 and bf16 run every chunk product on tensor cores (kernels/linear_attention.cu, the
+//!   decayed `la_product_kernel` instances; docs/linear_attention.md): as bf16 split pairs,
 //!   `hi·hi + hi·lo + lo·hi`. A 16-bit input is exact in hi (+ lo), an f32 value (the weighted
-//!   scores `W ∘ P`, the state, the rows `e_t q_t` and `w_{end,s} k_s`) within 2⁻¹⁸ of itself, so a
-//!   term of a product is off by ≤ 3·2⁻¹⁸ of its magnitude and a term that passes two products
-//!   (`P` then `P V'`; the state's update then `Q̃ S`) by ≤ 6·2⁻¹⁸; the backward reads the
+//!   scores `W ∘ P`, the state, the weighted rows of the state update) within 2⁻¹⁸ of itself,
+//!   so a term of a product is off by ≤ 3·2⁻¹⁸ of its magnitude and a term that passes two
+//!   products (`P` then `P V'`; the state's update then `Q S`) by ≤ 6·2⁻¹⁸; the backward reads the
 //!   forward's denominators (and, through `⟨dS, S_final⟩`, its final state), which carry those
 //!   errors. The tensor cores' f32 sums may truncate rather than round, so their chain is
 //!   counted twice: 16-bit bounds add `(n·u + 6·2⁻¹⁸)·mag` (as tests/linear_attention.rs).
@@ -622,7 +622,10 @@ fn da_bound(c: &Case, p: &Problem, r: &Ref, m0: &Mag, tdq: &[f64], tdk: &[f64], 
             }
             // the suffix sum's own roundings: u·|partial sum| per step — the reference's |da|
             // per step, or (per-head decay, whose per-step da the reference does not give) the
-            // terms' magnitudes
+            // terms' magnitudes — plus those of its runs (gla_da_scan_kernel: each of 256
+            // threads first sums its run of ⌈L/256⌉ rows alone, whose partial sums are at most
+            // the run's Σ|x_t|; a row is in at most ⌈L/256⌉ of them)
+            let run = l.div_ceil(256) as f64;
             let (mut partials, mut terms) = (0.0, 0.0);
             for t in (0..l).rev() {
                 let (mut x, mut xm) = (0.0, 0.0);
@@ -644,7 +647,7 @@ fn da_bound(c: &Case, p: &Problem, r: &Ref, m0: &Mag, tdq: &[f64], tdk: &[f64], 
                     DecayMode::PerStep => r.g.da[row].abs(),
                     DecayMode::PerHead => terms,
                 };
-                per_step[row] = acc + U * partials;
+                per_step[row] = acc + U * (partials + run * terms);
             }
         }
     }
@@ -1286,9 +1289,9 @@ fn packed_matches_per_sequence<T: Element>(device: &Device, c: &Case, lens: &[us
         // A per-step call with the head's rate at every row computes the per-head call's da rows
         // bitwise (the kernel reads equal values), and those rows are bitwise the per-sequence
         // ones (checked above for per-step decay). The per-head call sums them in
-        // gla_da_reduce_kernel: thread-strided partial sums of ⌈L/128⌉ rows, then a tree of 7
+        // gla_da_reduce_kernel: thread-strided partial sums of ⌈L/256⌉ rows, then a tree of 8
         // levels; each f32 addition is off by ≤ u·|its result| ≤ u·Σ|rows|, and a row passes
-        // ≤ ⌈L/128⌉ + 7 of them: |d_decay − Σ rows| ≤ (⌈L/128⌉ + 7)·u·Σ|rows|.
+        // ≤ ⌈L/256⌉ + 8 of them: |d_decay − Σ rows| ≤ (⌈L/256⌉ + 8)·u·Σ|rows|.
         let cs = Case { mode: DecayMode::PerStep, ..c.clone() };
         let ps = Problem {
             q: p.q.clone(),
@@ -1303,7 +1306,7 @@ fn packed_matches_per_sequence<T: Element>(device: &Device, c: &Case, lens: &[us
         for kh in 0..s.hkv {
             let r = &rows[kh * s.l..(kh + 1) * s.l];
             let sum: f64 = r.iter().sum();
-            let bound = (s.l.div_ceil(128) + 7) as f64 * U * r.iter().map(|x| x.abs()).sum::<f64>();
+            let bound = (s.l.div_ceil(256) + 8) as f64 * U * r.iter().map(|x| x.abs()).sum::<f64>();
             let err = (got.da[kh] - sum).abs();
             assert!(err <= bound, "d_decay[{kh}] = {} vs Σ rows {sum}: {err:e} > {bound:e} ({c:?})", got.da[kh]);
         }
@@ -1409,11 +1412,13 @@ fn packed_bad_offsets_are_typed_errors() {
 }
 
 /// Boundary states (`MemoryMode::BoundaryStates`): the forward keeps the state entering every
-/// chunk and the backward's dq runs one block per (chunk, query head) from them instead of
-/// walking again. The forward's walk and the dq walk compute those states with the same update
-/// from the same inputs in the same order, so every result is bit for bit the SLiM mode's
-/// (asserted bitwise, finite): f32 and bf16, per-step and per-head decay, GQA, normalised,
-/// resets, L not a multiple of the chunk, L = 0, packed sequences with empty ones.
+/// chunk (computed by each `Schedule`: chunk sums and a scan, a state walk, or the outputs'
+/// walk) and the backward's dq runs parallel over chunks from them, dk and dv from their own
+/// chunk sums (or, `Schedule::Walk`, walking back). Every schedule computes a state with the
+/// same operations in the same order as the SLiM walks, so every result is bit for bit the
+/// SLiM mode's (asserted bitwise, finite): f32 and bf16, each schedule, per-step and per-head
+/// decay, GQA, normalised, resets, L not a multiple of the chunk, L = 0, packed sequences with
+/// empty ones.
 #[test]
 fn boundary_states_give_the_walks_results() {
     let mut rng = common::rng("gated boundary_states_give_the_walks_results");
@@ -1430,34 +1435,42 @@ fn boundary_states_give_the_walks_results() {
             }
         }
     };
-    let boundary = ForwardOptions { memory: MemoryMode::BoundaryStates, ..ForwardOptions::default() };
+    let schedules = [Schedule::ChunkSums, Schedule::StateWalk, Schedule::Walk];
+    let boundary = |i: usize| ForwardOptions {
+        memory: MemoryMode::BoundaryStates,
+        schedule: schedules[i % 3],
+        ..ForwardOptions::default()
+    };
     let cases = [
         base(sh(2, 4, 2, 37, 5, 3), 7),
         Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(2, 2, 1, 29, 4, 3), 8) },
         Case { resets: vec![(1, 0, 3), (0, 1, 20)], ..base(sh(2, 4, 2, 33, 3, 4), 16) },
         base(sh(2, 2, 1, 0, 3, 2), 4),
     ];
-    for c in &cases {
+    for (i, c) in cases.iter().enumerate() {
         let p = make::<f32>(c, &mut rng);
         let walk = run::<f32>(&device, c, &p).expect("walk");
-        same(c, &walk, &run_opts::<f32>(&device, c, &p, Storage::Contiguous, &boundary).expect("boundary"));
+        same(c, &walk, &run_opts::<f32>(&device, c, &p, Storage::Contiguous, &boundary(i)).expect("boundary"));
         let p = make::<bf16>(c, &mut rng);
         let walk = run::<bf16>(&device, c, &p).expect("walk");
-        same(c, &walk, &run_opts::<bf16>(&device, c, &p, Storage::Contiguous, &boundary).expect("boundary"));
+        same(c, &walk, &run_opts::<bf16>(&device, c, &p, Storage::Contiguous, &boundary(i + 1)).expect("boundary"));
     }
     let lens = [5usize, 0, 17, 16, 3, 0];
     let l = lens.iter().sum();
-    for c in [
+    for (i, c) in [
         base(sh(1, 4, 2, l, 3, 4), 8),
         Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(1, 2, 1, l, 3, 4), 4) },
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
         let (p, offsets) = packed_problem::<f32>(&c, &lens, &mut rng);
         let walk = run_with::<f32>(&device, &c, &p, Storage::Contiguous, Some(&offsets)).expect("walk");
-        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary };
+        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary(i) };
         same(&c, &walk, &run_opts::<f32>(&device, &c, &p, Storage::Contiguous, &opts).expect("boundary"));
         let (p, offsets) = packed_problem::<bf16>(&c, &lens, &mut rng);
         let walk = run_with::<bf16>(&device, &c, &p, Storage::Contiguous, Some(&offsets)).expect("walk");
-        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary };
+        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary(i + 2) };
         same(&c, &walk, &run_opts::<bf16>(&device, &c, &p, Storage::Contiguous, &opts).expect("boundary"));
     }
 }
