@@ -420,13 +420,25 @@ __device__ __forceinline__ int* c_nonfinite() {
 // The state update's column of z in a self-normalising product (D-tile 0's block): the chunk
 // sum over this feature tile, u_f = sum_r b(r, f) in row order, written to column p.dc of `dst`
 // (kChunkSum) or added to the state's (the walk: the same f32 operations as the scan's).
-template <bool kNorm, bool kDecay, typename B>
+// With `blocks` (a decayed tensor-core update, whose weighted B has a lo tile: b(r, f) then
+// gives hi (part 0) and lo (part 1)), per 16-row block first the hi parts, then the lo parts:
+// the order in which dq's MMA sums its state's row of ones times B's pairs (S'^T, Product::
+// scale_c), so that both give the same bits.
+template <bool kNorm, bool kDecay, bool kBlocks = false, typename B>
 __device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int rows, int64_t f0, int64_t d0,
                                          const StateView* dst, int64_t dst_bh, int64_t dst_chunk, B b) {
   const int f = fresh_tid();
   if (!kNorm || d0 != 0 || f >= kTF || f0 + f >= p.ma) return;
   float u = 0.0f;
-  for (int r = 0; r < rows; ++r) u += b(r, f);
+  if constexpr (kBlocks) {
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+      const int end = r0 + 16 < rows ? r0 + 16 : rows;
+      for (int r = r0; r < end; ++r) u += b(r, f, 0);
+      for (int r = r0; r < end; ++r) u += b(r, f, 1);
+    }
+  } else {
+    for (int r = 0; r < rows; ++r) u += b(r, f);
+  }
   if (dst != nullptr) {
     *dst->at(dst_bh, dst_chunk, f0 + f, p.dc) = u;
   } else {
@@ -462,7 +474,7 @@ __device__ __forceinline__ void store_dot(const Product& p, int64_t bh, int64_t 
 // With `dst` (kChunkSum): writes U_c = B_c^T C_c to dst at (dst_bh, dst_chunk) instead (the
 // same f32 value as 0 + U_c, so a scan of them rounds exactly as the sequential walk).
 // (kLo: the tensor-core overload's; f32 tiles have no lo half.)
-template <typename T, int kLo, bool kNorm, bool kDecay, int kMask>
+template <typename T, int kLo, bool kNorm, bool kDecay, int kMask, int kMode>
 __device__ void update_state(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
   const int fr = threadIdx.x / 8, dcol = (threadIdx.x % 8) * 4;
@@ -971,45 +983,86 @@ __device__ void chunk_outputs_tiles(TcTiles& tl, const Product& p, const Seq& sq
   }
 }
 
+// U = B_c^T C_c of one feature tile into tl.y.u (warps 0-3: 2 x 2 blocks of 16), with or
+// without each operand's lo tile.
+template <bool kBLo, bool kCLo>
+__device__ __forceinline__ void update_mma(TcTiles& tl, int rows) {
+  const int warp = fresh_tid() / kWarpSize;
+  if (warp >= 4) return;
+  const int fi = warp / 2, dj = warp % 2;
+  FragAcc u;
+  wmma::fill_fragment(u, 0.0f);
+  for (int kk = 0; kk < kChunk / 16 && kk * 16 < rows; ++kk) {
+    FragAt bh, bl;  // B_c^T [feature][row]: B's [row][feature] tile read column-major
+    FragB ch, cl;
+    wmma::load_matrix_sync(bh, tl.x.ab.b.hi + kk * 16 * kLdAB + fi * 16, kLdAB);
+    if (kBLo) wmma::load_matrix_sync(bl, tl.x.ab.b.lo + kk * 16 * kLdAB + fi * 16, kLdAB);
+    wmma::load_matrix_sync(ch, tl.c.hi + kk * 16 * kLdC + dj * 16, kLdC);
+    if (kCLo) wmma::load_matrix_sync(cl, tl.c.lo + kk * 16 * kLdC + dj * 16, kLdC);
+    mma_split(u, bh, bl, kBLo, ch, cl, kCLo);
+  }
+  wmma::store_matrix_sync(tl.y.u + fi * 16 * kLdO + dj * 16, u, kLdO, wmma::mem_row_major);
+}
+
+// Which operand a decayed state update weights (Product::scale_c), per instance: the weighted
+// one's values are f32 and need a lo tile, so where one operand has a lo tile already (bf16
+// kLoB or kLoC alone) the update weights that one, never the other (two lo fragments live at
+// once spill); the chunk sums and state walks weight C only where C alone has a lo tile (dv,
+// normalised, bf16), and the walks (kAccumulate) either (the forward B = k, dq C = k). Fixed per
+// instance where possible, so that an instance compiles one variant. launch_product refuses a
+// product asking for a side its instance does not have.
+__host__ __device__ constexpr bool can_scale_c(int mode, int lo) {
+  return mode == kAccumulate ? (lo & kLoB) == 0 || (lo & kLoC) != 0 : lo == kLoC;
+}
+__host__ __device__ constexpr bool can_scale_b(int mode, int lo) {
+  return mode >= 0 && !((lo & kLoC) != 0 && (lo & kLoB) == 0);
+}
+// The side a product's update weights in this instance: C (true) or B.
+template <int kMode, int kLo>
+__device__ __forceinline__ bool scales_c(const Product& p) {
+  if constexpr (!can_scale_b(kMode, kLo)) return true;
+  if constexpr (!can_scale_c(kMode, kLo)) return false;
+  return p.scale_c != 0;
+}
+
 // The tensor-core update_state (same contract; C_c already in tl.c).
-template <typename T, int kLo, bool kNorm, bool kDecay, int kMask>
+// A decayed update that weights C (scales_c) finds C_c loaded with its weights (load_c_tile's
+// scale: the kernel loads it again after a walk's outputs), so that the walk and the chunk sums
+// weight the same loaded f32 values.
+template <typename T, int kLo, bool kNorm, bool kDecay, int kMask, int kMode>
 __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
                              const StateView* dst = nullptr, int64_t dst_bh = 0, int64_t dst_chunk = 0) {
-  const int warp = fresh_tid() / kWarpSize;
-  // a weighted operand's values are f32: it needs its lo tile
-  const bool b_lo = (kLo & kLoB) != 0 || (kDecay && !p.scale_c), c_lo = (kLo & kLoC) != 0 || (kDecay && p.scale_c);
-  if constexpr (kDecay) {
-    if (p.scale_c) {
-      // C_c's rows times their weights, in place (split again: 8 consecutive columns per thread)
-      __syncthreads();
-      const int tid = fresh_tid(), r = tid / (kTD / 8), c = (tid % (kTD / 8)) * 8;
-      const float w = update_scale<kDecay, kMask>()[r];
-      float x[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] = split_value(tl.c, r * kLdC + c + j) * w;
-      put_split8(tl.c.hi, tl.c.lo, r * kLdC + c, x);
-    }
-  }
+  constexpr bool kBLo = (kLo & kLoB) != 0, kCLo = (kLo & kLoC) != 0;
+  const bool scale_c = kDecay && scales_c<kMode, kLo>(p);
   for (int64_t f0 = 0; f0 < p.ma; f0 += kTF) {
     __syncthreads();
-    load_rows_split<T>(tl.x.ab.b, p.b, sq, p.rs, t0, rows, f0, p.scale_c ? nullptr : update_scale<kDecay, kMask>());
+    load_rows_split<T>(tl.x.ab.b, p.b, sq, p.rs, t0, rows, f0, scale_c ? nullptr : update_scale<kDecay, kMask>());
     __syncthreads();
-    z_update<kNorm, kDecay>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk,
-             [&](int r, int f) { return split_value(tl.x.ab.b, r * kLdAB + f); });
-    if (warp < 4) {
-      const int fi = warp / 2, dj = warp % 2;
-      FragAcc u;
-      wmma::fill_fragment(u, 0.0f);
-      for (int kk = 0; kk < kChunk / 16 && kk * 16 < rows; ++kk) {
-        FragAt bh, bl;  // B_c^T [feature][row]: B's [row][feature] tile read column-major
-        FragB ch, cl;
-        wmma::load_matrix_sync(bh, tl.x.ab.b.hi + kk * 16 * kLdAB + fi * 16, kLdAB);
-        if (b_lo) wmma::load_matrix_sync(bl, tl.x.ab.b.lo + kk * 16 * kLdAB + fi * 16, kLdAB);
-        wmma::load_matrix_sync(ch, tl.c.hi + kk * 16 * kLdC + dj * 16, kLdC);
-        if (c_lo) wmma::load_matrix_sync(cl, tl.c.lo + kk * 16 * kLdC + dj * 16, kLdC);
-        mma_split(u, bh, bl, b_lo, ch, cl, c_lo);
+    if constexpr (kDecay) {
+      // (the self-normalising products, the forward's, weight B: scale_c = 0)
+      z_update<kNorm, kDecay, true>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk, [&](int r, int f, int part) {
+        const int i = r * kLdAB + f;
+        return __bfloat162float(part == 0 ? tl.x.ab.b.hi[i] : tl.x.ab.b.lo[i]);
+      });
+    } else {
+      z_update<kNorm, kDecay>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk,
+                              [&](int r, int f) { return split_value(tl.x.ab.b, r * kLdAB + f); });
+    }
+    if constexpr (!kDecay) {
+      update_mma<kBLo, kCLo>(tl, rows);
+    } else {
+      // the weighted operand's values are f32: its lo tile too (one call where both sides give
+      // the same instance)
+      if constexpr (kBLo && kCLo) {
+        update_mma<true, true>(tl, rows);
+      } else {
+        if constexpr (can_scale_c(kMode, kLo)) {
+          if (scale_c) update_mma<kBLo, true>(tl, rows);
+        }
+        if constexpr (can_scale_b(kMode, kLo)) {
+          if (!scale_c) update_mma<true, kCLo>(tl, rows);
+        }
       }
-      wmma::store_matrix_sync(tl.y.u + fi * 16 * kLdO + dj * 16, u, kLdO, wmma::mem_row_major);
     }
     __syncthreads();
     // 4 consecutive columns of one state row per thread
@@ -1034,12 +1087,14 @@ __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64
 
 // C_c into the tiles (the state update's third operand, when chunk_outputs did not load it).
 template <typename T>
-__device__ void load_c_tile(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
+__device__ void load_c_tile(Tiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                            const float* /*scale: the FP32 update weights C itself*/ = nullptr) {
   load_rows_c<T>(tl.c, p.c, sq.b, sq.h, sq.bh, p.rs, t0, rows, d0);
 }
 template <typename T>
-__device__ void load_c_tile(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0) {
-  load_rows_split<T>(tl.c, p.c, sq, p.rs, t0, rows, d0);
+__device__ void load_c_tile(TcTiles& tl, const Product& p, const Seq& sq, int64_t t0, int rows, int64_t d0,
+                            const float* scale = nullptr) {
+  load_rows_split<T>(tl.c, p.c, sq, p.rs, t0, rows, d0, scale);
 }
 
 // The FP32 path's outputs of one chunk for the D-tiles [d_begin, d_end): chunk_outputs per
@@ -1088,6 +1143,13 @@ __device__ void store_entering_state(const Product& p, int64_t sidx, int64_t d0,
     if (c < kTD && d >= p.dc) continue;
     *p.boundary.at(bidx, chunk, f, d) = *p.state.at(sidx, 0, f, d);
   }
+}
+
+// The weights a decayed chunk-sum or state-walk update loads C_c with (NULL: none, or B's).
+template <bool kDecay, int kMask, int kMode, int kLo>
+__device__ __forceinline__ const float* c_weights(const Product& p) {
+  if constexpr (!kDecay) return nullptr;
+  return scales_c<kMode, kLo>(p) ? update_scale<kDecay, kMask>() : nullptr;
 }
 
 // The block's tiles: one __shared__ union for every instance of la_product_kernel (52 of
@@ -1202,7 +1264,14 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
             store_entering_state<kNorm>(p, it.sidx, it.d0, sq.bidx, sq.cbase + c);
           decay_of(c);
           chunk_outputs<T, kMask, kLo, kNorm, kDecay>(tl, p, sq, t0, rows_of(c), it.d0, p.state, it.sidx, 0, true);
-          update_state<T, kLo, kNorm, kDecay, kMask>(tl, p, sq, t0, rows_of(c), it.d0);
+          if constexpr (kDecay && kTensorCores<T>) {
+            // C_c again, weighted for the update (update_state) when the update weights C
+            if (scales_c<kMode, kLo>(p)) {
+              __syncthreads();
+              load_c_tile<T>(tl, p, sq, t0, rows_of(c), it.d0, update_scale<kDecay, kMask>());
+            }
+          }
+          update_state<T, kLo, kNorm, kDecay, kMask, kMode>(tl, p, sq, t0, rows_of(c), it.d0);
         }
         break;
       }
@@ -1221,9 +1290,9 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
           if (it.d0 == 0 && threadIdx.x == 0)
             p.decay.chunk_factor[sq.bidx * p.decay.fb + (sq.cbase + it.c_read) * p.decay.fc] = decay_table().whole;
         }
-        load_c_tile<T>(tl, p, sq, t0, rows_of(it.c_read), it.d0);
-        update_state<T, kLo, kNorm, kDecay, kMask>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary, sq.bidx,
-                                                   sq.cbase + it.c_read);
+        load_c_tile<T>(tl, p, sq, t0, rows_of(it.c_read), it.d0, c_weights<kDecay, kMask, kMode, kLo>(p));
+        update_state<T, kLo, kNorm, kDecay, kMask, kMode>(tl, p, sq, t0, rows_of(it.c_read), it.d0, &p.boundary,
+                                                          sq.bidx, sq.cbase + it.c_read);
         break;
       }
       case kStateWalk: {
@@ -1235,8 +1304,8 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
           const int64_t c = kMask == kMaskGE ? it.nchunks - 1 - i : i;
           store_entering_state<kNorm>(p, it.sidx, it.d0, sq.bidx, sq.cbase + c);
           decay_of(c);
-          load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
-          update_state<T, kLo, kNorm, kDecay, kMask>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+          load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0, c_weights<kDecay, kMask, kMode, kLo>(p));
+          update_state<T, kLo, kNorm, kDecay, kMask, kMode>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
         }
         break;
       }
@@ -1247,7 +1316,7 @@ __global__ void __launch_bounds__(kThreads, 2) la_product_kernel(Product p) {
           for (int64_t c = 0; c < it.nchunks; ++c) {
             __syncthreads();
             load_c_tile<T>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
-            update_state<T, kLo, kNorm, false, kMask>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
+            update_state<T, kLo, kNorm, false, kMask, kMode>(tl, p, sq, sq.t0 + c * p.chunk, rows_of(c), it.d0);
           }
         }
         for (int64_t c = 0; c < it.nchunks; ++c)
@@ -1374,7 +1443,11 @@ MesaStatus launch_product(const Product& p, void* stream) {
   if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
     return launch_normalised<T, kMode, kMask, kLoAll, kDecay>(p, stream);
   } else {
-    switch (lo_mask<T>(p)) {
+    const int lo = lo_mask<T>(p);
+    // a decayed state update weights the operand without a lo tile of its own (can_scale_b/c)
+    if (kDecay && kMode != kReadChunk && (p.scale_c ? !can_scale_c(kMode, lo) : !can_scale_b(kMode, lo)))
+      return MESA_STATUS_INVALID_ARGUMENT;
+    switch (lo) {
       case 0: return launch_normalised<T, kMode, kMask, 0, kDecay>(p, stream);
       case kLoA: return launch_normalised<T, kMode, kMask, kLoA, kDecay>(p, stream);
       case kLoB: return launch_normalised<T, kMode, kMask, kLoB, kDecay>(p, stream);
@@ -2163,6 +2236,8 @@ MesaStatus gla_backward(const MesaGlaBackwardArgs& a, void* stream) {
     }
     v.mask = kMaskGE;
     v.mode = kAccumulate;
+    // bf16, normalised: C = dout / g alone has a lo tile: weight it (can_scale_c)
+    v.scale_c = gs.normalize && std::is_same_v<T, __nv_bfloat16> ? 1 : 0;
     v.state = StateView{w.work, M * D, 0, D, 1};
     v.init = g == 0 && a.d_final != nullptr ? StateView{const_cast<float*>(a.d_final), M * W, 0, W, 1} : none;
     v.boundary = decompose ? chunk_states(s, w.chunk_work, M, D) : none;
