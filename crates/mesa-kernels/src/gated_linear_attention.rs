@@ -71,8 +71,8 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::launch::Launch;
 use crate::linear_attention::packing::{self, Packing};
-pub use crate::linear_attention::{MemoryMode, Schedule};
 use crate::linear_attention::{la_tensor, rank4, to_i64};
+pub use crate::linear_attention::{MemoryMode, Schedule};
 use crate::tensor::{TensorMut, TensorRef};
 
 /// Largest chunk the kernel supports (a chunk's `C×C` weights live in shared memory).
@@ -579,15 +579,26 @@ pub fn forward_with<T: Element>(
 fn backward_work(d: &GatedDims, units: usize, chunks: usize, w: usize) -> Result<usize> {
     let too_large = || Error::too_large("backward scratch", format!("the element count for {d:?} overflows"));
     let tiles = d.feat.div_ceil(32);
-    let group_sums = if d.heads > d.kv_heads { product(&[d.batch, d.kv_heads, d.len, d.feat + d.dim], "backward scratch")? } else { 0 };
+    let group_sums = if d.heads > d.kv_heads {
+        product(&[d.batch, d.kv_heads, d.len, d.feat + d.dim], "backward scratch")?
+    } else {
+        0
+    };
     let parts = [
         product(&[2, units, d.kv_heads, d.feat, w], "backward scratch")?,
-        product(&[chunks, d.kv_heads, d.feat.checked_mul(w).and_then(|x| x.checked_add(1)).ok_or_else(too_large)?], "backward scratch")?,
+        product(
+            &[chunks, d.kv_heads, d.feat.checked_mul(w).and_then(|x| x.checked_add(1)).ok_or_else(too_large)?],
+            "backward scratch",
+        )?,
         product(&[tiles, d.batch, d.heads + d.kv_heads, d.len], "backward scratch")?,
         group_sums,
         product(&[d.batch, d.kv_heads, d.len], "backward scratch")?,
     ];
-    parts.iter().try_fold(0usize, |a, &x| a.checked_add(x)).filter(|&n| n < i64::MAX as usize / 16).ok_or_else(too_large)
+    parts
+        .iter()
+        .try_fold(0usize, |a, &x| a.checked_add(x))
+        .filter(|&n| n < i64::MAX as usize / 16)
+        .ok_or_else(too_large)
 }
 
 /// Gradients of [`forward`]: writes `dq`, `dk`, `dv` (the last two summed over each KV head's
