@@ -53,7 +53,8 @@ def unpack_fla():
 
 def ours(bench, lengths, timeout):
     """{case name: mean seconds} of our bench's forward and forward + backward at `lengths`."""
-    pattern = "_T(" + "|".join(str(t) for t in lengths) + f")_D{D}$"
+    # the boundary-state cases (fwd_…, fwd_bwd_…), not the SLiM ones (slim_…)
+    pattern = "/fwd(_bwd)?_T(" + "|".join(str(t) for t in lengths) + f")_D{D}$"
     out = subprocess.run(
         [bench, "--bench", "--noplot", "--warm-up-time", "0.3", "--measurement-time", "0.7", "--sample-size", "10",
          pattern],

@@ -12,12 +12,13 @@
 //! without copies; the gradients of `k`, `v`, the decay and the initial state are summed over
 //! each KV head's group of query heads (in a fixed order: deterministic).
 //!
-//! The kernel (`kernels/gated_linear_attention.cu`, whose header has the chunk recurrence, the
-//! backward and `da` derivations, the bytes moved and the accuracy of the log-space differences)
-//! walks the chunks in order, one thread block per head, with f32 state and arithmetic: f32
-//! inputs on CUDA cores, f16 and bf16 inputs with every chunk product on tensor cores (bf16
-//! split pairs, each product term within 3·2⁻¹⁸ of its magnitude; docs/linear_attention.md).
-//! The f64 oracle is [`crate::reference::gated_linear_attention`].
+//! The kernels are [`crate::linear_attention`]'s chunked products with a decay
+//! (`kernels/linear_attention.cu`, its comments "Decay" and "Gated linear attention": the
+//! weights, the backward and `da` derivations and the accuracy of the log-space differences),
+//! with f32 state and arithmetic: f32 inputs on CUDA cores, f16 and bf16 inputs with every chunk
+//! product on tensor cores (bf16 split pairs, each product term within 3·2⁻¹⁸ of its
+//! magnitude; docs/linear_attention.md). With `a = 0` the results are the ungated kernel's bit
+//! for bit. The f64 oracle is [`crate::reference::gated_linear_attention`].
 //!
 //! Shapes: `q, out, dout, dq: [B, H, L, M | D]`, `k, dk: [B, H_kv, L, M]`, `v, dv:
 //! [B, H_kv, L, D]` (rank-4 views, any strides, one dtype: f32, f16 or bf16); the decay and its
@@ -27,14 +28,14 @@
 //!
 //! Packed variable-length sequences ([`forward_packed`], flash-linear-attention's
 //! `cu_seqlens`): `B = 1`, sequence `n` is rows `o_n..o_{n+1}` of every head, each walked from
-//! its own initial state (or zero) by its own blocks, no state crossing sequences; every state
+//! its own initial state (or zero), no state crossing sequences; every state
 //! (initial, final and their gradients) is then `[N, H_kv, M, W]`. The result is bitwise that of
 //! one call per sequence, except a per-head decay's gradient (one sum over all rows).
 //!
 //! Memory ([`forward_with`], [`ForwardOptions`]): [`MemoryMode::Slim`] by default (only the final
-//! state; the backward's `dq` walks the chunks again), or [`MemoryMode::BoundaryStates`] (the
-//! state entering every chunk is kept and `dq` is parallel over chunks; the same results bit for
-//! bit).
+//! state; the backward walks the chunks again), or [`MemoryMode::BoundaryStates`] (the state
+//! entering every chunk is kept, computed by a [`Schedule`]; the backward's `dq`, `dk` and `dv`
+//! run parallel over chunks; the same results bit for bit).
 //!
 //! The decay's values are on the device and are not checked: they must be `≤ 0` or `−∞` (a
 //! NaN gives NaN outputs; a positive value is used as given).
@@ -391,7 +392,7 @@ fn dims_of<T>(q: &TensorRef<'_, T>, k: &TensorRef<'_, T>, v: &TensorRef<'_, T>) 
         return Err(Error::invalid_argument("feat and dim", format!("M = {m} and D = {d} must be at least 1")));
     }
     if b.saturating_mul(h) > i32::MAX as usize {
-        return Err(Error::too_large("batch·heads", format!("{b}·{h}: one block per head, at most 2^31 − 1")));
+        return Err(Error::too_large("batch·heads", format!("{b}·{h}: at most 2^31 − 1 (32-bit row indices)")));
     }
     Ok(GatedDims { batch: b, heads: h, kv_heads: hkv, len: l, feat: m, dim: d })
 }
@@ -486,7 +487,10 @@ pub fn forward_with<T: Element>(
         Some(o) => {
             let p = packing::pack(device, o, dims.batch, dims.len, config.chunk)?;
             if p.n.saturating_mul(dims.heads) > i32::MAX as usize {
-                return Err(Error::too_large("sequences·heads", format!("{}·{}: one block per head", p.n, dims.heads)));
+                return Err(Error::too_large(
+                    "sequences·heads",
+                    format!("{}·{}: at most 2^31 − 1 (32-bit row indices)", p.n, dims.heads),
+                ));
             }
             Some(p)
         }
