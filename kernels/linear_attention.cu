@@ -178,6 +178,10 @@ struct Product {
   // and its transpose (the forward's S' = sum k~ v'^T, dq's sum v' k~^T) weight the same tensor
   // (k), so that both round alike: the boundary states are then bit for bit the walks'.
   int scale_c;
+  // The state is the transpose of the forward's (dq's sum c'_s k_s^T, the forward's k_s c'_s^T):
+  // its MMAs add the split pairs' cross terms in the forward's order (B^T C's lo-times-hi first),
+  // so that with two lo tiles (f16) a walk and the forward's boundary states round alike.
+  int transposed;
 };
 
 // One (sequence, head) of a call: where its rows and states are.
@@ -420,10 +424,9 @@ __device__ __forceinline__ int* c_nonfinite() {
 // The state update's column of z in a self-normalising product (D-tile 0's block): the chunk
 // sum over this feature tile, u_f = sum_r b(r, f) in row order, written to column p.dc of `dst`
 // (kChunkSum) or added to the state's (the walk: the same f32 operations as the scan's).
-// With `blocks` (a decayed tensor-core update, whose weighted B has a lo tile: b(r, f) then
-// gives hi (part 0) and lo (part 1)), per 16-row block first the hi parts, then the lo parts:
-// the order in which dq's MMA sums its state's row of ones times B's pairs (S'^T, Product::
-// scale_c), so that both give the same bits.
+// With `blocks` (a tensor-core update: b(r, f, part) gives B's hi (part 0) and lo (part 1)),
+// per 16-row block first the hi parts, then the lo parts: the order in which dq's MMA sums its
+// state's row of ones times B's pairs (S'^T), so that both give the same bits.
 template <bool kNorm, bool kDecay, bool kBlocks = false, typename B>
 __device__ __forceinline__ void z_update(const Product& p, const Seq& sq, int rows, int64_t f0, int64_t d0,
                                          const StateView* dst, int64_t dst_bh, int64_t dst_chunk, B b) {
@@ -986,7 +989,7 @@ __device__ void chunk_outputs_tiles(TcTiles& tl, const Product& p, const Seq& sq
 // U = B_c^T C_c of one feature tile into tl.y.u (warps 0-3: 2 x 2 blocks of 16), with or
 // without each operand's lo tile.
 template <bool kBLo, bool kCLo>
-__device__ __forceinline__ void update_mma(TcTiles& tl, int rows) {
+__device__ __forceinline__ void update_mma(TcTiles& tl, int rows, bool transposed) {
   const int warp = fresh_tid() / kWarpSize;
   if (warp >= 4) return;
   const int fi = warp / 2, dj = warp % 2;
@@ -999,7 +1002,14 @@ __device__ __forceinline__ void update_mma(TcTiles& tl, int rows) {
     if (kBLo) wmma::load_matrix_sync(bl, tl.x.ab.b.lo + kk * 16 * kLdAB + fi * 16, kLdAB);
     wmma::load_matrix_sync(ch, tl.c.hi + kk * 16 * kLdC + dj * 16, kLdC);
     if (kCLo) wmma::load_matrix_sync(cl, tl.c.lo + kk * 16 * kLdC + dj * 16, kLdC);
-    mma_split(u, bh, bl, kBLo, ch, cl, kCLo);
+    if (kBLo && kCLo && transposed) {
+      // hi hi, then B's lo times C's hi, then B's hi times C's lo (Product::transposed)
+      wmma::mma_sync(u, bh, ch, u);
+      wmma::mma_sync(u, bl, ch, u);
+      wmma::mma_sync(u, bh, cl, u);
+    } else {
+      mma_split(u, bh, bl, kBLo, ch, cl, kCLo);
+    }
   }
   wmma::store_matrix_sync(tl.y.u + fi * 16 * kLdO + dj * 16, u, kLdO, wmma::mem_row_major);
 }
@@ -1038,29 +1048,24 @@ __device__ void update_state(TcTiles& tl, const Product& p, const Seq& sq, int64
     __syncthreads();
     load_rows_split<T>(tl.x.ab.b, p.b, sq, p.rs, t0, rows, f0, scale_c ? nullptr : update_scale<kDecay, kMask>());
     __syncthreads();
-    if constexpr (kDecay) {
-      // (the self-normalising products, the forward's, weight B: scale_c = 0)
-      z_update<kNorm, kDecay, true>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk, [&](int r, int f, int part) {
-        const int i = r * kLdAB + f;
-        return __bfloat162float(part == 0 ? tl.x.ab.b.hi[i] : tl.x.ab.b.lo[i]);
-      });
-    } else {
-      z_update<kNorm, kDecay>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk,
-                              [&](int r, int f) { return split_value(tl.x.ab.b, r * kLdAB + f); });
-    }
+    // (the self-normalising products are the forward's: B = k, weighted when decayed)
+    z_update<kNorm, kDecay, true>(p, sq, rows, f0, d0, dst, dst_bh, dst_chunk, [&](int r, int f, int part) {
+      const int i = r * kLdAB + f;
+      return __bfloat162float(part == 0 ? tl.x.ab.b.hi[i] : tl.x.ab.b.lo[i]);
+    });
     if constexpr (!kDecay) {
-      update_mma<kBLo, kCLo>(tl, rows);
+      update_mma<kBLo, kCLo>(tl, rows, p.transposed != 0);
     } else {
       // the weighted operand's values are f32: its lo tile too (one call where both sides give
       // the same instance)
       if constexpr (kBLo && kCLo) {
-        update_mma<true, true>(tl, rows);
+        update_mma<true, true>(tl, rows, p.transposed != 0);
       } else {
         if constexpr (can_scale_c(kMode, kLo)) {
-          if (scale_c) update_mma<kBLo, true>(tl, rows);
+          if (scale_c) update_mma<kBLo, true>(tl, rows, p.transposed != 0);
         }
         if constexpr (can_scale_b(kMode, kLo)) {
-          if (!scale_c) update_mma<true, kCLo>(tl, rows);
+          if (!scale_c) update_mma<true, kCLo>(tl, rows, p.transposed != 0);
         }
       }
     }
@@ -1707,6 +1712,7 @@ MesaStatus backward(const MesaLaBackwardArgs& a, void* stream) {
     p.ma = W;
     p.dc = M;
     p.o = out_view(a.dq, M);
+    p.transposed = 1;
     p.mask = mask_fwd;
     p.state = work;
     p.boundary = none;
@@ -2167,6 +2173,7 @@ MesaStatus gla_backward(const MesaGlaBackwardArgs& a, void* stream) {
     p.o.dots = w.qdq + g * L;
     p.o.dots_tile = B * H * L;
     p.scale_c = 1;  // the state S'^T: k weighted, as the forward's S'
+    p.transposed = 1;
     p.mask = kMaskLE;
     p.state = StateView{w.work, W * M, 0, M, 1};
     if (boundary) {

@@ -1416,7 +1416,7 @@ fn packed_bad_offsets_are_typed_errors() {
 /// walk) and the backward's dq runs parallel over chunks from them, dk and dv from their own
 /// chunk sums (or, `Schedule::Walk`, walking back). Every schedule computes a state with the
 /// same operations in the same order as the SLiM walks, so every result is bit for bit the
-/// SLiM mode's (asserted bitwise, finite): f32 and bf16, each schedule, per-step and per-head
+/// SLiM mode's (asserted bitwise, finite): f32, f16 and bf16, each schedule, per-step and per-head
 /// decay, GQA, normalised, resets, L not a multiple of the chunk, L = 0, packed sequences with
 /// empty ones.
 #[test]
@@ -1446,6 +1446,9 @@ fn boundary_states_give_the_walks_results() {
         Case { normalize: true, mode: DecayMode::PerHead, ..base(sh(2, 2, 1, 29, 4, 3), 8) },
         Case { resets: vec![(1, 0, 3), (0, 1, 20)], ..base(sh(2, 4, 2, 33, 3, 4), 16) },
         base(sh(2, 2, 1, 0, 3, 2), 4),
+        // two feature tiles (an f16 dq once rounded differently here: the transposed state's
+        // MMA cross terms in another order)
+        Case { initial: false, d_final: false, ..base(sh(1, 2, 1, 16, 40, 3), 8) },
     ];
     for (i, c) in cases.iter().enumerate() {
         let p = make::<f32>(c, &mut rng);
@@ -1454,6 +1457,9 @@ fn boundary_states_give_the_walks_results() {
         let p = make::<bf16>(c, &mut rng);
         let walk = run::<bf16>(&device, c, &p).expect("walk");
         same(c, &walk, &run_opts::<bf16>(&device, c, &p, Storage::Contiguous, &boundary(i + 1)).expect("boundary"));
+        let p = make::<f16>(c, &mut rng);
+        let walk = run::<f16>(&device, c, &p).expect("walk");
+        same(c, &walk, &run_opts::<f16>(&device, c, &p, Storage::Contiguous, &boundary(i + 2)).expect("boundary"));
     }
     let lens = [5usize, 0, 17, 16, 3, 0];
     let l = lens.iter().sum();
@@ -1472,5 +1478,9 @@ fn boundary_states_give_the_walks_results() {
         let walk = run_with::<bf16>(&device, &c, &p, Storage::Contiguous, Some(&offsets)).expect("walk");
         let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary(i + 2) };
         same(&c, &walk, &run_opts::<bf16>(&device, &c, &p, Storage::Contiguous, &opts).expect("boundary"));
+        let (p, offsets) = packed_problem::<f16>(&c, &lens, &mut rng);
+        let walk = run_with::<f16>(&device, &c, &p, Storage::Contiguous, Some(&offsets)).expect("walk");
+        let opts = ForwardOptions { seq_offsets: Some(&offsets), ..boundary(i + 1) };
+        same(&c, &walk, &run_opts::<f16>(&device, &c, &p, Storage::Contiguous, &opts).expect("boundary"));
     }
 }

@@ -303,8 +303,9 @@ fn parity_every_dtype_mode_and_direction() {
 /// emulator a notional 1-SM device: the fewest groups giving 8 items). M = 70 and D = 80 are
 /// three D-tiles of both the outputs (D) and dq (M); the shapes give 2, 6 and 12 (batch·head,
 /// chunk) items, so one D-tile per block, groups of 2 + 1, and all three in one block (the
-/// last with a partial chunk of 8 rows). Against the f64 reference, and bitwise against SLiM,
-/// whose walks run one D-tile per block: the same f32 operations in the same order.
+/// last with a partial chunk of 8 rows). Against the f64 reference, and bitwise against SLiM
+/// (bf16 and f16), whose walks run one D-tile per block: the same f32 operations in the same
+/// order.
 #[test]
 fn tensor_core_value_tiles_match_the_reference_and_the_walk() {
     let mut rng = common::rng("tensor_core_value_tiles_match_the_reference_and_the_walk");
@@ -321,19 +322,26 @@ fn tensor_core_value_tiles_match_the_reference_and_the_walk() {
             parity::<bf16>(&device, &mut rng, &cfg, n);
             parity::<f16>(&device, &mut rng, &cfg, n);
             let lo = if normalize { 0.05 } else { -1.0 };
-            let q = to_t::<bf16>(&random_vec(&mut rng, n.qk(), lo, 1.0));
-            let k = to_t::<bf16>(&random_vec(&mut rng, n.qk(), lo, 1.0));
-            let v = to_t::<bf16>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
-            let g = to_t::<bf16>(&random_vec(&mut rng, n.vd(), -1.0, 1.0));
-            let (a, b) = (run(&device, &cfg, n, &q, &k, &v, &g), run(&device, &slim, n, &q, &k, &v, &g));
-            for (what, x, y) in
-                [("out", &a.out, &b.out), ("dq", &a.dq, &b.dq), ("dk", &a.dk, &b.dk), ("dv", &a.dv, &b.dv)]
-            {
-                assert!(
-                    x.iter().zip(y).all(|(p, r)| p.to_bits() == r.to_bits()),
-                    "{n:?}, normalize {normalize}: {what} of the boundary mode differs from SLiM's"
-                );
-            }
+            let q = random_vec(&mut rng, n.qk(), lo, 1.0);
+            let k = random_vec(&mut rng, n.qk(), lo, 1.0);
+            let v = random_vec(&mut rng, n.vd(), -1.0, 1.0);
+            let g = random_vec(&mut rng, n.vd(), -1.0, 1.0);
+            let same = |a: Outputs, b: Outputs, t: &str| {
+                for (what, x, y) in
+                    [("out", &a.out, &b.out), ("dq", &a.dq, &b.dq), ("dk", &a.dk, &b.dk), ("dv", &a.dv, &b.dv)]
+                {
+                    assert!(
+                        x.iter().zip(y).all(|(p, r)| p.to_bits() == r.to_bits()),
+                        "{n:?}, normalize {normalize}, {t}: {what} of the boundary mode differs from SLiM's"
+                    );
+                }
+            };
+            let (qb, kb, vb, gb) = (to_t::<bf16>(&q), to_t::<bf16>(&k), to_t::<bf16>(&v), to_t::<bf16>(&g));
+            same(run(&device, &cfg, n, &qb, &kb, &vb, &gb), run(&device, &slim, n, &qb, &kb, &vb, &gb), "bf16");
+            // f16: both operands of the state update carry a lo tile; dq's state is the
+            // forward's transposed, its MMAs add the cross terms in the forward's order
+            let (qh, kh, vh, gh) = (to_t::<f16>(&q), to_t::<f16>(&k), to_t::<f16>(&v), to_t::<f16>(&g));
+            same(run(&device, &cfg, n, &qh, &kh, &vh, &gh), run(&device, &slim, n, &qh, &kh, &vh, &gh), "f16");
         }
     }
 }
