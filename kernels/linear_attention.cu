@@ -1024,8 +1024,8 @@ __device__ __forceinline__ void update_mma(TcTiles& tl, int rows, bool transpose
 __host__ __device__ constexpr bool can_scale_c(int mode, int lo) {
   return mode == kAccumulate ? (lo & kLoB) == 0 || (lo & kLoC) != 0 : lo == kLoC;
 }
-__host__ __device__ constexpr bool can_scale_b(int mode, int lo) {
-  return mode >= 0 && !((lo & kLoC) != 0 && (lo & kLoB) == 0);
+__host__ __device__ constexpr bool can_scale_b(int /*mode: any*/, int lo) {
+  return !((lo & kLoC) != 0 && (lo & kLoB) == 0);
 }
 // The side a product's update weights in this instance: C (true) or B.
 template <int kMode, int kLo>
